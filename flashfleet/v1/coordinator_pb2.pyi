@@ -1,0 +1,58 @@
+from flashfleet.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServedModel(_message.Message):
+    __slots__ = ("info", "worker_ids")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    info: _common_pb2.ModelInfo
+    worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, info: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ServedModel]
+    def __init__(self, models: _Optional[_Iterable[_Union[ServedModel, _Mapping]]] = ...) -> None: ...
+
+class GetClusterStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("worker_id", "address", "models", "active_sessions", "capacity", "kv_cache_bytes", "heartbeat_age_s", "served_requests")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    SERVED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    models: _containers.RepeatedCompositeFieldContainer[_common_pb2.ModelInfo]
+    active_sessions: int
+    capacity: int
+    kv_cache_bytes: int
+    heartbeat_age_s: float
+    served_requests: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[_common_pb2.ModelInfo, _Mapping]]] = ..., active_sessions: _Optional[int] = ..., capacity: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., served_requests: _Optional[int] = ...) -> None: ...
+
+class ClusterStatus(_message.Message):
+    __slots__ = ("workers", "sessions")
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    sessions: int
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., sessions: _Optional[int] = ...) -> None: ...

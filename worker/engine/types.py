@@ -1,0 +1,166 @@
+"""Requests, events and errors exchanged between the worker's gRPC servicer and its engine thread.
+
+The servicer (asyncio) never touches MLX: it builds a `GenerationRequest`, hands it to
+`Engine.submit` with a callback, and receives `TokenEvent`s then exactly one `DoneEvent` (or one
+`ErrorEvent`) through that callback, called on the engine thread. The servicer forwards them to its
+event loop with `loop.call_soon_threadsafe`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+
+class EngineError(Exception):
+    """Base class of the errors the engine reports; each maps to one gRPC status code."""
+
+
+class InvalidRequest(EngineError):
+    """The request cannot be served as given (INVALID_ARGUMENT); the message says what to fix."""
+
+
+class Overloaded(EngineError):
+    """The worker is at its configured capacity (RESOURCE_EXHAUSTED); retry elsewhere or later."""
+
+
+class Draining(EngineError):
+    """The worker is shutting down or not ready (UNAVAILABLE)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Token selection.
+
+    Attributes:
+        temperature: 0 means greedy (argmax); > 0 samples from softmax(logits / temperature).
+        top_p: nucleus mass in (0, 1]; 1.0 disables it.
+        seed: seed of the request's own random stream; None draws one at random.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation, already tokenized.
+
+    Attributes:
+        request_id: unique per worker while running.
+        prompt_tokens: prompt token ids (chat template already applied), non-empty.
+        max_tokens: upper bound on generated tokens, > 0.
+        sampling: temperature / top-p / seed.
+        stop: stop strings; output ends before the first occurrence of any of them.
+        mode: "auto", "plain", "draft", "dflash" or "uag".
+    """
+
+    request_id: str
+    prompt_tokens: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    mode: str = "auto"
+
+
+@dataclass
+class GenerationStats:
+    """Final statistics of one request (times in seconds)."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: float = 0.0
+    tokens_per_s: float = 0.0
+    total_s: float = 0.0
+    mode: str = "plain"
+    cycles: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens committed per speculative cycle, bonus token included (tau); 0 if none."""
+        return (self.accepted_tokens + self.cycles) / self.cycles if self.cycles else 0.0
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """New tokens of a request. `text` holds only complete UTF-8 characters (may be "")."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    """Last event of a request. finish_reason is "stop", "length" or "cancelled"."""
+
+    request_id: str
+    finish_reason: str
+    stats: GenerationStats
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    """A request failed after it was admitted; the engine keeps serving the others."""
+
+    request_id: str
+    error: Exception
+
+
+EngineEvent = TokenEvent | DoneEvent | ErrorEvent
+EmitFn = Callable[[EngineEvent], None]
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """What a worker serves: names and limits that the servicer validates requests against."""
+
+    name: str
+    max_context_tokens: int
+    draft: str = ""
+    draft_mode: str = ""  # "", "draft", "dflash" or "uag"
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """Snapshot of the engine's load, reported in heartbeats."""
+
+    active_sessions: int
+    capacity: int
+    kv_cache_bytes: int
+
+
+class EngineProtocol(Protocol):
+    """What the servicer needs from an engine; tests substitute a fake."""
+
+    @property
+    def model(self) -> ModelDescription: ...
+
+    def encode_prompt(self, prompt: str | None, messages: list[dict] | None) -> list[int]:
+        """Tokenizes raw text, or renders chat messages with the model's template.
+
+        Raises:
+            InvalidRequest: malformed messages or a template that rejects them.
+        """
+
+    def submit(self, request: GenerationRequest, emit: EmitFn) -> None:
+        """Queues a request. Never blocks on MLX work.
+
+        Raises:
+            InvalidRequest: prompt + max_tokens beyond the context, empty prompt, bad mode.
+            Overloaded: capacity reached.
+            Draining: shutting down.
+        """
+
+    def abort(self, request_id: str) -> bool:
+        """Cancels a request; it ends with DoneEvent("cancelled"). False when it is unknown."""
+
+    def load(self) -> EngineLoad: ...
+
+    def close(self) -> None:
+        """Stops the engine thread after the running requests are cancelled, frees MLX memory."""

@@ -1,0 +1,44 @@
+"""The one event type every decoding method yields, so the engine never branches on the method.
+
+A decoding method is a generator function
+
+    def generate(prompt_tokens: list[int], max_tokens: int, sampler: Sampler, eos_ids: set[int],
+                 **method_specific) -> Iterator[Step]
+
+that prefills, then yields one `Step` per decode step (plain) or per draft + verify cycle
+(speculative). It yields at most `max_tokens` tokens in total, ends after yielding an EOS token
+(tokens after it in an accepted run are dropped), and rolls its caches back in `finally`, so the
+engine may close it at any point (stop string, cancellation).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import mlx.core as mx
+
+# Sampler: logits (N, V) float -> token ids (N,) uint32. Keeps its own seeded random state, so the
+# same seed reproduces the same tokens. Greedy samplers are argmax.
+Sampler = Callable[[mx.array], mx.array]
+
+
+@dataclass(frozen=True)
+class Step:
+    """Tokens committed by one plain decode step or one speculative cycle.
+
+    Attributes:
+        tokens: committed token ids in order (at least one; all chosen by the target).
+        drafted: draft tokens proposed to the target in this cycle (0 for a plain step).
+        accepted: draft tokens the target accepted in this cycle (the bonus token not counted).
+        draft_s: wall time of drafting in this cycle, seconds (0 when not measured).
+        verify_s: wall time of the target's verify forward, seconds (0 when not measured).
+    """
+
+    tokens: list[int]
+    drafted: int = 0
+    accepted: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+
+DecodeFn = Callable[..., Iterator[Step]]
