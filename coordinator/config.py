@@ -1,0 +1,29 @@
+"""Coordinator tunables, with units in their names. Built once (CLI / cluster config), passed down."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    """Attributes:
+        host, port: where the coordinator listens (port 0 picks a free one).
+        lease_ttl_s: a worker with no heartbeat for this long leaves the registry.
+        heartbeat_interval_s: how often workers are told to send heartbeats.
+        route_attempts: workers tried for one request before its first token (>= 1).
+        retry_initial_wait_s, retry_max_wait_s: exponential backoff (with jitter) between tries.
+        session_ttl_s: a session's worker affinity is forgotten after this long unused.
+        worker_connect_timeout_s: deadline to open a stream to a worker when the client set none.
+        shutdown_grace_s: in-flight RPCs get this long to finish on shutdown.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    lease_ttl_s: float = 10.0
+    heartbeat_interval_s: float = 2.0
+    route_attempts: int = 3
+    retry_initial_wait_s: float = 0.05
+    retry_max_wait_s: float = 1.0
+    session_ttl_s: float = 3600.0
+    worker_connect_timeout_s: float = 30.0
+    shutdown_grace_s: float = 5.0

@@ -1,0 +1,147 @@
+"""The coordinator's registry of workers: registration, heartbeat leases and expiry.
+
+Workers register, then keep their lease alive with heartbeats that carry their load. A worker whose
+last heartbeat is older than the lease TTL is expired: it gets no new sessions and is removed. The
+clock is injected so tests can age leases without sleeping (as Ray Serve's
+ReplicaQueueLengthCache does).
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+from flashfleet.v1 import common_pb2, worker_pb2
+
+Clock = Callable[[], float]
+
+
+@dataclass
+class WorkerRecord:
+    """One registered worker.
+
+    Attributes:
+        worker_id, address: identity and "host:port" of its Worker service.
+        lease_id: changes on every (re-)registration.
+        models: what it serves (ModelInfo protos).
+        load: latest WorkerLoad from a heartbeat.
+        last_heartbeat_s: clock reading of the latest heartbeat.
+        in_flight: streams the coordinator has open to it now (fresher than load).
+        served_requests: requests routed to it that finished.
+    """
+
+    worker_id: str
+    address: str
+    lease_id: str
+    models: list[common_pb2.ModelInfo]
+    load: worker_pb2.WorkerLoad
+    last_heartbeat_s: float
+    in_flight: int = 0
+    served_requests: int = 0
+    model_names: frozenset[str] = field(default=frozenset())
+
+    def serves(self, model: str) -> bool:
+        return model in self.model_names
+
+    @property
+    def capacity(self) -> int:
+        return max(self.load.capacity, 1)
+
+    @property
+    def busy(self) -> int:
+        """Sessions believed active: the larger of the heartbeat's count and our own streams."""
+        return max(self.load.active_sessions, self.in_flight)
+
+    @property
+    def utilisation(self) -> float:
+        return self.busy / self.capacity
+
+
+class UnknownLease(LookupError):
+    """Heartbeat or deregistration for a worker/lease the registry does not hold (expired)."""
+
+
+class Registry:
+    """Workers by id, with lease expiry. Not thread-safe: used from the coordinator's event loop.
+
+    Args:
+        lease_ttl_s: seconds without heartbeat after which a worker expires.
+        clock: monotonic seconds (time.monotonic by default).
+        on_expire: called with each expired record (metrics, logging).
+    """
+
+    def __init__(self, lease_ttl_s: float, clock: Clock = time.monotonic,
+                 on_expire: Callable[[WorkerRecord], None] | None = None):
+        self.lease_ttl_s = lease_ttl_s
+        self._clock = clock
+        self._on_expire = on_expire
+        self._workers: dict[str, WorkerRecord] = {}
+
+    def register(self, req: worker_pb2.RegisterRequest) -> WorkerRecord:
+        """Adds (or replaces) a worker and starts a new lease.
+
+        Raises:
+            ValueError: empty worker_id, address or model list.
+        """
+        if not req.worker_id or not req.address:
+            raise ValueError("worker_id and address are required")
+        if not req.models:
+            raise ValueError("a worker must serve at least one model")
+        old = self._workers.get(req.worker_id)
+        rec = WorkerRecord(
+            worker_id=req.worker_id, address=req.address, lease_id=uuid.uuid4().hex,
+            models=list(req.models), load=req.load, last_heartbeat_s=self._clock(),
+            in_flight=old.in_flight if old else 0, served_requests=old.served_requests if old else 0,
+            model_names=frozenset(m.name for m in req.models))
+        self._workers[req.worker_id] = rec
+        return rec
+
+    def heartbeat(self, worker_id: str, lease_id: str, load: worker_pb2.WorkerLoad) -> WorkerRecord:
+        """Renews a lease and records the worker's load.
+
+        Raises:
+            UnknownLease: the worker is not registered or its lease changed/expired.
+        """
+        rec = self._get_live(worker_id, lease_id)
+        rec.load = load
+        rec.last_heartbeat_s = self._clock()
+        return rec
+
+    def deregister(self, worker_id: str, lease_id: str) -> WorkerRecord:
+        """Removes a worker (clean shutdown).
+
+        Raises:
+            UnknownLease: as for heartbeat.
+        """
+        rec = self._get_live(worker_id, lease_id)
+        return self._workers.pop(rec.worker_id)
+
+    def expire(self) -> list[WorkerRecord]:
+        """Removes every worker whose lease ran out; returns them."""
+        now = self._clock()
+        gone = [r for r in self._workers.values() if now - r.last_heartbeat_s > self.lease_ttl_s]
+        for rec in gone:
+            del self._workers[rec.worker_id]
+            if self._on_expire:
+                self._on_expire(rec)
+        return gone
+
+    def live(self) -> list[WorkerRecord]:
+        """Workers with a valid lease (expires stale ones first)."""
+        self.expire()
+        return list(self._workers.values())
+
+    def get(self, worker_id: str) -> WorkerRecord | None:
+        self.expire()
+        return self._workers.get(worker_id)
+
+    def heartbeat_age_s(self, rec: WorkerRecord) -> float:
+        return self._clock() - rec.last_heartbeat_s
+
+    def _get_live(self, worker_id: str, lease_id: str) -> WorkerRecord:
+        self.expire()
+        rec = self._workers.get(worker_id)
+        if rec is None or rec.lease_id != lease_id:
+            raise UnknownLease(f"no live lease {lease_id!r} for worker {worker_id!r}; register again")
+        return rec

@@ -1,0 +1,113 @@
+"""Choosing a worker for a request: session affinity first, then power of two choices.
+
+Power of two choices (Mitzenmacher 2001; Ray Serve's default `pow_2_router.py`): sample two
+candidate workers at random and take the less utilised one (busy sessions / capacity). It spreads
+load nearly as well as scanning all workers while staying O(1) and avoiding the herd effect of
+always picking the global minimum from stale load reports.
+"""
+from __future__ import annotations
+
+import random
+import time
+from typing import Callable, Iterable
+
+from coordinator.registry import WorkerRecord
+
+
+class NoWorker(LookupError):
+    """No live worker serves the model (NOT_FOUND)."""
+
+
+class AllBusy(RuntimeError):
+    """Every eligible worker is at capacity or was already tried (RESOURCE_EXHAUSTED)."""
+
+
+class PowerOfTwoRouter:
+    """Picks the less utilised of two random eligible workers.
+
+    Args:
+        rng: random source (seedable in tests).
+    """
+
+    def __init__(self, rng: random.Random | None = None):
+        self._rng = rng or random.Random()
+
+    def choose_worker(self, candidates: list[WorkerRecord]) -> WorkerRecord:
+        """Returns the chosen worker.
+
+        Args:
+            candidates: live workers serving the model, not yet tried for this request.
+
+        Raises:
+            AllBusy: candidates is empty or all of them are full.
+        """
+        free = [w for w in candidates if w.busy < w.capacity]
+        if not free:
+            raise AllBusy("every worker serving this model is at capacity; retry later")
+        if len(free) == 1:
+            return free[0]
+        a, b = self._rng.sample(free, 2)
+        return a if a.utilisation <= b.utilisation else b
+
+
+class SessionAffinity:
+    """Remembers which worker served each session, forgetting sessions unused for ttl_s.
+
+    Args:
+        ttl_s: seconds after which an unused session's affinity is dropped.
+        clock: monotonic seconds.
+    """
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic):
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._by_session: dict[str, tuple[str, float]] = {}
+
+    def lookup(self, session_id: str) -> str | None:
+        """The worker id of a session, or None."""
+        if not session_id:
+            return None
+        entry = self._by_session.get(session_id)
+        if entry is None:
+            return None
+        if self._clock() - entry[1] > self.ttl_s:
+            del self._by_session[session_id]
+            return None
+        return entry[0]
+
+    def bind(self, session_id: str, worker_id: str) -> None:
+        if session_id:
+            self._by_session[session_id] = (worker_id, self._clock())
+
+    def forget_worker(self, worker_id: str) -> None:
+        """Drops every session bound to a worker (it expired or left)."""
+        for sid in [s for s, (w, _) in self._by_session.items() if w == worker_id]:
+            del self._by_session[sid]
+
+    def __len__(self) -> int:
+        now = self._clock()
+        return sum(1 for _, t in self._by_session.values() if now - t <= self.ttl_s)
+
+
+def route(model: str, session_id: str, workers: Iterable[WorkerRecord], exclude: set[str],
+          router: PowerOfTwoRouter, affinity: SessionAffinity) -> WorkerRecord:
+    """Chooses the worker for one attempt of a request.
+
+    The session's worker wins while it is live, serves the model, has room and was not tried;
+    otherwise the router picks among the other eligible workers.
+
+    Raises:
+        NoWorker: no live worker serves the model.
+        AllBusy: all that do are full or already tried.
+    """
+    serving = [w for w in workers if w.serves(model)]
+    if not serving:
+        raise NoWorker(f"no live worker serves model {model!r}")
+    eligible = [w for w in serving if w.worker_id not in exclude]
+    sticky = affinity.lookup(session_id)
+    for w in eligible:
+        if w.worker_id == sticky and w.busy < w.capacity:
+            return w
+    if not eligible:
+        raise AllBusy(f"all {len(serving)} worker(s) serving {model!r} failed or are full")
+    return router.choose_worker(eligible)

@@ -1,0 +1,116 @@
+"""Builds, starts and stops the coordinator's gRPC server (public + registry APIs, standard health
+checking and reflection) and its Prometheus endpoint."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
+
+from coordinator.config import CoordinatorConfig
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.registry import Registry
+from coordinator.routing import SessionAffinity
+from coordinator.servicer import CoordinatorServicer, RegistryServicer, WorkerPool
+from flashfleet.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger("flashfleet.coordinator")
+SERVICE_NAMES = (
+    coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name,
+    worker_pb2.DESCRIPTOR.services_by_name["Registry"].full_name,
+)
+
+
+@dataclass
+class RunningCoordinator:
+    """A started coordinator: its server, bound port and the objects tests inspect."""
+
+    server: grpc.aio.Server
+    port: int
+    registry: Registry
+    servicer: CoordinatorServicer
+    health: health.aio.HealthServicer
+    metrics: CoordinatorMetrics
+    _expiry_task: asyncio.Task
+    _pool: WorkerPool
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Flips health to NOT_SERVING, lets in-flight RPCs finish for grace_s, then closes."""
+        await self.health.enter_graceful_shutdown()
+        self._expiry_task.cancel()
+        await self.server.stop(grace_s)
+        await self._pool.close()
+
+
+async def start_coordinator(config: CoordinatorConfig,
+                            metrics_registry: CollectorRegistry | None = None) -> RunningCoordinator:
+    """Starts the coordinator on config.host:config.port (0 = a free port).
+
+    Raises:
+        RuntimeError: the port could not be bound.
+    """
+    metrics = CoordinatorMetrics(metrics_registry or CollectorRegistry())
+    pool = WorkerPool()
+    affinity = SessionAffinity(config.session_ttl_s)
+
+    def on_expire(rec):
+        log.warning("worker %s lease expired (no heartbeat for %.1f s)", rec.worker_id,
+                    config.lease_ttl_s)
+        metrics.lease_expiries.inc()
+        metrics.worker_up.labels(worker=rec.worker_id).set(0)
+        affinity.forget_worker(rec.worker_id)
+
+    registry = Registry(config.lease_ttl_s, on_expire=on_expire)
+    servicer = CoordinatorServicer(config, registry, pool, affinity=affinity, metrics=metrics)
+    server = grpc.aio.server()
+    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
+    worker_pb2_grpc.add_RegistryServicer_to_server(
+        RegistryServicer(config, registry, pool, affinity), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(SERVICE_NAMES + (health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise RuntimeError(f"could not bind {config.host}:{config.port} (in use?)")
+    await server.start()
+    for name in SERVICE_NAMES + ("",):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def expire_loop():
+        while True:
+            await asyncio.sleep(min(1.0, config.lease_ttl_s / 4))
+            live = registry.live()  # expires stale leases
+            metrics.workers.set(len(live))
+            for w in live:
+                metrics.worker_up.labels(worker=w.worker_id).set(1)
+                metrics.worker_heartbeat_age.labels(worker=w.worker_id).set(registry.heartbeat_age_s(w))
+
+    task = asyncio.get_running_loop().create_task(expire_loop())
+    return RunningCoordinator(server, port, registry, servicer, health_servicer, metrics, task, pool)
+
+
+async def serve(config: CoordinatorConfig, metrics_port: int | None = None) -> None:
+    """Runs the coordinator until SIGINT/SIGTERM, then shuts down gracefully."""
+    registry = CollectorRegistry()
+    running = await start_coordinator(config, registry)
+    if metrics_port is not None:
+        start_http_server(metrics_port, addr=config.host, registry=registry)
+        log.info("metrics on http://%s:%d/metrics", config.host, metrics_port)
+    log.info("coordinator listening on %s:%d", config.host, running.port)
+    print(f"coordinator ready on {config.host}:{running.port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("coordinator shutting down")
+    await running.stop(config.shutdown_grace_s)

@@ -1,0 +1,220 @@
+"""The coordinator's gRPC servicers: the public Coordinator API and the internal Registry.
+
+Concurrency: everything runs on one asyncio event loop; the registry and session map are plain
+objects touched only from that loop, so no locks. A client's Generate is proxied to one worker
+stream; the client going away cancels the handler task, whose `finally` cancels the worker call,
+which in turn aborts the request in the worker's engine.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import grpc
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+
+from coordinator.config import CoordinatorConfig
+from coordinator.registry import Registry, UnknownLease, WorkerRecord
+from coordinator.routing import AllBusy, NoWorker, PowerOfTwoRouter, SessionAffinity, route
+from flashfleet.errors import FlashfleetError
+from flashfleet.requests import validate_request
+from flashfleet.v1 import (common_pb2, coordinator_pb2, coordinator_pb2_grpc, worker_pb2,
+                           worker_pb2_grpc)
+
+log = logging.getLogger("flashfleet.coordinator")
+
+# Failures that mean "this worker cannot take it now": try another one (before the first token).
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+class WorkerPool:
+    """One gRPC channel per worker address, opened lazily and closed when the worker leaves."""
+
+    def __init__(self):
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address)
+        return worker_pb2_grpc.WorkerStub(self._channels[address])
+
+    async def drop(self, address: str) -> None:
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            await channel.close()
+
+    async def close(self) -> None:
+        for address in list(self._channels):
+            await self.drop(address)
+
+
+class _WorkerFailed(Exception):
+    def __init__(self, worker: WorkerRecord, error: grpc.aio.AioRpcError):
+        super().__init__(error.details())
+        self.worker, self.error = worker, error
+
+
+def _retryable(exc: BaseException) -> bool:
+    return isinstance(exc, _WorkerFailed) and exc.error.code() in RETRYABLE
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    """Public API: routes Generate to a worker and proxies its stream; lists models and status."""
+
+    def __init__(self, config: CoordinatorConfig, registry: Registry, pool: WorkerPool,
+                 router: PowerOfTwoRouter | None = None, affinity: SessionAffinity | None = None,
+                 metrics=None):
+        self.config = config
+        self.registry = registry
+        self.pool = pool
+        self.router = router or PowerOfTwoRouter()
+        self.affinity = affinity or SessionAffinity(config.session_ttl_s)
+        self.metrics = metrics
+
+    async def Generate(self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        t0 = time.monotonic()
+        try:
+            validate_request(request)
+        except FlashfleetError as e:
+            await context.abort(e.code, e.details)
+        if not request.request_id:
+            request.request_id = uuid.uuid4().hex
+        tried: set[str] = set()
+        try:
+            worker, call, first = await self._open_stream(request, context, tried)
+        except NoWorker as e:
+            self._count(request.model, "", "no_worker")
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"{e}; models served: "
+                                f"{sorted({m for w in self.registry.live() for m in w.model_names})}")
+        except AllBusy as e:
+            self._count(request.model, "", "overloaded")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except _WorkerFailed as e:
+            self._count(request.model, e.worker.worker_id, "error")
+            await context.abort(e.error.code(), e.error.details() or "worker failed")
+        queue_s = time.monotonic() - t0
+        if self.metrics:
+            self.metrics.observe_queue(request.model, queue_s)
+        self.affinity.bind(request.session_id, worker.worker_id)
+        worker.in_flight += 1
+        sent_tokens = 0
+        outcome = "cancelled"
+        try:
+            resp = first
+            while resp is not grpc.aio.EOF:
+                if resp.WhichOneof("kind") == "complete":
+                    resp.complete.stats.queue_s = queue_s
+                    outcome = "ok"
+                else:
+                    sent_tokens += len(resp.chunk.token_ids)
+                await context.write(resp)
+                resp = await call.read()
+        except grpc.aio.AioRpcError as e:
+            outcome = "error"
+            # Tokens may already be with the client: never replay on another worker.
+            await context.abort(e.code(), f"worker {worker.worker_id} failed after {sent_tokens} "
+                                f"tokens (not retried: output was already streamed): {e.details()}")
+        finally:
+            call.cancel()
+            worker.in_flight -= 1
+            worker.served_requests += 1
+            self._count(request.model, worker.worker_id, outcome)
+
+    async def _open_stream(self, request, context, tried: set[str]):
+        """Opens a worker stream and reads its first message, retrying other workers on
+        UNAVAILABLE / RESOURCE_EXHAUSTED (bounded attempts, exponential backoff with jitter).
+
+        Returns:
+            (worker, call, first response).
+        """
+        cfg = self.config
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(cfg.route_attempts),
+            wait=wait_exponential_jitter(multiplier=cfg.retry_initial_wait_s, max=cfg.retry_max_wait_s),
+            retry=retry_if_exception(_retryable), reraise=True)
+        last_failure: _WorkerFailed | None = None
+        async for attempt in retrying:
+            with attempt:
+                if attempt.retry_state.attempt_number > 1 and self.metrics:
+                    self.metrics.retries.labels(model=request.model).inc()
+                try:
+                    worker = route(request.model, request.session_id, self.registry.live(), tried,
+                                   self.router, self.affinity)
+                except AllBusy:
+                    if last_failure is not None:  # report why the tried workers failed
+                        raise last_failure from None
+                    raise
+                tried.add(worker.worker_id)
+                remaining = context.time_remaining()
+                call = self.pool.stub(worker.address).Generate(
+                    request, timeout=remaining if remaining is not None else None)
+                try:
+                    first = await call.read()
+                except grpc.aio.AioRpcError as e:
+                    log.info("worker %s refused %s: %s %s", worker.worker_id, request.request_id,
+                             e.code().name, e.details())
+                    last_failure = _WorkerFailed(worker, e)
+                    raise last_failure from None
+                return worker, call, first
+
+    async def ListModels(self, request, context):
+        by_name: dict[str, coordinator_pb2.ServedModel] = {}
+        for w in self.registry.live():
+            for m in w.models:
+                served = by_name.setdefault(m.name, coordinator_pb2.ServedModel(info=m))
+                served.worker_ids.append(w.worker_id)
+        return coordinator_pb2.ListModelsResponse(models=[by_name[k] for k in sorted(by_name)])
+
+    async def GetClusterStatus(self, request, context):
+        workers = [
+            coordinator_pb2.WorkerStatus(
+                worker_id=w.worker_id, address=w.address, models=w.models,
+                active_sessions=w.busy, capacity=w.load.capacity,
+                kv_cache_bytes=w.load.kv_cache_bytes,
+                heartbeat_age_s=self.registry.heartbeat_age_s(w), served_requests=w.served_requests)
+            for w in sorted(self.registry.live(), key=lambda w: w.worker_id)]
+        return coordinator_pb2.ClusterStatus(workers=workers, sessions=len(self.affinity))
+
+    def _count(self, model: str, worker_id: str, outcome: str) -> None:
+        if self.metrics:
+            self.metrics.routed.labels(model=model, worker=worker_id, outcome=outcome).inc()
+
+
+class RegistryServicer(worker_pb2_grpc.RegistryServicer):
+    """Internal API: workers register, heartbeat and deregister."""
+
+    def __init__(self, config: CoordinatorConfig, registry: Registry, pool: WorkerPool,
+                 affinity: SessionAffinity):
+        self.config = config
+        self.registry = registry
+        self.pool = pool
+        self.affinity = affinity
+
+    async def Register(self, request, context):
+        try:
+            rec = self.registry.register(request)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        log.info("worker %s registered at %s serving %s", rec.worker_id, rec.address,
+                 sorted(rec.model_names))
+        return worker_pb2.RegisterResponse(lease_id=rec.lease_id,
+                                           lease_ttl_s=self.config.lease_ttl_s,
+                                           heartbeat_interval_s=self.config.heartbeat_interval_s)
+
+    async def Heartbeat(self, request, context):
+        try:
+            self.registry.heartbeat(request.worker_id, request.lease_id, request.load)
+        except UnknownLease as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        return worker_pb2.HeartbeatResponse()
+
+    async def Deregister(self, request, context):
+        try:
+            rec = self.registry.deregister(request.worker_id, request.lease_id)
+        except UnknownLease as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        self.affinity.forget_worker(rec.worker_id)
+        await self.pool.drop(rec.address)
+        log.info("worker %s deregistered", rec.worker_id)
+        return worker_pb2.DeregisterResponse()

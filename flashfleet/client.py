@@ -1,0 +1,186 @@
+"""Client SDK: `Client` (blocking) and `AsyncClient` (asyncio) for the coordinator's public API.
+
+Both speak flashfleet.v1.Coordinator, put an explicit deadline on every call, return typed
+dataclasses (flashfleet.types) and raise typed exceptions (flashfleet.errors) that keep the gRPC
+status code and the server's message. Breaking out of a `generate` loop cancels the RPC, which
+frees the worker.
+"""
+from __future__ import annotations
+
+from typing import AsyncIterator, Iterable, Iterator, Mapping
+
+import grpc
+
+from flashfleet.errors import from_rpc_error
+from flashfleet.requests import build_request
+from flashfleet.types import FINISH_REASONS, Chunk, Completion, GenerationStats
+from flashfleet.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+DEFAULT_GENERATE_TIMEOUT_S = 600.0
+DEFAULT_CONTROL_TIMEOUT_S = 10.0
+CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+def _to_chunk(resp: common_pb2.GenerateResponse) -> Chunk:
+    if resp.WhichOneof("kind") == "complete":
+        c = resp.complete
+        return Chunk(request_id=resp.request_id,
+                     finish_reason=FINISH_REASONS.get(c.finish_reason, "unspecified"),
+                     stats=GenerationStats.from_proto(c.stats), worker_id=c.worker_id)
+    return Chunk(request_id=resp.request_id, text=resp.chunk.text,
+                 token_ids=tuple(resp.chunk.token_ids))
+
+
+def _accumulate(chunks: Iterable[Chunk]) -> Completion:
+    text, ids, last = [], [], None
+    for chunk in chunks:
+        text.append(chunk.text)
+        ids.extend(chunk.token_ids)
+        last = chunk
+    return Completion(request_id=last.request_id if last else "", text="".join(text),
+                      token_ids=ids, finish_reason=last.finish_reason or "" if last else "",
+                      stats=last.stats if last else None, worker_id=last.worker_id if last else "")
+
+
+class Client:
+    """Blocking client.
+
+    Args:
+        address: coordinator "host:port".
+        timeout_s: default deadline of a generate call, seconds.
+
+    Use as a context manager, or call close().
+    """
+
+    def __init__(self, address: str, timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S):
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        self.timeout_s = timeout_s
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def generate(self, model: str, prompt: str | None = None, *,
+                 messages: Iterable[Mapping[str, str]] | None = None, max_tokens: int = 256,
+                 temperature: float | None = None, top_p: float | None = None,
+                 seed: int | None = None, stop: Iterable[str] = (), session_id: str = "",
+                 request_id: str = "", mode: str = "auto",
+                 timeout_s: float | None = None) -> Iterator[Chunk]:
+        """Streams a generation.
+
+        Args:
+            model: model name (see list_models()).
+            prompt: raw prompt text; or messages: chat turns [{"role", "content"}], rendered with
+                the model's chat template. Exactly one of the two.
+            max_tokens: most tokens to generate (> 0).
+            temperature: 0 or None = greedy; top_p in (0, 1]; seed makes sampling reproducible.
+            stop: output ends before the first of these strings.
+            session_id: requests of one session go to the same worker.
+            mode: "auto", "plain", "draft", "dflash" or "uag".
+            timeout_s: deadline of the whole stream, seconds (default: the client's).
+
+        Yields:
+            Chunk: text deltas; the last one carries finish_reason and stats.
+
+        Raises:
+            FlashfleetError subclasses: InvalidArgument, ModelNotFound, Overloaded, Unavailable,
+            DeadlineExceeded, Cancelled.
+        """
+        req = build_request(model, prompt, messages=messages, max_tokens=max_tokens,
+                            temperature=temperature, top_p=top_p, seed=seed, stop=stop,
+                            session_id=session_id, request_id=request_id, mode=mode)
+        call = self._stub.Generate(req, timeout=timeout_s or self.timeout_s)
+        try:
+            for resp in call:
+                yield _to_chunk(resp)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        finally:
+            call.cancel()  # no-op when the stream ended; frees the worker when the caller stops early
+
+    def complete(self, model: str, prompt: str | None = None, **kwargs) -> Completion:
+        """Runs generate() to the end and returns the whole text, token ids and stats.
+
+        Takes the same arguments and raises the same errors as generate().
+        """
+        return _accumulate(self.generate(model, prompt, **kwargs))
+
+    def list_models(self, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> list[coordinator_pb2.ServedModel]:
+        """Models the fleet serves, with the workers serving each."""
+        try:
+            return list(self._stub.ListModels(coordinator_pb2.ListModelsRequest(),
+                                              timeout=timeout_s).models)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    def cluster_status(self, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> coordinator_pb2.ClusterStatus:
+        """Workers, their load and heartbeat age."""
+        try:
+            return self._stub.GetClusterStatus(coordinator_pb2.GetClusterStatusRequest(),
+                                               timeout=timeout_s)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+
+class AsyncClient:
+    """asyncio client; same arguments, results and errors as Client.
+
+        async with AsyncClient("localhost:50051") as client:
+            async for chunk in client.generate("SmolLM2-135M-Instruct", prompt="Hi"):
+                ...
+    """
+
+    def __init__(self, address: str, timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S):
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        self.timeout_s = timeout_s
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def generate(self, model: str, prompt: str | None = None, *,
+                       timeout_s: float | None = None, **kwargs) -> AsyncIterator[Chunk]:
+        """Streams a generation; see Client.generate for arguments and errors."""
+        req = build_request(model, prompt, **kwargs)
+        call = self._stub.Generate(req, timeout=timeout_s or self.timeout_s)
+        try:
+            async for resp in call:
+                yield _to_chunk(resp)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        finally:
+            call.cancel()
+
+    async def complete(self, model: str, prompt: str | None = None, **kwargs) -> Completion:
+        """Runs generate() to the end; see Client.complete."""
+        return _accumulate([c async for c in self.generate(model, prompt, **kwargs)])
+
+    async def list_models(self, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> list[coordinator_pb2.ServedModel]:
+        try:
+            resp = await self._stub.ListModels(coordinator_pb2.ListModelsRequest(), timeout=timeout_s)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        return list(resp.models)
+
+    async def cluster_status(self, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> coordinator_pb2.ClusterStatus:
+        try:
+            return await self._stub.GetClusterStatus(coordinator_pb2.GetClusterStatusRequest(),
+                                                     timeout=timeout_s)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None

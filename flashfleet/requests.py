@@ -1,0 +1,95 @@
+"""Builds and validates GenerateRequest protos (shared by the SDK and the coordinator)."""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Mapping
+
+from flashfleet.errors import InvalidArgument
+from flashfleet.types import DECODE_MODES
+from flashfleet.v1 import common_pb2
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def build_request(
+    model: str,
+    prompt: str | None = None,
+    *,
+    messages: Iterable[Mapping[str, str]] | None = None,
+    max_tokens: int = 256,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop: Iterable[str] = (),
+    session_id: str = "",
+    request_id: str = "",
+    mode: str = "auto",
+) -> common_pb2.GenerateRequest:
+    """Makes a GenerateRequest from keyword arguments.
+
+    Exactly one of prompt (raw text) or messages (chat turns: dicts with "role" and "content")
+    must be given. Validation happens on the server (see validate_request); this only converts.
+
+    Raises:
+        InvalidArgument: both or neither of prompt/messages, a message that is not a mapping with
+            string role/content, or an unknown mode.
+    """
+    if (prompt is None) == (messages is None):
+        raise InvalidArgument("give exactly one of prompt= (text) or messages= (chat turns)")
+    if mode not in DECODE_MODES:
+        raise InvalidArgument(f"unknown mode {mode!r}; use one of {sorted(DECODE_MODES)}")
+    req = common_pb2.GenerateRequest(
+        model=model, max_tokens=max_tokens, stop=list(stop), session_id=session_id,
+        request_id=request_id, mode=DECODE_MODES[mode])
+    if prompt is not None:
+        req.prompt = prompt
+    else:
+        turns = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) \
+                    or not isinstance(m.get("content"), str):
+                raise InvalidArgument(
+                    f"messages[{i}] must be a dict with string 'role' and 'content', got {m!r}")
+            turns.append(common_pb2.ChatMessage(role=m["role"], content=m["content"]))
+        req.messages.CopyFrom(common_pb2.ChatMessages(messages=turns))
+    if temperature is not None:
+        req.temperature = temperature
+    if top_p is not None:
+        req.top_p = top_p
+    if seed is not None:
+        req.seed = seed
+    return req
+
+
+def validate_request(req: common_pb2.GenerateRequest) -> None:
+    """Checks what can be checked without the model (the worker checks the context length).
+
+    Raises:
+        InvalidArgument: with a message that says what to fix.
+    """
+    if not req.model:
+        raise InvalidArgument("model is empty; ListModels shows what the fleet serves")
+    which = req.WhichOneof("input")
+    if which is None:
+        raise InvalidArgument("the request has neither prompt nor messages")
+    if which == "prompt" and not req.prompt.strip():
+        raise InvalidArgument("prompt is empty")
+    if which == "messages":
+        if not req.messages.messages:
+            raise InvalidArgument("messages is empty: give at least one chat turn")
+        for i, m in enumerate(req.messages.messages):
+            if m.role not in CHAT_ROLES:
+                raise InvalidArgument(
+                    f"messages[{i}].role is {m.role!r}; use one of {', '.join(CHAT_ROLES)}")
+        if not any(m.content.strip() for m in req.messages.messages):
+            raise InvalidArgument("every chat message is empty")
+    if req.max_tokens < 0:
+        raise InvalidArgument(f"max_tokens must be > 0, got {req.max_tokens}")
+    if req.HasField("temperature") and not (req.temperature >= 0 and math.isfinite(req.temperature)):
+        raise InvalidArgument(f"temperature must be a finite number >= 0, got {req.temperature}")
+    if req.HasField("top_p") and not (0 < req.top_p <= 1):
+        raise InvalidArgument(f"top_p must be in (0, 1], got {req.top_p}")
+    if any(s == "" for s in req.stop):
+        raise InvalidArgument("stop strings must not be empty")
+    if req.mode not in DECODE_MODES.values():
+        raise InvalidArgument(f"unknown decode mode {req.mode}")

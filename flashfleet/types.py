@@ -1,0 +1,87 @@
+"""Typed results the SDK returns instead of raw protos."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from flashfleet.v1 import common_pb2
+
+FINISH_REASONS = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_CANCELLED: "cancelled",
+}
+DECODE_MODES = {
+    "auto": common_pb2.DECODE_MODE_AUTO,
+    "plain": common_pb2.DECODE_MODE_PLAIN,
+    "draft": common_pb2.DECODE_MODE_DRAFT,
+    "dflash": common_pb2.DECODE_MODE_DFLASH,
+    "uag": common_pb2.DECODE_MODE_UAG,
+}
+DECODE_MODE_NAMES = {v: k for k, v in DECODE_MODES.items()}
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """Statistics of one finished request, as measured by the worker (times in seconds).
+
+    acceptance_length is tau: mean tokens committed per speculative cycle, bonus token included.
+    """
+
+    prompt_tokens: int
+    generated_tokens: int
+    ttft_s: float
+    tokens_per_s: float
+    total_s: float
+    mode: str
+    cycles: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance_length: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    accepted_per_position: tuple[int, ...] = ()
+    queue_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens (0 when nothing was drafted)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @classmethod
+    def from_proto(cls, s: common_pb2.GenerationStats) -> "GenerationStats":
+        return cls(
+            prompt_tokens=s.prompt_tokens, generated_tokens=s.generated_tokens, ttft_s=s.ttft_s,
+            tokens_per_s=s.tokens_per_s, total_s=s.total_s, mode=s.mode, cycles=s.cycles,
+            drafted_tokens=s.drafted_tokens, accepted_tokens=s.accepted_tokens,
+            acceptance_length=s.acceptance_length, draft_s=s.draft_s, verify_s=s.verify_s,
+            accepted_per_position=tuple(s.accepted_per_position), queue_s=s.queue_s,
+        )
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Streamed piece of a generation.
+
+    text: new text (complete UTF-8 characters only); token_ids: the tokens generated since the
+    previous chunk. The last chunk of a stream has finish_reason and stats set, and may have no
+    text.
+    """
+
+    request_id: str
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    finish_reason: str | None = None
+    stats: GenerationStats | None = None
+    worker_id: str = ""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A whole generation: text, its token ids, why it ended and its statistics."""
+
+    request_id: str
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    stats: GenerationStats | None = None
+    worker_id: str = ""

@@ -1,0 +1,210 @@
+"""Coordinator + workers over real gRPC on loopback, with fake engines (no MLX)."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+import pytest
+
+from flashfleet import AsyncClient, Client
+from flashfleet.errors import (DeadlineExceeded, InvalidArgument, ModelNotFound, Overloaded)
+from tests.fakes import FakeEngine
+from tests.harness import start_cluster
+from worker.engine.types import Overloaded as EngineOverloaded
+
+
+@pytest.fixture
+def cluster():
+    c = start_cluster({"w1": FakeEngine(), "w2": FakeEngine()})
+    yield c
+    c.close()
+
+
+def wait_until(pred, timeout=5.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_generate_streams_tokens_and_stats(cluster):
+    with Client(cluster.address) as client:
+        chunks = list(client.generate("fake-model", prompt="abc", max_tokens=5))
+    assert [c.finish_reason for c in chunks[:-1]] == [None] * 5
+    last = chunks[-1]
+    assert last.finish_reason == "length"
+    assert last.stats.generated_tokens == 5 and last.stats.prompt_tokens == 3
+    base = sum(ord(c) % 100 for c in "abc")
+    assert [c.token_ids[0] for c in chunks[:-1]] == [(base + i) % 100 for i in range(5)]
+    assert last.worker_id in {"w1", "w2"}
+    assert last.stats.queue_s >= 0
+
+
+def test_complete_and_list_models_and_status(cluster):
+    with Client(cluster.address) as client:
+        done = client.complete("fake-model", messages=[{"role": "user", "content": "hi"}],
+                               max_tokens=3)
+        assert done.finish_reason == "length" and len(done.token_ids) == 3
+        assert done.text == "".join(f"<{t}>" for t in done.token_ids)
+        models = client.list_models()
+        assert [m.info.name for m in models] == ["fake-model"]
+        assert sorted(models[0].worker_ids) == ["w1", "w2"]
+        status = client.cluster_status()
+        assert sorted(w.worker_id for w in status.workers) == ["w1", "w2"]
+
+
+def test_concurrent_clients_use_both_workers():
+    engines = {"w1": FakeEngine(token_delay_s=0.05), "w2": FakeEngine(token_delay_s=0.05)}
+    c = start_cluster(engines)
+    try:
+        results = []
+
+        def one(i):
+            with Client(c.address) as client:
+                results.append(client.complete("fake-model", prompt=f"p{i}", max_tokens=10))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+        [t.start() for t in threads]
+        [t.join(30) for t in threads]
+        assert len(results) == 8
+        served = {r.worker_id for r in results}
+        assert served == {"w1", "w2"}, served
+        assert len(engines["w1"].submitted) > 0 and len(engines["w2"].submitted) > 0
+    finally:
+        c.close()
+
+
+def test_worker_without_heartbeats_leaves_registry_and_gets_no_sessions():
+    c = start_cluster({"w1": FakeEngine(), "w2": FakeEngine()}, lease_ttl_s=0.6,
+                      heartbeat_interval_s=0.1)
+    try:
+        c.workers[1].stop_heartbeats()
+        assert wait_until(lambda: [w.worker_id for w in c.coordinator.registry.live()] == ["w1"])
+        assert c.coordinator.metrics.lease_expiries._value.get() == 1
+        with Client(c.address) as client:
+            served = {client.complete("fake-model", prompt=f"x{i}", max_tokens=2).worker_id
+                      for i in range(6)}
+            assert served == {"w1"}
+            assert [w.worker_id for w in client.cluster_status().workers] == ["w1"]
+    finally:
+        c.close()
+
+
+def test_client_cancellation_frees_the_worker():
+    engine = FakeEngine(token_delay_s=0.05)
+    c = start_cluster({"w1": engine})
+    try:
+        with Client(c.address) as client:
+            stream = client.generate("fake-model", prompt="long", max_tokens=1000)
+            next(stream)
+            next(stream)
+            stream.close()  # the caller stops reading: the RPC is cancelled
+        assert wait_until(lambda: engine.load().active_sessions == 0)
+        assert len(engine.aborted) == 1
+        assert wait_until(lambda: c.coordinator.registry.live()[0].in_flight == 0)
+    finally:
+        c.close()
+
+
+def test_deadline_propagates_and_frees_the_worker():
+    engine = FakeEngine(token_delay_s=0.05)
+    c = start_cluster({"w1": engine})
+    try:
+        with Client(c.address) as client, pytest.raises(DeadlineExceeded):
+            client.complete("fake-model", prompt="long", max_tokens=1000, timeout_s=0.5)
+        assert wait_until(lambda: engine.load().active_sessions == 0)
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(prompt=""), "prompt is empty"),
+    (dict(prompt="   "), "prompt is empty"),
+    (dict(prompt="hi", max_tokens=-1), "max_tokens"),
+    (dict(prompt="hi", temperature=-0.5), "temperature"),
+    (dict(prompt="hi", temperature=float("nan")), "temperature"),
+    (dict(prompt="hi", top_p=0.0), "top_p"),
+    (dict(prompt="hi", top_p=1.5), "top_p"),
+    (dict(messages=[{"role": "wizard", "content": "hi"}]), "role"),
+    (dict(messages=[]), "messages is empty"),
+    (dict(prompt="hi", stop=[""]), "stop"),
+    (dict(prompt="x" * 5000, max_tokens=10), "context"),
+])
+def test_bad_requests_get_invalid_argument_and_server_keeps_serving(cluster, kwargs, fragment):
+    with Client(cluster.address) as client:
+        with pytest.raises(InvalidArgument) as err:
+            client.complete("fake-model", **kwargs)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert fragment in err.value.details
+        assert client.complete("fake-model", prompt="ok", max_tokens=2).finish_reason == "length"
+
+
+def test_malformed_message_is_rejected_by_the_sdk_before_sending(cluster):
+    with Client(cluster.address) as client, pytest.raises(InvalidArgument, match="messages\\[0\\]"):
+        client.complete("fake-model", messages=[{"role": "user"}])
+
+
+def test_unknown_model_is_not_found(cluster):
+    with Client(cluster.address) as client:
+        with pytest.raises(ModelNotFound) as err:
+            client.complete("no-such-model", prompt="hi")
+        assert "no-such-model" in err.value.details and "fake-model" in err.value.details
+
+
+def test_retry_on_another_worker_before_first_token():
+    refusing = FakeEngine(refuse=EngineOverloaded)
+    good = FakeEngine()
+    c = start_cluster({"bad": refusing, "good": good})
+    try:
+        with Client(c.address) as client:
+            for i in range(6):
+                assert client.complete("fake-model", prompt=f"r{i}", max_tokens=2).worker_id == "good"
+        assert c.coordinator.metrics.retries.labels(model="fake-model")._value.get() >= 1
+    finally:
+        c.close()
+
+
+def test_all_workers_full_gives_resource_exhausted():
+    c = start_cluster({"w1": FakeEngine(refuse=EngineOverloaded)})
+    try:
+        with Client(c.address) as client, pytest.raises(Overloaded):
+            client.complete("fake-model", prompt="hi", max_tokens=2)
+    finally:
+        c.close()
+
+
+def test_session_stickiness():
+    c = start_cluster({"w1": FakeEngine(), "w2": FakeEngine(), "w3": FakeEngine()})
+    try:
+        with Client(c.address) as client:
+            first = client.complete("fake-model", prompt="a", max_tokens=1, session_id="s-1")
+            for _ in range(5):
+                again = client.complete("fake-model", prompt="b", max_tokens=1, session_id="s-1")
+                assert again.worker_id == first.worker_id
+    finally:
+        c.close()
+
+
+def test_async_client(cluster):
+    async def main():
+        async with AsyncClient(cluster.address) as client:
+            texts = [c.text async for c in client.generate("fake-model", prompt="z", max_tokens=4)]
+            done = await client.complete("fake-model", prompt="z", max_tokens=4)
+            models = await client.list_models()
+            return texts, done, models
+
+    texts, done, models = asyncio.run(main())
+    assert "".join(texts) == done.text and done.finish_reason == "length"
+    assert models[0].info.name == "fake-model"
+
+
+def test_worker_health_and_reflection(cluster):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    for address in (cluster.address, cluster.workers[0].advertise_address):
+        with grpc.insecure_channel(address) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING

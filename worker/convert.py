@@ -1,0 +1,65 @@
+"""Proto <-> engine dataclass conversions, nothing else."""
+from __future__ import annotations
+
+from flashfleet.types import DECODE_MODE_NAMES, DECODE_MODES
+from flashfleet.v1 import common_pb2, worker_pb2
+from worker.engine.types import (DoneEvent, EngineLoad, GenerationRequest, GenerationStats,
+                                 ModelDescription, SamplingParams, TokenEvent)
+
+FINISH_REASON_PROTO = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "cancelled": common_pb2.FINISH_REASON_CANCELLED,
+}
+
+
+def messages_of(request: common_pb2.GenerateRequest) -> list[dict] | None:
+    """Chat turns of a request as [{"role", "content"}], or None for a raw prompt."""
+    if request.WhichOneof("input") != "messages":
+        return None
+    return [{"role": m.role, "content": m.content} for m in request.messages.messages]
+
+
+def generation_request(request: common_pb2.GenerateRequest, prompt_tokens: list[int],
+                       max_tokens: int) -> GenerationRequest:
+    """Engine request from a validated proto and its prompt token ids."""
+    sampling = SamplingParams(
+        temperature=request.temperature if request.HasField("temperature") else 0.0,
+        top_p=request.top_p if request.HasField("top_p") else 1.0,
+        seed=request.seed if request.HasField("seed") else None)
+    return GenerationRequest(request_id=request.request_id, prompt_tokens=tuple(prompt_tokens),
+                             max_tokens=max_tokens, sampling=sampling, stop=tuple(request.stop),
+                             mode=DECODE_MODE_NAMES[request.mode])
+
+
+def chunk_response(event: TokenEvent) -> common_pb2.GenerateResponse:
+    return common_pb2.GenerateResponse(
+        request_id=event.request_id,
+        chunk=common_pb2.Chunk(text=event.text, token_ids=event.token_ids))
+
+
+def stats_proto(s: GenerationStats) -> common_pb2.GenerationStats:
+    return common_pb2.GenerationStats(
+        prompt_tokens=s.prompt_tokens, generated_tokens=s.generated_tokens, ttft_s=s.ttft_s,
+        tokens_per_s=s.tokens_per_s, total_s=s.total_s, mode=s.mode, cycles=s.cycles,
+        drafted_tokens=s.drafted_tokens, accepted_tokens=s.accepted_tokens,
+        acceptance_length=s.acceptance_length, draft_s=s.draft_s, verify_s=s.verify_s,
+        accepted_per_position=s.accepted_per_position)
+
+
+def complete_response(event: DoneEvent, worker_id: str) -> common_pb2.GenerateResponse:
+    return common_pb2.GenerateResponse(
+        request_id=event.request_id,
+        complete=common_pb2.Complete(finish_reason=FINISH_REASON_PROTO[event.finish_reason],
+                                     stats=stats_proto(event.stats), worker_id=worker_id))
+
+
+def model_info(m: ModelDescription) -> common_pb2.ModelInfo:
+    return common_pb2.ModelInfo(name=m.name, max_context_tokens=m.max_context_tokens,
+                                draft=m.draft, draft_mode=DECODE_MODES.get(m.draft_mode or "auto", 0))
+
+
+def load_proto(load: EngineLoad) -> worker_pb2.WorkerLoad:
+    return worker_pb2.WorkerLoad(active_sessions=load.active_sessions, capacity=load.capacity,
+                                 free_capacity=max(load.capacity - load.active_sessions, 0),
+                                 kv_cache_bytes=load.kv_cache_bytes)

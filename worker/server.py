@@ -1,0 +1,129 @@
+"""Builds, starts and stops a worker's gRPC server (Worker API, health, reflection) and keeps its
+registration with the coordinator alive (register, heartbeats with load, re-register when the
+lease was lost, deregister on shutdown)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential_jitter
+
+from flashfleet.v1 import worker_pb2, worker_pb2_grpc
+from worker import convert
+from worker.engine.types import EngineProtocol
+from worker.servicer import WorkerServicer
+
+log = logging.getLogger("flashfleet.worker")
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+REGISTER_TIMEOUT_S = 5.0
+
+
+@dataclass
+class RunningWorker:
+    """A started worker: server, port, and its registration task."""
+
+    server: grpc.aio.Server
+    port: int
+    worker_id: str
+    engine: EngineProtocol
+    health: health.aio.HealthServicer
+    advertise_address: str
+    coordinator: str | None = None
+    _heartbeat_task: asyncio.Task | None = None
+    _lease: dict = field(default_factory=dict)
+    registered: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def stop(self, grace_s: float = 5.0, close_engine: bool = True) -> None:
+        """NOT_SERVING -> deregister -> let in-flight RPCs finish -> stop the engine thread."""
+        await self.health.enter_graceful_shutdown()
+        if self._heartbeat_task:
+            self._heartbeat_task.cancel()
+        await self._deregister()
+        await self.server.stop(grace_s)
+        if close_engine:
+            await asyncio.to_thread(self.engine.close)
+
+    def stop_heartbeats(self) -> None:
+        """Stops heartbeats without deregistering (tests simulate a hung or partitioned worker)."""
+        if self._heartbeat_task:
+            self._heartbeat_task.cancel()
+
+    async def _deregister(self) -> None:
+        if not (self.coordinator and self._lease):
+            return
+        try:
+            async with grpc.aio.insecure_channel(self.coordinator) as ch:
+                await worker_pb2_grpc.RegistryStub(ch).Deregister(
+                    worker_pb2.DeregisterRequest(worker_id=self.worker_id,
+                                                 lease_id=self._lease["id"]),
+                    timeout=REGISTER_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            log.warning("deregistration failed: %s", e.details())
+
+
+async def start_worker(engine: EngineProtocol, worker_id: str, host: str = "127.0.0.1",
+                       port: int = 0, coordinator: str | None = None,
+                       advertise_host: str | None = None, metrics=None) -> RunningWorker:
+    """Serves `engine` on host:port and, when `coordinator` is given, registers with it.
+
+    Args:
+        engine: a started engine (weights loaded).
+        worker_id: unique name in the fleet.
+        host, port: where to listen (port 0 = a free port).
+        coordinator: "host:port" of the coordinator's Registry, or None for a standalone worker.
+        advertise_host: host the coordinator should dial (default: host).
+
+    Raises:
+        RuntimeError: the port could not be bound.
+    """
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine, worker_id, metrics), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
+                                        server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"could not bind {host}:{port} (in use?)")
+    await server.start()
+    for name in (SERVICE_NAME, ""):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    address = f"{advertise_host or host}:{bound}"
+    running = RunningWorker(server, bound, worker_id, engine, health_servicer, address, coordinator)
+    if coordinator:
+        running._heartbeat_task = asyncio.get_running_loop().create_task(_keep_registered(running))
+    return running
+
+
+async def _keep_registered(w: RunningWorker) -> None:
+    """Registers (retrying until the coordinator answers), then heartbeats; re-registers when the
+    coordinator answers NOT_FOUND (lease expired, coordinator restarted)."""
+    async with grpc.aio.insecure_channel(w.coordinator) as channel:
+        stub = worker_pb2_grpc.RegistryStub(channel)
+        while True:
+            async for attempt in AsyncRetrying(
+                    retry=retry_if_exception_type(grpc.aio.AioRpcError),
+                    wait=wait_exponential_jitter(multiplier=0.2, max=5.0),
+                    stop=stop_after_delay(3600), reraise=True):
+                with attempt:
+                    resp = await stub.Register(worker_pb2.RegisterRequest(
+                        worker_id=w.worker_id, address=w.advertise_address,
+                        models=[convert.model_info(w.engine.model)],
+                        load=convert.load_proto(w.engine.load())), timeout=REGISTER_TIMEOUT_S)
+            w._lease = {"id": resp.lease_id}
+            w.registered.set()
+            log.info("registered with %s (lease %s)", w.coordinator, resp.lease_id)
+            try:
+                while True:
+                    await asyncio.sleep(resp.heartbeat_interval_s)
+                    await stub.Heartbeat(worker_pb2.HeartbeatRequest(
+                        worker_id=w.worker_id, lease_id=resp.lease_id,
+                        load=convert.load_proto(w.engine.load())), timeout=REGISTER_TIMEOUT_S)
+            except grpc.aio.AioRpcError as e:
+                log.warning("heartbeat failed (%s: %s); registering again", e.code().name,
+                            e.details())
+                w.registered.clear()

@@ -1,0 +1,111 @@
+"""The worker's gRPC servicer: thin. Validates, converts, submits to the engine, streams events.
+
+Concurrency: handlers run on the asyncio loop; the engine runs MLX on its own thread and calls
+the per-request `emit` callback there, which hands each event to the loop with
+`call_soon_threadsafe` into the request's own asyncio.Queue. No lock is shared with the loop.
+A handler that ends for any reason other than the engine's final event (client gone, deadline,
+error) aborts its request in `finally`, which frees the engine's slot and KV cache.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import grpc
+
+from flashfleet.errors import FlashfleetError
+from flashfleet.requests import validate_request
+from flashfleet.v1 import worker_pb2, worker_pb2_grpc
+from worker import convert
+from worker.engine.types import (DoneEvent, Draining, EngineProtocol, ErrorEvent, InvalidRequest,
+                                 Overloaded, TokenEvent)
+
+log = logging.getLogger("flashfleet.worker")
+
+DEFAULT_MAX_TOKENS = 256
+ENGINE_ERROR_CODES = {
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Draining: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Serves Generate / Cancel / GetLoad on top of one engine.
+
+    Args:
+        engine: anything implementing EngineProtocol (the MLX Engine, or a fake in tests).
+        worker_id: reported in every Complete message.
+        metrics: optional WorkerMetrics (request outcomes, latency histograms).
+    """
+
+    def __init__(self, engine: EngineProtocol, worker_id: str, metrics=None):
+        self.engine = engine
+        self.worker_id = worker_id
+        self.metrics = metrics
+
+    async def Generate(self, request, context: grpc.aio.ServicerContext):
+        model = self.engine.model
+        try:
+            validate_request(request)
+        except FlashfleetError as e:
+            await context.abort(e.code, e.details)
+        if request.model != model.name:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"this worker serves {model.name!r}, not {request.model!r}")
+        if not request.request_id:
+            request.request_id = uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def emit(event) -> None:  # engine thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # loop closed during shutdown: nobody is listening
+                pass
+
+        try:
+            prompt_tokens = await asyncio.to_thread(
+                self.engine.encode_prompt,
+                request.prompt if request.WhichOneof("input") == "prompt" else None,
+                convert.messages_of(request))
+            max_tokens = request.max_tokens or min(DEFAULT_MAX_TOKENS,
+                                                   model.max_context_tokens - len(prompt_tokens))
+            self.engine.submit(convert.generation_request(request, prompt_tokens, max_tokens), emit)
+        except tuple(ENGINE_ERROR_CODES) as e:
+            self._outcome(type(e).__name__.lower())
+            await context.abort(ENGINE_ERROR_CODES[type(e)], str(e))
+        finished = False
+        try:
+            while True:
+                event = await events.get()
+                if isinstance(event, TokenEvent):
+                    yield convert.chunk_response(event)
+                elif isinstance(event, DoneEvent):
+                    finished = True
+                    if self.metrics:
+                        self.metrics.observe_request(model.name, event)
+                    yield convert.complete_response(event, self.worker_id)
+                    return
+                elif isinstance(event, ErrorEvent):
+                    finished = True
+                    log.error("request %s failed", request.request_id, exc_info=event.error)
+                    self._outcome("error")
+                    await context.abort(grpc.StatusCode.INTERNAL,
+                                        f"generation failed on worker {self.worker_id} "
+                                        f"({type(event.error).__name__}); see the worker log")
+        finally:
+            if not finished:
+                self.engine.abort(request.request_id)
+                self._outcome("cancelled")
+
+    async def Cancel(self, request, context):
+        return worker_pb2.CancelResponse(cancelled=self.engine.abort(request.request_id))
+
+    async def GetLoad(self, request, context):
+        return convert.load_proto(self.engine.load())
+
+    def _outcome(self, outcome: str) -> None:
+        if self.metrics:
+            self.metrics.requests.labels(model=self.engine.model.name, outcome=outcome).inc()
