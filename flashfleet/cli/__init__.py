@@ -1,0 +1,36 @@
+"""`flashfleet` command line: a thin dispatcher. Each subcommand lives in its own module with a
+`main(argv) -> int` and is imported only when used, so `flashfleet --help` never loads MLX."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "demo": ("flashfleet.cli.demo", "fetch the default model, start a 2-worker local cluster, "
+             "answer the prompts in prompts/demo.jsonl and print a table"),
+    "up": ("flashfleet.cli.up", "start a coordinator and N workers on this machine"),
+    "generate": ("flashfleet.cli.generate", "stream one generation from a running cluster"),
+    "status": ("flashfleet.cli.status", "show the workers of a running cluster"),
+    "models": ("flashfleet.cli.models_cmd", "fetch / list real models for offline use"),
+    "coordinator": ("coordinator.__main__", "run a coordinator (as a service)"),
+    "worker": ("worker.__main__", "run a worker (as a service)"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: flashfleet COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<12} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "flashfleet COMMAND --help shows a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    if argv[0] not in COMMANDS:
+        print(f"flashfleet: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    return module.main(argv[1:]) or 0

@@ -1,0 +1,5 @@
+import sys
+
+from flashfleet.cli import main
+
+sys.exit(main())

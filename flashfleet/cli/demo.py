@@ -1,0 +1,95 @@
+"""`flashfleet demo`: the main job end to end. Fetches the default model (once, into the cache),
+starts a local coordinator and 2 workers, sends the real prompts in flashfleet/prompts/demo.jsonl
+at once (the first answer streams live), then prints a table: tokens/s, TTFT, which worker."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from importlib import resources
+
+from flashfleet.cli.up import DEFAULT_MODEL, LocalCluster
+
+
+def load_prompts() -> list[dict]:
+    """The demo prompts: real inputs from shared/cases (code, English, Polish), one per line."""
+    text = resources.files("flashfleet").joinpath("prompts/demo.jsonl").read_text("utf-8")
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def run_prompts(address: str, model: str, prompts: list[dict], max_tokens: int,
+                stream_first=sys.stdout) -> list:
+    """Sends every prompt concurrently; streams the first answer to `stream_first`.
+
+    Returns:
+        One flashfleet.Completion per prompt, in order.
+    """
+    from flashfleet.client import Client, _accumulate
+
+    results: list = [None] * len(prompts)
+    errors: list = []
+
+    def one(i: int, p: dict) -> None:
+        messages = [{"role": "user", "content": f"{p['instruction']}\n\n{p['text']}"}]
+        try:
+            with Client(address) as client:
+                chunks = []
+                for chunk in client.generate(model, messages=messages, max_tokens=max_tokens,
+                                             session_id=f"demo-{i}"):
+                    chunks.append(chunk)
+                    if i == 0 and stream_first is not None:
+                        stream_first.write(chunk.text)
+                        stream_first.flush()
+                results[i] = _accumulate(chunks)
+        except Exception as e:  # reported after the others finish
+            errors.append(f"prompt {p['id']}: {e}")
+
+    threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError("; ".join(errors))
+    return results
+
+
+def print_table(prompts: list[dict], results: list, out=sys.stdout) -> None:
+    print(f"\n{'prompt':<30} {'worker':<10} {'prompt tok':>10} {'gen tok':>8} {'TTFT ms':>8} "
+          f"{'tok/s':>7}  finish", file=out)
+    for p, r in zip(prompts, results):
+        s = r.stats
+        print(f"{p['id'][:30]:<30} {r.worker_id:<10} {s.prompt_tokens:>10} {s.generated_tokens:>8} "
+              f"{s.ttft_s * 1000:>8.0f} {s.tokens_per_s:>7.1f}  {r.finish_reason}", file=out)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="flashfleet demo", description=__doc__)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model name or local directory")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=96)
+    a = p.parse_args(argv)
+    from flashfleet.models import resolve_model, fetch_model
+
+    try:
+        resolve_model(a.model)
+    except FileNotFoundError:
+        print(f"fetching {a.model} (once; cached for later runs)...", flush=True)
+        fetch_model(a.model)
+    prompts = load_prompts()
+    t0 = time.monotonic()
+    try:
+        with LocalCluster(a.model, workers=a.workers) as cluster:
+            print(f"\nQ: {prompts[0]['instruction']}\n{prompts[0]['text']}\nA: ", end="", flush=True)
+            results = run_prompts(cluster.address, a.model, prompts, a.max_tokens)
+            for prompt, r in list(zip(prompts, results))[1:]:
+                print(f"\n\nQ: {prompt['instruction']} [{prompt['id']}]\nA: {r.text.strip()}")
+            print_table(prompts, results)
+    except RuntimeError as e:
+        print(f"flashfleet demo: {e}", file=sys.stderr)
+        return 1
+    print(f"\n{len(prompts)} prompts in {time.monotonic() - t0:.1f} s on "
+          f"{len({r.worker_id for r in results})} worker(s)")
+    return 0

@@ -1,0 +1,55 @@
+"""`flashfleet generate "PROMPT"`: stream one answer from a running cluster to the terminal."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from flashfleet.errors import FlashfleetError
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="flashfleet generate", description=__doc__)
+    p.add_argument("prompt", help="the user's message (or raw text with --raw)")
+    p.add_argument("--address", default="127.0.0.1:50051", help="coordinator host:port")
+    p.add_argument("--model", default="SmolLM2-135M-Instruct")
+    p.add_argument("--raw", action="store_true", help="send the prompt as raw text, no chat template")
+    p.add_argument("--system", default=None, help="system message")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--session-id", default="")
+    p.add_argument("--mode", default="auto", choices=["auto", "plain", "draft", "dflash", "uag"])
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    a = p.parse_args(argv)
+    from flashfleet.client import Client
+
+    if a.raw:
+        kwargs = {"prompt": a.prompt}
+    else:
+        messages = ([{"role": "system", "content": a.system}] if a.system else [])
+        kwargs = {"messages": messages + [{"role": "user", "content": a.prompt}]}
+    try:
+        with Client(a.address) as client:
+            last = None
+            for chunk in client.generate(a.model, max_tokens=a.max_tokens, temperature=a.temperature,
+                                         top_p=a.top_p, seed=a.seed, stop=a.stop,
+                                         session_id=a.session_id, mode=a.mode,
+                                         timeout_s=a.timeout_s, **kwargs):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                last = chunk
+    except FlashfleetError as e:
+        print(f"\nflashfleet generate: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\n(cancelled)", file=sys.stderr)
+        return 130
+    s = last.stats
+    extra = (f", tau {s.acceptance_length:.2f}, acceptance {s.acceptance_rate:.0%}"
+             if s.cycles else "")
+    print(f"\n-- {last.finish_reason}; worker {last.worker_id}; {s.prompt_tokens} prompt + "
+          f"{s.generated_tokens} generated tokens; TTFT {s.ttft_s * 1000:.0f} ms; "
+          f"{s.tokens_per_s:.1f} tok/s; mode {s.mode}{extra}", file=sys.stderr)
+    return 0

@@ -1,0 +1,199 @@
+"""`flashfleet up`: start a coordinator and N workers on this machine as processes, print their
+addresses, and shut them all down cleanly on Ctrl-C or SIGTERM."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the caller binds it soon after)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def worker_env() -> dict[str, str]:
+    """Environment for worker processes. On Linux with Debian's OpenBLAS installed, preload it:
+    MLX's CPU wheel otherwise uses a reference BLAS (see docs/benchmarks.md: 1.4-2x faster decode
+    with float32 weights); one BLAS thread per worker since small mat-vec products get slower with
+    more."""
+    env = dict(os.environ)
+    if sys.platform.startswith("linux") and Path(OPENBLAS).exists() and "LD_PRELOAD" not in env:
+        env["LD_PRELOAD"] = OPENBLAS
+        env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    return env
+
+
+class LocalCluster:
+    """A coordinator and workers as child processes of this one.
+
+    Args:
+        model: model name (fetched with `flashfleet models fetch`) or a local model directory.
+        workers: number of worker processes (>= 1).
+        port: coordinator port (0 = a free one).
+        draft: optional draft model (name or directory) loaded beside the target on each worker.
+        capacity: sessions each worker admits at once.
+        log_dir: where each process logs (default: a new temporary directory).
+        metrics_port: coordinator /metrics port; workers get the following ports (None = off).
+
+    Use as a context manager; stop() terminates every child (SIGTERM, then SIGKILL after 10 s).
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, workers: int = 2, port: int = 0,
+                 host: str = "127.0.0.1", draft: str | None = None, capacity: int = 4,
+                 log_dir: str | Path | None = None, metrics_port: int | None = None,
+                 worker_args: tuple[str, ...] = ()):
+        if workers < 1:
+            raise ValueError("workers must be >= 1")
+        self.model, self.n_workers, self.host = model, workers, host
+        self.port = port or free_port(host)
+        self.draft, self.capacity, self.metrics_port = draft, capacity, metrics_port
+        self.worker_args = worker_args
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="flashfleet-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def __enter__(self) -> "LocalCluster":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _spawn(self, name: str, args: list[str], env=None) -> None:
+        log = open(self.log_dir / f"{name}.log", "wb")
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", *args], stdout=log,
+                                            stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)
+
+    def start(self, timeout_s: float = 600.0, progress=print) -> None:
+        """Starts every process and waits until all workers have registered.
+
+        Raises:
+            RuntimeError: a process exited during start-up (its log's tail is in the message), or
+                the workers were not all registered within timeout_s.
+        """
+        coord = ["coordinator", "--host", self.host, "--port", str(self.port)]
+        if self.metrics_port:
+            coord += ["--metrics-port", str(self.metrics_port)]
+        self._spawn("coordinator", coord)
+        env = worker_env()
+        for i in range(self.n_workers):
+            args = ["worker", "--model", self.model, "--coordinator", self.address,
+                    "--host", self.host, "--port", "0", "--worker-id", f"worker-{i + 1}",
+                    "--capacity", str(self.capacity), *self.worker_args]
+            if self.draft:
+                args += ["--draft", self.draft]
+            if self.metrics_port:
+                args += ["--metrics-port", str(self.metrics_port + 1 + i)]
+            self._spawn(f"worker-{i + 1}", args, env)
+        progress(f"coordinator {self.address}; {self.n_workers} worker(s) loading {self.model} "
+                 f"(logs in {self.log_dir})")
+        self._wait_ready(timeout_s, progress)
+
+    def _wait_ready(self, timeout_s: float, progress) -> None:
+        from flashfleet.client import Client
+        from flashfleet.errors import FlashfleetError
+
+        deadline, seen = time.monotonic() + timeout_s, -1
+        with Client(self.address) as client:
+            while time.monotonic() < deadline:
+                self.check_alive()
+                try:
+                    status = client.cluster_status(timeout_s=2)
+                except FlashfleetError:
+                    time.sleep(0.3)
+                    continue
+                if len(status.workers) != seen:
+                    seen = len(status.workers)
+                    progress(f"  {seen}/{self.n_workers} workers ready: " +
+                             ", ".join(f"{w.worker_id} at {w.address}" for w in status.workers))
+                if seen >= self.n_workers:
+                    return
+                time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"workers not ready after {timeout_s:.0f} s; see logs in {self.log_dir}")
+
+    def check_alive(self) -> None:
+        """Raises RuntimeError (with the log tail) if a child process has exited."""
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-2000:]
+                self.stop()
+                raise RuntimeError(f"{name} exited with code {proc.returncode}:\n{tail}")
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM to workers then the coordinator; SIGKILL what is left after grace_s."""
+        order = [n for n in self.procs if n != "coordinator"] + ["coordinator"]
+        for name in order:
+            proc = self.procs.get(name)
+            if proc and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for name in order:
+            proc = self.procs.get(name)
+            if proc is None:
+                continue
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="flashfleet up", description=__doc__)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model name or local model directory")
+    p.add_argument("--draft", default=None, help="draft model (name or directory) for speculative decoding")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--port", type=int, default=50051, help="coordinator port")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--capacity", type=int, default=4, help="sessions per worker")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="coordinator /metrics port; worker i gets this + i")
+    p.add_argument("--log-dir", default=None)
+    a = p.parse_args(argv)
+    cluster = LocalCluster(a.model, a.workers, a.port, a.host, a.draft, a.capacity, a.log_dir,
+                           a.metrics_port)
+    stop = {"now": False}
+
+    def on_signal(signum, frame):
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        cluster.start(progress=lambda m: print(m, flush=True))
+    except RuntimeError as e:
+        print(f"flashfleet up: {e}", file=sys.stderr)
+        return 1
+    print(f"cluster ready: coordinator at {cluster.address}\n"
+          f"  try: flashfleet generate --address {cluster.address} --model {a.model} "
+          f"\"What is a GPU?\"\nCtrl-C stops everything.", flush=True)
+    try:
+        while not stop["now"]:
+            cluster.check_alive()
+            time.sleep(0.5)
+    except RuntimeError as e:
+        print(f"flashfleet up: {e}", file=sys.stderr)
+        return 1
+    finally:
+        print("stopping cluster...", flush=True)
+        cluster.stop()
+    return 0
