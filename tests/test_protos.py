@@ -1,0 +1,32 @@
+"""The committed stubs in flashfleet/v1/ must match what grpcio-tools generates from protos/."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load_generator():
+    spec = importlib.util.spec_from_file_location("gen_protos", ROOT / "scripts" / "gen_protos.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generated_stubs_are_current(tmp_path):
+    fresh = _load_generator().generate(tmp_path)
+    assert fresh, "protoc generated nothing"
+    committed_dir = ROOT / "flashfleet" / "v1"
+    for path in fresh:
+        committed = committed_dir / path.name
+        assert committed.exists(), f"{path.name} missing: run python scripts/gen_protos.py"
+        assert committed.read_text() == path.read_text(), (
+            f"flashfleet/v1/{path.name} is stale against protos/: run python scripts/gen_protos.py")
+    stale = {p.name for p in committed_dir.glob("*_pb2*.py*")} - {p.name for p in fresh}
+    assert not stale, f"stubs without a .proto: {stale}"
+
+
+def test_package_is_versioned():
+    from flashfleet.v1 import common_pb2
+    assert common_pb2.DESCRIPTOR.package == "flashfleet.v1"
