@@ -1,0 +1,33 @@
+"""Worker process start-up errors: clear message, non-zero exit, no traceback."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_missing_model_directory_is_a_clear_error(tmp_path):
+    missing = tmp_path / "no-such-model"
+    proc = subprocess.run([sys.executable, "-m", "worker", "--model", str(missing)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert str(missing) in proc.stderr or "no-such-model" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_unknown_model_name_says_how_to_fetch(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "worker", "--model", "Not-A-Model-XYZ"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "FLASHFLEET_HOME": str(tmp_path)})
+    assert proc.returncode != 0
+    assert "Not-A-Model-XYZ" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_cli_help_is_fast_and_lists_commands():
+    proc = subprocess.run([sys.executable, "-m", "flashfleet.cli", "--help"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0
+    for cmd in ("demo", "up", "generate", "status", "models"):
+        assert cmd in proc.stdout
+    proc = subprocess.run([sys.executable, "-c", "import flashfleet.cli, flashfleet, sys; "
+                           "print('mlx' in ' '.join(sys.modules))"], capture_output=True, text=True)
+    assert proc.stdout.strip() == "False", "the SDK and CLI dispatcher must not import MLX"

@@ -1,0 +1,52 @@
+"""Configuration of one worker's engine, built once (CLI + environment) and passed down."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine loads and how it decodes.
+
+    Attributes:
+        model_path: local model directory (config.json, *.safetensors, tokenizer files) that
+            `mlx_lm.load` reads; never a hub id (workers have no hub access).
+        model_name: name the worker serves the model under ("" = the directory's name).
+        draft_path: local directory of a same-tokenizer draft model, or None for no draft.
+        num_draft_tokens: draft tokens proposed per speculative cycle (k), >= 1.
+        capacity: most sessions admitted at once (running or queued), >= 1.
+        max_tokens_default: generation budget the servicer applies when a request leaves it unset.
+        prefill_step_tokens: prompt tokens per prefill forward (chunked prefill), >= 1.
+        max_context_tokens: context limit override in tokens; None takes the model's
+            `max_position_embeddings` from config.json.
+        spec_timing_sync: when True, speculative cycles sync the host after drafting so draft_s and
+            verify_s are the true split (costs one extra host sync per cycle; for benchmarks).
+        warmup: run a few tokens through each loaded model before reporting ready.
+    """
+
+    model_path: Path
+    model_name: str = ""
+    draft_path: Path | None = None
+    num_draft_tokens: int = 3
+    capacity: int = 4
+    max_tokens_default: int = 512
+    prefill_step_tokens: int = 512
+    max_context_tokens: int | None = None
+    spec_timing_sync: bool = False
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model_path", Path(self.model_path))
+        if self.draft_path is not None:
+            object.__setattr__(self, "draft_path", Path(self.draft_path))
+        for name in ("num_draft_tokens", "capacity", "max_tokens_default", "prefill_step_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_context_tokens is not None and self.max_context_tokens < 2:
+            raise ValueError(f"EngineConfig.max_context_tokens must be >= 2, got {self.max_context_tokens}")
+
+    @property
+    def served_name(self) -> str:
+        """The model name clients use: `model_name`, or the model directory's name."""
+        return self.model_name or self.model_path.name

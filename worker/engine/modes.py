@@ -1,0 +1,118 @@
+"""Decoding modes: which decoding generator serves a request, and what it needs loaded.
+
+`MODES` is the one table the engine consults; it never branches on the method itself. A new method
+plugs in by writing its generator (the `worker.spec.base` contract), a start function below that
+builds its caches and calls it, and an entry in `MODES`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping
+
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from worker.config import EngineConfig
+from worker.engine.types import GenerationRequest, InvalidRequest
+from worker.spec import draft_model, plain
+from worker.spec.base import Sampler, Step
+
+
+@dataclass
+class LoadedModels:
+    """What the engine thread loaded; owned by that thread.
+
+    Attributes:
+        target: the served mlx-lm model.
+        tokenizer: its tokenizer (mlx-lm `TokenizerWrapper`), used for detokenizing.
+        eos_ids: token ids that end a generation.
+        draft: the draft model, or None.
+        draft_kind: the kind of `draft` ("" when none, else a key of `MODES`, e.g. "draft").
+    """
+
+    target: nn.Module
+    tokenizer: Any
+    eos_ids: frozenset[int]
+    draft: nn.Module | None = None
+    draft_kind: str = ""
+
+
+# Builds one session's decoding generator and returns it with every cache it writes (the engine
+# reports their nbytes). Runs on the engine thread.
+StartFn = Callable[[LoadedModels, EngineConfig, GenerationRequest, Sampler], tuple[Iterator[Step], list[Any]]]
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One decoding method.
+
+    Attributes:
+        start: builds the session's generator and caches.
+        needs_draft: the draft kind that must be loaded ("" = none).
+    """
+
+    start: StartFn
+    needs_draft: str = ""
+
+
+def start_plain(m: LoadedModels, cfg: EngineConfig, req: GenerationRequest, sampler: Sampler):
+    """Plain decoding with the target (`worker.spec.plain`)."""
+    cache = make_prompt_cache(m.target)
+    steps = plain.generate(list(req.prompt_tokens), req.max_tokens, sampler, m.eos_ids,
+                           model=m.target, cache=cache, prefill_step_tokens=cfg.prefill_step_tokens)
+    return steps, cache
+
+
+def start_draft(m: LoadedModels, cfg: EngineConfig, req: GenerationRequest, sampler: Sampler):
+    """Draft-model speculative decoding (`worker.spec.draft_model`)."""
+    cache, draft_cache = make_prompt_cache(m.target), make_prompt_cache(m.draft)
+    steps = draft_model.generate(
+        list(req.prompt_tokens), req.max_tokens, sampler, m.eos_ids,
+        model=m.target, draft_model=m.draft, num_draft_tokens=cfg.num_draft_tokens,
+        cache=cache, draft_cache=draft_cache, prefill_step_tokens=cfg.prefill_step_tokens,
+        time_split=cfg.spec_timing_sync,
+    )
+    return steps, cache + draft_cache
+
+
+MODES: dict[str, Mode | None] = {
+    "plain": Mode(start_plain),
+    "draft": Mode(start_draft, needs_draft="draft"),
+    "dflash": None,  # worker/spec/dflash.py plugs in here: Mode(start_dflash, needs_draft="dflash")
+    "uag": None,  # cross-tokenizer drafts: not built yet
+}
+
+AUTO = "auto"
+
+
+def resolve_mode(requested: str, draft_kind: str, modes: Mapping[str, Mode | None] = MODES) -> str:
+    """Maps a request's mode to a key of `modes` this worker can serve. Pure Python, any thread.
+
+    "auto" is the loaded draft's mode when there is one, else "plain".
+
+    Args:
+        requested: the request's mode ("auto" or a key of `modes`).
+        draft_kind: the loaded draft's kind ("" when none).
+        modes: the mode table.
+
+    Returns:
+        A key of `modes` whose entry is not None and whose draft is loaded.
+
+    Raises:
+        InvalidRequest: unknown mode, a mode not built on this worker, or one whose draft is not
+            loaded.
+    """
+    if requested == AUTO:
+        return draft_kind if draft_kind and modes.get(draft_kind) is not None else "plain"
+    if requested not in modes:
+        known = ", ".join(repr(k) for k in (AUTO, *modes))
+        raise InvalidRequest(f"unknown mode {requested!r}; expected one of {known}")
+    mode = modes[requested]
+    if mode is None:
+        raise InvalidRequest(f"mode {requested!r} is not loaded on this worker")
+    if mode.needs_draft and mode.needs_draft != draft_kind:
+        have = f"a {draft_kind!r} draft" if draft_kind else "no draft model"
+        raise InvalidRequest(
+            f"mode {requested!r} needs a {mode.needs_draft!r} draft model; this worker has {have} loaded"
+        )
+    return requested

@@ -1,0 +1,489 @@
+"""The engine: one named daemon thread that owns every piece of MLX work on a worker.
+
+Modelled on mlx-lm's server (`mlx_lm/server.py`: one generation thread fed by a queue, which also
+loads the model) and smg's MLX servicer (one named daemon thread, events handed back through a
+callback), with a command queue instead of shared locks around the model.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import mlx.core as mx
+from mlx_lm import load as mlx_load
+from mlx_lm.utils import load_tokenizer
+
+from worker.config import EngineConfig
+from worker.detokenize import TextAssembler
+from worker.engine.modes import MODES, LoadedModels, Mode, resolve_mode
+from worker.engine.session import Session, new_stats
+from worker.engine.types import (
+    DoneEvent,
+    Draining,
+    EmitFn,
+    EngineLoad,
+    ErrorEvent,
+    GenerationRequest,
+    InvalidRequest,
+    ModelDescription,
+    Overloaded,
+    SamplingParams,
+)
+from worker.sampling import sampler_for, validate_sampling
+
+log = logging.getLogger(__name__)
+
+THREAD_NAME = "flashfleet-engine"
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class Submit:
+    """Start a validated request in `mode` (a key of the mode table)."""
+
+    request: GenerationRequest
+    mode: str
+    emit: EmitFn
+    received_s: float
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Cancel a request; it ends with DoneEvent("cancelled") unless it already ended."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Cancel every session, free the models and end the thread."""
+
+
+Command = Submit | Abort | Shutdown
+
+
+class Engine:
+    """Runs decoding sessions for one model (plus an optional draft) on one MLX thread.
+
+    Concurrency model:
+      - The engine thread (named "flashfleet-engine", a daemon) loads the models, warms them up,
+        runs every session and frees the models at the end. No other thread touches MLX.
+      - Callers (the gRPC servicer) talk to it only through a command queue: `submit` and
+        `abort` put `Submit` / `Abort`, `close` puts `Shutdown`. None of them waits for MLX.
+      - Sessions run concurrently by round-robin: each pass of the thread's loop drains the
+        queue, then advances every session by one `Step` (a token, or a speculative cycle),
+        detokenizes it and calls the request's `emit` on the engine thread. An exception in one
+        session ends that session with an `ErrorEvent`; the others go on.
+      - One lock, `_lock`, guards the admission set (request ids admitted and not yet ended) and
+        the accepting flag. It is held for a few set operations, never across MLX work or
+        callbacks, so `submit` can answer Overloaded / Draining synchronously. Capacity is
+        released before a session's final event is emitted, so a client may resubmit at once.
+      - `encode_prompt` runs on the caller's thread with its own tokenizer instance (the engine
+        thread decodes with another), serialized by `_encode_lock`.
+
+    Args:
+        config: what to load and how to decode.
+        modes: the decoding-mode table (default `worker.engine.modes.MODES`); tests inject
+            extra modes here.
+        clock: monotonic clock in seconds, for request statistics.
+        load_timeout_s: longest wait for loading and warm-up, seconds (None = no limit).
+
+    The constructor reads the model configs, starts the thread and blocks until the models are
+    loaded and warm.
+
+    Raises:
+        FileNotFoundError: a model directory or its config.json is missing.
+        ValueError: the model's context length is unknown (set max_context_tokens).
+        RuntimeError: loading or warm-up failed on the engine thread (the cause is chained), or
+            took longer than load_timeout_s.
+
+    Usage:
+        with Engine(config) as engine:
+            engine.submit(request, emit)
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        modes: Mapping[str, Mode | None] = MODES,
+        clock: Callable[[], float] = time.perf_counter,
+        load_timeout_s: float | None = None,
+    ):
+        self.config = config
+        self._modes = dict(modes)
+        self._clock = clock
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._admitted: set[str] = set()
+        self._accepting = False
+        self._closed = False
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
+        self._encode_lock = threading.Lock()
+        # Sessions on the thread, republished (copy-on-write) by the thread for load().
+        self._resident: tuple[Session, ...] = ()
+
+        model_cfg = _read_model_config(config.model_path, "model")
+        if config.draft_path is not None:
+            _read_model_config(config.draft_path, "draft model")
+        model_cfg = {**model_cfg.get("text_config", {}), **model_cfg}  # multimodal configs nest these
+        context = config.max_context_tokens or model_cfg.get("max_position_embeddings")
+        if not context:
+            raise ValueError(
+                f"{config.model_path / 'config.json'} has no max_position_embeddings; "
+                "set EngineConfig.max_context_tokens"
+            )
+        self._vocab_size: int | None = model_cfg.get("vocab_size")
+        self._draft_kind = "draft" if config.draft_path is not None else ""
+        self._model = ModelDescription(
+            name=config.served_name,
+            max_context_tokens=int(context),
+            draft=config.draft_path.name if config.draft_path is not None else "",
+            draft_mode=self._draft_kind,
+        )
+        self._encode_tokenizer = load_tokenizer(config.model_path)
+
+        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+        self._thread.start()
+        if not self._ready.wait(load_timeout_s):
+            self.close(timeout_s=0)
+            raise RuntimeError(f"engine did not load {config.model_path} within {load_timeout_s} s")
+        if self._startup_error is not None:
+            self._thread.join()
+            raise RuntimeError(f"engine failed to start: {self._startup_error}") from self._startup_error
+
+    # ----- lifecycle -------------------------------------------------------------------------
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Stops accepting, cancels running sessions (DoneEvent "cancelled"), frees the models
+        and joins the thread. Idempotent.
+
+        Args:
+            timeout_s: longest wait for the thread, seconds (None = no limit).
+        """
+        with self._lock:
+            self._accepting = False
+            first = not self._closed
+            self._closed = True
+            if first:
+                self._commands.put(Shutdown())
+        if threading.current_thread() is not self._thread:  # close() from an emit callback
+            self._thread.join(timeout_s)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def alive(self) -> bool:
+        """True while the engine thread runs (health: the worker is live)."""
+        return self._thread.is_alive()
+
+    @property
+    def ready(self) -> bool:
+        """True once loaded and warm, until close() (health: the worker serves)."""
+        return self._accepting and self.alive
+
+    # ----- EngineProtocol --------------------------------------------------------------------
+
+    @property
+    def model(self) -> ModelDescription:
+        """Name, context limit and draft of the served model."""
+        return self._model
+
+    def encode_prompt(self, prompt: str | None, messages: list[dict] | None) -> list[int]:
+        """Tokenizes raw text (with the tokenizer's special tokens, e.g. BOS), or renders chat
+        messages with the model's chat template (generation prompt appended) and tokenizes them.
+
+        Args:
+            prompt: raw text; exactly one of prompt and messages is given.
+            messages: [{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...].
+
+        Returns:
+            Prompt token ids, non-empty.
+
+        Raises:
+            InvalidRequest: neither or both inputs, empty text, a malformed message (the message
+                names its index and field), no chat template, or a template that rejects them.
+        """
+        if (prompt is None) == (messages is None):
+            raise InvalidRequest("give exactly one of prompt or messages")
+        tok = self._encode_tokenizer
+        if prompt is not None:
+            if not isinstance(prompt, str) or not prompt:
+                raise InvalidRequest("prompt must be a non-empty string")
+            with self._encode_lock:
+                ids = tok.encode(prompt)
+        else:
+            _check_messages(messages)
+            if not getattr(tok, "chat_template", None):
+                raise InvalidRequest(f"model {self.model.name!r} has no chat template; send a raw prompt")
+            with self._encode_lock:
+                try:
+                    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                except Exception as e:  # jinja2.TemplateError and the template's raise_exception
+                    raise InvalidRequest(f"the chat template rejected the messages: {e}") from e
+                ids = tok.encode(text, add_special_tokens=False)
+        if not ids:
+            raise InvalidRequest("the prompt encodes to no tokens")
+        return list(ids)
+
+    def submit(self, request: GenerationRequest, emit: EmitFn) -> None:
+        """Validates a request and queues it for the engine thread; never waits for MLX.
+
+        The request then gets TokenEvents and one DoneEvent or ErrorEvent through `emit`, called
+        on the engine thread.
+
+        Raises:
+            Draining: closing or closed.
+            InvalidRequest: empty or duplicate request_id, empty prompt, token ids outside the
+                vocabulary, max_tokens < 1, prompt + max_tokens beyond the context, bad sampling
+                parameters, an empty stop string, or a mode this worker cannot serve.
+            Overloaded: `capacity` sessions are admitted already.
+        """
+        if not self._accepting:
+            raise Draining("engine is not serving (starting or shutting down)")
+        mode = self._validate(request)
+        with self._lock:
+            if not self._accepting:
+                raise Draining("engine is shutting down")
+            if request.request_id in self._admitted:
+                raise InvalidRequest(f"request_id {request.request_id!r} is already running")
+            if len(self._admitted) >= self.config.capacity:
+                raise Overloaded(f"worker at capacity ({self.config.capacity} sessions)")
+            self._admitted.add(request.request_id)
+            self._commands.put(Submit(request, mode, emit, self._clock()))
+
+    def abort(self, request_id: str) -> bool:
+        """Cancels a request: it ends with DoneEvent("cancelled") unless it ended first.
+
+        Returns:
+            False when no such request is admitted.
+        """
+        with self._lock:
+            known = request_id in self._admitted
+        if known:
+            self._commands.put(Abort(request_id))
+        return known
+
+    def load(self) -> EngineLoad:
+        """Admitted sessions, capacity, and bytes held by resident sessions' KV caches."""
+        kv = sum(s.kv_cache_bytes for s in self._resident)
+        with self._lock:
+            active = len(self._admitted)
+        return EngineLoad(active_sessions=active, capacity=self.config.capacity, kv_cache_bytes=kv)
+
+    # ----- validation (caller's thread, pure Python) ------------------------------------------
+
+    def _validate(self, r: GenerationRequest) -> str:
+        """Checks a request against the model; returns the mode key that will serve it."""
+        if not r.request_id:
+            raise InvalidRequest("request_id is empty")
+        n = len(r.prompt_tokens)
+        if n == 0:
+            raise InvalidRequest("prompt is empty (no prompt tokens)")
+        if self._vocab_size is not None and (min(r.prompt_tokens) < 0 or max(r.prompt_tokens) >= self._vocab_size):
+            raise InvalidRequest(f"prompt token ids must be in [0, {self._vocab_size})")
+        if r.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be >= 1, got {r.max_tokens}")
+        ctx = self.model.max_context_tokens
+        if n + r.max_tokens > ctx:
+            raise InvalidRequest(
+                f"prompt ({n} tokens) + max_tokens ({r.max_tokens}) = {n + r.max_tokens} tokens "
+                f"exceeds the model's context of {ctx} tokens"
+            )
+        validate_sampling(r.sampling.temperature, r.sampling.top_p, r.sampling.seed)
+        if any(not isinstance(s, str) or not s for s in r.stop):
+            raise InvalidRequest("stop strings must be non-empty strings")
+        return resolve_mode(r.mode, self._draft_kind, self._modes)
+
+    # ----- the engine thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            models = self._load_models()
+        except BaseException as e:  # re-raised by the constructor
+            self._startup_error = e
+            self._free()
+            self._ready.set()
+            return
+        with self._lock:
+            self._accepting = not self._closed
+        self._ready.set()
+        sessions: dict[str, Session] = {}
+        try:
+            while self._handle_commands(models, sessions, block=not sessions):
+                for s in list(sessions.values()):
+                    self._advance(s, sessions)
+        except BaseException:
+            log.exception("engine thread crashed")
+            raise
+        finally:
+            with self._lock:
+                self._accepting = False
+            for s in list(sessions.values()):
+                self._end(s, sessions, "cancelled")
+            self._cancel_queued()
+            del models, sessions
+            self._free()
+
+    def _load_models(self) -> LoadedModels:
+        """Loads the target (and draft) with mlx_lm.load and warms them up; engine thread only."""
+        cfg = self.config
+        target, tokenizer = mlx_load(str(cfg.model_path))
+        draft = None
+        if cfg.draft_path is not None:
+            draft, draft_tokenizer = mlx_load(str(cfg.draft_path))
+            if draft_tokenizer.vocab_size != tokenizer.vocab_size:
+                log.warning("draft %s has vocabulary %d, target %d: acceptance may suffer",
+                            cfg.draft_path, draft_tokenizer.vocab_size, tokenizer.vocab_size)
+        models = LoadedModels(target, tokenizer, frozenset(tokenizer.eos_token_ids), draft, self._draft_kind)
+        if cfg.warmup:
+            self._warmup(models)
+        return models
+
+    def _warmup(self, m: LoadedModels) -> None:
+        """Runs plain decoding and the loaded draft's mode (greedy and sampled) for a few tokens,
+        so the first requests do not pay for lazy initialization and compilation."""
+        prompt = (0, 1, 2, 3)
+        for key in dict.fromkeys(("plain", resolve_mode("auto", m.draft_kind, self._modes))):
+            for temperature in (0.0, 1.0):
+                req = GenerationRequest(f"warmup-{key}", prompt, self.config.num_draft_tokens + 2)
+                sampler = sampler_for(SamplingParams(temperature=temperature, seed=0))
+                steps, _ = self._modes[key].start(m, self.config, req, sampler)
+                for _ in steps:
+                    pass
+        mx.clear_cache()
+
+    def _handle_commands(self, m: LoadedModels, sessions: dict[str, Session], block: bool) -> bool:
+        """Drains the command queue (waiting for one command when `block`); False on Shutdown."""
+        try:
+            cmd = self._commands.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            if isinstance(cmd, Shutdown):
+                return False
+            if isinstance(cmd, Submit):
+                self._start_session(m, cmd, sessions)
+            elif isinstance(cmd, Abort) and cmd.request_id in sessions:
+                self._end(sessions[cmd.request_id], sessions, "cancelled")
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _start_session(self, m: LoadedModels, cmd: Submit, sessions: dict[str, Session]) -> None:
+        req = cmd.request
+        try:
+            sampler = sampler_for(req.sampling)
+            steps, caches = self._modes[cmd.mode].start(m, self.config, req, sampler)
+            s = Session(req, cmd.emit, steps, caches, TextAssembler(m.tokenizer, req.stop), m.eos_ids,
+                        cmd.received_s, new_stats(req, cmd.mode))
+        except Exception as e:
+            log.exception("request %s failed to start", req.request_id)
+            self._release(req.request_id)
+            _safe_emit(cmd.emit, ErrorEvent(req.request_id, e))
+            return
+        sessions[req.request_id] = s
+        self._publish(sessions)
+
+    def _advance(self, s: Session, sessions: dict[str, Session]) -> None:
+        """Advances one session by one step; ends it when it finishes or fails."""
+        try:
+            step = next(s.steps, None)
+            if step is None:  # ended without reaching EOS or max_tokens (not the base contract)
+                s.flush()
+                self._end(s, sessions, "length")
+                return
+            s.on_step(step, self._clock())
+        except Exception as e:
+            log.exception("request %s failed", s.request.request_id)
+            self._end(s, sessions, None, error=e)
+            return
+        if s.done_reason:
+            self._end(s, sessions, s.done_reason)
+
+    def _end(self, s: Session, sessions: dict[str, Session], reason: str | None,
+             error: Exception | None = None) -> None:
+        """Closes the session's generator (its finally rolls the caches back), releases its
+        capacity, then emits DoneEvent(reason) or ErrorEvent(error)."""
+        rid = s.request.request_id
+        try:
+            s.steps.close()
+        except Exception:
+            log.exception("request %s: closing its generator failed", rid)
+        sessions.pop(rid, None)
+        self._publish(sessions)
+        self._release(rid)
+        event = ErrorEvent(rid, error) if error is not None else s.done_event(reason, self._clock())
+        _safe_emit(s.emit, event)
+
+    def _cancel_queued(self) -> None:
+        """After Shutdown: requests admitted but never started end as cancelled."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, Submit):
+                self._release(cmd.request.request_id)
+                done = DoneEvent(cmd.request.request_id, "cancelled", new_stats(cmd.request, cmd.mode))
+                _safe_emit(cmd.emit, done)
+
+    def _release(self, request_id: str) -> None:
+        with self._lock:
+            self._admitted.discard(request_id)
+
+    def _publish(self, sessions: dict[str, Session]) -> None:
+        self._resident = tuple(sessions.values())
+
+    def _free(self) -> None:
+        """Drops MLX buffers and this thread's streams. MLX requires `clear_streams` before a
+        thread that used it exits, or the process may abort at exit (ml-explore/mlx PR #3395)."""
+        self._resident = ()
+        gc.collect()
+        mx.clear_cache()
+        mx.clear_streams()
+
+
+def _safe_emit(emit: EmitFn, event: Any) -> None:
+    """Calls a request's callback; its failure is logged and never stops the engine."""
+    try:
+        emit(event)
+    except Exception:
+        log.exception("emit failed for %s", getattr(event, "request_id", "?"))
+
+
+def _read_model_config(path: Path, what: str) -> dict:
+    """Reads `path/config.json`, raising FileNotFoundError with a clear message when absent."""
+    if not path.is_dir():
+        raise FileNotFoundError(f"{what} directory {path} does not exist")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{what} directory {path} has no config.json (not an mlx-lm model directory)")
+    return json.loads(cfg_file.read_text())
+
+
+def _check_messages(messages: Any) -> None:
+    """Raises InvalidRequest naming the first malformed chat message and what is wrong with it."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages must be a non-empty list of {'role', 'content'} objects")
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, Mapping):
+            raise InvalidRequest(f"messages[{i}] must be an object with 'role' and 'content', got {type(msg).__name__}")
+        role = msg.get("role")
+        if role not in CHAT_ROLES:
+            raise InvalidRequest(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {role!r}")
+        if not isinstance(msg.get("content"), str):
+            raise InvalidRequest(f"messages[{i}].content must be a string; got {type(msg.get('content')).__name__}")
