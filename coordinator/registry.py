@@ -41,8 +41,14 @@ class WorkerRecord:
     served_requests: int = 0
     model_names: frozenset[str] = field(default=frozenset())
 
-    def serves(self, model: str) -> bool:
-        return model in self.model_names
+    def serves(self, model: str, mode: int = common_pb2.DECODE_MODE_AUTO) -> bool:
+        """True when the worker serves `model` and, for a speculative mode (DRAFT, DFLASH, UAG),
+        has a draft of that kind loaded."""
+        if model not in self.model_names:
+            return False
+        if mode in (common_pb2.DECODE_MODE_AUTO, common_pb2.DECODE_MODE_PLAIN):
+            return True
+        return any(m.name == model and m.draft_mode == mode for m in self.models)
 
     @property
     def capacity(self) -> int:

@@ -12,6 +12,7 @@ import time
 from typing import Callable, Iterable
 
 from coordinator.registry import WorkerRecord
+from flashfleet.v1 import common_pb2
 
 
 class NoWorker(LookupError):
@@ -90,19 +91,25 @@ class SessionAffinity:
 
 
 def route(model: str, session_id: str, workers: Iterable[WorkerRecord], exclude: set[str],
-          router: PowerOfTwoRouter, affinity: SessionAffinity) -> WorkerRecord:
+          router: PowerOfTwoRouter, affinity: SessionAffinity,
+          mode: int = common_pb2.DECODE_MODE_AUTO) -> WorkerRecord:
     """Chooses the worker for one attempt of a request.
 
-    The session's worker wins while it is live, serves the model, has room and was not tried;
+    Only workers serving the model (with a draft of the right kind for a speculative `mode`) are
+    eligible. The session's worker wins while it is live, eligible, has room and was not tried;
     otherwise the router picks among the other eligible workers.
 
     Raises:
         NoWorker: no live worker serves the model.
         AllBusy: all that do are full or already tried.
     """
-    serving = [w for w in workers if w.serves(model)]
-    if not serving:
+    workers = list(workers)
+    if not any(w.serves(model) for w in workers):
         raise NoWorker(f"no live worker serves model {model!r}")
+    serving = [w for w in workers if w.serves(model, mode)]
+    if not serving:
+        raise NoWorker(f"no live worker serving {model!r} has a draft for decode mode "
+                       f"{common_pb2.DecodeMode.Name(mode)}")
     eligible = [w for w in serving if w.worker_id not in exclude]
     sticky = affinity.lookup(session_id)
     for w in eligible:

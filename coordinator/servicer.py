@@ -140,7 +140,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     self.metrics.retries.labels(model=request.model).inc()
                 try:
                     worker = route(request.model, request.session_id, self.registry.live(), tried,
-                                   self.router, self.affinity)
+                                   self.router, self.affinity, request.mode)
                 except AllBusy:
                     if last_failure is not None:  # report why the tried workers failed
                         raise last_failure from None

@@ -10,8 +10,8 @@ import pytest
 
 from flashfleet import AsyncClient, Client
 from flashfleet.errors import (DeadlineExceeded, InvalidArgument, ModelNotFound, Overloaded)
-from tests.fakes import FakeEngine
-from tests.harness import start_cluster
+from fakes import FakeEngine
+from harness import start_cluster
 from worker.engine.types import Overloaded as EngineOverloaded
 
 
