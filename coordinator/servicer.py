@@ -97,7 +97,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if self.metrics:
             self.metrics.observe_queue(request.model, queue_s)
         self.affinity.bind(request.session_id, worker.worker_id)
-        worker.in_flight += 1
         sent_tokens = 0
         outcome = "cancelled"
         try:
@@ -126,7 +125,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         UNAVAILABLE / RESOURCE_EXHAUSTED (bounded attempts, exponential backoff with jitter).
 
         Returns:
-            (worker, call, first response).
+            (worker, call, first response); the worker's in_flight count includes this request.
         """
         cfg = self.config
         retrying = AsyncRetrying(
@@ -146,12 +145,19 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                         raise last_failure from None
                     raise
                 tried.add(worker.worker_id)
+                # Reserve the slot now, so concurrent requests routed before this one's first
+                # token see the worker as busy (heartbeat loads lag by seconds).
+                worker.in_flight += 1
                 remaining = context.time_remaining()
                 call = self.pool.stub(worker.address).Generate(
                     request, timeout=remaining if remaining is not None else None)
                 try:
                     first = await call.read()
-                except grpc.aio.AioRpcError as e:
+                except BaseException as e:
+                    worker.in_flight -= 1
+                    if not isinstance(e, grpc.aio.AioRpcError):
+                        call.cancel()
+                        raise
                     log.info("worker %s refused %s: %s %s", worker.worker_id, request.request_id,
                              e.code().name, e.details())
                     last_failure = _WorkerFailed(worker, e)

@@ -1,0 +1,107 @@
+"""End to end on a real pretrained model (SmolLM2-135M-Instruct, fetched once into the cache from
+PyPI registry packages): `flashfleet up`'s LocalCluster of real processes answers over gRPC with
+exactly mlx-lm's own greedy tokens."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from flashfleet import Client
+from flashfleet.cli.up import LocalCluster
+
+MODEL = "SmolLM2-135M-Instruct"
+pytestmark = pytest.mark.real_model
+
+
+@pytest.fixture(scope="module")
+def smollm_dir():
+    from flashfleet.models import fetch_model
+    from flashfleet.models.fetch import FetchError
+    try:
+        return fetch_model(MODEL, progress=False)
+    except FetchError as e:  # no package index reachable: nothing to test against
+        pytest.skip(f"cannot fetch {MODEL}: {e}")
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm_dir, tmp_path_factory):
+    with LocalCluster(MODEL, workers=2, capacity=2,
+                      log_dir=tmp_path_factory.mktemp("logs")) as c:
+        yield c
+
+
+def mlx_lm_greedy(model_dir, messages, max_tokens):
+    """Token ids from mlx-lm's own generate_step, greedy, stopping at EOS (EOS excluded)."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+    model, tokenizer = load(str(model_dir))
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    out = []
+    for tok, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
+        if int(tok) in tokenizer.eos_token_ids:
+            break
+        out.append(int(tok))
+    return out, tokenizer
+
+
+QUESTIONS = ["What is the capital of France?",
+             "Write a Python function that reverses a string."]
+
+
+def test_cluster_greedy_equals_mlx_lm_token_for_token(cluster, smollm_dir):
+    with Client(cluster.address) as client:
+        for q in QUESTIONS:
+            messages = [{"role": "user", "content": q}]
+            want, tokenizer = mlx_lm_greedy(smollm_dir, messages, 48)
+            done = client.complete(MODEL, messages=messages, max_tokens=48)
+            assert done.token_ids == want, q
+            assert done.text == tokenizer.decode(want)
+    assert "Paris" in client_answer(cluster, QUESTIONS[0])
+
+
+def client_answer(cluster, question):
+    with Client(cluster.address) as client:
+        return client.complete(MODEL, messages=[{"role": "user", "content": question}],
+                               max_tokens=24).text
+
+
+def test_both_worker_processes_serve_concurrent_clients(cluster):
+    import threading
+    served, errors = [], []
+
+    def one(i):
+        try:
+            with Client(cluster.address) as client:
+                served.append(client.complete(MODEL, prompt=f"Count to {i + 3}:", max_tokens=24))
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    [t.start() for t in threads]
+    [t.join(120) for t in threads]
+    assert not errors
+    assert {r.worker_id for r in served} == {"worker-1", "worker-2"}
+    assert all(r.stats.ttft_s > 0 and r.stats.tokens_per_s > 0 for r in served)
+
+
+def test_flashfleet_up_stops_cleanly_on_sigterm(smollm_dir, tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "flashfleet.cli", "up", "--workers", "1",
+                             "--port", "0", "--log-dir", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        lines.append(line)
+        if "cluster ready" in line or proc.poll() is not None:
+            break
+    assert any("cluster ready" in l for l in lines), "".join(lines)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "stopping cluster" in out
