@@ -16,7 +16,7 @@ def build_request(
     prompt: str | None = None,
     *,
     messages: Iterable[Mapping[str, str]] | None = None,
-    max_tokens: int = 256,
+    max_tokens: int | None = 256,
     temperature: float | None = None,
     top_p: float | None = None,
     seed: int | None = None,
@@ -39,8 +39,10 @@ def build_request(
     if mode not in DECODE_MODES:
         raise InvalidArgument(f"unknown mode {mode!r}; use one of {sorted(DECODE_MODES)}")
     req = common_pb2.GenerateRequest(
-        model=model, max_tokens=max_tokens, stop=list(stop), session_id=session_id,
-        request_id=request_id, mode=DECODE_MODES[mode])
+        model=model, stop=list(stop), session_id=session_id, request_id=request_id,
+        mode=DECODE_MODES[mode])
+    if max_tokens is not None:
+        req.max_tokens = max_tokens
     if prompt is not None:
         req.prompt = prompt
     else:
@@ -83,7 +85,7 @@ def validate_request(req: common_pb2.GenerateRequest) -> None:
                     f"messages[{i}].role is {m.role!r}; use one of {', '.join(CHAT_ROLES)}")
         if not any(m.content.strip() for m in req.messages.messages):
             raise InvalidArgument("every chat message is empty")
-    if req.max_tokens < 0:
+    if req.HasField("max_tokens") and req.max_tokens <= 0:
         raise InvalidArgument(f"max_tokens must be > 0, got {req.max_tokens}")
     if req.HasField("temperature") and not (req.temperature >= 0 and math.isfinite(req.temperature)):
         raise InvalidArgument(f"temperature must be a finite number >= 0, got {req.temperature}")

@@ -125,6 +125,7 @@ def test_deadline_propagates_and_frees_the_worker():
     (dict(prompt=""), "prompt is empty"),
     (dict(prompt="   "), "prompt is empty"),
     (dict(prompt="hi", max_tokens=-1), "max_tokens"),
+    (dict(prompt="hi", max_tokens=0), "max_tokens"),
     (dict(prompt="hi", temperature=-0.5), "temperature"),
     (dict(prompt="hi", temperature=float("nan")), "temperature"),
     (dict(prompt="hi", top_p=0.0), "top_p"),
@@ -208,3 +209,9 @@ def test_worker_health_and_reflection(cluster):
         with grpc.insecure_channel(address) as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_unset_max_tokens_takes_the_worker_default(cluster):
+    with Client(cluster.address) as client:
+        done = client.complete("fake-model", prompt="abc", max_tokens=None)
+    assert done.finish_reason == "length" and len(done.token_ids) == 256

@@ -70,8 +70,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 self.engine.encode_prompt,
                 request.prompt if request.WhichOneof("input") == "prompt" else None,
                 convert.messages_of(request))
-            max_tokens = request.max_tokens or min(DEFAULT_MAX_TOKENS,
-                                                   model.max_context_tokens - len(prompt_tokens))
+            max_tokens = request.max_tokens if request.HasField("max_tokens") else max(
+                1, min(DEFAULT_MAX_TOKENS, model.max_context_tokens - len(prompt_tokens)))
             self.engine.submit(convert.generation_request(request, prompt_tokens, max_tokens), emit)
         except tuple(ENGINE_ERROR_CODES) as e:
             self._outcome(type(e).__name__.lower())
