@@ -8,26 +8,66 @@ import sys
 
 from coordinator.config import CoordinatorConfig
 
+# Built-in defaults; a --config file's values come before them, command-line flags before both.
+DEFAULTS = {"host": "127.0.0.1", "port": 50051, "lease_ttl_s": 10.0, "heartbeat_interval_s": 2.0,
+            "route_attempts": 3, "log_level": "INFO"}
 
-def main(argv: list[str] | None = None) -> int:
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Parses the command line, filling options it leaves unset from --config's [coordinator]
+    table, then from DEFAULTS.
+
+    Raises:
+        flashfleet.config.ConfigError: an unreadable or invalid config file.
+    """
     p = argparse.ArgumentParser(prog="python -m coordinator", description=__doc__)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for a LAN)")
-    p.add_argument("--port", type=int, default=50051, help="gRPC port (0 = any free port)")
-    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
-    p.add_argument("--lease-ttl-s", type=float, default=10.0)
-    p.add_argument("--heartbeat-interval-s", type=float, default=2.0)
-    p.add_argument("--route-attempts", type=int, default=3)
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--config", default=None, help="cluster config file (TOML, see "
+                   "deploy/cluster.toml); flags override its values")
+    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; 0.0.0.0 "
+                   "for a LAN)")
+    p.add_argument("--port", type=int, default=None, help="gRPC port (default 50051; 0 = any "
+                   "free port)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="Prometheus /metrics port (omit or 0: no endpoint)")
+    p.add_argument("--lease-ttl-s", type=float, default=None, help="default 10")
+    p.add_argument("--heartbeat-interval-s", type=float, default=None, help="default 2")
+    p.add_argument("--route-attempts", type=int, default=None, help="default 3")
+    p.add_argument("--log-level", default=None)
     a = p.parse_args(argv)
-    logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if a.config:
+        from flashfleet.config import load_cluster_config
+
+        cfg = load_cluster_config(a.config)
+        if cfg.tls is not None:
+            cfg.tls.read()  # bad paths are reported first
+            p.error(f"{a.config} configures [tls], but the coordinator serves plaintext gRPC "
+                    "only; remove [tls] (docs/operations.md: TLS)")
+        for key, value in cfg.coordinator_settings().items():
+            if getattr(a, key) is None:
+                setattr(a, key, value)
+    for key, value in DEFAULTS.items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
     if a.route_attempts < 1 or a.lease_ttl_s <= a.heartbeat_interval_s:
         p.error("need --route-attempts >= 1 and --lease-ttl-s > --heartbeat-interval-s")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    from flashfleet.config import ConfigError
+
+    try:
+        a = parse_args(argv)
+    except ConfigError as e:
+        print(f"coordinator: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from coordinator.server import serve
     config = CoordinatorConfig(host=a.host, port=a.port, lease_ttl_s=a.lease_ttl_s,
                                heartbeat_interval_s=a.heartbeat_interval_s,
                                route_attempts=a.route_attempts)
     try:
-        asyncio.run(serve(config, a.metrics_port))
+        asyncio.run(serve(config, a.metrics_port or None))
     except RuntimeError as e:
         print(f"coordinator: {e}", file=sys.stderr)
         return 1

@@ -13,25 +13,74 @@ import logging
 import signal
 import socket
 import sys
+import time
+
+
+# Built-in defaults; a --config file's values come before them, command-line flags before both.
+DEFAULTS = {"model_name": "", "num_draft_tokens": 3, "capacity": 4, "host": "127.0.0.1",
+            "port": 0, "log_level": "INFO"}
+MODEL_SETTINGS = ("model", "model_name", "draft", "num_draft_tokens", "max_context_tokens")
 
 
 def parse_args(argv):
+    """Parses the command line, filling options it leaves unset from --config's entry for this
+    worker (found by --worker-id, else by hostname), then from DEFAULTS.
+
+    Raises:
+        flashfleet.config.ConfigError: an unreadable or invalid config file, or no entry for
+            this worker in it.
+    """
     p = argparse.ArgumentParser(prog="python -m worker", description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="model name (flashfleet models list) or local "
-                   "HF/MLX model directory")
-    p.add_argument("--model-name", default="", help="name clients use (default: --model's name)")
+    p.add_argument("--config", default=None, help="cluster config file (TOML, see "
+                   "deploy/cluster.toml); flags override its values")
+    p.add_argument("--model", default=None, help="model name (flashfleet models list) or local "
+                   "HF/MLX model directory (required without --config)")
+    p.add_argument("--model-name", default=None, help="name clients use (default: --model's name)")
     p.add_argument("--draft", default=None, help="same-tokenizer draft model (name or directory)")
-    p.add_argument("--num-draft-tokens", type=int, default=3)
-    p.add_argument("--capacity", type=int, default=4, help="sessions admitted at once")
+    p.add_argument("--num-draft-tokens", type=int, default=None, help="default 3")
+    p.add_argument("--capacity", type=int, default=None, help="sessions admitted at once (default 4)")
     p.add_argument("--max-context-tokens", type=int, default=None)
     p.add_argument("--coordinator", default=None, help="coordinator host:port (omit: standalone)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="gRPC port (0 = any free port)")
+    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="gRPC port (default 0 = any free port)")
     p.add_argument("--advertise-host", default=None, help="host the coordinator dials")
-    p.add_argument("--worker-id", default=socket.gethostname())
-    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
-    p.add_argument("--log-level", default="INFO")
-    return p.parse_args(argv)
+    p.add_argument("--worker-id", default=None, help="id in the fleet (default: hostname)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="Prometheus /metrics port (omit or 0: no endpoint)")
+    p.add_argument("--chip", default=None, help="Apple chip for the peak-bandwidth table, e.g. "
+                   "'M4 Pro' (default: detected on macOS)")
+    p.add_argument("--peak-memory-bandwidth-gbs", type=float, default=None,
+                   help="peak memory bandwidth in GB/s (default: from the chip table)")
+    p.add_argument("--kv-cache-limit-bytes", type=int, default=None, help="KV-cache budget "
+                   "for metrics and alerts (default: 75%% of memory minus the weights)")
+    p.add_argument("--log-level", default=None)
+    a = p.parse_args(argv)
+    if a.config:
+        from flashfleet.config import load_cluster_config
+
+        cfg = load_cluster_config(a.config)
+        if cfg.tls is not None:
+            cfg.tls.read()  # bad paths are reported first
+            p.error(f"{a.config} configures [tls], but workers serve plaintext gRPC only; "
+                    "remove [tls] (docs/operations.md: TLS)")
+        settings = cfg.worker_settings(cfg.worker(a.worker_id))
+        if a.model:  # another model than the entry's: none of the entry's model settings apply
+            for key in MODEL_SETTINGS:
+                settings.pop(key)
+        for key, value in settings.items():
+            if getattr(a, key) is None:
+                setattr(a, key, value)
+    for key, value in DEFAULTS.items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    if a.worker_id is None:
+        a.worker_id = socket.gethostname()
+    if not a.model:
+        p.error("--model is required (or --config FILE with an entry for this worker)")
+    for key in ("peak_memory_bandwidth_gbs", "kv_cache_limit_bytes"):
+        if getattr(a, key) is not None and getattr(a, key) <= 0:
+            p.error(f"--{key.replace('_', '-')} must be > 0")
+    return a
 
 
 def build_engine(a):
@@ -56,15 +105,15 @@ def build_engine(a):
 async def serve(a, engine) -> None:
     from prometheus_client import CollectorRegistry, start_http_server
 
-    from worker.metrics import WorkerMetrics
+    from worker.metrics import MachineInfo, WorkerMetrics
     from worker.server import start_worker
 
     registry = CollectorRegistry()
-    metrics = WorkerMetrics(registry, engine)
-    metrics.model_info.info({"model": engine.model.name, "draft": engine.model.draft,
-                             "draft_mode": engine.model.draft_mode,
-                             "max_context_tokens": str(engine.model.max_context_tokens)})
-    if a.metrics_port is not None:
+    machine = MachineInfo.detect(a.chip, a.peak_memory_bandwidth_gbs, a.kv_cache_limit_bytes)
+    metrics = WorkerMetrics(registry, engine, machine)
+    if getattr(a, "load_seconds", None) is not None:
+        metrics.model_load_seconds.labels(model=engine.model.name).set(a.load_seconds)
+    if a.metrics_port:
         start_http_server(a.metrics_port, addr=a.host, registry=registry)
     running = await start_worker(engine, a.worker_id, a.host, a.port, a.coordinator,
                                  a.advertise_host, metrics)
@@ -80,10 +129,18 @@ async def serve(a, engine) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
+    from flashfleet.config import ConfigError
+
+    try:
+        a = parse_args(argv)
+    except ConfigError as e:
+        print(f"worker: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        started = time.perf_counter()
         engine = build_engine(a)
+        a.load_seconds = time.perf_counter() - started
     except (FileNotFoundError, ValueError) as e:
         print(f"worker: cannot start: {e}", file=sys.stderr)
         return 2

@@ -46,6 +46,10 @@ class LocalCluster:
         capacity: sessions each worker admits at once.
         log_dir: where each process logs (default: a new temporary directory).
         metrics_port: coordinator /metrics port; workers get the following ports (None = off).
+        worker_args: extra flags for every worker (they override the config file's values).
+        config: a cluster config file (flashfleet/config.py). Each of its [[workers]] entries
+            becomes a local worker process reading its model, draft and capacity from the file
+            (the first `workers` entries when `workers` is given); addresses stay local.
 
     Use as a context manager; stop() terminates every child (SIGTERM, then SIGKILL after 10 s).
     """
@@ -53,7 +57,17 @@ class LocalCluster:
     def __init__(self, model: str = DEFAULT_MODEL, workers: int = 2, port: int = 0,
                  host: str = "127.0.0.1", draft: str | None = None, capacity: int = 4,
                  log_dir: str | Path | None = None, metrics_port: int | None = None,
-                 worker_args: tuple[str, ...] = ()):
+                 worker_args: tuple[str, ...] = (), config: str | Path | None = None):
+        self.config = self.worker_ids = None
+        if config is not None:
+            from flashfleet.config import ConfigError, load_cluster_config
+
+            cfg = load_cluster_config(config)
+            if workers > len(cfg.workers):
+                raise ConfigError(f"{config} has {len(cfg.workers)} [[workers]] entries, "
+                                  f"{workers} requested")
+            self.config, model = Path(config).resolve(), cfg.workers[0].model
+            self.worker_ids = [w.id for w in cfg.workers[:workers]]
         if workers < 1:
             raise ValueError("workers must be >= 1")
         self.model, self.n_workers, self.host = model, workers, host
@@ -88,19 +102,22 @@ class LocalCluster:
             RuntimeError: a process exited during start-up (its log's tail is in the message), or
                 the workers were not all registered within timeout_s.
         """
-        coord = ["coordinator", "--host", self.host, "--port", str(self.port)]
-        if self.metrics_port:
-            coord += ["--metrics-port", str(self.metrics_port)]
+        conf = ["--config", str(self.config)] if self.config else []
+        coord = ["coordinator", *conf, "--host", self.host, "--port", str(self.port),
+                 "--metrics-port", str(self.metrics_port or 0)]
         self._spawn("coordinator", coord)
         env = worker_env()
         for i in range(self.n_workers):
-            args = ["worker", "--model", self.model, "--coordinator", self.address,
-                    "--host", self.host, "--port", "0", "--worker-id", f"worker-{i + 1}",
-                    "--capacity", str(self.capacity), *self.worker_args]
-            if self.draft:
-                args += ["--draft", self.draft]
-            if self.metrics_port:
-                args += ["--metrics-port", str(self.metrics_port + 1 + i)]
+            args = ["worker", *conf, "--coordinator", self.address, "--host", self.host,
+                    "--port", "0", "--advertise-host", self.host,
+                    "--metrics-port", str(self.metrics_port + 1 + i if self.metrics_port else 0)]
+            if self.config:  # model, draft and capacity come from the entry
+                args += ["--worker-id", self.worker_ids[i], *self.worker_args]
+            else:
+                args += ["--model", self.model, "--worker-id", f"worker-{i + 1}",
+                         "--capacity", str(self.capacity), *self.worker_args]
+                if self.draft:
+                    args += ["--draft", self.draft]
             self._spawn(f"worker-{i + 1}", args, env)
         progress(f"coordinator {self.address}; {self.n_workers} worker(s) loading {self.model} "
                  f"(logs in {self.log_dir})")
@@ -159,18 +176,39 @@ class LocalCluster:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="flashfleet up", description=__doc__)
-    p.add_argument("--model", default=DEFAULT_MODEL, help="model name or local model directory")
+    p.add_argument("--config", default=None, help="cluster config file (deploy/cluster.toml): "
+                   "one local worker per [[workers]] entry, with its model, draft and capacity; "
+                   "the flags below override it")
+    p.add_argument("--model", default=None, help=f"model name or local model directory "
+                   f"(default {DEFAULT_MODEL})")
     p.add_argument("--draft", default=None, help="draft model (name or directory) for speculative decoding")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--port", type=int, default=50051, help="coordinator port")
+    p.add_argument("--workers", type=int, default=None, help="default 2, or every config entry")
+    p.add_argument("--port", type=int, default=None, help="coordinator port (default 50051)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--capacity", type=int, default=4, help="sessions per worker")
+    p.add_argument("--capacity", type=int, default=None, help="sessions per worker (default 4)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="coordinator /metrics port; worker i gets this + i")
     p.add_argument("--log-dir", default=None)
     a = p.parse_args(argv)
-    cluster = LocalCluster(a.model, a.workers, a.port, a.host, a.draft, a.capacity, a.log_dir,
-                           a.metrics_port)
+    if a.config:
+        from flashfleet.config import ConfigError, load_cluster_config
+
+        try:
+            cfg = load_cluster_config(a.config)
+            overrides = [*(["--model", a.model] if a.model else []),
+                         *(["--draft", a.draft] if a.draft else []),
+                         *(["--capacity", str(a.capacity)] if a.capacity else [])]
+            cluster = LocalCluster(
+                workers=a.workers or len(cfg.workers), port=a.port or cfg.coordinator.port,
+                host=a.host, log_dir=a.log_dir,
+                metrics_port=a.metrics_port or cfg.coordinator.metrics_port,
+                worker_args=tuple(overrides), config=a.config)
+        except (ConfigError, ValueError) as e:
+            print(f"flashfleet up: {e}", file=sys.stderr)
+            return 2
+    else:
+        cluster = LocalCluster(a.model or DEFAULT_MODEL, a.workers or 2, a.port or 50051, a.host,
+                               a.draft, a.capacity or 4, a.log_dir, a.metrics_port)
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -184,7 +222,7 @@ def main(argv: list[str]) -> int:
         print(f"flashfleet up: {e}", file=sys.stderr)
         return 1
     print(f"cluster ready: coordinator at {cluster.address}\n"
-          f"  try: flashfleet generate --address {cluster.address} --model {a.model} "
+          f"  try: flashfleet generate --address {cluster.address} --model {cluster.model} "
           f"\"What is a GPU?\"\nCtrl-C stops everything.", flush=True)
     try:
         while not stop["now"]:

@@ -36,6 +36,7 @@ from worker.engine.types import (
     Overloaded,
     SamplingParams,
 )
+from worker.metrics import model_footprint  # observability: bytes a decode step reads
 from worker.sampling import sampler_for, validate_sampling
 
 log = logging.getLogger(__name__)
@@ -143,11 +144,19 @@ class Engine:
             )
         self._vocab_size: int | None = model_cfg.get("vocab_size")
         self._draft_kind = "draft" if config.draft_path is not None else ""
+        # Observability only: weights and KV bytes per token, from config.json and file sizes.
+        target_fp = model_footprint(config.model_path)
+        draft_fp = model_footprint(config.draft_path) if config.draft_path is not None else None
         self._model = ModelDescription(
             name=config.served_name,
             max_context_tokens=int(context),
             draft=config.draft_path.name if config.draft_path is not None else "",
             draft_mode=self._draft_kind,
+            weights_bytes=target_fp.weights_bytes,
+            kv_bytes_per_token=target_fp.kv_bytes_per_token,
+            draft_weights_bytes=draft_fp.weights_bytes if draft_fp else 0,
+            draft_kv_bytes_per_token=draft_fp.kv_bytes_per_token if draft_fp else 0,
+            num_draft_tokens=config.num_draft_tokens if draft_fp else 0,
         )
         self._encode_tokenizer = load_tokenizer(config.model_path)
 

@@ -124,6 +124,13 @@ class ModelDescription:
     max_context_tokens: int
     draft: str = ""
     draft_mode: str = ""  # "", "draft", "dflash" or "uag"
+    # Memory footprint, for the worker's bandwidth and KV metrics (0 = unknown); see
+    # worker.metrics.model_footprint.
+    weights_bytes: int = 0
+    kv_bytes_per_token: int = 0
+    draft_weights_bytes: int = 0
+    draft_kv_bytes_per_token: int = 0
+    num_draft_tokens: int = 0  # draft tokens per speculative cycle (k); 0 without a draft
 
 
 @dataclass(frozen=True)

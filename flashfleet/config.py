@@ -1,0 +1,360 @@
+"""The cluster config file (TOML) that `flashfleet up`, `python -m coordinator` and
+`python -m worker` read with `--config FILE`; command-line flags override its values.
+
+One file describes the whole fleet (an example with every key: deploy/cluster.toml):
+
+    [coordinator]                 # where it listens and what workers dial
+    host = "0.0.0.0"
+    port = 50051
+    address = "coordinator.local:50051"
+    metrics_port = 9400
+
+    [[models]]                    # what can be served
+    name = "Qwen2.5-Coder-1.5B-Instruct"
+    draft = "Qwen2.5-Coder-0.5B-Instruct"
+
+    [worker]                      # defaults for every worker entry
+    model = "Qwen2.5-Coder-1.5B-Instruct"
+    port = 50052
+    metrics_port = 9401
+
+    [[workers]]                   # one per host; a worker finds its entry by id or hostname
+    id = "mini-1"
+    advertise_host = "mini-1.local"
+    chip = "M4 Pro"
+
+    [tls]                         # optional: PEM files on every host
+    ca_file = "/opt/flashfleet/tls/ca.pem"
+    cert_file = "/opt/flashfleet/tls/server.pem"
+    key_file = "/opt/flashfleet/tls/server.key"
+
+Everything is parsed into frozen dataclasses; an unknown key, a wrong type or a missing value is a
+`ConfigError` that names the file, the table and the key. TLS: the paths are validated and turned
+into gRPC credentials by `TLSConfig` (`server_credentials`, `channel_credentials`); the services do
+not serve TLS yet, so they refuse to start when `[tls]` is set rather than fall back to plaintext.
+"""
+from __future__ import annotations
+
+import dataclasses
+import socket
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """The cluster config file is missing, malformed, or names something that does not exist."""
+
+
+@dataclass(frozen=True)
+class CoordinatorSection:
+    """`[coordinator]`.
+
+    Attributes:
+        host: address the coordinator binds ("0.0.0.0" for a LAN).
+        port: its gRPC port.
+        address: "host:port" that workers and clients dial ("" = host:port, or 127.0.0.1:port
+            when host is a wildcard).
+        metrics_port: its Prometheus /metrics port (None = no endpoint).
+        lease_ttl_s, heartbeat_interval_s, route_attempts: as in CoordinatorConfig.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    address: str = ""
+    metrics_port: int | None = None
+    lease_ttl_s: float = 10.0
+    heartbeat_interval_s: float = 2.0
+    route_attempts: int = 3
+
+    @property
+    def dial_address(self) -> str:
+        """The address workers dial."""
+        if self.address:
+            return self.address
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"{host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One `[[models]]` entry.
+
+    Attributes:
+        name: the name clients request.
+        path: catalog name or local model directory to load ("" = name).
+        draft: same-tokenizer draft model (catalog name or directory; "" = none).
+        num_draft_tokens: draft tokens per speculative cycle.
+        max_context_tokens: context limit override (None = the model's own).
+    """
+
+    name: str
+    path: str = ""
+    draft: str = ""
+    num_draft_tokens: int = 3
+    max_context_tokens: int | None = None
+
+    @property
+    def source(self) -> str:
+        """What the worker loads: `path`, or the name (a catalog model)."""
+        return self.path or self.name
+
+
+@dataclass(frozen=True)
+class WorkerEntry:
+    """One `[[workers]]` entry, with `[worker]` defaults applied.
+
+    Attributes:
+        id: worker id in the fleet (unique).
+        model: name of a `[[models]]` entry.
+        host: address the worker binds.
+        advertise_host: host the coordinator dials ("" = the id).
+        port: gRPC port (0 = any free port).
+        metrics_port: Prometheus /metrics port (None = no endpoint).
+        capacity: sessions admitted at once.
+        chip: Apple chip, e.g. "M4 Pro" ("" = detect).
+        peak_memory_bandwidth_gbs: overrides the chip table (GB/s).
+        kv_cache_limit_bytes: KV budget shown and alerted on (None = derived from memory).
+    """
+
+    id: str
+    model: str
+    host: str = "0.0.0.0"
+    advertise_host: str = ""
+    port: int = 50052
+    metrics_port: int | None = None
+    capacity: int = 4
+    chip: str = ""
+    peak_memory_bandwidth_gbs: float | None = None
+    kv_cache_limit_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """`[tls]`: PEM files of the cluster's CA and of this host's certificate and key.
+
+    Attributes:
+        ca_file: CA certificate that signs every host's certificate.
+        cert_file, key_file: this host's certificate chain and private key.
+    """
+
+    ca_file: str
+    cert_file: str
+    key_file: str
+
+    def read(self) -> tuple[bytes, bytes, bytes]:
+        """Returns (ca, cert, key) PEM bytes.
+
+        Raises:
+            ConfigError: a file is missing, unreadable or not PEM.
+        """
+        out = []
+        for key in ("ca_file", "cert_file", "key_file"):
+            path = Path(getattr(self, key)).expanduser()
+            try:
+                data = path.read_bytes()
+            except OSError as e:
+                raise ConfigError(f"[tls] {key} = {str(path)!r}: cannot read it ({e.strerror})") from e
+            if b"-----BEGIN " not in data:
+                raise ConfigError(f"[tls] {key} = {str(path)!r} is not a PEM file")
+            out.append(data)
+        return out[0], out[1], out[2]
+
+    def server_credentials(self, require_client_auth: bool = True):
+        """gRPC server credentials: this host's certificate; clients must present one signed by
+        the CA (mutual TLS) unless require_client_auth is False."""
+        import grpc
+
+        ca, cert, key = self.read()
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                           require_client_auth=require_client_auth)
+
+    def channel_credentials(self):
+        """gRPC channel credentials: trust the cluster CA, present this host's certificate."""
+        import grpc
+
+        ca, cert, key = self.read()
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
+                                            certificate_chain=cert)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """A parsed cluster config file.
+
+    Attributes:
+        path: the file it was read from.
+        coordinator: `[coordinator]`.
+        models: `[[models]]`, names unique.
+        workers: `[[workers]]` with `[worker]` defaults applied, ids unique.
+        tls: `[tls]`, or None.
+    """
+
+    path: Path
+    coordinator: CoordinatorSection = field(default_factory=CoordinatorSection)
+    models: tuple[ModelEntry, ...] = ()
+    workers: tuple[WorkerEntry, ...] = ()
+    tls: TLSConfig | None = None
+
+    def model(self, name: str) -> ModelEntry:
+        """The `[[models]]` entry called name.
+
+        Raises:
+            ConfigError: there is none.
+        """
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise ConfigError(f"{self.path}: no [[models]] entry named {name!r} "
+                          f"(have: {', '.join(m.name for m in self.models) or 'none'})")
+
+    def worker(self, worker_id: str | None = None) -> WorkerEntry:
+        """This worker's entry: the one whose id is worker_id or, without one, whose id or
+        advertise_host is this machine's hostname (with or without its domain, any case).
+
+        Raises:
+            ConfigError: no entry matches.
+        """
+        if worker_id:
+            for w in self.workers:
+                if w.id == worker_id:
+                    return w
+            wanted = f"id {worker_id!r}"
+        else:
+            host = socket.gethostname().lower()
+            names = {host, host.split(".")[0]}
+            for w in self.workers:
+                if {w.id.lower(), w.advertise_host.lower(), w.advertise_host.lower().split(".")[0]} & names:
+                    return w
+            wanted = f"this host ({socket.gethostname()!r}); pass --worker-id"
+        raise ConfigError(f"{self.path}: no [[workers]] entry for {wanted} "
+                          f"(ids: {', '.join(w.id for w in self.workers) or 'none'})")
+
+    def worker_settings(self, entry: WorkerEntry) -> dict[str, object]:
+        """`python -m worker` settings of one entry, keyed like its command-line options
+        (argparse dest names); None values are left to the command's own defaults."""
+        m = self.model(entry.model)
+        return {
+            "model": m.source, "model_name": m.name, "draft": m.draft or None,
+            "num_draft_tokens": m.num_draft_tokens, "max_context_tokens": m.max_context_tokens,
+            "capacity": entry.capacity, "coordinator": self.coordinator.dial_address,
+            "host": entry.host, "port": entry.port, "advertise_host": entry.advertise_host or entry.id,
+            "worker_id": entry.id, "metrics_port": entry.metrics_port, "chip": entry.chip or None,
+            "peak_memory_bandwidth_gbs": entry.peak_memory_bandwidth_gbs,
+            "kv_cache_limit_bytes": entry.kv_cache_limit_bytes,
+        }
+
+    def coordinator_settings(self) -> dict[str, object]:
+        """`python -m coordinator` settings, keyed like its argparse dest names."""
+        c = self.coordinator
+        return {"host": c.host, "port": c.port, "metrics_port": c.metrics_port,
+                "lease_ttl_s": c.lease_ttl_s, "heartbeat_interval_s": c.heartbeat_interval_s,
+                "route_attempts": c.route_attempts}
+
+
+TOP_LEVEL = ("coordinator", "models", "worker", "workers", "tls")
+
+
+def load_cluster_config(path: str | Path) -> ClusterConfig:
+    """Reads and validates a cluster config file.
+
+    Raises:
+        ConfigError: the file is missing or not TOML; an unknown table or key; a value of the
+            wrong type or out of range; duplicate model names or worker ids; a worker naming a
+            model that has no `[[models]]` entry.
+    """
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"cannot read cluster config {path}: {e.strerror}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path} is not valid TOML: {e}") from e
+    for key in data:
+        if key not in TOP_LEVEL:
+            raise ConfigError(f"{path}: unknown top-level key {key!r}; expected one of "
+                              f"{', '.join(TOP_LEVEL)}")
+    coordinator = _build(CoordinatorSection, data.get("coordinator", {}), path, "[coordinator]")
+    models = tuple(_build(ModelEntry, m, path, f"[[models]] #{i + 1}")
+                   for i, m in enumerate(_array(data, "models", path)))
+    defaults = data.get("worker", {})
+    if not isinstance(defaults, dict):
+        raise ConfigError(f"{path}: [worker] must be a table")
+    if "id" in defaults:
+        raise ConfigError(f"{path}: [worker] holds defaults for every worker; 'id' belongs in "
+                          "each [[workers]] entry")
+    workers = tuple(_build(WorkerEntry, {**defaults, **w} if isinstance(w, dict) else w, path,
+                           f"[[workers]] #{i + 1}")
+                    for i, w in enumerate(_array(data, "workers", path)))
+    tls = _build(TLSConfig, data["tls"], path, "[tls]") if "tls" in data else None
+    cfg = ClusterConfig(path=path, coordinator=coordinator, models=models, workers=workers, tls=tls)
+    _check(cfg)
+    return cfg
+
+
+def _array(data: dict, key: str, path: Path) -> list:
+    value = data.get(key, [])
+    if not isinstance(value, list):
+        raise ConfigError(f"{path}: {key} must be an array of tables ([[{key}]])")
+    return value
+
+
+def _check(cfg: ClusterConfig) -> None:
+    """Cross-entry checks: unique names, known models, sane numbers."""
+    p, c = cfg.path, cfg.coordinator
+    for label, names in (("model name", [m.name for m in cfg.models]),
+                         ("worker id", [w.id for w in cfg.workers])):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ConfigError(f"{p}: duplicate {label} {dup[0]!r}")
+    for w in cfg.workers:
+        cfg.model(w.model)
+        if w.capacity < 1:
+            raise ConfigError(f"{p}: worker {w.id!r}: capacity must be >= 1, got {w.capacity}")
+    for m in cfg.models:
+        if m.num_draft_tokens < 1:
+            raise ConfigError(f"{p}: model {m.name!r}: num_draft_tokens must be >= 1")
+    if c.route_attempts < 1 or c.lease_ttl_s <= c.heartbeat_interval_s:
+        raise ConfigError(f"{p}: [coordinator] needs route_attempts >= 1 and lease_ttl_s > "
+                          "heartbeat_interval_s")
+    ports = [("[coordinator] port", c.port), ("[coordinator] metrics_port", c.metrics_port)]
+    ports += [(f"worker {w.id!r} {k}", getattr(w, k)) for w in cfg.workers
+              for k in ("port", "metrics_port")]
+    for label, port in ports:
+        if port is not None and not 0 <= port <= 65535:
+            raise ConfigError(f"{p}: {label} = {port} is not a TCP port")
+
+
+def _build(cls, table, path: Path, where: str):
+    """Builds dataclass `cls` from a TOML table, checking keys and value types."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: {where} must be a table")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in table.items():
+        if key not in names:
+            raise ConfigError(f"{path}: {where}: unknown key {key!r}; expected one of "
+                              f"{', '.join(names)}")
+        kwargs[key] = _typed(value, hints[key], path, f"{where} {key}")
+    missing = [f.name for f in dataclasses.fields(cls)
+               if f.name not in kwargs and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{path}: {where}: missing {', '.join(repr(m) for m in missing)}")
+    return cls(**kwargs)
+
+
+def _typed(value, hint, path: Path, where: str):
+    """Checks a TOML value against a field's type (str, int, float, bool, or X | None)."""
+    allowed = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
+    for t in allowed:
+        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if t is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if t in (str, bool) and isinstance(value, t):
+            return value
+    names = " or ".join(t.__name__ for t in allowed)
+    raise ConfigError(f"{path}: {where} must be {names}, got {value!r}")

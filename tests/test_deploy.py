@@ -1,0 +1,363 @@
+"""What deploy/ ships: Prometheus config and rules pass promtool, the launchd plists and systemd
+units name a program and arguments that exist, the cluster config file is read by every entry
+point (flags override it) and rejects bad keys, TLS files load as gRPC credentials, and
+`flashfleet up --config` starts a cluster from a config file."""
+from __future__ import annotations
+
+import os
+import plistlib
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.request
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+import coordinator.__main__ as coordinator_main
+import flashfleet.config as config_mod
+import worker.__main__ as worker_main
+from flashfleet.cli import COMMANDS
+from flashfleet.config import ConfigError, TLSConfig, load_cluster_config
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+CLUSTER = DEPLOY / "cluster.toml"
+DOCS = ROOT / "docs" / "operations.md"
+VENV_BIN = "/opt/flashfleet/venv/bin/"
+PARSERS = {"coordinator": coordinator_main.parse_args, "worker": worker_main.parse_args}
+
+
+def console_script() -> str:
+    """The `flashfleet` console script of this environment (pip install -e . puts it beside
+    the interpreter)."""
+    found = shutil.which("flashfleet", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    if found is None:
+        pytest.skip("the flashfleet console script is not installed (pip install -e .)")
+    return found
+
+
+# ----- Prometheus ------------------------------------------------------------------------------
+
+@pytest.mark.skipif(shutil.which("promtool") is None,
+                    reason="promtool is absent (Debian package `prometheus`; .ci/run installs it)")
+def test_promtool_accepts_the_shipped_config_and_rules():
+    for args in (["check", "config", "prometheus.yml"], ["check", "rules", "flashfleet-alerts.yml"]):
+        proc = subprocess.run(["promtool", *args], cwd=DEPLOY / "prometheus", capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_prometheus_targets_match_the_cluster_config():
+    cfg = load_cluster_config(CLUSTER)
+    prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j["static_configs"] for j in prom["scrape_configs"]}
+    coordinator_host = cfg.coordinator.dial_address.rsplit(":", 1)[0]
+    assert jobs["flashfleet-coordinator"] == [
+        {"targets": [f"{coordinator_host}:{cfg.coordinator.metrics_port}"]}]
+    assert jobs["flashfleet-worker"] == [
+        {"targets": [f"{w.advertise_host}:{w.metrics_port}"], "labels": {"worker": w.id}}
+        for w in cfg.workers]
+
+
+# ----- launchd and systemd ---------------------------------------------------------------------
+
+def _check_command(argv: list[str], monkeypatch) -> str:
+    """Checks a service command: the venv's flashfleet console script, a subcommand that exists,
+    arguments its parser accepts with the shipped cluster.toml. Returns the subcommand."""
+    program, sub, *args = argv
+    assert program == VENV_BIN + "flashfleet"
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["flashfleet"] == "flashfleet.cli:main"
+    assert COMMANDS[sub][0] == f"{sub}.__main__"
+    assert args[0] == "--config" and Path(args[1]).name == "cluster.toml"
+    monkeypatch.setattr(config_mod.socket, "gethostname", lambda: "mini-2.local")
+    a = PARSERS[sub](["--config", str(CLUSTER), *args[2:]])
+    assert a.port == (50051 if sub == "coordinator" else 50052)
+    if sub == "worker":
+        assert (a.worker_id, a.model, a.coordinator) == ("mini-2", "Qwen2.5-Coder-1.5B-Instruct",
+                                                         "coordinator.local:50051")
+    return sub
+
+
+LAUNCHD_KEYS = {"Label", "ProgramArguments", "UserName", "WorkingDirectory", "EnvironmentVariables",
+                "RunAtLoad", "KeepAlive", "ThrottleInterval", "ExitTimeOut", "ProcessType",
+                "StandardOutPath", "StandardErrorPath"}
+
+
+@pytest.mark.parametrize("role", ["coordinator", "worker"])
+def test_launchd_plist_parses_and_names_a_real_command(role, monkeypatch):
+    path = DEPLOY / "launchd" / f"com.flashfleet.{role}.plist"
+    plist = plistlib.loads(path.read_bytes())
+    assert set(plist) <= LAUNCHD_KEYS, set(plist) - LAUNCHD_KEYS
+    assert plist["Label"] == f"com.flashfleet.{role}" and plist["RunAtLoad"] is True
+    assert plist["ProcessType"] in ("Standard", "Interactive", "Adaptive", "Background")
+    assert _check_command(plist["ProgramArguments"], monkeypatch) == role
+    docs = DOCS.read_text()
+    for p in (plist["ProgramArguments"][0], plist["ProgramArguments"][3], plist["WorkingDirectory"],
+              str(Path(plist["StandardOutPath"]).parent), path.name, plist["UserName"]):
+        assert p in docs, f"docs/operations.md never mentions {p} (how does it get created?)"
+
+
+@pytest.mark.parametrize("role", ["coordinator", "worker"])
+def test_systemd_unit_names_a_real_command_and_verifies(role, monkeypatch, tmp_path):
+    path = DEPLOY / "systemd" / f"flashfleet-{role}.service"
+    text = path.read_text()
+    exec_start = next(line.split("=", 1)[1] for line in text.splitlines() if line.startswith("ExecStart="))
+    assert _check_command(shlex.split(exec_start), monkeypatch) == role
+    assert path.name in DOCS.read_text()
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not available")
+    unit = tmp_path / path.name  # the venv of the docs is this environment's
+    unit.write_text(text.replace(VENV_BIN + "flashfleet", console_script()))
+    proc = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_console_script_runs_the_services_with_a_config(tmp_path):
+    script = console_script()
+    bad = tmp_path / "cluster.toml"
+    bad.write_text('[coordinator]\nport = 50051\nmetrics = 9400\n')
+    for sub in ("coordinator", "worker"):
+        proc = subprocess.run([script, sub, "--config", str(bad)], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert "unknown key 'metrics'" in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run([script, "worker", "--config", str(CLUSTER), "--worker-id", "mini-9"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "no [[workers]] entry for id 'mini-9'" in proc.stderr
+
+
+# ----- the cluster config ----------------------------------------------------------------------
+
+def test_shipped_cluster_config_loads():
+    cfg = load_cluster_config(CLUSTER)
+    assert [w.id for w in cfg.workers] == ["mini-1", "mini-2", "mini-3"]
+    mini3 = cfg.worker("mini-3")
+    assert (mini3.model, mini3.capacity, mini3.port, mini3.chip) == ("SmolLM2-135M-Instruct", 8, 50052, "M4")
+    assert cfg.model("Qwen2.5-Coder-1.5B-Instruct").draft == "Qwen2.5-Coder-0.5B-Instruct"
+    assert cfg.tls is None
+
+
+def test_worker_finds_its_entry_by_hostname(monkeypatch):
+    cfg = load_cluster_config(CLUSTER)
+    for host, want in (("mini-3.local", "mini-3"), ("MINI-1", "mini-1"), ("mini-2.lan", "mini-2")):
+        monkeypatch.setattr(config_mod.socket, "gethostname", lambda: host)
+        assert cfg.worker().id == want
+    monkeypatch.setattr(config_mod.socket, "gethostname", lambda: "laptop.local")
+    with pytest.raises(ConfigError, match="no \\[\\[workers\\]\\] entry for this host.*mini-1, mini-2"):
+        cfg.worker()
+
+
+def test_flags_override_the_config_file():
+    a = worker_main.parse_args(["--config", str(CLUSTER), "--worker-id", "mini-3"])
+    assert (a.model, a.model_name, a.capacity, a.chip, a.metrics_port, a.host) == (
+        "SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct", 8, "M4", 9401, "0.0.0.0")
+    a = worker_main.parse_args(["--config", str(CLUSTER), "--worker-id", "mini-1", "--capacity", "2",
+                                "--host", "127.0.0.1", "--metrics-port", "0"])
+    assert (a.capacity, a.host, a.metrics_port, a.draft) == (2, "127.0.0.1", 0, "Qwen2.5-Coder-0.5B-Instruct")
+    # Another model than the entry's: the entry's model, name and draft do not apply.
+    a = worker_main.parse_args(["--config", str(CLUSTER), "--worker-id", "mini-1", "--model", "/m/x"])
+    assert (a.model, a.model_name, a.draft, a.capacity) == ("/m/x", "", None, 4)
+    a = worker_main.parse_args(["--model", "m"])  # no config: the built-in defaults
+    assert (a.capacity, a.host, a.port, a.num_draft_tokens, a.worker_id) == (
+        4, "127.0.0.1", 0, 3, socket.gethostname())
+    c = coordinator_main.parse_args(["--config", str(CLUSTER), "--port", "6000"])
+    assert (c.host, c.port, c.metrics_port, c.lease_ttl_s) == ("0.0.0.0", 6000, 9400, 10.0)
+    c = coordinator_main.parse_args([])
+    assert (c.host, c.port, c.metrics_port) == ("127.0.0.1", 50051, None)
+    with pytest.raises(SystemExit):
+        worker_main.parse_args([])  # no model at all
+
+
+MINIMAL = '[[models]]\nname = "m"\n\n[[workers]]\nid = "w1"\nmodel = "m"\n'
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[coordinater]\nport = 1\n", "unknown top-level key 'coordinater'"),
+    ("[coordinator]\nport = \"50051\"\n", r"\[coordinator\] port must be int, got '50051'"),
+    ("[coordinator]\nlease_ttl_s = 1\nheartbeat_interval_s = 2\n", "lease_ttl_s > heartbeat_interval_s"),
+    (MINIMAL + "capcity = 3\n", r"\[\[workers\]\] #1: unknown key 'capcity'; expected one of id, model"),
+    (MINIMAL + "capacity = 0\n", "capacity must be >= 1"),
+    (MINIMAL + "capacity = true\n", "capacity must be int"),
+    (MINIMAL + "port = 70000\n", "port = 70000 is not a TCP port"),
+    (MINIMAL + '\n[[workers]]\nid = "w1"\nmodel = "m"\n', "duplicate worker id 'w1'"),
+    ('[[workers]]\nid = "w1"\nmodel = "nope"\n', "no \\[\\[models\\]\\] entry named 'nope'"),
+    ('[[models]]\nname = "m"\n[[workers]]\nmodel = "m"\n', "missing 'id'"),
+    ('[worker]\nid = "x"\n', "'id' belongs in each \\[\\[workers\\]\\] entry"),
+    ("[tls]\nca_file = \"a\"\n", r"\[tls\]: missing 'cert_file', 'key_file'"),
+    ("models = 3\n", "models must be an array of tables"),
+    ("[coordinator\n", "is not valid TOML"),
+])
+def test_bad_config_is_a_clear_error(tmp_path, text, message):
+    path = tmp_path / "cluster.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message) as info:
+        load_cluster_config(path)
+    assert str(path) in str(info.value)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read cluster config"):
+        load_cluster_config(tmp_path / "nope.toml")
+
+
+def test_worker_defaults_table_applies_to_every_entry(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[[models]]\nname = "m"\n[worker]\nmodel = "m"\ncapacity = 6\nmetrics_port = 9500\n'
+                    '[[workers]]\nid = "a"\n[[workers]]\nid = "b"\ncapacity = 2\n')
+    cfg = load_cluster_config(path)
+    assert [(w.id, w.model, w.capacity, w.metrics_port) for w in cfg.workers] == [
+        ("a", "m", 6, 9500), ("b", "m", 2, 9500)]
+
+
+# ----- TLS ------------------------------------------------------------------------------------
+
+def _make_certs(d: Path) -> TLSConfig:
+    """A CA and a localhost certificate it signs (openssl CLI, else the cryptography package)."""
+    if shutil.which("openssl"):
+        run = lambda *a: subprocess.run(["openssl", *a], cwd=d, check=True, capture_output=True)
+        ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+        run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+            "-subj", "/CN=flashfleet test CA")
+        run("req", *ec, "-keyout", "host.key", "-out", "host.csr", "-subj", "/CN=localhost")
+        (d / "san.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+        run("x509", "-req", "-in", "host.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", "host.pem", "-days", "1", "-extfile", "san.cnf")
+    else:
+        pytest.importorskip("cryptography", reason="neither openssl nor cryptography available")
+        import datetime
+        import ipaddress
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec as ec_
+        from cryptography.x509.oid import NameOID
+
+        now = datetime.datetime.now(datetime.timezone.utc)
+
+        def cert(subject, key, issuer, issuer_key, ca, san=None):
+            b = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer)
+                 .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                 .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+                 .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+            if san:
+                b = b.add_extension(san, critical=False)
+            return b.sign(issuer_key, hashes.SHA256())
+
+        pem = lambda k: k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                        serialization.NoEncryption())
+        ca_key, key = ec_.generate_private_key(ec_.SECP256R1()), ec_.generate_private_key(ec_.SECP256R1())
+        ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "flashfleet test CA")])
+        host = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+        san = x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                           x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+        (d / "ca.pem").write_bytes(cert(ca_name, ca_key, ca_name, ca_key, True).public_bytes(serialization.Encoding.PEM))
+        (d / "host.pem").write_bytes(cert(host, key, ca_name, ca_key, False, san).public_bytes(serialization.Encoding.PEM))
+        (d / "host.key").write_bytes(pem(key))
+    return TLSConfig(ca_file=str(d / "ca.pem"), cert_file=str(d / "host.pem"), key_file=str(d / "host.key"))
+
+
+def test_tls_files_load_as_mutual_tls_grpc_credentials(tmp_path):
+    tls = _make_certs(tmp_path)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_secure_port("127.0.0.1:0", tls.server_credentials())
+    server.start()
+    try:
+        with grpc.secure_channel(f"localhost:{port}", tls.channel_credentials()) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        anonymous = grpc.ssl_channel_credentials(root_certificates=tls.read()[0])
+        with grpc.secure_channel(f"localhost:{port}", anonymous) as ch:  # no client certificate
+            with pytest.raises(grpc.RpcError):
+                health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    finally:
+        server.stop(0)
+
+
+def test_tls_section_is_validated_and_services_refuse_plaintext(tmp_path, capsys):
+    tls = _make_certs(tmp_path)
+    path = tmp_path / "c.toml"
+    path.write_text(CLUSTER.read_text() + f'\n[tls]\nca_file = "{tls.ca_file}"\n'
+                    f'cert_file = "{tls.cert_file}"\nkey_file = "{tls.key_file}"\n')
+    cfg = load_cluster_config(path)
+    assert cfg.tls == tls
+    for parse in (coordinator_main.parse_args, worker_main.parse_args):
+        with pytest.raises(SystemExit):
+            parse(["--config", str(path), "--worker-id", "mini-1"] if parse is worker_main.parse_args
+                  else ["--config", str(path)])
+        assert "plaintext gRPC only" in capsys.readouterr().err
+    (tmp_path / "host.key").write_text("not a key")
+    with pytest.raises(ConfigError, match="key_file .* is not a PEM file"):
+        cfg.tls.read()
+    with pytest.raises(ConfigError, match="ca_file .* cannot read it"):
+        TLSConfig(str(tmp_path / "missing.pem"), tls.cert_file, tls.key_file).server_credentials()
+
+
+# ----- flashfleet up --config ------------------------------------------------------------------
+
+def test_up_starts_a_cluster_from_a_config_file(tiny_models, tmp_path):
+    from flashfleet import Client
+    from flashfleet.cli.up import LocalCluster, free_port
+
+    path = tmp_path / "cluster.toml"
+    path.write_text(f'''
+[coordinator]
+port = 1            # flashfleet up picks a free port below (flags override the file)
+lease_ttl_s = 6.0
+
+[[models]]
+name = "tiny"
+path = "{tiny_models.llama}"
+draft = "{tiny_models.llama_near}"
+num_draft_tokens = 2
+
+[worker]
+model = "tiny"
+port = 50052        # each local worker gets a free port instead
+
+[[workers]]
+id = "alpha"
+capacity = 2
+chip = "M4"
+
+[[workers]]
+id = "beta"
+capacity = 3
+''')
+    metrics = free_port()
+    with LocalCluster(port=free_port(), metrics_port=metrics, config=path, log_dir=tmp_path / "logs",
+                      workers=2) as cluster:
+        with Client(cluster.address) as client:
+            status = client.cluster_status(timeout_s=10)
+            assert {(w.worker_id, w.capacity) for w in status.workers} == {("alpha", 2), ("beta", 3)}
+            done = client.complete("tiny", prompt="The river flows", max_tokens=8)
+            assert done.stats.mode == "draft" and done.stats.cycles > 0
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics + 1}/metrics", timeout=10).read().decode()
+        assert 'flashfleet_worker_machine_info{chip="M4"} 1.0' in text
+        assert 'num_draft_tokens="2"' in text and "flashfleet_worker_model_load_seconds" in text
+        deadline = time.monotonic() + 10  # the coordinator refreshes its gauges every second
+        while "flashfleet_coordinator_workers 2.0" not in text and time.monotonic() < deadline:
+            time.sleep(0.2)
+            text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10).read().decode()
+        assert "flashfleet_coordinator_workers 2.0" in text
+
+
+def test_grafana_provisioning_files():
+    prov = ROOT / "grafana" / "provisioning"
+    ds = yaml.safe_load((prov / "datasources" / "flashfleet-prometheus.yml").read_text())
+    assert ds["apiVersion"] == 1 and [d["type"] for d in ds["datasources"]] == ["prometheus"]
+    boards = yaml.safe_load((prov / "dashboards" / "flashfleet.yml").read_text())
+    (provider,) = boards["providers"]
+    assert provider["type"] == "file" and provider["options"]["path"] in DOCS.read_text()
+    assert len(list((ROOT / "grafana" / "dashboards").glob("*.json"))) == 4
