@@ -74,14 +74,15 @@ class Registry:
     Args:
         lease_ttl_s: seconds without heartbeat after which a worker expires.
         clock: monotonic seconds (time.monotonic by default).
-        on_expire: called with each expired record (metrics, logging).
+        on_remove: called with each removed record and the reason, "expired" or
+            "deregistered" (metrics, session affinity, logging).
     """
 
     def __init__(self, lease_ttl_s: float, clock: Clock = time.monotonic,
-                 on_expire: Callable[[WorkerRecord], None] | None = None):
+                 on_remove: Callable[[WorkerRecord, str], None] | None = None):
         self.lease_ttl_s = lease_ttl_s
         self._clock = clock
-        self._on_expire = on_expire
+        self._on_remove = on_remove
         self._workers: dict[str, WorkerRecord] = {}
 
     def register(self, req: worker_pb2.RegisterRequest) -> WorkerRecord:
@@ -120,8 +121,10 @@ class Registry:
         Raises:
             UnknownLease: as for heartbeat.
         """
-        rec = self._get_live(worker_id, lease_id)
-        return self._workers.pop(rec.worker_id)
+        rec = self._workers.pop(self._get_live(worker_id, lease_id).worker_id)
+        if self._on_remove:
+            self._on_remove(rec, "deregistered")
+        return rec
 
     def expire(self) -> list[WorkerRecord]:
         """Removes every worker whose lease ran out; returns them."""
@@ -129,8 +132,8 @@ class Registry:
         gone = [r for r in self._workers.values() if now - r.last_heartbeat_s > self.lease_ttl_s]
         for rec in gone:
             del self._workers[rec.worker_id]
-            if self._on_expire:
-                self._on_expire(rec)
+            if self._on_remove:
+                self._on_remove(rec, "expired")
         return gone
 
     def live(self) -> list[WorkerRecord]:

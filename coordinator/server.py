@@ -62,19 +62,20 @@ async def start_coordinator(config: CoordinatorConfig,
     pool = WorkerPool()
     affinity = SessionAffinity(config.session_ttl_s)
 
-    def on_expire(rec):
-        log.warning("worker %s lease expired (no heartbeat for %.1f s)", rec.worker_id,
-                    config.lease_ttl_s)
-        metrics.lease_expiries.inc()
+    def on_remove(rec, reason: str):
+        if reason == "expired":
+            log.warning("worker %s lease expired (no heartbeat for %.1f s)", rec.worker_id,
+                        config.lease_ttl_s)
+            metrics.lease_expiries.inc()
         metrics.worker_up.labels(worker=rec.worker_id).set(0)
         affinity.forget_worker(rec.worker_id)
 
-    registry = Registry(config.lease_ttl_s, on_expire=on_expire)
+    registry = Registry(config.lease_ttl_s, on_remove=on_remove)
     servicer = CoordinatorServicer(config, registry, pool, affinity=affinity, metrics=metrics)
     server = grpc.aio.server()
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
     worker_pb2_grpc.add_RegistryServicer_to_server(
-        RegistryServicer(config, registry, pool, affinity), server)
+        RegistryServicer(config, registry, pool), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(SERVICE_NAMES + (health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -84,7 +84,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             worker, call, first = await self._open_stream(request, context, tried)
         except NoWorker as e:
-            self._count(request.model, "", "no_worker")
+            # Unknown names share one label value: clients must not create unbounded series.
+            known = any(w.serves(request.model) for w in self.registry.live())
+            self._count(request.model if known else "(unknown)", "", "no_worker")
             await context.abort(grpc.StatusCode.NOT_FOUND, f"{e}; models served: "
                                 f"{sorted({m for w in self.registry.live() for m in w.model_names})}")
         except AllBusy as e:
@@ -190,12 +192,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 class RegistryServicer(worker_pb2_grpc.RegistryServicer):
     """Internal API: workers register, heartbeat and deregister."""
 
-    def __init__(self, config: CoordinatorConfig, registry: Registry, pool: WorkerPool,
-                 affinity: SessionAffinity):
+    def __init__(self, config: CoordinatorConfig, registry: Registry, pool: WorkerPool):
         self.config = config
         self.registry = registry
         self.pool = pool
-        self.affinity = affinity
 
     async def Register(self, request, context):
         try:
@@ -220,7 +220,6 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
             rec = self.registry.deregister(request.worker_id, request.lease_id)
         except UnknownLease as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-        self.affinity.forget_worker(rec.worker_id)
         await self.pool.drop(rec.address)
         log.info("worker %s deregistered", rec.worker_id)
         return worker_pb2.DeregisterResponse()

@@ -215,3 +215,24 @@ def test_unset_max_tokens_takes_the_worker_default(cluster):
     with Client(cluster.address) as client:
         done = client.complete("fake-model", prompt="abc", max_tokens=None)
     assert done.finish_reason == "length" and len(done.token_ids) == 256
+
+
+def test_deregistered_worker_is_marked_down_and_forgets_sessions():
+    c = start_cluster({"w1": FakeEngine(), "w2": FakeEngine()})
+    try:
+        with Client(c.address) as client:
+            first = client.complete("fake-model", prompt="a", max_tokens=1, session_id="s")
+        leaving = next(w for w in c.workers if w.worker_id == first.worker_id)
+        c.loop.run(leaving.stop(grace_s=0.2))
+        c.workers.remove(leaving)
+        m = c.coordinator.metrics
+        assert m.worker_up.labels(worker=first.worker_id)._value.get() == 0
+        assert m.lease_expiries._value.get() == 0
+        with Client(c.address) as client:
+            again = client.complete("fake-model", prompt="b", max_tokens=1, session_id="s")
+            assert again.worker_id != first.worker_id
+            with pytest.raises(ModelNotFound):
+                client.complete("made-up-name-123", prompt="x", max_tokens=1)
+        assert m.routed.labels(model="(unknown)", worker="", outcome="no_worker")._value.get() == 1
+    finally:
+        c.close()
