@@ -39,9 +39,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
         cfg = load_cluster_config(a.config)
         if cfg.tls is not None:
-            cfg.tls.read()  # bad paths are reported first
-            p.error(f"{a.config} configures [tls], but the coordinator serves plaintext gRPC "
-                    "only; remove [tls] (docs/operations.md: TLS)")
+            cfg.tls.read()  # unreadable or non-PEM files are reported before start-up
+        a.tls = cfg.tls
         for key, value in cfg.coordinator_settings().items():
             if getattr(a, key) is None:
                 setattr(a, key, value)
@@ -67,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                                heartbeat_interval_s=a.heartbeat_interval_s,
                                route_attempts=a.route_attempts)
     try:
-        asyncio.run(serve(config, a.metrics_port or None))
+        asyncio.run(serve(config, a.metrics_port or None, getattr(a, "tls", None)))
     except RuntimeError as e:
         print(f"coordinator: {e}", file=sys.stderr)
         return 1

@@ -17,6 +17,7 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.registry import Registry
 from coordinator.routing import SessionAffinity
 from coordinator.servicer import CoordinatorServicer, RegistryServicer, WorkerPool
+from flashfleet.transport import add_port
 from flashfleet.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("flashfleet.coordinator")
@@ -52,14 +53,19 @@ class RunningCoordinator:
 
 
 async def start_coordinator(config: CoordinatorConfig,
-                            metrics_registry: CollectorRegistry | None = None) -> RunningCoordinator:
+                            metrics_registry: CollectorRegistry | None = None,
+                            tls=None) -> RunningCoordinator:
     """Starts the coordinator on config.host:config.port (0 = a free port).
+
+    Args:
+        tls: flashfleet.config.TLSConfig to serve and dial workers over mutual TLS (None:
+            plaintext).
 
     Raises:
         RuntimeError: the port could not be bound.
     """
     metrics = CoordinatorMetrics(metrics_registry or CollectorRegistry())
-    pool = WorkerPool()
+    pool = WorkerPool(tls)
     affinity = SessionAffinity(config.session_ttl_s)
 
     def on_remove(rec, reason: str):
@@ -79,7 +85,7 @@ async def start_coordinator(config: CoordinatorConfig,
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(SERVICE_NAMES + (health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = add_port(server, f"{config.host}:{config.port}", tls)
     if port == 0:
         raise RuntimeError(f"could not bind {config.host}:{config.port} (in use?)")
     await server.start()
@@ -99,10 +105,10 @@ async def start_coordinator(config: CoordinatorConfig,
     return RunningCoordinator(server, port, registry, servicer, health_servicer, metrics, task, pool)
 
 
-async def serve(config: CoordinatorConfig, metrics_port: int | None = None) -> None:
+async def serve(config: CoordinatorConfig, metrics_port: int | None = None, tls=None) -> None:
     """Runs the coordinator until SIGINT/SIGTERM, then shuts down gracefully."""
     registry = CollectorRegistry()
-    running = await start_coordinator(config, registry)
+    running = await start_coordinator(config, registry, tls)
     if metrics_port is not None:
         start_http_server(metrics_port, addr=config.host, registry=registry)
         log.info("metrics on http://%s:%d/metrics", config.host, metrics_port)

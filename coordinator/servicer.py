@@ -19,6 +19,7 @@ from coordinator.registry import Registry, UnknownLease, WorkerRecord
 from coordinator.routing import AllBusy, NoWorker, PowerOfTwoRouter, SessionAffinity, route
 from flashfleet.errors import FlashfleetError
 from flashfleet.requests import validate_request
+from flashfleet.transport import aio_channel
 from flashfleet.v1 import (common_pb2, coordinator_pb2, coordinator_pb2_grpc, worker_pb2,
                            worker_pb2_grpc)
 
@@ -29,14 +30,19 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 class WorkerPool:
-    """One gRPC channel per worker address, opened lazily and closed when the worker leaves."""
+    """One gRPC channel per worker address, opened lazily and closed when the worker leaves.
 
-    def __init__(self):
+    Args:
+        tls: flashfleet.config.TLSConfig for mutual TLS to workers, or None for plaintext.
+    """
+
+    def __init__(self, tls=None):
+        self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address)
+            self._channels[address] = aio_channel(address, self._tls)
         return worker_pb2_grpc.WorkerStub(self._channels[address])
 
     async def drop(self, address: str) -> None:

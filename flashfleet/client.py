@@ -13,16 +13,12 @@ import grpc
 
 from flashfleet.errors import from_rpc_error
 from flashfleet.requests import build_request
+from flashfleet.transport import CHANNEL_OPTIONS
 from flashfleet.types import FINISH_REASONS, Chunk, Completion, GenerationStats
 from flashfleet.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 DEFAULT_GENERATE_TIMEOUT_S = 600.0
 DEFAULT_CONTROL_TIMEOUT_S = 10.0
-CHANNEL_OPTIONS = [
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-]
 
 
 def _to_chunk(resp: common_pb2.GenerateResponse) -> Chunk:
@@ -52,12 +48,16 @@ class Client:
     Args:
         address: coordinator "host:port".
         timeout_s: default deadline of a generate call, seconds.
+        credentials: grpc.ssl_channel_credentials(...) for a cluster that serves TLS
+            (flashfleet.config.TLSConfig.channel_credentials()), or None for plaintext.
 
     Use as a context manager, or call close().
     """
 
-    def __init__(self, address: str, timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S):
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    def __init__(self, address: str, timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S,
+                 credentials: grpc.ChannelCredentials | None = None):
+        self._channel = (grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+                         if credentials else grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self.timeout_s = timeout_s
 
@@ -140,8 +140,11 @@ class AsyncClient:
                 ...
     """
 
-    def __init__(self, address: str, timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S):
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    def __init__(self, address: str, timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S,
+                 credentials: grpc.ChannelCredentials | None = None):
+        self._channel = (grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+                         if credentials else
+                         grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self.timeout_s = timeout_s
 

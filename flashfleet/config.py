@@ -30,8 +30,8 @@ One file describes the whole fleet (an example with every key: deploy/cluster.to
 
 Everything is parsed into frozen dataclasses; an unknown key, a wrong type or a missing value is a
 `ConfigError` that names the file, the table and the key. TLS: the paths are validated and turned
-into gRPC credentials by `TLSConfig` (`server_credentials`, `channel_credentials`); the services do
-not serve TLS yet, so they refuse to start when `[tls]` is set rather than fall back to plaintext.
+into gRPC credentials by `TLSConfig` (`server_credentials`, `channel_credentials`), which every
+server port and channel uses (flashfleet/transport.py): mutual TLS on every hop.
 """
 from __future__ import annotations
 

@@ -285,23 +285,58 @@ def test_tls_files_load_as_mutual_tls_grpc_credentials(tmp_path):
         server.stop(0)
 
 
-def test_tls_section_is_validated_and_services_refuse_plaintext(tmp_path, capsys):
+def test_tls_section_is_validated_and_reaches_the_services(tmp_path):
     tls = _make_certs(tmp_path)
     path = tmp_path / "c.toml"
     path.write_text(CLUSTER.read_text() + f'\n[tls]\nca_file = "{tls.ca_file}"\n'
                     f'cert_file = "{tls.cert_file}"\nkey_file = "{tls.key_file}"\n')
     cfg = load_cluster_config(path)
     assert cfg.tls == tls
-    for parse in (coordinator_main.parse_args, worker_main.parse_args):
-        with pytest.raises(SystemExit):
-            parse(["--config", str(path), "--worker-id", "mini-1"] if parse is worker_main.parse_args
-                  else ["--config", str(path)])
-        assert "plaintext gRPC only" in capsys.readouterr().err
+    assert coordinator_main.parse_args(["--config", str(path)]).tls == tls
+    assert worker_main.parse_args(["--config", str(path), "--worker-id", "mini-1"]).tls == tls
     (tmp_path / "host.key").write_text("not a key")
     with pytest.raises(ConfigError, match="key_file .* is not a PEM file"):
         cfg.tls.read()
     with pytest.raises(ConfigError, match="ca_file .* cannot read it"):
         TLSConfig(str(tmp_path / "missing.pem"), tls.cert_file, tls.key_file).server_credentials()
+
+
+def test_whole_cluster_over_mutual_tls(tmp_path):
+    """Client -> coordinator -> worker and worker -> registry all run over mutual TLS; a client
+    without a certificate is refused."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from coordinator.config import CoordinatorConfig
+    from coordinator.server import start_coordinator
+    from fakes import FakeEngine
+    from flashfleet import Client
+    from flashfleet.errors import Unavailable
+    from harness import LoopThread
+    from worker.server import start_worker
+
+    tls = _make_certs(tmp_path)
+    loop = LoopThread()
+    try:
+        coord = loop.run(start_coordinator(CoordinatorConfig(host="localhost", port=0),
+                                           CollectorRegistry(), tls))
+        worker = loop.run(start_worker(FakeEngine(), "w1", host="localhost",
+                                       coordinator=f"localhost:{coord.port}", tls=tls))
+        loop.run(asyncio.wait_for(worker.registered.wait(), 10))
+        with Client(f"localhost:{coord.port}", credentials=tls.channel_credentials()) as client:
+            done = client.complete("fake-model", prompt="secure", max_tokens=3)
+        assert done.worker_id == "w1" and len(done.token_ids) == 3
+        anonymous = grpc.ssl_channel_credentials(root_certificates=tls.read()[0])
+        with Client(f"localhost:{coord.port}", credentials=anonymous) as client:
+            with pytest.raises(Unavailable):
+                client.complete("fake-model", prompt="no client cert", max_tokens=1, timeout_s=5)
+        with Client(f"localhost:{coord.port}") as client, pytest.raises(Unavailable):
+            client.complete("fake-model", prompt="plaintext", max_tokens=1, timeout_s=5)
+        loop.run(worker.stop(grace_s=0.2))
+        loop.run(coord.stop(grace_s=0.2))
+    finally:
+        loop.close()
 
 
 # ----- flashfleet up --config ------------------------------------------------------------------

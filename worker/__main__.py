@@ -60,9 +60,8 @@ def parse_args(argv):
 
         cfg = load_cluster_config(a.config)
         if cfg.tls is not None:
-            cfg.tls.read()  # bad paths are reported first
-            p.error(f"{a.config} configures [tls], but workers serve plaintext gRPC only; "
-                    "remove [tls] (docs/operations.md: TLS)")
+            cfg.tls.read()  # unreadable or non-PEM files are reported before loading weights
+        a.tls = cfg.tls
         settings = cfg.worker_settings(cfg.worker(a.worker_id))
         if a.model:  # another model than the entry's: none of the entry's model settings apply
             for key in MODEL_SETTINGS:
@@ -116,7 +115,7 @@ async def serve(a, engine) -> None:
     if a.metrics_port:
         start_http_server(a.metrics_port, addr=a.host, registry=registry)
     running = await start_worker(engine, a.worker_id, a.host, a.port, a.coordinator,
-                                 a.advertise_host, metrics)
+                                 a.advertise_host, metrics, getattr(a, "tls", None))
     print(f"worker {a.worker_id} serving {engine.model.name} on {running.advertise_address}",
           flush=True)
     stop = asyncio.Event()

@@ -12,6 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential_jitter
 
+from flashfleet.transport import add_port, aio_channel
 from flashfleet.v1 import worker_pb2, worker_pb2_grpc
 from worker import convert
 from worker.engine.types import EngineProtocol
@@ -33,6 +34,7 @@ class RunningWorker:
     health: health.aio.HealthServicer
     advertise_address: str
     coordinator: str | None = None
+    tls: object = None
     _heartbeat_task: asyncio.Task | None = None
     _lease: dict = field(default_factory=dict)
     registered: asyncio.Event = field(default_factory=asyncio.Event)
@@ -56,7 +58,7 @@ class RunningWorker:
         if not (self.coordinator and self._lease):
             return
         try:
-            async with grpc.aio.insecure_channel(self.coordinator) as ch:
+            async with aio_channel(self.coordinator, self.tls) as ch:
                 await worker_pb2_grpc.RegistryStub(ch).Deregister(
                     worker_pb2.DeregisterRequest(worker_id=self.worker_id,
                                                  lease_id=self._lease["id"]),
@@ -67,7 +69,8 @@ class RunningWorker:
 
 async def start_worker(engine: EngineProtocol, worker_id: str, host: str = "127.0.0.1",
                        port: int = 0, coordinator: str | None = None,
-                       advertise_host: str | None = None, metrics=None) -> RunningWorker:
+                       advertise_host: str | None = None, metrics=None,
+                       tls=None) -> RunningWorker:
     """Serves `engine` on host:port and, when `coordinator` is given, registers with it.
 
     Args:
@@ -76,6 +79,7 @@ async def start_worker(engine: EngineProtocol, worker_id: str, host: str = "127.
         host, port: where to listen (port 0 = a free port).
         coordinator: "host:port" of the coordinator's Registry, or None for a standalone worker.
         advertise_host: host the coordinator should dial (default: host).
+        tls: flashfleet.config.TLSConfig: serve, and dial the coordinator, over mutual TLS.
 
     Raises:
         RuntimeError: the port could not be bound.
@@ -86,14 +90,15 @@ async def start_worker(engine: EngineProtocol, worker_id: str, host: str = "127.
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
                                         server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, f"{host}:{port}", tls)
     if bound == 0:
         raise RuntimeError(f"could not bind {host}:{port} (in use?)")
     await server.start()
     for name in (SERVICE_NAME, ""):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     address = f"{advertise_host or host}:{bound}"
-    running = RunningWorker(server, bound, worker_id, engine, health_servicer, address, coordinator)
+    running = RunningWorker(server, bound, worker_id, engine, health_servicer, address, coordinator,
+                            tls=tls)
     if coordinator:
         running._heartbeat_task = asyncio.get_running_loop().create_task(_keep_registered(running))
     return running
@@ -102,7 +107,7 @@ async def start_worker(engine: EngineProtocol, worker_id: str, host: str = "127.
 async def _keep_registered(w: RunningWorker) -> None:
     """Registers (retrying until the coordinator answers), then heartbeats; re-registers when the
     coordinator answers NOT_FOUND (lease expired, coordinator restarted)."""
-    async with grpc.aio.insecure_channel(w.coordinator) as channel:
+    async with aio_channel(w.coordinator, w.tls) as channel:
         stub = worker_pb2_grpc.RegistryStub(channel)
         while True:
             async for attempt in AsyncRetrying(

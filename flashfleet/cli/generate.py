@@ -4,13 +4,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+from flashfleet.cli._common import add_connection_args, credentials
+from flashfleet.config import ConfigError
 from flashfleet.errors import FlashfleetError
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="flashfleet generate", description=__doc__)
     p.add_argument("prompt", help="the user's message (or raw text with --raw)")
-    p.add_argument("--address", default="127.0.0.1:50051", help="coordinator host:port")
+    add_connection_args(p)
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
     p.add_argument("--raw", action="store_true", help="send the prompt as raw text, no chat template")
     p.add_argument("--system", default=None, help="system message")
@@ -31,7 +33,7 @@ def main(argv: list[str]) -> int:
         messages = ([{"role": "system", "content": a.system}] if a.system else [])
         kwargs = {"messages": messages + [{"role": "user", "content": a.prompt}]}
     try:
-        with Client(a.address) as client:
+        with Client(a.address, credentials=credentials(a.config)) as client:
             last = None
             for chunk in client.generate(a.model, max_tokens=a.max_tokens, temperature=a.temperature,
                                          top_p=a.top_p, seed=a.seed, stop=a.stop,
@@ -40,7 +42,7 @@ def main(argv: list[str]) -> int:
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 last = chunk
-    except FlashfleetError as e:
+    except (FlashfleetError, ConfigError) as e:
         print(f"\nflashfleet generate: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

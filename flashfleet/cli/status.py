@@ -4,19 +4,21 @@ from __future__ import annotations
 import argparse
 import sys
 
+from flashfleet.cli._common import add_connection_args, credentials
+from flashfleet.config import ConfigError
 from flashfleet.errors import FlashfleetError
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="flashfleet status", description=__doc__)
-    p.add_argument("--address", default="127.0.0.1:50051", help="coordinator host:port")
+    add_connection_args(p)
     a = p.parse_args(argv)
     from flashfleet.client import Client
 
     try:
-        with Client(a.address) as client:
+        with Client(a.address, credentials=credentials(a.config)) as client:
             status = client.cluster_status()
-    except FlashfleetError as e:
+    except (FlashfleetError, ConfigError) as e:
         print(f"flashfleet status: {e}", file=sys.stderr)
         return 1
     print(f"{'worker':<14} {'address':<22} {'models':<32} {'sessions':>9} {'KV MiB':>8} "

@@ -128,7 +128,9 @@ class LocalCluster:
         from flashfleet.errors import FlashfleetError
 
         deadline, seen = time.monotonic() + timeout_s, -1
-        with Client(self.address) as client:
+        from flashfleet.cli._common import credentials
+
+        with Client(self.address, credentials=credentials(self.config)) as client:
             while time.monotonic() < deadline:
                 self.check_alive()
                 try:

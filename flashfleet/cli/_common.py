@@ -1,0 +1,24 @@
+"""Pieces shared by the client-side subcommands."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_connection_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default="127.0.0.1:50051", help="coordinator host:port")
+    p.add_argument("--config", default=None, help="cluster config file: its [tls] section makes "
+                   "the client use mutual TLS")
+
+
+def credentials(config_path: str | None):
+    """gRPC channel credentials from a cluster config's [tls] section, or None (plaintext).
+
+    Raises:
+        flashfleet.config.ConfigError: a bad config or unreadable TLS files.
+    """
+    if not config_path:
+        return None
+    from flashfleet.config import load_cluster_config
+
+    tls = load_cluster_config(config_path).tls
+    return tls.channel_credentials() if tls else None

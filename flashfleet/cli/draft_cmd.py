@@ -1,0 +1,168 @@
+"""``flashfleet draft``: train and evaluate DFlash drafts for a target model.
+
+    flashfleet draft train --target MODEL --prompts FILE... --out DRAFT_DIR [options]
+    flashfleet draft eval  --target MODEL --draft DRAFT_DIR --prompts FILE... [options]
+
+`train` lets the target answer the prompts (its chat template, batched), trains a DFlash draft
+with the paper's recipe (arXiv 2602.06036 §4.2; SpecForge's implementation), writes it in the
+published layout plus a training card, and reports the acceptance length tau on held-out prompts.
+Reruns reuse the cached data and resume from the last checkpoint. `eval` measures tau of an
+existing draft on prompt files (all of them, or only the held-out split the trainer would use).
+MLX is imported only when a command runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["build_parser", "main"]
+
+
+def _minutes(text: str) -> float:
+    v = float(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError("must be > 0")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``flashfleet draft`` (sub-commands ``train`` and ``eval``)."""
+    parser = argparse.ArgumentParser(prog="flashfleet draft", description="Train and evaluate DFlash drafts.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    t = commands.add_parser("train", help="generate data with the target, train a DFlash draft, measure tau",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    t.add_argument("--target", required=True, help="target model directory or fetched catalog name")
+    t.add_argument("--prompts", required=True, nargs="+", metavar="FILE",
+                   help=".jsonl files with a 'prompt' field, or text files with one prompt per line; "
+                        "the file stem is the corpus name")
+    t.add_argument("--out", required=True, help="output directory of the draft and its training card")
+    t.add_argument("--work-dir", default=None, help="data cache and resumable state (default: OUT.work)")
+    g = t.add_argument_group("draft shape (default: chosen from the target)")
+    g.add_argument("--draft-layers", type=int, default=None, help="draft depth (default: ~1 per 15 target layers)")
+    g.add_argument("--num-taps", type=int, default=5, help="tapped target layers, spread over layers 1..L-3")
+    g.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="explicit tapped layers")
+    g.add_argument("--mask-token-id", type=int, default=None, help="MASK id (default: an unused row)")
+    g.add_argument("--block-size", type=int, default=16, help="B: tokens per block (last token + B-1 drafts)")
+    g.add_argument("--intermediate-size", type=int, default=None, help="draft MLP width (default: the target's)")
+    g.add_argument("--max-draft-mib", type=float, default=None,
+                   help="shrink the MLP, then the depth, until the saved draft fits this size")
+    g = t.add_argument_group("data")
+    g.add_argument("--max-prompts-per-file", type=int, default=None)
+    g.add_argument("--max-prompt-tokens", type=int, default=256, help="cap on a prompt's own tokens")
+    g.add_argument("--max-new-tokens", type=int, default=256, help="cap on the target's answer, tokens")
+    g.add_argument("--heldout-per-corpus", type=int, default=8, help="held-out prompts per corpus (cap)")
+    g.add_argument("--heldout-fraction", type=float, default=0.1, help="held-out share per corpus")
+    g.add_argument("--gen-temperature", type=float, default=0.0, help="the target's sampling (0: greedy)")
+    g.add_argument("--gen-top-p", type=float, default=1.0)
+    g.add_argument("--gen-batch-size", type=int, default=64, help="sequences the target answers at once")
+    g.add_argument("--gen-max-minutes", type=_minutes, default=None,
+                   help="stop generating after this long (answers so far are kept)")
+    g = t.add_argument_group("training")
+    g.add_argument("--batch-size", type=int, default=16, help="sequences per step")
+    g.add_argument("--anchors", type=int, default=64, help="random anchors (blocks) per sequence per step")
+    g.add_argument("--gamma", type=float, default=None, help="loss decay (default: 7 for B=16, 5 for 10, 4 for 8)")
+    g.add_argument("--lr", type=float, default=6e-4)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--warmup", type=float, default=0.04, help="warmup fraction of the run")
+    g.add_argument("--min-lr-ratio", type=float, default=0.0, help="cosine floor, fraction of --lr")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
+    g.add_argument("--epochs", type=float, default=6.0)
+    g.add_argument("--steps", type=int, default=None, help="training steps (overrides --epochs)")
+    g.add_argument("--max-minutes", type=_minutes, default=None,
+                   help="training time budget; the schedule follows the time fraction (default: none)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--compute-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="auto: bfloat16 on a GPU, float32 on a CPU")
+    g.add_argument("--target-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    g.add_argument("--save-dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    g.add_argument("--no-compile", dest="compile", action="store_false", help="do not mx.compile the step")
+    g.add_argument("--cache-taps-gib", type=float, default=8.0,
+                   help="keep the target taps of the whole dataset in memory when they fit (0: recompute "
+                        "them every batch)")
+    g.add_argument("--checkpoint-every", type=int, default=200, help="steps between checkpoints (0: end only)")
+    g.add_argument("--no-resume", dest="resume", action="store_false", help="ignore an existing checkpoint")
+    g.add_argument("--log-every", type=int, default=10, help="steps per loss-curve point")
+    g = t.add_argument_group("evaluation")
+    g.add_argument("--no-eval", dest="eval", action="store_false", help="skip tau on the held-out prompts")
+    g.add_argument("--eval-max-new-tokens", type=int, default=128)
+    g.add_argument("--eval-max-minutes", type=_minutes, default=None, help="time limit of each tau measurement")
+    g.add_argument("--eval-untrained", action="store_true", help="also measure the untrained draft")
+    t.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    e = commands.add_parser("eval", help="acceptance length tau of a draft on prompt files",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    e.add_argument("--target", required=True, help="target model directory or fetched catalog name")
+    e.add_argument("--draft", required=True, help="DFlash draft directory")
+    e.add_argument("--prompts", required=True, nargs="+", metavar="FILE")
+    e.add_argument("--heldout-only", action="store_true",
+                   help="only the held-out split `train` uses (same --heldout-* settings)")
+    e.add_argument("--heldout-per-corpus", type=int, default=8)
+    e.add_argument("--heldout-fraction", type=float, default=0.1)
+    e.add_argument("--max-prompts-per-file", type=int, default=None)
+    e.add_argument("--max-prompt-tokens", type=int, default=256)
+    e.add_argument("--max-new-tokens", type=int, default=128)
+    e.add_argument("--block-size", type=int, default=None, help="decode block size (default: the draft's)")
+    e.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    e.add_argument("--max-minutes", type=_minutes, default=None)
+    e.add_argument("--json", action="store_true", help="print the result as JSON")
+    e.add_argument("--quiet", action="store_true", help="no progress bars")
+    return parser
+
+
+def _train(args) -> int:
+    from worker.training.train import TrainConfig, train_draft
+
+    skip = {"command", "quiet"}
+    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k not in skip}, progress=not args.quiet)
+    card = train_draft(cfg)
+    ev = card["eval"].get("trained")
+    if ev and ev["all"]["tau"] is not None:
+        print(f"tau on held-out prompts: {ev['all']['tau']:.3f} ({args.out}/TRAINING.md)")
+    return 0
+
+
+def _eval(args) -> int:
+    from worker.models.dflash_checkpoint import load_dflash_draft
+    from worker.training.data import encode_prompt, read_prompt_files, split_heldout
+    from worker.training.evaluate import evaluate_tau
+    from worker.training.train import load_target, resolve_dtype, resolve_target
+
+    dtype = resolve_dtype(args.dtype)
+    target, tokenizer = load_target(resolve_target(args.target), dtype)
+    draft = load_dflash_draft(args.draft, target, dtype=dtype)
+    prompts = read_prompt_files(args.prompts, args.max_prompts_per_file)
+    if args.heldout_only:
+        prompts = split_heldout(prompts, args.heldout_per_corpus, args.heldout_fraction)[1]
+    rows = [{"corpus": p.corpus, "prompt_ids": encode_prompt(tokenizer, p.text, args.max_prompt_tokens)}
+            for p in prompts]
+    result = evaluate_tau(target, draft, rows, args.max_new_tokens, tokenizer.eos_token_ids,
+                          block_size=args.block_size, progress=not args.quiet,
+                          max_seconds=args.max_minutes * 60 if args.max_minutes else None)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        for c, v in list(result["per_corpus"].items()) + [("all", result["all"])]:
+            tau = "-" if v["tau"] is None else f"{v['tau']:.3f}"
+            print(f"{c:<28} tau {tau:>6}  prompts {v['prompts']:>4}  cycles {v['cycles']:>6}  tokens {v['tokens']:>7}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``flashfleet draft``; returns the process exit code.
+
+    Returns:
+        0 on success, 2 on bad arguments or inputs (missing files, a draft that does not fit the
+        target, unusable data).
+    """
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    from worker.models.dflash_checkpoint import DraftCheckpointError
+    from worker.training.data import DataError
+    from worker.training.train import TrainConfigError
+
+    try:
+        return _train(args) if args.command == "train" else _eval(args)
+    except (FileNotFoundError, NotADirectoryError, DataError, TrainConfigError, DraftCheckpointError) as e:
+        print(f"flashfleet draft: {e}", file=sys.stderr)
+        return 2
