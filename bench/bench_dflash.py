@@ -1,0 +1,277 @@
+"""Decode speed of DFlash against plain and draft-model decoding, on one target and real prompts.
+
+Methods (each one skipped when its inputs are missing):
+  plain mlx-lm     mlx_lm.stream_generate (the baseline of the speedup column)
+  spec mlx-lm      mlx_lm.stream_generate(draft_model=..., num_draft_tokens=k)      needs --draft
+  ours draft       worker.spec.draft_model.generate                                  needs --draft
+  ours plain       worker.spec.plain.generate
+  ours dflash      worker.spec.dflash.dflash_generate     needs --dflash-draft or --dflash-random-layers
+
+Prompts: the first --prompts rows of each corpus in /work/shared/cases (code: humaneval.jsonl,
+en: enwiki_en.jsonl, pl: dataset_build_pl.jsonl), raw text, truncated to --max-prompt-tokens.
+Greedy decoding, the tokenizer's EOS ends a generation.
+
+Tokens/s is generation only and steady state: tokens committed after the first cycle divided by
+the time from the end of the first cycle to the end of the last (this leaves out prefill and
+treats bursty speculative methods like token-by-token ones). tau = tokens per cycle (bonus
+included). "same" counts prompts whose output equals plain mlx-lm's token for token; otherwise
+the first differing position is shown (batched verify can flip near-ties, note §3.3).
+
+Then, for DFlash, the per-cycle time of the runs is compared with a draft forward and a verify
+forward measured alone (each timed over repeated calls at the first prompt's context); the issue
+asks for per-cycle time within 1.3x of their sum.
+
+Runs on MLX's CPU build and its CUDA build (no Metal-only calls). On CUDA, MLX compiles its
+multi-query attention kernel for every new key length (~65 ms each on the H200, cuDNN on or
+off); DFlash avoids it with `PaddedKVCache` (worker/models/dflash.py), while mlx-lm's own
+speculative decoding, which verifies over a plain KVCache, pays it on every cycle there.
+
+Examples:
+
+    python bench/bench_dflash.py --target ~/.cache/flashfleet/models/SmolLM2-135M-Instruct \\
+        --dflash-random-layers 2 --max-tokens 64 --prompts 2
+    python bench/bench_dflash.py --target Q1.5B --draft Q0.5B --dflash-draft DFLASH_DIR
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm import load, stream_generate  # noqa: E402
+
+from worker.capture import HiddenCapture  # noqa: E402
+from worker.models.dflash_checkpoint import init_dflash_draft, load_dflash_draft  # noqa: E402
+from worker.sampling import greedy  # noqa: E402
+from worker.spec import plain  # noqa: E402
+from worker.spec.dflash import dflash_generate, make_target_cache  # noqa: E402
+
+CASES = Path(__file__).resolve().parents[2] / "shared" / "cases"
+CORPORA = {"code": "humaneval.jsonl", "en": "enwiki_en.jsonl", "pl": "dataset_build_pl.jsonl"}
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+def load_model(path: str, random_weights: bool, dtype):
+    """mlx_lm.load, or (random_weights) the config's architecture with random weights + tokenizer."""
+    if random_weights:
+        from mlx_lm.utils import _get_classes, load_config, load_tokenizer
+
+        config = load_config(Path(path))
+        model_cls, args_cls = _get_classes(config)
+        model = model_cls(args_cls.from_dict(config))
+        tokenizer = load_tokenizer(Path(path), eos_token_ids=config.get("eos_token_id"))
+    else:
+        model, tokenizer = load(path)
+    if dtype is not None:
+        model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model, tokenizer
+
+
+def read_prompts(tokenizer, n: int, max_prompt_tokens: int, cases: Path) -> dict[str, list[list[int]]]:
+    out = {}
+    for name, file in CORPORA.items():
+        rows = []
+        with (cases / file).open(encoding="utf-8") as f:
+            for line in f:
+                if len(rows) == n:
+                    break
+                rows.append(tokenizer.encode(json.loads(line)["prompt"])[:max_prompt_tokens])
+        out[name] = rows
+    return out
+
+
+def run_steps(gen) -> tuple[list[int], list[tuple[float, int]]]:
+    """Drains a Step generator; returns (tokens, [(time at the end of the cycle, tokens)])."""
+    tokens, cycles = [], []
+    for s in gen:
+        tokens.extend(s.tokens)
+        cycles.append((time.perf_counter(), len(s.tokens)))
+    return tokens, cycles
+
+
+def run_mlx_lm(model, tokenizer, prompt, max_tokens, **kw):
+    """stream_generate, grouped into cycles (a cycle ends at a token the target chose itself).
+
+    Every response carries one new token; the last one (finish_reason set) carries the final token
+    (the max_tokens-th, or the EOS), as our generators yield it.
+    """
+    tokens, cycles, n = [], [], 0
+    for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=greedy, **kw):
+        tokens.append(r.token)
+        n += 1
+        if not getattr(r, "from_draft", False):
+            cycles.append((time.perf_counter(), n))
+            n = 0
+    if n:
+        cycles.append((time.perf_counter(), n))
+    return tokens, cycles
+
+
+def steady_rate(cycles: list[tuple[float, int]]) -> tuple[float, int, float]:
+    """(tokens after the first cycle, number of those cycles, seconds they took)."""
+    if len(cycles) < 2:
+        return 0, 0, 0.0
+    return sum(n for _, n in cycles[1:]), len(cycles) - 1, cycles[-1][0] - cycles[0][0]
+
+
+def first_diff(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def time_alone(fn, reps: int) -> float:
+    fn()  # warm-up
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps
+
+
+def per_cycle_alone(target, draft, prompt: list[int], block: int, reps: int) -> tuple[float, float]:
+    """Seconds of one draft forward and one verify forward (block tokens), each alone."""
+    tc = make_target_cache(target)
+    cap = HiddenCapture(target, draft.target_layer_ids)
+    with cap:
+        target(mx.array([prompt]), cache=tc)
+    taps = cap.hidden()
+    dc = draft.make_cache()
+    draft.extend_context(taps[:, :-1], dc)
+    mx.eval(taps, [c.state for c in tc], [c.state for c in dc])
+    block_ids = mx.array([[prompt[-1]] + [draft.mask_token_id] * (block - 1)], dtype=mx.uint32)
+    x = mx.array([(prompt * block)[-block:]], dtype=mx.uint32)
+    one_tap = taps[:, -1:]
+
+    def draft_fwd():  # injects one context position, as a cycle with one accepted token does
+        d = mx.argmax(draft(block_ids, one_tap, dc)[0], axis=-1)
+        mx.eval(d)
+        for c in dc:
+            c.trim(1)
+
+    def verify_fwd():
+        with cap:
+            logits = target(x, cache=tc)
+        t = greedy(logits[0])
+        mx.eval(t, cap.hidden())
+        for c in tc:
+            c.trim(block)
+
+    return time_alone(draft_fwd, reps), time_alone(verify_fwd, reps)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True, help="mlx-lm model directory")
+    p.add_argument("--draft", help="mlx-lm draft model directory (same tokenizer) for draft-model modes")
+    p.add_argument("--dflash-draft", help="DFlash draft directory (published layout)")
+    p.add_argument("--dflash-random-layers", type=int, default=0,
+                   help="time an untrained random DFlash draft of N layers (low acceptance: per-cycle cost)")
+    p.add_argument("--block-size", type=int, default=None, help="DFlash block size (default: the draft's)")
+    p.add_argument("--num-draft-tokens", type=int, default=3, help="k of the draft-model modes")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--prompts", type=int, default=2, help="prompts per corpus")
+    p.add_argument("--max-prompt-tokens", type=int, default=512)
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="cast the models' weights (default: as stored)")
+    p.add_argument("--random-weights", action="store_true",
+                   help="random weights in the shape of --target/--draft (only config + tokenizer read): "
+                        "per-cycle cost without carrying weights")
+    p.add_argument("--reps", type=int, default=10, help="repetitions of the alone-timings")
+    p.add_argument("--cases", type=Path, default=CASES)
+    args = p.parse_args(argv)
+
+    print(f"device: {mx.default_device()}  mlx {mx.__version__}", flush=True)
+    mx.random.seed(0)
+    dtype = DTYPES.get(args.dtype)
+    target, tokenizer = load_model(args.target, args.random_weights, dtype)
+    draft_lm = load_model(args.draft, args.random_weights, dtype)[0] if args.draft else None
+    dflash = None
+    if args.dflash_draft:
+        dflash = load_dflash_draft(args.dflash_draft, target, dtype=dtype)
+    elif args.dflash_random_layers:
+        dflash = init_dflash_draft(target, num_layers=args.dflash_random_layers,
+                                   block_size=args.block_size or 16,
+                                   tokenizer_vocab_size=len(tokenizer.vocab))
+    eos = set(tokenizer.eos_token_ids)
+    prompts = read_prompts(tokenizer, args.prompts, args.max_prompt_tokens, args.cases)
+    M = args.max_tokens
+    k = args.num_draft_tokens
+
+    methods = {"plain mlx-lm": lambda pr: run_mlx_lm(target, tokenizer, pr, M)}
+    if draft_lm is not None:
+        methods[f"spec mlx-lm k={k}"] = lambda pr: run_mlx_lm(
+            target, tokenizer, pr, M, draft_model=draft_lm, num_draft_tokens=k)
+        try:
+            from worker.spec import draft_model as ours_draft
+            methods[f"ours draft k={k}"] = lambda pr: run_steps(ours_draft.generate(
+                pr, M, greedy, eos, model=target, draft_model=draft_lm, num_draft_tokens=k))
+        except ImportError:
+            pass
+    methods["ours plain"] = lambda pr: run_steps(plain.generate(pr, M, greedy, eos, model=target))
+    if dflash is not None:
+        B = args.block_size or dflash.block_size
+        methods[f"ours dflash B={B}"] = lambda pr: run_steps(dflash_generate(
+            pr, M, greedy, eos, target=target, draft=dflash, block_size=B))
+
+    warm = prompts["code"][0][:32]
+    for fn in methods.values():  # compile/allocate once before timing
+        fn(warm)
+
+    results = {}  # (method, corpus) -> dict
+    for corpus, rows in prompts.items():
+        base = []
+        for name, fn in methods.items():
+            toks, secs, cyc, same, diffs = 0, 0.0, 0, 0, []
+            for i, pr in enumerate(rows):
+                out, cycles = fn(pr)
+                n, c, s = steady_rate(cycles)
+                toks, cyc, secs = toks + n, cyc + c, secs + s
+                if name == "plain mlx-lm":
+                    base.append(out)
+                else:
+                    d = first_diff(out, base[i])
+                    same += d is None
+                    if d is not None:
+                        diffs.append(d)
+            results[name, corpus] = dict(tps=toks / secs if secs else 0.0, tau=toks / cyc if cyc else 0.0,
+                                         cycles=cyc, secs=secs, same=same, n=len(rows), diffs=diffs)
+            print(f"  {corpus:5s} {name:20s} done", file=sys.stderr, flush=True)
+
+    weights = " (random weights)" if args.random_weights else ""
+    dflash_name = args.dflash_draft or f"random x{args.dflash_random_layers}"
+    print(f"\ntarget {args.target}{weights}  max_tokens {M}  prompts/corpus {args.prompts}  "
+          f"dtype {args.dtype or 'as stored'}  dflash {dflash_name}")
+    print(f"{'corpus':6s} {'method':20s} {'tok/s':>8s} {'tau':>6s} {'speedup':>8s}  same-as-plain")
+    for corpus in prompts:
+        b = results["plain mlx-lm", corpus]["tps"]
+        for name in methods:
+            r = results[name, corpus]
+            same = "-" if name == "plain mlx-lm" else f"{r['same']}/{r['n']}" + (
+                f" (first diff at {min(r['diffs'])})" if r["diffs"] else "")
+            speedup = r["tps"] / b if b else 0.0
+            print(f"{corpus:6s} {name:20s} {r['tps']:8.2f} {r['tau']:6.2f} {speedup:7.2f}x  {same}")
+
+    if dflash is not None:
+        B = args.block_size or dflash.block_size
+        name = f"ours dflash B={B}"
+        cyc = sum(results[name, c]["cycles"] for c in prompts)
+        secs = sum(results[name, c]["secs"] for c in prompts)
+        per_cycle = secs / cyc if cyc else float("nan")
+        d_s, v_s = per_cycle_alone(target, dflash, prompts["code"][0], B, args.reps)
+        plain_step = statistics.mean(
+            results["ours plain", c]["secs"] / max(1, results["ours plain", c]["cycles"]) for c in prompts)
+        print(f"\nDFlash per cycle (B={B}): {per_cycle * 1e3:.2f} ms in the runs; alone: draft "
+              f"{d_s * 1e3:.2f} ms + verify {v_s * 1e3:.2f} ms = {(d_s + v_s) * 1e3:.2f} ms; "
+              f"ratio {per_cycle / (d_s + v_s):.2f} (target <= 1.3); plain step {plain_step * 1e3:.2f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,133 @@
+"""The speculation cost model and the adaptive block-size policy (pure Python, no MLX)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from worker.spec.cost_model import AdaptiveBlockPolicy, CostModel
+
+MS = 1e-3
+
+
+def _model(costs_ms: dict[int, float], a: float, **kw) -> CostModel:
+    """A CostModel with a fixed acceptance `a` (prior only) and the given measured costs."""
+    m = CostModel(prior_acceptance=a, prior_weight=1e9, **kw)
+    for b, c in costs_ms.items():
+        for _ in range(2):  # the first measurement of each size is warm-up and dropped
+            m.observe_cost(b, c * MS)
+    return m
+
+
+def test_expected_tokens_is_leviathan_formula():
+    m = CostModel()
+    assert m.expected_tokens(4, a=0.0) == 1.0
+    assert m.expected_tokens(4, a=1.0) == 4.0
+    assert m.expected_tokens(4, a=0.5) == pytest.approx(1.875)  # 1 + .5 + .25 + .125
+    assert m.expected_tokens(1, a=0.9) == pytest.approx(1.0)  # plain decoding
+
+
+def test_acceptance_mle_from_prefix_counts_and_decay():
+    m = CostModel(prior_weight=0.0, decay=1.0)
+    m.observe_cycle(drafted=3, accepted=3)  # 3 successes, no failure
+    m.observe_cycle(drafted=3, accepted=1)  # 1 success, then a failure
+    assert m.acceptance_rate == pytest.approx(4 / 5)
+    m.observe_cycle(drafted=0, accepted=0)  # plain steps carry no acceptance information
+    assert m.acceptance_rate == pytest.approx(4 / 5)
+    d = CostModel(prior_weight=0.0, decay=0.5)
+    for _ in range(20):
+        d.observe_cycle(15, 15)
+    for _ in range(20):
+        d.observe_cycle(15, 0)
+    assert d.acceptance_rate < 0.01  # the old, good cycles have faded
+
+
+def test_costs_drop_warmup_and_interpolate():
+    m = CostModel(cost_decay=0.0)
+    m.observe_cost(4, 1.0)  # warm-up, dropped
+    assert m.cycle_cost(4) is None and m.samples(4) == 0
+    m.observe_cost(4, 4 * MS)
+    m.observe_cost(16, 1.0)
+    m.observe_cost(16, 16 * MS)
+    assert m.cycle_cost(8) == pytest.approx(8 * MS)  # linear between measured sizes
+    assert m.cycle_cost(2) == pytest.approx(4 * MS)  # flat below the smallest
+    assert m.cycle_cost(1) is None  # plain is never extrapolated from speculative cycles
+
+
+def test_h200_note_numbers():
+    """/work/shared/research/h200-costs.md: 1.5B target, 5-layer draft, tau = 4 at B = 16."""
+    m = _model({1: 6.41, 16: 2.2 + 7.0}, a=0.5)
+    a = next(x / 1000 for x in range(1, 1000) if m.expected_tokens(16, a=x / 1000) >= 4.0)
+    m = _model({1: 6.41, 16: 2.2 + 7.0}, a=a)
+    assert m.throughput(16) == pytest.approx(435, rel=0.01)
+    assert m.throughput(1) == pytest.approx(156, rel=0.01)
+    assert m.decide([1, 16]).block_size == 16
+
+
+def test_decide_flat_verify_picks_largest_block():
+    flat = {1: 6.4, 2: 9.0, 4: 9.0, 8: 9.1, 16: 9.2}  # GPU at short context
+    assert _model(flat, a=0.8).decide([1, 2, 4, 8, 16]).block_size == 16
+
+
+def test_decide_linear_verify_picks_small_block_or_plain():
+    linear = {1: 10.0, 2: 12.0, 4: 22.0, 8: 42.0, 16: 82.0}  # CPU: verify grows with the block
+    assert _model(linear, a=0.7).decide([1, 2, 4, 8, 16]).block_size == 2
+    d = _model(linear, a=0.1).decide([1, 2, 4, 8, 16])
+    assert d.block_size == 1 and d.tokens_per_s == d.plain_tokens_per_s == pytest.approx(100)
+
+
+def test_min_gain_hysteresis():
+    costs = {1: 10.0, 4: 20.0}
+    a = 0.6  # E[n|4] = 2.176 -> 108.8 tok/s vs 100 plain: +8.8 %
+    assert _model(costs, a=a, min_gain=1.05).decide([1, 4]).block_size == 4
+    assert _model(costs, a=a, min_gain=1.10).decide([1, 4]).block_size == 1
+
+
+def test_no_measurements_speculates_at_the_largest_size():
+    d = CostModel().decide([1, 2, 8])
+    assert d.block_size == 8 and d.tokens_per_s is None
+
+
+def test_policy_explores_every_size_largest_first_then_settles():
+    p = AdaptiveBlockPolicy(8, min_samples=1)
+    assert p.candidates == [1, 2, 4, 8]
+    order = []
+    for _ in range(8):
+        bs, timed = p.next_block_size()
+        assert timed
+        order.append(bs)
+        p.observe(bs, bs - 1, bs - 1, 1 * MS)  # always fully accepted, constant cost
+    assert order == [8, 8, 4, 4, 2, 2, 1, 1]
+    assert p.next_block_size()[0] == 8
+
+
+def test_policy_caps_candidates_at_the_draft_block():
+    assert AdaptiveBlockPolicy(4, candidates=(2, 3, 16)).candidates == [1, 2, 3, 4]
+    assert AdaptiveBlockPolicy(1).next_block_size() == (1, True)
+
+
+def _simulate(policy, accept_p, cost_ms, cycles, rng):
+    """Runs a synthetic session; returns the block sizes chosen."""
+    chosen = []
+    for _ in range(cycles):
+        bs, timed = policy.next_block_size()
+        k = bs - 1
+        j = 0
+        while j < k and rng.random() < accept_p:
+            j += 1
+        policy.observe(bs, k, j, cost_ms[bs] * MS if (timed or bs == 1) else None)
+        chosen.append(bs)
+    return chosen
+
+
+def test_policy_falls_back_to_plain_and_comes_back():
+    rng = random.Random(0)
+    cost = {1: 10.0, 2: 11.0, 4: 11.5, 8: 12.0, 16: 13.0}  # verify nearly flat
+    p = AdaptiveBlockPolicy(16, time_every=4, explore_every=50, probe_every=8)
+    good = _simulate(p, 0.9, cost, 120, rng)
+    assert good[-40:].count(16) >= 35  # high acceptance, flat cost: the full block
+    bad = _simulate(p, 0.0, cost, 120, rng)  # the draft stops matching (e.g. a topic change)
+    assert bad[-60:].count(1) >= 50  # mostly plain, with periodic speculative probes
+    assert any(b > 1 for b in bad[-60:])
+    back = _simulate(p, 0.9, cost, 200, rng)
+    assert back[-40:].count(16) >= 35  # the probes noticed the draft is good again

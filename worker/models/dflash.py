@@ -1,0 +1,376 @@
+"""DFlash block-diffusion draft model (Chen et al. 2026, "DFlash: Block Diffusion for Flash
+Speculative Decoding", arXiv 2602.06036), in the shape of mlx-lm's `models/llama.py`.
+
+The draft is a small stack of Qwen3-style decoder layers (q/k RMSNorm, SwiGLU MLP) with the
+target's hidden size D. It has no embedding and no LM head: it borrows the target's, frozen
+(`Model.bind`). Conditioning ("KV injection", paper §3 and App. A.3): the outputs of a few tapped
+target layers are concatenated (n_taps * D), projected by `fc` to D and RMS-normalised by
+`hidden_norm` into a context feature; in every draft layer that feature goes through the layer's
+own `k_proj`/`k_norm`/RoPE and `v_proj` and becomes extra keys/values. Context positions never
+produce queries. Their K/V are cached once per context position (the draft cache holds context
+K/V only). The block `[last committed token, MASK x (B-1)]` attends bidirectionally to itself and
+to all cached context; one forward drafts B-1 tokens (logits at block positions 1..B-1).
+
+Positions: with T context positions cached and S new ones in this call, the new context sits at
+T..T+S-1 and the block at T+S..T+S+L-1, i.e. the block's first token (the last committed token)
+is at the sequence position the target will give it.
+
+Hugging Face weight names are kept verbatim (`fc.weight`, `hidden_norm.weight`, `norm.weight`,
+`layers.{i}.self_attn.{q,k,v,o}_proj.weight`, `layers.{i}.self_attn.{q,k}_norm.weight`,
+`layers.{i}.mlp.{gate,up,down}_proj.weight`, `layers.{i}.{input,post_attention}_layernorm.weight`),
+so a published z-lab checkpoint loads unchanged (see `worker/models/dflash_checkpoint.py`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import BaseModelArgs
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import KVCache, create_attention_mask
+from mlx_lm.models.qwen3 import MLP
+from mlx_lm.models.rope_utils import initialize_rope
+
+from worker.capture import target_embed_fn, target_head_fn
+
+
+def default_target_layer_ids(num_target_layers: int, num_taps: int = 5) -> list[int]:
+    """Taps spread evenly over target layers 1 .. L-3 (z-lab `build_target_layer_ids`).
+
+    `ids[i] = round(1 + i * (L - 4) / (n - 1))`; one tap is `L // 2`. For shallow targets the
+    number of taps is reduced so the ids stay distinct (at most L - 3 taps, at least one).
+
+    Args:
+        num_target_layers: L, the target's decoder-layer count (>= 1).
+        num_taps: wanted number of tapped layers (the published drafts use 5).
+
+    Returns:
+        Sorted 0-based layer ids.
+    """
+    L = int(num_target_layers)
+    if L < 1 or num_taps < 1:
+        raise ValueError("num_target_layers and num_taps must be >= 1")
+    n = max(1, min(num_taps, L - 3))
+    if n == 1:
+        return [L // 2]
+    span = (L - 3) - 1
+    return [int(round(1 + i * span / (n - 1))) for i in range(n)]
+
+
+class PaddedKVCache(KVCache):
+    """A `KVCache` whose multi-token updates attend over the whole allocated buffer, with a mask.
+
+    Why: on MLX's CUDA backend, `mx.fast.scaled_dot_product_attention` with more than one query
+    compiles a kernel per key length (measured on the H200, MLX 0.32.4: ~65 ms for each new
+    length, with or without cuDNN; a matmul of the same shapes costs 0.2 ms). A speculative
+    verify or a DFlash draft call has a new key length every cycle, so every cycle paid that.
+    Here the buffer grows in `step` (256) position buckets and multi-token updates return the
+    full buffer, so the key length changes once per 256 positions; `make_mask` returns the
+    matching boolean mask (causal, optionally windowed), which also hides the unused tail.
+    One-token updates (plain decode steps) return the exact slice and need no mask, as in
+    `KVCache`. Trimming only moves `offset` (O(1)).
+    """
+
+    def update_and_fetch(self, keys, values):
+        prev = self.offset
+        end = prev + keys.shape[2]
+        size = 0 if self.keys is None else self.keys.shape[2]
+        if end > size:
+            B, H, _, Dk = keys.shape
+            grow = -(-end // self.step) * self.step - size
+            new_k = mx.zeros((B, H, grow, Dk), keys.dtype)
+            new_v = mx.zeros((B, H, grow, values.shape[3]), values.dtype)
+            if self.keys is None:
+                self.keys, self.values = new_k, new_v
+            else:
+                self.keys = mx.concatenate([self.keys, new_k], axis=2)
+                self.values = mx.concatenate([self.values, new_v], axis=2)
+        self.keys[..., prev:end, :] = keys
+        self.values[..., prev:end, :] = values
+        self.offset = end
+        if keys.shape[2] == 1:
+            return self.keys[..., :end, :], self.values[..., :end, :]
+        return self.keys, self.values
+
+    def key_length(self, n: int) -> int:
+        """Keys an update of n > 1 positions will return (the buffer length after it)."""
+        end = self.offset + n
+        size = 0 if self.keys is None else self.keys.shape[2]
+        return size if end <= size else -(-end // self.step) * self.step
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        if N == 1:
+            return create_attention_mask(N, self.offset, return_array, window_size)
+        mask = create_causal_mask(N, self.offset, window_size=window_size)  # (N, offset + N)
+        pad = self.key_length(N) - (self.offset + N)
+        return mx.pad(mask, [(0, 0), (0, pad)]) if pad else mask  # padded keys: False
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    """Fields of a DFlash draft's config.json (unknown keys are ignored by `from_dict`).
+
+    `target_layer_ids` and `mask_token_id` live under `dflash_config` in published checkpoints;
+    `block_size` is a top-level field (older SpecForge configs also put it under dflash_config).
+    """
+
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    rms_norm_eps: float = 1e-6
+    head_dim: Optional[int] = None
+    vocab_size: Optional[int] = None
+    rope_theta: float = 1_000_000.0
+    rope_scaling: Optional[Dict[str, Union[float, str]]] = None
+    rope_parameters: Optional[dict] = None
+    max_position_embeddings: int = 40960
+    attention_bias: bool = False
+    block_size: Optional[int] = None
+    num_target_layers: Optional[int] = None
+    layer_types: Optional[List[str]] = None
+    sliding_window: Optional[int] = None
+    is_causal: Optional[bool] = None
+    dflash_config: Dict[str, Any] = field(default_factory=dict)
+    model_type: str = "qwen3"
+    architectures: List[str] = field(default_factory=lambda: ["DFlashDraftModel"])
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.rope_parameters:  # transformers >= 5 nests rope settings
+            self.rope_theta = self.rope_parameters.get("rope_theta", self.rope_theta)
+            if self.rope_scaling is None and self.rope_parameters.get("rope_type", "default") != "default":
+                self.rope_scaling = self.rope_parameters
+        if self.layer_types is None:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError("layer_types must have num_hidden_layers entries")
+        unknown = set(self.layer_types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise ValueError(f"unsupported draft layer_types {sorted(unknown)}")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ValueError("sliding_attention layers need sliding_window")
+        self.dflash_config = dc = dict(self.dflash_config)  # never mutate the caller's dict
+        if self.block_size is None:
+            self.block_size = int(dc.get("block_size", 16))
+        if dc.get("conv_kernel_size") or dc.get("selector_top_k"):
+            raise ValueError("DFlash2 drafts (grouped conv + candidate selector) are not supported")
+        if "target_layer_ids" not in dc:
+            if self.num_target_layers is None:
+                raise ValueError("config has neither dflash_config.target_layer_ids nor num_target_layers")
+            dc["target_layer_ids"] = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return [int(i) for i in self.dflash_config["target_layer_ids"]]
+
+    @property
+    def mask_token_id(self) -> Optional[int]:
+        m = self.dflash_config.get("mask_token_id")
+        return None if m is None else int(m)
+
+    @property
+    def input_embedding_scale(self) -> float:
+        return float(self.dflash_config.get("input_embedding_scale", 1.0))
+
+
+class Attention(nn.Module):
+    """Block queries over [cached context K/V, new context K/V, block K/V], bidirectional
+    (sliding layers: windowed, and causal inside the block unless `is_causal` is False). The
+    mask (`make_mask`, built once per forward by `Model`) also hides a padded cache's unused tail."""
+
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        dim = args.hidden_size
+        self.n_heads = n_heads = args.num_attention_heads
+        self.n_kv_heads = n_kv_heads = args.num_key_value_heads
+        head_dim = args.head_dim
+        self.scale = head_dim**-0.5
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(dim, n_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(n_heads * head_dim, dim, bias=bias)
+        self.q_norm = nn.RMSNorm(head_dim, eps=args.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(head_dim, eps=args.rms_norm_eps)
+        self.rope = initialize_rope(
+            head_dim,
+            base=args.rope_theta,
+            traditional=False,
+            scaling_config=args.rope_scaling,
+            max_position_embeddings=args.max_position_embeddings,
+        )
+        sliding = args.layer_types[layer_idx] == "sliding_attention"
+        self.window = args.sliding_window if sliding else None
+        self.causal = sliding if args.is_causal is None else bool(args.is_causal)
+
+    def _kv(self, x: mx.array, offset: int):
+        B, L, _ = x.shape
+        k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return self.rope(k, offset=offset), v
+
+    def extend(self, ctx: mx.array, cache: KVCache) -> None:
+        """Appends context K/V for ctx (B, S, D) to the cache without running the block."""
+        k, v = self._kv(ctx, cache.offset)
+        cache.update_and_fetch(k, v)
+
+    def __call__(
+        self, x: mx.array, ctx: Optional[mx.array], cache: KVCache, mask: Optional[mx.array] = None
+    ) -> mx.array:
+        B, L, _ = x.shape
+        T = cache.offset
+        S = 0 if ctx is None else ctx.shape[1]
+        # One projection over [new context; block]: their positions are contiguous (T .. T+S+L-1).
+        kv_in = x if S == 0 else mx.concatenate([ctx, x], axis=1)
+        k, v = self._kv(kv_in, T)
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        q = self.rope(q, offset=T + S)
+        # The block K/V are written after the context and trimmed off by the caller (Model),
+        # which avoids concatenating the whole cached context with the block in every layer.
+        keys, values = cache.update_and_fetch(k, v)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def make_mask(self, L: int, n_valid: int, n_keys: int) -> Optional[mx.array]:
+        """(L, n_keys) bool mask for L block queries ending at position n_valid - 1; keys at
+        n_valid and beyond are padding. None when everything is visible."""
+        if not (self.window or self.causal or n_keys > n_valid):
+            return None
+        qpos = mx.arange(n_valid - L, n_valid)[:, None]
+        kpos = mx.arange(n_keys)[None]
+        visible = kpos < n_valid
+        if self.causal:
+            visible = visible & (kpos <= qpos)
+        if self.window:
+            visible = visible & (qpos - kpos < self.window)
+            if not self.causal:
+                visible = visible & (kpos - qpos < self.window)
+        return visible
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(args, layer_idx)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(
+        self, x: mx.array, ctx: Optional[mx.array], cache: KVCache, mask: Optional[mx.array] = None
+    ) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), ctx, cache, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Model(nn.Module):
+    """The DFlash draft. Call `bind(target)` before `__call__` (the loaders do it).
+
+    Attributes:
+        layers: the draft decoder layers.
+        fc: Linear(n_taps * D -> D, no bias) fusing the tapped target hidden states.
+        hidden_norm: RMSNorm of the fused context feature.
+        norm: final RMSNorm before the borrowed LM head.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        D = args.hidden_size
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.fc = nn.Linear(len(args.target_layer_ids) * D, D, bias=False)
+        self.hidden_norm = nn.RMSNorm(D, eps=args.rms_norm_eps)
+        self.norm = nn.RMSNorm(D, eps=args.rms_norm_eps)
+        self._embed = None  # plain attributes (bound methods), not child modules: never saved
+        self._head = None
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return self.args.target_layer_ids
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.args.mask_token_id
+
+    @property
+    def block_size(self) -> int:
+        return int(self.args.block_size)
+
+    def bind(self, target: nn.Module) -> "Model":
+        """Borrows the target's token embedding and LM head (frozen; not copied, not saved)."""
+        self._embed = target_embed_fn(target)
+        self._head = target_head_fn(target)
+        return self
+
+    def make_cache(self) -> list[PaddedKVCache]:
+        """One context-only cache per draft layer (trimmable, full context kept)."""
+        return [PaddedKVCache() for _ in self.layers]
+
+    def sanitize(self, weights: dict) -> dict:
+        """Strips a `model.` prefix and drops any embedding / head stored with the draft."""
+        out = {}
+        for k, v in weights.items():
+            if k.startswith("model."):
+                k = k[len("model."):]
+            if k.startswith(("embed_tokens.", "lm_head.")):
+                continue
+            out[k] = v
+        return out
+
+    def context(self, target_hidden: mx.array) -> mx.array:
+        """Fused context feature: (B, S, n_taps * D) -> (B, S, D)."""
+        return self.hidden_norm(self.fc(target_hidden))
+
+    def extend_context(self, target_hidden: mx.array, cache: list[KVCache]) -> None:
+        """Appends S context positions (target taps (B, S, n_taps * D)) to every layer's cache."""
+        ctx = self.context(target_hidden)
+        for layer, c in zip(self.layers, cache):
+            layer.self_attn.extend(ctx, c)
+
+    def hidden_states(
+        self, inputs: mx.array, target_hidden: Optional[mx.array], cache: list[KVCache]
+    ) -> mx.array:
+        """Draft hidden states of a block.
+
+        Args:
+            inputs: block token ids (B, L) int: [last committed token, MASK, ...].
+            target_hidden: taps of the S positions not yet in the draft cache,
+                (B, S, n_taps * D), or None when S = 0. They are appended to the cache.
+            cache: from `make_cache`; holds context K/V only, before and after the call.
+
+        Returns:
+            (B, L, D) after the final norm.
+        """
+        if self._embed is None:
+            raise RuntimeError("DFlash draft is not bound to a target; call bind(target)")
+        h = self._embed(inputs)
+        scale = self.args.input_embedding_scale
+        if scale != 1.0:
+            h = h * scale
+        ctx = None if target_hidden is None else self.context(target_hidden)
+        L = inputs.shape[1]
+        n_new = L + (0 if ctx is None else ctx.shape[1])
+        n_valid = cache[0].offset + n_new
+        n_keys = cache[0].key_length(n_new) if isinstance(cache[0], PaddedKVCache) else n_valid
+        masks: dict = {}  # one mask per (window, causal) kind, shared by the layers
+        for layer, c in zip(self.layers, cache):
+            a = layer.self_attn
+            kind = (a.window, a.causal)
+            if kind not in masks:
+                masks[kind] = a.make_mask(L, n_valid, n_keys)
+            h = layer(h, ctx, c, masks[kind])
+        for c in cache:  # drop the block's K/V: only context positions stay cached
+            c.trim(L)
+        return self.norm(h)
+
+    def __call__(
+        self, inputs: mx.array, target_hidden: Optional[mx.array], cache: list[KVCache]
+    ) -> mx.array:
+        """Draft logits for block positions 1..L-1: (B, L-1, V), through the target's head."""
+        return self._head(self.hidden_states(inputs, target_hidden, cache)[:, 1:])

@@ -1,0 +1,251 @@
+"""Read, write and randomly initialise DFlash drafts in the published (z-lab / SpecForge) layout.
+
+Layout of a draft directory (e.g. `z-lab/Qwen3-8B-DFlash-b16`):
+
+- `config.json`: a Qwen3 config (`model_type: "qwen3"`, `architectures: ["DFlashDraftModel"]`)
+  with the draft's layer sizes, top-level `block_size`, `num_target_layers`, and
+  `dflash_config: {"target_layer_ids": [...], "mask_token_id": int}`.
+- `*.safetensors`: flat names (`fc.weight`, `hidden_norm.weight`, `norm.weight`, `layers.{i}.…`),
+  no embedding and no LM head (both are borrowed from the target).
+
+Loading validates the draft against the target at load time (hidden size, tapped layers in range,
+target depth, vocabulary, mask id) and raises `DraftMismatch` with the numbers on both sides, so a
+wrong pairing fails before the first request rather than as garbage acceptance.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map_with_path
+
+from worker.capture import target_hidden_size, target_layers, target_vocab_size, _embedding
+from worker.models.dflash import Model, ModelArgs, default_target_layer_ids
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+class DraftCheckpointError(ValueError):
+    """The draft directory is unreadable or malformed (missing file, field or tensor)."""
+
+
+class DraftMismatch(DraftCheckpointError):
+    """The draft was not built for this target (hidden size, taps, depth or vocabulary differ)."""
+
+
+def _read_config(path: Path) -> dict:
+    cfg_path = path / CONFIG_FILE
+    if not cfg_path.is_file():
+        raise DraftCheckpointError(f"{path}: no {CONFIG_FILE}")
+    try:
+        return json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise DraftCheckpointError(f"{cfg_path}: invalid JSON ({e})") from e
+
+
+def check_draft_matches_target(args: ModelArgs, target: nn.Module) -> None:
+    """Raises DraftMismatch unless a draft with `args` can run against `target`.
+
+    Checks: draft hidden_size == target D (the draft consumes target embeddings and feeds the
+    target's head); every tapped layer id < target depth; `num_target_layers`, when the config has
+    it, equals the target depth; `vocab_size`, when present, equals the target's; the mask id is a
+    row of the target's embedding table.
+
+    Raises:
+        DraftMismatch: on the first failed check; DraftCheckpointError when the mask id is absent.
+    """
+    D = target_hidden_size(target)
+    if args.hidden_size != D:
+        raise DraftMismatch(
+            f"draft hidden_size {args.hidden_size} != target hidden size {D}: a DFlash draft "
+            "shares the target's embedding and LM head"
+        )
+    n_layers = len(target_layers(target))
+    bad = [i for i in args.target_layer_ids if not 0 <= i < n_layers]
+    if bad:
+        raise DraftMismatch(
+            f"draft taps target layers {args.target_layer_ids}; {bad} out of range for a "
+            f"{n_layers}-layer target"
+        )
+    if args.num_target_layers is not None and args.num_target_layers != n_layers:
+        raise DraftMismatch(
+            f"draft was trained for a {args.num_target_layers}-layer target, this one has {n_layers}"
+        )
+    V = target_vocab_size(target)
+    if args.vocab_size is not None and args.vocab_size != V:
+        raise DraftMismatch(f"draft vocab_size {args.vocab_size} != target vocab size {V}")
+    if args.mask_token_id is None:
+        raise DraftCheckpointError("draft config has no dflash_config.mask_token_id")
+    if not 0 <= args.mask_token_id < V:
+        raise DraftMismatch(f"mask_token_id {args.mask_token_id} outside the target vocabulary [0, {V})")
+
+
+def _cast(model: nn.Module, dtype: Optional[mx.Dtype]) -> None:
+    if dtype is not None:
+        model.update(tree_map_with_path(
+            lambda _, p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p,
+            model.parameters(),
+        ))
+
+
+def load_dflash_draft(path: str | Path, target: nn.Module, *, dtype: Optional[mx.Dtype] = None) -> Model:
+    """Loads a DFlash draft directory, checks it against `target`, and binds it to it.
+
+    Args:
+        path: directory with config.json and one or more *.safetensors files.
+        target: the mlx-lm target model the draft will run with.
+        dtype: cast floating weights to this dtype (default: keep the checkpoint's).
+
+    Returns:
+        The draft `Model`, weights evaluated, bound to the target's embedding and head.
+
+    Raises:
+        DraftCheckpointError: missing/invalid files, fields, tensors or tensor shapes.
+        DraftMismatch: the draft does not fit this target (see `check_draft_matches_target`).
+    """
+    path = Path(path)
+    cfg = _read_config(path)
+    archs = cfg.get("architectures") or ["DFlashDraftModel"]
+    if "DFlashDraftModel" not in archs:
+        raise DraftCheckpointError(f"{path}: architectures {archs} is not a DFlash draft")
+    try:
+        args = ModelArgs.from_dict(cfg)
+    except (TypeError, ValueError) as e:
+        raise DraftCheckpointError(f"{path}/{CONFIG_FILE}: {e}") from e
+    check_draft_matches_target(args, target)
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise DraftCheckpointError(f"{path}: no *.safetensors files")
+    weights: dict = {}
+    for f in files:
+        weights.update(mx.load(str(f)))
+    model = Model(args)
+    weights = model.sanitize(weights)
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise DraftCheckpointError(f"{path}: weights do not match config.json: {e}") from e
+    _cast(model, dtype)
+    mx.eval(model.parameters())
+    return model.bind(target)
+
+
+def save_dflash_draft(model: Model, path: str | Path) -> None:
+    """Writes `model` as config.json + model.safetensors in the published layout.
+
+    The output loads with `load_dflash_draft` and with the z-lab loaders (same field and tensor
+    names). An existing directory is reused; existing files of the same names are overwritten.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    a = model.args
+    cfg = {k: v for k, v in asdict(a).items() if v is not None and k != "rope_parameters"}
+    cfg["dflash_config"] = dict(a.dflash_config)
+    cfg["architectures"] = ["DFlashDraftModel"]
+    cfg["model_type"] = "qwen3"
+    cfg["block_size"] = int(a.block_size)
+    cfg.setdefault("tie_word_embeddings", False)
+    cfg.setdefault("hidden_act", "silu")
+    weights = dict(tree_flatten(model.parameters()))
+    dtypes = {v.dtype for v in weights.values()}
+    if len(dtypes) == 1:
+        cfg["torch_dtype"] = {mx.bfloat16: "bfloat16", mx.float16: "float16", mx.float32: "float32"}.get(
+            dtypes.pop(), None)
+    (path / CONFIG_FILE).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    mx.save_safetensors(str(path / WEIGHTS_FILE), weights, metadata={"format": "pt"})
+
+
+def _target_dtype(target: nn.Module) -> mx.Dtype:
+    w = getattr(_embedding(target), "weight", None)
+    if w is not None and mx.issubdtype(w.dtype, mx.floating):
+        return w.dtype
+    return mx.bfloat16  # quantized embedding: scales are bf16 in mlx-lm conversions
+
+
+def init_dflash_draft(
+    target: nn.Module,
+    num_layers: int,
+    block_size: int = 16,
+    target_layer_ids: Optional[Sequence[int]] = None,
+    mask_token_id: Optional[int] = None,
+    *,
+    num_taps: int = 5,
+    intermediate_size: Optional[int] = None,
+    num_attention_heads: Optional[int] = None,
+    num_key_value_heads: Optional[int] = None,
+    head_dim: Optional[int] = None,
+    tokenizer_vocab_size: Optional[int] = None,
+    seed: int = 0,
+    dtype: Optional[mx.Dtype] = None,
+) -> Model:
+    """A randomly initialised draft shaped for `target` (the starting point for training).
+
+    Sizes default to the target's (hidden size, heads, head_dim, MLP width, RoPE, eps), as the
+    published drafts do (design note §4.3).
+
+    Args:
+        target: the mlx-lm target model.
+        num_layers: draft depth (published drafts: 5; 8 for Qwen3-Coder).
+        block_size: B, tokens per draft block including the last committed token.
+        target_layer_ids: tapped target layers; default `default_target_layer_ids(L, num_taps)`.
+        mask_token_id: MASK id; default the first id past the tokenizer's vocabulary when
+            `tokenizer_vocab_size` is given and the embedding table is padded beyond it, else the
+            last row of the table. Any fixed row works for correctness (output is always the
+            target's); a spare row keeps the MASK embedding distinct from real text.
+        seed: seed of the weight initialisation (same seed, same weights).
+        dtype: weight dtype; default the target embedding's floating dtype.
+
+    Raises:
+        DraftMismatch: explicit taps or mask id do not fit the target.
+    """
+    targs = target.args
+    D = target_hidden_size(target)
+    n_heads = num_attention_heads or targs.num_attention_heads
+    n_kv = num_key_value_heads or getattr(targs, "num_key_value_heads", None) or n_heads
+    hd = head_dim or getattr(targs, "head_dim", None) or D // n_heads
+    V = target_vocab_size(target)
+    L = len(target_layers(target))
+    if target_layer_ids is None:
+        target_layer_ids = default_target_layer_ids(L, num_taps)
+    if mask_token_id is None:
+        mask_token_id = tokenizer_vocab_size if tokenizer_vocab_size and tokenizer_vocab_size < V else V - 1
+    args = ModelArgs(
+        hidden_size=D,
+        num_hidden_layers=num_layers,
+        intermediate_size=intermediate_size or targs.intermediate_size,
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv,
+        head_dim=hd,
+        rms_norm_eps=float(getattr(targs, "rms_norm_eps", 1e-6)),
+        vocab_size=V,
+        rope_theta=float(getattr(targs, "rope_theta", None) or 1_000_000.0),
+        rope_scaling=getattr(targs, "rope_scaling", None),
+        max_position_embeddings=int(getattr(targs, "max_position_embeddings", None) or 40960),
+        block_size=block_size,
+        num_target_layers=L,
+        dflash_config={"target_layer_ids": [int(i) for i in target_layer_ids],
+                       "mask_token_id": int(mask_token_id)},
+    )
+    check_draft_matches_target(args, target)
+    model = Model(args)
+    key = mx.random.key(seed)
+    params = tree_flatten(model.parameters())
+    keys = mx.random.split(key, len(params))
+    new = []
+    for (name, p), k in zip(params, keys):
+        if p.ndim == 2:  # Linear weight (out, in): U(-1/sqrt(in), 1/sqrt(in)), as nn.Linear
+            s = p.shape[1] ** -0.5
+            p = mx.random.uniform(-s, s, p.shape, key=k)
+        elif name.endswith(".bias"):
+            p = mx.zeros_like(p)
+        new.append((name, p))
+    model.load_weights(new)
+    _cast(model, dtype or _target_dtype(target))
+    mx.eval(model.parameters())
+    return model.bind(target)

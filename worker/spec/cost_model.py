@@ -1,0 +1,243 @@
+"""When speculation stops paying: choose the block size, or plain decoding, from measurements.
+
+The model (Leviathan, Kalman & Matias 2023, "Fast Inference from Transformers via Speculative
+Decoding", ICML, §3.1 eq. (1) and §3.4): if each drafted token is accepted with probability `a`,
+independently, and acceptance stops at the first rejection, a cycle that drafts k = B - 1 tokens
+commits on average
+
+    E[n | B] = (1 - a^B) / (1 - a)          tokens  (accepted prefix + the target's bonus token;
+                                                      = B when a = 1, = 1 for B = 1)
+
+and costs c(B) = draft_s(B) + verify_s(B) seconds. Expected throughput is R(B) = E[n | B] / c(B)
+tokens/s. Plain decoding is the case B = 1: E = 1, c(1) = one decode step. The decision is
+B* = argmax_B R(B) over the candidate sizes, and plain decoding whenever
+R(B*) < min_gain * R(1).
+
+Why costs are measured per session instead of assumed: on the H200 (MLX CUDA, bf16;
+/work/shared/research/h200-costs.md) verifying 16 tokens costs about one decode step at 512
+tokens of context (1.5B model: 6.99 vs 6.41 ms) but twice one at 8K context (12.84 vs 6.27 ms),
+and on CPUs verify cost grows about linearly with the block. A fixed cost ratio would pick the
+wrong block on one of them; the measured curve does not.
+
+Estimating `a`: acceptance is a prefix, so a cycle with k drafts and j accepted is a truncated
+geometric observation (j successes, plus one failure when j < k). The maximum-likelihood estimate
+is a = S / (S + F) with S = sum j and F = number of cycles with j < k. Both counts decay by
+`decay` per observed cycle (a window of about 1 / (1 - decay) cycles), so `a` follows the session
+(code vs prose, a growing context). The i.i.d. assumption is Leviathan's; DFlash acceptance falls
+with the position in the block, which makes E[n | B] slightly optimistic for large B, and the
+measured costs keep that error from compounding.
+
+Costs: exponentially weighted means of measured cycle times per block size (the first
+measurement of each size is dropped as warm-up: lazy graph set-up, kernel compilation). Sizes not
+measured yet are interpolated linearly between measured ones and held flat outside them.
+
+Everything here is plain Python (no MLX): `CostModel` holds the estimates and decides;
+`AdaptiveBlockPolicy` adds the schedule (what to time, when to explore, when to probe while
+decoding plainly) for `worker.spec.dflash.dflash_generate`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Result of `CostModel.decide`.
+
+    Attributes:
+        block_size: chosen block size B (1 = plain decoding).
+        tokens_per_s: expected throughput of the choice.
+        plain_tokens_per_s: expected throughput of plain decoding (None when c(1) is unknown).
+        acceptance_rate: the `a` the decision used.
+    """
+
+    block_size: int
+    tokens_per_s: Optional[float]
+    plain_tokens_per_s: Optional[float]
+    acceptance_rate: float
+
+
+class CostModel:
+    """Acceptance and cost estimates of one session, and the block-size decision.
+
+    Args:
+        prior_acceptance: `a` before any observation.
+        prior_weight: pseudo-observations (cycles) behind the prior.
+        decay: per-cycle decay of the acceptance counts, in (0, 1].
+        cost_decay: weight of the old mean in the per-size cost average, in [0, 1).
+        min_gain: speculate only when R(B*) >= min_gain * R(1).
+    """
+
+    def __init__(
+        self,
+        prior_acceptance: float = 0.5,
+        prior_weight: float = 2.0,
+        decay: float = 0.9,
+        cost_decay: float = 0.7,
+        min_gain: float = 1.05,
+    ):
+        if not 0.0 <= prior_acceptance <= 1.0:
+            raise ValueError("prior_acceptance must be in [0, 1]")
+        if not 0.0 < decay <= 1.0 or not 0.0 <= cost_decay < 1.0:
+            raise ValueError("decay must be in (0, 1] and cost_decay in [0, 1)")
+        self.decay = decay
+        self.cost_decay = cost_decay
+        self.min_gain = min_gain
+        self._succ = prior_acceptance * prior_weight
+        self._fail = (1.0 - prior_acceptance) * prior_weight
+        self._cost: dict[int, float] = {}
+        self._seen: dict[int, int] = {}
+
+    # -- observations ----------------------------------------------------------------------
+    def observe_cycle(self, drafted: int, accepted: int) -> None:
+        """One verify outcome: `accepted` of `drafted` draft tokens kept (0 <= accepted <= drafted)."""
+        if drafted <= 0:
+            return
+        self._succ = self._succ * self.decay + accepted
+        self._fail = self._fail * self.decay + (1.0 if accepted < drafted else 0.0)
+
+    def observe_cost(self, block_size: int, seconds: float) -> None:
+        """Measured wall time of one cycle (draft + verify) at `block_size`; B = 1 is a plain step."""
+        n = self._seen.get(block_size, 0)
+        self._seen[block_size] = n + 1
+        if n == 0:
+            return  # warm-up measurement
+        old = self._cost.get(block_size)
+        w = self.cost_decay
+        self._cost[block_size] = seconds if old is None else w * old + (1 - w) * seconds
+
+    def samples(self, block_size: int) -> int:
+        """Cost measurements kept for `block_size` (warm-up excluded)."""
+        return max(0, self._seen.get(block_size, 0) - 1)
+
+    # -- estimates -------------------------------------------------------------------------
+    @property
+    def acceptance_rate(self) -> float:
+        total = self._succ + self._fail
+        return self._succ / total if total > 0 else 0.0
+
+    def expected_tokens(self, block_size: int, a: Optional[float] = None) -> float:
+        """E[n | B] = (1 - a^B) / (1 - a): committed tokens per cycle of block size B."""
+        a = self.acceptance_rate if a is None else a
+        if a >= 1.0:
+            return float(block_size)
+        return (1.0 - a**block_size) / (1.0 - a)
+
+    def cycle_cost(self, block_size: int) -> Optional[float]:
+        """Seconds per cycle at B: measured, interpolated, or held flat; None with no data."""
+        if block_size in self._cost:
+            return self._cost[block_size]
+        spec = sorted(b for b in self._cost if b > 1)
+        if block_size == 1 or not spec:
+            return None
+        lo = [b for b in spec if b < block_size]
+        hi = [b for b in spec if b > block_size]
+        if not lo:
+            return self._cost[hi[0]]
+        if not hi:
+            return self._cost[lo[-1]]
+        b0, b1 = lo[-1], hi[0]
+        w = (block_size - b0) / (b1 - b0)
+        return (1 - w) * self._cost[b0] + w * self._cost[b1]
+
+    def throughput(self, block_size: int) -> Optional[float]:
+        """R(B) = E[n | B] / c(B) in tokens/s; None while c(B) is unknown."""
+        c = self.cycle_cost(block_size)
+        return None if not c else self.expected_tokens(block_size) / c
+
+    def decide(self, candidates: Sequence[int]) -> Decision:
+        """Best block size among `candidates` (1 = plain); the largest one while nothing is measured."""
+        a = self.acceptance_rate
+        plain = self.throughput(1) if 1 in candidates else None
+        best, best_r = None, None
+        for b in candidates:
+            if b <= 1:
+                continue
+            r = self.throughput(b)
+            if r is not None and (best_r is None or r > best_r):
+                best, best_r = b, r
+        if best is None:
+            spec = [b for b in candidates if b > 1]
+            return Decision(max(spec) if spec else 1, None, plain, a)
+        if plain is not None and best_r < self.min_gain * plain:
+            return Decision(1, plain, plain, a)
+        return Decision(best, best_r, plain, a)
+
+
+class AdaptiveBlockPolicy:
+    """Schedule around `CostModel`: which block size to run next and whether to time it.
+
+    Timing a speculative cycle costs one extra host sync (draft and verify are timed apart), so
+    only some cycles are timed: while a candidate size has fewer than `min_samples` kept
+    measurements it is explored (largest first; plain steps are timed for free), afterwards the
+    chosen size is timed every `time_every` cycles and one other candidate every `explore_every`
+    cycles. While decoding plainly, a timed speculative probe runs every `probe_every` steps so
+    the acceptance estimate stays current.
+
+    Args:
+        max_block_size: the draft's block size (trained B); larger blocks are never tried.
+        candidates: block sizes to choose from, default (1, 2, 4, 8, 16) capped at the maximum,
+            plus the maximum itself. 1 (plain) is always included.
+        model: the CostModel (a fresh one by default).
+
+    Usage:
+        bs, timed = policy.next_block_size()
+        ... run a cycle at bs (time it when `timed`) ...
+        policy.observe(bs, drafted, accepted, seconds if timed else None)
+    """
+
+    def __init__(
+        self,
+        max_block_size: int,
+        candidates: Optional[Sequence[int]] = None,
+        model: Optional[CostModel] = None,
+        *,
+        min_samples: int = 2,
+        time_every: int = 8,
+        explore_every: int = 64,
+        probe_every: int = 32,
+    ):
+        if max_block_size < 1:
+            raise ValueError("max_block_size must be >= 1")
+        base = candidates if candidates is not None else (2, 4, 8, 16)
+        self.candidates = sorted({1, max_block_size, *(b for b in base if 1 <= b <= max_block_size)})
+        self.model = model or CostModel()
+        self.min_samples = min_samples
+        self.time_every = max(1, time_every)
+        self.explore_every = max(1, explore_every)
+        self.probe_every = max(1, probe_every)
+        self._cycles = 0
+        self._plain_run = 0
+        self._explore_idx = 0
+        self.decision = self.model.decide(self.candidates)
+
+    def next_block_size(self) -> tuple[int, bool]:
+        """(block size for the next cycle, whether to time it)."""
+        m = self.model
+        if len(self.candidates) == 1:
+            return 1, True
+        for b in reversed(self.candidates):  # explore: every size needs measurements
+            if m.samples(b) < self.min_samples:
+                return b, True
+        self.decision = d = m.decide(self.candidates)
+        if d.block_size == 1:
+            if self._plain_run >= self.probe_every:
+                spec = [b for b in self.candidates if b > 1]
+                best = max(spec, key=lambda b: m.throughput(b) or 0.0)
+                self._plain_run = 0
+                return best, True
+            return 1, True
+        if self._cycles % self.explore_every == self.explore_every - 1:
+            others = [b for b in self.candidates if b != d.block_size]
+            self._explore_idx = (self._explore_idx + 1) % len(others)
+            return others[self._explore_idx], True
+        return d.block_size, self._cycles % self.time_every == 0
+
+    def observe(self, block_size: int, drafted: int, accepted: int, seconds: Optional[float]) -> None:
+        """Feeds one cycle: drafted/accepted counts, and its wall time when it was timed."""
+        self._cycles += 1
+        self._plain_run = self._plain_run + 1 if drafted == 0 else 0
+        self.model.observe_cycle(drafted, accepted)
+        if seconds is not None:
+            self.model.observe_cost(block_size, seconds)

@@ -1,0 +1,255 @@
+"""DFlash speculative decoding: a block-diffusion draft proposes B-1 tokens in one forward, the
+target verifies them in one forward (Chen et al. 2026, "DFlash: Block Diffusion for Flash
+Speculative Decoding", arXiv 2602.06036; cycle as in z-lab/dflash `dflash/model_mlx.py`, see
+/work/shared/research/dflash.md §3).
+
+State between cycles (P = prompt + generated tokens committed so far; b = the last of them):
+
+    target cache  positions [0, P-1)        every committed token except b
+    draft cache   context K/V [0, P-1-S)    plus S pending taps not yet injected
+    pending       target taps of positions [P-1-S, P-1), fed to the next draft call
+
+One cycle at block size bs (2 <= bs <= B):
+    draft   d = argmax draft([b, MASK x (bs-1)], pending)       bs-1 tokens; injects the pending taps
+    verify  logits, taps = target([b] + d)                      one forward, taps captured
+            t = sampler(logits)                                 the target's own choice per position
+    accept  j = longest prefix with d[i] == t[i]; commit t[:j+1] (j drafts + the bonus t[j])
+    rollback target cache trimmed by bs-(j+1); pending = taps[:, :j+1]
+
+So the target keeps j+1 of the bs verified positions, the draft gains exactly those positions one
+cycle later, and the new bonus token belongs to neither cache. Every emitted token is the target's
+own choice (argmax, or its sample from `sampler`), so the output is the target's at any
+temperature: lossless, though not Leviathan-style rejection sampling (at T > 0 acceptance is lower
+than it could be, note §3.3). The draft always proposes its argmax: P(target sample == d) = p(d)
+is highest at the mode, and drafting uses none of the sampler's random state.
+
+Speed (note §3.4): one host sync per cycle (the accept read-back); the next cycle's draft is
+queued with `mx.async_eval` before the Step is yielded, so the device drafts while the host
+handles the Step. Block K/V of the draft are written into its cache buffer and trimmed (O(1))
+instead of being concatenated with the context in every layer. Both caches are `PaddedKVCache`s:
+multi-token attention keeps one key length per 256 positions, because MLX's CUDA backend compiles
+that kernel for every new length (H200: ~65 ms each; a DFlash cycle fell from 116 ms to 13 ms with
+draft 1.9 ms + verify 7.1 ms measured alone). Timing a cycle's draft and verify apart costs a
+second sync and is done only on cycles chosen by `time_every` or the policy.
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterable, Iterator, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+from worker.capture import HiddenCapture
+from worker.models.dflash import PaddedKVCache
+from worker.spec.base import Sampler, Step
+from worker.spec.cost_model import AdaptiveBlockPolicy
+from worker.spec.plain import CLEAR_CACHE_EVERY_TOKENS
+
+_FLUSH_PENDING = 32  # plain steps between draft-context flushes while not drafting
+
+
+def make_target_cache(target: nn.Module) -> list:
+    """The target's prompt cache with every layer trimmable.
+
+    Plain `KVCache`s become `PaddedKVCache`s, so a verify's attention keeps its key length for
+    256 positions at a time (on CUDA every new length of a multi-query attention costs a kernel
+    compile; see `PaddedKVCache`). Sliding-window layers' `RotatingKVCache`s stop being trimmable
+    once they wrap (mlx-lm #1423), so they are replaced too: mlx-lm models pass `window_size`
+    when they build the mask of a sliding layer, and `make_mask` honours it, so attention is
+    unchanged (memory of those layers grows with the context instead of staying at the window).
+
+    Raises:
+        ValueError: some layer's cache cannot be trimmed (e.g. recurrent GatedDeltaNet state).
+    """
+    cache = [PaddedKVCache() if type(c) in (KVCache, RotatingKVCache) else c
+             for c in make_prompt_cache(target)]
+    bad = {type(c).__name__ for c in cache if not c.is_trimmable()}
+    if bad:
+        raise ValueError(f"DFlash needs a trimmable target cache; got {sorted(bad)}")
+    return cache
+
+
+def dflash_generate(
+    prompt_tokens: list[int],
+    max_tokens: int,
+    sampler: Sampler,
+    eos_ids: Iterable[int],
+    *,
+    target: nn.Module,
+    draft,
+    block_size: Optional[int] = None,
+    policy: Optional[AdaptiveBlockPolicy] = None,
+    time_every: int = 0,
+    target_cache: Optional[list] = None,
+    draft_cache: Optional[list] = None,
+    prefill_step_tokens: int = 512,
+    stream=generation_stream,
+) -> Iterator[Step]:
+    """Decodes with a DFlash draft; yields one `Step` for the first token, then one per cycle.
+
+    Args:
+        prompt_tokens: prompt token ids, non-empty.
+        max_tokens: at most this many tokens are yielded in total (> 0).
+        sampler: the target's token choice, logits (N, V) -> ids (N,); greedy = argmax.
+        eos_ids: generation ends after the first of these (tokens after it are dropped).
+        target: an mlx-lm model with a `layers` list.
+        draft: a `worker.models.dflash.Model` (bound to `target` here), or an object with the
+            same `__call__`, `extend_context`, `make_cache`, `bind`, `target_layer_ids`,
+            `mask_token_id` and `block_size`.
+        block_size: B, tokens per block (last token + B-1 drafts); default the draft's. 1 means
+            plain decoding through the same loop.
+        policy: optional adaptive block-size policy (`AdaptiveBlockPolicy`); it picks each
+            cycle's block size (<= B), including 1 (plain steps) when speculation does not pay.
+        time_every: without a policy, time draft and verify apart on every n-th cycle
+            (0 = never; untimed cycles report draft_s = verify_s = 0). Plain steps (bs = 1) are
+            always timed (verify_s), at no extra cost.
+        target_cache / draft_cache: empty caches to use (the caller can inspect them between
+            Steps); default `make_target_cache(target)` and `draft.make_cache()`.
+        prefill_step_tokens: prompt tokens per prefill forward (plain decoding's default, so
+            the prefill numerics match it).
+        stream: MLX stream to run on; entered around each piece of work, never across a
+            `yield`, so several generators can interleave on one thread.
+
+    Yields:
+        Step(tokens, drafted, accepted, draft_s, verify_s). `drafted` = bs-1 and `accepted` = j
+        (the target's verdict, bonus not counted; acceptance is a prefix, so position i of the
+        block was accepted iff i < accepted). `tokens` has accepted+1 ids unless cut at EOS.
+
+    Raises:
+        ValueError: empty prompt, max_tokens < 1, block_size < 1, policy sizes above block_size,
+            non-empty or untrimmable caches (raised at the first `next`).
+    """
+    if not prompt_tokens:
+        raise ValueError("empty prompt")
+    B = int(block_size if block_size is not None else draft.block_size)
+    if B < 1:
+        raise ValueError("block_size must be >= 1")
+    if policy is not None and max(policy.candidates) > B:
+        raise ValueError(f"policy block sizes {policy.candidates} exceed block_size {B}")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    eos = frozenset(int(e) for e in eos_ids)
+    draft.bind(target)
+    tc = make_target_cache(target) if target_cache is None else target_cache
+    dc = draft.make_cache() if draft_cache is None else draft_cache
+    if any(c.offset for c in tc) or any(c.offset for c in dc):
+        raise ValueError("dflash_generate needs empty caches")
+    cap = HiddenCapture(target, draft.target_layer_ids)
+    masks = [int(draft.mask_token_id)] * (B - 1)
+
+    def verify(x: mx.array):
+        with cap:
+            logits = target(x, cache=tc)
+        return logits, cap.hidden()
+
+    def launch_draft(b: int, bs: int, pending: list) -> mx.array:
+        hidden = None if not pending else pending[0] if len(pending) == 1 else mx.concatenate(pending, axis=1)
+        logits = draft(mx.array([[b] + masks[: bs - 1]], dtype=mx.uint32), hidden, dc)
+        return mx.argmax(logits[0], axis=-1)  # uint32
+
+    n_seq = len(prompt_tokens)  # committed sequence length; the target cache holds n_seq - 1
+    pending: list = []  # target taps not yet injected into the draft context
+    next_d = None  # the next cycle's draft tokens, queued before the previous Step is yielded
+
+    def prefill() -> Step:
+        # All but the last prompt token in chunks (as plain decoding does, for identical numerics),
+        # injecting each chunk's taps into the draft context so nothing large stays pending.
+        prompt = mx.array(prompt_tokens, dtype=mx.uint32)
+        for s in range(0, n_seq - 1, prefill_step_tokens):
+            _, taps = verify(prompt[None, s: min(s + prefill_step_tokens, n_seq - 1)])
+            draft.extend_context(taps, dc)
+            mx.eval([c.state for c in tc], [c.state for c in dc])
+            mx.clear_cache()
+        logits, taps = verify(prompt[None, -1:])
+        tok = sampler(logits[:, -1, :])
+        mx.eval(tok, taps)
+        pending.append(taps)
+        return Step(tok.tolist())
+
+    def plain_step(b: int) -> Step:
+        nonlocal pending
+        t0 = time.perf_counter()
+        logits, taps = verify(mx.array([[b]], dtype=mx.uint32))
+        tok = sampler(logits[0])
+        mx.eval(tok, taps)
+        verify_s = time.perf_counter() - t0
+        pending.append(taps)
+        if len(pending) >= _FLUSH_PENDING:
+            draft.extend_context(mx.concatenate(pending, axis=1), dc)
+            pending = []
+        return Step(tok.tolist(), verify_s=verify_s)
+
+    def spec_cycle(b: int, bs: int, timed: bool) -> Step:
+        nonlocal pending, next_d
+        t0 = time.perf_counter()
+        d = next_d if next_d is not None else launch_draft(b, bs, pending)
+        next_d, pending = None, []
+        if timed:
+            mx.eval(d)
+        t1 = time.perf_counter()
+        logits, taps = verify(mx.concatenate([mx.array([[b]], dtype=mx.uint32), d[None]], axis=1))
+        tok = sampler(logits[0])
+        mx.eval(tok, d, taps)  # the one host sync of the cycle
+        t2 = time.perf_counter()
+        dl, tl = d.tolist(), tok.tolist()
+        k = bs - 1
+        j = 0
+        while j < k and dl[j] == tl[j]:
+            j += 1
+        for c in tc:  # drop the rejected drafts d[j:]; keep b and d[:j]
+            c.trim(k - j)
+        pending = [taps[:, : j + 1]]
+        if timed:
+            return Step(tl[: j + 1], k, j, t1 - t0, t2 - t1)
+        return Step(tl[: j + 1], k, j)
+
+    def prefetch(b: int, bs: int) -> None:
+        nonlocal pending, next_d
+        next_d = launch_draft(b, bs, pending)
+        pending = []
+        mx.async_eval(next_d)
+
+    try:
+        with mx.stream(stream):
+            step = prefill()
+        n_gen = 0
+        cycle = -1  # the prefill's token is not a cycle
+        while True:
+            commit = step.tokens
+            stop = not eos.isdisjoint(commit)
+            if stop:  # end after the first EOS; drop what follows it
+                del commit[next(i for i, t in enumerate(commit) if t in eos) + 1:]
+            n_seq += len(commit)
+            n_gen += len(commit)
+            b = commit[-1]
+            if policy is not None and cycle >= 0:
+                policy.observe(bs, step.drafted, step.accepted,
+                               step.draft_s + step.verify_s if bs == 1 or timed else None)
+            cycle += 1
+            done = stop or n_gen >= max_tokens
+            if not done:
+                if policy is not None:
+                    bs, timed = policy.next_block_size()
+                else:
+                    bs, timed = B, time_every > 0 and cycle % time_every == 0
+                bs = min(bs, max_tokens - n_gen)  # the block shrinks near max_tokens
+                if bs > 1 and not timed:  # the device drafts while the caller handles the Step
+                    with mx.stream(stream):
+                        prefetch(b, bs)
+            yield step
+            if done:
+                return
+            if n_gen // CLEAR_CACHE_EVERY_TOKENS != (n_gen - len(commit)) // CLEAR_CACHE_EVERY_TOKENS:
+                mx.clear_cache()
+            with mx.stream(stream):
+                step = plain_step(b) if bs == 1 else spec_cycle(b, bs, timed)
+    finally:
+        # Roll back to the committed sequence: the target keeps n_seq - 1 positions, the draft at
+        # most that many (an interrupted cycle may have left rejected or block positions).
+        keep = n_seq - 1
+        for c in (*tc, *dc):
+            if c.offset > keep:
+                c.trim(c.offset - keep)
