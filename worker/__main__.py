@@ -36,8 +36,14 @@ def parse_args(argv):
     p.add_argument("--model", default=None, help="model name (flashfleet models list) or local "
                    "HF/MLX model directory (required without --config)")
     p.add_argument("--model-name", default=None, help="name clients use (default: --model's name)")
-    p.add_argument("--draft", default=None, help="same-tokenizer draft model (name or directory)")
+    p.add_argument("--draft", default=None, help="draft (name or directory): a same-tokenizer "
+                   "causal LM, or a DFlash checkpoint (detected from its config.json)")
     p.add_argument("--num-draft-tokens", type=int, default=None, help="default 3")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="DFlash block size (default: the draft checkpoint's)")
+    p.add_argument("--adaptive-block-size", action="store_true",
+                   help="DFlash picks each cycle's block size from measured costs, down to plain "
+                   "decoding when speculation stops paying")
     p.add_argument("--capacity", type=int, default=None, help="sessions admitted at once (default 4)")
     p.add_argument("--max-context-tokens", type=int, default=None)
     p.add_argument("--coordinator", default=None, help="coordinator host:port (omit: standalone)")
@@ -97,6 +103,7 @@ def build_engine(a):
     name = a.model_name or (a.model if "/" not in a.model else model_dir.name)
     config = EngineConfig(model_path=model_dir, model_name=name, draft_path=draft_dir,
                           num_draft_tokens=a.num_draft_tokens, capacity=a.capacity,
+                          block_size=a.block_size, adaptive_block_size=a.adaptive_block_size,
                           max_context_tokens=a.max_context_tokens)
     return Engine(config)
 

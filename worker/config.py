@@ -13,7 +13,14 @@ class EngineConfig:
         model_path: local model directory (config.json, *.safetensors, tokenizer files) that
             `mlx_lm.load` reads; never a hub id (workers have no hub access).
         model_name: name the worker serves the model under ("" = the directory's name).
-        draft_path: local directory of a same-tokenizer draft model, or None for no draft.
+        draft_path: local directory of a draft, or None for no draft: a same-tokenizer causal
+            LM (classic draft-model speculative decoding) or a DFlash checkpoint (config.json with
+            `dflash_config`), told apart by `draft_kind`.
+        draft_kind: "draft" or "dflash"; "" detects it from the draft's config.json.
+        block_size: DFlash block size B (last token + B-1 drafted); None takes the checkpoint's.
+        adaptive_block_size: DFlash chooses each cycle's block size from measured draft / verify
+            times and acceptance, down to plain decoding when speculation stops paying
+            (worker/spec/cost_model.py).
         num_draft_tokens: draft tokens proposed per speculative cycle (k), >= 1.
         capacity: most sessions admitted at once (running or queued), >= 1.
         max_tokens_default: generation budget the servicer applies when a request leaves it unset.
@@ -28,6 +35,9 @@ class EngineConfig:
     model_path: Path
     model_name: str = ""
     draft_path: Path | None = None
+    draft_kind: str = ""
+    block_size: int | None = None
+    adaptive_block_size: bool = False
     num_draft_tokens: int = 3
     capacity: int = 4
     max_tokens_default: int = 512
@@ -43,6 +53,10 @@ class EngineConfig:
         for name in ("num_draft_tokens", "capacity", "max_tokens_default", "prefill_step_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.draft_kind not in ("", "draft", "dflash"):
+            raise ValueError(f"EngineConfig.draft_kind must be '', 'draft' or 'dflash', got {self.draft_kind!r}")
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"EngineConfig.block_size must be >= 1, got {self.block_size}")
         if self.max_context_tokens is not None and self.max_context_tokens < 2:
             raise ValueError(f"EngineConfig.max_context_tokens must be >= 2, got {self.max_context_tokens}")
 

@@ -15,6 +15,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from worker.config import EngineConfig
 from worker.engine.types import GenerationRequest, InvalidRequest
 from worker.spec import draft_model, plain
+from worker.spec.cost_model import AdaptiveBlockPolicy
+from worker.spec.dflash import dflash_generate, make_target_cache
 from worker.spec.base import Sampler, Step
 
 
@@ -63,6 +65,27 @@ def start_plain(m: LoadedModels, cfg: EngineConfig, req: GenerationRequest, samp
     return steps, cache
 
 
+def start_dflash(m: LoadedModels, cfg: EngineConfig, req: GenerationRequest, sampler: Sampler):
+    """DFlash block-diffusion speculative decoding (`worker.spec.dflash`)."""
+    cache, draft_cache = make_target_cache(m.target), m.draft.make_cache()
+    policy = (AdaptiveBlockPolicy(cfg.block_size or m.draft.block_size)
+              if cfg.adaptive_block_size else None)
+    steps = dflash_generate(
+        list(req.prompt_tokens), req.max_tokens, sampler, m.eos_ids, target=m.target,
+        draft=m.draft, block_size=cfg.block_size, policy=policy, target_cache=cache,
+        draft_cache=draft_cache, prefill_step_tokens=cfg.prefill_step_tokens,
+        time_every=1 if cfg.spec_timing_sync else 0)
+    return steps, cache + draft_cache
+
+
+def draft_kind_of(draft_config: Mapping[str, Any]) -> str:
+    """"dflash" for a DFlash checkpoint's config.json (it has `dflash_config` or the
+    DFlashDraftModel architecture), else "draft" (a causal LM used as a classic draft)."""
+    if "dflash_config" in draft_config or "DFlashDraftModel" in draft_config.get("architectures", ()):
+        return "dflash"
+    return "draft"
+
+
 def start_draft(m: LoadedModels, cfg: EngineConfig, req: GenerationRequest, sampler: Sampler):
     """Draft-model speculative decoding (`worker.spec.draft_model`)."""
     cache, draft_cache = make_prompt_cache(m.target), make_prompt_cache(m.draft)
@@ -78,7 +101,7 @@ def start_draft(m: LoadedModels, cfg: EngineConfig, req: GenerationRequest, samp
 MODES: dict[str, Mode | None] = {
     "plain": Mode(start_plain),
     "draft": Mode(start_draft, needs_draft="draft"),
-    "dflash": None,  # worker/spec/dflash.py plugs in here: Mode(start_dflash, needs_draft="dflash")
+    "dflash": Mode(start_dflash, needs_draft="dflash"),
     "uag": None,  # cross-tokenizer drafts: not built yet
 }
 

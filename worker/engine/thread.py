@@ -22,7 +22,8 @@ from mlx_lm.utils import load_tokenizer
 
 from worker.config import EngineConfig
 from worker.detokenize import TextAssembler
-from worker.engine.modes import MODES, LoadedModels, Mode, resolve_mode
+from worker.engine.modes import MODES, LoadedModels, Mode, draft_kind_of, resolve_mode
+from worker.models.dflash_checkpoint import load_dflash_draft
 from worker.engine.session import Session, new_stats
 from worker.engine.types import (
     DoneEvent,
@@ -133,8 +134,8 @@ class Engine:
         self._resident: tuple[Session, ...] = ()
 
         model_cfg = _read_model_config(config.model_path, "model")
-        if config.draft_path is not None:
-            _read_model_config(config.draft_path, "draft model")
+        draft_cfg = (_read_model_config(config.draft_path, "draft model")
+                     if config.draft_path is not None else None)
         model_cfg = {**model_cfg.get("text_config", {}), **model_cfg}  # multimodal configs nest these
         context = config.max_context_tokens or model_cfg.get("max_position_embeddings")
         if not context:
@@ -143,7 +144,7 @@ class Engine:
                 "set EngineConfig.max_context_tokens"
             )
         self._vocab_size: int | None = model_cfg.get("vocab_size")
-        self._draft_kind = "draft" if config.draft_path is not None else ""
+        self._draft_kind = "" if draft_cfg is None else config.draft_kind or draft_kind_of(draft_cfg)
         # Observability only: weights and KV bytes per token, from config.json and file sizes.
         target_fp = model_footprint(config.model_path)
         draft_fp = model_footprint(config.draft_path) if config.draft_path is not None else None
@@ -351,7 +352,9 @@ class Engine:
         cfg = self.config
         target, tokenizer = mlx_load(str(cfg.model_path))
         draft = None
-        if cfg.draft_path is not None:
+        if self._draft_kind == "dflash":  # borrows the target's embedding and head
+            draft = load_dflash_draft(cfg.draft_path, target)
+        elif cfg.draft_path is not None:
             draft, draft_tokenizer = mlx_load(str(cfg.draft_path))
             if draft_tokenizer.vocab_size != tokenizer.vocab_size:
                 log.warning("draft %s has vocabulary %d, target %d: acceptance may suffer",

@@ -1,0 +1,78 @@
+"""A worker serving a DFlash draft: the engine detects the checkpoint, routes mode "dflash" to
+it, and its greedy output equals plain greedy output (through the engine and the cluster)."""
+from __future__ import annotations
+
+import queue
+
+import pytest
+from mlx_lm import load
+
+from flashfleet import Client
+from flashfleet.errors import ModelNotFound
+from harness import start_cluster
+from worker.config import EngineConfig
+from worker.engine.thread import Engine
+from worker.engine.types import DoneEvent, GenerationRequest, TokenEvent
+from worker.models.dflash_checkpoint import init_dflash_draft, save_dflash_draft
+
+
+@pytest.fixture(scope="module")
+def dflash_dir(tiny_models, tmp_path_factory):
+    target, _ = load(str(tiny_models.llama))
+    draft = init_dflash_draft(target, num_layers=1, block_size=4)
+    out = tmp_path_factory.mktemp("dflash") / "tiny-dflash"
+    save_dflash_draft(draft, out)
+    return out
+
+
+def run(engine, request):
+    events: queue.Queue = queue.Queue()
+    engine.submit(request, events.put)
+    tokens = []
+    while True:
+        ev = events.get(timeout=60)
+        if isinstance(ev, TokenEvent):
+            tokens.extend(ev.token_ids)
+        elif isinstance(ev, DoneEvent):
+            return tokens, ev
+        else:
+            raise ev.error
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_engine_detects_dflash_and_matches_plain(tiny_models, dflash_dir, adaptive):
+    cfg = EngineConfig(model_path=tiny_models.llama, draft_path=dflash_dir,
+                       adaptive_block_size=adaptive)
+    with Engine(cfg) as engine:
+        assert engine.model.draft_mode == "dflash"
+        prompt = tuple(engine.encode_prompt("Speculation pays when", None))
+        plain, _ = run(engine, GenerationRequest("p", prompt, 23, mode="plain"))
+        spec, done = run(engine, GenerationRequest("d", prompt, 23, mode="auto"))
+        assert spec == plain
+        s = done.stats
+        assert s.mode == "dflash" and s.cycles > 0
+        assert sum(s.accepted_per_position) == s.accepted_tokens
+        if not adaptive:
+            assert s.drafted_tokens >= s.cycles  # block size 4: up to 3 drafts per cycle
+
+
+def test_cluster_routes_dflash_requests_to_the_dflash_worker(tiny_models, dflash_dir):
+    engines = {
+        "plain": Engine(EngineConfig(model_path=tiny_models.llama, model_name="tiny")),
+        "dflash": Engine(EngineConfig(model_path=tiny_models.llama, model_name="tiny",
+                                      draft_path=dflash_dir)),
+    }
+    c = start_cluster(engines)
+    try:
+        with Client(c.address) as client:
+            plain = client.complete("tiny", prompt="Blocks of tokens", max_tokens=17, mode="plain")
+            for _ in range(3):
+                d = client.complete("tiny", prompt="Blocks of tokens", max_tokens=17, mode="dflash")
+                assert d.worker_id == "dflash" and d.stats.mode == "dflash"
+                assert d.token_ids == plain.token_ids
+            with pytest.raises(ModelNotFound, match="DRAFT"):
+                client.complete("tiny", prompt="x", max_tokens=2, mode="draft")
+            models = client.list_models()
+            assert models[0].info.name == "tiny"
+    finally:
+        c.close()
