@@ -87,8 +87,9 @@ def draft_kind_of(draft_config: Mapping[str, Any]) -> str:
 
 
 def start_draft(m: LoadedModels, cfg: EngineConfig, req: GenerationRequest, sampler: Sampler):
-    """Draft-model speculative decoding (`worker.spec.draft_model`)."""
-    cache, draft_cache = make_prompt_cache(m.target), make_prompt_cache(m.draft)
+    """Draft-model speculative decoding (`worker.spec.draft_model`). Padded caches keep the verify's
+    key length fixed for 256 positions (MLX's CUDA build compiles a kernel per new length)."""
+    cache, draft_cache = make_target_cache(m.target), make_target_cache(m.draft)
     steps = draft_model.generate(
         list(req.prompt_tokens), req.max_tokens, sampler, m.eos_ids,
         model=m.target, draft_model=m.draft, num_draft_tokens=cfg.num_draft_tokens,
