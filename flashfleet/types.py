@@ -41,6 +41,7 @@ class GenerationStats:
     verify_s: float = 0.0
     accepted_per_position: tuple[int, ...] = ()
     queue_s: float = 0.0
+    translate_s: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -55,6 +56,7 @@ class GenerationStats:
             drafted_tokens=s.drafted_tokens, accepted_tokens=s.accepted_tokens,
             acceptance_length=s.acceptance_length, draft_s=s.draft_s, verify_s=s.verify_s,
             accepted_per_position=tuple(s.accepted_per_position), queue_s=s.queue_s,
+            translate_s=s.translate_s,
         )
 
 

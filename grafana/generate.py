@@ -218,9 +218,13 @@ def speculative() -> dict:
                 [(ratio("flashfleet_worker_spec_draft_seconds_total",
                         "flashfleet_worker_spec_cycles_total", by="method"), "draft {{method}}"),
                  (ratio("flashfleet_worker_spec_verify_seconds_total",
-                        "flashfleet_worker_spec_cycles_total", by="method"), "verify {{method}}")],
+                        "flashfleet_worker_spec_cycles_total", by="method"), "verify {{method}}"),
+                 (ratio("flashfleet_worker_spec_translate_seconds_total",
+                        "flashfleet_worker_spec_cycles_total", by="method"),
+                  "translate {{method}}")],
                 "Exact means from counters. Without spec_timing_sync drafting runs "
-                "asynchronously and its compute shows up as verify time."),
+                "asynchronously and its compute shows up as verify time. Translation time is "
+                "nonzero only for cross-tokenizer (uag) drafts."),
              ts("Per-request cycle time (p95)", "s",
                 [(quantile(0.95, "flashfleet_worker_spec_cycle_draft_seconds", by="method"),
                   "draft {{method}}"),

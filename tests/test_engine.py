@@ -191,7 +191,7 @@ def test_exception_in_one_session_does_not_stop_the_others(engine, prompt):
     ({"prompt_tokens": (1, 99999)}, r"token ids must be in \[0, 512\)"),
     ({"mode": "turbo"}, "unknown mode 'turbo'"),
     ({"mode": "dflash"}, "mode 'dflash' needs a 'dflash' draft model"),
-    ({"mode": "uag"}, "mode 'uag' is not loaded on this worker"),
+    ({"mode": "uag"}, "mode 'uag' needs a 'uag' draft model"),
     ({"sampling": SamplingParams(temperature=-1.0)}, "temperature"),
     ({"sampling": SamplingParams(temperature=1.0, top_p=0.0)}, "top_p"),
     ({"stop": ("",)}, "stop strings must be non-empty"),

@@ -16,7 +16,8 @@ class EngineConfig:
         draft_path: local directory of a draft, or None for no draft: a same-tokenizer causal
             LM (classic draft-model speculative decoding) or a DFlash checkpoint (config.json with
             `dflash_config`), told apart by `draft_kind`.
-        draft_kind: "draft" or "dflash"; "" detects it from the draft's config.json.
+        draft_kind: "draft", "dflash" or "uag" (a draft with another tokenizer); "" detects it
+            from the draft's config.json and tokenizer files.
         block_size: DFlash block size B (last token + B-1 drafted); None takes the checkpoint's.
         adaptive_block_size: DFlash chooses each cycle's block size from measured draft / verify
             times and acceptance, down to plain decoding when speculation stops paying
@@ -53,8 +54,9 @@ class EngineConfig:
         for name in ("num_draft_tokens", "capacity", "max_tokens_default", "prefill_step_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.draft_kind not in ("", "draft", "dflash"):
-            raise ValueError(f"EngineConfig.draft_kind must be '', 'draft' or 'dflash', got {self.draft_kind!r}")
+        if self.draft_kind not in ("", "draft", "dflash", "uag"):
+            raise ValueError("EngineConfig.draft_kind must be '', 'draft', 'dflash' or 'uag', "
+                             f"got {self.draft_kind!r}")
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"EngineConfig.block_size must be >= 1, got {self.block_size}")
         if self.max_context_tokens is not None and self.max_context_tokens < 2:

@@ -44,6 +44,7 @@ def stats_proto(s: GenerationStats) -> common_pb2.GenerationStats:
         tokens_per_s=s.tokens_per_s, total_s=s.total_s, mode=s.mode, cycles=s.cycles,
         drafted_tokens=s.drafted_tokens, accepted_tokens=s.accepted_tokens,
         acceptance_length=s.acceptance_length, draft_s=s.draft_s, verify_s=s.verify_s,
+        translate_s=s.translate_s,
         accepted_per_position=s.accepted_per_position)
 
 

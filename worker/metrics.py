@@ -228,6 +228,7 @@ class _Spec:
     verify_s: Counter
     cycle_draft_s: Histogram
     cycle_verify_s: Histogram
+    translate_s: Counter
 
 
 class WorkerMetrics:
@@ -287,6 +288,9 @@ class WorkerMetrics:
                                   mm, registry=r)
         self.verify_time = Counter("flashfleet_worker_spec_verify_seconds", "Time spent in the "
                                    "target's verify forward.", mm, registry=r)
+        self.translate_time = Counter("flashfleet_worker_spec_translate_seconds", "Time spent "
+                                      "translating tokens between the draft's and the target's "
+                                      "vocabularies (cross-tokenizer drafts).", mm, registry=r)
         self.cycle_draft = Histogram("flashfleet_worker_spec_cycle_draft_seconds", "Drafting time "
                                      "per cycle, the request's mean; one observation per request.",
                                      mm, buckets=CYCLE_BUCKETS_S, registry=r)
@@ -330,7 +334,7 @@ class WorkerMetrics:
             lab = {"model": model, "method": method}
             c = self._spec[(model, method)] = _Spec(*(m.labels(**lab) for m in (
                 self.cycles, self.drafted, self.accepted, self.draft_time, self.verify_time,
-                self.cycle_draft, self.cycle_verify)))
+                self.cycle_draft, self.cycle_verify, self.translate_time)))
         return c
 
     def observe_request(self, model: str, event: DoneEvent) -> None:
@@ -358,6 +362,7 @@ class WorkerMetrics:
             c.accepted.inc(s.accepted_tokens)
             c.draft_s.inc(s.draft_s)
             c.verify_s.inc(s.verify_s)
+            c.translate_s.inc(s.translate_s)
             c.cycle_draft_s.observe(s.draft_s / s.cycles)
             c.cycle_verify_s.observe(s.verify_s / s.cycles)
             for i, n in enumerate(s.accepted_per_position[:MAX_BLOCK_POSITIONS]):

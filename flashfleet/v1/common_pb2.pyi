@@ -80,7 +80,7 @@ class Chunk(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "ttft_s", "tokens_per_s", "total_s", "mode", "cycles", "drafted_tokens", "accepted_tokens", "acceptance_length", "draft_s", "verify_s", "accepted_per_position", "queue_s")
+    __slots__ = ("prompt_tokens", "generated_tokens", "ttft_s", "tokens_per_s", "total_s", "mode", "cycles", "drafted_tokens", "accepted_tokens", "acceptance_length", "draft_s", "verify_s", "accepted_per_position", "queue_s", "translate_s")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class GenerationStats(_message.Message):
     VERIFY_S_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSLATE_S_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     ttft_s: float
@@ -109,7 +110,8 @@ class GenerationStats(_message.Message):
     verify_s: float
     accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
     queue_s: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., total_s: _Optional[float] = ..., mode: _Optional[str] = ..., cycles: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_length: _Optional[float] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., queue_s: _Optional[float] = ...) -> None: ...
+    translate_s: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., total_s: _Optional[float] = ..., mode: _Optional[str] = ..., cycles: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_length: _Optional[float] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., queue_s: _Optional[float] = ..., translate_s: _Optional[float] = ...) -> None: ...
 
 class Complete(_message.Message):
     __slots__ = ("finish_reason", "stats", "worker_id")

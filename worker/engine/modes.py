@@ -7,6 +7,7 @@ builds its caches and calls it, and an entry in `MODES`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 import mlx.nn as nn
@@ -16,6 +17,7 @@ from worker.config import EngineConfig
 from worker.engine.types import GenerationRequest, InvalidRequest
 from worker.spec import draft_model, plain
 from worker.spec.cost_model import AdaptiveBlockPolicy
+from worker.spec.cross_tokenizer import start_uag
 from worker.spec.dflash import dflash_generate, make_target_cache
 from worker.spec.base import Sampler, Step
 
@@ -30,6 +32,7 @@ class LoadedModels:
         eos_ids: token ids that end a generation.
         draft: the draft model, or None.
         draft_kind: the kind of `draft` ("" when none, else a key of `MODES`, e.g. "draft").
+        draft_tokenizer: the draft's own tokenizer (cross-tokenizer "uag" drafts only).
     """
 
     target: nn.Module
@@ -37,6 +40,7 @@ class LoadedModels:
     eos_ids: frozenset[int]
     draft: nn.Module | None = None
     draft_kind: str = ""
+    draft_tokenizer: Any = None
 
 
 # Builds one session's decoding generator and returns it with every cache it writes (the engine
@@ -78,11 +82,18 @@ def start_dflash(m: LoadedModels, cfg: EngineConfig, req: GenerationRequest, sam
     return steps, cache + draft_cache
 
 
-def draft_kind_of(draft_config: Mapping[str, Any]) -> str:
-    """"dflash" for a DFlash checkpoint's config.json (it has `dflash_config` or the
-    DFlashDraftModel architecture), else "draft" (a causal LM used as a classic draft)."""
+def draft_kind_of(draft_config: Mapping[str, Any], draft_dir: Path, target_dir: Path) -> str:
+    """The kind of a draft directory: "dflash" for a DFlash checkpoint (its config.json has
+    `dflash_config` or the DFlashDraftModel architecture); "draft" for a causal LM with the
+    target's tokenizer (same tokenizer.json, or same vocab file); "uag" for a causal LM with
+    another tokenizer (cross-tokenizer drafting, Universal Assisted Generation)."""
     if "dflash_config" in draft_config or "DFlashDraftModel" in draft_config.get("architectures", ()):
         return "dflash"
+    for name in ("tokenizer.json", "tokenizer.model", "vocab.json"):
+        a, b = Path(draft_dir) / name, Path(target_dir) / name
+        if a.exists() or b.exists():
+            same = a.exists() and b.exists() and a.read_bytes() == b.read_bytes()
+            return "draft" if same else "uag"
     return "draft"
 
 
@@ -103,7 +114,7 @@ MODES: dict[str, Mode | None] = {
     "plain": Mode(start_plain),
     "draft": Mode(start_draft, needs_draft="draft"),
     "dflash": Mode(start_dflash, needs_draft="dflash"),
-    "uag": None,  # cross-tokenizer drafts: not built yet
+    "uag": Mode(start_uag, needs_draft="uag"),
 }
 
 AUTO = "auto"

@@ -59,6 +59,7 @@ class Session:
             st.accepted_tokens += step.accepted
             st.draft_s += step.draft_s
             st.verify_s += step.verify_s
+            st.translate_s += step.translate_s
             per_pos = st.accepted_per_position
             if step.drafted > len(per_pos):
                 per_pos.extend([0] * (step.drafted - len(per_pos)))

@@ -144,7 +144,8 @@ class Engine:
                 "set EngineConfig.max_context_tokens"
             )
         self._vocab_size: int | None = model_cfg.get("vocab_size")
-        self._draft_kind = "" if draft_cfg is None else config.draft_kind or draft_kind_of(draft_cfg)
+        self._draft_kind = "" if draft_cfg is None else config.draft_kind or draft_kind_of(
+            draft_cfg, config.draft_path, config.model_path)
         # Observability only: weights and KV bytes per token, from config.json and file sizes.
         target_fp = model_footprint(config.model_path)
         draft_fp = model_footprint(config.draft_path) if config.draft_path is not None else None
@@ -351,15 +352,16 @@ class Engine:
         """Loads the target (and draft) with mlx_lm.load and warms them up; engine thread only."""
         cfg = self.config
         target, tokenizer = mlx_load(str(cfg.model_path))
-        draft = None
+        draft = draft_tokenizer = None
         if self._draft_kind == "dflash":  # borrows the target's embedding and head
             draft = load_dflash_draft(cfg.draft_path, target)
         elif cfg.draft_path is not None:
             draft, draft_tokenizer = mlx_load(str(cfg.draft_path))
-            if draft_tokenizer.vocab_size != tokenizer.vocab_size:
+            if self._draft_kind == "draft" and draft_tokenizer.vocab_size != tokenizer.vocab_size:
                 log.warning("draft %s has vocabulary %d, target %d: acceptance may suffer",
                             cfg.draft_path, draft_tokenizer.vocab_size, tokenizer.vocab_size)
-        models = LoadedModels(target, tokenizer, frozenset(tokenizer.eos_token_ids), draft, self._draft_kind)
+        models = LoadedModels(target, tokenizer, frozenset(tokenizer.eos_token_ids), draft,
+                              self._draft_kind, draft_tokenizer=draft_tokenizer)
         if cfg.warmup:
             self._warmup(models)
         return models

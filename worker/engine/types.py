@@ -78,6 +78,7 @@ class GenerationStats:
     accepted_tokens: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    translate_s: float = 0.0
     accepted_per_position: list[int] = field(default_factory=list)
 
     @property

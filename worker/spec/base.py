@@ -32,6 +32,8 @@ class Step:
         accepted: draft tokens the target accepted in this cycle (the bonus token not counted).
         draft_s: wall time of drafting in this cycle, seconds (0 when not measured).
         verify_s: wall time of the target's verify forward, seconds (0 when not measured).
+        translate_s: time spent translating tokens between vocabularies (cross-tokenizer drafts
+            only), seconds.
     """
 
     tokens: list[int]
@@ -39,6 +41,7 @@ class Step:
     accepted: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    translate_s: float = 0.0
 
 
 DecodeFn = Callable[..., Iterator[Step]]

@@ -1,0 +1,272 @@
+"""Cross-tokenizer speculative decoding (Universal Assisted Generation, "uag" mode).
+
+The draft has its own tokenizer. Sources: Timor et al. 2025, "Accelerating LLM Inference with
+Lossless Speculative Decoding Algorithms for Heterogeneous Vocabularies" (arXiv:2502.05202, the
+SLEM method); Hugging Face blog "Universal Assisted Generation" (Intel Labs + HF, 2024-10-29,
+transformers `AssistedCandidateGeneratorDifferentTokenizers`); mlx-lm PR #1025 (naive vs
+context-aware translation); Leviathan et al. 2023 for the speculative round itself. Research notes:
+/work/shared/research/uag.md.
+
+One round:
+  1. re-sync the draft: find the draft tokens whose bytes still match the committed text, back
+     off one token (it may merge with what follows), re-encode the rest of the committed text
+     with `worker.spec.translation` (context-aware: with the preceding text as context), trim
+     the draft's KV cache to the longest common prefix with that sequence and feed the rest;
+  2. the draft proposes k tokens greedily in its own vocabulary (sequential forwards);
+  3. their bytes (cut before a draft special token, e.g. its EOS) are translated into m target
+     tokens (an incomplete trailing UTF-8 character is held back);
+  4. the target scores [y, v_0..v_{m-1}] in one forward; the sampler picks t_0..t_m; the round
+     commits t_0..t_n where n = the longest prefix with v_i == t_i (accept iff the proposal
+     equals the target's own choice: argmax under greedy, its sample under sampling). Every
+     committed token is the target's, so the output equals plain decoding under greedy and
+     follows the target's distribution under sampling (lossless); translation only changes
+     acceptance. With no proposal (m = 0) the round is a plain target step.
+
+Prompts: the target gets `prompt_tokens` (its own chat template, as the engine renders it). The
+draft gets `draft_prompt_tokens` when the caller rendered the conversation with the draft's own
+template; otherwise the raw text of the target prompt re-encoded by the draft tokenizer
+(`translation.prompt_for_draft`: ChatML markers become the draft's special tokens when it knows
+them, plain text otherwise). Only the generated text is translated each round.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+from worker.spec.base import Sampler, Step
+from worker.spec.plain import CLEAR_CACHE_EVERY_TOKENS, prefill
+from worker.spec.translation import (
+    DEFAULT_WINDOW_BYTES,
+    ByteVocab,
+    common_prefix,
+    prompt_for_draft,
+    translate,
+)
+from worker.spec.uag_cost import UagPolicy
+
+_VOCABS: dict[int, tuple[Any, ByteVocab]] = {}
+
+
+def byte_vocab(tokenizer: Any) -> ByteVocab:
+    """`ByteVocab.from_tokenizer`, cached per tokenizer object (built once per process)."""
+    hit = _VOCABS.get(id(tokenizer))
+    if hit is None or hit[0] is not tokenizer:
+        hit = (tokenizer, ByteVocab.from_tokenizer(tokenizer))
+        _VOCABS[id(tokenizer)] = hit
+    return hit[1]
+
+
+@dataclass(frozen=True)
+class UagStep(Step):
+    """A `Step` with cross-tokenizer details (a subclass: code reading `Step` is unaffected).
+
+    `drafted` / `accepted` count TARGET tokens (proposed after translation / accepted), so
+    acceptance rates are comparable with the other modes.
+
+    Attributes:
+        draft_tokens: tokens the draft generated in its own vocabulary this round (k).
+        translate_s: CPU time of both translations and the re-sync bookkeeping, seconds.
+        resync_tokens: draft tokens fed to re-synchronise the draft this round.
+    """
+
+    draft_tokens: int = 0
+    translate_s: float = 0.0
+    resync_tokens: int = 0
+
+
+def generate(
+    prompt_tokens: list[int],
+    max_tokens: int,
+    sampler: Sampler,
+    eos_ids: set[int],
+    *,
+    model: nn.Module,
+    tokenizer: Any,
+    draft_model: nn.Module,
+    draft_tokenizer: Any,
+    num_draft_tokens: int = 4,
+    translation: str = "context",
+    draft_prompt_tokens: Optional[list[int]] = None,
+    policy: Optional[UagPolicy] = None,
+    max_proposed_tokens: Optional[int] = None,
+    window_bytes: int = DEFAULT_WINDOW_BYTES,
+    cache: Optional[list[Any]] = None,
+    draft_cache: Optional[list[Any]] = None,
+    prefill_step_tokens: int = 512,
+    stream: Any = generation_stream,
+) -> Iterator[UagStep]:
+    """Decodes by draft + translate + verify rounds (the `spec.base` decoding-generator contract).
+
+    Args:
+        prompt_tokens: target prompt ids, non-empty.
+        max_tokens: most tokens to yield, >= 1.
+        sampler: the target's token choice, logits (N, V) -> ids (N,) uint32, N = m + 1.
+        eos_ids: target ids that end the generation; the EOS token itself is yielded.
+        model: the target mlx-lm model.
+        tokenizer: the target's tokenizer (Hugging Face fast tokenizer or mlx-lm wrapper).
+        draft_model: an mlx-lm model with any vocabulary; it drafts greedily.
+        draft_tokenizer: the draft's tokenizer.
+        num_draft_tokens: draft tokens per round k (the largest k when `policy` is given), >= 1.
+        translation: "context" (re-encode with the preceding text as context, aligned on bytes)
+            or "naive" (re-encode the new text alone), for both directions.
+        draft_prompt_tokens: the draft's prompt ids (e.g. the conversation rendered with the
+            draft's template); None re-encodes the target prompt's text.
+        policy: chooses k per round, 0 meaning a plain step (`UagPolicy`); None = fixed k.
+        max_proposed_tokens: cap on target tokens per round (default 2·k + 2).
+        window_bytes: context window of the context-aware translation, bytes.
+        cache / draft_cache: the models' cache lists, updated in place (made here when None).
+        prefill_step_tokens: prompt tokens per prefill forward (both models).
+        stream: MLX stream, entered around each piece of work and never across a `yield`.
+
+    Yields:
+        One `UagStep` per round (tokens t_0..t_n, cut after an EOS; times in seconds). Draft and
+        verify times each end with a host sync (the draft's ids are needed on the host to
+        translate them), so draft_s includes the draft's device time.
+
+    Raises:
+        ValueError: empty prompt, max_tokens < 1, num_draft_tokens < 1, unknown translation, or
+            a cache that cannot be trimmed.
+    """
+    if not prompt_tokens:
+        raise ValueError("prompt_tokens is empty")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if num_draft_tokens < 1:
+        raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+    if translation not in ("context", "naive"):
+        raise ValueError(f"translation must be 'context' or 'naive', got {translation!r}")
+    cache = make_prompt_cache(model) if cache is None else cache
+    draft_cache = make_prompt_cache(draft_model) if draft_cache is None else draft_cache
+    for name, c in (("target", cache), ("draft", draft_cache)):
+        if not can_trim_prompt_cache(c):
+            raise ValueError(f"uag speculative decoding needs a trimmable {name} cache")
+    tv, dv = byte_vocab(tokenizer), byte_vocab(draft_tokenizer)
+    dprompt = list(draft_prompt_tokens) if draft_prompt_tokens else prompt_for_draft(prompt_tokens, tv, dv)
+
+    with mx.stream(stream):
+        prefill(draft_model, draft_cache, mx.array(dprompt, mx.uint32), prefill_step_tokens)
+        y = prefill(model, cache, mx.array(prompt_tokens, mx.uint32), prefill_step_tokens)
+    dcached: list[int] = dprompt[:-1]  # tokens in the draft cache
+    dgen: list[int] = []  # draft-side tokens of the generated text
+    dlen: list[int] = []  # bytes of the committed text each of them stands for
+    text = bytearray()  # committed generated text, bytes (target tokens)
+    ntoks = 0
+
+    def _matched() -> tuple[int, int]:
+        """(draft tokens, bytes) of dgen that still spell a prefix of the committed text."""
+        j = pos = 0
+        while j < len(dgen):
+            n = dlen[j]
+            tail = dv.bytes_of[dgen[j]][-n:] if n else b""
+            if pos + n > len(text) or text[pos:pos + n] != tail:
+                break
+            pos += n
+            j += 1
+        return j, pos
+
+    try:
+        while True:
+            left = max_tokens - ntoks
+            k = policy.next_k() if policy is not None else num_draft_tokens
+            k = min(k, num_draft_tokens, max(left - 1, 0))
+            draft_s = translate_s = 0.0
+            proposal: list[int] = []
+            resync = 0
+            if k > 0:
+                # 1. re-sync the draft with the committed text.
+                t0 = time.perf_counter()
+                j, pos = _matched()
+                if j > 0:
+                    j -= 1
+                    pos -= dlen[j]
+                tr = translate(dv, bytes(text), pos, translation, window_bytes)
+                dgen, dlen = dgen[:j] + tr.ids, dlen[:j] + tr.lengths
+                synced = pos + tr.consumed
+                seq = dprompt + dgen
+                keep = min(common_prefix(dcached, seq), len(seq) - 1)
+                feed = seq[keep:]
+                resync = len(feed)
+                translate_s += time.perf_counter() - t0
+                # 2. draft k tokens greedily.
+                t0 = time.perf_counter()
+                with mx.stream(stream):
+                    trim_prompt_cache(draft_cache, len(dcached) - keep)
+                    x = mx.array(feed, mx.uint32)
+                    drafts = []
+                    for i in range(k):
+                        logits = draft_model(x[None], cache=draft_cache)[:, -1, :]
+                        x = mx.argmax(logits, axis=-1).astype(mx.uint32)
+                        mx.async_eval(x)
+                        drafts.append(x)
+                    dids = mx.concatenate(drafts).tolist()
+                dcached = seq + dids[:-1]
+                draft_s = time.perf_counter() - t0
+                # 3. translate the draft's text into target tokens.
+                t0 = time.perf_counter()
+                for i, d in enumerate(dids):
+                    if d in dv.special_ids:
+                        dids = dids[:i]
+                        break
+                dgen, dlen = dgen + dids, dlen + [len(dv.bytes_of[d]) for d in dids]
+                full = bytes(text[:synced]) + dv.to_bytes(dids)
+                if len(full) > len(text) and full[: len(text)] == text:
+                    out = translate(tv, full, len(text), translation, window_bytes)
+                    cap = max_proposed_tokens or 2 * k + 2
+                    proposal = out.ids[: min(cap, left - 1)]
+                translate_s += time.perf_counter() - t0
+            # 4. verify (a plain step when nothing was proposed).
+            m = len(proposal)
+            t0 = time.perf_counter()
+            with mx.stream(stream):
+                inp = mx.concatenate([y, mx.array(proposal, mx.uint32)]) if m else y
+                logits = model(inp[None], cache=cache)[0]  # (m+1, V)
+                chosen = sampler(logits).tolist()
+            verify_s = time.perf_counter() - t0
+            n = 0
+            while n < m and proposal[n] == chosen[n]:
+                n += 1
+            committed = chosen[: n + 1]
+            for i, token in enumerate(committed):
+                if token in eos_ids:
+                    committed = committed[: i + 1]
+                    break
+            c = len(committed)
+            trim_prompt_cache(cache, m - (c - 1))
+            text += tv.to_bytes(committed)
+            ntoks += c
+            if policy is not None:
+                policy.observe(k, m, min(n, c), draft_s, translate_s, verify_s)
+            step = UagStep(committed, drafted=m, accepted=min(n, c), draft_s=draft_s, verify_s=verify_s,
+                           draft_tokens=k, translate_s=translate_s, resync_tokens=resync)
+            y = mx.array(committed[-1:], mx.uint32)
+            if ntoks // CLEAR_CACHE_EVERY_TOKENS != (ntoks - c) // CLEAR_CACHE_EVERY_TOKENS:
+                mx.clear_cache()
+            yield step
+            if committed[-1] in eos_ids or ntoks >= max_tokens:
+                return
+    finally:
+        # The target cache never holds uncommitted tokens here; trim the draft's to the part
+        # that still spells the committed text.
+        j, _ = _matched()
+        keep = common_prefix(dcached, dprompt + dgen[:j])
+        trim_prompt_cache(draft_cache, len(dcached) - keep)
+
+
+def start_uag(m: Any, cfg: Any, req: Any, sampler: Sampler) -> tuple[Iterator[UagStep], list[Any]]:
+    """`worker.engine.modes.StartFn` for mode "uag": needs `m.draft` and `m.draft_tokenizer`
+    (`LoadedModels`), uses cfg.num_draft_tokens as the largest k with the adaptive `UagPolicy`
+    (plain steps when drafting does not pay). Plain (unpadded) caches: UAG trims them by varying
+    amounts every round."""
+    cache, draft_cache = make_prompt_cache(m.target), make_prompt_cache(m.draft)
+    steps = generate(
+        list(req.prompt_tokens), req.max_tokens, sampler, m.eos_ids, model=m.target,
+        tokenizer=m.tokenizer, draft_model=m.draft, draft_tokenizer=m.draft_tokenizer,
+        num_draft_tokens=cfg.num_draft_tokens, policy=UagPolicy(cfg.num_draft_tokens),
+        cache=cache, draft_cache=draft_cache, prefill_step_tokens=cfg.prefill_step_tokens)
+    return steps, cache + draft_cache
