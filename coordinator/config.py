@@ -13,7 +13,6 @@ class CoordinatorConfig:
         route_attempts: workers tried for one request before its first token (>= 1).
         retry_initial_wait_s, retry_max_wait_s: exponential backoff (with jitter) between tries.
         session_ttl_s: a session's worker affinity is forgotten after this long unused.
-        worker_connect_timeout_s: deadline to open a stream to a worker when the client set none.
         shutdown_grace_s: in-flight RPCs get this long to finish on shutdown.
     """
 
@@ -25,5 +24,4 @@ class CoordinatorConfig:
     retry_initial_wait_s: float = 0.05
     retry_max_wait_s: float = 1.0
     session_ttl_s: float = 3600.0
-    worker_connect_timeout_s: float = 30.0
     shutdown_grace_s: float = 5.0

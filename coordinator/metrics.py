@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 QUEUE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 30.0)
-ROUTED_OUTCOMES = ("ok", "cancelled", "error", "no_worker", "overloaded")
+ROUTED_OUTCOMES = ("ok", "cancelled", "error", "invalid", "deadline", "no_worker", "overloaded")
 MIGRATION_OUTCOMES = ("ok", "aborted", "failed")
 
 
@@ -29,8 +29,8 @@ class CoordinatorMetrics:
             f"({', '.join(ROUTED_OUTCOMES)}); worker is empty when none was chosen.",
             ["model", "worker", "outcome"], registry=registry)
         self.queue = Histogram(
-            "flashfleet_coordinator_queue_seconds", "Time from a request's arrival to its first "
-            "message from a worker, retries included.", ["model"], buckets=QUEUE_BUCKETS_S,
+            "flashfleet_coordinator_queue_seconds", "Time from a request's arrival until its call "
+            "to the serving worker starts (routing and earlier failed attempts).", ["model"], buckets=QUEUE_BUCKETS_S,
             registry=registry)
         self.retries = Counter(
             "flashfleet_coordinator_retries", "Requests re-routed to another worker before their "

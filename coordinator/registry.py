@@ -56,8 +56,10 @@ class WorkerRecord:
 
     @property
     def busy(self) -> int:
-        """Sessions believed active: the larger of the heartbeat's count and our own streams."""
-        return max(self.load.active_sessions, self.in_flight)
+        """Sessions active on the worker: the streams this coordinator has open to it. Exact and
+        current, unlike the heartbeat's count, which lags by up to one heartbeat interval and
+        made idle workers look full right after a burst."""
+        return self.in_flight
 
     @property
     def utilisation(self) -> float:

@@ -17,7 +17,7 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.registry import Registry
 from coordinator.routing import SessionAffinity
 from coordinator.servicer import CoordinatorServicer, RegistryServicer, WorkerPool
-from flashfleet.transport import add_port
+from flashfleet.transport import SERVER_OPTIONS, add_port
 from flashfleet.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("flashfleet.coordinator")
@@ -78,7 +78,7 @@ async def start_coordinator(config: CoordinatorConfig,
 
     registry = Registry(config.lease_ttl_s, on_remove=on_remove)
     servicer = CoordinatorServicer(config, registry, pool, affinity=affinity, metrics=metrics)
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
     worker_pb2_grpc.add_RegistryServicer_to_server(
         RegistryServicer(config, registry, pool), server)

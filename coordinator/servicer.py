@@ -27,6 +27,10 @@ log = logging.getLogger("flashfleet.coordinator")
 
 # Failures that mean "this worker cannot take it now": try another one (before the first token).
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+OUTCOME_BY_CODE = {grpc.StatusCode.INVALID_ARGUMENT: "invalid",
+                   grpc.StatusCode.RESOURCE_EXHAUSTED: "overloaded",
+                   grpc.StatusCode.DEADLINE_EXCEEDED: "deadline",
+                   grpc.StatusCode.CANCELLED: "cancelled"}
 
 
 class WorkerPool:
@@ -83,12 +87,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             validate_request(request)
         except FlashfleetError as e:
+            known = any(w.serves(request.model) for w in self.registry.live())
+            self._count(request.model if known else "(unknown)", "", "invalid")
             await context.abort(e.code, e.details)
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
         tried: set[str] = set()
         try:
-            worker, call, first = await self._open_stream(request, context, tried)
+            worker, call, first, queue_s = await self._open_stream(request, context, tried, t0)
         except NoWorker as e:
             # Unknown names share one label value: clients must not create unbounded series.
             known = any(w.serves(request.model) for w in self.registry.live())
@@ -99,9 +105,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             self._count(request.model, "", "overloaded")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except _WorkerFailed as e:
-            self._count(request.model, e.worker.worker_id, "error")
+            self._count(request.model, e.worker.worker_id, OUTCOME_BY_CODE.get(e.error.code(), "error"))
             await context.abort(e.error.code(), e.error.details() or "worker failed")
-        queue_s = time.monotonic() - t0
         if self.metrics:
             self.metrics.observe_queue(request.model, queue_s)
         self.affinity.bind(request.session_id, worker.worker_id)
@@ -127,13 +132,18 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             worker.in_flight -= 1
             worker.served_requests += 1
             self._count(request.model, worker.worker_id, outcome)
+            if worker.in_flight == 0 and not any(w.address == worker.address
+                                                 for w in self.registry.live()):
+                await self.pool.drop(worker.address)  # the worker left while this stream ran
 
-    async def _open_stream(self, request, context, tried: set[str]):
+    async def _open_stream(self, request, context, tried: set[str], t0: float):
         """Opens a worker stream and reads its first message, retrying other workers on
         UNAVAILABLE / RESOURCE_EXHAUSTED (bounded attempts, exponential backoff with jitter).
 
         Returns:
-            (worker, call, first response); the worker's in_flight count includes this request.
+            (worker, call, first response, queue_s); the worker's in_flight count includes this
+            request; queue_s is the time from t0 until the call to the serving worker was issued
+            (routing and earlier failed attempts; the worker's prefill is not included).
         """
         cfg = self.config
         retrying = AsyncRetrying(
@@ -159,6 +169,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 remaining = context.time_remaining()
                 call = self.pool.stub(worker.address).Generate(
                     request, timeout=remaining if remaining is not None else None)
+                queue_s = time.monotonic() - t0
                 try:
                     first = await call.read()
                 except BaseException as e:
@@ -170,7 +181,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                              e.code().name, e.details())
                     last_failure = _WorkerFailed(worker, e)
                     raise last_failure from None
-                return worker, call, first
+                return worker, call, first, queue_s
 
     async def ListModels(self, request, context):
         by_name: dict[str, coordinator_pb2.ServedModel] = {}
@@ -226,6 +237,7 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
             rec = self.registry.deregister(request.worker_id, request.lease_id)
         except UnknownLease as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-        await self.pool.drop(rec.address)
+        if rec.in_flight == 0:  # else the last stream's handler closes it (closing cancels them)
+            await self.pool.drop(rec.address)
         log.info("worker %s deregistered", rec.worker_id)
         return worker_pb2.DeregisterResponse()

@@ -1,7 +1,8 @@
 """Client SDK: `Client` (blocking) and `AsyncClient` (asyncio) for the coordinator's public API.
 
-Both speak flashfleet.v1.Coordinator, put an explicit deadline on every call, return typed
-dataclasses (flashfleet.types) and raise typed exceptions (flashfleet.errors) that keep the gRPC
+Both speak flashfleet.v1.Coordinator, put an explicit deadline on every call, stream typed
+dataclasses (flashfleet.types; list_models and cluster_status return the response protos, whose
+fields are documented in protos/flashfleet/v1/coordinator.proto) and raise typed exceptions (flashfleet.errors) that keep the gRPC
 status code and the server's message. Breaking out of a `generate` loop cancels the RPC, which
 frees the worker.
 """
@@ -11,7 +12,7 @@ from typing import AsyncIterator, Iterable, Iterator, Mapping
 
 import grpc
 
-from flashfleet.errors import from_rpc_error
+from flashfleet.errors import InvalidArgument, from_rpc_error
 from flashfleet.requests import build_request
 from flashfleet.transport import CHANNEL_OPTIONS
 from flashfleet.types import FINISH_REASONS, Chunk, Completion, GenerationStats
@@ -19,6 +20,19 @@ from flashfleet.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 DEFAULT_GENERATE_TIMEOUT_S = 600.0
 DEFAULT_CONTROL_TIMEOUT_S = 10.0
+
+
+def _deadline(timeout_s: float | None, default_s: float) -> float:
+    """The call's deadline in seconds: timeout_s, or the client's default when None.
+
+    Raises:
+        InvalidArgument: timeout_s <= 0.
+    """
+    if timeout_s is None:
+        return default_s
+    if not timeout_s > 0:
+        raise InvalidArgument(f"timeout_s must be > 0 seconds, got {timeout_s}")
+    return timeout_s
 
 
 def _to_chunk(resp: common_pb2.GenerateResponse) -> Chunk:
@@ -99,7 +113,7 @@ class Client:
         req = build_request(model, prompt, messages=messages, max_tokens=max_tokens,
                             temperature=temperature, top_p=top_p, seed=seed, stop=stop,
                             session_id=session_id, request_id=request_id, mode=mode)
-        call = self._stub.Generate(req, timeout=timeout_s or self.timeout_s)
+        call = self._stub.Generate(req, timeout=_deadline(timeout_s, self.timeout_s))
         try:
             for resp in call:
                 yield _to_chunk(resp)
@@ -161,7 +175,7 @@ class AsyncClient:
                        timeout_s: float | None = None, **kwargs) -> AsyncIterator[Chunk]:
         """Streams a generation; see Client.generate for arguments and errors."""
         req = build_request(model, prompt, **kwargs)
-        call = self._stub.Generate(req, timeout=timeout_s or self.timeout_s)
+        call = self._stub.Generate(req, timeout=_deadline(timeout_s, self.timeout_s))
         try:
             async for resp in call:
                 yield _to_chunk(resp)

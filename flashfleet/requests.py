@@ -9,6 +9,17 @@ from flashfleet.types import DECODE_MODES
 from flashfleet.v1 import common_pb2
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+# gRPC's default limit on a received message; larger requests are refused by the server.
+MAX_REQUEST_BYTES = 4 * 1024 * 1024
+
+
+def _utf8(name: str, text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidArgument(f"{name} is not valid text: {e.reason} at character {e.start} "
+                              f"({text[e.start:e.end]!r})") from None
+    return text
 
 
 def build_request(
@@ -32,8 +43,25 @@ def build_request(
 
     Raises:
         InvalidArgument: both or neither of prompt/messages, a message that is not a mapping with
-            string role/content, or an unknown mode.
+            string role/content, text that is not valid Unicode (lone surrogates), a value out of
+            its field's range (max_tokens beyond int32, seed outside [0, 2**64)), a request over
+            4 MiB, or an unknown mode.
     """
+    try:
+        req = _build(model, prompt, messages, max_tokens, temperature, top_p, seed, stop,
+                     session_id, request_id, mode)
+    except (ValueError, TypeError) as e:  # protobuf range and type checks
+        raise InvalidArgument(f"bad request field: {e} (max_tokens must fit int32, seed must be in "
+                              "[0, 2**64), temperature/top_p must be numbers)") from None
+    size = req.ByteSize()
+    if size > MAX_REQUEST_BYTES:
+        raise InvalidArgument(f"request is {size} bytes; the limit is {MAX_REQUEST_BYTES} "
+                              "(4 MiB): shorten the prompt")
+    return req
+
+
+def _build(model, prompt, messages, max_tokens, temperature, top_p, seed, stop, session_id,
+           request_id, mode) -> common_pb2.GenerateRequest:
     if (prompt is None) == (messages is None):
         raise InvalidArgument("give exactly one of prompt= (text) or messages= (chat turns)")
     if mode not in DECODE_MODES:
@@ -44,7 +72,7 @@ def build_request(
     if max_tokens is not None:
         req.max_tokens = max_tokens
     if prompt is not None:
-        req.prompt = prompt
+        req.prompt = _utf8("prompt", prompt)
     else:
         turns = []
         for i, m in enumerate(messages):
@@ -52,7 +80,8 @@ def build_request(
                     or not isinstance(m.get("content"), str):
                 raise InvalidArgument(
                     f"messages[{i}] must be a dict with string 'role' and 'content', got {m!r}")
-            turns.append(common_pb2.ChatMessage(role=m["role"], content=m["content"]))
+            turns.append(common_pb2.ChatMessage(role=m["role"],
+                                                content=_utf8(f"messages[{i}].content", m["content"])))
         req.messages.CopyFrom(common_pb2.ChatMessages(messages=turns))
     if temperature is not None:
         req.temperature = temperature

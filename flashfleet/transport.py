@@ -17,6 +17,11 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
 ]
 
 
+# grpc sets SO_REUSEPORT by default, which lets a second coordinator or worker bind a port in use
+# and silently split the traffic; turn it off so binding a busy port fails.
+SERVER_OPTIONS: list[tuple[str, int]] = [("grpc.so_reuseport", 0)]
+
+
 def add_port(server: grpc.aio.Server, address: str, tls=None) -> int:
     """Binds `address` ("host:port", port 0 = any free one) on `server`.
 

@@ -236,3 +236,42 @@ def test_deregistered_worker_is_marked_down_and_forgets_sessions():
         assert m.routed.labels(model="(unknown)", worker="", outcome="no_worker")._value.get() == 1
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(prompt="hi", seed=-1), "seed"),
+    (dict(prompt="hi", seed=2**64), "seed"),
+    (dict(prompt="hi", max_tokens=2**31), "max_tokens"),
+    (dict(prompt="abc\ud800def"), "prompt is not valid text"),
+    (dict(messages=[{"role": "user", "content": "x\udfff"}]), "messages[0].content"),
+    (dict(prompt="a " * 2_500_000), "4 MiB"),
+    (dict(prompt="hi", timeout_s=0), "timeout_s"),
+])
+def test_sdk_rejects_values_it_cannot_send(cluster, kwargs, fragment):
+    with Client(cluster.address) as client:
+        with pytest.raises(InvalidArgument) as err:
+            client.complete("fake-model", **kwargs)
+        assert fragment in err.value.details
+
+
+def test_worker_shutdown_mid_stream_ends_the_clients_stream_promptly():
+    """A worker stopped (SIGTERM path: deregister, grace, stop) while streaming: the client's
+    stream ends with an error within the grace period, not at its deadline."""
+    from flashfleet.errors import FlashfleetError
+    c = start_cluster({"w1": FakeEngine(token_delay_s=0.05)})
+    try:
+        with Client(c.address) as client:
+            stream = client.generate("fake-model", prompt="long", max_tokens=2000, timeout_s=60)
+            next(stream)
+            t0 = time.monotonic()
+            fut = asyncio.run_coroutine_threadsafe(c.workers[0].stop(grace_s=0.5), c.loop.loop)
+            with pytest.raises(FlashfleetError) as err:
+                for _ in stream:
+                    pass
+            elapsed = time.monotonic() - t0
+            fut.result(10)
+        c.workers.clear()
+        assert elapsed < 10, f"client waited {elapsed:.1f} s"
+        assert "worker w1 failed after" in err.value.details
+    finally:
+        c.close()

@@ -105,3 +105,37 @@ def test_flashfleet_up_stops_cleanly_on_sigterm(smollm_dir, tmp_path):
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     assert "stopping cluster" in out
+
+
+def test_up_keeps_serving_when_one_worker_dies(smollm_dir, tmp_path):
+    """SIGKILL one worker of `flashfleet up`: the others keep serving (after the dead worker's
+    lease expires, or a retry routes around it)."""
+    import os
+    proc = subprocess.Popen([sys.executable, "-m", "flashfleet.cli", "up", "--workers", "2",
+                             "--port", "0", "--log-dir", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    address = None
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and address is None:
+        line = proc.stdout.readline()
+        if "cluster ready: coordinator at" in line:
+            address = line.split("at")[-1].strip()
+        if proc.poll() is not None:
+            break
+    assert address, "cluster did not start"
+    try:
+        pids = subprocess.run(["pgrep", "-f", "worker-id worker-2"], capture_output=True,
+                              text=True).stdout.split()
+        assert pids
+        for pid in pids:
+            os.kill(int(pid), signal.SIGKILL)
+        time.sleep(1.0)
+        assert proc.poll() is None, "flashfleet up stopped when one worker died"
+        with Client(address) as client:
+            for i in range(3):
+                done = client.complete(MODEL, prompt=f"Say {i}", max_tokens=4)
+                assert done.worker_id == "worker-1"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert "worker-2 exited" in out

@@ -156,23 +156,30 @@ class LocalCluster:
                 self.stop()
                 raise RuntimeError(f"{name} exited with code {proc.returncode}:\n{tail}")
 
+    def reap(self) -> list[tuple[str, int, str]]:
+        """Forgets children that have exited; returns (name, exit code, log tail) of each."""
+        gone = [(n, p.returncode) for n, p in self.procs.items() if p.poll() is not None]
+        for name, _ in gone:
+            del self.procs[name]
+        return [(n, code, (self.log_dir / f"{n}.log").read_text(errors="replace")[-2000:])
+                for n, code in gone]
+
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM to workers then the coordinator; SIGKILL what is left after grace_s."""
-        order = [n for n in self.procs if n != "coordinator"] + ["coordinator"]
-        for name in order:
-            proc = self.procs.get(name)
-            if proc and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for name in order:
-            proc = self.procs.get(name)
-            if proc is None:
-                continue
-            try:
-                proc.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        """Stops the workers first (SIGTERM: they deregister and finish in-flight streams),
+        then the coordinator; SIGKILL whatever is left after grace_s per group."""
+        workers = [p for n, p in self.procs.items() if n != "coordinator"]
+        coordinator = [p for n, p in self.procs.items() if n == "coordinator"]
+        for group in (workers, coordinator):
+            for proc in group:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for proc in group:
+                try:
+                    proc.wait(max(deadline - time.monotonic(), 0.1))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
         self.procs.clear()
 
 
@@ -228,7 +235,14 @@ def main(argv: list[str]) -> int:
           f"\"What is a GPU?\"\nCtrl-C stops everything.", flush=True)
     try:
         while not stop["now"]:
-            cluster.check_alive()
+            for name, code, tail in cluster.reap():
+                if name == "coordinator":
+                    raise RuntimeError(f"the coordinator exited with code {code}:\n{tail}")
+                print(f"flashfleet up: {name} exited with code {code}; the other workers keep "
+                      f"serving (its log: {cluster.log_dir / (name + '.log')})", file=sys.stderr,
+                      flush=True)
+            if not any(n != "coordinator" for n in cluster.procs):
+                raise RuntimeError("every worker has exited")
             time.sleep(0.5)
     except RuntimeError as e:
         print(f"flashfleet up: {e}", file=sys.stderr)
