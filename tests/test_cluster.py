@@ -275,3 +275,13 @@ def test_worker_shutdown_mid_stream_ends_the_clients_stream_promptly():
         assert "worker w1 failed after" in err.value.details
     finally:
         c.close()
+
+
+def test_second_server_on_a_busy_port_fails_to_bind(cluster):
+    from prometheus_client import CollectorRegistry
+
+    from coordinator.config import CoordinatorConfig
+    from coordinator.server import start_coordinator
+    busy = cluster.coordinator.port
+    with pytest.raises(RuntimeError, match="could not bind"):
+        cluster.loop.run(start_coordinator(CoordinatorConfig(port=busy), CollectorRegistry()))
