@@ -29,14 +29,18 @@ def add_port(server: grpc.aio.Server, address: str, tls=None) -> int:
         tls: a flashfleet.config.TLSConfig for mutual TLS, or None for plaintext.
 
     Returns:
-        The bound port (0 when binding failed, as grpc reports it).
+        The bound port (0 when binding failed, as some grpc versions report it).
 
     Raises:
+        RuntimeError: the address could not be bound (port in use).
         flashfleet.config.ConfigError: unreadable or non-PEM TLS files.
     """
-    if tls is None:
-        return server.add_insecure_port(address)
-    return server.add_secure_port(address, tls.server_credentials())
+    try:
+        if tls is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, tls.server_credentials())
+    except RuntimeError:  # grpc's own message points at GRPC_VERBOSITY, not at the cause
+        raise RuntimeError(f"could not bind {address}: is another process using the port?") from None
 
 
 def aio_channel(address: str, tls=None,
