@@ -12,6 +12,8 @@ COMMANDS = {
     "generate": ("flashfleet.cli.generate", "stream one generation from a running cluster"),
     "status": ("flashfleet.cli.status", "show the workers of a running cluster"),
     "models": ("flashfleet.cli.models_cmd", "fetch / list real models for offline use"),
+    "draft": ("flashfleet.cli.draft_cmd", "train and evaluate DFlash drafts for a target "
+              "(data, training, tau)"),
     "coordinator": ("coordinator.__main__", "run a coordinator (as a service)"),
     "worker": ("worker.__main__", "run a worker (as a service)"),
 }

@@ -159,10 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     from worker.models.dflash_checkpoint import DraftCheckpointError
     from worker.training.data import DataError
+    from worker.training.defaults import DraftSizeError
     from worker.training.train import TrainConfigError
 
     try:
         return _train(args) if args.command == "train" else _eval(args)
-    except (FileNotFoundError, NotADirectoryError, DataError, TrainConfigError, DraftCheckpointError) as e:
+    except (FileNotFoundError, NotADirectoryError, DataError, DraftSizeError, TrainConfigError,
+            DraftCheckpointError) as e:
         print(f"flashfleet draft: {e}", file=sys.stderr)
         return 2

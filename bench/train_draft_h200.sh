@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Trains the repository's DFlash draft for SmolLM2-135M-Instruct on the lent H200 (MLX's CUDA
+# build) in about 8 minutes, then measures its acceptance length tau on held-out prompts.
+#
+#   bash bench/train_draft_h200.sh MODEL_DIR CASES_DIR OUT_DIR
+#
+#   MODEL_DIR  the real SmolLM2-135M-Instruct model directory (config.json, model.safetensors,
+#              tokenizer files), e.g. converted on that machine from the staged GGUF
+#   CASES_DIR  a copy of shared/cases: every *.jsonl in it is a prompt corpus (file stem = corpus;
+#              code = humaneval, English = enwiki_en / lee_news_en / fortunes_en, Polish =
+#              dataset_build_pl / fortunes_pl, ...)
+#   OUT_DIR    gets config.json + model.safetensors (the draft, bfloat16, < 16 MiB),
+#              training_card.json, TRAINING.md and train.log; $OUT works (5 files, all small)
+#
+# Budget (H200, wall clock): load ~0.3 min; the target answers ~1900 prompts x <= 256 tokens,
+# batched 512 at a time (capped at GEN_MINUTES); taps of every sequence cached on the GPU (one
+# pass); training for TRAIN_MINUTES (the cosine schedule runs on the time fraction); tau of the
+# trained and of the untrained draft on the held-out prompts (8 per corpus, <= 128 new tokens,
+# each capped at EVAL_MINUTES). Worst case about 0.3 + 1.5 + 0.2 + 4 + 2 x 0.75 = 7.5 min.
+# Every knob below can be overridden from the environment; extra arguments after OUT_DIR go to
+# `flashfleet draft train` unchanged (e.g. --steps 200 for a smoke test).
+#
+# Needs: python3 with MLX's CUDA build and mlx-lm on PYTHONPATH (shared/device/stage.sh), numpy,
+# tqdm, transformers, jinja2 (all on that machine's image). Imports nothing of the flashfleet
+# package except this command's own module (so gRPC stubs never load there).
+set -euo pipefail
+[ $# -ge 3 ] || { echo "usage: $0 MODEL_DIR CASES_DIR OUT_DIR [extra train flags...]" >&2; exit 2; }
+MODEL=$1; CASES=$2; OUT=$3; shift 3
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+WORK=${WORK:-/tmp/flashfleet-dflash-work}
+PER_FILE=${PER_FILE:-450}           # prompts per corpus file (~1900 over the 7 case files)
+GEN_TOKENS=${GEN_TOKENS:-256}       # the target's answer length cap
+GEN_BATCH=${GEN_BATCH:-512}         # sequences answered at once
+GEN_MINUTES=${GEN_MINUTES:-1.5}     # generation stops here; answers so far are kept
+TRAIN_MINUTES=${TRAIN_MINUTES:-4}
+BATCH=${BATCH:-32}                  # sequences per step
+ANCHORS=${ANCHORS:-64}              # blocks per sequence per step (B = 16)
+EVAL_TOKENS=${EVAL_TOKENS:-128}
+EVAL_MINUTES=${EVAL_MINUTES:-0.75}
+
+shopt -s nullglob
+PROMPTS=("$CASES"/*.jsonl)
+[ ${#PROMPTS[@]} -gt 0 ] || { echo "no *.jsonl prompt files in $CASES" >&2; exit 2; }
+mkdir -p "$OUT"
+cd "$ROOT"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+python3 -c 'import mlx.core as mx, mlx_lm; print("mlx", mx.__version__, "mlx-lm", mlx_lm.__version__, mx.default_device())'
+
+# `flashfleet draft train`, loaded from its file so the flashfleet package (gRPC stubs) is not imported.
+set +e
+python3 - train --target "$MODEL" --prompts "${PROMPTS[@]}" --out "$OUT" --work-dir "$WORK" \
+  --max-prompts-per-file "$PER_FILE" --max-prompt-tokens 256 --max-new-tokens "$GEN_TOKENS" \
+  --gen-batch-size "$GEN_BATCH" --gen-max-minutes "$GEN_MINUTES" \
+  --heldout-per-corpus 8 --heldout-fraction 0.1 \
+  --draft-layers 2 --num-taps 5 --block-size 16 --max-draft-mib 15 --save-dtype bfloat16 \
+  --batch-size "$BATCH" --anchors "$ANCHORS" --lr 6e-4 --warmup 0.04 --grad-clip 1.0 \
+  --epochs 1000 --max-minutes "$TRAIN_MINUTES" --cache-taps-gib 32 --checkpoint-every 1000 \
+  --eval-max-new-tokens "$EVAL_TOKENS" --eval-max-minutes "$EVAL_MINUTES" --eval-untrained \
+  "$@" <<'EOF' 2>&1 | tee "$OUT/train.log"
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("draft_cmd", "flashfleet/cli/draft_cmd.py")
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+sys.exit(mod.main(sys.argv[1:]))
+EOF
+status=${PIPESTATUS[0]}
+set -e
+ls -la "$OUT"
+[ -f "$OUT/TRAINING.md" ] && cat "$OUT/TRAINING.md"
+exit "$status"

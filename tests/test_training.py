@@ -1,0 +1,468 @@
+"""DFlash draft training (`worker/training/`, `flashfleet draft`): masks, forward, loss, loop,
+checkpoints, data split and cache, tau evaluation, and the command end to end.
+
+Everything runs on tiny random targets (width 64) on the CPU. `mx.compile` is left off in the
+loop tests: on a fresh CPU machine MLX compiles each fused kernel with the system C++ compiler
+the first time, which costs ~40 s once; `test_compiled_step_matches_uncompiled` (compiled and
+uncompiled steps agree) runs with FLASHFLEET_TEST_COMPILE=1.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_map
+from mlx_lm.models import llama, qwen3
+
+from worker.capture import HiddenCapture
+from worker.models.dflash import Model, ModelArgs
+from worker.models.dflash_checkpoint import init_dflash_draft, load_dflash_draft
+from worker.training import data as data_mod
+from worker.training.data import (
+    TokenDataset,
+    batch_indices,
+    build_dataset,
+    read_prompt_files,
+    split_heldout,
+)
+from worker.training.evaluate import evaluate_tau
+from worker.training.forward import block_hidden, block_inputs
+from worker.training.loss import (
+    acceptance_stats,
+    block_targets,
+    default_gamma,
+    position_weights,
+    weighted_cross_entropy,
+)
+from worker.training.masks import block_mask, context_mask, dense_mask, sample_anchors
+from worker.training.defaults import (
+    DraftSizeError,
+    choose_draft_spec,
+    choose_mask_token_id,
+    default_draft_layers,
+)
+from worker.training.train import TrainConfig, Trainer, learning_rate
+
+VOCAB = 256
+
+
+def _tiny(module, seed, **kw):
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs(**kw))
+    model.update(tree_map(lambda p: p * 4 if p.ndim == 2 else p, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+def tiny_llama(seed=1):
+    return _tiny(llama, seed, model_type="llama", hidden_size=64, num_hidden_layers=6, intermediate_size=128,
+                 num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB,
+                 tie_word_embeddings=False)
+
+
+def tiny_qwen3(seed=2):
+    return _tiny(qwen3, seed, model_type="qwen3", hidden_size=64, num_hidden_layers=6, intermediate_size=128,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                 vocab_size=VOCAB, max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=1e6)
+
+
+def _taps(target, draft, tokens):
+    cap = HiddenCapture(target, draft.target_layer_ids)
+    with cap:
+        target(tokens)
+    return cap.hidden()
+
+
+def _windowed(draft, target, window, causal):
+    """The same weights as `draft`, every layer a sliding-window layer."""
+    args = ModelArgs.from_dict({**draft.args.__dict__, "layer_types": ["sliding_attention"] * len(draft.layers),
+                                "sliding_window": window, "is_causal": causal})
+    sw = Model(args).bind(target)
+    sw.update(draft.parameters())
+    return sw
+
+
+def _synthetic_dataset(n=12, seed=0):
+    """Sequences with a learnable pattern: prompt of random ids, response = arithmetic runs."""
+    rng = np.random.default_rng(seed)
+    ds = TokenDataset()
+    for i in range(n):
+        prompt = rng.integers(3, VOCAB, size=int(rng.integers(3, 7))).tolist()
+        start, stride = int(rng.integers(3, 200)), int(rng.integers(1, 4))
+        response = [(start + stride * k) % (VOCAB - 3) + 3 for k in range(int(rng.integers(20, 30)))]
+        ds.prompt_ids.append(prompt)
+        ds.response_ids.append(response)
+        ds.corpus.append("synthetic")
+        ds.ids.append(str(i))
+    return ds
+
+
+# --------------------------------------------------------------------------- masks
+
+
+def test_context_mask_never_sees_anchor_or_later():
+    rng = np.random.default_rng(0)
+    S, B = 40, 8
+    anchors = rng.integers(1, S - 1, size=(3, 5))
+    for window in (None, 6):
+        m = np.array(context_mask(mx.array(anchors), S, B, window))
+        assert m.shape == (3, 5, B, S)
+        kv = np.arange(S)
+        for b in range(3):
+            for j in range(5):
+                p = anchors[b, j]
+                for k in range(B):
+                    seen = kv[m[b, j, k]]
+                    assert (seen < p).all()  # never the anchor itself, never anything after it
+                    if window is None:
+                        assert list(seen) == list(range(p))  # and all of the earlier context
+                    else:  # as inference: query at p+k sees keys with (p+k) - kv < window
+                        assert list(seen) == [v for v in range(p) if p + k - v < window]
+
+
+def test_block_mask_and_dense_mask_are_block_diagonal():
+    B = 4
+    assert np.array(block_mask(B)).all()  # published drafts: bidirectional inside the block
+    causal = np.array(block_mask(B, causal=True))
+    assert (causal == np.tril(np.ones((B, B), bool))).all()
+    anchors = mx.array([[5, 9, 2]])
+    ctx = np.array(context_mask(anchors, 12, B))[0]
+    dense = dense_mask(ctx, np.array(block_mask(B)))
+    assert dense.shape == (3 * B, 12 + 3 * B)
+    for j, p in enumerate([5, 9, 2]):
+        rows = dense[j * B:(j + 1) * B]
+        assert not rows[:, p:12].any()  # no context at or after the anchor
+        own = np.zeros(3 * B, bool)
+        own[j * B:(j + 1) * B] = True
+        assert (rows[:, 12:] == own).all()  # its own block, no other block
+
+
+def test_sample_anchors_in_response_distinct_and_reproducible():
+    prompt_lens = np.array([4, 10, 3])
+    lengths = np.array([30, 13, 4])  # the last has 0 valid anchors (p <= length-2 = 2 < 3)
+    a, keep = sample_anchors(np.random.default_rng(7), prompt_lens, lengths, 8)
+    assert a.shape == keep.shape == (3, 8)
+    assert keep[0].all() and keep[1].sum() == 2 and not keep[2].any()
+    for i in range(3):
+        kept = a[i][keep[i]]
+        assert len(set(kept)) == len(kept)
+        assert ((kept >= prompt_lens[i]) & (kept <= lengths[i] - 2)).all()
+    b, keep2 = sample_anchors(np.random.default_rng(7), prompt_lens, lengths, 8)
+    assert (a == b).all() and (keep == keep2).all()
+
+
+# --------------------------------------------------------------------------- forward
+
+
+@pytest.mark.parametrize("make_target", [tiny_llama, tiny_qwen3])
+def test_block_forward_equals_inference_forward(make_target):
+    """Every training block equals the inference draft run on context taps[:p] (same weights)."""
+    target = make_target()
+    base = init_dflash_draft(target, num_layers=2, block_size=8, seed=3, dtype=mx.float32)
+    tokens = mx.random.randint(3, VOCAB, (2, 24), key=mx.random.key(1))
+    taps = _taps(target, base, tokens)
+    anchors = mx.array([[3, 10, 20], [5, 1, 22]])
+    for draft in (base, _windowed(base, target, 5, causal=False), _windowed(base, target, 6, causal=True)):
+        blocks = block_inputs(tokens, anchors, 8, draft.mask_token_id)
+        h = block_hidden(draft, draft.parameters(), taps, blocks, anchors).reshape(2, 3, 8, -1)
+        for b in range(2):
+            for j in range(3):
+                p = anchors[b, j].item()
+                ref = draft.hidden_states(blocks[b, j][None], taps[b:b + 1, :p], draft.make_cache())
+                assert mx.allclose(ref[0], h[b, j], atol=1e-4).item(), (b, j)
+
+
+def test_block_output_ignores_future_context_and_other_blocks():
+    """Functional check of the masks: changing taps at positions >= p_j, or the other blocks'
+    tokens, leaves block j unchanged; changing a tap before p_j changes it."""
+    target = tiny_llama()
+    draft = init_dflash_draft(target, num_layers=2, block_size=8, seed=3, dtype=mx.float32)
+    tokens = mx.random.randint(3, VOCAB, (1, 30), key=mx.random.key(2))
+    taps = _taps(target, draft, tokens)
+    anchors = mx.array([[12, 20]])
+    blocks = block_inputs(tokens, anchors, 8, draft.mask_token_id)
+    ref = block_hidden(draft, draft.parameters(), taps, blocks, anchors)
+    noise = 10 * mx.random.normal(taps.shape, key=mx.random.key(3))
+    future = mx.where((mx.arange(30) >= 12)[None, :, None], taps + noise, taps)
+    out = block_hidden(draft, draft.parameters(), future, blocks, anchors)
+    assert mx.array_equal(out[0], ref[0]).item()  # block 0 (p = 12) never sees positions >= 12
+    assert not mx.allclose(out[1], ref[1]).item()  # block 1 (p = 20) does see 12..19
+    other = mx.concatenate([blocks[:, :1], mx.full(blocks[:, 1:].shape, 7, dtype=blocks.dtype)], axis=1)
+    assert mx.array_equal(block_hidden(draft, draft.parameters(), taps, other, anchors)[0], ref[0]).item()
+    past = mx.where((mx.arange(30) == 11)[None, :, None], taps + noise, taps)
+    assert not mx.allclose(block_hidden(draft, draft.parameters(), past, blocks, anchors)[0], ref[0]).item()
+
+
+# --------------------------------------------------------------------------- loss
+
+
+def test_targets_weights_and_loss():
+    tokens = mx.array([[10, 11, 12, 13, 14, 15, 0, 0]])
+    lengths = mx.array([6])
+    anchors = mx.array([[2, 4]])
+    keep = mx.array([[True, True]])
+    labels, weights = block_targets(tokens, lengths, anchors, keep, 4, gamma=2.0)
+    assert labels[0, 0].tolist() == [13, 14, 15]
+    w = [math.exp(-k / 2.0) for k in range(3)]
+    assert np.allclose(np.array(weights[0, 0]), w)
+    assert np.allclose(np.array(weights[0, 1]), [w[0], 0, 0])  # p + k >= length: no label
+    assert default_gamma(16) == 7 and default_gamma(10) == 5 and default_gamma(8) == 4
+    assert np.allclose(np.array(position_weights(16, 7.0))[[0, 7]], [1, math.exp(-1)])
+    logits = mx.random.normal((1, 2, 3, 20), key=mx.random.key(0))
+    lab = mx.array([[[1, 2, 3], [4, 5, 6]]])
+    wt = mx.array([[[1.0, 0.5, 0.0], [1.0, 0.0, 0.0]]])
+    ce = mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, lab[..., None], axis=-1)[..., 0]
+    expected = (ce * wt).sum() / wt.sum()
+    assert abs(weighted_cross_entropy(logits, lab, wt).item() - expected.item()) < 1e-5
+    perfect = 50.0 * (mx.arange(20) == lab[..., None])
+    acc, tau = acceptance_stats(perfect, lab, wt)
+    assert tau.item() == pytest.approx(1 + (2 + 1) / 2)  # prefixes of real labels: 2 and 1
+
+
+def test_learning_rate_schedule():
+    lrs = [learning_rate(i / 100, 1e-3, 0.04) for i in range(101)]
+    assert 0 < lrs[0] < lrs[3] < lrs[4] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))  # cosine: never increases after warmup
+    assert lrs[-1] == pytest.approx(0, abs=1e-12)
+    assert learning_rate(1.0, 1e-3, 0.04, min_lr_ratio=0.1) == pytest.approx(1e-4)
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+def _trainer(target, ds, **kw):
+    cfg = TrainConfig(target="", prompts=[], out="", batch_size=4, anchors=6, steps=kw.pop("steps", 40),
+                      compile=kw.pop("compile", False), progress=False, lr=3e-3, **kw)
+    draft = init_dflash_draft(target, num_layers=1, block_size=8, seed=5, dtype=mx.float32)
+    return Trainer(target, draft, ds, cfg)
+
+
+def test_training_reduces_loss():
+    target = tiny_llama()
+    ds = _synthetic_dataset()
+    tr = _trainer(target, ds)
+    fixed, _, _ = tr.batch(0)
+    before = tr._loss(*fixed)[0].item()
+    result = tr.run(log=lambda _: None)
+    after = tr._loss(*fixed)[0].item()
+    assert result["steps"] == 40
+    assert after < 0.8 * before, (before, after)
+    assert tr.history[-1]["loss"] < tr.history[0]["loss"]
+
+
+@pytest.mark.skipif(not os.environ.get("FLASHFLEET_TEST_COMPILE"),
+                    reason="set FLASHFLEET_TEST_COMPILE=1: a cold CPU machine spends ~40 s compiling kernels")
+def test_compiled_step_matches_uncompiled():
+    target = tiny_llama()
+    ds = _synthetic_dataset(n=4)
+    params = []
+    for comp in (False, True):
+        tr = _trainer(target, ds, steps=1, compile=comp)
+        tr.run(log=lambda _: None)
+        params.append(dict(tree_flatten(tr.draft.parameters())))
+    for k in params[0]:
+        assert mx.allclose(params[0][k], params[1][k], atol=1e-5).item(), k
+
+
+def test_failed_compiled_step_falls_back_to_uncompiled():
+    target = tiny_llama()
+    ds = _synthetic_dataset(n=4)
+    plain = _trainer(target, ds, steps=2)
+    plain.run(log=lambda _: None)
+    tr = _trainer(target, ds, steps=2, compile=True)
+    messages = []
+
+    def broken(*inputs):  # fails after touching the state, as a failed kernel would
+        tr.draft.update(tree_map(lambda p: p * float("nan"), tr.draft.parameters()))
+        raise RuntimeError("no such kernel")
+    tr._step_fn = broken
+    tr.run(log=messages.append)
+    assert tr.step == 2 and not tr.cfg.compile and "without mx.compile" in messages[0]
+    a, b = dict(tree_flatten(plain.draft.parameters())), dict(tree_flatten(tr.draft.parameters()))
+    assert all(mx.array_equal(a[k], b[k]).item() for k in a)
+
+
+def test_checkpoint_resume_reproduces_the_same_state(tmp_path):
+    target = tiny_llama()
+    ds = _synthetic_dataset()
+    straight = _trainer(target, ds, steps=6)
+    straight.run(log=lambda _: None)
+
+    first = _trainer(target, ds, steps=6)
+    first.done = lambda: first.step >= 3  # stop after 3 of the 6 planned steps, as if interrupted
+    first.run(checkpoint=lambda: first.save_state(tmp_path), log=lambda _: None)
+    assert json.loads((tmp_path / "state.json").read_text())["step"] == 3
+
+    resumed = _trainer(target, ds, steps=6)
+    resumed.load_state(tmp_path)
+    assert resumed.step == 3
+    resumed.run(log=lambda _: None)
+    a, b = dict(tree_flatten(straight.draft.parameters())), dict(tree_flatten(resumed.draft.parameters()))
+    assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a)
+    oa, ob = dict(tree_flatten(straight.opt.state)), dict(tree_flatten(resumed.opt.state))
+    assert oa.keys() == ob.keys() and all(mx.array_equal(oa[k], ob[k]).item() for k in oa)
+
+    other = Trainer(target, init_dflash_draft(target, num_layers=2, block_size=8, dtype=mx.float32), ds,
+                    resumed.cfg)
+    with pytest.raises(ValueError, match="another draft shape"):
+        other.load_state(tmp_path)
+
+
+def test_cached_taps_train_like_online_taps():
+    target = tiny_llama()
+    ds = _synthetic_dataset(n=6)
+    online = _trainer(target, ds, steps=3)
+    online.run(log=lambda _: None)
+    cached = _trainer(target, ds, steps=3)
+    assert cached.tap_cache_bytes() == 6 * cached.tokens.shape[1] * 3 * 64 * 4
+    cached.precompute_taps(progress=False)
+    cached.run(log=lambda _: None)
+    a, b = dict(tree_flatten(online.draft.parameters())), dict(tree_flatten(cached.draft.parameters()))
+    assert all(mx.allclose(a[k], b[k], atol=1e-5).item() for k in a)
+
+
+def test_batches_are_a_function_of_step():
+    rows = [batch_indices(10, 4, s, seed=3)[0] for s in range(5)]  # 20 rows = 2 epochs
+    assert sorted(np.concatenate(rows[:2] + [rows[2][:2]])) == list(range(10))
+    assert (batch_indices(10, 4, 3, seed=3)[0] == rows[3]).all()
+    assert batch_indices(10, 4, 5, seed=3)[1] == 2.0
+
+
+# --------------------------------------------------------------------------- data
+
+
+def _write_prompts(tmp_path):
+    code = tmp_path / "code.jsonl"
+    code.write_text("".join(json.dumps({"id": f"c{i}", "prompt": f"def f{i}(x):\n    return x + {i}"}) + "\n"
+                            for i in range(12)))
+    prose = tmp_path / "prose.txt"
+    prose.write_text("".join(f"The number {i} is written as {i}.\n" for i in range(10)) + "\n")
+    return [code, prose]
+
+
+def test_heldout_split_is_disjoint_stable_and_by_prompt(tmp_path):
+    files = _write_prompts(tmp_path)
+    prompts = read_prompt_files(files)
+    assert len(prompts) == 22 and {p.corpus for p in prompts} == {"code", "prose"}
+    train, held = split_heldout(prompts, per_corpus=3, fraction=0.2)
+    assert {p.text for p in train}.isdisjoint({p.text for p in held})
+    assert len(train) + len(held) == len(prompts)
+    assert sum(p.corpus == "code" for p in held) == 2 and sum(p.corpus == "prose" for p in held) == 2
+    again = split_heldout(list(reversed(prompts)), per_corpus=3, fraction=0.2)[1]
+    assert {p.text for p in again} == {p.text for p in held}  # independent of file order
+    assert split_heldout(prompts, per_corpus=0)[1] == []
+
+
+def test_build_dataset_caches_and_keeps_heldout_out(tmp_path, tiny_models, monkeypatch):
+    from mlx_lm import load
+
+    target, tokenizer = load(str(tiny_models.llama))
+    files = _write_prompts(tmp_path)
+    kw = dict(max_new_tokens=8, heldout_per_corpus=2, heldout_fraction=0.2, log=lambda _: None)
+    split = build_dataset(target, tokenizer, files, tmp_path / "cache", **kw)
+    assert len(split.train) + len(split.heldout) <= 22 and len(split.heldout) == 4
+    held_prompts = {tuple(h["prompt_ids"]) for h in split.heldout}
+    assert held_prompts.isdisjoint({tuple(p) for p in split.train.prompt_ids})
+    assert all(1 < len(r) <= 8 for r in split.train.response_ids)
+    im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert all(p[0] == im_start for p in split.train.prompt_ids)  # the target's own chat template
+
+    def no_generation(*a, **k):
+        raise AssertionError("a rerun must reuse the cache")
+    monkeypatch.setattr(data_mod, "generate_responses", no_generation)
+    again = build_dataset(target, tokenizer, files, tmp_path / "cache", **kw)
+    assert again.train.response_ids == split.train.response_ids and again.meta["key"] == split.meta["key"]
+    with pytest.raises(AssertionError, match="reuse"):  # other settings: a new key, generation again
+        build_dataset(target, tokenizer, files, tmp_path / "cache", **{**kw, "max_new_tokens": 9})
+
+
+def test_batched_generation_matches_one_by_one(tiny_models):
+    from mlx_lm import load
+
+    target, tokenizer = load(str(tiny_models.llama))
+    prompts = [[1, 5, 9, 30], [1, 7], [1, 100, 101, 102, 103, 104, 3]]
+    batched = data_mod.generate_responses(target, prompts, 6, [2], batch_size=3)
+    single = [data_mod.generate_responses(target, [p], 6, [2], batch_size=1)[0] for p in prompts]
+    assert batched == single and all(len(r) == 6 or r[-1] == 2 for r in batched)
+
+
+# --------------------------------------------------------------------------- defaults, evaluation
+
+
+class _FakeTokenizer:
+    def __init__(self, n, added, eos):
+        self._n, self.added_tokens_decoder, self.eos_token_ids = n, {i: None for i in added}, [eos]
+        self.eos_token_id, self.bos_token_id, self.pad_token_id = eos, 1, 0
+
+    def __len__(self):
+        return self._n
+
+
+def test_defaults_from_the_target():
+    # SmolLM2-135M's shape (30 layers, d 576, 9/3 heads, MLP 1536, vocab 49152, specials 0..16):
+    # weights are never evaluated, so building it costs nothing.
+    smol = llama.Model(llama.ModelArgs(model_type="llama", hidden_size=576, num_hidden_layers=30,
+                                       intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                                       head_dim=64, rms_norm_eps=1e-5, vocab_size=49152, tie_word_embeddings=True))
+    tok = _FakeTokenizer(49152, range(17), eos=2)
+    assert default_draft_layers(30) == 2 and default_draft_layers(36) == 2 and default_draft_layers(6) == 1
+    spec = choose_draft_spec(smol, tok, {0, 1, 2, 5}, max_draft_mib=15)
+    assert spec.num_layers == 2 and spec.target_layer_ids == [1, 8, 14, 20, 27] and spec.block_size == 16
+    assert spec.mask_token_id == 16  # the highest special token no text uses
+    assert spec.intermediate_size < 1536 and spec.num_params(smol) * 2 <= 15 * 2**20
+    full = choose_draft_spec(smol, tok, set())
+    assert full.intermediate_size == 1536 and full.num_params(smol) * 2 > 16 * 2**20
+    # A padded embedding table (Qwen: 151936 rows, 151665 tokens): the first row past the tokenizer.
+    assert choose_mask_token_id(_FakeTokenizer(151665, [151643, 151644], 151645), 151936, set()) == 151665
+    # No spare special token: the highest id no text uses.
+    assert choose_mask_token_id(_FakeTokenizer(256, [0, 1, 2], 2), 256, {255, 254}) == 253
+    with pytest.raises(DraftSizeError, match="max-draft-mib"):
+        choose_draft_spec(smol, tok, set(), max_draft_mib=1, draft_layers=2)
+
+
+def test_evaluate_tau_is_at_least_one():
+    target = tiny_llama()
+    draft = init_dflash_draft(target, num_layers=1, block_size=4, seed=1)
+    prompts = [{"corpus": "a", "prompt_ids": [3, 17, 42, 99]}, {"corpus": "b", "prompt_ids": [5, 6, 7]},
+               {"corpus": "a", "prompt_ids": [9, 10]}]
+    res = evaluate_tau(target, draft, prompts, 12, eos_ids=[], progress=False)
+    assert set(res["per_corpus"]) == {"a", "b"} and res["per_corpus"]["a"]["prompts"] == 2
+    for v in list(res["per_corpus"].values()) + [res["all"]]:
+        assert 1.0 <= v["tau"] <= 4.0 and v["cycles"] > 0
+        assert v["tokens"] == 12 * v["prompts"]
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def test_cli_train_writes_a_loadable_draft_and_resumes(tmp_path, tiny_models):
+    from mlx_lm import load
+
+    from flashfleet.cli.draft_cmd import main
+
+    files = _write_prompts(tmp_path)
+    out = tmp_path / "draft"
+    argv = ["train", "--target", str(tiny_models.llama), "--prompts", *map(str, files), "--out", str(out),
+            "--max-new-tokens", "12", "--steps", "6", "--batch-size", "4", "--anchors", "4", "--block-size", "4",
+            "--heldout-per-corpus", "2", "--heldout-fraction", "0.2", "--eval-max-new-tokens", "8",
+            "--no-compile", "--checkpoint-every", "3", "--quiet"]
+    assert main(argv) == 0
+    card = json.loads((out / "training_card.json").read_text())
+    assert card["training"]["steps"] == 6 and card["draft"]["block_size"] == 4
+    assert set(card["eval"]["trained"]["per_corpus"]) == {"code", "prose"}
+    assert all(v["tau"] >= 1.0 for v in card["eval"]["trained"]["per_corpus"].values())
+    assert "tau trained" in (out / "TRAINING.md").read_text()
+    assert (tmp_path / "draft.work" / "resume" / "state.json").is_file()
+    target, _ = load(str(tiny_models.llama))
+    draft = load_dflash_draft(out, target)
+    assert draft.block_size == 4 and {v.dtype for _, v in tree_flatten(draft.parameters())} == {mx.bfloat16}
+
+    assert main([*argv[:argv.index("--steps") + 1], "9", *argv[argv.index("--steps") + 2:]]) == 0
+    card = json.loads((out / "training_card.json").read_text())
+    assert card["training"]["resumed_from_step"] == 6 and card["training"]["steps"] == 9
+    assert main(["train", "--target", str(tiny_models.llama), "--prompts", str(tmp_path / "missing.jsonl"),
+                 "--out", str(out)]) == 2

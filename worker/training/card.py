@@ -1,0 +1,62 @@
+"""The training card of a draft: `TRAINING.md` rendered from `training_card.json` (one job)."""
+from __future__ import annotations
+
+
+def tau_line(ev: dict) -> str:
+    """One line of tau per corpus from an `evaluate_tau` result (for logs)."""
+    parts = [f"{c} {v['tau']:.2f} ({v['prompts']})" for c, v in ev["per_corpus"].items() if v["tau"] is not None]
+    a = ev["all"]
+    return (f"all {a['tau']:.3f} over {a['cycles']} cycles; " if a["tau"] is not None else "no cycles; ") + ", ".join(parts)
+
+
+def render_card(card: dict) -> str:
+    """TRAINING.md: the training card as a short human-readable page."""
+    t, d, data, tr = card["target"], card["draft"], card["data"], card["training"]
+    lines = [
+        f"# DFlash draft for {t['name']}",
+        "",
+        "Block-diffusion draft (DFlash, arXiv 2602.06036) trained by `flashfleet draft train` "
+        "with the paper's recipe (§4.2; SpecForge OnlineDFlashModel). Load with "
+        "`worker.models.dflash_checkpoint.load_dflash_draft(dir, target)`.",
+        "",
+        "## Draft",
+        f"- {d['layers']} layer(s), block size {d['block_size']}, taps {d['target_layer_ids']} of "
+        f"{t['layers']} target layers, mask id {d['mask_token_id']}, MLP {d['intermediate_size']}",
+        f"- {d['parameters'] / 1e6:.2f} M parameters, {d['dtype']}, {d['file_mib']} MiB",
+        f"- target fingerprint {t['fingerprint']} (hidden size {t['hidden_size']}, vocab {t['vocab_size']})",
+        "",
+        "## Data",
+        f"- prompt files: {', '.join(data['files'])} (at most {data['max_prompts_per_file']} per file)",
+        f"- {data['train_sequences']} training sequences answered by the target "
+        f"({'greedy' if not data['gen_temperature'] else 'T=' + str(data['gen_temperature'])}, up to "
+        f"{data['max_new_tokens']} tokens): {data['train_tokens']} tokens, {data['response_tokens']} response tokens, "
+        f"{data['ended_with_eos']} ended with EOS; per corpus {data['corpora']}",
+        f"- held out (by prompt, never trained on): {data['heldout_per_corpus']}",
+        "",
+        "## Training",
+        f"- {tr['steps']} steps ({tr['epochs']} epochs), batch {tr['batch_size']} x {tr['anchors']} anchors, "
+        f"S={tr['seq_len']}, {tr['elapsed_s']} s, {tr['label_tokens_per_s']} label tokens/s, "
+        f"compute {tr['compute_dtype']}",
+        f"- AdamW lr {tr['lr']} (warmup {tr['warmup']}, cosine), weight decay {tr['weight_decay']}, "
+        f"clip {tr['grad_clip']}, gamma {tr['gamma']}",
+        f"- final loss {tr['final_loss']}, teacher-forced tau estimate {tr['final_train_tau']}",
+        "",
+        "## Acceptance length tau on held-out prompts (greedy, tokens per cycle, bonus included)",
+        "",
+    ]
+    evals = card["eval"]
+    if not evals:
+        lines.append("not measured")
+    else:
+        names = list(evals)
+        lines.append("| corpus | prompts | " + " | ".join(f"tau {n}" for n in names) + " |")
+        lines.append("|---|---|" + "---|" * len(names))
+        first = evals[names[0]]
+        for c in list(first["per_corpus"]) + ["all"]:
+            rows = [evals[n]["per_corpus"].get(c) if c != "all" else evals[n]["all"] for n in names]
+            taus = [f"{r['tau']:.3f}" if r and r["tau"] is not None else "-" for r in rows]
+            lines.append(f"| {c} | {rows[0]['prompts'] if rows[0] else 0} | " + " | ".join(taus) + " |")
+        lines.append("")
+        lines.append(f"max {first['max_new_tokens']} new tokens per prompt, block size {first['block_size']}.")
+    lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,169 @@
+"""Draft shapes chosen from the target (one job: sensible defaults a user can override).
+
+The published DFlash drafts (Chen et al. 2026, arXiv 2602.06036; z-lab checkpoints and SpecForge
+configs, design note /work/shared/research/dflash.md §2.1 and §4.3) copy the target's hidden size,
+heads, MLP width, RoPE and eps; tap 5 target layers spread over layers 1..L-3; use an unused
+embedding row as the MASK token; and use blocks of 16. The depth and, when a size budget is
+given, the MLP width are chosen here for small on-prem targets.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import mlx.core as mx
+
+from worker.capture import target_hidden_size, target_layers, target_vocab_size
+from worker.models.dflash import Model, default_target_layer_ids
+from worker.models.dflash_checkpoint import init_dflash_draft
+
+
+class DraftSizeError(ValueError):
+    """No draft shape fits the size budget (`--max-draft-mib`) with the user's fixed settings."""
+
+
+def default_draft_layers(num_target_layers: int) -> int:
+    """About one draft layer per 15 target layers, 1..5 (2 for 24-36-layer targets).
+
+    The published drafts use 5 layers for 36-layer targets (paper Table 6: 3 -> 5 -> 8 layers
+    raise tau slowly) and SpecForge's fresh-draft default is 1; a short on-prem training run and
+    a draft that must stay cheap next to a small target sit between the two.
+    """
+    return max(1, min(5, round(num_target_layers / 15)))
+
+
+def draft_num_params(hidden: int, layers: int, intermediate: int, heads: int, kv_heads: int,
+                     head_dim: int, num_taps: int) -> int:
+    """Parameter count of a DFlash draft (no embedding, no head): layers + fc + norms."""
+    attn = hidden * head_dim * (2 * heads + 2 * kv_heads) + 2 * head_dim
+    per_layer = attn + 3 * hidden * intermediate + 2 * hidden
+    return layers * per_layer + num_taps * hidden * hidden + 2 * hidden
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """The shape of a draft to train (what `init_dflash_draft` takes).
+
+    Attributes:
+        num_layers: draft decoder layers.
+        block_size: B, tokens per block (last committed token + B-1 drafts).
+        target_layer_ids: tapped target layers (0-based layer outputs).
+        mask_token_id: the MASK token's embedding row.
+        intermediate_size: draft MLP width.
+    """
+
+    num_layers: int
+    block_size: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    intermediate_size: int
+
+    def num_params(self, target) -> int:
+        """Parameters of this draft for `target` (hidden size and heads come from the target)."""
+        a = target.args
+        heads = a.num_attention_heads
+        kv = getattr(a, "num_key_value_heads", None) or heads
+        hd = getattr(a, "head_dim", None) or target_hidden_size(target) // heads
+        return draft_num_params(target_hidden_size(target), self.num_layers, self.intermediate_size, heads, kv, hd,
+                                len(self.target_layer_ids))
+
+
+def choose_mask_token_id(tokenizer, vocab_size: int, used: set[int]) -> int:
+    """An embedding row no real text uses, for the MASK token.
+
+    Order of preference: the first row past the tokenizer's vocabulary when the embedding table
+    is padded beyond it (Qwen: the z-lab drafts' 151669 is exactly that); else the highest
+    special/added token that is not BOS/EOS/PAD/UNK and never occurs in `used` (the training
+    data and held-out prompts); else the highest id not in `used`.
+
+    Args:
+        tokenizer: the target's tokenizer (mlx-lm wrapper or Hugging Face).
+        vocab_size: rows of the target's embedding table.
+        used: token ids seen in the data (and the chat template).
+
+    Returns:
+        A token id in [0, vocab_size).
+    """
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    try:
+        n_tok = len(hf)
+    except TypeError:
+        n_tok = vocab_size
+    if n_tok < vocab_size:
+        return n_tok
+    reserved = set(getattr(tokenizer, "eos_token_ids", []) or [])
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        v = getattr(hf, name, None)
+        if isinstance(v, int):
+            reserved.add(v)
+    added = getattr(hf, "added_tokens_decoder", {}) or {}
+    for tid in sorted((int(t) for t in added), reverse=True):
+        if tid < vocab_size and tid not in reserved and tid not in used:
+            return tid
+    for tid in range(vocab_size - 1, -1, -1):
+        if tid not in used and tid not in reserved:
+            return tid
+    return vocab_size - 1
+
+
+def choose_draft_spec(
+    target,
+    tokenizer,
+    used_ids: set[int],
+    *,
+    draft_layers: Optional[int] = None,
+    num_taps: int = 5,
+    target_layer_ids: Optional[Sequence[int]] = None,
+    mask_token_id: Optional[int] = None,
+    block_size: int = 16,
+    intermediate_size: Optional[int] = None,
+    max_draft_mib: Optional[float] = None,
+    bytes_per_param: int = 2,
+) -> DraftSpec:
+    """Draft shape from the target, with the user's overrides (None: choose).
+
+    Defaults: `default_draft_layers(L)` layers, `num_taps` taps spread over target layers 1..L-3
+    (`default_target_layer_ids`, z-lab's rule), an unused mask id (`choose_mask_token_id`), the
+    target's MLP width, block size 16 (paper). With `max_draft_mib`, the MLP width is reduced
+    (multiples of 128, down to D) and then the depth (down to 1), each only where the user left it
+    unset, until the draft, stored at `bytes_per_param` (2 for bfloat16), fits.
+
+    Args:
+        target: the mlx-lm target (only its config and layer list are read).
+        tokenizer: its tokenizer (for the mask id).
+        used_ids: token ids the data uses (the mask id avoids them).
+
+    Returns:
+        A `DraftSpec`.
+
+    Raises:
+        DraftSizeError: the draft cannot fit `max_draft_mib`.
+    """
+    L = len(target_layers(target))
+    layers = draft_layers or default_draft_layers(L)
+    taps = [int(i) for i in target_layer_ids] if target_layer_ids else default_target_layer_ids(L, num_taps)
+    mask = mask_token_id if mask_token_id is not None else choose_mask_token_id(
+        tokenizer, target_vocab_size(target), used_ids)
+    inter = intermediate_size or int(target.args.intermediate_size)
+    spec = DraftSpec(layers, block_size, taps, int(mask), inter)
+    if max_draft_mib:
+        budget = max_draft_mib * 2**20 / bytes_per_param
+        D = target_hidden_size(target)
+        while spec.num_params(target) > budget:
+            smaller = (spec.intermediate_size - 1) // 128 * 128
+            if intermediate_size is None and smaller >= D:
+                spec = DraftSpec(spec.num_layers, block_size, taps, spec.mask_token_id, smaller)
+            elif draft_layers is None and spec.num_layers > 1:
+                spec = DraftSpec(spec.num_layers - 1, block_size, taps, spec.mask_token_id, inter)
+            else:
+                raise DraftSizeError(f"a draft of {spec.num_layers} layer(s), MLP {spec.intermediate_size} and "
+                                     f"{len(taps)} taps has {spec.num_params(target)} parameters: over "
+                                     f"--max-draft-mib {max_draft_mib}")
+    return spec
+
+
+def make_draft(target, spec: DraftSpec, seed: int) -> Model:
+    """A freshly initialised float32 draft of shape `spec`, bound to `target`."""
+    return init_dflash_draft(target, num_layers=spec.num_layers, block_size=spec.block_size,
+                             target_layer_ids=spec.target_layer_ids, mask_token_id=spec.mask_token_id,
+                             intermediate_size=spec.intermediate_size, seed=seed, dtype=mx.float32)

@@ -1,0 +1,645 @@
+"""Train a DFlash draft for a target: data, defaults, the training loop, checkpoints, the card.
+
+Recipe (Chen et al. 2026, "DFlash: Block Diffusion for Flash Speculative Decoding", arXiv
+2602.06036, §4.2 and App. A.1; SpecForge `specforge/algorithms/common/dflash_family_model.py`;
+design note /work/shared/research/dflash.md §4):
+
+- data: the target answers the prompts with its own chat template (`data.build_dataset`);
+- features: the frozen target runs once per batch on the clean prompt + response, and the outputs
+  of the tapped layers are captured (`worker.capture.HiddenCapture`; online, nothing cached);
+- blocks: N random anchors per sequence, re-drawn every step; each starts a block
+  `[x_p, MASK x (B-1)]` that sees the context before p and its own block (`masks`, `forward`);
+- loss: cross-entropy with position weights exp(-(k-1)/gamma) (`loss`);
+- optimisation: AdamW, linear warmup then cosine decay, gradient clipping; the embedding and LM
+  head are the target's and stay frozen (they are not draft parameters at all).
+
+Speed: fixed batch shapes (sequences right-padded to one length S, N anchors per sequence), so the
+whole step (draft forward, loss, backward, clipping, AdamW) is one `mx.compile`d function traced
+once. Master weights and AdamW moments are float32; the forward runs in `compute_dtype`
+(bfloat16 on a GPU) on a cast copy of the weights. The host prepares batch n+1 while the device
+runs step n, and reads step n-1's loss (one sync per step).
+
+Files: the draft in the published layout (`save_dflash_draft`: config.json + model.safetensors,
+in `save_dtype`), `training_card.json` and `TRAINING.md` go to `out`; the data cache and the
+resumable training state (float32 weights + AdamW moments) go to `work_dir`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+
+from worker.capture import HiddenCapture, target_hidden_size, target_layers, target_vocab_size
+from worker.models.dflash import Model, ModelArgs
+from worker.models.dflash_checkpoint import load_dflash_draft, save_dflash_draft
+from worker.training.card import render_card, tau_line
+from worker.training.data import DataSplit, TokenDataset, batch_indices, build_dataset
+from worker.training.defaults import DraftSpec, choose_draft_spec, make_draft
+from worker.training.evaluate import evaluate_tau
+from worker.training.forward import block_hidden, block_inputs, cast_tree
+from worker.training.loss import acceptance_stats, block_targets, default_gamma, weighted_cross_entropy
+from worker.training.masks import sample_anchors
+
+STATE_FORMAT = 1
+
+
+class TrainConfigError(ValueError):
+    """A checkpoint that does not belong to this run (another draft shape or other data)."""
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+@dataclass
+class TrainConfig:
+    """Everything `train_draft` needs; the CLI fills it from flags. Units are in the names.
+
+    Target and files:
+        target: model directory or fetched catalog name (`flashfleet.models.resolve_model`).
+        prompts: prompt files (.jsonl with a `prompt` field, or one prompt per line).
+        out: output directory of the draft (published layout) and its training card.
+        work_dir: data cache + resumable state; default `<out>.work` (kept out of `out`, so `out`
+            can be committed as is).
+    Draft shape (None: chosen from the target, see `choose_draft_spec`):
+        draft_layers, num_taps (taps spread over layers 1..L-3), target_layer_ids, mask_token_id,
+        block_size (B), intermediate_size, max_draft_mib (shrink the MLP, then the depth, until
+        the saved draft fits).
+    Data:
+        max_prompts_per_file, max_prompt_tokens, max_new_tokens, heldout_per_corpus,
+        heldout_fraction, gen_temperature (0: greedy), gen_top_p, gen_batch_size,
+        gen_max_minutes.
+    Training:
+        batch_size (sequences per step), anchors (N per sequence), gamma (None: paper's value
+        for B), lr, weight_decay, warmup (fraction of the run), min_lr_ratio (cosine floor),
+        grad_clip (global norm), epochs, steps (overrides epochs), max_minutes (training wall
+        time; the cosine schedule then runs on the time fraction), seed, compute_dtype and
+        target_dtype ("auto": bfloat16 on a GPU, float32 on a CPU), save_dtype, compile,
+        cache_taps_gib (compute the target taps of the whole dataset once and keep them in
+        memory when they fit this many GiB, the paper's "offline" mode; 0: always online, one
+        target forward per batch), checkpoint_every (steps), resume, log_every (steps between
+        loss-curve points).
+    Evaluation:
+        eval (tau on the held-out prompts at the end), eval_max_new_tokens, eval_max_minutes,
+        eval_untrained (also measure the untrained draft), progress (tqdm bars).
+    """
+
+    target: str
+    prompts: Sequence[str]
+    out: str
+    work_dir: Optional[str] = None
+    draft_layers: Optional[int] = None
+    num_taps: int = 5
+    target_layer_ids: Optional[list[int]] = None
+    mask_token_id: Optional[int] = None
+    block_size: int = 16
+    intermediate_size: Optional[int] = None
+    max_draft_mib: Optional[float] = None
+    max_prompts_per_file: Optional[int] = None
+    max_prompt_tokens: int = 256
+    max_new_tokens: int = 256
+    heldout_per_corpus: int = 8
+    heldout_fraction: float = 0.1
+    gen_temperature: float = 0.0
+    gen_top_p: float = 1.0
+    gen_batch_size: int = 64
+    gen_max_minutes: Optional[float] = None
+    batch_size: int = 16
+    anchors: int = 64
+    gamma: Optional[float] = None
+    lr: float = 6e-4
+    weight_decay: float = 0.01
+    warmup: float = 0.04
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0
+    epochs: float = 6.0
+    steps: Optional[int] = None
+    max_minutes: Optional[float] = None
+    seed: int = 0
+    compute_dtype: str = "auto"
+    target_dtype: str = "auto"
+    save_dtype: str = "bfloat16"
+    compile: bool = True
+    cache_taps_gib: float = 8.0
+    checkpoint_every: int = 200
+    resume: bool = True
+    log_every: int = 10
+    eval: bool = True
+    eval_max_new_tokens: int = 128
+    eval_max_minutes: Optional[float] = None
+    eval_untrained: bool = False
+    progress: bool = True
+
+
+def resolve_dtype(name: str) -> mx.Dtype:
+    """"auto" -> bfloat16 on a GPU, float32 on a CPU (bf16 matmuls skip BLAS there); else by name.
+
+    Raises:
+        ValueError: unknown dtype name.
+    """
+    if name == "auto":
+        return mx.bfloat16 if mx.default_device().type == mx.DeviceType.gpu else mx.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def target_fingerprint(path: Path) -> str:
+    """Identifies a target directory's weights: config.json plus the size and edges of each
+    safetensors file (cheap; a full hash of large weights would take long)."""
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    for f in sorted(path.glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with f.open("rb") as fh:
+            h.update(fh.read(1 << 20))
+            fh.seek(max(0, size - (1 << 20)))
+            h.update(fh.read())
+    return h.hexdigest()[:16]
+
+
+def resolve_target(ref: str | os.PathLike) -> Path:
+    """A model directory (with config.json) as is, else a fetched catalog name through
+    `flashfleet.models.resolve_model` (imported only then: the flashfleet package loads gRPC).
+
+    Raises:
+        FileNotFoundError / NotADirectoryError: as `resolve_model`.
+    """
+    path = Path(ref).expanduser()
+    if (path / "config.json").is_file():
+        return path.resolve()
+    from flashfleet.models import resolve_model
+
+    return resolve_model(ref)
+
+
+def load_target(path: Path, dtype: mx.Dtype):
+    """mlx_lm.load, cast to `dtype`, frozen, evaluated. Returns (model, tokenizer)."""
+    from mlx_lm import load
+
+    model, tokenizer = load(str(path))
+    model.set_dtype(dtype)
+    model.freeze()
+    mx.eval(model.parameters())
+    return model, tokenizer
+
+
+# --------------------------------------------------------------------------- schedule
+
+
+def learning_rate(progress: float, lr: float, warmup: float, min_lr_ratio: float = 0.0) -> float:
+    """Linear warmup over the first `warmup` fraction, then cosine decay to lr * min_lr_ratio.
+
+    Args:
+        progress: fraction of the run done, in [0, 1] (steps or wall time, whichever is further).
+        lr: peak learning rate.
+        warmup: warmup fraction (paper: 0.04).
+        min_lr_ratio: floor of the decay, as a fraction of lr.
+
+    Returns:
+        The learning rate (never exactly 0 during warmup).
+    """
+    p = min(max(progress, 0.0), 1.0)
+    if warmup > 0 and p < warmup:
+        return lr * max(p / warmup, 0.01)
+    t = (p - warmup) / max(1.0 - warmup, 1e-9)
+    return lr * (min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * t)))
+
+
+# --------------------------------------------------------------------------- trainer
+
+
+class Trainer:
+    """The training loop over a fixed dataset; owns the draft's float32 weights and AdamW state.
+
+    Not thread-safe: all MLX work runs on the calling thread.
+
+    Args:
+        target: the frozen mlx-lm target (taps are computed from it per batch).
+        draft: a float32 draft bound to `target` (its weights are trained in place).
+        data: the training sequences.
+        cfg: batch_size, anchors, gamma, lr, weight_decay, warmup, min_lr_ratio, grad_clip,
+            epochs / steps / max_minutes, seed, compute_dtype, compile.
+    """
+
+    def __init__(self, target, draft: Model, data: TokenDataset, cfg: TrainConfig):
+        self.target, self.draft, self.cfg = target, draft, cfg
+        self.tokens, self.lengths, self.prompt_lens = data.arrays(pad_id=0)
+        self.n = len(data)
+        self.bsz = cfg.batch_size
+        self.B = draft.block_size
+        self.N = cfg.anchors
+        self.gamma = cfg.gamma or default_gamma(self.B)
+        self.cdt = resolve_dtype(cfg.compute_dtype)
+        self.total_steps = cfg.steps or max(1, math.ceil(cfg.epochs * self.n / self.bsz))
+        self.budget_s = cfg.max_minutes * 60 if cfg.max_minutes else None
+        self.step = 0
+        self.elapsed_s = 0.0
+        self.history: list[dict] = []
+        self.cap = HiddenCapture(target, draft.target_layer_ids)
+        self.opt = optim.AdamW(learning_rate=cfg.lr, weight_decay=cfg.weight_decay)
+        self.opt.init(draft.trainable_parameters())
+        self._step_fn = None
+        self.taps_all: Optional[mx.array] = None
+
+    def tap_cache_bytes(self) -> int:
+        """Bytes the taps of the whole dataset take: n * S * n_taps * D * dtype size."""
+        d = target_hidden_size(self.target) * len(self.draft.target_layer_ids)
+        itemsize = self.draft._embed(mx.array([0])).dtype.size
+        return int(self.tokens.size) * d * itemsize
+
+    def precompute_taps(self, progress: bool = True) -> None:
+        """Runs the target once over the dataset (in batches) and keeps every tap in memory;
+        steps then read their batch's taps instead of running the target (paper: "offline")."""
+        from tqdm import tqdm
+
+        parts = []
+        for i in tqdm(range(0, self.n, self.bsz), desc="target taps", unit="batch", disable=not progress,
+                      dynamic_ncols=True):
+            t = self.taps(mx.array(self.tokens[i: i + self.bsz]))
+            mx.eval(t)
+            parts.append(t)
+        self.taps_all = mx.concatenate(parts, axis=0)
+        mx.eval(self.taps_all)
+
+    # -- the compiled step -------------------------------------------------------------------
+
+    def _loss(self, tokens, lengths, anchors, keep, taps):
+        draft = self.draft
+        params = cast_tree(draft.parameters(), self.cdt)
+        blocks = block_inputs(tokens, anchors, self.B, draft.mask_token_id)
+        h = block_hidden(draft, params, taps, blocks, anchors)  # (Bsz*N, B, D)
+        logits = draft._head(h[:, 1:])  # (Bsz*N, B-1, V): the target's frozen head
+        labels, weights = block_targets(tokens, lengths, anchors, keep, self.B, self.gamma)
+        labels = labels.reshape(-1, self.B - 1)
+        weights = weights.reshape(-1, self.B - 1)
+        loss = weighted_cross_entropy(logits, labels, weights)
+        acc, tau = acceptance_stats(logits, labels, weights)
+        return loss, acc, tau
+
+    def _build_step(self):
+        draft, opt, clip = self.draft, self.opt, self.cfg.grad_clip
+        loss_and_grad = nn.value_and_grad(draft, self._loss)
+
+        def step(tokens, lengths, anchors, keep, taps):
+            (loss, acc, tau), grads = loss_and_grad(tokens, lengths, anchors, keep, taps)
+            if clip and clip > 0:
+                grads, gnorm = optim.clip_grad_norm(grads, clip)
+            else:
+                gnorm = mx.sqrt(sum((g * g).sum() for _, g in tree_flatten(grads)))
+            opt.update(draft, grads)
+            return loss, acc, tau, gnorm
+
+        if self.cfg.compile:
+            state = [draft.state, opt.state]
+            step = partial(mx.compile, inputs=state, outputs=state)(step)
+        return step
+
+    def _first_compiled_step(self, inputs, log: Callable[[str], None]):
+        """Runs the first compiled step synchronously; if compiling or running it fails (a
+        backend without some fused kernel, say), restores the weights and optimizer state and
+        continues uncompiled instead of losing the run."""
+        params = tree_map(lambda x: x, self.draft.parameters())
+        opt_state = tree_map(lambda x: x, self.opt.state)
+        try:
+            outs = self._step_fn(*inputs)
+            mx.eval(outs, self.draft.parameters(), self.opt.state)
+            return outs
+        except Exception as e:  # noqa: BLE001 - any failure of the compiled path
+            log(f"train: the compiled step failed ({type(e).__name__}: {e}); continuing without mx.compile")
+            self.draft.update(params)
+            self.opt.state = opt_state
+            self.cfg.compile = False
+            self._step_fn = self._build_step()
+            return self._step_fn(*inputs)
+
+    def taps(self, tokens: mx.array) -> mx.array:
+        """Target layer outputs of a batch: (Bsz, S) ids -> (Bsz, S, n_taps * D).
+
+        Lazy: only the layers up to the deepest tap are ever computed (nothing reads the rest)."""
+        with self.cap:
+            self.target(tokens)
+        return mx.stop_gradient(self.cap.hidden())
+
+    def batch(self, step: int):
+        """Host-side batch of `step` (a pure function of seed and step).
+
+        Returns:
+            (tokens, lengths, anchors, keep, taps) as mx arrays (taps: cached rows, or a lazy
+            target forward), label tokens in the batch, epoch."""
+        idx, epoch = batch_indices(self.n, self.bsz, step, self.cfg.seed)
+        lengths, prompt_lens = self.lengths[idx], self.prompt_lens[idx]
+        rng = np.random.default_rng([self.cfg.seed, 1, step])
+        anchors, keep = sample_anchors(rng, prompt_lens, lengths, self.N)
+        labels = int((np.minimum(self.B - 1, lengths[:, None] - 1 - anchors) * keep).sum())
+        tokens = mx.array(self.tokens[idx])
+        taps = self.taps(tokens) if self.taps_all is None else self.taps_all[mx.array(idx)]
+        return (tokens, mx.array(lengths), mx.array(anchors), mx.array(keep), taps), labels, epoch
+
+    def progress(self) -> float:
+        """Fraction of the run done: steps or wall time, whichever is further."""
+        p = self.step / self.total_steps
+        if self.budget_s:
+            p = max(p, self.elapsed_s / self.budget_s)
+        return p
+
+    def done(self) -> bool:
+        """Whether the planned steps or the time budget are used up."""
+        return self.step >= self.total_steps or (self.budget_s is not None and self.elapsed_s >= self.budget_s)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def save_state(self, path: Path, extra: Optional[dict] = None) -> None:
+        """Writes float32 weights, AdamW state, step, elapsed time and history to `path`/.
+
+        Files are written under temporary names and renamed, the JSON last, so an interrupted
+        save leaves the previous checkpoint readable."""
+        path.mkdir(parents=True, exist_ok=True)
+        arrays = {f"param/{k}": v for k, v in tree_flatten(self.draft.parameters())}
+        arrays.update({f"opt/{k}": v for k, v in tree_flatten(self.opt.state)})
+        mx.save_safetensors(str(path / "state.tmp.safetensors"), arrays)
+        os.replace(path / "state.tmp.safetensors", path / "state.safetensors")
+        meta = {"format": STATE_FORMAT, "step": self.step, "elapsed_s": self.elapsed_s,
+                "draft_args": _args_dict(self.draft.args), "history": self.history, **(extra or {})}
+        (path / "state.tmp.json").write_text(json.dumps(meta, indent=1) + "\n")
+        os.replace(path / "state.tmp.json", path / "state.json")
+
+    def load_state(self, path: Path) -> dict:
+        """Restores what `save_state` wrote (before the first step). Returns the JSON metadata.
+
+        Raises:
+            TrainConfigError: the checkpoint's draft shape differs from this draft's.
+        """
+        meta = json.loads((path / "state.json").read_text())
+        if meta.get("draft_args") != _args_dict(self.draft.args):
+            raise TrainConfigError(f"{path}: checkpoint is for another draft shape; start over with --no-resume")
+        arrays = mx.load(str(path / "state.safetensors"))
+        self.draft.load_weights([(k[6:], v) for k, v in arrays.items() if k.startswith("param/")], strict=True)
+        self.opt.state = tree_unflatten([(k[4:], v) for k, v in arrays.items() if k.startswith("opt/")])
+        self.opt.init(self.draft.trainable_parameters())
+        self.step, self.elapsed_s, self.history = int(meta["step"]), float(meta["elapsed_s"]), meta["history"]
+        mx.eval(self.draft.parameters(), self.opt.state)
+        self._step_fn = None  # the compiled step captured the old state objects
+        return meta
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def run(self, checkpoint: Optional[Callable[[], None]] = None, log: Callable[[str], None] = print) -> dict:
+        """Trains until `steps`/`epochs` are done or `max_minutes` of training time has passed.
+
+        Args:
+            checkpoint: called every `checkpoint_every` steps and at the end (saves state).
+            log: one-line messages.
+
+        Returns:
+            {"steps", "elapsed_s", "loss", "train_tau", "accuracy"} of the last logged window, and
+            "label_tokens_per_s": supervised block positions per second over this call.
+        """
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        if self._step_fn is None:
+            self._step_fn = self._build_step()
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
+                   disable=not cfg.progress, dynamic_ncols=True)
+        window = {"loss": 0.0, "tau": 0.0, "n": 0, "labels": 0, "t": 0.0}
+        total = {"labels": 0, "t": 0.0}
+        last = {}
+        pending = None  # (outputs, labels, step, epoch) of the step in flight
+        next_batch = self.batch(self.step) if not self.done() else None
+        t_prev = time.perf_counter()
+        first = True
+
+        def retire(p):
+            nonlocal t_prev
+            (loss, acc, tau, gnorm), labels, step, epoch, lr = p
+            loss_v, tau_v = loss.item(), tau.item()  # the one host sync per step
+            if not math.isfinite(loss_v):
+                raise FloatingPointError(f"loss is {loss_v} at step {step}")
+            now = time.perf_counter()
+            dt = now - t_prev
+            t_prev = now
+            self.elapsed_s += dt
+            window["loss"] += loss_v
+            window["tau"] += tau_v
+            window["n"] += 1
+            window["labels"] += labels
+            window["t"] += dt
+            total["labels"] += labels
+            total["t"] += dt
+            if window["n"] >= cfg.log_every or self.done() or step + 1 == self.total_steps:
+                tps = window["labels"] / max(window["t"], 1e-9)
+                last.update(loss=window["loss"] / window["n"], train_tau=window["tau"] / window["n"],
+                            accuracy=[round(a, 4) for a in acc.tolist()], label_tokens_per_s=tps)
+                self.history.append({"step": step + 1, "epoch": round(epoch, 3), "loss": round(last["loss"], 4),
+                                     "train_tau": round(last["train_tau"], 3), "lr": lr, "grad_norm": round(gnorm.item(), 3),
+                                     "elapsed_s": round(self.elapsed_s, 1), "label_tok_per_s": round(tps)})
+                bar.set_postfix(loss=f"{last['loss']:.3f}", tau=f"{last['train_tau']:.2f}", lr=f"{lr:.2e}",
+                                tok_s=f"{tps:,.0f}", ep=f"{epoch:.1f}")
+                window.update(loss=0.0, tau=0.0, n=0, labels=0, t=0.0)
+            if self.budget_s:  # the bar's end follows whichever limit comes first
+                rate = self.step / max(self.elapsed_s, 1e-9)
+                bar.total = min(self.total_steps, max(self.step, int(self.step + rate * (self.budget_s - self.elapsed_s))))
+            bar.update(1)
+
+        try:
+            while next_batch is not None:
+                inputs, labels, epoch = next_batch
+                lr = learning_rate(self.progress(), cfg.lr, cfg.warmup, cfg.min_lr_ratio)
+                self.opt.learning_rate = lr
+                if first and cfg.compile:
+                    outs = self._first_compiled_step(inputs, log)
+                else:
+                    outs = self._step_fn(*inputs)
+                first = False
+                mx.async_eval(outs)
+                step = self.step
+                self.step += 1
+                if pending is not None:
+                    retire(pending)
+                pending = (outs, labels, step, epoch, lr)
+                next_batch = None
+                if not self.done():  # prepared while the device runs this step
+                    next_batch = self.batch(self.step)
+                    if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and checkpoint:
+                        retire(pending)
+                        pending = None
+                        checkpoint()
+            if pending is not None:
+                retire(pending)
+                pending = None
+        finally:
+            bar.close()
+        if checkpoint:
+            checkpoint()
+        if total["t"] > 0:
+            last["label_tokens_per_s"] = total["labels"] / total["t"]
+        return {"steps": self.step, "elapsed_s": round(self.elapsed_s, 1), **last}
+
+
+def _args_dict(args: ModelArgs) -> dict:
+    d = asdict(args)
+    d.pop("rope_parameters", None)
+    return json.loads(json.dumps(d))
+
+
+# --------------------------------------------------------------------------- the whole job
+
+
+def _used_ids(split: DataSplit) -> set[int]:
+    used: set[int] = set()
+    for p, r in zip(split.train.prompt_ids, split.train.response_ids):
+        used.update(p)
+        used.update(r)
+    for h in split.heldout:
+        used.update(h["prompt_ids"])
+    return used
+
+
+def _file_mib(path: Path) -> float:
+    return round(path.stat().st_size / 2**20, 2)
+
+
+def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
+    """Builds the data, trains the draft, saves it, measures tau, writes the training card.
+
+    Args:
+        cfg: the run's settings (`TrainConfig`).
+        log: one-line progress messages (tqdm bars are separate, on stderr).
+
+    Returns:
+        The training card (also written to `out/training_card.json`).
+
+    Raises:
+        FileNotFoundError / NotADirectoryError: target or prompt files missing.
+        DataError: unusable prompt files or data.
+        DraftSizeError: no draft shape fits --max-draft-mib.
+        TrainConfigError: a checkpoint of another draft shape or other data.
+        DraftMismatch: explicit taps or mask id that do not fit the target.
+    """
+    t_start = time.perf_counter()
+    target_path = resolve_target(cfg.target)
+    out = Path(cfg.out)
+    work = Path(cfg.work_dir) if cfg.work_dir else out.with_name(out.name + ".work")
+    tdt = resolve_dtype(cfg.target_dtype)
+    log(f"target: {target_path} ({tdt}); device {mx.default_device()}; out {out}; work {work}")
+    target, tokenizer = load_target(target_path, tdt)
+    fingerprint = target_fingerprint(target_path)
+
+    split = build_dataset(
+        target, tokenizer, cfg.prompts, work / "data", max_per_file=cfg.max_prompts_per_file,
+        max_prompt_tokens=cfg.max_prompt_tokens, max_new_tokens=cfg.max_new_tokens,
+        heldout_per_corpus=cfg.heldout_per_corpus, heldout_fraction=cfg.heldout_fraction,
+        temperature=cfg.gen_temperature, top_p=cfg.gen_top_p, seed=cfg.seed, gen_batch_size=cfg.gen_batch_size,
+        gen_max_seconds=cfg.gen_max_minutes * 60 if cfg.gen_max_minutes else None,
+        target_fingerprint=fingerprint, log=log)
+
+    state_dir = work / "resume"
+    resumed = None
+    if cfg.resume and (state_dir / "state.json").is_file():
+        saved = json.loads((state_dir / "state.json").read_text())
+        if saved.get("data_key") != split.meta["key"]:
+            raise TrainConfigError(f"{state_dir}: checkpoint was trained on other data; start over with --no-resume")
+        args = saved["draft_args"]
+        dc = args["dflash_config"]
+        spec = DraftSpec(args["num_hidden_layers"], args["block_size"], dc["target_layer_ids"], dc["mask_token_id"],
+                         args["intermediate_size"])
+    else:
+        spec = choose_draft_spec(
+            target, tokenizer, _used_ids(split), draft_layers=cfg.draft_layers, num_taps=cfg.num_taps,
+            target_layer_ids=cfg.target_layer_ids, mask_token_id=cfg.mask_token_id, block_size=cfg.block_size,
+            intermediate_size=cfg.intermediate_size, max_draft_mib=cfg.max_draft_mib,
+            bytes_per_param=DTYPES[cfg.save_dtype].size)
+    draft = make_draft(target, spec, cfg.seed)
+    n_params = spec.num_params(target)
+    log(f"draft: {spec.num_layers} layer(s), taps {spec.target_layer_ids}, mask id {spec.mask_token_id}, "
+        f"B={spec.block_size}, MLP {spec.intermediate_size}, {n_params / 1e6:.2f} M parameters "
+        f"({n_params * DTYPES[cfg.save_dtype].size / 2**20:.1f} MiB in {cfg.save_dtype})")
+
+    trainer = Trainer(target, draft, split.train, cfg)
+    if cfg.resume and (state_dir / "state.json").is_file():
+        resumed = trainer.load_state(state_dir)
+        log(f"resume: step {trainer.step}, {trainer.elapsed_s:.0f} s trained, from {state_dir}")
+    elif state_dir.exists():
+        for f in state_dir.glob("state*"):
+            f.unlink()
+    if cfg.cache_taps_gib and trainer.tap_cache_bytes() <= cfg.cache_taps_gib * 2**30:
+        log(f"taps: caching the target's taps of all sequences ({trainer.tap_cache_bytes() / 2**30:.2f} GiB)")
+        trainer.precompute_taps(cfg.progress)
+    log(f"train: {trainer.n} sequences (S={trainer.tokens.shape[1]}), batch {trainer.bsz}, {trainer.N} anchors, "
+        f"gamma {trainer.gamma}, up to {trainer.total_steps} steps"
+        + (f" or {cfg.max_minutes} min" if cfg.max_minutes else "") + f", compute {trainer.cdt}")
+    result = trainer.run(checkpoint=lambda: trainer.save_state(state_dir, {"data_key": split.meta["key"]}), log=log)
+
+    sdt = DTYPES[cfg.save_dtype]
+    draft.update(cast_tree(draft.parameters(), sdt))
+    save_dflash_draft(draft, out)
+    log(f"saved: {out} ({_file_mib(out / 'model.safetensors')} MiB)")
+
+    evals = {}
+    if cfg.eval and split.heldout:
+        eos = tokenizer.eos_token_ids
+        eval_s = cfg.eval_max_minutes * 60 if cfg.eval_max_minutes else None
+        trained = load_dflash_draft(out, target, dtype=resolve_dtype(cfg.compute_dtype))
+        evals["trained"] = evaluate_tau(target, trained, split.heldout, cfg.eval_max_new_tokens, eos,
+                                        max_seconds=eval_s, progress=cfg.progress, desc="tau trained")
+        log("tau (trained): " + tau_line(evals["trained"]))
+        if cfg.eval_untrained:
+            untrained = make_draft(target, spec, cfg.seed)
+            untrained.update(cast_tree(untrained.parameters(), resolve_dtype(cfg.compute_dtype)))
+            evals["untrained"] = evaluate_tau(target, untrained, split.heldout, cfg.eval_max_new_tokens, eos,
+                                              max_seconds=eval_s, progress=cfg.progress, desc="tau untrained")
+            log("tau (untrained): " + tau_line(evals["untrained"]))
+
+    card = {
+        "format": "flashfleet-dflash-training-card/1",
+        "method": "DFlash (arXiv 2602.06036) block-diffusion draft; recipe of paper §4.2 / SpecForge OnlineDFlashModel",
+        "target": {"path": str(target_path), "name": target_path.name, "fingerprint": fingerprint,
+                   "layers": len(target_layers(target)), "hidden_size": target_hidden_size(target),
+                   "vocab_size": target_vocab_size(target), "dtype": str(tdt)},
+        "draft": {"layers": spec.num_layers, "target_layer_ids": spec.target_layer_ids,
+                  "mask_token_id": spec.mask_token_id, "block_size": spec.block_size,
+                  "intermediate_size": spec.intermediate_size, "parameters": n_params,
+                  "dtype": cfg.save_dtype, "file_mib": _file_mib(out / "model.safetensors")},
+        "data": {k: split.meta.get(k) for k in ("train_sequences", "heldout_prompts", "train_tokens", "response_tokens",
+                                                 "ended_with_eos", "generation_s", "generation_tokens_per_s",
+                                                 "generation_stopped_by_time_limit", "corpora", "key")}
+        | {"files": [Path(p).name for p in cfg.prompts], "max_prompts_per_file": cfg.max_prompts_per_file,
+           "max_prompt_tokens": cfg.max_prompt_tokens, "max_new_tokens": cfg.max_new_tokens,
+           "gen_temperature": cfg.gen_temperature,
+           "heldout_per_corpus": {c: sum(1 for h in split.heldout if h["corpus"] == c)
+                                  for c in sorted({h["corpus"] for h in split.heldout})}},
+        "training": {"steps": result["steps"], "epochs": round(result["steps"] * trainer.bsz / trainer.n, 2),
+                     "elapsed_s": result["elapsed_s"], "batch_size": trainer.bsz, "anchors": trainer.N,
+                     "seq_len": int(trainer.tokens.shape[1]), "gamma": trainer.gamma, "lr": cfg.lr,
+                     "warmup": cfg.warmup, "min_lr_ratio": cfg.min_lr_ratio, "weight_decay": cfg.weight_decay,
+                     "grad_clip": cfg.grad_clip, "compute_dtype": str(trainer.cdt), "compiled": cfg.compile,
+                     "max_minutes": cfg.max_minutes, "planned_steps": trainer.total_steps,
+                     "resumed_from_step": resumed["step"] if resumed else None,
+                     "final_loss": round(result.get("loss", float("nan")), 4),
+                     "final_train_tau": round(result.get("train_tau", float("nan")), 3),
+                     "final_accuracy_per_position": result.get("accuracy"),
+                     "label_tokens_per_s": round(result.get("label_tokens_per_s", 0.0)),
+                     "curve": trainer.history[:: max(1, len(trainer.history) // 40)] + trainer.history[-1:]},
+        "eval": evals,
+        "environment": {"mlx": mx.__version__, "device": str(mx.default_device()), "python": platform.python_version(),
+                        "argv": sys.argv},
+        "wall_s": round(time.perf_counter() - t_start, 1),
+    }
+    (out / "training_card.json").write_text(json.dumps(card, indent=1) + "\n")
+    (out / "TRAINING.md").write_text(render_card(card))
+    log(f"card: {out / 'training_card.json'}; total {card['wall_s']} s")
+    return card
+
+
