@@ -91,6 +91,8 @@ def run_steps(gen) -> tuple[list[int], list[tuple[float, int]]]:
     """Drains a Step generator; returns (tokens, [(time at the end of the cycle, tokens)])."""
     tokens, cycles = [], []
     for s in gen:
+        if not s.tokens:  # a prefill chunk (worker.spec.plain.prefill_steps)
+            continue
         tokens.extend(s.tokens)
         cycles.append((time.perf_counter(), len(s.tokens)))
     return tokens, cycles

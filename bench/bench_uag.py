@@ -52,7 +52,7 @@ def prompts(corpus: str, n: int, max_chars: int) -> list[str]:
 
 def run(fn) -> tuple[list[int], list, float]:
     start = time.perf_counter()
-    steps = list(fn())
+    steps = [s for s in fn() if s.tokens]  # drop prefill chunks
     return [t for s in steps for t in s.tokens], steps, time.perf_counter() - start
 
 

@@ -300,3 +300,30 @@ def test_startup_errors_are_clear(tiny_models, tmp_path):
     (broken / "model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(RuntimeError, match="engine failed to start"):
         Engine(EngineConfig(broken, warmup=False))
+
+
+def test_long_prefill_does_not_block_other_sessions_and_can_be_aborted(tiny_models):
+    """A long prompt is prefilled one chunk per engine turn: a short request submitted after it
+    finishes first, and aborting the long one mid-prefill frees its slot."""
+    import queue as _queue
+    import time as _time
+
+    from worker.engine.types import DoneEvent as _Done
+    cfg = EngineConfig(model_path=tiny_models.llama, prefill_step_tokens=8, capacity=2)
+    with Engine(cfg) as engine:
+        long_prompt = tuple(range(3, 3 + 400))
+        order: _queue.Queue = _queue.Queue()
+        engine.submit(GenerationRequest("long", long_prompt, 4),
+                      lambda ev: order.put(("long", type(ev).__name__)))
+        engine.submit(GenerationRequest("short", (5, 6, 7), 2),
+                      lambda ev: isinstance(ev, _Done) and order.put(("short", ev.finish_reason)))
+        # The short request ends before the long one's first token (its 50 prefill chunks).
+        assert order.get(timeout=60) == ("short", "length")
+        events = [order.get(timeout=60) for _ in range(5)]
+        assert events[-1] == ("long", "DoneEvent")
+        engine.submit(GenerationRequest("long2", long_prompt, 4),
+                      lambda ev: isinstance(ev, _Done) and order.put(("long2", ev.finish_reason)))
+        _time.sleep(0.05)
+        assert engine.abort("long2")
+        assert order.get(timeout=60) == ("long2", "cancelled")
+        assert engine.load().active_sessions == 0

@@ -57,7 +57,7 @@ def pairs(tiny_models, tmp_path_factory):
 
 
 def plain_tokens(model, tok, prompt, n, sampler=greedy):
-    return [s.tokens[0] for s in plain.generate(prompt, n, sampler, set(tok.eos_token_ids), model=model)]
+    return [t for s in plain.generate(prompt, n, sampler, set(tok.eos_token_ids), model=model) for t in s.tokens]
 
 
 def uag_tokens(model, tok, draft, dtok, prompt, n, **kw):
@@ -138,8 +138,8 @@ def test_scripted_pair_accepts_and_stays_lossless(pairs, direction, translation)
         data = text.encode()
         prompt, dprompt = tv.encode("prompt\n"), dv.encode("prompt\n")
         n = len(tv.encode(text))
-        ref = [s.tokens[0] for s in plain.generate(prompt, n, greedy, set(), model=ScriptedLM(tv, len(prompt), data),
-                                                   cache=[ListCache()])]
+        ref = [t for s in plain.generate(prompt, n, greedy, set(), model=ScriptedLM(tv, len(prompt), data),
+                                         cache=[ListCache()]) for t in s.tokens]
         assert tv.to_bytes(ref).startswith(data[:20])
         target = ScriptedLM(tv, len(prompt), data)
         draft = ScriptedLM(dv, len(dprompt), data, miss_every=6)

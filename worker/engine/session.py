@@ -47,8 +47,10 @@ class Session:
         ("length"). Token ids after the EOS are never produced; ids after a stop string within
         the same step are reported, their text is not.
         """
-        st = self.stats
         tokens = step.tokens
+        if not tokens:  # a prefill chunk: no token yet
+            return
+        st = self.stats
         if self.first_s is None:
             self.first_s, self.first_step_tokens = now_s, len(tokens)
         self.last_s = now_s

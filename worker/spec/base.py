@@ -6,7 +6,8 @@ A decoding method is a generator function
                  **method_specific) -> Iterator[Step]
 
 that prefills, then yields one `Step` per decode step (plain) or per draft + verify cycle
-(speculative). It yields at most `max_tokens` tokens in total, ends after yielding an EOS token
+(speculative). While prefilling a long prompt it may yield empty Steps (`tokens == []`) between
+chunks, so the engine can run other sessions and act on an abort (`plain.prefill_steps`). It yields at most `max_tokens` tokens in total, ends after yielding an EOS token
 (tokens after it in an accepted run are dropped), and rolls its caches back in `finally`, so the
 engine may close it at any point (stop string, cancellation).
 """
@@ -27,7 +28,8 @@ class Step:
     """Tokens committed by one plain decode step or one speculative cycle.
 
     Attributes:
-        tokens: committed token ids in order (at least one; all chosen by the target).
+        tokens: committed token ids in order, all chosen by the target; empty only for a prefill
+            chunk (no token yet).
         drafted: draft tokens proposed to the target in this cycle (0 for a plain step).
         accepted: draft tokens the target accepted in this cycle (the bonus token not counted).
         draft_s: wall time of drafting in this cycle, seconds (0 when not measured).

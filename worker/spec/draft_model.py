@@ -26,7 +26,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 
 from worker.sampling import greedy
 from worker.spec.base import Sampler, Step
-from worker.spec.plain import CLEAR_CACHE_EVERY_TOKENS, prefill
+from worker.spec.plain import CLEAR_CACHE_EVERY_TOKENS, prefill_steps
 
 
 def generate(
@@ -114,9 +114,8 @@ def generate(
         return drafts, time.perf_counter() - start
 
     prompt = mx.array(prompt_tokens, mx.uint32)
-    with mx.stream(stream):
-        draft_in = prefill(draft_model, draft_cache, prompt, prefill_step_tokens)
-        y = prefill(model, cache, prompt, prefill_step_tokens)
+    draft_in = yield from prefill_steps(draft_model, draft_cache, prompt, prefill_step_tokens, stream)
+    y = yield from prefill_steps(model, cache, prompt, prefill_step_tokens, stream)
 
     ntoks = 0
     # Cache entries holding uncommitted draft tokens, rolled back in `finally`.

@@ -6,7 +6,7 @@ the device never idles while the caller handles a token.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Generator, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -42,6 +42,28 @@ def prefill(model: nn.Module, cache: list[Any], tokens: mx.array, step_tokens: i
     return tokens
 
 
+def prefill_steps(model: nn.Module, cache: list[Any], tokens: mx.array, step_tokens: int,
+                  stream: Any = generation_stream) -> Generator[Step, None, mx.array]:
+    """`prefill` that yields an empty `Step` after every chunk but the last.
+
+    A long prompt then takes one chunk per engine turn instead of blocking every other session
+    on the worker for the whole prefill, and an abort takes effect at the next chunk. Use it with
+    `y = yield from prefill_steps(...)` inside a decoding generator.
+
+    Args and returns as for `prefill`; `stream` is entered around each chunk only.
+    """
+    while tokens.size > 1:
+        n = min(step_tokens, tokens.size - 1)
+        with mx.stream(stream):
+            model(tokens[:n][None], cache=cache)
+            mx.eval([c.state for c in cache])
+        tokens = tokens[n:]
+        mx.clear_cache()
+        if tokens.size > 1:
+            yield Step([])
+    return tokens
+
+
 def generate(
     prompt_tokens: list[int],
     max_tokens: int,
@@ -68,7 +90,8 @@ def generate(
             `yield`, so several generators can interleave on one thread.
 
     Yields:
-        One `Step` per token (drafted = accepted = 0). The cache never holds tokens beyond the
+        Empty `Step`s while prefilling a prompt longer than one chunk (see `prefill_steps`),
+        then one `Step` per token (drafted = accepted = 0). The cache never holds tokens beyond the
         ones yielded, so closing the generator needs no rollback.
 
     Raises:
@@ -88,8 +111,8 @@ def generate(
             mx.async_eval(y)
         return y
 
-    with mx.stream(stream):
-        y = prefill(model, cache, mx.array(prompt_tokens, mx.uint32), prefill_step_tokens)
+    y = yield from prefill_steps(model, cache, mx.array(prompt_tokens, mx.uint32),
+                                 prefill_step_tokens, stream)
     y = _step(y)
     n = 0
     while True:
