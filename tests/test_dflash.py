@@ -392,3 +392,15 @@ def test_padded_cache_attention_equals_kvcache():
         plain_c.trim(2)
         padded.trim(2)
         assert padded.offset == plain_c.offset
+
+
+def test_chunked_prefill_yields_between_chunks_and_stays_lossless(pair):
+    """With small prefill chunks the generator yields empty Steps between them (so the engine can
+    interleave sessions and abort), and the tokens are unchanged."""
+    target, draft, ref = pair
+    steps = list(dflash_generate(PROMPT, MAX_TOKENS, greedy, (), target=target, draft=draft,
+                                 block_size=4, prefill_step_tokens=2))
+    empty = [i for i, s in enumerate(steps) if not s.tokens]
+    assert empty and empty == list(range(len(empty)))  # only at the start
+    assert len(empty) == (len(PROMPT) - 2) // 2  # one between each pair of chunks
+    assert_greedy_equal([t for s in steps for t in s.tokens], ref, target)

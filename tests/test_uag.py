@@ -62,8 +62,9 @@ def plain_tokens(model, tok, prompt, n, sampler=greedy):
 
 def uag_tokens(model, tok, draft, dtok, prompt, n, **kw):
     sampler = kw.pop("sampler", greedy)
-    steps = list(generate(prompt, n, sampler, set(tok.eos_token_ids), model=model, tokenizer=tok,
-                          draft_model=draft, draft_tokenizer=dtok, **kw))
+    steps = [s for s in generate(prompt, n, sampler, set(tok.eos_token_ids), model=model, tokenizer=tok,
+                                 draft_model=draft, draft_tokenizer=dtok, **kw)
+             if s.tokens]  # prefill chunks of a long prompt carry no token
     assert all(isinstance(s, UagStep) and s.tokens for s in steps)
     return [t for s in steps for t in s.tokens], steps
 

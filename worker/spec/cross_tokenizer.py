@@ -40,7 +40,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from worker.spec.base import Sampler, Step
-from worker.spec.plain import CLEAR_CACHE_EVERY_TOKENS, prefill
+from worker.spec.plain import CLEAR_CACHE_EVERY_TOKENS, prefill_steps
 from worker.spec.translation import (
     DEFAULT_WINDOW_BYTES,
     ByteVocab,
@@ -149,9 +149,10 @@ def generate(
     tv, dv = byte_vocab(tokenizer), byte_vocab(draft_tokenizer)
     dprompt = list(draft_prompt_tokens) if draft_prompt_tokens else prompt_for_draft(prompt_tokens, tv, dv)
 
-    with mx.stream(stream):
-        prefill(draft_model, draft_cache, mx.array(dprompt, mx.uint32), prefill_step_tokens)
-        y = prefill(model, cache, mx.array(prompt_tokens, mx.uint32), prefill_step_tokens)
+    yield from prefill_steps(draft_model, draft_cache, mx.array(dprompt, mx.uint32),
+                             prefill_step_tokens, stream)
+    y = yield from prefill_steps(model, cache, mx.array(prompt_tokens, mx.uint32),
+                                 prefill_step_tokens, stream)
     dcached: list[int] = dprompt[:-1]  # tokens in the draft cache
     dgen: list[int] = []  # draft-side tokens of the generated text
     dlen: list[int] = []  # bytes of the committed text each of them stands for

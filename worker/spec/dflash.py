@@ -154,18 +154,23 @@ def dflash_generate(
     pending: list = []  # target taps not yet injected into the draft context
     next_d = None  # the next cycle's draft tokens, queued before the previous Step is yielded
 
-    def prefill() -> Step:
+    def prefill():
         # All but the last prompt token in chunks (as plain decoding does, for identical numerics),
-        # injecting each chunk's taps into the draft context so nothing large stays pending.
+        # injecting each chunk's taps into the draft context so nothing large stays pending. An
+        # empty Step after each chunk lets the engine run other sessions (and abort this one).
         prompt = mx.array(prompt_tokens, dtype=mx.uint32)
         for s in range(0, n_seq - 1, prefill_step_tokens):
-            _, taps = verify(prompt[None, s: min(s + prefill_step_tokens, n_seq - 1)])
-            draft.extend_context(taps, dc)
-            mx.eval([c.state for c in tc], [c.state for c in dc])
+            with mx.stream(stream):
+                _, taps = verify(prompt[None, s: min(s + prefill_step_tokens, n_seq - 1)])
+                draft.extend_context(taps, dc)
+                mx.eval([c.state for c in tc], [c.state for c in dc])
             mx.clear_cache()
-        logits, taps = verify(prompt[None, -1:])
-        tok = sampler(logits[:, -1, :])
-        mx.eval(tok, taps)
+            if s + prefill_step_tokens < n_seq - 1:  # more chunks to go
+                yield Step([])
+        with mx.stream(stream):
+            logits, taps = verify(prompt[None, -1:])
+            tok = sampler(logits[:, -1, :])
+            mx.eval(tok, taps)
         pending.append(taps)
         return Step(tok.tolist())
 
@@ -213,8 +218,7 @@ def dflash_generate(
         mx.async_eval(next_d)
 
     try:
-        with mx.stream(stream):
-            step = prefill()
+        step = yield from prefill()
         n_gen = 0
         cycle = -1  # the prefill's token is not a cycle
         while True:
