@@ -71,3 +71,23 @@ def start_cluster(engines: dict, **config) -> Cluster:
     for worker_id, engine in engines.items():
         cluster.add_worker(engine, worker_id)
     return cluster
+
+
+def run_request(engine, request, timeout_s: float = 120.0):
+    """Submits `request` to an engine and waits for it: returns (token ids, DoneEvent); raises
+    the error of an ErrorEvent."""
+    import queue
+
+    from worker.engine.types import DoneEvent, TokenEvent
+
+    events: queue.Queue = queue.Queue()
+    engine.submit(request, events.put)
+    tokens: list[int] = []
+    while True:
+        ev = events.get(timeout=timeout_s)
+        if isinstance(ev, TokenEvent):
+            tokens.extend(ev.token_ids)
+        elif isinstance(ev, DoneEvent):
+            return tokens, ev
+        else:
+            raise ev.error

@@ -2,17 +2,15 @@
 it, and its greedy output equals plain greedy output (through the engine and the cluster)."""
 from __future__ import annotations
 
-import queue
-
 import pytest
 from mlx_lm import load
 
 from flashfleet import Client
 from flashfleet.errors import ModelNotFound
-from harness import start_cluster
+from harness import run_request, start_cluster
 from worker.config import EngineConfig
 from worker.engine.thread import Engine
-from worker.engine.types import DoneEvent, GenerationRequest, TokenEvent
+from worker.engine.types import GenerationRequest
 from worker.models.dflash_checkpoint import init_dflash_draft, save_dflash_draft
 
 
@@ -25,20 +23,6 @@ def dflash_dir(tiny_models, tmp_path_factory):
     return out
 
 
-def run(engine, request):
-    events: queue.Queue = queue.Queue()
-    engine.submit(request, events.put)
-    tokens = []
-    while True:
-        ev = events.get(timeout=60)
-        if isinstance(ev, TokenEvent):
-            tokens.extend(ev.token_ids)
-        elif isinstance(ev, DoneEvent):
-            return tokens, ev
-        else:
-            raise ev.error
-
-
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_engine_detects_dflash_and_matches_plain(tiny_models, dflash_dir, adaptive):
     cfg = EngineConfig(model_path=tiny_models.llama, draft_path=dflash_dir,
@@ -46,8 +30,8 @@ def test_engine_detects_dflash_and_matches_plain(tiny_models, dflash_dir, adapti
     with Engine(cfg) as engine:
         assert engine.model.draft_mode == "dflash"
         prompt = tuple(engine.encode_prompt("Speculation pays when", None))
-        plain, _ = run(engine, GenerationRequest("p", prompt, 23, mode="plain"))
-        spec, done = run(engine, GenerationRequest("d", prompt, 23, mode="auto"))
+        plain, _ = run_request(engine, GenerationRequest("p", prompt, 23, mode="plain"))
+        spec, done = run_request(engine, GenerationRequest("d", prompt, 23, mode="auto"))
         assert spec == plain
         s = done.stats
         assert s.mode == "dflash" and s.cycles > 0

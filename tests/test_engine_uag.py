@@ -2,16 +2,14 @@
 ("uag") draft, and its greedy output through the engine and the cluster equals plain greedy."""
 from __future__ import annotations
 
-import queue
-
 import pytest
 
 from flashfleet import Client
-from harness import start_cluster
+from harness import run_request, start_cluster
 from tiny_models import build_model_dir, model_config
 from worker.config import EngineConfig
 from worker.engine.thread import Engine
-from worker.engine.types import DoneEvent, GenerationRequest, TokenEvent
+from worker.engine.types import GenerationRequest
 
 TEXTS = ["Zażółć gęślą jaźń 🙂 i", "def f(x):\n\t  return  x"]
 
@@ -26,27 +24,13 @@ def spm_draft_dir(tiny_models, tmp_path_factory):
                            tiny_models.spm_tokenizer, seed=11)
 
 
-def run(engine, request):
-    events: queue.Queue = queue.Queue()
-    engine.submit(request, events.put)
-    tokens = []
-    while True:
-        ev = events.get(timeout=120)
-        if isinstance(ev, TokenEvent):
-            tokens.extend(ev.token_ids)
-        elif isinstance(ev, DoneEvent):
-            return tokens, ev
-        else:
-            raise ev.error
-
-
 def test_engine_detects_cross_tokenizer_draft_and_matches_plain(tiny_models, spm_draft_dir):
     with Engine(EngineConfig(model_path=tiny_models.qwen2, draft_path=spm_draft_dir)) as engine:
         assert engine.model.draft_mode == "uag"
         for i, text in enumerate(TEXTS):
             prompt = tuple(engine.encode_prompt(text, None))
-            plain, _ = run(engine, GenerationRequest(f"p{i}", prompt, 21, mode="plain"))
-            spec, done = run(engine, GenerationRequest(f"u{i}", prompt, 21, mode="auto"))
+            plain, _ = run_request(engine, GenerationRequest(f"p{i}", prompt, 21, mode="plain"))
+            spec, done = run_request(engine, GenerationRequest(f"u{i}", prompt, 21, mode="auto"))
             assert spec == plain, text
             assert done.stats.mode == "uag"
 
