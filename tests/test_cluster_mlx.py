@@ -122,3 +122,26 @@ def test_worker_metrics_match_final_stats(mlx_cluster):
     assert after["drafted"] - before["drafted"] == s.drafted_tokens
     assert after["accepted"] - before["accepted"] == s.accepted_tokens
     assert after["cycles"] - before["cycles"] == s.cycles
+
+
+def test_cancelled_request_is_counted_once_with_its_tokens(mlx_cluster):
+    cluster, _ = mlx_cluster
+
+    def totals():
+        return (sum(m.requests.labels(model="tiny-llama", outcome="cancelled")._value.get()
+                    for m in cluster.worker_metrics),
+                sum(m.generated_tokens.labels(model="tiny-llama")._value.get()
+                    for m in cluster.worker_metrics))
+
+    before_n, before_tokens = totals()
+    with Client(cluster.address) as client:
+        stream = client.generate("tiny-llama", prompt="Go on", max_tokens=400, mode="plain")
+        first = next(stream)
+        stream.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and totals()[0] == before_n:
+        time.sleep(0.05)
+    time.sleep(0.2)  # a double count would show up by now
+    n, tokens = totals()
+    assert n == before_n + 1
+    assert tokens >= before_tokens + len(first.token_ids)

@@ -59,7 +59,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
+        metrics = self.metrics
+
         def emit(event) -> None:  # engine thread
+            if metrics is not None and isinstance(event, DoneEvent):
+                # Recorded here, not in the handler: a request whose client left still ends with
+                # DoneEvent("cancelled") and its tokens count.
+                metrics.observe_request(model.name, event)
             try:
                 loop.call_soon_threadsafe(events.put_nowait, event)
             except RuntimeError:  # loop closed during shutdown: nobody is listening
@@ -84,8 +90,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     yield convert.chunk_response(event)
                 elif isinstance(event, DoneEvent):
                     finished = True
-                    if self.metrics:
-                        self.metrics.observe_request(model.name, event)
                     yield convert.complete_response(event, self.worker_id)
                     return
                 elif isinstance(event, ErrorEvent):
@@ -96,9 +100,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                         f"generation failed on worker {self.worker_id} "
                                         f"({type(event.error).__name__}); see the worker log")
         finally:
-            if not finished:
+            if not finished:  # its DoneEvent("cancelled") is counted by emit
                 self.engine.abort(request.request_id)
-                self._outcome("cancelled")
 
     async def Cancel(self, request, context):
         return worker_pb2.CancelResponse(cancelled=self.engine.abort(request.request_id))
