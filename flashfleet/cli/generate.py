@@ -33,8 +33,8 @@ def main(argv: list[str]) -> int:
         messages = ([{"role": "system", "content": a.system}] if a.system else [])
         kwargs = {"messages": messages + [{"role": "user", "content": a.prompt}]}
     try:
+        last = None
         with Client(a.address, credentials=credentials(a.config)) as client:
-            last = None
             for chunk in client.generate(a.model, max_tokens=a.max_tokens, temperature=a.temperature,
                                          top_p=a.top_p, seed=a.seed, stop=a.stop,
                                          session_id=a.session_id, mode=a.mode,
@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
                 sys.stdout.flush()
                 last = chunk
     except (FlashfleetError, ConfigError) as e:
-        print(f"\nflashfleet generate: {e}", file=sys.stderr)
+        print(f"{chr(10) if last else ''}flashfleet generate: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\n(cancelled)", file=sys.stderr)
