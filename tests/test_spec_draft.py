@@ -165,3 +165,12 @@ def test_rejects_untrimmable_cache_and_bad_arguments(models):
         next(draft_model.generate(prompt, 5, greedy, set(), model=model, draft_model=model, num_draft_tokens=0))
     with pytest.raises(ValueError, match="empty"):
         next(draft_model.generate([], 5, greedy, set(), model=model, draft_model=model))
+
+
+def test_accept_prefix_rule():
+    from worker.spec.base import accept_prefix
+    assert accept_prefix([5, 6, 7], [5, 6, 7, 8], set()) == (3, [5, 6, 7, 8])  # all + bonus
+    assert accept_prefix([5, 9, 7], [5, 6, 7, 8], set()) == (1, [5, 6])  # stop at a mismatch
+    assert accept_prefix([1, 2], [3, 2, 4], set()) == (0, [3])  # only the target's token
+    assert accept_prefix([5, 2, 7], [5, 2, 7, 8], {2}) == (3, [5, 2])  # cut after EOS
+    assert accept_prefix([], [4], set()) == (0, [4])

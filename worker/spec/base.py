@@ -14,7 +14,7 @@ engine may close it at any point (stop string, cancellation).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Container, Iterator, Sequence
 
 import mlx.core as mx
 
@@ -47,3 +47,28 @@ class Step:
 
 
 DecodeFn = Callable[..., Iterator[Step]]
+
+
+def accept_prefix(drafted: Sequence[int], chosen: Sequence[int],
+                  eos_ids: Container[int]) -> tuple[int, list[int]]:
+    """The acceptance rule of every speculative method here: a draft token is accepted iff it
+    equals the target's own choice at its position (argmax, or the target's sample), so the output
+    is exactly the target's (Leviathan et al. 2023; Chen et al. 2023, greedy / sample-matching form).
+
+    Args:
+        drafted: the proposed tokens d_0..d_{k-1}.
+        chosen: the target's choices c_0..c_k at the same positions plus the bonus position.
+        eos_ids: tokens that end the generation.
+
+    Returns:
+        (n, committed): n = length of the longest prefix with drafted[i] == chosen[i];
+        committed = chosen[:n + 1] (the accepted tokens and the bonus), cut after its first EOS.
+    """
+    n, k = 0, len(drafted)
+    while n < k and drafted[n] == chosen[n]:
+        n += 1
+    committed = list(chosen[: n + 1])
+    for i, token in enumerate(committed):
+        if token in eos_ids:
+            return n, committed[: i + 1]
+    return n, committed

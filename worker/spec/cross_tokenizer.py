@@ -39,7 +39,7 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from worker.spec.base import Sampler, Step
+from worker.spec.base import Sampler, Step, accept_prefix
 from worker.spec.plain import CLEAR_CACHE_EVERY_TOKENS, prefill_steps
 from worker.spec.translation import (
     DEFAULT_WINDOW_BYTES,
@@ -229,14 +229,7 @@ def generate(
                 logits = model(inp[None], cache=cache)[0]  # (m+1, V)
                 chosen = sampler(logits).tolist()
             verify_s = time.perf_counter() - t0
-            n = 0
-            while n < m and proposal[n] == chosen[n]:
-                n += 1
-            committed = chosen[: n + 1]
-            for i, token in enumerate(committed):
-                if token in eos_ids:
-                    committed = committed[: i + 1]
-                    break
+            n, committed = accept_prefix(proposal, chosen, eos_ids)
             c = len(committed)
             trim_prompt_cache(cache, m - (c - 1))
             text += tv.to_bytes(committed)

@@ -25,7 +25,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from worker.sampling import greedy
-from worker.spec.base import Sampler, Step
+from worker.spec.base import Sampler, Step, accept_prefix
 from worker.spec.plain import CLEAR_CACHE_EVERY_TOKENS, prefill_steps
 
 
@@ -131,15 +131,8 @@ def generate(
                 target_extra = k
                 ids = mx.concatenate([sampler(logits), *drafts]).tolist()  # the one host sync
             verify_s = time.perf_counter() - start
-            chosen, drafted = ids[: k + 1], ids[k + 1 :]
-            n = 0
-            while n < k and drafted[n] == chosen[n]:
-                n += 1
-            committed = chosen[: n + 1]
-            for i, token in enumerate(committed):
-                if token in eos_ids:
-                    committed = committed[: i + 1]
-                    break
+            drafted = ids[k + 1 :]
+            n, committed = accept_prefix(drafted, ids[: k + 1], eos_ids)
             c = len(committed)
             # The target processed y + d_0..d_{k-1} and keeps y + committed[:-1]. The draft
             # processed its pending inputs + d_0..d_{k-2} and keeps d_0..d_{c-2} (committed[:-1]).
