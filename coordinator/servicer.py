@@ -185,10 +185,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def ListModels(self, request, context):
         by_name: dict[str, coordinator_pb2.ServedModel] = {}
+        modes: dict[str, set[int]] = {}
         for w in self.registry.live():
             for m in w.models:
                 served = by_name.setdefault(m.name, coordinator_pb2.ServedModel(info=m))
                 served.worker_ids.append(w.worker_id)
+                modes.setdefault(m.name, {common_pb2.DECODE_MODE_PLAIN}).add(m.draft_mode)
+        for name, served in by_name.items():
+            served.modes.extend(sorted(modes[name] - {common_pb2.DECODE_MODE_AUTO}))
         return coordinator_pb2.ListModelsResponse(models=[by_name[k] for k in sorted(by_name)])
 
     async def GetClusterStatus(self, request, context):

@@ -7,6 +7,7 @@ from mlx_lm import load
 
 from flashfleet import Client
 from flashfleet.errors import ModelNotFound
+from flashfleet.v1 import common_pb2
 from harness import run_request, start_cluster
 from worker.config import EngineConfig
 from worker.engine.thread import Engine
@@ -58,5 +59,8 @@ def test_cluster_routes_dflash_requests_to_the_dflash_worker(tiny_models, dflash
                 client.complete("tiny", prompt="x", max_tokens=2, mode="draft")
             models = client.list_models()
             assert models[0].info.name == "tiny"
+            assert sorted(models[0].worker_ids) == ["dflash", "plain"]
+            assert list(models[0].modes) == [common_pb2.DECODE_MODE_PLAIN,
+                                             common_pb2.DECODE_MODE_DFLASH]
     finally:
         c.close()

@@ -12,12 +12,14 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServedModel(_message.Message):
-    __slots__ = ("info", "worker_ids")
+    __slots__ = ("info", "worker_ids", "modes")
     INFO_FIELD_NUMBER: _ClassVar[int]
     WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    MODES_FIELD_NUMBER: _ClassVar[int]
     info: _common_pb2.ModelInfo
     worker_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, info: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    modes: _containers.RepeatedScalarFieldContainer[_common_pb2.DecodeMode]
+    def __init__(self, info: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., worker_ids: _Optional[_Iterable[str]] = ..., modes: _Optional[_Iterable[_Union[_common_pb2.DecodeMode, str]]] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)
