@@ -49,6 +49,6 @@ def test_cluster_routes_uag_requests(tiny_models, spm_draft_dir):
             plain = client.complete("q", prompt=TEXTS[0], max_tokens=15, mode="plain")
             uag = client.complete("q", prompt=TEXTS[0], max_tokens=15, mode="uag")
         assert uag.token_ids == plain.token_ids and uag.stats.mode == "uag"
-        assert uag.stats.cycles >= 0 and uag.text == plain.text
+        assert uag.text == plain.text
     finally:
         c.close()
