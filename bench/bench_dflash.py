@@ -7,9 +7,12 @@ Methods (each one skipped when its inputs are missing):
   ours plain       worker.spec.plain.generate
   ours dflash      worker.spec.dflash.dflash_generate     needs --dflash-draft or --dflash-random-layers
 
-Prompts: the first --prompts rows of each corpus in /work/shared/cases (code: humaneval.jsonl,
-en: enwiki_en.jsonl, pl: dataset_build_pl.jsonl), raw text, truncated to --max-prompt-tokens.
-Greedy decoding, the tokenizer's EOS ends a generation.
+Prompts: --prompts rows of each corpus in /work/shared/cases (code: humaneval.jsonl, en:
+enwiki_en.jsonl, pl: dataset_build_pl.jsonl). By default the held-out rows of `flashfleet draft
+train` (same split: `split_heldout`, 8 per corpus, 10 %), so a trained draft is measured on
+prompts it never saw, each as a user turn in the target's chat template (`--raw` for raw text,
+`--prompt-set first` for the first rows); truncated to --max-prompt-tokens. Greedy decoding, the
+tokenizer's EOS ends a generation.
 
 Tokens/s is generation only and steady state: tokens committed after the first cycle divided by
 the time from the end of the first cycle to the end of the last (this leaves out prefill and
@@ -47,6 +50,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm import load, stream_generate  # noqa: E402
 
 from worker.capture import HiddenCapture  # noqa: E402
+from worker.models.dflash import PaddedKVCache  # noqa: E402
 from worker.models.dflash_checkpoint import init_dflash_draft, load_dflash_draft  # noqa: E402
 from worker.sampling import greedy  # noqa: E402
 from worker.spec import plain  # noqa: E402
@@ -74,16 +78,20 @@ def load_model(path: str, random_weights: bool, dtype):
     return model, tokenizer
 
 
-def read_prompts(tokenizer, n: int, max_prompt_tokens: int, cases: Path) -> dict[str, list[list[int]]]:
+def read_prompts(tokenizer, n: int, max_prompt_tokens: int, cases: Path, prompt_set: str = "heldout",
+                 chat: bool = True) -> dict[str, list[list[int]]]:
+    """Token ids of n prompts per corpus: held-out rows (as `flashfleet draft train` splits them:
+    8 per corpus, 10 %, among the first 450 rows) or the first rows; chat-templated or raw."""
+    from worker.training.data import encode_prompt, read_prompt_files, split_heldout
+
     out = {}
     for name, file in CORPORA.items():
-        rows = []
-        with (cases / file).open(encoding="utf-8") as f:
-            for line in f:
-                if len(rows) == n:
-                    break
-                rows.append(tokenizer.encode(json.loads(line)["prompt"])[:max_prompt_tokens])
-        out[name] = rows
+        rows = read_prompt_files([cases / file], max_per_file=450)
+        if prompt_set == "heldout":
+            rows = split_heldout(rows, 8, 0.1)[1]
+        rows = rows[:n]
+        out[name] = [encode_prompt(tokenizer, r.text, max_prompt_tokens) if chat
+                     else tokenizer.encode(r.text)[:max_prompt_tokens] for r in rows]
     return out
 
 
@@ -173,7 +181,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, help="mlx-lm model directory")
     p.add_argument("--draft", help="mlx-lm draft model directory (same tokenizer) for draft-model modes")
-    p.add_argument("--dflash-draft", help="DFlash draft directory (published layout)")
+    p.add_argument("--dflash-draft", nargs="+", default=[], help="DFlash draft directories (published layout)")
     p.add_argument("--dflash-random-layers", type=int, default=0,
                    help="time an untrained random DFlash draft of N layers (low acceptance: per-cycle cost)")
     p.add_argument("--block-size", type=int, default=None, help="DFlash block size (default: the draft's)")
@@ -187,6 +195,11 @@ def main(argv=None) -> int:
                         "per-cycle cost without carrying weights")
     p.add_argument("--reps", type=int, default=10, help="repetitions of the alone-timings")
     p.add_argument("--cases", type=Path, default=CASES)
+    p.add_argument("--prompt-set", choices=("heldout", "first"), default="heldout")
+    p.add_argument("--raw", action="store_true", help="raw prompt text instead of the chat template")
+    p.add_argument("--kv-bucket", type=int, default=None,
+                   help="PaddedKVCache bucket in positions (default 256 or $FLASHFLEET_KV_BUCKET)")
+    p.add_argument("--json-out", type=Path, default=None, help="also write the results as JSON")
     args = p.parse_args(argv)
 
     print(f"device: {mx.default_device()}  mlx {mx.__version__}", flush=True)
@@ -194,15 +207,19 @@ def main(argv=None) -> int:
     dtype = DTYPES.get(args.dtype)
     target, tokenizer = load_model(args.target, args.random_weights, dtype)
     draft_lm = load_model(args.draft, args.random_weights, dtype)[0] if args.draft else None
-    dflash = None
-    if args.dflash_draft:
-        dflash = load_dflash_draft(args.dflash_draft, target, dtype=dtype)
-    elif args.dflash_random_layers:
-        dflash = init_dflash_draft(target, num_layers=args.dflash_random_layers,
-                                   block_size=args.block_size or 16,
-                                   tokenizer_vocab_size=len(tokenizer.vocab))
+    if args.kv_bucket:
+        PaddedKVCache.step = args.kv_bucket
+    dflash = {}  # method name -> draft
+    for path in args.dflash_draft:
+        d = load_dflash_draft(path, target, dtype=dtype)
+        dflash[f"ours dflash {Path(path).name}"[:28]] = d
+    if args.dflash_random_layers:
+        dflash[f"ours dflash random x{args.dflash_random_layers}"] = init_dflash_draft(
+            target, num_layers=args.dflash_random_layers, block_size=args.block_size or 16,
+            tokenizer_vocab_size=len(tokenizer.vocab))
     eos = set(tokenizer.eos_token_ids)
-    prompts = read_prompts(tokenizer, args.prompts, args.max_prompt_tokens, args.cases)
+    prompts = read_prompts(tokenizer, args.prompts, args.max_prompt_tokens, args.cases, args.prompt_set,
+                           chat=not args.raw)
     M = args.max_tokens
     k = args.num_draft_tokens
 
@@ -217,10 +234,9 @@ def main(argv=None) -> int:
         except ImportError:
             pass
     methods["ours plain"] = lambda pr: run_steps(plain.generate(pr, M, greedy, eos, model=target))
-    if dflash is not None:
-        B = args.block_size or dflash.block_size
-        methods[f"ours dflash B={B}"] = lambda pr: run_steps(dflash_generate(
-            pr, M, greedy, eos, target=target, draft=dflash, block_size=B))
+    for name, d in dflash.items():
+        methods[name] = lambda pr, d=d: run_steps(dflash_generate(
+            pr, M, greedy, eos, target=target, draft=d, block_size=args.block_size or d.block_size))
 
     warm = prompts["code"][0][:32]
     for fn in methods.values():  # compile/allocate once before timing
@@ -244,13 +260,13 @@ def main(argv=None) -> int:
                         diffs.append(d)
             results[name, corpus] = dict(tps=toks / secs if secs else 0.0, tau=toks / cyc if cyc else 0.0,
                                          cycles=cyc, secs=secs, same=same, n=len(rows), diffs=diffs)
-            print(f"  {corpus:5s} {name:20s} done", file=sys.stderr, flush=True)
+            print(f"  {corpus:5s} {name:28s} done", file=sys.stderr, flush=True)
 
     weights = " (random weights)" if args.random_weights else ""
-    dflash_name = args.dflash_draft or f"random x{args.dflash_random_layers}"
-    print(f"\ntarget {args.target}{weights}  max_tokens {M}  prompts/corpus {args.prompts}  "
-          f"dtype {args.dtype or 'as stored'}  dflash {dflash_name}")
-    print(f"{'corpus':6s} {'method':20s} {'tok/s':>8s} {'tau':>6s} {'speedup':>8s}  same-as-plain")
+    print(f"\ntarget {args.target}{weights}  max_tokens {M}  prompts/corpus {args.prompts} "
+          f"({args.prompt_set}, {'raw' if args.raw else 'chat'})  dtype {args.dtype or 'as stored'}  "
+          f"kv bucket {PaddedKVCache.step}  device {mx.default_device()}")
+    print(f"{'corpus':6s} {'method':28s} {'tok/s':>8s} {'tau':>6s} {'speedup':>8s}  same-as-plain")
     for corpus in prompts:
         b = results["plain mlx-lm", corpus]["tps"]
         for name in methods:
@@ -258,20 +274,28 @@ def main(argv=None) -> int:
             same = "-" if name == "plain mlx-lm" else f"{r['same']}/{r['n']}" + (
                 f" (first diff at {min(r['diffs'])})" if r["diffs"] else "")
             speedup = r["tps"] / b if b else 0.0
-            print(f"{corpus:6s} {name:20s} {r['tps']:8.2f} {r['tau']:6.2f} {speedup:7.2f}x  {same}")
+            print(f"{corpus:6s} {name:28s} {r['tps']:8.2f} {r['tau']:6.2f} {speedup:7.2f}x  {same}")
+            r["speedup"] = speedup
 
-    if dflash is not None:
-        B = args.block_size or dflash.block_size
-        name = f"ours dflash B={B}"
+    cycle_cost = {}
+    for name, d in dflash.items():
+        B = args.block_size or d.block_size
         cyc = sum(results[name, c]["cycles"] for c in prompts)
         secs = sum(results[name, c]["secs"] for c in prompts)
         per_cycle = secs / cyc if cyc else float("nan")
-        d_s, v_s = per_cycle_alone(target, dflash, prompts["code"][0], B, args.reps)
+        d_s, v_s = per_cycle_alone(target, d, prompts["code"][0], B, args.reps)
         plain_step = statistics.mean(
             results["ours plain", c]["secs"] / max(1, results["ours plain", c]["cycles"]) for c in prompts)
-        print(f"\nDFlash per cycle (B={B}): {per_cycle * 1e3:.2f} ms in the runs; alone: draft "
+        cycle_cost[name] = dict(per_cycle_s=per_cycle, draft_s=d_s, verify_s=v_s, plain_step_s=plain_step)
+        print(f"\n{name} per cycle (B={B}): {per_cycle * 1e3:.2f} ms in the runs; alone: draft "
               f"{d_s * 1e3:.2f} ms + verify {v_s * 1e3:.2f} ms = {(d_s + v_s) * 1e3:.2f} ms; "
               f"ratio {per_cycle / (d_s + v_s):.2f} (target <= 1.3); plain step {plain_step * 1e3:.2f} ms")
+    if args.json_out:
+        args.json_out.write_text(json.dumps({
+            "argv": sys.argv, "device": str(mx.default_device()), "mlx": mx.__version__,
+            "kv_bucket": PaddedKVCache.step, "cycle_cost": cycle_cost,
+            "results": [dict(method=m, corpus=c, **{k: v for k, v in r.items() if k != "diffs"})
+                        for (m, c), r in results.items()]}, indent=1))
     return 0
 
 

@@ -37,6 +37,8 @@ BATCH=${BATCH:-32}                  # sequences per step
 ANCHORS=${ANCHORS:-64}              # blocks per sequence per step (B = 16)
 EVAL_TOKENS=${EVAL_TOKENS:-128}
 EVAL_MINUTES=${EVAL_MINUTES:-0.75}
+EVAL_UNTRAINED=${EVAL_UNTRAINED:-1}  # 0: skip tau of the untrained draft
+CACHE_TAPS_GIB=${CACHE_TAPS_GIB:-32}
 
 shopt -s nullglob
 PROMPTS=("$CASES"/*.jsonl)
@@ -54,8 +56,9 @@ python3 - train --target "$MODEL" --prompts "${PROMPTS[@]}" --out "$OUT" --work-
   --heldout-per-corpus 8 --heldout-fraction 0.1 \
   --draft-layers 2 --num-taps 5 --block-size 16 --max-draft-mib 15 --save-dtype bfloat16 \
   --batch-size "$BATCH" --anchors "$ANCHORS" --lr 6e-4 --warmup 0.04 --grad-clip 1.0 \
-  --epochs 1000 --max-minutes "$TRAIN_MINUTES" --cache-taps-gib 32 --checkpoint-every 1000 \
-  --eval-max-new-tokens "$EVAL_TOKENS" --eval-max-minutes "$EVAL_MINUTES" --eval-untrained \
+  --epochs 1000 --max-minutes "$TRAIN_MINUTES" --cache-taps-gib "$CACHE_TAPS_GIB" --checkpoint-every 1000 \
+  --eval-max-new-tokens "$EVAL_TOKENS" --eval-max-minutes "$EVAL_MINUTES" \
+  $([ "$EVAL_UNTRAINED" = 1 ] && echo --eval-untrained) \
   "$@" <<'EOF' 2>&1 | tee "$OUT/train.log"
 import importlib.util, sys
 spec = importlib.util.spec_from_file_location("draft_cmd", "flashfleet/cli/draft_cmd.py")

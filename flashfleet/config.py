@@ -84,7 +84,8 @@ class ModelEntry:
     Attributes:
         name: the name clients request.
         path: catalog name or local model directory to load ("" = name).
-        draft: same-tokenizer draft model (catalog name or directory; "" = none).
+        draft: draft model (catalog name or directory; "" = none), or "dflash": the DFlash
+            draft shipped for this model (flashfleet/models/drafts.py).
         num_draft_tokens: draft tokens per speculative cycle.
         max_context_tokens: context limit override (None = the model's own).
     """

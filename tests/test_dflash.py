@@ -24,6 +24,7 @@ from worker.models.dflash_checkpoint import (
     DraftMismatch,
     init_dflash_draft,
     load_dflash_draft,
+    quantize_dflash_draft,
     save_dflash_draft,
 )
 from worker.sampling import greedy, make_sampler
@@ -132,10 +133,12 @@ def test_greedy_matches_plain_random_draft(pair, bs):
     assert_greedy_equal(out, ref, target)
     assert steps[0].drafted == 0
     n = 1
-    for s in steps[1:]:  # full blocks, shrinking only near max_tokens
-        assert s.drafted == min(bs, MAX_TOKENS - n) - 1
-        assert len(s.tokens) == s.accepted + 1
+    for s in steps[1:]:  # full blocks, shrinking near max_tokens to the next power of two
+        left = MAX_TOKENS - n
+        assert s.drafted == min(bs, 1 << (left - 1).bit_length()) - 1
+        assert len(s.tokens) == min(s.accepted + 1, left)  # cut at max_tokens
         n += len(s.tokens)
+    assert n == MAX_TOKENS
 
 
 @pytest.mark.parametrize("bs", [2, 4, 16])
@@ -259,6 +262,33 @@ def test_checkpoint_round_trip(pair, tmp_path):
         return [(s.tokens, s.drafted, s.accepted) for s in _run(target, d, 4)[0]]
     assert cycles(loaded) == cycles(draft)  # same tokens and the same acceptance
 
+
+
+def test_quantized_draft_round_trip_is_smaller_and_lossless(pair, tmp_path):
+    target, draft, ref = pair
+    save_dflash_draft(draft, tmp_path / "full")
+    q = load_dflash_draft(tmp_path / "full", target)
+    quantize_dflash_draft(q, bits=4, group_size=32)
+    assert type(q.fc).__name__ == "QuantizedLinear" and type(q.layers[0].mlp.down_proj).__name__ == "QuantizedLinear"
+    save_dflash_draft(q, tmp_path / "q4")
+    cfg = json.loads((tmp_path / "q4" / "config.json").read_text())
+    assert cfg["quantization"] == {"group_size": 32, "bits": 4}
+    full_bytes = (tmp_path / "full" / "model.safetensors").stat().st_size
+    assert (tmp_path / "q4" / "model.safetensors").stat().st_size < 0.5 * full_bytes
+    loaded = load_dflash_draft(tmp_path / "q4", target)
+    a, b = dict(tree_flatten(q.parameters())), dict(tree_flatten(loaded.parameters()))
+    assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]) for k in a)
+    runs = [_run(target, d, 4)[0] for d in (q, loaded)]
+    assert [(s.tokens, s.accepted) for s in runs[0]] == [(s.tokens, s.accepted) for s in runs[1]]
+    assert_greedy_equal([t for s in runs[1] for t in s.tokens], ref, target)  # still the target's output
+
+
+def test_quantization_rejects_bad_settings(pair):
+    target, draft, _ = pair
+    with pytest.raises(ValueError, match="unsupported quantization"):
+        quantize_dflash_draft(init_dflash_draft(target, num_layers=1, seed=1), bits=7)
+    with pytest.raises(ValueError, match="unsupported quantization"):
+        quantize_dflash_draft(init_dflash_draft(target, num_layers=1, seed=1), bits=4, group_size=48)
 
 def test_published_layout_with_model_prefix_loads(pair, tmp_path):
     """A z-lab-style checkpoint (`model.` prefix, config without vocab/num_target_layers) loads."""

@@ -466,3 +466,26 @@ def test_cli_train_writes_a_loadable_draft_and_resumes(tmp_path, tiny_models):
     assert card["training"]["resumed_from_step"] == 6 and card["training"]["steps"] == 9
     assert main(["train", "--target", str(tiny_models.llama), "--prompts", str(tmp_path / "missing.jsonl"),
                  "--out", str(out)]) == 2
+
+
+def test_cli_train_quantized_draft_is_smaller_and_evaluated_both_ways(tmp_path, tiny_models):
+    from mlx_lm import load
+
+    from flashfleet.cli.draft_cmd import main
+
+    files = _write_prompts(tmp_path)
+    out = tmp_path / "draft"
+    argv = ["train", "--target", str(tiny_models.llama), "--prompts", *map(str, files), "--out", str(out),
+            "--max-new-tokens", "12", "--steps", "4", "--batch-size", "4", "--anchors", "4", "--block-size", "4",
+            "--heldout-per-corpus", "2", "--heldout-fraction", "0.2", "--eval-max-new-tokens", "8",
+            "--no-compile", "--quiet", "--quantize-bits", "4", "--quantize-group-size", "32"]
+    assert main(argv) == 0
+    card = json.loads((out / "training_card.json").read_text())
+    assert card["draft"]["quantization"] == {"group_size": 32, "bits": 4}
+    assert set(card["eval"]) == {"trained", "unquantized"}
+    assert "tau unquantized" in (out / "TRAINING.md").read_text()
+    full = tmp_path / "draft.work" / "unquantized" / "model.safetensors"
+    assert (out / "model.safetensors").stat().st_size < 0.5 * full.stat().st_size
+    target, _ = load(str(tiny_models.llama))
+    draft = load_dflash_draft(out, target)
+    assert type(draft.layers[0].self_attn.q_proj).__name__ == "QuantizedLinear"

@@ -26,9 +26,13 @@ def parse_args(argv):
     """Parses the command line, filling options it leaves unset from --config's entry for this
     worker (found by --worker-id, else by hostname), then from DEFAULTS.
 
+    The draft keyword `dflash` (flag or config) becomes the directory of the DFlash draft
+    shipped for the model (flashfleet/models/drafts.py).
+
     Raises:
         flashfleet.config.ConfigError: an unreadable or invalid config file, or no entry for
             this worker in it.
+        flashfleet.models.NoShippedDraftError: draft `dflash` for a model without a shipped draft.
     """
     p = argparse.ArgumentParser(prog="python -m worker", description=__doc__.splitlines()[0])
     p.add_argument("--config", default=None, help="cluster config file (TOML, see "
@@ -37,7 +41,8 @@ def parse_args(argv):
                    "HF/MLX model directory (required without --config)")
     p.add_argument("--model-name", default=None, help="name clients use (default: --model's name)")
     p.add_argument("--draft", default=None, help="draft (name or directory): a same-tokenizer "
-                   "causal LM, or a DFlash checkpoint (detected from its config.json)")
+                   "causal LM, or a DFlash checkpoint (detected from its config.json); 'dflash': "
+                   "the DFlash draft shipped for --model (flashfleet models list)")
     p.add_argument("--num-draft-tokens", type=int, default=None, help="default 3")
     p.add_argument("--block-size", type=int, default=None,
                    help="DFlash block size (default: the draft checkpoint's)")
@@ -82,6 +87,9 @@ def parse_args(argv):
         a.worker_id = socket.gethostname()
     if not a.model:
         p.error("--model is required (or --config FILE with an entry for this worker)")
+    from flashfleet.models.drafts import resolve_draft_arg
+
+    a.draft = resolve_draft_arg(a.draft, a.model, a.model_name)
     for key in ("peak_memory_bandwidth_gbs", "kv_cache_limit_bytes"):
         if getattr(a, key) is not None and getattr(a, key) <= 0:
             p.error(f"--{key.replace('_', '-')} must be > 0")
@@ -136,10 +144,11 @@ async def serve(a, engine) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from flashfleet.config import ConfigError
+    from flashfleet.models.drafts import NoShippedDraftError
 
     try:
         a = parse_args(argv)
-    except ConfigError as e:
+    except (ConfigError, NoShippedDraftError) as e:
         print(f"worker: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")

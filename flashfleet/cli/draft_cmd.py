@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: bfloat16 on a GPU, float32 on a CPU")
     g.add_argument("--target-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     g.add_argument("--save-dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    g.add_argument("--quantize-bits", type=int, default=None, choices=(4, 8),
+                   help="save the draft's linear layers MLX-quantized (the size budget counts quantized bytes)")
+    g.add_argument("--quantize-group-size", type=int, default=64, choices=(32, 64, 128))
     g.add_argument("--no-compile", dest="compile", action="store_false", help="do not mx.compile the step")
     g.add_argument("--cache-taps-gib", type=float, default=8.0,
                    help="keep the target taps of the whole dataset in memory when they fit (0: recompute "

@@ -23,6 +23,7 @@ from flashfleet.models import (
     model_dir,
 )
 from flashfleet.models.cache import read_marker
+from flashfleet.models.drafts import DRAFTS_ENV, drafts_root, shipped_drafts
 
 __all__ = ["build_parser", "main"]
 
@@ -46,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "whatever dtype is already fetched)")  # fmt: skip
     fetch.add_argument("--force", action="store_true", help="fetch and convert again even if already present")
     fetch.add_argument("--quiet", action="store_true", help="no progress bars")
-    commands.add_parser("list", help="list the known models and whether they are fetched")
+    commands.add_parser("list", help="list the known models, whether they are fetched and whether a "
+                        "DFlash draft ships for them")
     return parser
 
 
@@ -55,7 +57,8 @@ def _megabytes(count: int) -> str:
 
 
 def _list(out) -> int:
-    rows = [("NAME", "ARCH", "DOWNLOAD", "ON DISK", "FETCHED", "PATH")]
+    rows = [("NAME", "ARCH", "DOWNLOAD", "ON DISK", "FETCHED", "DFLASH DRAFT", "PATH")]
+    drafts = shipped_drafts()
     for name in known_names():
         spec = CATALOG[name]
         directory = model_dir(name)
@@ -65,11 +68,13 @@ def _list(out) -> int:
         fetched = f"yes ({marker.get('dtype')})" if marker else "no"
         label = f"{name} (default)" if name == DEFAULT_MODEL else name
         rows.append((label, spec.architecture, _megabytes(spec.gguf_bytes), on_disk, fetched,
-                     str(directory) if done else "-"))  # fmt: skip
+                     "shipped" if name in drafts else "-", str(directory) if done else "-"))  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip(), file=out)
     print(f"\ncache: {cache_root()}  (set FLASHFLEET_HOME to move it)", file=out)
+    print(f"DFlash drafts: {drafts_root()}  (`--draft dflash` loads the model's; {DRAFTS_ENV} "
+          "overrides the directory)", file=out)
     return 0
 
 

@@ -42,7 +42,8 @@ class LocalCluster:
         model: model name (fetched with `flashfleet models fetch`) or a local model directory.
         workers: number of worker processes (>= 1).
         port: coordinator port (0 = a free one).
-        draft: optional draft model (name or directory) loaded beside the target on each worker.
+        draft: optional draft model (name or directory) loaded beside the target on each worker;
+            "dflash": the DFlash draft shipped for the model (each worker resolves it).
         capacity: sessions each worker admits at once.
         log_dir: where each process logs (default: a new temporary directory).
         metrics_port: coordinator /metrics port; workers get the following ports (None = off).
@@ -183,6 +184,31 @@ class LocalCluster:
         self.procs.clear()
 
 
+def check_shipped_drafts(cfg, workers: int, model: str | None, draft: str | None) -> None:
+    """Fails early, before any process starts, when a worker would get the draft keyword
+    `dflash` for a model without a shipped DFlash draft (each worker resolves it itself).
+
+    Args:
+        cfg: the parsed cluster config, or None (every worker runs `model` with `draft`).
+        workers: how many of the config's [[workers]] entries run.
+        model, draft: the --model and --draft overrides (None: the config's).
+
+    Raises:
+        flashfleet.models.NoShippedDraftError: names the model and the models with a shipped draft.
+    """
+    from flashfleet.models.drafts import resolve_draft_arg
+
+    if cfg is None:
+        resolve_draft_arg(draft, model)
+        return
+    for entry in cfg.workers[:workers]:
+        settings = cfg.worker_settings(entry)
+        if model:  # as in the worker: another model drops the entry's model settings
+            resolve_draft_arg(draft, model)
+        else:
+            resolve_draft_arg(draft or settings["draft"], settings["model"], settings["model_name"])
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="flashfleet up", description=__doc__)
     p.add_argument("--config", default=None, help="cluster config file (deploy/cluster.toml): "
@@ -190,7 +216,8 @@ def main(argv: list[str]) -> int:
                    "the flags below override it")
     p.add_argument("--model", default=None, help=f"model name or local model directory "
                    f"(default {DEFAULT_MODEL})")
-    p.add_argument("--draft", default=None, help="draft model (name or directory) for speculative decoding")
+    p.add_argument("--draft", default=None, help="draft model (name or directory) for speculative "
+                   "decoding; 'dflash': the DFlash draft shipped for the model (flashfleet models list)")
     p.add_argument("--workers", type=int, default=None, help="default 2, or every config entry")
     p.add_argument("--port", type=int, default=None, help="coordinator port (default 50051)")
     p.add_argument("--host", default="127.0.0.1")
@@ -199,11 +226,14 @@ def main(argv: list[str]) -> int:
                    help="coordinator /metrics port; worker i gets this + i")
     p.add_argument("--log-dir", default=None)
     a = p.parse_args(argv)
+    from flashfleet.models.drafts import NoShippedDraftError
+
     if a.config:
         from flashfleet.config import ConfigError, load_cluster_config
 
         try:
             cfg = load_cluster_config(a.config)
+            check_shipped_drafts(cfg, a.workers or len(cfg.workers), a.model, a.draft)
             overrides = [*(["--model", a.model] if a.model else []),
                          *(["--draft", a.draft] if a.draft else []),
                          *(["--capacity", str(a.capacity)] if a.capacity else [])]
@@ -212,10 +242,15 @@ def main(argv: list[str]) -> int:
                 host=a.host, log_dir=a.log_dir,
                 metrics_port=a.metrics_port or cfg.coordinator.metrics_port,
                 worker_args=tuple(overrides), config=a.config)
-        except (ConfigError, ValueError) as e:
+        except (ConfigError, ValueError, NoShippedDraftError) as e:
             print(f"flashfleet up: {e}", file=sys.stderr)
             return 2
     else:
+        try:
+            check_shipped_drafts(None, a.workers or 2, a.model or DEFAULT_MODEL, a.draft)
+        except NoShippedDraftError as e:
+            print(f"flashfleet up: {e}", file=sys.stderr)
+            return 2
         cluster = LocalCluster(a.model or DEFAULT_MODEL, a.workers or 2, a.port or 50051, a.host,
                                a.draft, a.capacity or 4, a.log_dir, a.metrics_port)
     stop = {"now": False}

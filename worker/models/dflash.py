@@ -22,6 +22,8 @@ so a published z-lab checkpoint loads unchanged (see `worker/models/dflash_check
 """
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
@@ -71,7 +73,13 @@ class PaddedKVCache(KVCache):
     matching boolean mask (causal, optionally windowed), which also hides the unused tail.
     One-token updates (plain decode steps) return the exact slice and need no mask, as in
     `KVCache`. Trimming only moves `offset` (O(1)).
+
+    The bucket (`step`) defaults to 256 positions, or `FLASHFLEET_KV_BUCKET` from the
+    environment: a larger bucket (e.g. 4096 on a GPU) compiles once per 4096 positions at the
+    price of attending over more masked keys, cheap where attention is far from the bottleneck.
     """
+
+    step = int(os.environ.get("FLASHFLEET_KV_BUCKET", "256"))
 
     def update_and_fetch(self, keys, values):
         prev = self.offset
@@ -135,6 +143,7 @@ class ModelArgs(BaseModelArgs):
     sliding_window: Optional[int] = None
     is_causal: Optional[bool] = None
     dflash_config: Dict[str, Any] = field(default_factory=dict)
+    quantization: Optional[Dict[str, int]] = None  # {"group_size", "bits"}: mlx-lm's convention
     model_type: str = "qwen3"
     architectures: List[str] = field(default_factory=lambda: ["DFlashDraftModel"])
 

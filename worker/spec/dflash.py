@@ -51,6 +51,10 @@ from worker.spec.plain import CLEAR_CACHE_EVERY_TOKENS
 _FLUSH_PENDING = 32  # plain steps between draft-context flushes while not drafting
 
 
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
 def make_target_cache(target: nn.Module) -> list:
     """The target's prompt cache with every layer trimmable.
 
@@ -226,6 +230,8 @@ def dflash_generate(
             stop = not eos.isdisjoint(commit)
             if stop:  # end after the first EOS; drop what follows it
                 del commit[next(i for i, t in enumerate(commit) if t in eos) + 1:]
+            if n_gen + len(commit) > max_tokens:
+                del commit[max_tokens - n_gen:]
             n_seq += len(commit)
             n_gen += len(commit)
             b = commit[-1]
@@ -239,7 +245,10 @@ def dflash_generate(
                     bs, timed = policy.next_block_size()
                 else:
                     bs, timed = B, time_every > 0 and cycle % time_every == 0
-                bs = min(bs, max_tokens - n_gen)  # the block shrinks near max_tokens
+                # The block shrinks near max_tokens, to a power of two: on CUDA each new block
+                # length compiles new attention kernels, and a few extra verified positions cost
+                # nothing there; tokens past max_tokens are cut below.
+                bs = min(bs, _next_pow2(max_tokens - n_gen))
                 if bs > 1 and not timed:  # the device drafts while the caller handles the Step
                     with mx.stream(stream):
                         prefetch(b, bs)

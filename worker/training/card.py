@@ -22,7 +22,9 @@ def render_card(card: dict) -> str:
         "## Draft",
         f"- {d['layers']} layer(s), block size {d['block_size']}, taps {d['target_layer_ids']} of "
         f"{t['layers']} target layers, mask id {d['mask_token_id']}, MLP {d['intermediate_size']}",
-        f"- {d['parameters'] / 1e6:.2f} M parameters, {d['dtype']}, {d['file_mib']} MiB",
+        f"- {d['parameters'] / 1e6:.2f} M parameters, "
+        + (f"linear layers {d['quantization']['bits']}-bit (groups of {d['quantization']['group_size']}, "
+           f"{d['dtype']} scales)" if d.get("quantization") else d["dtype"]) + f", {d['file_mib']} MiB",
         f"- target fingerprint {t['fingerprint']} (hidden size {t['hidden_size']}, vocab {t['vocab_size']})",
         "",
         "## Data",
@@ -57,6 +59,8 @@ def render_card(card: dict) -> str:
             taus = [f"{r['tau']:.3f}" if r and r["tau"] is not None else "-" for r in rows]
             lines.append(f"| {c} | {rows[0]['prompts'] if rows[0] else 0} | " + " | ".join(taus) + " |")
         lines.append("")
-        lines.append(f"max {first['max_new_tokens']} new tokens per prompt, block size {first['block_size']}.")
+        lines.append(f"max {first['max_new_tokens']} new tokens per prompt, block size {first['block_size']}."
+                     + (" `trained` is the saved (quantized) draft, `unquantized` the same weights before"
+                        " quantization." if "unquantized" in evals else ""))
     lines.append("")
     return "\n".join(lines)

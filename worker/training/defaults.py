@@ -118,7 +118,7 @@ def choose_draft_spec(
     block_size: int = 16,
     intermediate_size: Optional[int] = None,
     max_draft_mib: Optional[float] = None,
-    bytes_per_param: int = 2,
+    bytes_per_param: float = 2,
 ) -> DraftSpec:
     """Draft shape from the target, with the user's overrides (None: choose).
 
@@ -126,7 +126,8 @@ def choose_draft_spec(
     (`default_target_layer_ids`, z-lab's rule), an unused mask id (`choose_mask_token_id`), the
     target's MLP width, block size 16 (paper). With `max_draft_mib`, the MLP width is reduced
     (multiples of 128, down to D) and then the depth (down to 1), each only where the user left it
-    unset, until the draft, stored at `bytes_per_param` (2 for bfloat16), fits.
+    unset, until the draft, stored at `bytes_per_param` (2 for bfloat16, 0.5625 for 4-bit groups of
+    64 with bfloat16 scales), fits.
 
     Args:
         target: the mlx-lm target (only its config and layer list are read).

@@ -45,7 +45,8 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from worker.capture import HiddenCapture, target_hidden_size, target_layers, target_vocab_size
 from worker.models.dflash import Model, ModelArgs
-from worker.models.dflash_checkpoint import load_dflash_draft, save_dflash_draft
+from worker.models.dflash_checkpoint import (load_dflash_draft, quantize_dflash_draft, quantized_bytes_per_param,
+                                             save_dflash_draft)
 from worker.training.card import render_card, tau_line
 from worker.training.data import DataSplit, TokenDataset, batch_indices, build_dataset
 from worker.training.defaults import DraftSpec, choose_draft_spec, make_draft
@@ -85,7 +86,10 @@ class TrainConfig:
         for B), lr, weight_decay, warmup (fraction of the run), min_lr_ratio (cosine floor),
         grad_clip (global norm), epochs, steps (overrides epochs), max_minutes (training wall
         time; the cosine schedule then runs on the time fraction), seed, compute_dtype and
-        target_dtype ("auto": bfloat16 on a GPU, float32 on a CPU), save_dtype, compile,
+        target_dtype ("auto": bfloat16 on a GPU, float32 on a CPU), save_dtype, quantize_bits
+        (None: keep `save_dtype`; 4 or 8: the saved draft's linear layers are MLX-quantized with
+        `quantize_group_size`, the size budget counts the quantized bytes, and the unquantized
+        draft is kept in the work dir and evaluated too, so the card shows what it costs), compile,
         cache_taps_gib (compute the target taps of the whole dataset once and keep them in
         memory when they fit this many GiB, the paper's "offline" mode; 0: always online, one
         target forward per batch), checkpoint_every (steps), resume, log_every (steps between
@@ -130,6 +134,8 @@ class TrainConfig:
     compute_dtype: str = "auto"
     target_dtype: str = "auto"
     save_dtype: str = "bfloat16"
+    quantize_bits: Optional[int] = None
+    quantize_group_size: int = 64
     compile: bool = True
     cache_taps_gib: float = 8.0
     checkpoint_every: int = 200
@@ -547,6 +553,12 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
 
     state_dir = work / "resume"
     resumed = None
+    if cfg.quantize_bits:
+        bytes_per_param = quantized_bytes_per_param(cfg.quantize_bits, cfg.quantize_group_size,
+                                                    DTYPES[cfg.save_dtype].size)
+        stored = f"{cfg.quantize_bits}-bit (groups of {cfg.quantize_group_size}, {cfg.save_dtype} scales)"
+    else:
+        bytes_per_param, stored = DTYPES[cfg.save_dtype].size, cfg.save_dtype
     if cfg.resume and (state_dir / "state.json").is_file():
         saved = json.loads((state_dir / "state.json").read_text())
         if saved.get("data_key") != split.meta["key"]:
@@ -560,12 +572,12 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
             target, tokenizer, _used_ids(split), draft_layers=cfg.draft_layers, num_taps=cfg.num_taps,
             target_layer_ids=cfg.target_layer_ids, mask_token_id=cfg.mask_token_id, block_size=cfg.block_size,
             intermediate_size=cfg.intermediate_size, max_draft_mib=cfg.max_draft_mib,
-            bytes_per_param=DTYPES[cfg.save_dtype].size)
+            bytes_per_param=bytes_per_param)
     draft = make_draft(target, spec, cfg.seed)
     n_params = spec.num_params(target)
     log(f"draft: {spec.num_layers} layer(s), taps {spec.target_layer_ids}, mask id {spec.mask_token_id}, "
         f"B={spec.block_size}, MLP {spec.intermediate_size}, {n_params / 1e6:.2f} M parameters "
-        f"({n_params * DTYPES[cfg.save_dtype].size / 2**20:.1f} MiB in {cfg.save_dtype})")
+        f"({n_params * bytes_per_param / 2**20:.1f} MiB saved as {stored})")
 
     trainer = Trainer(target, draft, split.train, cfg)
     if cfg.resume and (state_dir / "state.json").is_file():
@@ -584,6 +596,10 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
 
     sdt = DTYPES[cfg.save_dtype]
     draft.update(cast_tree(draft.parameters(), sdt))
+    full_dir = work / "unquantized"
+    if cfg.quantize_bits:  # keep the unquantized draft beside the data, evaluate both
+        save_dflash_draft(draft, full_dir)
+        quantize_dflash_draft(draft, cfg.quantize_bits, cfg.quantize_group_size)
     save_dflash_draft(draft, out)
     log(f"saved: {out} ({_file_mib(out / 'model.safetensors')} MiB)")
 
@@ -591,10 +607,16 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
     if cfg.eval and split.heldout:
         eos = tokenizer.eos_token_ids
         eval_s = cfg.eval_max_minutes * 60 if cfg.eval_max_minutes else None
-        trained = load_dflash_draft(out, target, dtype=resolve_dtype(cfg.compute_dtype))
+        edt = resolve_dtype(cfg.compute_dtype)
+        trained = load_dflash_draft(out, target, dtype=None if cfg.quantize_bits else edt)
         evals["trained"] = evaluate_tau(target, trained, split.heldout, cfg.eval_max_new_tokens, eos,
                                         max_seconds=eval_s, progress=cfg.progress, desc="tau trained")
         log("tau (trained): " + tau_line(evals["trained"]))
+        if cfg.quantize_bits:
+            full = load_dflash_draft(full_dir, target, dtype=edt)
+            evals["unquantized"] = evaluate_tau(target, full, split.heldout, cfg.eval_max_new_tokens, eos,
+                                                max_seconds=eval_s, progress=cfg.progress, desc="tau unquantized")
+            log("tau (unquantized): " + tau_line(evals["unquantized"]))
         if cfg.eval_untrained:
             untrained = make_draft(target, spec, cfg.seed)
             untrained.update(cast_tree(untrained.parameters(), resolve_dtype(cfg.compute_dtype)))
@@ -611,7 +633,8 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
         "draft": {"layers": spec.num_layers, "target_layer_ids": spec.target_layer_ids,
                   "mask_token_id": spec.mask_token_id, "block_size": spec.block_size,
                   "intermediate_size": spec.intermediate_size, "parameters": n_params,
-                  "dtype": cfg.save_dtype, "file_mib": _file_mib(out / "model.safetensors")},
+                  "dtype": cfg.save_dtype, "quantization": draft.args.quantization,
+                  "file_mib": _file_mib(out / "model.safetensors")},
         "data": {k: split.meta.get(k) for k in ("train_sequences", "heldout_prompts", "train_tokens", "response_tokens",
                                                  "ended_with_eos", "generation_s", "generation_tokens_per_s",
                                                  "generation_stopped_by_time_limit", "corpora", "key")}
