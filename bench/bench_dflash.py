@@ -6,6 +6,16 @@ Methods (each one skipped when its inputs are missing):
   ours draft       worker.spec.draft_model.generate                                  needs --draft
   ours plain       worker.spec.plain.generate
   ours dflash      worker.spec.dflash.dflash_generate     needs --dflash-draft or --dflash-random-layers
+  z-lab dflash     dflash.model_mlx.stream_generate (registry package `dflash` 0.1.0, z-lab)
+                                                        --packages zlab, and a DFlash draft
+  dflash-mlx       dflash_mlx.runtime.stream_dflash_generate, fixed block (verify_mode "dflash";
+                   registry package `dflash-mlx` 0.1.8, bstnxbt)  --packages dflash-mlx, and a draft
+
+The two packages (--packages) run the first unquantized --dflash-draft directory (else the first
+one; else the random draft, saved to a temporary directory), each on its own freshly loaded
+target, after all our methods are measured (they patch the target model or its attention class);
+a package that cannot be imported, cannot load the draft or fails its warm-up is skipped with a
+one-line reason (printed, and in --json-out). They are imported only with --packages.
 
 Prompts: --prompts rows of each corpus in /work/shared/cases (code: humaneval.jsonl, en:
 enwiki_en.jsonl, pl: dataset_build_pl.jsonl). By default the held-out rows of `flashfleet draft
@@ -41,6 +51,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -51,7 +62,8 @@ from mlx_lm import load, stream_generate  # noqa: E402
 
 from worker.capture import HiddenCapture  # noqa: E402
 from worker.models.dflash import PaddedKVCache  # noqa: E402
-from worker.models.dflash_checkpoint import init_dflash_draft, load_dflash_draft  # noqa: E402
+from worker.models.dflash_checkpoint import (  # noqa: E402
+    init_dflash_draft, load_dflash_draft, save_dflash_draft)
 from worker.sampling import greedy  # noqa: E402
 from worker.spec import plain  # noqa: E402
 from worker.spec.dflash import dflash_generate, make_target_cache  # noqa: E402
@@ -59,6 +71,7 @@ from worker.spec.dflash import dflash_generate, make_target_cache  # noqa: E402
 CASES = Path(__file__).resolve().parents[2] / "shared" / "cases"
 CORPORA = {"code": "humaneval.jsonl", "en": "enwiki_en.jsonl", "pl": "dataset_build_pl.jsonl"}
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+PACKAGES = ("zlab", "dflash-mlx")  # registry packages (--packages), run in this order: see main()
 
 
 def load_model(path: str, random_weights: bool, dtype):
@@ -177,6 +190,123 @@ def per_cycle_alone(target, draft, prompt: list[int], block: int, reps: int) -> 
     return time_alone(draft_fwd, reps), time_alone(verify_fwd, reps)
 
 
+def one_line(e: BaseException, limit: int = 300) -> str:
+    s = " ".join(f"{type(e).__name__}: {e}".split())
+    return s if len(s) <= limit else s[:limit - 3] + "..."
+
+
+def draft_config(path: str) -> dict:
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+def package_draft_dir(dirs: list[str], random_draft, tmp: list) -> str | None:
+    """The draft directory the packages run: the first --dflash-draft without `quantization` in
+    its config.json, else the first one; else the random draft saved to a temporary directory
+    (appended to `tmp`, cleaned up by the caller); None without any DFlash draft."""
+    for d in dirs:
+        if "quantization" not in draft_config(d):
+            return d
+    if dirs:
+        return dirs[0]
+    if random_draft is None:
+        return None
+    tmp.append(tempfile.TemporaryDirectory(prefix="bench_dflash_draft_"))
+    save_dflash_draft(random_draft, tmp[-1].name)
+    return tmp[-1].name
+
+
+def load_zlab(target, tokenizer, draft_dir: str, block: int, max_tokens: int, dtype):
+    """z-lab `dflash` (dflash.model_mlx) on `target`, which must be its own instance: its
+    stream_generate hooks the target's layers in place (_patch_model) for the taps.
+    Returns run(prompt) -> (tokens, cycles); one yielded response = one cycle (one verify)."""
+    import dflash.model_mlx as zl
+
+    # load_draft passes its argument to huggingface_hub.snapshot_download (model_mlx.py:431), which
+    # accepts only Hub ids and rejects a local directory (HFValidationError), even offline. Our
+    # drafts are local directories: resolve existing directories to themselves, Hub ids as before.
+    if not getattr(zl, "_bench_local_dirs", False):
+        hub = zl.snapshot_download
+        zl.snapshot_download = lambda repo_id, **kw: repo_id if Path(repo_id).is_dir() else hub(repo_id, **kw)
+        zl._bench_local_dirs = True
+    draft = zl.load_draft(draft_dir)
+    if dtype is not None:
+        draft.set_dtype(dtype)
+        mx.eval(draft.parameters())
+
+    def run(prompt):
+        tokens, cycles = [], []
+        for r in zl.stream_generate(target, draft, tokenizer, prompt, block_size=block, max_tokens=max_tokens,
+                                    temperature=0.0):
+            if r.tokens:
+                tokens.extend(r.tokens)
+                cycles.append((time.perf_counter(), len(r.tokens)))
+        return tokens, cycles
+
+    return run
+
+
+def load_dflash_mlx(target_path: str, draft_dir: str, block: int, max_tokens: int, eos: set[int], dtype,
+                    params=None, stats: dict | None = None):
+    """bstnxbt `dflash-mlx` with a fixed block (verify_mode "dflash"; its default "adaptive"
+    shrinks the block when acceptance is low). It loads its own target from `target_path`
+    (load_runtime_bundle); `params` (random-weights runs) replaces that target's weights.
+    Returns run(prompt) -> (tokens, cycles); a cycle = the tokens of one `cycles_completed` value
+    of its TokenEvents (one verify each). Its engine also drafts by prompt lookup ("copyspec",
+    always on, engine/copyspec.py) when the last token's n-gram occurs in the prompt: such cycles
+    verify a copied block instead of the DFlash draft's; `stats` counts them (copyspec_hits) and
+    all cycles."""
+    from dflash_mlx.engine.target_qwen_gdn import QwenGdnTargetOps
+
+    # dflash-mlx accepts only targets whose model_type contains "qwen", or Gemma 4
+    # (QwenGdnTargetOps.supports_model, engine/target_ops.py resolve_target_ops), and so refuses
+    # llama targets (SmolLM2) with NotImplementedError. Its Qwen ops are generic (embed_tokens ->
+    # layers -> norm -> head, taps = layer outputs): also accept any other non-Gemma model of that
+    # shape. Gemma stays with its own backend (Gemma scales embeddings; the generic ops would not).
+    if not getattr(QwenGdnTargetOps, "_bench_any_llama_like", False):
+        qwen_only = QwenGdnTargetOps.supports_model
+        QwenGdnTargetOps.supports_model = lambda self, m: qwen_only(self, m) or (
+            "gemma" not in self.model_type(m) and self._has_qwen_text_shape(m))
+        QwenGdnTargetOps._bench_any_llama_like = True
+    from dflash_mlx.engine.events import TokenEvent
+    from dflash_mlx.runtime import stream_dflash_generate
+    from dflash_mlx.runtime.bundle import load_runtime_bundle
+    from dflash_mlx.runtime.context import build_offline_runtime_context
+
+    ctx = build_offline_runtime_context(verify_mode="dflash")
+    # draft_quant "none": run the draft's weights as stored (a local draft never gets its registry's
+    # on-load w4 default anyway; that path uses Metal-only verify kernels, verify_qmm.py).
+    b = load_runtime_bundle(model_ref=target_path, draft_ref=draft_dir, draft_quant="none",
+                            verify_config=ctx.verify)
+    if params is not None:
+        b.target_model.update(params)
+    if dtype is not None:
+        b.target_model.set_dtype(dtype)
+        b.draft_model.set_dtype(dtype)
+    mx.eval(b.target_model.parameters(), b.draft_model.parameters())
+
+    def run(prompt):
+        tokens, cycles, last = [], [], None
+        for ev in stream_dflash_generate(
+                target_model=b.target_model, target_ops=b.target_ops, tokenizer=b.tokenizer,
+                draft_model=b.draft_model, draft_backend=b.draft_backend, prompt="",
+                prompt_tokens_override=list(prompt), max_new_tokens=max_tokens, block_tokens=block,
+                stop_token_ids=sorted(eos), runtime_context=ctx):
+            if isinstance(ev, TokenEvent):
+                hits, n_cycles = ev.copyspec_hits, ev.cycles_completed
+                tokens.append(int(ev.token_id))
+                if ev.cycles_completed != last:
+                    cycles.append((time.perf_counter(), 1))
+                    last = ev.cycles_completed
+                else:
+                    cycles[-1] = (time.perf_counter(), cycles[-1][1] + 1)
+        if stats is not None and tokens:
+            stats["copyspec_hits"] = stats.get("copyspec_hits", 0) + hits
+            stats["cycles"] = stats.get("cycles", 0) + n_cycles
+        return tokens, cycles
+
+    return run
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, help="mlx-lm model directory")
@@ -200,6 +330,9 @@ def main(argv=None) -> int:
     p.add_argument("--kv-bucket", type=int, default=None,
                    help="PaddedKVCache bucket in positions (default 256 or $FLASHFLEET_KV_BUCKET)")
     p.add_argument("--json-out", type=Path, default=None, help="also write the results as JSON")
+    p.add_argument("--packages", nargs="+", choices=PACKAGES, default=[],
+                   help="also run these registry DFlash packages (z-lab `dflash`, bstnxbt `dflash-mlx`) "
+                        "on the first unquantized --dflash-draft (or the random draft)")
     args = p.parse_args(argv)
 
     print(f"device: {mx.default_device()}  mlx {mx.__version__}", flush=True)
@@ -213,8 +346,9 @@ def main(argv=None) -> int:
     for path in args.dflash_draft:
         d = load_dflash_draft(path, target, dtype=dtype)
         dflash[f"ours dflash {Path(path).name}"[:28]] = d
+    random_draft = None
     if args.dflash_random_layers:
-        dflash[f"ours dflash random x{args.dflash_random_layers}"] = init_dflash_draft(
+        random_draft = dflash[f"ours dflash random x{args.dflash_random_layers}"] = init_dflash_draft(
             target, num_layers=args.dflash_random_layers, block_size=args.block_size or 16,
             tokenizer_vocab_size=len(tokenizer.vocab))
     eos = set(tokenizer.eos_token_ids)
@@ -243,24 +377,93 @@ def main(argv=None) -> int:
         fn(warm)
 
     results = {}  # (method, corpus) -> dict
+    bases = {}  # corpus -> plain mlx-lm's outputs
+
+    def measure(name, fn, corpus, rows):
+        toks, secs, cyc, same, diffs = 0, 0.0, 0, 0, []
+        for i, pr in enumerate(rows):
+            out, cycles = fn(pr)
+            n, c, s = steady_rate(cycles)
+            toks, cyc, secs = toks + n, cyc + c, secs + s
+            if name == "plain mlx-lm":
+                bases.setdefault(corpus, []).append(out)
+            else:
+                d = first_diff(out, bases[corpus][i])
+                same += d is None
+                if d is not None:
+                    diffs.append(d)
+        results[name, corpus] = dict(tps=toks / secs if secs else 0.0, tau=toks / cyc if cyc else 0.0,
+                                     cycles=cyc, secs=secs, same=same, n=len(rows), diffs=diffs)
+        print(f"  {corpus:5s} {name:28s} done", file=sys.stderr, flush=True)
+
     for corpus, rows in prompts.items():
-        base = []
         for name, fn in methods.items():
-            toks, secs, cyc, same, diffs = 0, 0.0, 0, 0, []
-            for i, pr in enumerate(rows):
-                out, cycles = fn(pr)
-                n, c, s = steady_rate(cycles)
-                toks, cyc, secs = toks + n, cyc + c, secs + s
-                if name == "plain mlx-lm":
-                    base.append(out)
-                else:
-                    d = first_diff(out, base[i])
-                    same += d is None
-                    if d is not None:
-                        diffs.append(d)
-            results[name, corpus] = dict(tps=toks / secs if secs else 0.0, tau=toks / cyc if cyc else 0.0,
-                                         cycles=cyc, secs=secs, same=same, n=len(rows), diffs=diffs)
-            print(f"  {corpus:5s} {name:28s} done", file=sys.stderr, flush=True)
+            measure(name, fn, corpus, rows)
+
+    # Our DFlash drafts' cycle cost alone: measured here, before any package is imported (printed
+    # after the table).
+    cycle_cost, cycle_lines = {}, []
+    for name, d in dflash.items():
+        B = args.block_size or d.block_size
+        cyc = sum(results[name, c]["cycles"] for c in prompts)
+        secs = sum(results[name, c]["secs"] for c in prompts)
+        per_cycle = secs / cyc if cyc else float("nan")
+        d_s, v_s = per_cycle_alone(target, d, prompts["code"][0], B, args.reps)
+        plain_step = statistics.mean(
+            results["ours plain", c]["secs"] / max(1, results["ours plain", c]["cycles"]) for c in prompts)
+        cycle_cost[name] = dict(per_cycle_s=per_cycle, draft_s=d_s, verify_s=v_s, plain_step_s=plain_step)
+        cycle_lines.append(
+            f"\n{name} per cycle (B={B}): {per_cycle * 1e3:.2f} ms in the runs; alone: draft "
+            f"{d_s * 1e3:.2f} ms + verify {v_s * 1e3:.2f} ms = {(d_s + v_s) * 1e3:.2f} ms; "
+            f"ratio {per_cycle / (d_s + v_s):.2f} (target <= 1.3); plain step {plain_step * 1e3:.2f} ms")
+
+    # Registry packages, only now, after every measurement of ours: each patches its target
+    # process-wide or in place. z-lab hooks the layers of the model instance it is given, so it
+    # gets its own fresh target. dflash-mlx loads its own target, but replaces the attention
+    # class's __call__ (every instance of the class: our target and z-lab's included), so it runs
+    # last and nothing is measured after it. Neither package is imported before this point.
+    packages = {}  # method name -> dict(draft=..., skipped=reason or None)
+    tmp_dirs = []
+    order = [p for p in PACKAGES if p in args.packages]
+    pkg_dir = package_draft_dir(args.dflash_draft, random_draft, tmp_dirs) if order else None
+    for pkg in order:
+        B = args.block_size or (int(draft_config(pkg_dir).get("dflash_config", {}).get(
+            "block_size", draft_config(pkg_dir).get("block_size", 16))) if pkg_dir else 16)
+        name = f"{'z-lab dflash' if pkg == 'zlab' else 'dflash-mlx'} B={B}"
+        packages[name] = dict(package=pkg, skipped=None, draft=pkg_dir if args.dflash_draft or not pkg_dir else
+                              f"ours dflash random x{args.dflash_random_layers} (saved to {pkg_dir})")
+        stats = packages[name]["stats"] = {}
+        try:
+            if pkg_dir is None:
+                raise RuntimeError("needs a DFlash draft: --dflash-draft or --dflash-random-layers")
+            if pkg == "zlab":
+                zt = load_model(args.target, args.random_weights, dtype)[0]
+                if args.random_weights:
+                    zt.update(target.parameters())  # the same random weights as ours
+                fn = load_zlab(zt, tokenizer, pkg_dir, B, M, dtype)
+            else:
+                fn = load_dflash_mlx(args.target, pkg_dir, B, M, eos, dtype,
+                                     target.parameters() if args.random_weights else None, stats)
+            fn(warm)  # compile/allocate once; also where Metal-only kernels fail off Metal
+            stats.clear()
+        except Exception as e:  # noqa: BLE001 - a package that cannot run this draft is skipped
+            q = draft_config(pkg_dir).get("quantization") if pkg_dir else None
+            packages[name]["skipped"] = (f"quantized draft ({q.get('bits')}-bit, group {q.get('group_size')}): "
+                                         if q else "") + one_line(e)
+            print(f"  skip {name}: {packages[name]['skipped']}", file=sys.stderr, flush=True)
+            continue
+        methods[name] = fn
+        for corpus, rows in prompts.items():
+            measure(name, fn, corpus, rows)
+        cyc = sum(results[name, c]["cycles"] for c in prompts)
+        secs = sum(results[name, c]["secs"] for c in prompts)
+        cycle_cost[name] = dict(per_cycle_s=secs / cyc if cyc else float("nan"))
+        copy = (f"; prompt-lookup (copyspec) blocks in {stats['copyspec_hits']} of its {stats['cycles']} "
+                f"cycles" if "copyspec_hits" in stats else "")
+        cycle_lines.append(f"\n{name} per cycle: {cycle_cost[name]['per_cycle_s'] * 1e3:.2f} ms in the runs "
+                           f"(draft {packages[name]['draft']}{copy})")
+    for t in tmp_dirs:
+        t.cleanup()
 
     weights = " (random weights)" if args.random_weights else ""
     print(f"\ntarget {args.target}{weights}  max_tokens {M}  prompts/corpus {args.prompts} "
@@ -277,25 +480,20 @@ def main(argv=None) -> int:
             print(f"{corpus:6s} {name:28s} {r['tps']:8.2f} {r['tau']:6.2f} {speedup:7.2f}x  {same}")
             r["speedup"] = speedup
 
-    cycle_cost = {}
-    for name, d in dflash.items():
-        B = args.block_size or d.block_size
-        cyc = sum(results[name, c]["cycles"] for c in prompts)
-        secs = sum(results[name, c]["secs"] for c in prompts)
-        per_cycle = secs / cyc if cyc else float("nan")
-        d_s, v_s = per_cycle_alone(target, d, prompts["code"][0], B, args.reps)
-        plain_step = statistics.mean(
-            results["ours plain", c]["secs"] / max(1, results["ours plain", c]["cycles"]) for c in prompts)
-        cycle_cost[name] = dict(per_cycle_s=per_cycle, draft_s=d_s, verify_s=v_s, plain_step_s=plain_step)
-        print(f"\n{name} per cycle (B={B}): {per_cycle * 1e3:.2f} ms in the runs; alone: draft "
-              f"{d_s * 1e3:.2f} ms + verify {v_s * 1e3:.2f} ms = {(d_s + v_s) * 1e3:.2f} ms; "
-              f"ratio {per_cycle / (d_s + v_s):.2f} (target <= 1.3); plain step {plain_step * 1e3:.2f} ms")
+    for name, r in packages.items():
+        if r["skipped"]:
+            print(f"{name} skipped (draft {r['draft']}): {r['skipped']}")
+    for line in cycle_lines:
+        print(line)
     if args.json_out:
-        args.json_out.write_text(json.dumps({
+        record = {
             "argv": sys.argv, "device": str(mx.default_device()), "mlx": mx.__version__,
             "kv_bucket": PaddedKVCache.step, "cycle_cost": cycle_cost,
             "results": [dict(method=m, corpus=c, **{k: v for k, v in r.items() if k != "diffs"})
-                        for (m, c), r in results.items()]}, indent=1))
+                        for (m, c), r in results.items()]}
+        if args.packages:
+            record["packages"] = packages
+        args.json_out.write_text(json.dumps(record, indent=1))
     return 0
 
 

@@ -4,18 +4,29 @@ For each corpus (code: humaneval.jsonl, English prose: enwiki_en.jsonl, Polish:
 dataset_build_pl.jsonl from /work/shared/cases) and each draft, runs plain greedy decoding (the
 baseline, same run) and uag greedy decoding with both translations, checks that every uag output
 equals the plain output token for token, and prints a Markdown table: acceptance (accepted /
-proposed target tokens), target tokens per round, tokens/s, speedup vs plain, and the share of time
-spent translating.
+proposed target tokens), target tokens per round, tokens/s, speedup vs plain, the share of time
+spent translating, and the draft tokens fed to re-sync the draft per round.
+
+`--oracle` measures acceptance only, cheaply, over many prompts: the target's greedy output of
+every prompt is computed once by plain decoding (cached in --refs) and the target is replaced by
+an oracle whose argmax at each position is the next token of that output. Under greedy decoding a
+uag run is fully determined by the target's greedy output (a proposal is accepted iff it equals
+it; the first mismatch commits the output's token), so acceptance, tokens per round and the
+draft's work are those of the real run, at the cost of the draft's forwards only. No timings.
 
 Usage (CPU, OpenBLAS preloaded):
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 \
     python bench/bench_uag.py --target Qwen2.5-Coder-0.5B-Instruct \
         --drafts SmolLM2-135M-Instruct Gemma-3-270M --prompts 2 --max-tokens 32 -k 3
+    # acceptance only, 8 prompts per corpus (the first call per corpus fills the reference cache):
+    ... python bench/bench_uag.py --oracle --drafts SmolLM2-135M-Instruct --prompts 8 \
+        --max-tokens 48 -k 3 5
 Model names are directories under ~/.cache/flashfleet/models (or absolute paths).
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -23,6 +34,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
 from mlx_lm import load  # noqa: E402
 
 from worker.sampling import greedy  # noqa: E402
@@ -37,6 +50,7 @@ INSTRUCTION = {
     "en": "Continue this text:\n\n",
     "pl": "Kontynuuj ten tekst:\n\n",
 }
+DEFAULT_REFS = Path.home() / ".cache" / "flashfleet" / "bench_uag_refs.json"
 
 
 def model_path(name: str) -> str:
@@ -56,6 +70,65 @@ def run(fn) -> tuple[list[int], list, float]:
     return [t for s in steps for t in s.tokens], steps, time.perf_counter() - start
 
 
+class ListCache:
+    """A trimmable "cache" that only records the fed token ids (for `OracleLM`)."""
+
+    def __init__(self):
+        self.fed: list[int] = []
+        self.state = mx.zeros((1,))
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(n, len(self.fed))
+        if n:
+            del self.fed[-n:]
+        return n
+
+
+class OracleLM:
+    """The target under greedy decoding, replayed from its greedy output `ref`: the logits at a
+    position whose generated prefix equals ref[:i] are one-hot on ref[i] (anything else gets
+    token 0, a position the acceptance rule never reaches)."""
+
+    def __init__(self, prompt_len: int, ref: list[int], vocab_size: int):
+        self.prompt_len, self.ref, self.vocab_size = prompt_len, ref, vocab_size
+
+    def __call__(self, x, cache):
+        fed = cache[0].fed
+        ids = x.reshape(-1).tolist()
+        logits = np.zeros((1, len(ids), self.vocab_size), np.float32)
+        for i, t in enumerate(ids):
+            fed.append(t)
+            gen = fed[self.prompt_len:]
+            j = len(gen)
+            if j < len(self.ref) and gen == self.ref[:j]:
+                logits[0, i, self.ref[j]] = 1.0
+        return mx.array(logits)
+
+
+def reference_outputs(args, tm, tt, eos, ids: list[list[int]]) -> tuple[list[list[int]], float]:
+    """Plain greedy outputs of the prompts (timed), taken from / added to the --refs cache in
+    --oracle mode; returns (outputs, seconds spent decoding)."""
+    cache = {}
+    path = Path(args.refs)
+    if args.oracle and path.exists():
+        cache = json.loads(path.read_text())
+    outs, secs = [], 0.0
+    for p in ids:
+        key = hashlib.sha256(json.dumps([Path(args.target).name, p, args.max_tokens]).encode()).hexdigest()
+        if key not in cache:
+            out, _, s = run(lambda: plain.generate(p, args.max_tokens, greedy, eos, model=tm))
+            cache[key] = out
+            secs += s
+            if args.oracle:  # saved at once: a long first run may be cut short
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(cache))
+        outs.append(cache[key])
+    return outs, secs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="Qwen2.5-Coder-0.5B-Instruct")
@@ -64,66 +137,83 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=2, help="prompts per corpus")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-prompt-chars", type=int, default=400)
-    ap.add_argument("-k", "--num-draft-tokens", type=int, default=3)
+    ap.add_argument("-k", "--num-draft-tokens", type=int, nargs="+", default=[3],
+                    help="draft tokens per round (several values: one row each)")
+    ap.add_argument("--modes", nargs="+", default=["naive", "context"], choices=["naive", "context"])
+    ap.add_argument("--oracle", action="store_true",
+                    help="acceptance only: replay the target's cached greedy output (no timings)")
+    ap.add_argument("--refs", default=str(DEFAULT_REFS), help="reference-output cache (--oracle)")
     args = ap.parse_args()
 
-    tm, tt = load(model_path(args.target))
+    tm, tt = load(model_path(args.target), lazy=args.oracle)  # --oracle: weights read only if a reference is missing
     eos = set(tt.eos_token_ids)
-    byte_vocab(tt)
+    vocab_size = len(byte_vocab(tt).bytes_of)
     drafts = {}
     for name in args.drafts:
         dm, dt = load(model_path(name))
         byte_vocab(dt)
         drafts[name] = (dm, dt)
-    # warm-up (lazy set-up, first-call overheads)
-    warm = tt.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
-    list(plain.generate(warm, 2, greedy, eos, model=tm))
-    for dm, dt in drafts.values():
-        list(generate(warm, 3, greedy, eos, model=tm, tokenizer=tt, draft_model=dm, draft_tokenizer=dt))
+    if not args.oracle:  # warm-up (lazy set-up, first-call overheads)
+        warm = tt.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+        list(plain.generate(warm, 2, greedy, eos, model=tm))
+        for dm, dt in drafts.values():
+            list(generate(warm, 3, greedy, eos, model=tm, tokenizer=tt, draft_model=dm, draft_tokenizer=dt))
 
     rows = []
     for corpus in args.corpora:
         texts = prompts(corpus, args.prompts, args.max_prompt_chars)
         ids = [tt.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True) for t in texts]
-        base_tok = base_s = 0.0
-        refs = []
-        for p in ids:
-            out, _, s = run(lambda: plain.generate(p, args.max_tokens, greedy, eos, model=tm))
-            refs.append(out)
-            base_tok += len(out)
-            base_s += s
-        base_tps = base_tok / base_s
-        rows.append((corpus, "plain", "-", None, None, base_tps, 1.0, None, True))
-        print(f"{corpus:5s} plain {base_tps:.2f} tok/s", flush=True)
+        refs, base_s = reference_outputs(args, tm, tt, eos, ids)
+        base_tok = sum(len(r) for r in refs)
+        base_tps = base_tok / base_s if base_s else None
+        if not args.oracle:
+            rows.append((corpus, "plain", "-", "-", None, None, base_tps, 1.0, None, None, "yes"))
+            print(f"{corpus:5s} plain {base_tps:.2f} tok/s", flush=True)
         for name, (dm, dt) in drafts.items():
-            for mode in ("naive", "context"):
-                tok = secs = prop = acc = rounds = tr = 0.0
-                same = True
-                for p, ref in zip(ids, refs):
-                    out, steps, s = run(lambda: generate(
-                        p, args.max_tokens, greedy, eos, model=tm, tokenizer=tt, draft_model=dm,
-                        draft_tokenizer=dt, num_draft_tokens=args.num_draft_tokens, translation=mode))
-                    same &= out == ref
-                    tok += len(out)
-                    secs += s
-                    prop += sum(x.drafted for x in steps)
-                    acc += sum(x.accepted for x in steps)
-                    rounds += len(steps)
-                    tr += sum(x.translate_s for x in steps)
-                tps = tok / secs
-                rows.append((corpus, name, mode, acc / prop if prop else 0.0, tok / rounds, tps,
-                             tps / base_tps, tr / secs, same))
-                print(f"{corpus:5s} {name} {mode}: acc {acc / max(prop, 1):.2f} {tps:.2f} tok/s "
-                      f"x{tps / base_tps:.2f} same={same}", flush=True)
+            for k in args.num_draft_tokens:
+                for mode in args.modes:
+                    tok = secs = prop = acc = rounds = tr = fed = 0.0
+                    same = 0
+                    for p, ref in zip(ids, refs):
+                        if args.oracle:
+                            kw = dict(model=OracleLM(len(p), ref, vocab_size), cache=[ListCache()])
+                        else:
+                            kw = dict(model=tm)
+                        out, steps, s = run(lambda: generate(
+                            p, args.max_tokens, greedy, eos, tokenizer=tt, draft_model=dm,
+                            draft_tokenizer=dt, num_draft_tokens=k, translation=mode, **kw))
+                        same += out == ref
+                        tok += len(out)
+                        secs += s
+                        prop += sum(x.drafted for x in steps)
+                        acc += sum(x.accepted for x in steps)
+                        rounds += len(steps)
+                        tr += sum(x.translate_s for x in steps)
+                        fed += sum(x.resync_tokens for x in steps)
+                    tps = None if args.oracle else tok / secs
+                    sp = None if args.oracle else tps / base_tps
+                    a = acc / prop if prop else 0.0
+                    eq = f"{same}/{len(ids)}"
+                    rows.append((corpus, name, mode, k, a, tok / rounds, tps, sp, tr / secs, fed / rounds, eq))
+                    print(f"{corpus:5s} {name} k={k} {mode}: acc {a:.3f} ({int(acc)}/{int(prop)}) "
+                          f"tok/round {tok / rounds:.2f} == plain {eq}"
+                          + ("" if args.oracle else f" {tps:.2f} tok/s x{sp:.2f}"), flush=True)
 
     print()
-    print("| corpus | draft | translation | acceptance | tokens/round | tokens/s | vs plain | translate time | == plain |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for corpus, name, mode, a, tpr, tps, sp, trs, same in rows:
+    if args.oracle:
+        print("| corpus | draft | k | translation | acceptance | tokens/round | resync feed/round | == greedy |")
+        print("|---|---|---|---|---|---|---|---|")
+        for corpus, name, mode, k, a, tpr, _, _, _, feed, eq in rows:
+            print(f"| {corpus} | {name} | {k} | {mode} | {a:.3f} | {tpr:.2f} | {feed:.2f} | {eq} |")
+        return
+    print("| corpus | draft | k | translation | acceptance | tokens/round | tokens/s | vs plain "
+          "| translate time | == plain |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for corpus, name, mode, k, a, tpr, tps, sp, trs, _, eq in rows:
         fa = "-" if a is None else f"{a:.2f}"
         ft = "1.00" if tpr is None else f"{tpr:.2f}"
         fr = "-" if trs is None else f"{100 * trs:.1f}%"
-        print(f"| {corpus} | {name} | {mode} | {fa} | {ft} | {tps:.2f} | {sp:.2f}x | {fr} | {'yes' if same else 'NO'} |")
+        print(f"| {corpus} | {name} | {k} | {mode} | {fa} | {ft} | {tps:.2f} | {sp:.2f}x | {fr} | {eq} |")
 
 
 if __name__ == "__main__":

@@ -2,14 +2,14 @@
 # Every measurement of one H200 session, once the drafts are trained (bench/h200/README.md).
 # Writes tables (and JSON) to OUT; each step runs even if an earlier one failed.
 #
-#   OUT=$OUT bash bench/h200/bench_all.sh [STEP...]     steps: q15 bucket small uag (default: all)
+#   OUT=$OUT bash bench/h200/bench_all.sh [STEP...]     steps: q15 small uag bucket (default: all)
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd); cd "$ROOT"
 M=/root/models; R=${RES:-/root/res}; W=/root/work; O=${OUT:-/root/out}; C=${CASES:-/root/cases}
 Q15=$M/Qwen2.5-Coder-1.5B-Instruct; Q05=$M/Qwen2.5-Coder-0.5B-Instruct; S=$M/SmolLM2-135M-Instruct
 mkdir -p "$O" /work/shared && ln -sfn "$C" /work/shared/cases  # bench_uag.py reads /work/shared/cases
 export PYTHONUNBUFFERED=1
-STEPS=${*:-q15 bucket small uag}
+STEPS=${*:-q15 small uag bucket}
 MT=${MAX_TOKENS:-128}; NP=${PROMPTS:-4}  # per generation / per corpus (smaller for a CPU dry run)
 run() {  # NAME CMD...: log the command line, tee its output to OUT/NAME.txt
   local name=$1; shift
@@ -23,7 +23,8 @@ q15)  # the default code target: plain / mlx-lm draft spec / ours draft / DFlash
     have "$d" && drafts+=("$d"); done
   extra=(); have "$Q05" && extra=(--draft "$Q05")
   run dflash_q15 python3 bench/bench_dflash.py --target "$Q15" "${extra[@]}" --dflash-draft "${drafts[@]}" \
-    --max-tokens "$MT" --prompts "$NP" --kv-bucket 4096 --cases "$C" --json-out "$O/dflash_q15.json" ;;
+    --max-tokens "$MT" --prompts "$NP" --kv-bucket 4096 --cases "$C" --json-out "$O/dflash_q15.json" \
+    --packages zlab dflash-mlx ;;
 bucket)  # the cycle with 256-position KV buckets (one attention compile per bucket on CUDA)
   run dflash_q15_bucket256 python3 bench/bench_dflash.py --target "$Q15" --dflash-draft "$R/Qwen2.5-Coder-1.5B-Instruct" \
     --max-tokens "$MT" --prompts "$NP" --kv-bucket 256 --cases "$C" ;;

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Stages everything one H200 session needs (MLX's CUDA wheels, gguf, the three catalog GGUFs,
-# the prompt corpora), for the `device` tool. Run here, from the repository root:
+# the prompt corpora as .stage-cases.tgz), for the `device` tool. Run here, from the repository root:
 #
 #   bash bench/h200/prepare.sh GGUF_DIR
 #
@@ -16,7 +16,9 @@ ls .wheels/mlx_cuda_13-*.whl >/dev/null 2>&1 || bash ../shared/device/mlx-cuda-w
 ls .wheels/gguf-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps -d .wheels gguf==0.19.0
 for d in /.cases/ /.stage/; do grep -qx "$d" .git/info/exclude || echo "$d" >> .git/info/exclude; done
 rm -rf .cases && mkdir .cases && cp ../shared/cases/*.jsonl .cases/
-FILES=(.wheels/*.whl "$G/Qwen2.5-Coder-1.5B-Instruct.gguf" "$G/SmolLM2-135M-Instruct.gguf"
+tar czf .stage-cases.tgz -C .cases .  # travels as a staged file: a call carries 62 MiB + the repo at most
+grep -qx "/.stage-cases.tgz" .git/info/exclude || echo "/.stage-cases.tgz" >> .git/info/exclude
+FILES=(.wheels/*.whl .stage-cases.tgz "$G/Qwen2.5-Coder-1.5B-Instruct.gguf" "$G/SmolLM2-135M-Instruct.gguf"
        "$G/Qwen2.5-Coder-0.5B-Instruct.gguf")
 python3 bench/h200/pieces.py split .stage "${PIECE_MIB:-62}" "${FILES[@]}"
 cat > .stage/join/join.sh <<'EOS'
