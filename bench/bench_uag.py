@@ -140,6 +140,8 @@ def main() -> None:
     ap.add_argument("-k", "--num-draft-tokens", type=int, nargs="+", default=[3],
                     help="draft tokens per round (several values: one row each)")
     ap.add_argument("--modes", nargs="+", default=["naive", "context"], choices=["naive", "context"])
+    ap.add_argument("--extend-words", type=int, default=0)
+    ap.add_argument("--holdback", action="store_true")
     ap.add_argument("--oracle", action="store_true",
                     help="acceptance only: replay the target's cached greedy output (no timings)")
     ap.add_argument("--refs", default=str(DEFAULT_REFS), help="reference-output cache (--oracle)")
@@ -167,12 +169,12 @@ def main() -> None:
         base_tok = sum(len(r) for r in refs)
         base_tps = base_tok / base_s if base_s else None
         if not args.oracle:
-            rows.append((corpus, "plain", "-", "-", None, None, base_tps, 1.0, None, None, "yes"))
+            rows.append((corpus, "plain", "-", "-", None, None, base_tps, 1.0, None, None, "yes", None))
             print(f"{corpus:5s} plain {base_tps:.2f} tok/s", flush=True)
         for name, (dm, dt) in drafts.items():
             for k in args.num_draft_tokens:
                 for mode in args.modes:
-                    tok = secs = prop = acc = rounds = tr = fed = 0.0
+                    tok = secs = prop = acc = rounds = tr = fed = dtok = 0.0
                     same = 0
                     for p, ref in zip(ids, refs):
                         if args.oracle:
@@ -181,7 +183,8 @@ def main() -> None:
                             kw = dict(model=tm)
                         out, steps, s = run(lambda: generate(
                             p, args.max_tokens, greedy, eos, tokenizer=tt, draft_model=dm,
-                            draft_tokenizer=dt, num_draft_tokens=k, translation=mode, **kw))
+                            draft_tokenizer=dt, num_draft_tokens=k, translation=mode,
+                            extend_words=args.extend_words, holdback=args.holdback, **kw))
                         same += out == ref
                         tok += len(out)
                         secs += s
@@ -190,26 +193,27 @@ def main() -> None:
                         rounds += len(steps)
                         tr += sum(x.translate_s for x in steps)
                         fed += sum(x.resync_tokens for x in steps)
+                        dtok += sum(x.draft_tokens for x in steps)
                     tps = None if args.oracle else tok / secs
                     sp = None if args.oracle else tps / base_tps
                     a = acc / prop if prop else 0.0
                     eq = f"{same}/{len(ids)}"
-                    rows.append((corpus, name, mode, k, a, tok / rounds, tps, sp, tr / secs, fed / rounds, eq))
+                    rows.append((corpus, name, mode, k, a, tok / rounds, tps, sp, tr / secs, fed / rounds, eq, dtok / rounds))
                     print(f"{corpus:5s} {name} k={k} {mode}: acc {a:.3f} ({int(acc)}/{int(prop)}) "
-                          f"tok/round {tok / rounds:.2f} == plain {eq}"
+                          f"tok/round {tok / rounds:.2f} draft/round {dtok / rounds:.2f} == plain {eq}"
                           + ("" if args.oracle else f" {tps:.2f} tok/s x{sp:.2f}"), flush=True)
 
     print()
     if args.oracle:
         print("| corpus | draft | k | translation | acceptance | tokens/round | resync feed/round | == greedy |")
         print("|---|---|---|---|---|---|---|---|")
-        for corpus, name, mode, k, a, tpr, _, _, _, feed, eq in rows:
+        for corpus, name, mode, k, a, tpr, _, _, _, feed, eq, _ in rows:
             print(f"| {corpus} | {name} | {k} | {mode} | {a:.3f} | {tpr:.2f} | {feed:.2f} | {eq} |")
         return
     print("| corpus | draft | k | translation | acceptance | tokens/round | tokens/s | vs plain "
           "| translate time | == plain |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for corpus, name, mode, k, a, tpr, tps, sp, trs, _, eq in rows:
+    for corpus, name, mode, k, a, tpr, tps, sp, trs, _, eq, _ in rows:
         fa = "-" if a is None else f"{a:.2f}"
         ft = "1.00" if tpr is None else f"{tpr:.2f}"
         fr = "-" if trs is None else f"{100 * trs:.1f}%"

@@ -60,7 +60,10 @@ python3 - train --target "$MODEL" --prompts "${PROMPTS[@]}" --out "$OUT" --work-
   --eval-max-new-tokens "$EVAL_TOKENS" --eval-max-minutes "$EVAL_MINUTES" \
   $([ "$EVAL_UNTRAINED" = 1 ] && echo --eval-untrained) \
   "$@" <<'EOF' 2>&1 | tee "$OUT/train.log"
-import importlib.util, sys
+import importlib.util, os, sys
+import mlx.core as mx
+if os.environ.get("MLX_CACHE_GIB"):  # several trainings share one GPU: keep each one's buffer cache small
+    mx.set_cache_limit(int(float(os.environ["MLX_CACHE_GIB"]) * 2**30))
 spec = importlib.util.spec_from_file_location("draft_cmd", "flashfleet/cli/draft_cmd.py")
 mod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mod)

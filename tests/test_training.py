@@ -489,3 +489,12 @@ def test_cli_train_quantized_draft_is_smaller_and_evaluated_both_ways(tmp_path, 
     target, _ = load(str(tiny_models.llama))
     draft = load_dflash_draft(out, target)
     assert type(draft.layers[0].self_attn.q_proj).__name__ == "QuantizedLinear"
+
+
+def test_generation_order_interleaves_corpora():
+    from worker.training.data import Prompt, interleave_by_corpus
+
+    ps = [Prompt("code", f"c{i}", f"code {i}") for i in range(3)] + [Prompt("pl", f"p{i}", f"pl {i}") for i in range(2)]
+    out = interleave_by_corpus(ps)
+    assert [p.id for p in out] == ["c0", "p0", "c1", "p1", "c2"]
+    assert sorted(p.id for p in out) == sorted(p.id for p in ps)

@@ -23,16 +23,16 @@ q15)  # the default code target: plain / mlx-lm draft spec / ours draft / DFlash
     have "$d" && drafts+=("$d"); done
   extra=(); have "$Q05" && extra=(--draft "$Q05")
   run dflash_q15 python3 bench/bench_dflash.py --target "$Q15" "${extra[@]}" --dflash-draft "${drafts[@]}" \
-    --max-tokens "$MT" --prompts "$NP" --kv-bucket 4096 --cases "$C" --json-out "$O/dflash_q15.json" \
+    --max-tokens "$MT" --prompts "$NP" --cases "$C" --json-out "$O/dflash_q15.json" \
     --packages zlab dflash-mlx ;;
-bucket)  # the cycle with 256-position KV buckets (one attention compile per bucket on CUDA)
-  run dflash_q15_bucket256 python3 bench/bench_dflash.py --target "$Q15" --dflash-draft "$R/Qwen2.5-Coder-1.5B-Instruct" \
-    --max-tokens "$MT" --prompts "$NP" --kv-bucket 256 --cases "$C" ;;
+bucket)  # the cycle with 4096-position KV buckets (fewer attention compiles, more masked keys)
+  run dflash_q15_bucket4096 python3 bench/bench_dflash.py --target "$Q15" --dflash-draft "$R/Qwen2.5-Coder-1.5B-Instruct" \
+    --max-tokens "$MT" --prompts "$NP" --kv-bucket 4096 --cases "$C" ;;
 small)  # the smaller catalog targets with their drafts
   have "$R/SmolLM2-135M-Instruct" && run dflash_smol python3 bench/bench_dflash.py --target "$S" \
-    --dflash-draft "$R/SmolLM2-135M-Instruct" --max-tokens "$MT" --prompts "$NP" --kv-bucket 4096 --cases "$C"
+    --dflash-draft "$R/SmolLM2-135M-Instruct" --max-tokens "$MT" --prompts "$NP" --cases "$C"
   have "$R/Qwen2.5-Coder-0.5B-Instruct" && run dflash_q05 python3 bench/bench_dflash.py --target "$Q05" \
-    --dflash-draft "$R/Qwen2.5-Coder-0.5B-Instruct" --max-tokens "$MT" --prompts "$NP" --kv-bucket 4096 --cases "$C" ;;
+    --dflash-draft "$R/Qwen2.5-Coder-0.5B-Instruct" --max-tokens "$MT" --prompts "$NP" --cases "$C" ;;
 uag)  # SmolLM2 drafting for the 1.5B target through cross-tokenizer translation
   run uag_q15 python3 bench/bench_uag.py --target "$Q15" --drafts "$S" --prompts "$NP" --max-tokens $((MT / 2)) -k 3 5 ;;
 esac; done

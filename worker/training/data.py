@@ -126,6 +126,24 @@ def split_heldout(
     return train, heldout
 
 
+def interleave_by_corpus(prompts: Sequence[Prompt]) -> list[Prompt]:
+    """Prompts round-robin over their corpora (first of each, then second of each, ...).
+
+    The target answers prompts in this order and generation can stop at a time limit: in file
+    order, a limit would leave whole corpora out of the training data (it did on the H200).
+
+    Returns:
+        The same prompts, each corpus keeping its own order.
+    """
+    queues: dict[str, list[Prompt]] = {}
+    for p in prompts:
+        queues.setdefault(p.corpus, []).append(p)
+    out: list[Prompt] = []
+    for i in range(max((len(q) for q in queues.values()), default=0)):
+        out += [q[i] for q in queues.values() if i < len(q)]
+    return out
+
+
 def encode_prompt(tokenizer, text: str, max_prompt_tokens: Optional[int] = None) -> list[int]:
     """Token ids of `text` as a user turn in the target's chat template (generation prompt on).
 
@@ -388,6 +406,7 @@ def build_dataset(
 
     prompts = read_prompt_files(files, max_per_file)
     train_p, held_p = split_heldout(prompts, heldout_per_corpus, heldout_fraction)
+    train_p = interleave_by_corpus(train_p)  # a time-capped generation still covers every corpus
     if not train_p:
         raise DataError("no training prompts (all held out, or the files are empty)")
     enc = [encode_prompt(tokenizer, p.text, max_prompt_tokens) for p in train_p]
