@@ -140,14 +140,13 @@ def main() -> None:
     ap.add_argument("-k", "--num-draft-tokens", type=int, nargs="+", default=[3],
                     help="draft tokens per round (several values: one row each)")
     ap.add_argument("--modes", nargs="+", default=["naive", "context"], choices=["naive", "context"])
-    ap.add_argument("--extend-words", type=int, default=0)
-    ap.add_argument("--holdback", action="store_true")
     ap.add_argument("--oracle", action="store_true",
                     help="acceptance only: replay the target's cached greedy output (no timings)")
     ap.add_argument("--refs", default=str(DEFAULT_REFS), help="reference-output cache (--oracle)")
     args = ap.parse_args()
 
-    tm, tt = load(model_path(args.target), lazy=args.oracle)  # --oracle: weights read only if a reference is missing
+    # --oracle: the target's weights are read only if a reference output is missing
+    tm, tt = load(model_path(args.target), lazy=args.oracle)
     eos = set(tt.eos_token_ids)
     vocab_size = len(byte_vocab(tt).bytes_of)
     drafts = {}
@@ -161,20 +160,19 @@ def main() -> None:
         for dm, dt in drafts.values():
             list(generate(warm, 3, greedy, eos, model=tm, tokenizer=tt, draft_model=dm, draft_tokenizer=dt))
 
-    rows = []
+    rows = []  # dicts, one per table row
     for corpus in args.corpora:
         texts = prompts(corpus, args.prompts, args.max_prompt_chars)
         ids = [tt.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True) for t in texts]
         refs, base_s = reference_outputs(args, tm, tt, eos, ids)
-        base_tok = sum(len(r) for r in refs)
-        base_tps = base_tok / base_s if base_s else None
+        base_tps = sum(len(r) for r in refs) / base_s if base_s else None
         if not args.oracle:
-            rows.append((corpus, "plain", "-", "-", None, None, base_tps, 1.0, None, None, "yes", None))
+            rows.append(dict(corpus=corpus, draft="plain", k="-", mode="-", tps=base_tps, eq="yes"))
             print(f"{corpus:5s} plain {base_tps:.2f} tok/s", flush=True)
         for name, (dm, dt) in drafts.items():
             for k in args.num_draft_tokens:
                 for mode in args.modes:
-                    tok = secs = prop = acc = rounds = tr = fed = dtok = 0.0
+                    tok = secs = prop = acc = rounds = tr = fed = 0
                     same = 0
                     for p, ref in zip(ids, refs):
                         if args.oracle:
@@ -183,8 +181,7 @@ def main() -> None:
                             kw = dict(model=tm)
                         out, steps, s = run(lambda: generate(
                             p, args.max_tokens, greedy, eos, tokenizer=tt, draft_model=dm,
-                            draft_tokenizer=dt, num_draft_tokens=k, translation=mode,
-                            extend_words=args.extend_words, holdback=args.holdback, **kw))
+                            draft_tokenizer=dt, num_draft_tokens=k, translation=mode, **kw))
                         same += out == ref
                         tok += len(out)
                         secs += s
@@ -193,31 +190,34 @@ def main() -> None:
                         rounds += len(steps)
                         tr += sum(x.translate_s for x in steps)
                         fed += sum(x.resync_tokens for x in steps)
-                        dtok += sum(x.draft_tokens for x in steps)
-                    tps = None if args.oracle else tok / secs
-                    sp = None if args.oracle else tps / base_tps
-                    a = acc / prop if prop else 0.0
-                    eq = f"{same}/{len(ids)}"
-                    rows.append((corpus, name, mode, k, a, tok / rounds, tps, sp, tr / secs, fed / rounds, eq, dtok / rounds))
-                    print(f"{corpus:5s} {name} k={k} {mode}: acc {a:.3f} ({int(acc)}/{int(prop)}) "
-                          f"tok/round {tok / rounds:.2f} draft/round {dtok / rounds:.2f} == plain {eq}"
-                          + ("" if args.oracle else f" {tps:.2f} tok/s x{sp:.2f}"), flush=True)
+                    r = dict(corpus=corpus, draft=name, k=k, mode=mode, acc=acc, prop=prop,
+                             tpr=tok / rounds, feed=fed / rounds, tr=tr / secs, eq=f"{same}/{len(ids)}")
+                    if not args.oracle:
+                        r.update(tps=tok / secs, sp=tok / secs / base_tps)
+                    rows.append(r)
+                    print(f"{corpus:5s} {name} k={k} {mode}: acceptance {acc / max(prop, 1):.3f} ({acc}/{prop}) "
+                          f"tokens/round {tok / rounds:.2f} == plain {r['eq']}"
+                          + ("" if args.oracle else f" {r['tps']:.2f} tok/s x{r['sp']:.2f}"), flush=True)
 
     print()
     if args.oracle:
-        print("| corpus | draft | k | translation | acceptance | tokens/round | resync feed/round | == greedy |")
+        print("| corpus | draft | k | translation | acceptance (accepted/proposed) | tokens/round "
+              "| re-sync feed/round | == greedy |")
         print("|---|---|---|---|---|---|---|---|")
-        for corpus, name, mode, k, a, tpr, _, _, _, feed, eq, _ in rows:
-            print(f"| {corpus} | {name} | {k} | {mode} | {a:.3f} | {tpr:.2f} | {feed:.2f} | {eq} |")
+        for r in rows:
+            print(f"| {r['corpus']} | {r['draft']} | {r['k']} | {r['mode']} | "
+                  f"{r['acc'] / max(r['prop'], 1):.3f} ({r['acc']}/{r['prop']}) | {r['tpr']:.2f} | "
+                  f"{r['feed']:.2f} | {r['eq']} |")
         return
     print("| corpus | draft | k | translation | acceptance | tokens/round | tokens/s | vs plain "
           "| translate time | == plain |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for corpus, name, mode, k, a, tpr, tps, sp, trs, _, eq, _ in rows:
-        fa = "-" if a is None else f"{a:.2f}"
-        ft = "1.00" if tpr is None else f"{tpr:.2f}"
-        fr = "-" if trs is None else f"{100 * trs:.1f}%"
-        print(f"| {corpus} | {name} | {k} | {mode} | {fa} | {ft} | {tps:.2f} | {sp:.2f}x | {fr} | {eq} |")
+    for r in rows:
+        fa = f"{r['acc'] / max(r['prop'], 1):.2f}" if "acc" in r else "-"
+        ft = f"{r['tpr']:.2f}" if "tpr" in r else "1.00"
+        fr = f"{100 * r['tr']:.1f}%" if "tr" in r else "-"
+        print(f"| {r['corpus']} | {r['draft']} | {r['k']} | {r['mode']} | {fa} | {ft} | {r['tps']:.2f} | "
+              f"{r.get('sp', 1.0):.2f}x | {fr} | {r['eq']} |")
 
 
 if __name__ == "__main__":

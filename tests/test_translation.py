@@ -17,6 +17,7 @@ from worker.spec.translation import (
     encode_naive,
     prompt_for_draft,
     translate,
+    word_boundary,
 )
 
 MODELS = Path.home() / ".cache" / "flashfleet" / "models"
@@ -60,6 +61,8 @@ def test_utf8_helpers():
     assert complete_utf8_prefix(b"") == 0
     assert char_start("ż".encode(), 1) == 2
     assert common_prefix([1, 2, 3], [1, 2, 4]) == 2
+    assert common_prefix([1, 2, 3], [1, 2, 4], start=1) == 2
+    assert common_prefix([1, 2], [1, 2, 4], start=5) == 2
 
 
 @pytest.mark.parametrize("split", [3, 7, 11, 20, 25])
@@ -113,6 +116,32 @@ def test_incomplete_utf8_is_held_back(vocabs):
         assert out.consumed == len(new) - 1
         assert vocab.to_bytes(out.ids).endswith(b"ab ")
         assert encode_naive(vocab, b"\xc5").ids == []
+
+
+def test_word_boundary():
+    t = b"ab  cd\n\tef(g).\n x"
+    assert [p for p in range(len(t) + 1) if word_boundary(t, p)] == [0, 2, 6]
+    assert not word_boundary(b"ab", 2)  # the end: what follows is unknown
+
+
+@pytest.mark.parametrize("name", ["tiny-bpe", "tiny-spm", "SmolLM2-135M-Instruct",
+                                  "Qwen2.5-Coder-0.5B-Instruct", "Gemma-3-270M"])
+def test_word_boundary_is_a_token_boundary(name, vocabs):
+    """Encoding the text after a word boundary (context-aware, with the text before it as
+    context) gives the whole text's tokens from there: what the draft's re-sync relies on."""
+    vocab = {"tiny-bpe": vocabs[0], "tiny-spm": vocabs[1]}.get(name)
+    if vocab is None:
+        path = MODELS / name
+        if not (path / "tokenizer.json").exists():
+            pytest.skip(f"{path} absent")
+        vocab = ByteVocab.from_tokenizer(AutoTokenizer.from_pretrained(str(path)))
+    text = ("Konstantynopolitańczykowianeczka jest długa.\nunbelievable_identifier(x) = 12  # ok\n"
+            "def f(x):\n    return  x \n\n\tżółw, 🙂 end").encode()
+    whole = vocab.encode(text.decode())
+    for p in range(1, len(text)):
+        if word_boundary(text, p):
+            out = encode_continuation(vocab, text[:p], text[p:])
+            assert out.aligned and out.ids == whole[len(whole) - len(out.ids):], (name, p)
 
 
 def test_context_window():

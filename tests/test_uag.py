@@ -10,6 +10,7 @@ Qwen2.5-Coder-0.5B-Instruct, skipped when the model directories are absent.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -22,6 +23,7 @@ from worker.spec.cross_tokenizer import UagStep, byte_vocab, generate
 from worker.spec.translation import encode_continuation
 from worker.spec.uag_cost import UagCostModel, UagPolicy
 
+MODELS = Path.home() / ".cache" / "flashfleet" / "models"
 FALLBACK = ["Zażółć gęślą jaźń. Pchnąć w tę łódź 🙂", "def f(x):\n\t  return  x\n\n"]
 
 
@@ -152,6 +154,85 @@ def test_scripted_pair_accepts_and_stays_lossless(pairs, direction, translation)
         accepted[text] = sum(s.accepted for s in steps)
         assert len(steps) < len(ref)
     assert sum(accepted.values()) > 0
+
+
+class MissLM:
+    """A draft that always proposes the token "Q" (never right), so every round commits exactly
+    the target's next token, and that records the draft tokens of the generated text it holds
+    at every call (the result of each re-sync)."""
+
+    def __init__(self, vocab, prompt_len):
+        self.v, self.prompt_len = vocab, prompt_len
+        self.miss_id = vocab.encode("Q")[-1]
+        self.seen: list[list[int]] = []
+
+    def __call__(self, x, cache):
+        ids = x.reshape(-1).tolist()
+        cache[0].fed.extend(ids)
+        if len(cache[0].fed) > self.prompt_len:
+            self.seen.append(cache[0].fed[self.prompt_len:])
+        logits = mx.full((1, len(ids), len(self.v.bytes_of)), -1.0)
+        logits[0, -1, self.miss_id] = 1.0
+        return logits
+
+
+SPLIT_TEXT = "Zażółć gęślą jaźń: unbelievable, niewiarygodnie tokenize_identifier(x) \n"
+
+
+def resync_tokens_by_mode(tt, dt, text):
+    """Decodes `text` (the target's greedy output, scripted) with a draft that is always wrong
+    and k = 1: the committed text grows by one target token per round, so words are split
+    across rounds wherever the two tokenizers split them differently. Returns {mode: the
+    draft's tokens after each re-sync} and checks that both modes give plain greedy output."""
+    tv, dv = byte_vocab(tt), byte_vocab(dt)
+    data = text.encode()
+    prompt, dprompt = tv.encode("prompt\n"), dv.encode("prompt\n")
+    n = len(tv.encode(text))
+    ref = [t for s in plain.generate(prompt, n, greedy, set(), model=ScriptedLM(tv, len(prompt), data),
+                                     cache=[ListCache()]) for t in s.tokens]
+    assert tv.to_bytes(ref).startswith(data)
+    seen = {}
+    for translation in ("naive", "context"):
+        draft = MissLM(dv, len(dprompt))
+        steps = list(generate(prompt, n, greedy, set(), model=ScriptedLM(tv, len(prompt), data), tokenizer=tt,
+                              draft_model=draft, draft_tokenizer=dt, num_draft_tokens=1,
+                              translation=translation, draft_prompt_tokens=dprompt,
+                              cache=[ListCache()], draft_cache=[ListCache()]))
+        assert [t for s in steps for t in s.tokens] == ref, translation
+        seen[translation] = draft.seen
+    return seen, dv
+
+
+def is_canonical(dv, ids):
+    """The draft tokenizer's own tokenization of the (complete UTF-8) text the ids spell."""
+    return ids == dv.encode(dv.to_bytes(ids).decode("utf-8"))
+
+
+def test_context_resync_gives_the_draft_its_own_tokenization(pairs):
+    """A word split across rounds: naive re-sync encodes each new piece alone (e.g. " u" + "n"
+    instead of " un"), context-aware re-sync re-encodes from the word start and trims the draft
+    cache back to the common prefix, so after every round the draft holds exactly its own
+    tokenization of the committed text (held-back partial UTF-8 excluded)."""
+    (_, bt), (_, st) = pairs
+    seen, dv = resync_tokens_by_mode(st, bt, SPLIT_TEXT)  # SentencePiece-style target, byte-level draft
+    assert len(seen["context"]) > 20
+    assert all(is_canonical(dv, ids) for ids in seen["context"])
+    assert not all(is_canonical(dv, ids) for ids in seen["naive"])
+
+
+@pytest.mark.parametrize("target,draft", [("Qwen2.5-Coder-0.5B-Instruct", "SmolLM2-135M-Instruct")])
+def test_context_resync_real_tokenizers(target, draft):
+    """The same with the real tokenizers (Qwen2.5 target, SmolLM2 draft; skipped without them)."""
+    paths = [MODELS / name for name in (target, draft)]
+    if not all((p / "tokenizer.json").exists() for p in paths):
+        pytest.skip("real tokenizers absent")
+    from transformers import AutoTokenizer
+    tt, dt = (AutoTokenizer.from_pretrained(str(p)) for p in paths)
+    text = ("Konstantynopolitańczykowianeczka jest niewiarygodnie długim słowem; "
+            "unbelievably_long_identifier = 1\n")
+    seen, dv = resync_tokens_by_mode(tt, dt, text)
+    assert all(is_canonical(dv, ids) for ids in seen["context"])
+    assert not all(is_canonical(dv, ids) for ids in seen["naive"])
 
 
 def test_sampling_is_seeded_and_runs(pairs):

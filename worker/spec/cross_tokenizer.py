@@ -8,10 +8,15 @@ context-aware translation); Leviathan et al. 2023 for the speculative round itse
 /work/shared/research/uag.md.
 
 One round:
-  1. re-sync the draft: find the draft tokens whose bytes still match the committed text, back
-     off one token (it may merge with what follows), re-encode the rest of the committed text
-     with `worker.spec.translation` (context-aware: with the preceding text as context), trim
-     the draft's KV cache to the longest common prefix with that sequence and feed the rest;
+  1. re-sync the draft: keep the draft tokens whose bytes still spell the committed text and
+     encode the rest of it into draft tokens (`worker.spec.translation`). Context-aware: back
+     off to the start of the word the new text continues (`word_boundary`) and re-encode from
+     there with the preceding text as context, so the draft holds its own tokenization of the
+     text (" unbelievable", not " unbel" + "ie" + "v" + "able" when the target committed the
+     word in pieces over several rounds); naive: encode the new text alone. Then trim the
+     draft's KV cache to the longest common prefix with the new sequence and feed the rest
+     (transformers' UAG `remove_from_pkv`). An incomplete trailing UTF-8 character waits for
+     the next round;
   2. the draft proposes k tokens greedily in its own vocabulary (sequential forwards);
   3. their bytes (cut before a draft special token, e.g. its EOS) are translated into m target
      tokens (an incomplete trailing UTF-8 character is held back);
@@ -47,6 +52,7 @@ from worker.spec.translation import (
     common_prefix,
     prompt_for_draft,
     translate,
+    word_boundary,
 )
 from worker.spec.uag_cost import UagPolicy
 
@@ -113,8 +119,9 @@ def generate(
         draft_model: an mlx-lm model with any vocabulary; it drafts greedily.
         draft_tokenizer: the draft's tokenizer.
         num_draft_tokens: draft tokens per round k (the largest k when `policy` is given), >= 1.
-        translation: "context" (re-encode with the preceding text as context, aligned on bytes)
-            or "naive" (re-encode the new text alone), for both directions.
+        translation: "context" (encode with the preceding text as context, aligned on bytes;
+            the draft's re-sync re-encodes from the start of the current word) or "naive"
+            (encode the new text alone), for both directions.
         draft_prompt_tokens: the draft's prompt ids (e.g. the conversation rendered with the
             draft's template); None re-encodes the target prompt's text.
         policy: chooses k per round, 0 meaning a plain step (`UagPolicy`); None = fixed k.
@@ -159,9 +166,12 @@ def generate(
     text = bytearray()  # committed generated text, bytes (target tokens)
     ntoks = 0
 
+    checked = [0, 0]  # (tokens, bytes): a prefix of dgen already found to spell the text
+
     def _matched() -> tuple[int, int]:
-        """(draft tokens, bytes) of dgen that still spell a prefix of the committed text."""
-        j = pos = 0
+        """(draft tokens, bytes) of dgen that still spell a prefix of the committed text
+        (checked from `checked` on: the committed text only grows)."""
+        j, pos = checked
         while j < len(dgen):
             n = dlen[j]
             tail = dv.bytes_of[dgen[j]][-n:] if n else b""
@@ -171,6 +181,22 @@ def generate(
             j += 1
         return j, pos
 
+    def _anchor(j: int, pos: int) -> tuple[int, int]:
+        """Where context-aware re-sync re-encodes from: back from the end of the matched draft
+        tokens (j, pos) to the start of the word the new text continues (a `word_boundary` at
+        a draft token start, at most `window_bytes` back; else one token back), so the
+        draft gets its own tokenization of the whole word, not of its pieces."""
+        if pos >= len(text):
+            return j, pos  # nothing new to encode
+        i, p = j, pos
+        while not word_boundary(text, p) and i > 0 and pos - p < window_bytes:
+            i -= 1
+            p -= dlen[i]
+        if word_boundary(text, p):
+            return i, p
+        return (j - 1, pos - dlen[j - 1]) if j > 0 else (j, pos)
+
+    context = translation == "context"
     try:
         while True:
             left = max_tokens - ntoks
@@ -183,14 +209,15 @@ def generate(
                 # 1. re-sync the draft with the committed text.
                 t0 = time.perf_counter()
                 j, pos = _matched()
-                if j > 0:
-                    j -= 1
-                    pos -= dlen[j]
+                if context:
+                    j, pos = _anchor(j, pos)
+                checked[:] = j, pos
                 tr = translate(dv, bytes(text), pos, translation, window_bytes)
                 dgen, dlen = dgen[:j] + tr.ids, dlen[:j] + tr.lengths
                 synced = pos + tr.consumed
                 seq = dprompt + dgen
-                keep = min(common_prefix(dcached, seq), len(seq) - 1)
+                # dcached and dprompt + dgen (before this re-sync) agree on their common length
+                keep = min(common_prefix(dcached, seq, len(dprompt) + j), len(seq) - 1)
                 feed = seq[keep:]
                 resync = len(feed)
                 translate_s += time.perf_counter() - t0
@@ -248,7 +275,7 @@ def generate(
         # The target cache never holds uncommitted tokens here; trim the draft's to the part
         # that still spells the committed text.
         j, _ = _matched()
-        keep = common_prefix(dcached, dprompt + dgen[:j])
+        keep = common_prefix(dcached, dprompt + dgen[:j], len(dprompt) + j)
         trim_prompt_cache(draft_cache, len(dcached) - keep)
 
 

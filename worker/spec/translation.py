@@ -260,10 +260,38 @@ def translate(vocab: ByteVocab, text: bytes, start: int, mode: str = "context",
     return out
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two id sequences."""
+_BLANK = frozenset(b" \t")
+_NEWLINE = frozenset(b"\r\n")
+_SPACE = _BLANK | _NEWLINE
+
+
+def _wordy(b: int) -> bool:
+    return b >= 0x80 or chr(b).isalnum()
+
+
+def word_boundary(text: bytes, pos: int) -> bool:
+    """True when tokenizers do not merge across byte `pos` of `text`, whatever follows it.
+
+    Boundaries: the start of the text; a space or tab right after a non-whitespace byte (GPT-2
+    and Qwen pre-tokenizers start a new chunk at " word", SentencePiece pieces at "▁word"); a
+    newline right after a letter or digit (not after punctuation: Qwen's pre-tokenizer glues
+    ".\n" into one chunk). Elsewhere a token may straddle `pos` (inside a word, or a space
+    glued to the next word), so the split there depends on the neighbouring text. A heuristic
+    for tokenizers without a pre-tokenizer (Gemma): `encode_continuation` checks alignment.
+    """
+    if pos <= 0:
+        return True
+    if pos >= len(text):
+        return False
+    b, prev = text[pos], text[pos - 1]
+    return (b in _BLANK and prev not in _SPACE) or (b in _NEWLINE and _wordy(prev))
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
+    """Length of the longest common prefix of two id sequences, comparing from `start` on (the
+    caller knows a[:start] == b[:start])."""
     n = min(len(a), len(b))
-    i = 0
+    i = min(start, n)
     while i < n and a[i] == b[i]:
         i += 1
     return i
