@@ -42,9 +42,10 @@ from typing import Any, Iterator, Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from worker.spec.base import Sampler, Step, accept_prefix
+from worker.spec.dflash import make_target_cache
 from worker.spec.plain import CLEAR_CACHE_EVERY_TOKENS, prefill_steps
 from worker.spec.translation import (
     DEFAULT_WINDOW_BYTES,
@@ -148,8 +149,10 @@ def generate(
         raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
     if translation not in ("context", "naive"):
         raise ValueError(f"translation must be 'context' or 'naive', got {translation!r}")
-    cache = make_prompt_cache(model) if cache is None else cache
-    draft_cache = make_prompt_cache(draft_model) if draft_cache is None else draft_cache
+    # Padded caches: every round verifies k+1 tokens at a new key length, and MLX's CUDA build
+    # compiles attention for each new length (worker.models.dflash.PaddedKVCache).
+    cache = make_target_cache(model) if cache is None else cache
+    draft_cache = make_target_cache(draft_model) if draft_cache is None else draft_cache
     for name, c in (("target", cache), ("draft", draft_cache)):
         if not can_trim_prompt_cache(c):
             raise ValueError(f"uag speculative decoding needs a trimmable {name} cache")
@@ -282,9 +285,9 @@ def generate(
 def start_uag(m: Any, cfg: Any, req: Any, sampler: Sampler) -> tuple[Iterator[UagStep], list[Any]]:
     """`worker.engine.modes.StartFn` for mode "uag": needs `m.draft` and `m.draft_tokenizer`
     (`LoadedModels`), uses cfg.num_draft_tokens as the largest k with the adaptive `UagPolicy`
-    (plain steps when drafting does not pay). Plain (unpadded) caches: UAG trims them by varying
-    amounts every round."""
-    cache, draft_cache = make_prompt_cache(m.target), make_prompt_cache(m.draft)
+    (plain steps when drafting does not pay). Padded caches, as in draft-model decoding: trimming
+    them by any amount is O(1), and the attention key length changes once per 256 positions."""
+    cache, draft_cache = make_target_cache(m.target), make_target_cache(m.draft)
     steps = generate(
         list(req.prompt_tokens), req.max_tokens, sampler, m.eos_ids, model=m.target,
         tokenizer=m.tokenizer, draft_model=m.draft, draft_tokenizer=m.draft_tokenizer,
