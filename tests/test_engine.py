@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 from dataclasses import replace
 
+from pathlib import Path
+
 import pytest
 
 from worker.config import EngineConfig
@@ -22,6 +24,7 @@ from worker.engine.types import (
     TokenEvent,
 )
 from worker.detokenize import TextAssembler
+from worker.models.dflash_checkpoint import DraftMismatch
 from worker.spec.base import Step
 
 TIMEOUT_S = 30
@@ -300,6 +303,9 @@ def test_startup_errors_are_clear(tiny_models, tmp_path):
     (broken / "model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(RuntimeError, match="engine failed to start"):
         Engine(EngineConfig(broken, warmup=False))
+    smol_draft = Path(__file__).resolve().parents[1] / "flashfleet" / "drafts" / "SmolLM2-135M-Instruct"
+    with pytest.raises(DraftMismatch, match="hidden_size 576 != target hidden size 64"):
+        Engine(EngineConfig(tiny_models.llama, draft_path=smol_draft, warmup=False))
 
 
 def test_long_prefill_does_not_block_other_sessions_and_can_be_aborted(tiny_models):

@@ -373,3 +373,10 @@ def test_shipped_smollm2_draft_greedy_equals_plain(monkeypatch):
 
 if __name__ == "__main__":  # the child process of the real-model test: MODEL_DIR DRAFT_DIR
     print(json.dumps(greedy_pairs(sys.argv[1], sys.argv[2])))
+
+
+def test_dflash_keyword_with_a_misspelt_model_says_unknown_model():
+    from flashfleet.models.drafts import NoShippedDraftError, resolve_draft_arg
+
+    with pytest.raises(NoShippedDraftError, match="unknown model 'SmolLM2-135M-Instrct' \\(did you mean 'SmolLM2-135M-Instruct'\\?\\)"):
+        resolve_draft_arg("dflash", "SmolLM2-135M-Instrct")

@@ -46,9 +46,12 @@ def parse_args(argv):
     p.add_argument("--num-draft-tokens", type=int, default=None, help="default 3")
     p.add_argument("--block-size", type=int, default=None,
                    help="DFlash block size (default: the draft checkpoint's)")
-    p.add_argument("--adaptive-block-size", action="store_true",
-                   help="DFlash picks each cycle's block size from measured costs, down to plain "
-                   "decoding when speculation stops paying")
+    p.add_argument("--fixed-block-size", dest="adaptive_block_size", action="store_false",
+                   help="DFlash always drafts full blocks (default: each cycle's block size comes from "
+                   "measured costs, down to plain decoding when speculation stops paying)")
+    p.add_argument("--adaptive-block-size", dest="adaptive_block_size", action="store_true",
+                   help=argparse.SUPPRESS)  # the default; kept for old command lines
+    p.set_defaults(adaptive_block_size=True)
     p.add_argument("--capacity", type=int, default=None, help="sessions admitted at once (default 4)")
     p.add_argument("--max-context-tokens", type=int, default=None)
     p.add_argument("--coordinator", default=None, help="coordinator host:port (omit: standalone)")

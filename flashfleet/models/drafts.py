@@ -18,6 +18,7 @@ Nothing here imports MLX: the draft is only located; the worker loads it.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from pathlib import Path
@@ -153,7 +154,14 @@ def resolve_draft_arg(draft: str | None, model: str | os.PathLike, *aliases: str
             if found is not None:
                 return str(found)
     have = ", ".join(shipped_drafts()) or "none yet"
+    name = os.fspath(model)
+    if not Path(name).is_dir() and not any(name.lower() == k.lower() for k in CATALOG):
+        close = difflib.get_close_matches(name, list(CATALOG), n=1)
+        raise NoShippedDraftError(
+            f"unknown model {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+            + f"; catalog models: {', '.join(CATALOG)}; models with a shipped DFlash draft: {have}"
+        )
     raise NoShippedDraftError(
-        f"draft 'dflash': no DFlash draft ships for model {os.fspath(model)!r}; "
+        f"draft 'dflash': no DFlash draft ships for model {name!r}; "
         f"models with a shipped DFlash draft: {have}"
     )

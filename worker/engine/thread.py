@@ -23,7 +23,7 @@ from mlx_lm.utils import load_tokenizer
 from worker.config import EngineConfig
 from worker.detokenize import TextAssembler
 from worker.engine.modes import MODES, LoadedModels, Mode, draft_kind_of, resolve_mode
-from worker.models.dflash_checkpoint import load_dflash_draft
+from worker.models.dflash_checkpoint import DraftCheckpointError, load_dflash_draft
 from worker.engine.session import Session, new_stats
 from worker.engine.types import (
     DoneEvent,
@@ -169,6 +169,8 @@ class Engine:
             raise RuntimeError(f"engine did not load {config.model_path} within {load_timeout_s} s")
         if self._startup_error is not None:
             self._thread.join()
+            if isinstance(self._startup_error, DraftCheckpointError):  # a user error: say it plainly
+                raise self._startup_error
             raise RuntimeError(f"engine failed to start: {self._startup_error}") from self._startup_error
 
     # ----- lifecycle -------------------------------------------------------------------------
