@@ -380,3 +380,15 @@ def test_dflash_keyword_with_a_misspelt_model_says_unknown_model():
 
     with pytest.raises(NoShippedDraftError, match="unknown model 'SmolLM2-135M-Instrct' \\(did you mean 'SmolLM2-135M-Instruct'\\?\\)"):
         resolve_draft_arg("dflash", "SmolLM2-135M-Instrct")
+
+
+def test_up_rejects_unknown_model_or_draft_before_starting_anything(capsys, tmp_path):
+    from flashfleet.cli.up import main, served_name
+
+    assert main(["--model", "SmolLM2-135M-Instrct", "--port", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--model 'SmolLM2-135M-Instrct' is neither" in err[0] and "did you mean" in err[0]
+    assert main(["--model", "SmolLM2-135M-Instruct", "--draft", str(tmp_path / "nope"), "--port", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("flashfleet up: --draft ")
+    assert served_name(str(tmp_path)) == tmp_path.name and served_name("SmolLM2-135M-Instruct") == "SmolLM2-135M-Instruct"

@@ -78,8 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     g.add_argument("--save-dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     g.add_argument("--quantize-bits", type=int, default=None, choices=(4, 8),
-                   help="save the draft's linear layers MLX-quantized (the size budget counts quantized bytes)")
-    g.add_argument("--quantize-group-size", type=int, default=64, choices=(32, 64, 128))
+                   help="save the draft's linear layers MLX-quantized (default: unquantized, in --save-dtype; "
+                   "the size budget counts quantized bytes; the shipped drafts use 4)")
+    g.add_argument("--quantize-group-size", type=int, default=64, choices=(32, 64, 128),
+                   help="weights sharing one scale and bias (with --quantize-bits)")
     g.add_argument("--no-compile", dest="compile", action="store_false", help="do not mx.compile the step")
     g.add_argument("--cache-taps-gib", type=float, default=8.0,
                    help="keep the target taps of the whole dataset in memory when they fit (0: recompute "
@@ -100,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--draft", required=True, help="DFlash draft directory")
     e.add_argument("--prompts", required=True, nargs="+", metavar="FILE")
     e.add_argument("--heldout-only", action="store_true",
-                   help="only the held-out split `train` uses (same --heldout-* settings)")
+                   help="only the held-out split `train` uses: give the same --heldout-* and "
+                   "--max-prompts-per-file values as the training run, or training prompts can slip in")
     e.add_argument("--heldout-per-corpus", type=int, default=8)
     e.add_argument("--heldout-fraction", type=float, default=0.1)
     e.add_argument("--max-prompts-per-file", type=int, default=None)

@@ -3,6 +3,7 @@ addresses, and shut them all down cleanly on Ctrl-C or SIGTERM."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import signal
 import socket
@@ -209,6 +210,32 @@ def check_shipped_drafts(cfg, workers: int, model: str | None, draft: str | None
             resolve_draft_arg(draft or settings["draft"], settings["model"], settings["model_name"])
 
 
+def served_name(model: str) -> str:
+    """The name a worker serves `model` under: a directory's name, else the catalog name."""
+    return Path(model).expanduser().name if Path(model).expanduser().is_dir() else model
+
+
+def check_model_ref(flag: str, value: str | None) -> None:
+    """Fails early, before any process starts, when --model or --draft names neither a local
+    directory nor a catalog model (the draft keyword `dflash` is checked by
+    `check_shipped_drafts`).
+
+    Raises:
+        ValueError: one line naming the flag, the value and the catalog models.
+    """
+    from flashfleet.models import CATALOG
+    from flashfleet.models.drafts import is_dflash_keyword
+
+    if value is None or is_dflash_keyword(value) or Path(value).expanduser().is_dir():
+        return
+    if value.lower() in (name.lower() for name in CATALOG):
+        return
+    close = difflib.get_close_matches(value, list(CATALOG), n=1)
+    raise ValueError(f"{flag} {value!r} is neither a local model directory nor a catalog model"
+                     + (f" (did you mean {close[0]!r}?)" if close else "")
+                     + f"; catalog: {', '.join(CATALOG)}")
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="flashfleet up", description=__doc__)
     p.add_argument("--config", default=None, help="cluster config file (deploy/cluster.toml): "
@@ -247,8 +274,10 @@ def main(argv: list[str]) -> int:
             return 2
     else:
         try:
+            check_model_ref("--model", a.model)
+            check_model_ref("--draft", a.draft)
             check_shipped_drafts(None, a.workers or 2, a.model or DEFAULT_MODEL, a.draft)
-        except NoShippedDraftError as e:
+        except (ValueError, NoShippedDraftError) as e:
             print(f"flashfleet up: {e}", file=sys.stderr)
             return 2
         cluster = LocalCluster(a.model or DEFAULT_MODEL, a.workers or 2, a.port or 50051, a.host,
@@ -266,7 +295,7 @@ def main(argv: list[str]) -> int:
         print(f"flashfleet up: {e}", file=sys.stderr)
         return 1
     print(f"cluster ready: coordinator at {cluster.address}\n"
-          f"  try: flashfleet generate --address {cluster.address} --model {cluster.model} "
+          f"  try: flashfleet generate --address {cluster.address} --model {served_name(cluster.model)} "
           f"\"What is a GPU?\"\nCtrl-C stops everything.", flush=True)
     try:
         while not stop["now"]:
