@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -285,3 +286,18 @@ def test_second_server_on_a_busy_port_fails_to_bind(cluster):
     busy = cluster.coordinator.port
     with pytest.raises(RuntimeError, match="could not bind"):
         cluster.loop.run(start_coordinator(CoordinatorConfig(port=busy), CollectorRegistry()))
+
+
+def test_status_cli_shows_each_workers_draft(capsys):
+    from flashfleet.cli.status import main as status_main
+
+    drafted = FakeEngine()
+    drafted.model = replace(drafted.model, draft="/drafts/SmolLM2-135M-Instruct", draft_mode="dflash")
+    c = start_cluster({"w1": drafted, "w2": FakeEngine()})
+    try:
+        assert status_main(["--address", c.address]) == 0
+        rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+        assert "SmolLM2-135M-Instruct (dflash)" in rows["w1"]
+        assert " - " in rows["w2"] and "dflash" not in rows["w2"]
+    finally:
+        c.close()

@@ -134,8 +134,9 @@ async def serve(a, engine) -> None:
         start_http_server(a.metrics_port, addr=a.host, registry=registry)
     running = await start_worker(engine, a.worker_id, a.host, a.port, a.coordinator,
                                  a.advertise_host, metrics, getattr(a, "tls", None))
-    print(f"worker {a.worker_id} serving {engine.model.name} on {running.advertise_address}",
-          flush=True)
+    m = engine.model
+    draft = f" with {m.draft_mode} draft {m.draft}" if m.draft else ""
+    print(f"worker {a.worker_id} serving {m.name}{draft} on {running.advertise_address}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
