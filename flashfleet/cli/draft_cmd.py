@@ -19,6 +19,16 @@ import sys
 __all__ = ["build_parser", "main"]
 
 
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends a flag's default unless its help already states it, it is None, or it is a switch."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default is None or isinstance(action.default, bool):
+            return text
+        return super()._get_help_string(action)
+
 def _minutes(text: str) -> float:
     v = float(text)
     if v <= 0:
@@ -32,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     t = commands.add_parser("train", help="generate data with the target, train a DFlash draft, measure tau",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                            formatter_class=_Help)
     t.add_argument("--target", required=True, help="target model directory or fetched catalog name")
     t.add_argument("--prompts", required=True, nargs="+", metavar="FILE",
                    help=".jsonl files with a 'prompt' field, or text files with one prompt per line; "
@@ -97,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--quiet", action="store_true", help="no progress bars")
 
     e = commands.add_parser("eval", help="acceptance length tau of a draft on prompt files",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                            formatter_class=_Help)
     e.add_argument("--target", required=True, help="target model directory or fetched catalog name")
     e.add_argument("--draft", required=True, help="DFlash draft directory")
     e.add_argument("--prompts", required=True, nargs="+", metavar="FILE")
