@@ -6,6 +6,7 @@ Methods (each one skipped when its inputs are missing):
   ours draft       worker.spec.draft_model.generate                                  needs --draft
   ours plain       worker.spec.plain.generate
   ours dflash      worker.spec.dflash.dflash_generate     needs --dflash-draft or --dflash-random-layers
+  ... adaptive     the same with the worker's cost model (AdaptiveBlockPolicy)          needs --adaptive
   z-lab dflash     dflash.model_mlx.stream_generate (registry package `dflash` 0.1.0, z-lab)
                                                         --packages zlab, and a DFlash draft
   dflash-mlx       dflash_mlx.runtime.stream_dflash_generate, fixed block (verify_mode "dflash";
@@ -312,6 +313,8 @@ def main(argv=None) -> int:
     p.add_argument("--target", required=True, help="mlx-lm model directory")
     p.add_argument("--draft", help="mlx-lm draft model directory (same tokenizer) for draft-model modes")
     p.add_argument("--dflash-draft", nargs="+", default=[], help="DFlash draft directories (published layout)")
+    p.add_argument("--adaptive", action="store_true",
+                   help="also run each DFlash draft with the worker's cost model (AdaptiveBlockPolicy)")
     p.add_argument("--dflash-random-layers", type=int, default=0,
                    help="time an untrained random DFlash draft of N layers (low acceptance: per-cycle cost)")
     p.add_argument("--block-size", type=int, default=None, help="DFlash block size (default: the draft's)")
@@ -371,6 +374,13 @@ def main(argv=None) -> int:
     for name, d in dflash.items():
         methods[name] = lambda pr, d=d: run_steps(dflash_generate(
             pr, M, greedy, eos, target=target, draft=d, block_size=args.block_size or d.block_size))
+    if args.adaptive:  # what the worker runs by default: the cost model picks each block size
+        from worker.spec.cost_model import AdaptiveBlockPolicy
+
+        for name, d in list(dflash.items()):
+            B = args.block_size or d.block_size
+            methods[f"{name[:19]} adaptive"] = lambda pr, d=d, B=B: run_steps(dflash_generate(
+                pr, M, greedy, eos, target=target, draft=d, block_size=B, policy=AdaptiveBlockPolicy(B)))
 
     warm = prompts["code"][0][:32]
     for fn in methods.values():  # compile/allocate once before timing

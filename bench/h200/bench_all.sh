@@ -24,7 +24,7 @@ q15)  # the default code target: plain / mlx-lm draft spec / ours draft / DFlash
   extra=(); have "$Q05" && extra=(--draft "$Q05")
   run dflash_q15 python3 bench/bench_dflash.py --target "$Q15" "${extra[@]}" --dflash-draft "${drafts[@]}" \
     --max-tokens "$MT" --prompts "$NP" --cases "$C" --json-out "$O/dflash_q15.json" \
-    --packages zlab dflash-mlx ;;
+    --packages zlab dflash-mlx --adaptive ;;
 bucket)  # the cycle with 4096-position KV buckets (fewer attention compiles, more masked keys)
   run dflash_q15_bucket4096 python3 bench/bench_dflash.py --target "$Q15" --dflash-draft "$R/Qwen2.5-Coder-1.5B-Instruct" \
     --max-tokens "$MT" --prompts "$NP" --kv-bucket 4096 --cases "$C" ;;
