@@ -8,13 +8,7 @@ from pathlib import Path
 from flashfleet.cli._common import add_connection_args, credentials
 from flashfleet.config import ConfigError
 from flashfleet.errors import FlashfleetError
-
-
-def _mode_name(mode: int) -> str:
-    """DECODE_MODE_DFLASH -> dflash."""
-    from flashfleet.v1 import common_pb2
-
-    return common_pb2.DecodeMode.Name(mode).removeprefix("DECODE_MODE_").lower()
+from flashfleet.types import DECODE_MODE_NAMES
 
 
 def main(argv: list[str]) -> int:
@@ -33,7 +27,7 @@ def main(argv: list[str]) -> int:
           f"{'served':>7} {'heartbeat':>10}")
     for w in status.workers:
         models = ",".join(m.name for m in w.models)
-        drafts = ",".join(f"{Path(m.draft).name} ({_mode_name(m.draft_mode)})" for m in w.models if m.draft) or "-"
+        drafts = ",".join(f"{Path(m.draft).name} ({DECODE_MODE_NAMES.get(m.draft_mode, m.draft_mode)})" for m in w.models if m.draft) or "-"
         print(f"{w.worker_id:<14} {w.address:<22} {models:<32} {drafts:<24} {w.active_sessions:>4}/{w.capacity:<4} "
               f"{w.kv_cache_bytes / 2**20:>8.1f} {w.served_requests:>7} {w.heartbeat_age_s:>9.1f}s")
     print(f"{len(status.workers)} worker(s), {status.sessions} session(s) with affinity")

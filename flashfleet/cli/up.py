@@ -3,7 +3,6 @@ addresses, and shut them all down cleanly on Ctrl-C or SIGTERM."""
 from __future__ import annotations
 
 import argparse
-import difflib
 import os
 import signal
 import socket
@@ -224,16 +223,15 @@ def check_model_ref(flag: str, value: str | None) -> None:
         ValueError: one line naming the flag, the value and the catalog models.
     """
     from flashfleet.models import CATALOG
+    from flashfleet.models.catalog import close_match_hint
     from flashfleet.models.drafts import is_dflash_keyword
 
     if value is None or is_dflash_keyword(value) or Path(value).expanduser().is_dir():
         return
     if value.lower() in (name.lower() for name in CATALOG):
         return
-    close = difflib.get_close_matches(value, list(CATALOG), n=1)
     raise ValueError(f"{flag} {value!r} is neither a local model directory nor a catalog model"
-                     + (f" (did you mean {close[0]!r}?)" if close else "")
-                     + f"; catalog: {', '.join(CATALOG)}")
+                     f"{close_match_hint(value)}; catalog: {', '.join(CATALOG)}")
 
 
 def main(argv: list[str]) -> int:

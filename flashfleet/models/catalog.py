@@ -151,6 +151,14 @@ def known_names() -> list[str]:
     return [DEFAULT_MODEL] + [name for name in CATALOG if name != DEFAULT_MODEL]
 
 
+def close_match_hint(name: str) -> str:
+    """`" (did you mean 'X'?)"` for the catalog name closest to a misspelt `name`, else ""."""
+    import difflib
+
+    close = difflib.get_close_matches(name, list(CATALOG), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def get_spec(name: str) -> ModelSpec:
     """Look a model up by catalog name.
 

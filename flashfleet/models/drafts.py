@@ -18,13 +18,12 @@ Nothing here imports MLX: the draft is only located; the worker loads it.
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 from pathlib import Path
 
 from .cache import read_marker
-from .catalog import CATALOG, UnknownModelError, get_spec, known_names
+from .catalog import CATALOG, UnknownModelError, close_match_hint, get_spec, known_names
 
 __all__ = [
     "DFLASH_KEYWORD",
@@ -156,9 +155,8 @@ def resolve_draft_arg(draft: str | None, model: str | os.PathLike, *aliases: str
     have = ", ".join(shipped_drafts()) or "none yet"
     name = os.fspath(model)
     if not Path(name).is_dir() and not any(name.lower() == k.lower() for k in CATALOG):
-        close = difflib.get_close_matches(name, list(CATALOG), n=1)
         raise NoShippedDraftError(
-            f"unknown model {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+            f"unknown model {name!r}{close_match_hint(name)}"
             + f"; catalog models: {', '.join(CATALOG)}; models with a shipped DFlash draft: {have}"
         )
     raise NoShippedDraftError(

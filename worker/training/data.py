@@ -25,7 +25,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -126,19 +126,24 @@ def split_heldout(
     return train, heldout
 
 
-def interleave_by_corpus(prompts: Sequence[Prompt]) -> list[Prompt]:
-    """Prompts round-robin over their corpora (first of each, then second of each, ...).
+def interleave_by_corpus(items: Sequence, corpus: Callable[[Any], str] = lambda p: p.corpus) -> list:
+    """Items round-robin over their corpora (first of each, then second of each, ...).
 
     The target answers prompts in this order and generation can stop at a time limit: in file
     order, a limit would leave whole corpora out of the training data (it did on the H200).
+    `evaluate_tau` visits held-out prompts the same way for the same reason.
+
+    Args:
+        items: prompts (`Prompt`) or anything `corpus` maps to a corpus name.
+        corpus: the corpus of an item (default: its `.corpus`).
 
     Returns:
-        The same prompts, each corpus keeping its own order.
+        The same items, each corpus keeping its own order.
     """
-    queues: dict[str, list[Prompt]] = {}
-    for p in prompts:
-        queues.setdefault(p.corpus, []).append(p)
-    out: list[Prompt] = []
+    queues: dict[str, list] = {}
+    for p in items:
+        queues.setdefault(corpus(p), []).append(p)
+    out: list = []
     for i in range(max((len(q) for q in queues.values()), default=0)):
         out += [q[i] for q in queues.values() if i < len(q)]
     return out

@@ -14,6 +14,7 @@ from typing import Iterable, Optional, Sequence
 
 from worker.sampling import greedy
 from worker.spec.dflash import dflash_generate
+from worker.training.data import interleave_by_corpus
 
 
 def acceptance_on_prompt(
@@ -89,13 +90,8 @@ def evaluate_tau(
     from tqdm import tqdm
 
     eos = frozenset(int(e) for e in eos_ids)
-    queues: dict[str, list] = {}
-    for p in prompts:
-        queues.setdefault(p["corpus"], []).append(p)
-    order = []
-    for i in range(max((len(q) for q in queues.values()), default=0)):
-        order += [q[i] for q in queues.values() if i < len(q)]
-    rows: dict[str, list[dict]] = {c: [] for c in queues}
+    order = interleave_by_corpus(prompts, lambda p: p["corpus"])
+    rows: dict[str, list[dict]] = {p["corpus"]: [] for p in order}
     t0 = time.perf_counter()
     for p in tqdm(order, desc=desc, unit="prompt", disable=not progress, dynamic_ncols=True):
         if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
