@@ -32,6 +32,8 @@ PER_FILE=${PER_FILE:-450}           # prompts per corpus file (~1900 over the 7 
 GEN_TOKENS=${GEN_TOKENS:-256}       # the target's answer length cap
 GEN_BATCH=${GEN_BATCH:-512}         # sequences answered at once
 GEN_MINUTES=${GEN_MINUTES:-1.5}     # generation stops here; answers so far are kept
+GEN_SAMPLES=${GEN_SAMPLES:-1}       # answers per prompt: 1 greedy + (N-1) sampled at GEN_SAMPLE_T
+GEN_SAMPLE_T=${GEN_SAMPLE_T:-0.8}
 TRAIN_MINUTES=${TRAIN_MINUTES:-4}
 BATCH=${BATCH:-32}                  # sequences per step
 ANCHORS=${ANCHORS:-64}              # blocks per sequence per step (B = 16)
@@ -53,6 +55,7 @@ set +e
 python3 - train --target "$MODEL" --prompts "${PROMPTS[@]}" --out "$OUT" --work-dir "$WORK" \
   --max-prompts-per-file "$PER_FILE" --max-prompt-tokens 256 --max-new-tokens "$GEN_TOKENS" \
   --gen-batch-size "$GEN_BATCH" --gen-max-minutes "$GEN_MINUTES" \
+  --gen-samples "$GEN_SAMPLES" --gen-sample-temperature "$GEN_SAMPLE_T" \
   --heldout-per-corpus 8 --heldout-fraction 0.1 \
   --draft-layers 2 --num-taps 5 --block-size 16 --max-draft-mib 15 --save-dtype bfloat16 \
   --batch-size "$BATCH" --anchors "$ANCHORS" --lr 6e-4 --warmup 0.04 --grad-clip 1.0 \

@@ -23,6 +23,7 @@ from worker.models.dflash import Model, ModelArgs
 from worker.models.dflash_checkpoint import init_dflash_draft, load_dflash_draft
 from worker.training import data as data_mod
 from worker.training.data import (
+    DataError,
     TokenDataset,
     batch_indices,
     build_dataset,
@@ -498,3 +499,51 @@ def test_generation_order_interleaves_corpora():
     out = interleave_by_corpus(ps)
     assert [p.id for p in out] == ["c0", "p0", "c1", "p1", "c2"]
     assert sorted(p.id for p in out) == sorted(p.id for p in ps)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_static_batch_generation_equals_plain_greedy(arch):
+    """Left-padded static batches (generation.generate_responses) give each prompt exactly the
+    target's one-prompt greedy continuation, cut after its first EOS; gemma3's sliding window (8)
+    is shorter than prompt + answer, so the batched rotating cache really wraps."""
+    from test_dflash import TARGETS
+
+    from worker.sampling import greedy
+    from worker.spec import plain
+    from worker.training.generation import SYNC_EVERY, generate_responses
+
+    target = TARGETS[arch]()
+    prompts = [[3, 17, 42, 99, 7, 250, 31, 64, 12, 5, 77], [9, 4], [200, 1, 2, 3, 4, 5], [60]]
+    n = SYNC_EVERY + 5  # crosses a sync point
+    refs = [[t for s in plain.generate(p, n, greedy, set(), model=target) for t in s.tokens] for p in prompts]
+    eos = refs[0][6]  # a token the first answer produces: that row must end there
+    want = [r[:r.index(eos) + 1] if eos in r else r for r in refs]
+    got = generate_responses(target, prompts, n, [eos], batch_size=3)  # two batches: 3 + 1
+    assert got == want
+    assert len(got[0]) <= 7 and got[0][-1] == eos
+    with pytest.raises(ValueError, match="at least one token"):
+        generate_responses(target, [[1], []], 4, [eos])
+
+
+def test_build_dataset_extra_sampled_answers(tmp_path, tiny_models):
+    """--gen-samples 2: every training prompt is answered once greedily (as with 1 sample) and
+    once more sampled; held-out prompts are still never answered; the settings key changes."""
+    from mlx_lm import load
+
+    target, tokenizer = load(str(tiny_models.llama))
+    files = _write_prompts(tmp_path)
+    kw = dict(max_new_tokens=8, heldout_per_corpus=2, heldout_fraction=0.2, log=lambda _: None)
+    one = build_dataset(target, tokenizer, files, tmp_path / "one", **kw)
+    two = build_dataset(target, tokenizer, files, tmp_path / "two", samples=2, sample_temperature=1.5, **kw)
+    first = [i for i, x in enumerate(two.train.ids) if "#sample" not in x]
+    extra = [i for i, x in enumerate(two.train.ids) if x.endswith("#sample1")]
+    assert [two.train.response_ids[i] for i in first] == one.train.response_ids
+    assert len(first) + len(extra) == len(two.train) and len(extra) >= len(first) - 2
+    greedy_of = dict(zip(one.train.ids, one.train.response_ids))
+    resampled = [two.train.response_ids[i] != greedy_of.get(two.train.ids[i].split("#")[0]) for i in extra]
+    assert any(resampled)  # T=1.5 on a random model: the extra answers are not the greedy ones
+    held = {tuple(h["prompt_ids"]) for h in two.heldout}
+    assert held.isdisjoint({tuple(p) for p in two.train.prompt_ids})
+    assert two.meta["key"] != one.meta["key"]
+    with pytest.raises(DataError, match="samples"):
+        build_dataset(target, tokenizer, files, tmp_path / "bad", samples=0, **kw)

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Every measurement of one H200 session, once the drafts are trained (bench/h200/README.md).
-# Writes tables (and JSON) to OUT; each step runs even if an earlier one failed.
+# Writes tables (and JSON) to OUT; each step runs even if an earlier one failed. Env: MAX_TOKENS,
+# PROMPTS (per corpus), PACKAGES (registry packages for q15; empty skips), EXTRA_DRAFTS (more
+# DFlash draft dirs for q15).
 #
 #   OUT=$OUT bash bench/h200/bench_all.sh [STEP...]     steps: q15 small uag bucket (default: all)
 set -uo pipefail
@@ -21,10 +23,11 @@ for step in $STEPS; do case $step in
 q15)  # the default code target: plain / mlx-lm draft spec / ours draft / DFlash (shipped and unquantized)
   drafts=(); for d in "$R/Qwen2.5-Coder-1.5B-Instruct" "$W/Qwen2.5-Coder-1.5B-Instruct/unquantized"; do
     have "$d" && drafts+=("$d"); done
+  for d in ${EXTRA_DRAFTS:-}; do have "$d" && drafts+=("$d"); done  # e.g. an earlier draft, to compare
   extra=(); have "$Q05" && extra=(--draft "$Q05")
+  pk=(); [ -n "${PACKAGES-zlab dflash-mlx}" ] && pk=(--packages ${PACKAGES-zlab dflash-mlx})  # PACKAGES= skips them
   run dflash_q15 python3 bench/bench_dflash.py --target "$Q15" "${extra[@]}" --dflash-draft "${drafts[@]}" \
-    --max-tokens "$MT" --prompts "$NP" --cases "$C" --json-out "$O/dflash_q15.json" \
-    --packages zlab dflash-mlx --adaptive ;;
+    --max-tokens "$MT" --prompts "$NP" --cases "$C" --json-out "$O/dflash_q15.json" "${pk[@]}" --adaptive ;;
 bucket)  # the cycle with 4096-position KV buckets (fewer attention compiles, more masked keys)
   run dflash_q15_bucket4096 python3 bench/bench_dflash.py --target "$Q15" --dflash-draft "$R/Qwen2.5-Coder-1.5B-Instruct" \
     --max-tokens "$MT" --prompts "$NP" --kv-bucket 4096 --cases "$C" ;;

@@ -16,7 +16,7 @@ echo "job $NAME start $(date -u +%T)"
 python3 bench/h200/convert.py "$NAME" "$GGUF" "/root/models/$NAME" || { echo "JOB FAILED $NAME convert"; exit 1; }
 P=/root/work/prompts-$NAME; mkdir -p "$P"
 cp "$CASES"/*.jsonl "$P"/
-python3 bench/make_code_tasks.py "$CASES" "$P/code_tasks.jsonl"
+python3 bench/make_code_tasks.py "$CASES" "$P"
 WORK=/root/work/$NAME bash bench/train_draft_h200.sh "/root/models/$NAME" "$P" "$RES/$NAME" "$@"
 rc=$?
 echo "JOB DONE $NAME rc=$rc $(date -u +%T)"

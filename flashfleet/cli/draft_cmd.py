@@ -66,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--heldout-fraction", type=float, default=0.1, help="held-out share per corpus")
     g.add_argument("--gen-temperature", type=float, default=0.0, help="the target's sampling (0: greedy)")
     g.add_argument("--gen-top-p", type=float, default=1.0)
+    g.add_argument("--gen-samples", type=int, default=1,
+                   help="answers per training prompt: the first at --gen-temperature, the others sampled "
+                        "at --gen-sample-temperature (more data from the same prompts)")
+    g.add_argument("--gen-sample-temperature", type=float, default=0.8,
+                   help="temperature of the extra answers of --gen-samples")
     g.add_argument("--gen-batch-size", type=int, default=64, help="sequences the target answers at once")
     g.add_argument("--gen-max-minutes", type=_minutes, default=None,
                    help="stop generating after this long (answers so far are kept)")

@@ -11,8 +11,8 @@ than a dataset's. Here:
 2. `split_heldout`: a per-corpus held-out split **by prompt**, chosen by a hash of the prompt text
    (stable across reruns and file orders); held-out prompts never reach training.
 3. `encode_prompt` + `generate_responses`: the target answers the training prompts, batched
-   (mlx-lm's continuous-batching `BatchGenerator`, left-padded batches); the response keeps its
-   EOS token so the draft learns to end.
+   (`generation.generate_responses`: static left-padded batches); the response keeps its EOS
+   token so the draft learns to end.
 4. `build_dataset`: all of the above, cached as JSON lines under a directory with a key over the
    inputs and settings; a rerun with the same key loads the cache and skips generation.
 5. `TokenDataset.batch`: fixed-shape, right-padded batches for the trainer, a pure function of
@@ -29,7 +29,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-DATA_FORMAT = 1  # bump when the cached layout or the generation recipe changes
+from worker.training.generation import generate_responses
+
+DATA_FORMAT = 2  # bump when the cached layout or the generation recipe changes
 
 
 class DataError(ValueError):
@@ -173,77 +175,6 @@ def encode_prompt(tokenizer, text: str, max_prompt_tokens: Optional[int] = None)
     return [int(i) for i in tokenizer.encode(text)]
 
 
-def generate_responses(
-    model,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    eos_ids: Sequence[int],
-    *,
-    batch_size: int = 64,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    max_seconds: Optional[float] = None,
-    progress: Optional[Callable[[int], None]] = None,
-) -> list[list[int]]:
-    """The target's answers to token prompts, generated in batches.
-
-    Uses mlx-lm's `BatchGenerator` (continuous batching over left-padded rows, `batch_size`
-    sequences decoding at once). Greedy at temperature 0, else mlx-lm's sampler with top-p.
-
-    Args:
-        model: the mlx-lm target.
-        prompts: templated prompt ids (each non-empty).
-        max_new_tokens: at most this many generated tokens per prompt (> 0).
-        eos_ids: generation of a row stops after any of these; the EOS token is kept.
-        batch_size: rows decoding concurrently.
-        temperature / top_p: sampling; temperature 0 is greedy.
-        seed: MLX random seed for sampling.
-        max_seconds: wall-time limit; when reached, generation stops and rows keep what they
-            have so far (rows not started yet come back empty). None: no limit.
-        progress: called with the number of rows just finished.
-
-    Returns:
-        One list of generated ids per prompt, in prompt order.
-    """
-    import time
-
-    import mlx.core as mx
-    from mlx_lm.generate import BatchGenerator
-    from mlx_lm.sample_utils import make_sampler
-
-    if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be >= 1")
-    if not prompts:
-        return []
-    mx.random.seed(seed)
-    sampler = make_sampler(temp=temperature, top_p=top_p) if temperature > 0 else None
-    gen = BatchGenerator(
-        model,
-        max_tokens=max_new_tokens,
-        stop_tokens=[[int(e)] for e in eos_ids],
-        sampler=sampler,
-        completion_batch_size=batch_size,
-        prefill_batch_size=min(batch_size, 32),
-    )
-    try:
-        uids = gen.insert([list(p) for p in prompts], [max_new_tokens] * len(prompts))
-        out: dict[int, list[int]] = {u: [] for u in uids}
-        t0 = time.perf_counter()
-        while responses := gen.next_generated():
-            if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
-                break
-            done = 0
-            for r in responses:
-                out[r.uid].append(int(r.token))
-                done += r.finish_reason is not None
-            if done and progress is not None:
-                progress(done)
-    finally:
-        gen.close()
-    return [out[u] for u in uids]
-
-
 @dataclass
 class TokenDataset:
     """Tokenised training sequences: templated prompt + the target's response.
@@ -361,6 +292,8 @@ def build_dataset(
     seed: int = 0,
     gen_batch_size: int = 64,
     gen_max_seconds: Optional[float] = None,
+    samples: int = 1,
+    sample_temperature: float = 0.8,
     target_fingerprint: str = "",
     log: Callable[[str], None] = print,
 ) -> DataSplit:
@@ -380,8 +313,12 @@ def build_dataset(
         heldout_per_corpus / heldout_fraction: the held-out split (`split_heldout`).
         temperature / top_p / seed: the target's sampling (temperature 0: greedy).
         gen_batch_size: rows generated concurrently.
-        gen_max_seconds: wall-time limit of generation (`generate_responses`); not part of the
-            cache key.
+        gen_max_seconds: wall-time limit of generation (`generate_responses`), over all passes;
+            not part of the cache key.
+        samples: answers per training prompt (>= 1). Pass 1 answers every prompt at
+            `temperature`; passes 2.. answer every prompt again, sampled at `sample_temperature`
+            (seed + pass): more sequences from the same prompts, still the target's own
+            distribution. Held-out prompts are never answered.
         target_fingerprint: identifies the target weights (part of the key).
         log: progress messages.
 
@@ -398,6 +335,7 @@ def build_dataset(
     settings = dict(format=DATA_FORMAT, max_per_file=max_per_file, max_prompt_tokens=max_prompt_tokens,
                     max_new_tokens=max_new_tokens, heldout_per_corpus=heldout_per_corpus,
                     heldout_fraction=heldout_fraction, temperature=temperature, top_p=top_p, seed=seed,
+                    samples=samples, sample_temperature=sample_temperature if samples > 1 else None,
                     target=target_fingerprint,
                     files=[[f.name, hashlib.sha256(f.read_bytes()).hexdigest()] for f in files])
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
@@ -419,21 +357,30 @@ def build_dataset(
                for p in held_p]
     log(f"data: {len(train_p)} training prompts, {len(held_p)} held out; the target answers "
         f"(up to {max_new_tokens} tokens, batch {gen_batch_size}, "
-        f"{'greedy' if temperature <= 0 else f'T={temperature}'})")
+        f"{'greedy' if temperature <= 0 else f'T={temperature}'}"
+        + (f", then {samples - 1} more sampled at T={sample_temperature}" if samples > 1 else "") + ")")
     import time
+    if samples < 1:
+        raise DataError("samples must be >= 1")
     t0 = time.perf_counter()
-    with tqdm(total=len(enc), desc="generate", unit="prompt", dynamic_ncols=True) as bar:
-        responses = generate_responses(model, enc, max_new_tokens, sorted(tokenizer.eos_token_ids),
-                                       batch_size=gen_batch_size, temperature=temperature, top_p=top_p,
-                                       seed=seed, max_seconds=gen_max_seconds, progress=bar.update)
+    ds, generated = TokenDataset(), 0
+    with tqdm(total=len(enc) * samples, desc="generate", unit="answer", dynamic_ncols=True) as bar:
+        for k in range(samples):
+            left = None if gen_max_seconds is None else gen_max_seconds - (time.perf_counter() - t0)
+            if left is not None and left <= 0:
+                break
+            responses = generate_responses(model, enc, max_new_tokens, sorted(tokenizer.eos_token_ids),
+                                           batch_size=gen_batch_size, top_p=top_p, seed=seed + k,
+                                           temperature=temperature if k == 0 else sample_temperature,
+                                           max_seconds=left, progress=bar.update)
+            generated += sum(len(r) for r in responses)
+            for p, ids, r in zip(train_p, enc, responses):
+                if len(r) >= 2:
+                    ds.prompt_ids.append(ids)
+                    ds.response_ids.append(r)
+                    ds.corpus.append(p.corpus)
+                    ds.ids.append(p.id if k == 0 else f"{p.id}#sample{k}")
     gen_s = time.perf_counter() - t0
-    ds = TokenDataset()
-    for p, ids, r in zip(train_p, enc, responses):
-        if len(r) >= 2:
-            ds.prompt_ids.append(ids)
-            ds.response_ids.append(r)
-            ds.corpus.append(p.corpus)
-            ds.ids.append(p.id)
     if not len(ds):
         raise DataError("the target produced no response of 2 or more tokens")
     eos = set(tokenizer.eos_token_ids)
@@ -442,7 +389,7 @@ def build_dataset(
             "ended_with_eos": sum(1 for r in ds.response_ids if r[-1] in eos),
             "generation_s": round(gen_s, 1),
             "generation_stopped_by_time_limit": bool(gen_max_seconds is not None and gen_s >= gen_max_seconds),
-            "generation_tokens_per_s": round(sum(len(r) for r in responses) / max(gen_s, 1e-9), 1),
+            "generation_tokens_per_s": round(generated / max(gen_s, 1e-9), 1),
             "corpora": {c: ds.corpus.count(c) for c in sorted(set(ds.corpus))}}
     cache_dir.mkdir(parents=True, exist_ok=True)
     ds.save(train_path)

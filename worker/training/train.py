@@ -79,7 +79,8 @@ class TrainConfig:
         the saved draft fits).
     Data:
         max_prompts_per_file, max_prompt_tokens, max_new_tokens, heldout_per_corpus,
-        heldout_fraction, gen_temperature (0: greedy), gen_top_p, gen_batch_size,
+        heldout_fraction, gen_temperature (0: greedy), gen_top_p, gen_samples (answers per
+        training prompt; the extra ones sampled at gen_sample_temperature), gen_batch_size,
         gen_max_minutes.
     Training:
         batch_size (sequences per step), anchors (N per sequence), gamma (None: paper's value
@@ -117,6 +118,8 @@ class TrainConfig:
     heldout_fraction: float = 0.1
     gen_temperature: float = 0.0
     gen_top_p: float = 1.0
+    gen_samples: int = 1
+    gen_sample_temperature: float = 0.8
     gen_batch_size: int = 64
     gen_max_minutes: Optional[float] = None
     batch_size: int = 16
@@ -548,6 +551,7 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
         max_prompt_tokens=cfg.max_prompt_tokens, max_new_tokens=cfg.max_new_tokens,
         heldout_per_corpus=cfg.heldout_per_corpus, heldout_fraction=cfg.heldout_fraction,
         temperature=cfg.gen_temperature, top_p=cfg.gen_top_p, seed=cfg.seed, gen_batch_size=cfg.gen_batch_size,
+        samples=cfg.gen_samples, sample_temperature=cfg.gen_sample_temperature,
         gen_max_seconds=cfg.gen_max_minutes * 60 if cfg.gen_max_minutes else None,
         target_fingerprint=fingerprint, log=log)
 
@@ -640,7 +644,8 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
                                                  "generation_stopped_by_time_limit", "corpora", "key")}
         | {"files": [Path(p).name for p in cfg.prompts], "max_prompts_per_file": cfg.max_prompts_per_file,
            "max_prompt_tokens": cfg.max_prompt_tokens, "max_new_tokens": cfg.max_new_tokens,
-           "gen_temperature": cfg.gen_temperature,
+           "gen_temperature": cfg.gen_temperature, "gen_samples": cfg.gen_samples,
+           "gen_sample_temperature": cfg.gen_sample_temperature,
            "heldout_per_corpus": {c: sum(1 for h in split.heldout if h["corpus"] == c)
                                   for c in sorted({h["corpus"] for h in split.heldout})}},
         "training": {"steps": result["steps"], "epochs": round(result["steps"] * trainer.bsz / trainer.n, 2),

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# On the GPU machine, from a call's working tree: joins the staged pieces, unpacks the corpora to
+# /root/cases, copies this tree to /root/ff and starts one draft-training job there, detached
+# (setsid), so it outlives the call. Its log is /root/res/NAME.log.
+#
+#   bash bench/h200/start.sh NAME [flashfleet draft train flags...]
+#
+# The knobs of bench/train_draft_h200.sh (GEN_MINUTES, TRAIN_MINUTES, BATCH, ...) pass through
+# the environment. Wait for it with `pgrep -f "[j]ob_train.sh"` (a plain pattern would match the
+# waiting call's own command line).
+set -uo pipefail
+NAME=${1:?usage: start.sh NAME [train flags...]}; shift
+source .stage/join/join.sh
+GGUF=/root/stage/files/$NAME.gguf
+[ -f "$GGUF.ok" ] || { echo "start: $GGUF has not arrived"; exit 3; }
+mkdir -p /root/cases /root/res
+[ -f /root/cases/humaneval.jsonl ] || tar xzf /root/stage/files/.stage-cases.tgz -C /root/cases
+rm -rf /root/ff && mkdir -p /root/ff && tar cf - --exclude=./.stage . | tar xf - -C /root/ff
+cd /root/ff
+(setsid nohup bash bench/h200/job_train.sh "$NAME" "$GGUF" /root/cases /root/res "$@" \
+  > "/root/res/$NAME.log" 2>&1 < /dev/null &)
+sleep 2
+echo "start: $NAME job running (pid $(pgrep -f "[j]ob_train.sh $NAME" | head -1)), log /root/res/$NAME.log"
