@@ -547,3 +547,36 @@ def test_build_dataset_extra_sampled_answers(tmp_path, tiny_models):
     assert two.meta["key"] != one.meta["key"]
     with pytest.raises(DataError, match="samples"):
         build_dataset(target, tokenizer, files, tmp_path / "bad", samples=0, **kw)
+
+
+def test_cli_train_init_from_continues_a_saved_draft(tmp_path, tiny_models):
+    """--init-from: the run starts from a saved (here 4-bit) draft's dequantized weights and shape
+    instead of a random draft, so on the same data its first loss is below a fresh draft's; a
+    shape option that contradicts the checkpoint is a one-line error (exit 2)."""
+    from mlx_lm import load
+
+    from flashfleet.cli.draft_cmd import main
+    from worker.models.dflash_checkpoint import dequantized_weights
+
+    files = _write_prompts(tmp_path)
+    common = ["--target", str(tiny_models.llama), "--prompts", *map(str, files), "--max-new-tokens", "12",
+              "--batch-size", "4", "--anchors", "4", "--block-size", "4", "--heldout-per-corpus", "2",
+              "--heldout-fraction", "0.2", "--no-eval", "--no-compile", "--quiet", "--lr", "3e-3",
+              "--work-dir", str(tmp_path / "work")]
+    first = tmp_path / "first"
+    assert main(["train", *common, "--out", str(first), "--steps", "60", "--quantize-bits", "4",
+                 "--quantize-group-size", "32", "--no-resume"]) == 0
+    fresh, cont = tmp_path / "fresh", tmp_path / "cont"
+    assert main(["train", *common, "--out", str(fresh), "--steps", "1", "--no-resume", "--log-every", "1"]) == 0
+    assert main(["train", *common, "--out", str(cont), "--steps", "1", "--no-resume", "--log-every", "1",
+                 "--init-from", str(first)]) == 0
+    loss = {d: json.loads((d / "training_card.json").read_text())["training"]["curve"][0]["loss"]
+            for d in (fresh, cont)}
+    assert loss[cont] < loss[fresh]
+    card = json.loads((cont / "training_card.json").read_text())
+    assert card["training"]["init_from"] == str(first) and "--init-from" in (cont / "TRAINING.md").read_text()
+    target, _ = load(str(tiny_models.llama))
+    w = dequantized_weights(load_dflash_draft(first, target))
+    assert "layers.0.self_attn.q_proj.weight" in w and all(v.dtype == mx.float32 for v in w.values())
+    assert main(["train", *common, "--out", str(tmp_path / "bad"), "--steps", "1", "--no-resume",
+                 "--init-from", str(first), "--draft-layers", "7"]) == 2

@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: bfloat16 on a GPU, float32 on a CPU")
     g.add_argument("--target-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     g.add_argument("--save-dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    g.add_argument("--init-from", default=None, metavar="DRAFT_DIR",
+                   help="start from this saved draft (its shape and weights, dequantized if 4/8-bit) "
+                        "instead of a random one: training continues across runs")
     g.add_argument("--quantize-bits", type=int, default=None, choices=(4, 8),
                    help="save the draft's linear layers MLX-quantized (default: unquantized, in --save-dtype; "
                    "the size budget counts quantized bytes; the shipped drafts use 4)")

@@ -210,6 +210,31 @@ def quantize_dflash_draft(model: Model, bits: int = 4, group_size: int = 64) -> 
     return model
 
 
+def dequantized_weights(model: Model, dtype: mx.Dtype = mx.float32) -> dict[str, mx.array]:
+    """The draft's weights as plain floating arrays, quantized layers expanded (`mx.dequantize`).
+
+    Used to continue training a saved draft (`flashfleet draft train --init-from`): a 4-bit
+    checkpoint becomes the float weights of an unquantized draft of the same shape.
+
+    Args:
+        model: a loaded draft, quantized or not.
+        dtype: dtype of the returned arrays.
+
+    Returns:
+        {parameter name: array} with the names of an unquantized `Model` (`q_proj.weight`, ...).
+    """
+    out = {}
+    quantized = {name: m for name, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)}
+    for name, m in quantized.items():
+        out[f"{name}.weight"] = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits).astype(dtype)
+        if "bias" in m:
+            out[f"{name}.bias"] = m.bias.astype(dtype)
+    for k, v in tree_flatten(model.parameters()):
+        if k.rsplit(".", 1)[0] not in quantized:
+            out[k] = v.astype(dtype)
+    return out
+
+
 def quantized_bytes_per_param(bits: int, group_size: int, scale_bytes: int = 2) -> float:
     """Stored bytes per weight of an affine-quantized matrix: bits/8 + (scale + bias) per group."""
     return bits / 8 + 2 * scale_bytes / group_size

@@ -30,7 +30,9 @@ def render_card(card: dict) -> str:
         "## Data",
         f"- prompt files: {', '.join(data['files'])} (at most {data['max_prompts_per_file']} per file)",
         f"- {data['train_sequences']} training sequences answered by the target "
-        f"({'greedy' if not data['gen_temperature'] else 'T=' + str(data['gen_temperature'])}, up to "
+        f"({'greedy' if not data['gen_temperature'] else 'T=' + str(data['gen_temperature'])}"
+        + (f", plus {data['gen_samples'] - 1} more answer(s) per prompt sampled at T={data['gen_sample_temperature']}"
+           if data.get("gen_samples", 1) > 1 else "") + ", up to "
         f"{data['max_new_tokens']} tokens): {data['train_tokens']} tokens, {data['response_tokens']} response tokens, "
         f"{data['ended_with_eos']} ended with EOS; per corpus {data['corpora']}",
         f"- held out (by prompt, never trained on): {data['heldout_per_corpus']}",
@@ -42,6 +44,7 @@ def render_card(card: dict) -> str:
         f"- AdamW lr {tr['lr']} (warmup {tr['warmup']}, cosine), weight decay {tr['weight_decay']}, "
         f"clip {tr['grad_clip']}, gamma {tr['gamma']}",
         f"- final loss {tr['final_loss']}, teacher-forced tau estimate {tr['final_train_tau']}",
+        *([f"- started from the weights of {tr['init_from']} (--init-from)"] if tr.get("init_from") else []),
         "",
         "## Acceptance length tau on held-out prompts (greedy, tokens per cycle, bonus included)",
         "",

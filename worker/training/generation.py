@@ -136,4 +136,8 @@ def generate_responses(
         del cache
         if progress is not None:
             progress(len(rows))
+    # Hand the batches' buffers back: MLX keeps freed buffers cached (138 GB on the H200 after
+    # batch-1024 generation), and the training that follows needs other shapes. In that run the
+    # first 10 training steps took 147 s, against 1.8 s in an earlier run with a capped cache.
+    mx.clear_cache()
     return out

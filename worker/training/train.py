@@ -87,7 +87,9 @@ class TrainConfig:
         for B), lr, weight_decay, warmup (fraction of the run), min_lr_ratio (cosine floor),
         grad_clip (global norm), epochs, steps (overrides epochs), max_minutes (training wall
         time; the cosine schedule then runs on the time fraction), seed, compute_dtype and
-        target_dtype ("auto": bfloat16 on a GPU, float32 on a CPU), save_dtype, quantize_bits
+        target_dtype ("auto": bfloat16 on a GPU, float32 on a CPU), save_dtype, init_from (a
+        saved draft directory, quantized or not, whose shape and weights the run starts from
+        instead of a random draft: training continues across sessions), quantize_bits
         (None: keep `save_dtype`; 4 or 8: the saved draft's linear layers are MLX-quantized with
         `quantize_group_size`, the size budget counts the quantized bytes, and the unquantized
         draft is kept in the work dir and evaluated too, so the card shows what it costs), compile,
@@ -137,6 +139,7 @@ class TrainConfig:
     compute_dtype: str = "auto"
     target_dtype: str = "auto"
     save_dtype: str = "bfloat16"
+    init_from: Optional[str] = None
     quantize_bits: Optional[int] = None
     quantize_group_size: int = 64
     compile: bool = True
@@ -520,6 +523,34 @@ def _file_mib(path: Path) -> float:
     return round(path.stat().st_size / 2**20, 2)
 
 
+def _init_checkpoint(cfg: TrainConfig, target) -> tuple[DraftSpec, dict]:
+    """Shape and float32 weights of the draft in `cfg.init_from` (dequantized if it is 4/8-bit).
+
+    Raises:
+        TrainConfigError: the directory is not a draft for this target, or an explicit shape
+            option (--draft-layers, --target-layer-ids, --mask-token-id, --intermediate-size)
+            disagrees with it. The block size is the checkpoint's too.
+    """
+    from worker.models.dflash_checkpoint import DraftCheckpointError, DraftMismatch, dequantized_weights
+
+    try:
+        init = load_dflash_draft(cfg.init_from, target)
+    except (DraftCheckpointError, DraftMismatch) as e:
+        raise TrainConfigError(f"--init-from: {e}") from e
+    a = init.args
+    spec = DraftSpec(a.num_hidden_layers, a.block_size, list(a.dflash_config["target_layer_ids"]),
+                     int(a.dflash_config["mask_token_id"]), a.intermediate_size)
+    asked = {"--draft-layers": (cfg.draft_layers, spec.num_layers),
+             "--target-layer-ids": (cfg.target_layer_ids, spec.target_layer_ids),
+             "--mask-token-id": (cfg.mask_token_id, spec.mask_token_id),
+             "--intermediate-size": (cfg.intermediate_size, spec.intermediate_size)}
+    clash = [f"{flag} {want} (the draft has {have})" for flag, (want, have) in asked.items()
+             if want is not None and want != have]
+    if clash:
+        raise TrainConfigError(f"--init-from {cfg.init_from} fixes the draft's shape; drop or change " + ", ".join(clash))
+    return spec, dequantized_weights(init)
+
+
 def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
     """Builds the data, trains the draft, saves it, measures tau, writes the training card.
 
@@ -556,7 +587,7 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
         target_fingerprint=fingerprint, log=log)
 
     state_dir = work / "resume"
-    resumed = None
+    resumed, init_weights = None, None
     if cfg.quantize_bits:
         bytes_per_param = quantized_bytes_per_param(cfg.quantize_bits, cfg.quantize_group_size,
                                                     DTYPES[cfg.save_dtype].size)
@@ -571,6 +602,8 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
         dc = args["dflash_config"]
         spec = DraftSpec(args["num_hidden_layers"], args["block_size"], dc["target_layer_ids"], dc["mask_token_id"],
                          args["intermediate_size"])
+    elif cfg.init_from:
+        spec, init_weights = _init_checkpoint(cfg, target)
     else:
         spec = choose_draft_spec(
             target, tokenizer, _used_ids(split), draft_layers=cfg.draft_layers, num_taps=cfg.num_taps,
@@ -578,6 +611,10 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
             intermediate_size=cfg.intermediate_size, max_draft_mib=cfg.max_draft_mib,
             bytes_per_param=bytes_per_param)
     draft = make_draft(target, spec, cfg.seed)
+    if init_weights is not None:
+        draft.load_weights(list(init_weights.items()), strict=True)
+        mx.eval(draft.parameters())
+        log(f"init: weights from {cfg.init_from}")
     n_params = spec.num_params(target)
     log(f"draft: {spec.num_layers} layer(s), taps {spec.target_layer_ids}, mask id {spec.mask_token_id}, "
         f"B={spec.block_size}, MLP {spec.intermediate_size}, {n_params / 1e6:.2f} M parameters "
@@ -655,6 +692,7 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
                      "grad_clip": cfg.grad_clip, "compute_dtype": str(trainer.cdt), "compiled": cfg.compile,
                      "max_minutes": cfg.max_minutes, "planned_steps": trainer.total_steps,
                      "resumed_from_step": resumed["step"] if resumed else None,
+                     "init_from": str(cfg.init_from) if cfg.init_from else None,
                      "final_loss": round(result.get("loss", float("nan")), 4),
                      "final_train_tau": round(result.get("train_tau", float("nan")), 3),
                      "final_accuracy_per_position": result.get("accuracy"),
