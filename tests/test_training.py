@@ -580,3 +580,55 @@ def test_cli_train_init_from_continues_a_saved_draft(tmp_path, tiny_models):
     assert "layers.0.self_attn.q_proj.weight" in w and all(v.dtype == mx.float32 for v in w.values())
     assert main(["train", *common, "--out", str(tmp_path / "bad"), "--steps", "1", "--no-resume",
                  "--init-from", str(first), "--draft-layers", "7"]) == 2
+
+
+@pytest.mark.parametrize("bad", [["--gen-samples", "0"], ["--gen-sample-temperature", "0"], ["--gen-top-p", "1.5"],
+                                 ["--gen-temperature", "-1"], ["--gen-batch-size", "0"], ["--anchors", "0"],
+                                 ["--batch-size", "0"], ["--steps", "-3"], ["--max-new-tokens", "0"],
+                                 ["--block-size", "1"]])
+def test_cli_train_rejects_bad_values_before_loading_anything(bad, capsys):
+    from flashfleet.cli.draft_cmd import main
+
+    with pytest.raises(SystemExit) as e:  # argparse: exit 2 and the flag's name, nothing loaded
+        main(["train", "--target", "/nonexistent", "--prompts", "x.jsonl", "--out", "/tmp/never", *bad])
+    assert e.value.code == 2 and bad[0] in capsys.readouterr().err
+
+
+def test_cli_train_input_errors_are_one_line_exit_2(tmp_path, tiny_models, monkeypatch, capsys):
+    """A directory as a prompt file, a rerun whose data options changed under an existing
+    checkpoint (caught before any generation), and eval with nothing to evaluate: exit 2."""
+    from flashfleet.cli.draft_cmd import main
+
+    files = _write_prompts(tmp_path)
+    base = ["train", "--target", str(tiny_models.llama), "--out", str(tmp_path / "d"), "--max-new-tokens", "8",
+            "--steps", "2", "--batch-size", "4", "--anchors", "4", "--block-size", "4", "--heldout-per-corpus", "2",
+            "--heldout-fraction", "0.2", "--no-eval", "--no-compile", "--quiet"]
+    assert main([*base, "--prompts", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    assert main([*base, "--prompts", *map(str, files)]) == 0
+
+    def no_generation(*a, **k):
+        raise AssertionError("must fail before generating")
+    monkeypatch.setattr(data_mod, "generate_responses", no_generation)
+    assert main([*base, "--prompts", *map(str, files), "--gen-samples", "2"]) == 2
+    assert "--no-resume" in capsys.readouterr().err
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(["eval", "--target", str(tiny_models.llama), "--draft", str(tmp_path / "d"),
+                 "--prompts", str(empty), "--quiet"]) == 2
+    assert "no prompts to evaluate" in capsys.readouterr().err
+
+
+def test_time_cut_data_is_flagged_on_reuse_and_can_be_regenerated(tmp_path, tiny_models, monkeypatch):
+    from mlx_lm import load
+
+    target, tokenizer = load(str(tiny_models.llama))
+    files = _write_prompts(tmp_path)
+    kw = dict(max_new_tokens=8, heldout_per_corpus=2, heldout_fraction=0.2, gen_batch_size=2)
+    first = build_dataset(target, tokenizer, files, tmp_path / "c", gen_max_seconds=1e-9, log=lambda _: None, **kw)
+    assert first.meta["generation_stopped_by_time_limit"]
+    lines = []
+    build_dataset(target, tokenizer, files, tmp_path / "c", log=lines.append, **kw)
+    assert any("reusing" in x for x in lines) and any("--regenerate-data" in x for x in lines)
+    again = build_dataset(target, tokenizer, files, tmp_path / "c", regenerate=True, log=lambda _: None, **kw)
+    assert len(again.train) > len(first.train) and not again.meta["generation_stopped_by_time_limit"]

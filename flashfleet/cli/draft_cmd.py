@@ -36,6 +36,38 @@ def _minutes(text: str) -> float:
     return v
 
 
+def _at_least(low: int):
+    """An argparse type: an integer >= low."""
+    def parse(text: str) -> int:
+        v = int(text)
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}")
+        return v
+    parse.__name__ = f"integer >= {low}"  # argparse names the type in its error message
+    return parse
+
+
+def _temperature(text: str) -> float:
+    v = float(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError("must be >= 0 (0: greedy)")
+    return v
+
+
+def _sample_temperature(text: str) -> float:
+    v = float(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError("must be > 0 (a temperature of 0 repeats the greedy answer)")
+    return v
+
+
+def _top_p(text: str) -> float:
+    v = float(text)
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError("must be in (0, 1]")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``flashfleet draft`` (sub-commands ``train`` and ``eval``)."""
     parser = argparse.ArgumentParser(prog="flashfleet draft", description="Train and evaluate DFlash drafts.")
@@ -54,37 +86,43 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-taps", type=int, default=5, help="tapped target layers, spread over layers 1..L-3")
     g.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="explicit tapped layers")
     g.add_argument("--mask-token-id", type=int, default=None, help="MASK id (default: an unused row)")
-    g.add_argument("--block-size", type=int, default=16, help="B: tokens per block (last token + B-1 drafts)")
+    g.add_argument("--block-size", type=_at_least(2), default=16, help="B: tokens per block (last token + B-1 drafts)")
     g.add_argument("--intermediate-size", type=int, default=None, help="draft MLP width (default: the target's)")
     g.add_argument("--max-draft-mib", type=float, default=None,
                    help="shrink the MLP, then the depth, until the saved draft fits this size")
     g = t.add_argument_group("data")
-    g.add_argument("--max-prompts-per-file", type=int, default=None)
-    g.add_argument("--max-prompt-tokens", type=int, default=256, help="cap on a prompt's own tokens")
-    g.add_argument("--max-new-tokens", type=int, default=256, help="cap on the target's answer, tokens")
-    g.add_argument("--heldout-per-corpus", type=int, default=8, help="held-out prompts per corpus (cap)")
+    g.add_argument("--max-prompts-per-file", type=_at_least(1), default=None,
+                   help="read at most this many prompts of each file (default: all)")
+    g.add_argument("--max-prompt-tokens", type=_at_least(1), default=256, help="cap on a prompt's own tokens")
+    g.add_argument("--max-new-tokens", type=_at_least(1), default=256, help="cap on the target's answer, tokens")
+    g.add_argument("--heldout-per-corpus", type=_at_least(0), default=8, help="held-out prompts per corpus (cap)")
     g.add_argument("--heldout-fraction", type=float, default=0.1, help="held-out share per corpus")
-    g.add_argument("--gen-temperature", type=float, default=0.0, help="the target's sampling (0: greedy)")
-    g.add_argument("--gen-top-p", type=float, default=1.0)
-    g.add_argument("--gen-samples", type=int, default=1,
+    g.add_argument("--gen-temperature", type=_temperature, default=0.0, help="the target's sampling (0: greedy)")
+    g.add_argument("--gen-top-p", type=_top_p, default=1.0,
+                   help="nucleus sampling of every sampled answer (with --gen-temperature > 0 or --gen-samples > 1)")
+    g.add_argument("--gen-samples", type=_at_least(1), default=1,
                    help="answers per training prompt: the first at --gen-temperature, the others sampled "
                         "at --gen-sample-temperature (more data from the same prompts)")
-    g.add_argument("--gen-sample-temperature", type=float, default=0.8,
+    g.add_argument("--gen-sample-temperature", type=_sample_temperature, default=0.8,
                    help="temperature of the extra answers of --gen-samples")
-    g.add_argument("--gen-batch-size", type=int, default=64, help="sequences the target answers at once")
+    g.add_argument("--gen-batch-size", type=_at_least(1), default=64, help="sequences the target answers at once")
+    g.add_argument("--regenerate-data", action="store_true",
+                   help="generate the data again even when WORK/data matches these options (e.g. after a "
+                        "run cut short by --gen-max-minutes)")
     g.add_argument("--gen-max-minutes", type=_minutes, default=None,
                    help="stop generating after this long (answers so far are kept)")
     g = t.add_argument_group("training")
-    g.add_argument("--batch-size", type=int, default=16, help="sequences per step")
-    g.add_argument("--anchors", type=int, default=64, help="random anchors (blocks) per sequence per step")
+    g.add_argument("--batch-size", type=_at_least(1), default=16, help="sequences per step")
+    g.add_argument("--anchors", type=_at_least(1), default=64, help="random anchors (blocks) per sequence per step")
     g.add_argument("--gamma", type=float, default=None, help="loss decay (default: 7 for B=16, 5 for 10, 4 for 8)")
     g.add_argument("--lr", type=float, default=6e-4)
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--warmup", type=float, default=0.04, help="warmup fraction of the run")
     g.add_argument("--min-lr-ratio", type=float, default=0.0, help="cosine floor, fraction of --lr")
     g.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
-    g.add_argument("--epochs", type=float, default=6.0)
-    g.add_argument("--steps", type=int, default=None, help="training steps (overrides --epochs)")
+    g.add_argument("--epochs", type=_minutes, default=6.0,
+                   help="passes over the training sequences (with --gen-samples N there are N per prompt)")
+    g.add_argument("--steps", type=_at_least(1), default=None, help="training steps (overrides --epochs)")
     g.add_argument("--max-minutes", type=_minutes, default=None,
                    help="training time budget; the schedule follows the time fraction (default: none)")
     g.add_argument("--seed", type=int, default=0)
@@ -104,12 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cache-taps-gib", type=float, default=8.0,
                    help="keep the target taps of the whole dataset in memory when they fit (0: recompute "
                         "them every batch)")
-    g.add_argument("--checkpoint-every", type=int, default=200, help="steps between checkpoints (0: end only)")
+    g.add_argument("--checkpoint-every", type=_at_least(0), default=200, help="steps between checkpoints (0: end only)")
     g.add_argument("--no-resume", dest="resume", action="store_false", help="ignore an existing checkpoint")
-    g.add_argument("--log-every", type=int, default=10, help="steps per loss-curve point")
+    g.add_argument("--log-every", type=_at_least(1), default=10, help="steps per loss-curve point")
     g = t.add_argument_group("evaluation")
     g.add_argument("--no-eval", dest="eval", action="store_false", help="skip tau on the held-out prompts")
-    g.add_argument("--eval-max-new-tokens", type=int, default=128)
+    g.add_argument("--eval-max-new-tokens", type=_at_least(1), default=128)
     g.add_argument("--eval-max-minutes", type=_minutes, default=None, help="time limit of each tau measurement")
     g.add_argument("--eval-untrained", action="store_true", help="also measure the untrained draft")
     t.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -122,12 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--heldout-only", action="store_true",
                    help="only the held-out split `train` uses: give the same --heldout-* and "
                    "--max-prompts-per-file values as the training run, or training prompts can slip in")
-    e.add_argument("--heldout-per-corpus", type=int, default=8)
+    e.add_argument("--heldout-per-corpus", type=_at_least(0), default=8)
     e.add_argument("--heldout-fraction", type=float, default=0.1)
-    e.add_argument("--max-prompts-per-file", type=int, default=None)
-    e.add_argument("--max-prompt-tokens", type=int, default=256)
-    e.add_argument("--max-new-tokens", type=int, default=128)
-    e.add_argument("--block-size", type=int, default=None, help="decode block size (default: the draft's)")
+    e.add_argument("--max-prompts-per-file", type=_at_least(1), default=None)
+    e.add_argument("--max-prompt-tokens", type=_at_least(1), default=256)
+    e.add_argument("--max-new-tokens", type=_at_least(1), default=128)
+    e.add_argument("--block-size", type=_at_least(2), default=None, help="decode block size (default: the draft's)")
     e.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     e.add_argument("--max-minutes", type=_minutes, default=None)
     e.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -149,7 +187,7 @@ def _train(args) -> int:
 
 def _eval(args) -> int:
     from worker.models.dflash_checkpoint import load_dflash_draft
-    from worker.training.data import encode_prompt, read_prompt_files, split_heldout
+    from worker.training.data import DataError, encode_prompt, read_prompt_files, split_heldout
     from worker.training.evaluate import evaluate_tau
     from worker.training.train import load_target, resolve_dtype, resolve_target
 
@@ -159,6 +197,9 @@ def _eval(args) -> int:
     prompts = read_prompt_files(args.prompts, args.max_prompts_per_file)
     if args.heldout_only:
         prompts = split_heldout(prompts, args.heldout_per_corpus, args.heldout_fraction)[1]
+    if not prompts:
+        raise DataError("no prompts to evaluate" + (" in the held-out split (it needs corpora of 2 or more "
+                        "prompts and --heldout-per-corpus >= 1)" if args.heldout_only else ""))
     rows = [{"corpus": p.corpus, "prompt_ids": encode_prompt(tokenizer, p.text, args.max_prompt_tokens)}
             for p in prompts]
     result = evaluate_tau(target, draft, rows, args.max_new_tokens, tokenizer.eos_token_ids,

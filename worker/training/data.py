@@ -47,6 +47,14 @@ class Prompt:
     text: str
 
 
+def check_prompt_file(path: Path) -> None:
+    """Raises FileNotFoundError (with what to fix) unless `path` is a readable regular file."""
+    if path.is_dir():
+        raise FileNotFoundError(f"prompt file {path} is a directory; give the files in it (e.g. {path}/*.jsonl)")
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {path} not found")
+
+
 def read_prompt_files(paths: Sequence[str | Path], max_per_file: Optional[int] = None) -> list[Prompt]:
     """Reads prompts from .jsonl (field `prompt`, `text` or `content`) or text files.
 
@@ -64,8 +72,7 @@ def read_prompt_files(paths: Sequence[str | Path], max_per_file: Optional[int] =
     out: list[Prompt] = []
     seen: set[str] = set()
     for path in map(Path, paths):
-        if not path.is_file():
-            raise FileNotFoundError(f"prompt file {path} not found")
+        check_prompt_file(path)
         n = 0
         with path.open(encoding="utf-8") as f:
             for i, line in enumerate(f):
@@ -276,6 +283,45 @@ class DataSplit:
     meta: dict
 
 
+def dataset_key(
+    prompt_files: Sequence[str | Path],
+    *,
+    max_per_file: Optional[int],
+    max_prompt_tokens: int,
+    max_new_tokens: int,
+    heldout_per_corpus: int,
+    heldout_fraction: float,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    samples: int,
+    sample_temperature: float,
+    target_fingerprint: str,
+) -> tuple[str, dict]:
+    """The data cache key of `build_dataset`: what decides the training sequences.
+
+    It covers the prompt files' names and contents (sha256), every argument here and the data
+    format version; not the generation batch size or time limit (greedy answers do not depend on
+    them; sampled ones change with the batch size).
+
+    Returns:
+        (16-hex-digit key, the settings it was computed from).
+
+    Raises:
+        FileNotFoundError: a prompt file is missing or is a directory.
+    """
+    files = [Path(p) for p in prompt_files]
+    for f in files:
+        check_prompt_file(f)
+    settings = dict(format=DATA_FORMAT, max_per_file=max_per_file, max_prompt_tokens=max_prompt_tokens,
+                    max_new_tokens=max_new_tokens, heldout_per_corpus=heldout_per_corpus,
+                    heldout_fraction=heldout_fraction, temperature=temperature, top_p=top_p, seed=seed,
+                    samples=samples, sample_temperature=sample_temperature if samples > 1 else None,
+                    target=target_fingerprint,
+                    files=[[f.name, hashlib.sha256(f.read_bytes()).hexdigest()] for f in files])
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16], settings
+
+
 def build_dataset(
     model,
     tokenizer,
@@ -295,6 +341,7 @@ def build_dataset(
     samples: int = 1,
     sample_temperature: float = 0.8,
     target_fingerprint: str = "",
+    regenerate: bool = False,
     log: Callable[[str], None] = print,
 ) -> DataSplit:
     """Builds (or loads from `cache_dir`) the training sequences and the held-out prompts.
@@ -320,6 +367,7 @@ def build_dataset(
             (seed + pass): more sequences from the same prompts, still the target's own
             distribution. Held-out prompts are never answered.
         target_fingerprint: identifies the target weights (part of the key).
+        regenerate: generate even when the cache matches (e.g. after a time-capped run).
         log: progress messages.
 
     Returns:
@@ -332,22 +380,26 @@ def build_dataset(
 
     cache_dir = Path(cache_dir)
     files = [Path(p) for p in prompt_files]
-    settings = dict(format=DATA_FORMAT, max_per_file=max_per_file, max_prompt_tokens=max_prompt_tokens,
-                    max_new_tokens=max_new_tokens, heldout_per_corpus=heldout_per_corpus,
-                    heldout_fraction=heldout_fraction, temperature=temperature, top_p=top_p, seed=seed,
-                    samples=samples, sample_temperature=sample_temperature if samples > 1 else None,
-                    target=target_fingerprint,
-                    files=[[f.name, hashlib.sha256(f.read_bytes()).hexdigest()] for f in files])
-    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    key, settings = dataset_key(files, max_per_file=max_per_file, max_prompt_tokens=max_prompt_tokens,
+                                max_new_tokens=max_new_tokens, heldout_per_corpus=heldout_per_corpus,
+                                heldout_fraction=heldout_fraction, temperature=temperature, top_p=top_p,
+                                seed=seed, samples=samples, sample_temperature=sample_temperature,
+                                target_fingerprint=target_fingerprint)
     meta_path, train_path, held_path = (cache_dir / n for n in ("meta.json", "train.jsonl", "heldout.jsonl"))
-    if meta_path.is_file() and train_path.is_file() and held_path.is_file():
+    if not regenerate and meta_path.is_file() and train_path.is_file() and held_path.is_file():
         meta = json.loads(meta_path.read_text())
         if meta.get("key") == key:
             log(f"data: reusing {cache_dir} (key {key})")
+            if meta.get("generation_stopped_by_time_limit"):
+                log(f"data: note: that data was cut by a generation time limit at {meta['train_sequences']} "
+                    "sequences; --regenerate-data (or deleting the directory) generates it again")
             heldout = [json.loads(line) for line in held_path.read_text(encoding="utf-8").splitlines()]
             return DataSplit(TokenDataset.load(train_path), heldout, meta)
 
     prompts = read_prompt_files(files, max_per_file)
+    for f in files:
+        if not any(p.corpus == f.stem for p in prompts):
+            log(f"data: {f} holds no prompts; skipped")
     train_p, held_p = split_heldout(prompts, heldout_per_corpus, heldout_fraction)
     train_p = interleave_by_corpus(train_p)  # a time-capped generation still covers every corpus
     if not train_p:
@@ -367,7 +419,7 @@ def build_dataset(
     with tqdm(total=len(enc) * samples, desc="generate", unit="answer", dynamic_ncols=True) as bar:
         for k in range(samples):
             left = None if gen_max_seconds is None else gen_max_seconds - (time.perf_counter() - t0)
-            if left is not None and left <= 0:
+            if k and left is not None and left <= 0:  # the greedy pass always answers a first batch
                 break
             responses = generate_responses(model, enc, max_new_tokens, sorted(tokenizer.eos_token_ids),
                                            batch_size=gen_batch_size, top_p=top_p, seed=seed + k,

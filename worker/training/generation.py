@@ -78,7 +78,8 @@ def generate_responses(
         seed: MLX random seed for sampling.
         pad_id: token id used for left padding (masked out; any valid id).
         max_seconds: wall-time limit; when reached, the running batch stops where it is (its rows
-            keep what they have) and later prompts come back empty. None: no limit.
+            keep what they have) and later prompts come back empty; the first batch always starts.
+            None: no limit.
         progress: called with the number of prompts of each finished batch.
 
     Returns:
@@ -104,7 +105,7 @@ def generate_responses(
     t0 = time.perf_counter()
     out: list[list[int]] = [[] for _ in prompts]
     for start in range(0, len(prompts), batch_size):
-        if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
+        if start and max_seconds is not None and time.perf_counter() - t0 > max_seconds:
             break
         rows = [list(map(int, p)) for p in prompts[start:start + batch_size]]
         width = max(len(r) for r in rows)

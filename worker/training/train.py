@@ -48,7 +48,7 @@ from worker.models.dflash import Model, ModelArgs
 from worker.models.dflash_checkpoint import (load_dflash_draft, quantize_dflash_draft, quantized_bytes_per_param,
                                              save_dflash_draft)
 from worker.training.card import render_card, tau_line
-from worker.training.data import DataSplit, TokenDataset, batch_indices, build_dataset
+from worker.training.data import DataSplit, TokenDataset, batch_indices, build_dataset, dataset_key
 from worker.training.defaults import DraftSpec, choose_draft_spec, make_draft
 from worker.training.evaluate import evaluate_tau
 from worker.training.forward import block_hidden, block_inputs, cast_tree
@@ -81,7 +81,7 @@ class TrainConfig:
         max_prompts_per_file, max_prompt_tokens, max_new_tokens, heldout_per_corpus,
         heldout_fraction, gen_temperature (0: greedy), gen_top_p, gen_samples (answers per
         training prompt; the extra ones sampled at gen_sample_temperature), gen_batch_size,
-        gen_max_minutes.
+        gen_max_minutes, regenerate_data (ignore a matching data cache).
     Training:
         batch_size (sequences per step), anchors (N per sequence), gamma (None: paper's value
         for B), lr, weight_decay, warmup (fraction of the run), min_lr_ratio (cosine floor),
@@ -124,6 +124,7 @@ class TrainConfig:
     gen_sample_temperature: float = 0.8
     gen_batch_size: int = 64
     gen_max_minutes: Optional[float] = None
+    regenerate_data: bool = False
     batch_size: int = 16
     anchors: int = 64
     gamma: Optional[float] = None
@@ -577,16 +578,21 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
     target, tokenizer = load_target(target_path, tdt)
     fingerprint = target_fingerprint(target_path)
 
-    split = build_dataset(
-        target, tokenizer, cfg.prompts, work / "data", max_per_file=cfg.max_prompts_per_file,
-        max_prompt_tokens=cfg.max_prompt_tokens, max_new_tokens=cfg.max_new_tokens,
-        heldout_per_corpus=cfg.heldout_per_corpus, heldout_fraction=cfg.heldout_fraction,
-        temperature=cfg.gen_temperature, top_p=cfg.gen_top_p, seed=cfg.seed, gen_batch_size=cfg.gen_batch_size,
-        samples=cfg.gen_samples, sample_temperature=cfg.gen_sample_temperature,
-        gen_max_seconds=cfg.gen_max_minutes * 60 if cfg.gen_max_minutes else None,
-        target_fingerprint=fingerprint, log=log)
-
+    data_kw = dict(max_per_file=cfg.max_prompts_per_file, max_prompt_tokens=cfg.max_prompt_tokens,
+                   max_new_tokens=cfg.max_new_tokens, heldout_per_corpus=cfg.heldout_per_corpus,
+                   heldout_fraction=cfg.heldout_fraction, temperature=cfg.gen_temperature, top_p=cfg.gen_top_p,
+                   seed=cfg.seed, samples=cfg.gen_samples, sample_temperature=cfg.gen_sample_temperature,
+                   target_fingerprint=fingerprint)
     state_dir = work / "resume"
+    if cfg.resume and (state_dir / "state.json").is_file():  # before generating: a mismatch is known now
+        saved_key = json.loads((state_dir / "state.json").read_text()).get("data_key")
+        if saved_key != dataset_key(cfg.prompts, **data_kw)[0]:
+            raise TrainConfigError(f"{state_dir}: the checkpoint was trained on other data (prompt files or data "
+                                   "options changed); rerun with --no-resume to start over on the new data")
+    split = build_dataset(target, tokenizer, cfg.prompts, work / "data", gen_batch_size=cfg.gen_batch_size,
+                          gen_max_seconds=cfg.gen_max_minutes * 60 if cfg.gen_max_minutes else None,
+                          regenerate=cfg.regenerate_data, log=log, **data_kw)
+
     resumed, init_weights = None, None
     if cfg.quantize_bits:
         bytes_per_param = quantized_bytes_per_param(cfg.quantize_bits, cfg.quantize_group_size,
@@ -595,9 +601,7 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
     else:
         bytes_per_param, stored = DTYPES[cfg.save_dtype].size, cfg.save_dtype
     if cfg.resume and (state_dir / "state.json").is_file():
-        saved = json.loads((state_dir / "state.json").read_text())
-        if saved.get("data_key") != split.meta["key"]:
-            raise TrainConfigError(f"{state_dir}: checkpoint was trained on other data; start over with --no-resume")
+        saved = json.loads((state_dir / "state.json").read_text())  # its data key was checked above
         args = saved["draft_args"]
         dc = args["dflash_config"]
         spec = DraftSpec(args["num_hidden_layers"], args["block_size"], dc["target_layer_ids"], dc["mask_token_id"],
@@ -645,6 +649,8 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
     log(f"saved: {out} ({_file_mib(out / 'model.safetensors')} MiB)")
 
     evals = {}
+    if cfg.eval and not split.heldout:
+        log("eval: no held-out prompts (--heldout-per-corpus 0, or corpora of one prompt): tau not measured")
     if cfg.eval and split.heldout:
         eos = tokenizer.eos_token_ids
         eval_s = cfg.eval_max_minutes * 60 if cfg.eval_max_minutes else None
