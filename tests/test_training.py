@@ -25,7 +25,8 @@ from worker.training import data as data_mod
 from worker.training.data import (
     DataError,
     TokenDataset,
-    batch_indices,
+    epoch_batches,
+    length_buckets,
     build_dataset,
     read_prompt_files,
     split_heldout,
@@ -319,18 +320,29 @@ def test_cached_taps_train_like_online_taps():
     online = _trainer(target, ds, steps=3)
     online.run(log=lambda _: None)
     cached = _trainer(target, ds, steps=3)
-    assert cached.tap_cache_bytes() == 6 * cached.tokens.shape[1] * 3 * 64 * 4
+    assert cached.widths == [32, 64] and cached.tokens.shape[1] == 64
+    # each sequence's taps padded to its class's width only (3 taps x D=64, float32)
+    assert cached.tap_cache_bytes() == sum(32 if n <= 32 else 64 for n in cached.lengths) * 3 * 64 * 4
+    assert _trainer(target, ds, length_buckets=1).tap_cache_bytes() == 6 * 64 * 3 * 64 * 4
     cached.precompute_taps(progress=False)
     cached.run(log=lambda _: None)
     a, b = dict(tree_flatten(online.draft.parameters())), dict(tree_flatten(cached.draft.parameters()))
     assert all(mx.allclose(a[k], b[k], atol=1e-5).item() for k in a)
 
 
-def test_batches_are_a_function_of_step():
-    rows = [batch_indices(10, 4, s, seed=3)[0] for s in range(5)]  # 20 rows = 2 epochs
-    assert sorted(np.concatenate(rows[:2] + [rows[2][:2]])) == list(range(10))
-    assert (batch_indices(10, 4, 3, seed=3)[0] == rows[3]).all()
-    assert batch_indices(10, 4, 5, seed=3)[1] == 2.0
+def test_batches_are_a_function_of_epoch_and_stay_in_one_length_class():
+    lengths = np.array([5, 40, 100, 200, 640, 300, 17, 650, 33, 120, 180, 500])
+    widths, cls = length_buckets(lengths, 672, 4)
+    assert widths == [192, 352, 512, 672] and all(lengths <= np.asarray(widths)[cls])
+    assert all(c == 0 or lengths[i] > widths[c - 1] for i, c in enumerate(cls))  # the narrowest width
+    batches = epoch_batches(cls, 4, epoch=2, seed=3)
+    assert set(np.concatenate([r for _, r in batches])) == set(range(12))  # every row each epoch
+    assert all(len(r) == 4 and (cls[r] == c).all() for c, r in batches)
+    again = epoch_batches(cls, 4, epoch=2, seed=3)
+    assert all(c1 == c2 and (r1 == r2).all() for (c1, r1), (c2, r2) in zip(batches, again))
+    other = epoch_batches(cls, 4, epoch=3, seed=3)
+    assert any(not (r1 == r2).all() for (_, r1), (_, r2) in zip(batches, other))
+    assert length_buckets(lengths, 672, 1)[0] == [672]
 
 
 # --------------------------------------------------------------------------- data
@@ -632,3 +644,30 @@ def test_time_cut_data_is_flagged_on_reuse_and_can_be_regenerated(tmp_path, tiny
     assert any("reusing" in x for x in lines) and any("--regenerate-data" in x for x in lines)
     again = build_dataset(target, tokenizer, files, tmp_path / "c", regenerate=True, log=lambda _: None, **kw)
     assert len(again.train) > len(first.train) and not again.meta["generation_stopped_by_time_limit"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_copy_target_layers_takes_matching_weights_only(arch):
+    """Draft layer i of n starts as target layer L-n+i where names and shapes match: attention
+    always, the MLP only at the target's width; Gemma's offset-style norm scales never."""
+    from test_dflash import TARGETS
+
+    from worker.capture import target_layers
+    from worker.training.defaults import DraftSpec, copy_target_layers, make_draft
+
+    target = TARGETS[arch]()
+    L = len(target_layers(target))
+    taps, mask = [1, L - 2], 0
+    for mlp in (target.args.intermediate_size, 32):
+        draft = make_draft(target, DraftSpec(2, 8, taps, mask, mlp), seed=0)
+        before = dict(tree_flatten(draft.parameters()))
+        copied = copy_target_layers(draft, target)
+        after = dict(tree_flatten(draft.parameters()))
+        src = dict(tree_flatten(target_layers(target)[L - 1].parameters()))
+        assert "layers.1.self_attn.q_proj.weight" in copied
+        assert mx.array_equal(after["layers.1.self_attn.o_proj.weight"], src["self_attn.o_proj.weight"]).item()
+        assert ("layers.1.mlp.down_proj.weight" in copied) == (mlp == target.args.intermediate_size)
+        norms = [k for k in copied if "layernorm" in k or k == "norm.weight"]
+        assert (norms == []) == (arch == "gemma3")
+        untouched = [k for k in after if k not in copied]
+        assert "fc.weight" in untouched and all(mx.array_equal(after[k], before[k]).item() for k in untouched)

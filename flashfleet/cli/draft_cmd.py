@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: bfloat16 on a GPU, float32 on a CPU")
     g.add_argument("--target-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     g.add_argument("--save-dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    g.add_argument("--init-layers", default="target", choices=("target", "random"),
+                   help="a new draft's layers start as copies of the target's last layers (where shapes "
+                        "match), or random")
     g.add_argument("--init-from", default=None, metavar="DRAFT_DIR",
                    help="start from this saved draft (its shape and weights, dequantized if 4/8-bit) "
                         "instead of a random one: training continues across runs")
@@ -142,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cache-taps-gib", type=float, default=8.0,
                    help="keep the target taps of the whole dataset in memory when they fit (0: recompute "
                         "them every batch)")
+    g.add_argument("--length-buckets", type=_at_least(1), default=4,
+                   help="length classes: a batch is padded to its class's width instead of the longest "
+                        "sequence's (1: off)")
     g.add_argument("--checkpoint-every", type=_at_least(0), default=200, help="steps between checkpoints (0: end only)")
     g.add_argument("--no-resume", dest="resume", action="store_false", help="ignore an existing checkpoint")
     g.add_argument("--log-every", type=_at_least(1), default=10, help="steps per loss-curve point")

@@ -15,8 +15,9 @@ than a dataset's. Here:
    token so the draft learns to end.
 4. `build_dataset`: all of the above, cached as JSON lines under a directory with a key over the
    inputs and settings; a rerun with the same key loads the cache and skips generation.
-5. `TokenDataset.batch`: fixed-shape, right-padded batches for the trainer, a pure function of
-   (seed, step), so a resumed run sees the same batches.
+5. `length_buckets` + `epoch_batches`: right-padded batches for the trainer, each from one length
+   class and padded to its width, a pure function of (seed, epoch), so a resumed run sees the
+   same batches.
 """
 from __future__ import annotations
 
@@ -248,24 +249,45 @@ class TokenDataset:
         return tokens, lengths, prompt_lens
 
 
-def batch_indices(n: int, batch_size: int, step: int, seed: int) -> tuple[np.ndarray, float]:
-    """Rows of training batch `step`: consecutive slices of per-epoch shuffles.
+def length_buckets(lengths: np.ndarray, width: int, count: int, multiple: int = 32) -> tuple[list[int], np.ndarray]:
+    """Width classes for padded batches: `count` widths up to `width`, and each sequence's class.
 
-    A pure function of (n, batch_size, step, seed), so resuming at a step reproduces the batch.
+    Batches drawn from one class are padded only to its width, so short sequences stop paying
+    for the longest one (in the target forward, the attention masks and the taps cache).
+
+    Args:
+        lengths: (n,) int sequence lengths, tokens, each <= width.
+        width: the padded length of the whole dataset.
+        count: number of classes (1: every batch is padded to `width`).
+        multiple: widths are rounded up to this.
 
     Returns:
-        (indices (batch_size,) int, epoch as a float: sequences seen / n at the batch's start).
+        (widths ascending, without duplicates; (n,) int class of each sequence: the narrowest
+        width that holds it).
     """
-    start = step * batch_size
-    rows = []
-    pos = start
-    while len(rows) < batch_size:
-        epoch, offset = divmod(pos, n)
-        perm = np.random.default_rng([seed, epoch]).permutation(n)
-        take = min(batch_size - len(rows), n - offset)
-        rows.extend(perm[offset: offset + take])
-        pos += take
-    return np.asarray(rows, dtype=np.int64), start / n
+    widths = sorted({min(width, -(-math.ceil(width * k / count) // multiple) * multiple)
+                     for k in range(1, count + 1)})
+    return widths, np.searchsorted(np.asarray(widths), lengths, side="left")
+
+
+def epoch_batches(bucket_of: np.ndarray, batch_size: int, epoch: int, seed: int) -> list[tuple[int, np.ndarray]]:
+    """The batches of one epoch, each from one length class (`length_buckets`), in training order.
+
+    Every class is shuffled and cut into batches (its last batch is filled up with its first
+    rows again), then the order of all batches is shuffled. A pure function of its arguments, so
+    resuming at a step reproduces the batch.
+
+    Returns:
+        [(class, row indices (batch_size,) int64)]; every row appears in the epoch at least once.
+    """
+    rng = np.random.default_rng([seed, epoch])
+    batches = []
+    for c in np.unique(bucket_of):
+        rows = rng.permutation(np.flatnonzero(bucket_of == c))
+        need = -(-len(rows) // batch_size) * batch_size
+        rows = np.resize(rows, need)  # repeats the class's first rows to fill its last batch
+        batches += [(int(c), rows[i: i + batch_size].astype(np.int64)) for i in range(0, need, batch_size)]
+    return [batches[i] for i in rng.permutation(len(batches))]
 
 
 @dataclass

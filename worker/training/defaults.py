@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from worker.capture import target_hidden_size, target_layers, target_vocab_size
 from worker.models.dflash import Model, default_target_layer_ids
@@ -163,8 +164,70 @@ def choose_draft_spec(
     return spec
 
 
-def make_draft(target, spec: DraftSpec, seed: int) -> Model:
-    """A freshly initialised float32 draft of shape `spec`, bound to `target`."""
-    return init_dflash_draft(target, num_layers=spec.num_layers, block_size=spec.block_size,
-                             target_layer_ids=spec.target_layer_ids, mask_token_id=spec.mask_token_id,
-                             intermediate_size=spec.intermediate_size, seed=seed, dtype=mx.float32)
+def make_draft(target, spec: DraftSpec, seed: int, from_target: bool = False) -> Model:
+    """A freshly initialised float32 draft of shape `spec`, bound to `target`; with `from_target`
+    its decoder layers start as copies of the target's last ones (`copy_target_layers`)."""
+    draft = init_dflash_draft(target, num_layers=spec.num_layers, block_size=spec.block_size,
+                              target_layer_ids=spec.target_layer_ids, mask_token_id=spec.mask_token_id,
+                              intermediate_size=spec.intermediate_size, seed=seed, dtype=mx.float32)
+    if from_target:
+        copy_target_layers(draft, target)
+    return draft
+
+
+def _float_weights(module: nn.Module) -> dict[str, mx.array]:
+    """Linear weights/biases (quantized ones dequantized) and plain `nn.RMSNorm` scales of a module.
+
+    Other norm classes are skipped on purpose: Gemma's RMSNorm stores `weight` as an offset from
+    1, which the draft's standard RMSNorm would misread."""
+    out = {}
+    for name, m in module.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(m, nn.QuantizedLinear):
+            out[prefix + "weight"] = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits)
+        elif isinstance(m, nn.Linear):
+            out[prefix + "weight"] = m.weight
+        elif type(m) is nn.RMSNorm:
+            out[prefix + "weight"] = m.weight
+        else:
+            continue
+        if "bias" in m:
+            out[prefix + "bias"] = m["bias"]
+    return out
+
+
+def copy_target_layers(draft: Model, target) -> list[str]:
+    """Starts the draft's decoder layers from the target's last ones: draft layer i of n takes
+    every weight of target layer L-n+i whose name and shape match (the attention projections,
+    standard RMSNorm scales, and the MLP when the draft keeps the target's width), and the draft's
+    final norm takes the target's. The rest keeps its random initialisation.
+
+    Why: the draft works in the target's hidden space and through the target's LM head, so the
+    target's top layers are a far better start than noise. Measured on the CPU with SmolLM2-135M
+    (docs/training.md): after 150 steps the training loss was 4.47 with copied layers against
+    6.49 from random weights.
+
+    Args:
+        draft: a float32 draft bound to `target`.
+        target: the mlx-lm target (weights may be quantized; they are dequantized).
+
+    Returns:
+        The draft parameter names that were copied.
+    """
+    from mlx.utils import tree_flatten
+
+    layers = target_layers(target)
+    copied = []
+    for i, layer in enumerate(draft.layers):
+        src = _float_weights(layers[len(layers) - len(draft.layers) + i])
+        mine = dict(tree_flatten(layer.parameters()))
+        take = [(k, v.astype(mine[k].dtype)) for k, v in src.items() if k in mine and mine[k].shape == v.shape]
+        layer.load_weights(take, strict=False)
+        copied += [f"layers.{i}.{k}" for k, _ in take]
+    inner = getattr(target, "model", target)
+    norm = getattr(inner, "norm", None)
+    if type(norm) is nn.RMSNorm and norm.weight.shape == draft.norm.weight.shape:
+        draft.norm.weight = norm.weight.astype(draft.norm.weight.dtype)
+        copied.append("norm.weight")
+    mx.eval(draft.parameters())
+    return copied

@@ -48,7 +48,7 @@ from worker.models.dflash import Model, ModelArgs
 from worker.models.dflash_checkpoint import (load_dflash_draft, quantize_dflash_draft, quantized_bytes_per_param,
                                              save_dflash_draft)
 from worker.training.card import render_card, tau_line
-from worker.training.data import DataSplit, TokenDataset, batch_indices, build_dataset, dataset_key
+from worker.training.data import DataSplit, TokenDataset, build_dataset, dataset_key, epoch_batches, length_buckets
 from worker.training.defaults import DraftSpec, choose_draft_spec, make_draft
 from worker.training.evaluate import evaluate_tau
 from worker.training.forward import block_hidden, block_inputs, cast_tree
@@ -89,14 +89,17 @@ class TrainConfig:
         time; the cosine schedule then runs on the time fraction), seed, compute_dtype and
         target_dtype ("auto": bfloat16 on a GPU, float32 on a CPU), save_dtype, init_from (a
         saved draft directory, quantized or not, whose shape and weights the run starts from
-        instead of a random draft: training continues across sessions), quantize_bits
+        instead of a random draft: training continues across sessions), init_layers ("target":
+        a new draft's layers start as copies of the target's last layers, `copy_target_layers`;
+        "random"), quantize_bits
         (None: keep `save_dtype`; 4 or 8: the saved draft's linear layers are MLX-quantized with
         `quantize_group_size`, the size budget counts the quantized bytes, and the unquantized
         draft is kept in the work dir and evaluated too, so the card shows what it costs), compile,
         cache_taps_gib (compute the target taps of the whole dataset once and keep them in
         memory when they fit this many GiB, the paper's "offline" mode; 0: always online, one
-        target forward per batch), checkpoint_every (steps), resume, log_every (steps between
-        loss-curve points).
+        target forward per batch), length_buckets (batches come from one of this many length
+        classes and are padded to its width, not the dataset's; 1: off), checkpoint_every
+        (steps), resume, log_every (steps between loss-curve points).
     Evaluation:
         eval (tau on the held-out prompts at the end), eval_max_new_tokens, eval_max_minutes,
         eval_untrained (also measure the untrained draft), progress (tqdm bars).
@@ -141,10 +144,12 @@ class TrainConfig:
     target_dtype: str = "auto"
     save_dtype: str = "bfloat16"
     init_from: Optional[str] = None
+    init_layers: str = "target"
     quantize_bits: Optional[int] = None
     quantize_group_size: int = 64
     compile: bool = True
     cache_taps_gib: float = 8.0
+    length_buckets: int = 4
     checkpoint_every: int = 200
     resume: bool = True
     log_every: int = 10
@@ -251,11 +256,19 @@ class Trainer:
         self.tokens, self.lengths, self.prompt_lens = data.arrays(pad_id=0)
         self.n = len(data)
         self.bsz = cfg.batch_size
+        # Length classes: a batch is padded to its class's width, not the longest sequence's.
+        self.widths, self.bucket_of = length_buckets(self.lengths, self.tokens.shape[1], cfg.length_buckets)
+        self.local = np.zeros(self.n, dtype=np.int64)  # row -> index within its class (taps cache)
+        for c in range(len(self.widths)):
+            members = np.flatnonzero(self.bucket_of == c)
+            self.local[members] = np.arange(len(members))
+        self.per_epoch = sum(-(-int((self.bucket_of == c).sum()) // self.bsz) for c in range(len(self.widths)))
+        self._epoch: tuple[int, list] = (-1, [])
         self.B = draft.block_size
         self.N = cfg.anchors
         self.gamma = cfg.gamma or default_gamma(self.B)
         self.cdt = resolve_dtype(cfg.compute_dtype)
-        self.total_steps = cfg.steps or max(1, math.ceil(cfg.epochs * self.n / self.bsz))
+        self.total_steps = cfg.steps or max(1, math.ceil(cfg.epochs * self.per_epoch))
         self.budget_s = cfg.max_minutes * 60 if cfg.max_minutes else None
         self.step = 0
         self.elapsed_s = 0.0
@@ -264,27 +277,31 @@ class Trainer:
         self.opt = optim.AdamW(learning_rate=cfg.lr, weight_decay=cfg.weight_decay)
         self.opt.init(draft.trainable_parameters())
         self._step_fn = None
-        self.taps_all: Optional[mx.array] = None
+        self.taps_cached: Optional[list[mx.array]] = None  # per length class: (members, width, taps)
 
     def tap_cache_bytes(self) -> int:
-        """Bytes the taps of the whole dataset take: n * S * n_taps * D * dtype size."""
+        """Bytes the taps of the whole dataset take, each sequence padded to its class's width:
+        sum(width of class) * n_taps * D * dtype size."""
         d = target_hidden_size(self.target) * len(self.draft.target_layer_ids)
         itemsize = self.draft._embed(mx.array([0])).dtype.size
-        return int(self.tokens.size) * d * itemsize
+        return int(np.asarray(self.widths)[self.bucket_of].sum()) * d * itemsize
 
     def precompute_taps(self, progress: bool = True) -> None:
         """Runs the target once over the dataset (in batches) and keeps every tap in memory;
         steps then read their batch's taps instead of running the target (paper: "offline")."""
         from tqdm import tqdm
 
-        parts = []
-        for i in tqdm(range(0, self.n, self.bsz), desc="target taps", unit="batch", disable=not progress,
-                      dynamic_ncols=True):
-            t = self.taps(mx.array(self.tokens[i: i + self.bsz]))
-            mx.eval(t)
-            parts.append(t)
-        self.taps_all = mx.concatenate(parts, axis=0)
-        mx.eval(self.taps_all)
+        self.taps_cached = []
+        with tqdm(total=self.n, desc="target taps", unit="seq", disable=not progress, dynamic_ncols=True) as bar:
+            for c, width in enumerate(self.widths):
+                members, parts = np.flatnonzero(self.bucket_of == c), []
+                for i in range(0, len(members), self.bsz):
+                    t = self.taps(mx.array(self.tokens[members[i: i + self.bsz], :width]))
+                    mx.eval(t)
+                    parts.append(t)
+                    bar.update(len(members[i: i + self.bsz]))
+                self.taps_cached.append(mx.concatenate(parts, axis=0) if parts else None)
+                mx.eval(self.taps_cached[-1])
 
     # -- the compiled step -------------------------------------------------------------------
 
@@ -351,13 +368,17 @@ class Trainer:
         Returns:
             (tokens, lengths, anchors, keep, taps) as mx arrays (taps: cached rows, or a lazy
             target forward), label tokens in the batch, epoch."""
-        idx, epoch = batch_indices(self.n, self.bsz, step, self.cfg.seed)
+        e, j = divmod(step, self.per_epoch)
+        if self._epoch[0] != e:
+            self._epoch = (e, epoch_batches(self.bucket_of, self.bsz, e, self.cfg.seed))
+        c, idx = self._epoch[1][j]
+        epoch = e + j / self.per_epoch
         lengths, prompt_lens = self.lengths[idx], self.prompt_lens[idx]
         rng = np.random.default_rng([self.cfg.seed, 1, step])
         anchors, keep = sample_anchors(rng, prompt_lens, lengths, self.N)
         labels = int((np.minimum(self.B - 1, lengths[:, None] - 1 - anchors) * keep).sum())
-        tokens = mx.array(self.tokens[idx])
-        taps = self.taps(tokens) if self.taps_all is None else self.taps_all[mx.array(idx)]
+        tokens = mx.array(self.tokens[idx, :self.widths[c]])
+        taps = self.taps(tokens) if self.taps_cached is None else self.taps_cached[c][mx.array(self.local[idx])]
         return (tokens, mx.array(lengths), mx.array(anchors), mx.array(keep), taps), labels, epoch
 
     def progress(self) -> float:
@@ -614,7 +635,11 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
             target_layer_ids=cfg.target_layer_ids, mask_token_id=cfg.mask_token_id, block_size=cfg.block_size,
             intermediate_size=cfg.intermediate_size, max_draft_mib=cfg.max_draft_mib,
             bytes_per_param=bytes_per_param)
-    draft = make_draft(target, spec, cfg.seed)
+    resuming = cfg.resume and (state_dir / "state.json").is_file()
+    from_target = cfg.init_layers == "target" and init_weights is None and not resuming
+    draft = make_draft(target, spec, cfg.seed, from_target=from_target)
+    if from_target:
+        log(f"init: draft layers start from the target's last {spec.num_layers} (--init-layers target)")
     if init_weights is not None:
         draft.load_weights(list(init_weights.items()), strict=True)
         mx.eval(draft.parameters())
@@ -634,7 +659,8 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
     if cfg.cache_taps_gib and trainer.tap_cache_bytes() <= cfg.cache_taps_gib * 2**30:
         log(f"taps: caching the target's taps of all sequences ({trainer.tap_cache_bytes() / 2**30:.2f} GiB)")
         trainer.precompute_taps(cfg.progress)
-    log(f"train: {trainer.n} sequences (S={trainer.tokens.shape[1]}), batch {trainer.bsz}, {trainer.N} anchors, "
+    log(f"train: {trainer.n} sequences (S={trainer.tokens.shape[1]}, batch widths {trainer.widths}), "
+        f"batch {trainer.bsz}, {trainer.N} anchors, "
         f"gamma {trainer.gamma}, up to {trainer.total_steps} steps"
         + (f" or {cfg.max_minutes} min" if cfg.max_minutes else "") + f", compute {trainer.cdt}")
     result = trainer.run(checkpoint=lambda: trainer.save_state(state_dir, {"data_key": split.meta["key"]}), log=log)
@@ -665,7 +691,7 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
                                                 max_seconds=eval_s, progress=cfg.progress, desc="tau unquantized")
             log("tau (unquantized): " + tau_line(evals["unquantized"]))
         if cfg.eval_untrained:
-            untrained = make_draft(target, spec, cfg.seed)
+            untrained = make_draft(target, spec, cfg.seed, from_target=cfg.init_layers == "target")
             untrained.update(cast_tree(untrained.parameters(), resolve_dtype(cfg.compute_dtype)))
             evals["untrained"] = evaluate_tau(target, untrained, split.heldout, cfg.eval_max_new_tokens, eos,
                                               max_seconds=eval_s, progress=cfg.progress, desc="tau untrained")
@@ -699,6 +725,7 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
                      "max_minutes": cfg.max_minutes, "planned_steps": trainer.total_steps,
                      "resumed_from_step": resumed["step"] if resumed else None,
                      "init_from": str(cfg.init_from) if cfg.init_from else None,
+                     "init_layers": None if cfg.init_from or resumed else cfg.init_layers,
                      "final_loss": round(result.get("loss", float("nan")), 4),
                      "final_train_tau": round(result.get("train_tau", float("nan")), 3),
                      "final_accuracy_per_position": result.get("accuracy"),
