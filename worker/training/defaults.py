@@ -199,8 +199,9 @@ def _float_weights(module: nn.Module) -> dict[str, mx.array]:
 def copy_target_layers(draft: Model, target) -> list[str]:
     """Starts the draft's decoder layers from the target's last ones: draft layer i of n takes
     every weight of target layer L-n+i whose name and shape match (the attention projections,
-    standard RMSNorm scales, and the MLP when the draft keeps the target's width), and the draft's
-    final norm takes the target's. The rest keeps its random initialisation.
+    standard RMSNorm scales, and the MLP when the draft keeps the target's width). The rest keeps
+    its random initialisation, the final norm included: copying the target's final norm as well
+    left the loss after 150 CPU steps at 6.39 instead of 4.5 (docs/training.md).
 
     Why: the draft works in the target's hidden space and through the target's LM head, so the
     target's top layers are a far better start than noise. Measured on the CPU with SmolLM2-135M
@@ -224,10 +225,5 @@ def copy_target_layers(draft: Model, target) -> list[str]:
         take = [(k, v.astype(mine[k].dtype)) for k, v in src.items() if k in mine and mine[k].shape == v.shape]
         layer.load_weights(take, strict=False)
         copied += [f"layers.{i}.{k}" for k, _ in take]
-    inner = getattr(target, "model", target)
-    norm = getattr(inner, "norm", None)
-    if type(norm) is nn.RMSNorm and norm.weight.shape == draft.norm.weight.shape:
-        draft.norm.weight = norm.weight.astype(draft.norm.weight.dtype)
-        copied.append("norm.weight")
     mx.eval(draft.parameters())
     return copied
