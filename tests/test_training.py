@@ -13,6 +13,7 @@ import math
 import os
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
@@ -671,3 +672,10 @@ def test_copy_target_layers_takes_matching_weights_only(arch):
         assert (norms == []) == (arch == "gemma3") and "norm.weight" not in copied
         untouched = [k for k in after if k not in copied]
         assert "fc.weight" in untouched and all(mx.array_equal(after[k], before[k]).item() for k in untouched)
+    if arch == "llama":  # a 4-bit target: its layers are dequantized on the way
+        nn.quantize(target, group_size=32, bits=4)
+        draft = make_draft(target, DraftSpec(2, 8, taps, mask, 32), seed=0)
+        assert "layers.1.self_attn.q_proj.weight" in copy_target_layers(draft, target)
+        q = target_layers(target)[L - 1].self_attn.q_proj
+        want = mx.dequantize(q.weight, q.scales, q.biases, q.group_size, q.bits)
+        assert mx.allclose(draft.layers[1].self_attn.q_proj.weight, want.astype(mx.float32)).item()

@@ -210,14 +210,15 @@ def quantize_dflash_draft(model: Model, bits: int = 4, group_size: int = 64) -> 
     return model
 
 
-def dequantized_weights(model: Model, dtype: mx.Dtype = mx.float32) -> dict[str, mx.array]:
-    """The draft's weights as plain floating arrays, quantized layers expanded (`mx.dequantize`).
+def dequantized_weights(model: nn.Module, dtype: mx.Dtype = mx.float32) -> dict[str, mx.array]:
+    """A module's weights as plain floating arrays, quantized layers expanded (`mx.dequantize`).
 
-    Used to continue training a saved draft (`flashfleet draft train --init-from`): a 4-bit
-    checkpoint becomes the float weights of an unquantized draft of the same shape.
+    Used to continue training a saved draft (`flashfleet draft train --init-from`: a 4-bit
+    checkpoint becomes the float weights of an unquantized draft of the same shape) and to start
+    a draft from a (possibly quantized) target's layers.
 
     Args:
-        model: a loaded draft, quantized or not.
+        model: a draft or any MLX module (e.g. one target decoder layer), quantized or not.
         dtype: dtype of the returned arrays.
 
     Returns:

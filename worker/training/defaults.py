@@ -16,7 +16,7 @@ import mlx.nn as nn
 
 from worker.capture import target_hidden_size, target_layers, target_vocab_size
 from worker.models.dflash import Model, default_target_layer_ids
-from worker.models.dflash_checkpoint import init_dflash_draft
+from worker.models.dflash_checkpoint import dequantized_weights, init_dflash_draft
 
 
 class DraftSizeError(ValueError):
@@ -175,25 +175,18 @@ def make_draft(target, spec: DraftSpec, seed: int, from_target: bool = False) ->
     return draft
 
 
-def _float_weights(module: nn.Module) -> dict[str, mx.array]:
-    """Linear weights/biases (quantized ones dequantized) and plain `nn.RMSNorm` scales of a module.
+def _copyable_weights(layer: nn.Module) -> dict[str, mx.array]:
+    """A target layer's linear weights/biases (dequantized) and plain `nn.RMSNorm` scales, float32.
 
     Other norm classes are skipped on purpose: Gemma's RMSNorm stores `weight` as an offset from
     1, which the draft's standard RMSNorm would misread."""
-    out = {}
-    for name, m in module.named_modules():
-        prefix = f"{name}." if name else ""
-        if isinstance(m, nn.QuantizedLinear):
-            out[prefix + "weight"] = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits)
-        elif isinstance(m, nn.Linear):
-            out[prefix + "weight"] = m.weight
-        elif type(m) is nn.RMSNorm:
-            out[prefix + "weight"] = m.weight
-        else:
-            continue
-        if "bias" in m:
-            out[prefix + "bias"] = m["bias"]
-    return out
+    modules = dict(layer.named_modules())
+
+    def copyable(name: str) -> bool:
+        m = modules.get(name.rpartition(".")[0])
+        return isinstance(m, (nn.Linear, nn.QuantizedLinear)) or type(m) is nn.RMSNorm
+
+    return {k: v for k, v in dequantized_weights(layer).items() if copyable(k)}
 
 
 def copy_target_layers(draft: Model, target) -> list[str]:
@@ -220,7 +213,7 @@ def copy_target_layers(draft: Model, target) -> list[str]:
     layers = target_layers(target)
     copied = []
     for i, layer in enumerate(draft.layers):
-        src = _float_weights(layers[len(layers) - len(draft.layers) + i])
+        src = _copyable_weights(layers[len(layers) - len(draft.layers) + i])
         mine = dict(tree_flatten(layer.parameters()))
         take = [(k, v.astype(mine[k].dtype)) for k, v in src.items() if k in mine and mine[k].shape == v.shape]
         layer.load_weights(take, strict=False)
