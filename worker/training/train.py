@@ -262,8 +262,8 @@ class Trainer:
         for c in range(len(self.widths)):
             members = np.flatnonzero(self.bucket_of == c)
             self.local[members] = np.arange(len(members))
-        self.per_epoch = sum(-(-int((self.bucket_of == c).sum()) // self.bsz) for c in range(len(self.widths)))
-        self._epoch: tuple[int, list] = (-1, [])
+        self._epoch: tuple[int, list] = (0, epoch_batches(self.bucket_of, self.bsz, 0, cfg.seed))
+        self.per_epoch = len(self._epoch[1])
         self.B = draft.block_size
         self.N = cfg.anchors
         self.gamma = cfg.gamma or default_gamma(self.B)
