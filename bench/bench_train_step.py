@@ -71,7 +71,7 @@ def main(argv=None) -> int:
             mx.eval(step_fn(*tr.batch(step)[0]), tr.draft.parameters(), tr.opt.state)
         labels_total, secs = 0, 0.0
         for step in range(tr.per_epoch, tr.per_epoch + a.steps):  # the next epoch's batches
-            inputs, labels, _ = tr.batch(step)
+            inputs, labels, _, _ = tr.batch(step)
             t0 = time.perf_counter()
             mx.eval(step_fn(*inputs), tr.draft.parameters(), tr.opt.state)
             secs += time.perf_counter() - t0

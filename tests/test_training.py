@@ -244,11 +244,40 @@ def _trainer(target, ds, **kw):
     return Trainer(target, draft, ds, cfg)
 
 
+def test_time_schedule_leaves_out_each_length_class_first_step():
+    """A slow first step (traces, kernel compiles) counts against --max-minutes but must not use
+    up the warmup: the LR schedule's progress runs on the time after it."""
+    import time as _time
+
+    tr = _trainer(tiny_llama(), _synthetic_dataset(), steps=10_000, max_minutes=0.02, warmup=0.5)  # 1.2 s
+    classes = {c for c, _ in tr._epoch[1]}
+    step_fn = tr._build_step()
+    seen, lrs = set(), []
+
+    def slow_first(*inputs):
+        lrs.append(tr.opt.learning_rate.item())
+        width = inputs[0].shape[1]
+        if width not in seen:  # the first step of a length class stalls
+            seen.add(width)
+            _time.sleep(0.3)
+        return step_fn(*inputs)
+
+    tr._step_fn = slow_first
+    tr.run(log=lambda _: None)
+    assert len(seen) == len(classes) >= 1
+    assert tr.startup_s >= 0.3 * len(seen) - 0.01
+    assert tr.elapsed_s >= tr.budget_s  # the budget is wall time, stalls included
+    # After the first stall (0.3 s of a 1.2 s budget) a wall-clock schedule would be a quarter
+    # through, half-way up the warmup; leaving the stall out keeps the LR near the warmup's start.
+    assert lrs[2] < 0.2 * tr.cfg.lr, lrs[:4]  # step 2 runs after step 0 is retired
+    assert max(lrs) > 0.5 * tr.cfg.lr  # and the warmup still completes within the budget
+
+
 def test_training_reduces_loss():
     target = tiny_llama()
     ds = _synthetic_dataset()
     tr = _trainer(target, ds)
-    fixed, _, _ = tr.batch(0)
+    fixed, _, _, _ = tr.batch(0)
     before = tr._loss(*fixed)[0].item()
     result = tr.run(log=lambda _: None)
     after = tr._loss(*fixed)[0].item()

@@ -272,6 +272,10 @@ class Trainer:
         self.budget_s = cfg.max_minutes * 60 if cfg.max_minutes else None
         self.step = 0
         self.elapsed_s = 0.0
+        # Wall time of each length class's first step in a run (tracing, kernel compiles): it
+        # counts against the time budget but not in the LR schedule's progress, so a slow
+        # start does not eat the warmup.
+        self.startup_s = 0.0
         self.history: list[dict] = []
         self.cap = HiddenCapture(target, draft.target_layer_ids)
         self.opt = optim.AdamW(learning_rate=cfg.lr, weight_decay=cfg.weight_decay)
@@ -367,7 +371,7 @@ class Trainer:
 
         Returns:
             (tokens, lengths, anchors, keep, taps) as mx arrays (taps: cached rows, or a lazy
-            target forward), label tokens in the batch, epoch."""
+            target forward), label tokens in the batch, epoch, length class."""
         e, j = divmod(step, self.per_epoch)
         if self._epoch[0] != e:
             self._epoch = (e, epoch_batches(self.bucket_of, self.bsz, e, self.cfg.seed))
@@ -379,13 +383,15 @@ class Trainer:
         labels = int((np.minimum(self.B - 1, lengths[:, None] - 1 - anchors) * keep).sum())
         tokens = mx.array(self.tokens[idx, :self.widths[c]])
         taps = self.taps(tokens) if self.taps_cached is None else self.taps_cached[c][mx.array(self.local[idx])]
-        return (tokens, mx.array(lengths), mx.array(anchors), mx.array(keep), taps), labels, epoch
+        return (tokens, mx.array(lengths), mx.array(anchors), mx.array(keep), taps), labels, epoch, c
 
     def progress(self) -> float:
-        """Fraction of the run done: steps or wall time, whichever is further."""
+        """Fraction of the run done: steps or wall time, whichever is further (the time of the
+        first step of each length class, `startup_s`, is left out of both sides)."""
         p = self.step / self.total_steps
         if self.budget_s:
-            p = max(p, self.elapsed_s / self.budget_s)
+            run_s = self.budget_s - self.startup_s
+            p = max(p, (self.elapsed_s - self.startup_s) / run_s if run_s > 0 else 1.0)
         return p
 
     def done(self) -> bool:
@@ -404,7 +410,7 @@ class Trainer:
         arrays.update({f"opt/{k}": v for k, v in tree_flatten(self.opt.state)})
         mx.save_safetensors(str(path / "state.tmp.safetensors"), arrays)
         os.replace(path / "state.tmp.safetensors", path / "state.safetensors")
-        meta = {"format": STATE_FORMAT, "step": self.step, "elapsed_s": self.elapsed_s,
+        meta = {"format": STATE_FORMAT, "step": self.step, "elapsed_s": self.elapsed_s, "startup_s": self.startup_s,
                 "draft_args": _args_dict(self.draft.args), "history": self.history, **(extra or {})}
         (path / "state.tmp.json").write_text(json.dumps(meta, indent=1) + "\n")
         os.replace(path / "state.tmp.json", path / "state.json")
@@ -423,6 +429,7 @@ class Trainer:
         self.opt.state = tree_unflatten([(k[4:], v) for k, v in arrays.items() if k.startswith("opt/")])
         self.opt.init(self.draft.trainable_parameters())
         self.step, self.elapsed_s, self.history = int(meta["step"]), float(meta["elapsed_s"]), meta["history"]
+        self.startup_s = float(meta.get("startup_s", 0.0))
         mx.eval(self.draft.parameters(), self.opt.state)
         self._step_fn = None  # the compiled step captured the old state objects
         return meta
@@ -454,10 +461,11 @@ class Trainer:
         next_batch = self.batch(self.step) if not self.done() else None
         t_prev = time.perf_counter()
         first = True
+        warm: set[int] = set()  # length classes whose first step (traces, compiles) is done
 
         def retire(p):
             nonlocal t_prev
-            (loss, acc, tau, gnorm), labels, step, epoch, lr = p
+            (loss, acc, tau, gnorm), labels, step, epoch, lr, c = p
             loss_v, tau_v = loss.item(), tau.item()  # the one host sync per step
             if not math.isfinite(loss_v):
                 raise FloatingPointError(f"loss is {loss_v} at step {step}")
@@ -465,6 +473,9 @@ class Trainer:
             dt = now - t_prev
             t_prev = now
             self.elapsed_s += dt
+            if c not in warm:
+                warm.add(c)
+                self.startup_s += dt
             window["loss"] += loss_v
             window["tau"] += tau_v
             window["n"] += 1
@@ -489,7 +500,7 @@ class Trainer:
 
         try:
             while next_batch is not None:
-                inputs, labels, epoch = next_batch
+                inputs, labels, epoch, c = next_batch
                 lr = learning_rate(self.progress(), cfg.lr, cfg.warmup, cfg.min_lr_ratio)
                 self.opt.learning_rate = lr
                 if first and cfg.compile:
@@ -502,7 +513,7 @@ class Trainer:
                 self.step += 1
                 if pending is not None:
                     retire(pending)
-                pending = (outs, labels, step, epoch, lr)
+                pending = (outs, labels, step, epoch, lr, c)
                 next_batch = None
                 if not self.done():  # prepared while the device runs this step
                     next_batch = self.batch(self.step)
