@@ -249,7 +249,9 @@ def test_time_schedule_leaves_out_each_length_class_first_step():
     up the warmup: the LR schedule's progress runs on the time after it."""
     import time as _time
 
-    tr = _trainer(tiny_llama(), _synthetic_dataset(), steps=10_000, max_minutes=0.02, warmup=0.5)  # 1.2 s
+    # 40 sequences: a warm class's step comes right before a cold one's first step, so the stall
+    # must be charged to the cold step, not the step dispatched before it.
+    tr = _trainer(tiny_llama(), _synthetic_dataset(n=40), steps=10_000, max_minutes=0.02, warmup=0.5)  # 1.2 s
     classes = {c for c, _ in tr._epoch[1]}
     step_fn = tr._build_step()
     seen, lrs = set(), []

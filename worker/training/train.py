@@ -276,6 +276,7 @@ class Trainer:
         # counts against the time budget but not in the LR schedule's progress, so a slow
         # start does not eat the warmup.
         self.startup_s = 0.0
+        self._warm_classes: set[int] = set()  # per process: a resumed run compiles again
         self.history: list[dict] = []
         self.cap = HiddenCapture(target, draft.target_layer_ids)
         self.opt = optim.AdamW(learning_rate=cfg.lr, weight_decay=cfg.weight_decay)
@@ -386,8 +387,9 @@ class Trainer:
         return (tokens, mx.array(lengths), mx.array(anchors), mx.array(keep), taps), labels, epoch, c
 
     def progress(self) -> float:
-        """Fraction of the run done: steps or wall time, whichever is further (the time of the
-        first step of each length class, `startup_s`, is left out of both sides)."""
+        """Fraction of the run done: steps or wall time, whichever is further. The wall-time
+        fraction leaves out the first step of each length class (`startup_s`, traces and kernel
+        compiles) from both the time spent and the budget."""
         p = self.step / self.total_steps
         if self.budget_s:
             run_s = self.budget_s - self.startup_s
@@ -461,7 +463,7 @@ class Trainer:
         next_batch = self.batch(self.step) if not self.done() else None
         t_prev = time.perf_counter()
         first = True
-        warm: set[int] = set()  # length classes whose first step (traces, compiles) is done
+        warm = self._warm_classes  # length classes whose first step (traces, compiles) is done
 
         def retire(p):
             nonlocal t_prev
@@ -493,14 +495,19 @@ class Trainer:
                 bar.set_postfix(loss=f"{last['loss']:.3f}", tau=f"{last['train_tau']:.2f}", lr=f"{lr:.2e}",
                                 tok_s=f"{tps:,.0f}", ep=f"{epoch:.1f}")
                 window.update(loss=0.0, tau=0.0, n=0, labels=0, t=0.0)
-            if self.budget_s:  # the bar's end follows whichever limit comes first
-                rate = self.step / max(self.elapsed_s, 1e-9)
+            if self.budget_s:  # the bar's end follows whichever limit comes first (steady rate)
+                rate = max(self.step - len(warm), 1) / max(self.elapsed_s - self.startup_s, 1e-9)
                 bar.total = min(self.total_steps, max(self.step, int(self.step + rate * (self.budget_s - self.elapsed_s))))
             bar.update(1)
 
         try:
             while next_batch is not None:
                 inputs, labels, epoch, c = next_batch
+                if c not in warm and pending is not None:
+                    # Steps are dispatched before the previous one is retired; a cold class's
+                    # trace and compiles must land in its own step's time, not the one before.
+                    retire(pending)
+                    pending = None
                 lr = learning_rate(self.progress(), cfg.lr, cfg.warmup, cfg.min_lr_ratio)
                 self.opt.learning_rate = lr
                 if first and cfg.compile:
