@@ -569,6 +569,19 @@ def test_static_batch_generation_equals_plain_greedy(arch):
         generate_responses(target, [[1], []], 4, [eos])
 
 
+def test_sampled_pass_order_is_seeded_and_covers_every_corpus_early():
+    from worker.training.data import sampled_pass_order
+
+    corpora = ["code"] * 50 + ["en"] * 30 + ["pl"] * 5
+    a, b = sampled_pass_order(corpora, 1), sampled_pass_order(corpora, 2)
+    assert sorted(a) == list(range(len(corpora))) and sorted(b) == sorted(a)  # permutations
+    assert a == sampled_pass_order(corpora, 1)  # reproducible
+    assert a[:20] != b[:20]  # another seed answers other prompts first (what a time cap keeps)
+    assert {corpora[i] for i in a[:3]} == {"code", "en", "pl"}  # round-robin over corpora
+    code_order = [i for i in a if corpora[i] == "code"]
+    assert code_order != sorted(code_order)  # shuffled within a corpus, not file order
+
+
 def test_build_dataset_extra_sampled_answers(tmp_path, tiny_models):
     """--gen-samples 2: every training prompt is answered once greedily (as with 1 sample) and
     once more sampled; held-out prompts are still never answered; the settings key changes."""
@@ -586,6 +599,8 @@ def test_build_dataset_extra_sampled_answers(tmp_path, tiny_models):
     greedy_of = dict(zip(one.train.ids, one.train.response_ids))
     resampled = [two.train.response_ids[i] != greedy_of.get(two.train.ids[i].split("#")[0]) for i in extra]
     assert any(resampled)  # T=1.5 on a random model: the extra answers are not the greedy ones
+    prompt_of = dict(zip(one.train.ids, one.train.prompt_ids))  # sampled in another order: same pairing
+    assert all(two.train.prompt_ids[i] == prompt_of[two.train.ids[i].split("#")[0]] for i in extra)
     held = {tuple(h["prompt_ids"]) for h in two.heldout}
     assert held.isdisjoint({tuple(p) for p in two.train.prompt_ids})
     assert two.meta["key"] != one.meta["key"]

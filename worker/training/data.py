@@ -32,7 +32,7 @@ import numpy as np
 
 from worker.training.generation import generate_responses
 
-DATA_FORMAT = 2  # bump when the cached layout or the generation recipe changes
+DATA_FORMAT = 3  # bump when the cached layout or the generation recipe changes
 
 
 class DataError(ValueError):
@@ -157,6 +157,25 @@ def interleave_by_corpus(items: Sequence, corpus: Callable[[Any], str] = lambda 
     for i in range(max((len(q) for q in queues.values()), default=0)):
         out += [q[i] for q in queues.values() if i < len(q)]
     return out
+
+
+def sampled_pass_order(corpora: Sequence[str], seed: int) -> list[int]:
+    """The order in which a sampled pass (`build_dataset`, samples > 1) answers the training
+    prompts: shuffled within each corpus by `seed`, then round-robin over the corpora.
+
+    A time limit usually stops a sampled pass part-way; shuffling by seed makes a run with
+    another `--seed` sample other prompts (not the same first ones again), and the round-robin
+    keeps every corpus in what it covers.
+
+    Args:
+        corpora: the corpus of each training prompt, in the greedy pass's order.
+        seed: the pass's seed.
+
+    Returns:
+        A permutation of range(len(corpora)).
+    """
+    idx = [int(i) for i in np.random.default_rng(seed).permutation(len(corpora))]
+    return interleave_by_corpus(idx, corpus=lambda i: corpora[i])
 
 
 def encode_prompt(tokenizer, text: str, max_prompt_tokens: Optional[int] = None) -> list[int]:
@@ -386,7 +405,8 @@ def build_dataset(
             not part of the cache key.
         samples: answers per training prompt (>= 1). Pass 1 answers every prompt at
             `temperature`; passes 2.. answer every prompt again, sampled at `sample_temperature`
-            (seed + pass): more sequences from the same prompts, still the target's own
+            (seed + pass), in `sampled_pass_order` (so a time-capped pass covers other prompts
+            under another seed): more sequences from the same prompts, still the target's own
             distribution. Held-out prompts are never answered.
         target_fingerprint: identifies the target weights (part of the key).
         regenerate: generate even when the cache matches (e.g. after a time-capped run).
@@ -443,12 +463,15 @@ def build_dataset(
             left = None if gen_max_seconds is None else gen_max_seconds - (time.perf_counter() - t0)
             if k and left is not None and left <= 0:  # the greedy pass always answers a first batch
                 break
-            responses = generate_responses(model, enc, max_new_tokens, sorted(tokenizer.eos_token_ids),
+            order = list(range(len(enc))) if k == 0 else sampled_pass_order([p.corpus for p in train_p], seed + k)
+            responses = generate_responses(model, [enc[i] for i in order], max_new_tokens,
+                                           sorted(tokenizer.eos_token_ids),
                                            batch_size=gen_batch_size, top_p=top_p, seed=seed + k,
                                            temperature=temperature if k == 0 else sample_temperature,
                                            max_seconds=left, progress=bar.update)
             generated += sum(len(r) for r in responses)
-            for p, ids, r in zip(train_p, enc, responses):
+            for i, r in zip(order, responses):
+                p, ids = train_p[i], enc[i]
                 if len(r) >= 2:
                     ds.prompt_ids.append(ids)
                     ds.response_ids.append(r)
