@@ -383,9 +383,10 @@ def main(argv=None) -> int:
                 pr, M, greedy, eos, target=target, draft=d, block_size=B, policy=AdaptiveBlockPolicy(B)))
 
     warm = prompts["code"][0][:32]
-    # Compile/allocate once before timing, over the KV-cache buckets the timed runs will touch:
-    # the shortest and the longest timed prompt (on the GPU a bucket's first use compiles kernels,
-    # which would otherwise land in whichever method reaches it first).
+    # Compile/allocate once before timing, on the shortest and the longest timed prompt: on the
+    # GPU a KV-cache bucket's first use compiles kernels, which would otherwise land in whichever
+    # method reaches it first. Buckets only prompts in between reach (long prompts with a small
+    # --kv-bucket) are not warmed.
     timed = [pr for rows in prompts.values() for pr in rows]
     warm_set = [min(timed, key=len), max(timed, key=len)]
     for fn in methods.values():
