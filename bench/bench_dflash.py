@@ -161,7 +161,8 @@ def time_alone(fn, reps: int) -> float:
 
 
 def per_cycle_alone(target, draft, prompt: list[int], block: int, reps: int) -> tuple[float, float]:
-    """Seconds of one draft forward and one verify forward (block tokens), each alone."""
+    """Seconds of one draft forward and one verify forward (block tokens), each alone (block 1:
+    no draft, 0.0, and the verify is a plain decoding step)."""
     tc = make_target_cache(target)
     cap = HiddenCapture(target, draft.target_layer_ids)
     with cap:
@@ -188,7 +189,8 @@ def per_cycle_alone(target, draft, prompt: list[int], block: int, reps: int) -> 
         for c in tc:
             c.trim(block)
 
-    return time_alone(draft_fwd, reps), time_alone(verify_fwd, reps)
+    # block 1 is a plain step: nothing to draft
+    return (time_alone(draft_fwd, reps) if block > 1 else 0.0), time_alone(verify_fwd, reps)
 
 
 def one_line(e: BaseException, limit: int = 300) -> str:

@@ -1,0 +1,72 @@
+"""What one DFlash cycle costs per block size, against a plain decoding step, side by side.
+
+For each block size B: one draft forward (B-1 drafts, one new context position) and one target
+verify forward of B tokens (taps captured), each timed alone after a warm-up, as
+`bench_dflash.per_cycle_alone` does; B = 1 is the plain step. The break-even tau of a block
+size is cycle time / plain step: speculation pays only above it (Leviathan et al. 2023, §3.5).
+Weights do not change these times, so a config directory with random weights is enough:
+
+    python bench/bench_block_cost.py --target MODEL_OR_CONFIG_DIR --dflash-draft DRAFT_DIR \
+        [--random-weights] [--blocks 1 2 4 8 16] [--context 256] [--reps 20]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main(argv=None) -> int:
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.utils import _get_classes, load_config
+
+    from bench.bench_dflash import per_cycle_alone
+    from worker.models.dflash_checkpoint import load_dflash_draft
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--dflash-draft", required=True)
+    ap.add_argument("--random-weights", action="store_true", help="the target's config with random weights")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--blocks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--context", type=int, default=256, help="prompt tokens already in the caches")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json-out")
+    a = ap.parse_args(argv)
+
+    if a.random_weights:
+        config = load_config(Path(a.target))
+        model_cls, args_cls = _get_classes(config)
+        target = model_cls(args_cls.from_dict(config))
+    else:
+        from mlx_lm import load
+
+        target = load(a.target)[0]
+    target.set_dtype(getattr(mx, a.dtype))
+    mx.eval(target.parameters())
+    draft = load_dflash_draft(a.dflash_draft, target)
+    prompt = np.random.default_rng(0).integers(0, 1000, a.context).tolist()
+    rows = {}
+    for B in a.blocks:
+        d_s, v_s = per_cycle_alone(target, draft, prompt, B, a.reps)
+        rows[B] = dict(draft_ms=d_s * 1e3 if B > 1 else 0.0, verify_ms=v_s * 1e3)
+    plain = rows[min(rows)]["verify_ms"] if 1 in rows else None
+    print(f"target {a.target}{' (random weights)' if a.random_weights else ''} {a.dtype}; draft {a.dflash_draft}; "
+          f"context {a.context}; device {mx.default_device()}; mlx {mx.__version__}")
+    print(f"{'B':>3} {'draft ms':>9} {'verify ms':>10} {'cycle ms':>9} {'x plain':>8}  break-even tau")
+    for B, r in rows.items():
+        cyc = r["draft_ms"] + r["verify_ms"]
+        rel = f"{cyc / plain:8.2f}" if plain else "       -"
+        print(f"{B:>3} {r['draft_ms']:9.2f} {r['verify_ms']:10.2f} {cyc:9.2f} {rel}  "
+              f"{cyc / plain if plain and B > 1 else float('nan'):.2f}")
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps(dict(argv=sys.argv, device=str(mx.default_device()), rows=rows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
