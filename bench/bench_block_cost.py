@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     from mlx_lm.utils import _get_classes, load_config
 
     from bench.bench_dflash import per_cycle_alone
-    from worker.models.dflash_checkpoint import load_dflash_draft
+    from worker.models.dflash_checkpoint import DraftCheckpointError, DraftMismatch, load_dflash_draft
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True)
@@ -37,6 +37,12 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json-out")
     a = ap.parse_args(argv)
+    if min(a.blocks) < 1 or 1 not in a.blocks or len(set(a.blocks)) != len(a.blocks):
+        ap.error("--blocks: distinct sizes >= 1, including 1 (the plain step every cycle is compared with)")
+    if a.context < 2:
+        ap.error("--context: at least 2 tokens")
+    if a.reps < 1:
+        ap.error("--reps: at least 1")
 
     if a.random_weights:
         config = load_config(Path(a.target))
@@ -48,23 +54,28 @@ def main(argv=None) -> int:
         target = load(a.target)[0]
     target.set_dtype(getattr(mx, a.dtype))
     mx.eval(target.parameters())
-    draft = load_dflash_draft(a.dflash_draft, target)
+    try:
+        draft = load_dflash_draft(a.dflash_draft, target)
+    except (DraftCheckpointError, DraftMismatch) as e:
+        print(f"bench_block_cost: {e}", file=sys.stderr)
+        return 2
+    if max(a.blocks) > draft.block_size:
+        ap.error(f"--blocks: at most the draft's block size, {draft.block_size}")
     prompt = np.random.default_rng(0).integers(0, 1000, a.context).tolist()
     rows = {}
     for B in a.blocks:
         d_s, v_s = per_cycle_alone(target, draft, prompt, B, a.reps)
         rows[B] = dict(draft_ms=d_s * 1e3 if B > 1 else 0.0, verify_ms=v_s * 1e3)
-    plain = rows[min(rows)]["verify_ms"] if 1 in rows else None
+    plain = rows[1]["verify_ms"]
     print(f"target {a.target}{' (random weights)' if a.random_weights else ''} {a.dtype}; draft {a.dflash_draft}; "
           f"context {a.context}; device {mx.default_device()}; mlx {mx.__version__}")
     print(f"{'B':>3} {'draft ms':>9} {'verify ms':>10} {'cycle ms':>9} {'x plain':>8}  break-even tau")
     for B, r in rows.items():
         cyc = r["draft_ms"] + r["verify_ms"]
-        rel = f"{cyc / plain:8.2f}" if plain else "       -"
-        print(f"{B:>3} {r['draft_ms']:9.2f} {r['verify_ms']:10.2f} {cyc:9.2f} {rel}  "
-              f"{cyc / plain if plain and B > 1 else float('nan'):.2f}")
+        print(f"{B:>3} {r['draft_ms']:9.2f} {r['verify_ms']:10.2f} {cyc:9.2f} {cyc / plain:8.2f}  "
+              + (f"{cyc / plain:.2f}" if B > 1 else "-"))
     if a.json_out:
-        Path(a.json_out).write_text(json.dumps(dict(argv=sys.argv, device=str(mx.default_device()), rows=rows), indent=1))
+        Path(a.json_out).write_text(json.dumps(dict(argv=list(argv) if argv is not None else sys.argv[1:], device=str(mx.default_device()), rows=rows), indent=1))
     return 0
 
 

@@ -174,7 +174,7 @@ def sampled_pass_order(corpora: Sequence[str], seed: int) -> list[int]:
     Returns:
         A permutation of range(len(corpora)).
     """
-    idx = [int(i) for i in np.random.default_rng(seed).permutation(len(corpora))]
+    idx = [int(i) for i in np.random.default_rng([seed, 7]).permutation(len(corpora))]
     return interleave_by_corpus(idx, corpus=lambda i: corpora[i])
 
 
@@ -405,7 +405,7 @@ def build_dataset(
             not part of the cache key.
         samples: answers per training prompt (>= 1). Pass 1 answers every prompt at
             `temperature`; passes 2.. answer every prompt again, sampled at `sample_temperature`
-            (seed + pass), in `sampled_pass_order` (so a time-capped pass covers other prompts
+            (a seed derived from seed and pass), in `sampled_pass_order` (so a time-capped pass covers other prompts
             under another seed): more sequences from the same prompts, still the target's own
             distribution. Held-out prompts are never answered.
         target_fingerprint: identifies the target weights (part of the key).
@@ -463,10 +463,12 @@ def build_dataset(
             left = None if gen_max_seconds is None else gen_max_seconds - (time.perf_counter() - t0)
             if k and left is not None and left <= 0:  # the greedy pass always answers a first batch
                 break
-            order = list(range(len(enc))) if k == 0 else sampled_pass_order([p.corpus for p in train_p], seed + k)
+            # Pass k's seed comes from (seed, k), so --seed s pass 2 does not repeat --seed s+1 pass 1.
+            pass_seed = seed if k == 0 else int(np.random.SeedSequence([seed, k]).generate_state(1)[0])
+            order = list(range(len(enc))) if k == 0 else sampled_pass_order([p.corpus for p in train_p], pass_seed)
             responses = generate_responses(model, [enc[i] for i in order], max_new_tokens,
                                            sorted(tokenizer.eos_token_ids),
-                                           batch_size=gen_batch_size, top_p=top_p, seed=seed + k,
+                                           batch_size=gen_batch_size, top_p=top_p, seed=pass_seed,
                                            temperature=temperature if k == 0 else sample_temperature,
                                            max_seconds=left, progress=bar.update)
             generated += sum(len(r) for r in responses)

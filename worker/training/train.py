@@ -496,7 +496,7 @@ class Trainer:
                                 tok_s=f"{tps:,.0f}", ep=f"{epoch:.1f}")
                 window.update(loss=0.0, tau=0.0, n=0, labels=0, t=0.0)
             if self.budget_s:  # the bar's end follows whichever limit comes first (steady rate)
-                rate = max(self.step - len(warm), 1) / max(self.elapsed_s - self.startup_s, 1e-9)
+                rate = max(step + 1 - len(warm), 1) / max(self.elapsed_s - self.startup_s, 1e-9)
                 bar.total = min(self.total_steps, max(self.step, int(self.step + rate * (self.budget_s - self.elapsed_s))))
             bar.update(1)
 

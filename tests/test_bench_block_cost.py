@@ -1,0 +1,49 @@
+"""bench/bench_block_cost.py on a tiny random-weight target: a table with every block size, and
+bad arguments rejected with one line (exit 2) before any timing."""
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm import load
+
+from worker.models.dflash_checkpoint import init_dflash_draft, save_dflash_draft
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "bench_block_cost.py"
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+
+
+def test_bench_block_cost_table_and_bad_arguments(tmp_path, tiny_models):
+    target, _ = load(str(tiny_models.llama))
+    draft = init_dflash_draft(target, num_layers=1, block_size=8, seed=3, dtype=mx.float32)
+    save_dflash_draft(draft, tmp_path / "draft")
+    model = ["--target", tiny_models.llama, "--random-weights", "--dtype", "float32"]
+    base = [*model, "--dflash-draft", tmp_path / "draft"]
+
+    ok = _run(*base, "--blocks", 1, 2, 8, "--reps", 2, "--context", 16, "--json-out", tmp_path / "cost.json")
+    assert ok.returncode == 0, ok.stderr
+    rows = [line.split() for line in ok.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[0] for r in rows] == ["1", "2", "8"]
+    assert float(rows[0][1]) == 0.0 and all(float(r[2]) > 0 for r in rows)  # no draft at B = 1
+    assert float(rows[0][4]) == 1.0  # the plain step is the unit
+    assert (tmp_path / "cost.json").is_file()
+
+    for bad, flag in [(["--blocks", 0, 1], "--blocks"), (["--blocks", 2, 4], "--blocks"),
+                      (["--blocks", 1, 16], "--blocks"), (["--context", 1], "--context"), (["--reps", 0], "--reps")]:
+        r = _run(*base, *bad)
+        assert r.returncode == 2 and flag in r.stderr and "Traceback" not in r.stderr, (bad, r.stderr)
+
+    # A draft that taps a layer the target does not have: one line naming it, exit 2.
+    import json
+    import shutil
+    shutil.copytree(tmp_path / "draft", tmp_path / "other")
+    cfg = json.loads((tmp_path / "other" / "config.json").read_text())
+    cfg["dflash_config"]["target_layer_ids"] = [99]
+    (tmp_path / "other" / "config.json").write_text(json.dumps(cfg))
+    r = _run(*base[:-1], tmp_path / "other", "--blocks", 1, 2)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "99" in r.stderr, r.stderr
