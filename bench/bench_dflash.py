@@ -75,15 +75,16 @@ DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 PACKAGES = ("zlab", "dflash-mlx")  # registry packages (--packages), run in this order: see main()
 
 
-def load_model(path: str, random_weights: bool, dtype):
-    """mlx_lm.load, or (random_weights) the config's architecture with random weights + tokenizer."""
+def load_model(path: str, random_weights: bool, dtype, tokenizer: bool = True):
+    """mlx_lm.load, or (random_weights) the config's architecture with random weights + tokenizer
+    (None with tokenizer=False: a directory holding only config.json is enough)."""
     if random_weights:
         from mlx_lm.utils import _get_classes, load_config, load_tokenizer
 
         config = load_config(Path(path))
         model_cls, args_cls = _get_classes(config)
         model = model_cls(args_cls.from_dict(config))
-        tokenizer = load_tokenizer(Path(path), eos_token_ids=config.get("eos_token_id"))
+        tokenizer = load_tokenizer(Path(path), eos_token_ids=config.get("eos_token_id")) if tokenizer else None
     else:
         model, tokenizer = load(path)
     if dtype is not None:

@@ -174,7 +174,7 @@ def sampled_pass_order(corpora: Sequence[str], seed: int) -> list[int]:
     Returns:
         A permutation of range(len(corpora)).
     """
-    idx = [int(i) for i in np.random.default_rng([seed, 7]).permutation(len(corpora))]
+    idx = [int(i) for i in np.random.default_rng(seed).permutation(len(corpora))]
     return interleave_by_corpus(idx, corpus=lambda i: corpora[i])
 
 

@@ -282,7 +282,7 @@ class Trainer:
         self.opt = optim.AdamW(learning_rate=cfg.lr, weight_decay=cfg.weight_decay)
         self.opt.init(draft.trainable_parameters())
         self._step_fn = None
-        self.taps_cached: Optional[list[mx.array]] = None  # per length class: (members, width, taps)
+        self.taps_cached: Optional[list[Optional[mx.array]]] = None  # per length class, rows in `local` order
 
     def tap_cache_bytes(self) -> int:
         """Bytes the taps of the whole dataset take, each sequence padded to its class's width:
@@ -623,7 +623,8 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
                    seed=cfg.seed, samples=cfg.gen_samples, sample_temperature=cfg.gen_sample_temperature,
                    target_fingerprint=fingerprint)
     state_dir = work / "resume"
-    if cfg.resume and (state_dir / "state.json").is_file():  # before generating: a mismatch is known now
+    resuming = cfg.resume and (state_dir / "state.json").is_file()
+    if resuming:  # before generating: a mismatch is known now
         saved_key = json.loads((state_dir / "state.json").read_text()).get("data_key")
         if saved_key != dataset_key(cfg.prompts, **data_kw)[0]:
             raise TrainConfigError(f"{state_dir}: the checkpoint was trained on other data (prompt files or data "
@@ -639,7 +640,7 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
         stored = f"{cfg.quantize_bits}-bit (groups of {cfg.quantize_group_size}, {cfg.save_dtype} scales)"
     else:
         bytes_per_param, stored = DTYPES[cfg.save_dtype].size, cfg.save_dtype
-    if cfg.resume and (state_dir / "state.json").is_file():
+    if resuming:
         saved = json.loads((state_dir / "state.json").read_text())  # its data key was checked above
         args = saved["draft_args"]
         dc = args["dflash_config"]
@@ -653,7 +654,6 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
             target_layer_ids=cfg.target_layer_ids, mask_token_id=cfg.mask_token_id, block_size=cfg.block_size,
             intermediate_size=cfg.intermediate_size, max_draft_mib=cfg.max_draft_mib,
             bytes_per_param=bytes_per_param)
-    resuming = cfg.resume and (state_dir / "state.json").is_file()
     from_target = cfg.init_layers == "target" and init_weights is None and not resuming
     draft = make_draft(target, spec, cfg.seed, from_target=from_target)
     if from_target:
@@ -668,7 +668,7 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
         f"({n_params * bytes_per_param / 2**20:.1f} MiB saved as {stored})")
 
     trainer = Trainer(target, draft, split.train, cfg)
-    if cfg.resume and (state_dir / "state.json").is_file():
+    if resuming:
         resumed = trainer.load_state(state_dir)
         log(f"resume: step {trainer.step}, {trainer.elapsed_s:.0f} s trained, from {state_dir}")
     elif state_dir.exists():
