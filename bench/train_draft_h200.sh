@@ -37,10 +37,13 @@ GEN_SAMPLE_T=${GEN_SAMPLE_T:-0.8}
 TRAIN_MINUTES=${TRAIN_MINUTES:-4}
 BATCH=${BATCH:-32}                  # sequences per step
 ANCHORS=${ANCHORS:-64}              # blocks per sequence per step (B = 16)
+LR=${LR:-6e-4}                      # peak learning rate
 EVAL_TOKENS=${EVAL_TOKENS:-128}
 EVAL_MINUTES=${EVAL_MINUTES:-0.75}
 EVAL_UNTRAINED=${EVAL_UNTRAINED:-1}  # 0: skip tau of the untrained draft
 CACHE_TAPS_GIB=${CACHE_TAPS_GIB:-32}
+NPROC=${NPROC:-1}                   # >1: data parallel, one process per GPU (mlx.launch)
+DIST_BACKEND=${DIST_BACKEND:-nccl}  # mlx.launch backend for NPROC > 1 (ring: CPU dry runs)
 
 shopt -s nullglob
 PROMPTS=("$CASES"/*.jsonl)
@@ -51,27 +54,41 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -c 'import mlx.core as mx, mlx_lm; print("mlx", mx.__version__, "mlx-lm", mlx_lm.__version__, mx.default_device())'
 
 # `flashfleet draft train`, loaded from its file so the flashfleet package (gRPC stubs) is not imported.
+MAIN="$WORK.main.py"; mkdir -p "$(dirname "$MAIN")"
+cat > "$MAIN" <<EOF
+import importlib.util, os, sys
+import mlx.core as mx
+if os.environ.get("MLX_CACHE_GIB"):  # several trainings share one GPU: keep each one's buffer cache small
+    mx.set_cache_limit(int(float(os.environ["MLX_CACHE_GIB"]) * 2**30))
+spec = importlib.util.spec_from_file_location("draft_cmd", "$ROOT/flashfleet/cli/draft_cmd.py")
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+sys.exit(mod.main(sys.argv[1:]))
+EOF
+LAUNCH="import sys; from mlx._distributed_utils.launch import main; sys.argv[0] = 'mlx.launch'; main()"
+RUN=(python3 "$MAIN")
+if [ "$NPROC" -gt 1 ]; then
+  # The backend must come up first; else the session's GPU time goes to one process, not to nothing.
+  export NCCL_NVLS_ENABLE=0  # the lent machines' rule: no NVLink multicast
+  if timeout 180 python3 -c "$LAUNCH" -n "$NPROC" --backend "$DIST_BACKEND" -- python3 -c \
+      'import mlx.core as mx; from worker.training.distributed import world; g = world(); x = mx.distributed.all_sum(mx.ones(4), group=g); assert x[0].item() == g.size() > 1; print("all_sum ok on rank", g.rank(), "of", g.size(), mx.default_device())'; then
+    RUN=(python3 -c "$LAUNCH" -n "$NPROC" --backend "$DIST_BACKEND" -- python3 "$MAIN")
+  else
+    echo "$DIST_BACKEND check failed: training in one process"
+  fi
+fi
 set +e
-python3 - train --target "$MODEL" --prompts "${PROMPTS[@]}" --out "$OUT" --work-dir "$WORK" \
+"${RUN[@]}" train --target "$MODEL" --prompts "${PROMPTS[@]}" --out "$OUT" --work-dir "$WORK" \
   --max-prompts-per-file "$PER_FILE" --max-prompt-tokens 256 --max-new-tokens "$GEN_TOKENS" \
   --gen-batch-size "$GEN_BATCH" --gen-max-minutes "$GEN_MINUTES" \
   --gen-samples "$GEN_SAMPLES" --gen-sample-temperature "$GEN_SAMPLE_T" \
   --heldout-per-corpus 8 --heldout-fraction 0.1 \
   --draft-layers 2 --num-taps 5 --block-size 16 --max-draft-mib 15 --save-dtype bfloat16 \
-  --batch-size "$BATCH" --anchors "$ANCHORS" --lr 6e-4 --warmup 0.04 --grad-clip 1.0 \
+  --batch-size "$BATCH" --anchors "$ANCHORS" --lr "$LR" --warmup 0.04 --grad-clip 1.0 \
   --epochs 1000 --max-minutes "$TRAIN_MINUTES" --cache-taps-gib "$CACHE_TAPS_GIB" --checkpoint-every 1000 \
   --eval-max-new-tokens "$EVAL_TOKENS" --eval-max-minutes "$EVAL_MINUTES" \
   $([ "$EVAL_UNTRAINED" = 1 ] && echo --eval-untrained) \
-  "$@" <<'EOF' 2>&1 | tee "$OUT/train.log"
-import importlib.util, os, sys
-import mlx.core as mx
-if os.environ.get("MLX_CACHE_GIB"):  # several trainings share one GPU: keep each one's buffer cache small
-    mx.set_cache_limit(int(float(os.environ["MLX_CACHE_GIB"]) * 2**30))
-spec = importlib.util.spec_from_file_location("draft_cmd", "flashfleet/cli/draft_cmd.py")
-mod = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(mod)
-sys.exit(mod.main(sys.argv[1:]))
-EOF
+  "$@" < /dev/null 2>&1 | tee "$OUT/train.log"
 status=${PIPESTATUS[0]}
 set -e
 ls -la "$OUT"

@@ -185,7 +185,7 @@ def _train(args) -> int:
     skip = {"command", "quiet"}
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k not in skip}, progress=not args.quiet)
     card = train_draft(cfg)
-    ev = card["eval"].get("trained")
+    ev = card.get("eval", {}).get("trained")  # ranks other than 0 of a distributed run get no card
     if ev and ev["all"]["tau"] is not None:
         print(f"tau on held-out prompts: {ev['all']['tau']:.3f} ({args.out}/TRAINING.md)")
     return 0
@@ -239,3 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             DraftCheckpointError) as e:
         print(f"flashfleet draft: {e}", file=sys.stderr)
         return 2
+
+
+if __name__ == "__main__":  # `python -m flashfleet.cli.draft_cmd`, e.g. under mlx.launch
+    sys.exit(main())

@@ -38,7 +38,9 @@ def render_card(card: dict) -> str:
         f"- held out (by prompt, never trained on): {data['heldout_per_corpus']}",
         "",
         "## Training",
-        f"- {tr['steps']} steps ({tr['epochs']} epochs), batch {tr['batch_size']} x {tr['anchors']} anchors, "
+        f"- {tr['steps']} steps ({tr['epochs']} epochs), batch {tr['batch_size']}"
+        + (f" per process x {tr['processes']} processes (data parallel)" if tr.get("processes", 1) > 1 else "")
+        + f" x {tr['anchors']} anchors, "
         f"S={tr['seq_len']}, {tr['elapsed_s']} s, {tr['label_tokens_per_s']} label tokens/s, "
         f"compute {tr['compute_dtype']}",
         f"- AdamW lr {tr['lr']} (warmup {tr['warmup']}, cosine), weight decay {tr['weight_decay']}, "

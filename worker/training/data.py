@@ -383,6 +383,8 @@ def build_dataset(
     sample_temperature: float = 0.8,
     target_fingerprint: str = "",
     regenerate: bool = False,
+    shard: tuple[int, int] = (0, 1),
+    progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> DataSplit:
     """Builds (or loads from `cache_dir`) the training sequences and the held-out prompts.
@@ -410,6 +412,11 @@ def build_dataset(
             distribution. Held-out prompts are never answered.
         target_fingerprint: identifies the target weights (part of the key).
         regenerate: generate even when the cache matches (e.g. after a time-capped run).
+        shard: (rank, world size) of data-parallel training: this process answers every
+            world-th prompt of each pass's order from position rank, and its cache holds only
+            those (give each rank its own `cache_dir`). The held-out split is the same on every
+            rank. The key does not depend on the shard.
+        progress: show the generation bar.
         log: progress messages.
 
     Returns:
@@ -430,7 +437,7 @@ def build_dataset(
     meta_path, train_path, held_path = (cache_dir / n for n in ("meta.json", "train.jsonl", "heldout.jsonl"))
     if not regenerate and meta_path.is_file() and train_path.is_file() and held_path.is_file():
         meta = json.loads(meta_path.read_text())
-        if meta.get("key") == key:
+        if meta.get("key") == key and meta.get("shard", [0, 1]) == list(shard):
             log(f"data: reusing {cache_dir} (key {key})")
             if meta.get("generation_stopped_by_time_limit"):
                 log(f"data: note: that data was cut by a generation time limit at {meta['train_sequences']} "
@@ -458,7 +465,11 @@ def build_dataset(
         raise DataError("samples must be >= 1")
     t0 = time.perf_counter()
     ds, generated = TokenDataset(), 0
-    with tqdm(total=len(enc) * samples, desc="generate", unit="answer", dynamic_ncols=True) as bar:
+    rank, world_size = shard
+    if not 0 <= rank < world_size:
+        raise ValueError(f"shard {shard}: need 0 <= rank < world size")
+    share = len(range(rank, len(enc), world_size))  # prompts this rank answers per pass
+    with tqdm(total=share * samples, desc="generate", unit="answer", dynamic_ncols=True, disable=not progress) as bar:
         for k in range(samples):
             left = None if gen_max_seconds is None else gen_max_seconds - (time.perf_counter() - t0)
             if k and left is not None and left <= 0:  # the greedy pass always answers a first batch
@@ -466,6 +477,7 @@ def build_dataset(
             # Pass k's seed comes from (seed, k), so --seed s pass 2 does not repeat --seed s+1 pass 1.
             pass_seed = seed if k == 0 else int(np.random.SeedSequence([seed, k]).generate_state(1)[0])
             order = list(range(len(enc))) if k == 0 else sampled_pass_order([p.corpus for p in train_p], pass_seed)
+            order = order[rank::world_size]
             responses = generate_responses(model, [enc[i] for i in order], max_new_tokens,
                                            sorted(tokenizer.eos_token_ids),
                                            batch_size=gen_batch_size, top_p=top_p, seed=pass_seed,
@@ -489,7 +501,7 @@ def build_dataset(
             "generation_s": round(gen_s, 1),
             "generation_stopped_by_time_limit": bool(gen_max_seconds is not None and gen_s >= gen_max_seconds),
             "generation_tokens_per_s": round(generated / max(gen_s, 1e-9), 1),
-            "corpora": {c: ds.corpus.count(c) for c in sorted(set(ds.corpus))}}
+            "corpora": {c: ds.corpus.count(c) for c in sorted(set(ds.corpus))}, "shard": list(shard)}
     cache_dir.mkdir(parents=True, exist_ok=True)
     ds.save(train_path)
     held_path.write_text("".join(json.dumps(h) + "\n" for h in heldout), encoding="utf-8")

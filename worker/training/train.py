@@ -19,6 +19,9 @@ once. Master weights and AdamW moments are float32; the forward runs in `compute
 (bfloat16 on a GPU) on a cast copy of the weights. The host prepares batch n+1 while the device
 runs step n, and reads step n-1's loss (one sync per step).
 
+Several processes (`mlx.launch`, `worker.training.distributed`): data-parallel; each rank answers
+and trains on its own share of the prompts and the step averages the gradients over ranks.
+
 Files: the draft in the published layout (`save_dflash_draft`: config.json + model.safetensors,
 in `save_dtype`), `training_card.json` and `TRAINING.md` go to `out`; the data cache and the
 resumable training state (float32 weights + AdamW moments) go to `work_dir`.
@@ -32,7 +35,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -50,6 +53,7 @@ from worker.models.dflash_checkpoint import (load_dflash_draft, quantize_dflash_
 from worker.training.card import render_card, tau_line
 from worker.training.data import DataSplit, TokenDataset, build_dataset, dataset_key, epoch_batches, length_buckets
 from worker.training.defaults import DraftSpec, choose_draft_spec, make_draft
+from worker.training.distributed import agree_sum, broadcast_tree, rank_of, size_of, world
 from worker.training.evaluate import evaluate_tau
 from worker.training.forward import block_hidden, block_inputs, cast_tree
 from worker.training.loss import acceptance_stats, block_targets, default_gamma, weighted_cross_entropy
@@ -249,10 +253,16 @@ class Trainer:
         data: the training sequences.
         cfg: batch_size, anchors, gamma, lr, weight_decay, warmup, min_lr_ratio, grad_clip,
             epochs / steps / max_minutes, seed, compute_dtype, compile.
+        group: the data-parallel process group (`distributed.world()`), or None for one process.
+            Each rank passes its own data shard; the step averages gradients (and the logged loss
+            and the run's clock) over ranks, so weights, learning rate and the stopping step are
+            the same on every rank. `batch_size` is per rank.
     """
 
-    def __init__(self, target, draft: Model, data: TokenDataset, cfg: TrainConfig):
+    def __init__(self, target, draft: Model, data: TokenDataset, cfg: TrainConfig,
+                 group: Optional[mx.distributed.Group] = None):
         self.target, self.draft, self.cfg = target, draft, cfg
+        self.group, self.world = group, size_of(group)
         self.tokens, self.lengths, self.prompt_lens = data.arrays(pad_id=0)
         self.n = len(data)
         self.bsz = cfg.batch_size
@@ -268,9 +278,15 @@ class Trainer:
         self.N = cfg.anchors
         self.gamma = cfg.gamma or default_gamma(self.B)
         self.cdt = resolve_dtype(cfg.compute_dtype)
-        self.total_steps = cfg.steps or max(1, math.ceil(cfg.epochs * self.per_epoch))
+        # Ranks' shards differ in size: the planned step count comes from their mean epoch.
+        per_epoch = agree_sum([self.per_epoch], group)[0] / self.world
+        self.total_steps = cfg.steps or max(1, math.ceil(cfg.epochs * per_epoch))
         self.budget_s = cfg.max_minutes * 60 if cfg.max_minutes else None
         self.step = 0
+        # The run's clock: this process's wall time (`_local`) and the value decisions use
+        # (`elapsed_s`, `startup_s`): the same on one process, the ranks' mean (computed in the
+        # step) with several, so every rank stops at the same step with the same LR.
+        self._local = [0.0, 0.0]  # elapsed_s, startup_s measured here
         self.elapsed_s = 0.0
         # Wall time of each length class's first step in a run (tracing, kernel compiles): it
         # counts against the time budget but not in the LR schedule's progress, so a slow
@@ -324,17 +340,20 @@ class Trainer:
         return loss, acc, tau
 
     def _build_step(self):
-        draft, opt, clip = self.draft, self.opt, self.cfg.grad_clip
+        draft, opt, clip, group, w = self.draft, self.opt, self.cfg.grad_clip, self.group, self.world
         loss_and_grad = nn.value_and_grad(draft, self._loss)
 
-        def step(tokens, lengths, anchors, keep, taps):
+        def step(tokens, lengths, anchors, keep, taps, clock):
             (loss, acc, tau), grads = loss_and_grad(tokens, lengths, anchors, keep, taps)
+            if group is not None:  # the step's only collectives, so ranks issue them in one order
+                grads = nn.average_gradients(grads, group)
+                loss, acc, tau, clock = (mx.distributed.all_sum(x, group=group) / w for x in (loss, acc, tau, clock))
             if clip and clip > 0:
                 grads, gnorm = optim.clip_grad_norm(grads, clip)
             else:
                 gnorm = mx.sqrt(sum((g * g).sum() for _, g in tree_flatten(grads)))
             opt.update(draft, grads)
-            return loss, acc, tau, gnorm
+            return loss, acc, tau, gnorm, clock
 
         if self.cfg.compile:
             state = [draft.state, opt.state]
@@ -432,6 +451,7 @@ class Trainer:
         self.opt.init(self.draft.trainable_parameters())
         self.step, self.elapsed_s, self.history = int(meta["step"]), float(meta["elapsed_s"]), meta["history"]
         self.startup_s = float(meta.get("startup_s", 0.0))
+        self._local = [self.elapsed_s, self.startup_s]
         mx.eval(self.draft.parameters(), self.opt.state)
         self._step_fn = None  # the compiled step captured the old state objects
         return meta
@@ -460,24 +480,32 @@ class Trainer:
         total = {"labels": 0, "t": 0.0}
         last = {}
         pending = None  # (outputs, labels, step, epoch) of the step in flight
-        next_batch = self.batch(self.step) if not self.done() else None
+
+        def prepare():
+            # Called when exactly the steps before the one in flight are retired (on every rank
+            # alike, whatever retired early), so the LR is a function of agreed values only.
+            return self.batch(self.step), learning_rate(self.progress(), cfg.lr, cfg.warmup, cfg.min_lr_ratio)
+
+        next_batch = prepare() if not self.done() else None
         t_prev = time.perf_counter()
         first = True
         warm = self._warm_classes  # length classes whose first step (traces, compiles) is done
 
         def retire(p):
             nonlocal t_prev
-            (loss, acc, tau, gnorm), labels, step, epoch, lr, c = p
+            (loss, acc, tau, gnorm, clock), labels, step, epoch, lr, c = p
             loss_v, tau_v = loss.item(), tau.item()  # the one host sync per step
             if not math.isfinite(loss_v):
                 raise FloatingPointError(f"loss is {loss_v} at step {step}")
             now = time.perf_counter()
             dt = now - t_prev
             t_prev = now
-            self.elapsed_s += dt
+            self._local[0] += dt
             if c not in warm:
                 warm.add(c)
-                self.startup_s += dt
+                self._local[1] += dt
+            # One process: its own clock. Several: the ranks' mean as of this step's dispatch.
+            self.elapsed_s, self.startup_s = self._local if self.group is None else clock.tolist()
             window["loss"] += loss_v
             window["tau"] += tau_v
             window["n"] += 1
@@ -502,14 +530,14 @@ class Trainer:
 
         try:
             while next_batch is not None:
-                inputs, labels, epoch, c = next_batch
+                (inputs, labels, epoch, c), lr = next_batch
                 if c not in warm and pending is not None:
                     # Steps are dispatched before the previous one is retired; a cold class's
                     # trace and compiles must land in its own step's time, not the one before.
                     retire(pending)
                     pending = None
-                lr = learning_rate(self.progress(), cfg.lr, cfg.warmup, cfg.min_lr_ratio)
                 self.opt.learning_rate = lr
+                inputs = (*inputs, mx.array(self._local, dtype=mx.float32))
                 if first and cfg.compile:
                     outs = self._first_compiled_step(inputs, log)
                 else:
@@ -523,7 +551,7 @@ class Trainer:
                 pending = (outs, labels, step, epoch, lr, c)
                 next_batch = None
                 if not self.done():  # prepared while the device runs this step
-                    next_batch = self.batch(self.step)
+                    next_batch = prepare()
                     if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and checkpoint:
                         retire(pending)
                         pending = None
@@ -549,13 +577,20 @@ def _args_dict(args: ModelArgs) -> dict:
 # --------------------------------------------------------------------------- the whole job
 
 
-def _used_ids(split: DataSplit) -> set[int]:
+def _used_ids(split: DataSplit, vocab_size: int, group=None) -> set[int]:
+    """Token ids in the training data and held-out prompts, over all ranks' shards (so every
+    rank picks the same mask token)."""
     used: set[int] = set()
     for p, r in zip(split.train.prompt_ids, split.train.response_ids):
         used.update(p)
         used.update(r)
     for h in split.heldout:
         used.update(h["prompt_ids"])
+    if group is not None:
+        seen = np.zeros(vocab_size, dtype=np.float32)
+        seen[[i for i in used if 0 <= i < vocab_size]] = 1
+        seen = np.array(mx.distributed.all_sum(mx.array(seen), group=group))
+        used |= set(np.flatnonzero(seen).tolist())
     return used
 
 
@@ -591,12 +626,36 @@ def _init_checkpoint(cfg: TrainConfig, target) -> tuple[DraftSpec, dict]:
     return spec, dequantized_weights(init)
 
 
+def _data_totals(split: DataSplit, prompt_files: Sequence[str], group) -> dict:
+    """The data's meta over all ranks: counts and generation rate summed, generation time the
+    ranks' mean, corpora counted per prompt file (called on every rank alike)."""
+    meta = dict(split.meta)
+    if group is None:
+        return meta
+    stems = sorted({Path(p).stem for p in prompt_files})
+    counts = ("train_sequences", "train_tokens", "response_tokens", "ended_with_eos", "generation_tokens_per_s")
+    cut = float(bool(meta.get("generation_stopped_by_time_limit")))
+    summed = agree_sum([meta.get(k, 0) for k in counts] + [meta.get("generation_s", 0.0), cut]
+                       + [meta["corpora"].get(c, 0) for c in stems], group)
+    meta.update({k: int(v) if k != "generation_tokens_per_s" else round(v, 1) for k, v in zip(counts, summed)})
+    meta["generation_s"] = round(summed[len(counts)] / group.size(), 1)
+    meta["generation_stopped_by_time_limit"] = summed[len(counts) + 1] > 0
+    meta["corpora"] = {c: int(v) for c, v in zip(stems, summed[len(counts) + 2:]) if v}
+    return meta
+
+
 def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
     """Builds the data, trains the draft, saves it, measures tau, writes the training card.
 
     Args:
         cfg: the run's settings (`TrainConfig`).
         log: one-line progress messages (tqdm bars are separate, on stderr).
+
+    Under `mlx.launch` with several processes (`distributed.world()`), every rank runs this:
+    rank r answers its share of the prompts into `work/data-rank{r}of{W}`, training is data
+    parallel (`Trainer`), and rank 0 alone saves the draft, evaluates it and writes the card
+    (data counts summed over ranks); the other ranks return `{"rank": r}` after training.
+    Resuming needs `work_dir` on a file system every rank sees.
 
     Returns:
         The training card (also written to `out/training_card.json`).
@@ -609,11 +668,16 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
         DraftMismatch: explicit taps or mask id that do not fit the target.
     """
     t_start = time.perf_counter()
+    group = world()
+    rank, n_ranks = rank_of(group), size_of(group)
+    if rank:  # one voice: rank 0 logs and shows progress
+        log, cfg = (lambda _msg: None), replace(cfg, progress=False)
     target_path = resolve_target(cfg.target)
     out = Path(cfg.out)
     work = Path(cfg.work_dir) if cfg.work_dir else out.with_name(out.name + ".work")
     tdt = resolve_dtype(cfg.target_dtype)
-    log(f"target: {target_path} ({tdt}); device {mx.default_device()}; out {out}; work {work}")
+    log(f"target: {target_path} ({tdt}); device {mx.default_device()}; out {out}; work {work}"
+        + (f"; data parallel over {n_ranks} processes" if group is not None else ""))
     target, tokenizer = load_target(target_path, tdt)
     fingerprint = target_fingerprint(target_path)
 
@@ -624,14 +688,24 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
                    target_fingerprint=fingerprint)
     state_dir = work / "resume"
     resuming = cfg.resume and (state_dir / "state.json").is_file()
+    seen_by = agree_sum([resuming], group)[0]
+    if 0 < seen_by < n_ranks:
+        raise TrainConfigError(f"{state_dir}: only {seen_by:.0f} of {n_ranks} processes see the checkpoint; "
+                               "give every rank the same --work-dir (a shared file system) or use --no-resume")
     if resuming:  # before generating: a mismatch is known now
-        saved_key = json.loads((state_dir / "state.json").read_text()).get("data_key")
-        if saved_key != dataset_key(cfg.prompts, **data_kw)[0]:
+        saved = json.loads((state_dir / "state.json").read_text())
+        if saved.get("data_key") != dataset_key(cfg.prompts, **data_kw)[0]:
             raise TrainConfigError(f"{state_dir}: the checkpoint was trained on other data (prompt files or data "
                                    "options changed); rerun with --no-resume to start over on the new data")
-    split = build_dataset(target, tokenizer, cfg.prompts, work / "data", gen_batch_size=cfg.gen_batch_size,
+        if saved.get("world_size", 1) != n_ranks:
+            raise TrainConfigError(f"{state_dir}: the checkpoint was trained by {saved.get('world_size', 1)} "
+                                   f"process(es), this run has {n_ranks}; each rank's data shard would change: "
+                                   "rerun with as many processes, or --no-resume")
+    data_dir = work / "data" if group is None else work / f"data-rank{rank}of{n_ranks}"
+    split = build_dataset(target, tokenizer, cfg.prompts, data_dir, gen_batch_size=cfg.gen_batch_size,
                           gen_max_seconds=cfg.gen_max_minutes * 60 if cfg.gen_max_minutes else None,
-                          regenerate=cfg.regenerate_data, log=log, **data_kw)
+                          regenerate=cfg.regenerate_data, shard=(rank, n_ranks), progress=cfg.progress,
+                          log=log, **data_kw)
 
     resumed, init_weights = None, None
     if cfg.quantize_bits:
@@ -650,7 +724,8 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
         spec, init_weights = _init_checkpoint(cfg, target)
     else:
         spec = choose_draft_spec(
-            target, tokenizer, _used_ids(split), draft_layers=cfg.draft_layers, num_taps=cfg.num_taps,
+            target, tokenizer, _used_ids(split, target_vocab_size(target), group),
+            draft_layers=cfg.draft_layers, num_taps=cfg.num_taps,
             target_layer_ids=cfg.target_layer_ids, mask_token_id=cfg.mask_token_id, block_size=cfg.block_size,
             intermediate_size=cfg.intermediate_size, max_draft_mib=cfg.max_draft_mib,
             bytes_per_param=bytes_per_param)
@@ -662,12 +737,13 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
         draft.load_weights(list(init_weights.items()), strict=True)
         mx.eval(draft.parameters())
         log(f"init: weights from {cfg.init_from}")
+    draft.update(broadcast_tree(draft.parameters(), group))
     n_params = spec.num_params(target)
     log(f"draft: {spec.num_layers} layer(s), taps {spec.target_layer_ids}, mask id {spec.mask_token_id}, "
         f"B={spec.block_size}, MLP {spec.intermediate_size}, {n_params / 1e6:.2f} M parameters "
         f"({n_params * bytes_per_param / 2**20:.1f} MiB saved as {stored})")
 
-    trainer = Trainer(target, draft, split.train, cfg)
+    trainer = Trainer(target, draft, split.train, cfg, group)
     if resuming:
         resumed = trainer.load_state(state_dir)
         log(f"resume: step {trainer.step}, {trainer.elapsed_s:.0f} s trained, from {state_dir}")
@@ -678,10 +754,15 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
         log(f"taps: caching the target's taps of all sequences ({trainer.tap_cache_bytes() / 2**30:.2f} GiB)")
         trainer.precompute_taps(cfg.progress)
     log(f"train: {trainer.n} sequences (S={trainer.tokens.shape[1]}, batch widths {trainer.widths}), "
-        f"batch {trainer.bsz}, {trainer.N} anchors, "
+        f"batch {trainer.bsz}" + (f" per rank x {n_ranks} ranks" if group is not None else "") + f", {trainer.N} anchors, "
         f"gamma {trainer.gamma}, up to {trainer.total_steps} steps"
         + (f" or {cfg.max_minutes} min" if cfg.max_minutes else "") + f", compute {trainer.cdt}")
-    result = trainer.run(checkpoint=lambda: trainer.save_state(state_dir, {"data_key": split.meta["key"]}), log=log)
+    save = lambda: trainer.save_state(state_dir, {"data_key": split.meta["key"], "world_size": n_ranks})  # noqa: E731
+    result = trainer.run(checkpoint=save if rank == 0 else None, log=log)
+    data_meta = _data_totals(split, cfg.prompts, group)
+    label_rate = agree_sum([result.get("label_tokens_per_s", 0.0)], group)[0]  # all processes together
+    if rank:
+        return {"rank": rank, "steps": result["steps"]}
 
     sdt = DTYPES[cfg.save_dtype]
     draft.update(cast_tree(draft.parameters(), sdt))
@@ -726,17 +807,19 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
                   "intermediate_size": spec.intermediate_size, "parameters": n_params,
                   "dtype": cfg.save_dtype, "quantization": draft.args.quantization,
                   "file_mib": _file_mib(out / "model.safetensors")},
-        "data": {k: split.meta.get(k) for k in ("train_sequences", "heldout_prompts", "train_tokens", "response_tokens",
-                                                 "ended_with_eos", "generation_s", "generation_tokens_per_s",
-                                                 "generation_stopped_by_time_limit", "corpora", "key")}
+        "data": {k: data_meta.get(k) for k in ("train_sequences", "heldout_prompts", "train_tokens", "response_tokens",
+                                                "ended_with_eos", "generation_s", "generation_tokens_per_s",
+                                                "generation_stopped_by_time_limit", "corpora", "key")}
         | {"files": [Path(p).name for p in cfg.prompts], "max_prompts_per_file": cfg.max_prompts_per_file,
            "max_prompt_tokens": cfg.max_prompt_tokens, "max_new_tokens": cfg.max_new_tokens,
            "gen_temperature": cfg.gen_temperature, "gen_samples": cfg.gen_samples,
            "gen_sample_temperature": cfg.gen_sample_temperature,
            "heldout_per_corpus": {c: sum(1 for h in split.heldout if h["corpus"] == c)
                                   for c in sorted({h["corpus"] for h in split.heldout})}},
-        "training": {"steps": result["steps"], "epochs": round(result["steps"] * trainer.bsz / trainer.n, 2),
-                     "elapsed_s": result["elapsed_s"], "batch_size": trainer.bsz, "anchors": trainer.N,
+        "training": {"steps": result["steps"],
+                     "epochs": round(result["steps"] * trainer.bsz * n_ranks / data_meta["train_sequences"], 2),
+                     "elapsed_s": result["elapsed_s"], "batch_size": trainer.bsz, "processes": n_ranks,
+                     "anchors": trainer.N,
                      "seq_len": int(trainer.tokens.shape[1]), "gamma": trainer.gamma, "lr": cfg.lr,
                      "warmup": cfg.warmup, "min_lr_ratio": cfg.min_lr_ratio, "weight_decay": cfg.weight_decay,
                      "grad_clip": cfg.grad_clip, "compute_dtype": str(trainer.cdt), "compiled": cfg.compile,
@@ -747,7 +830,7 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
                      "final_loss": round(result.get("loss", float("nan")), 4),
                      "final_train_tau": round(result.get("train_tau", float("nan")), 3),
                      "final_accuracy_per_position": result.get("accuracy"),
-                     "label_tokens_per_s": round(result.get("label_tokens_per_s", 0.0)),
+                     "label_tokens_per_s": round(label_rate),
                      "curve": trainer.history[:: max(1, len(trainer.history) // 40)] + trainer.history[-1:]},
         "eval": evals,
         "environment": {"mlx": mx.__version__, "device": str(mx.default_device()), "python": platform.python_version(),

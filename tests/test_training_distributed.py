@@ -1,0 +1,129 @@
+"""Data-parallel draft training (`worker/training/distributed.py`): two processes started by
+`mlx.launch` (ring backend over localhost, on the CPU) must average their gradients, stay on the
+same weights, learning rates and stopping step, and split the data generation between them.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import pytest
+from mlx.utils import tree_flatten, tree_map
+
+from test_training import _synthetic_dataset, _write_prompts, tiny_llama
+from worker.models.dflash_checkpoint import init_dflash_draft, load_dflash_draft
+from worker.training.data import read_prompt_files, split_heldout
+from worker.training.train import TrainConfig, Trainer
+
+HERE = Path(__file__).resolve().parent
+LAUNCH = "import sys; from mlx._distributed_utils.launch import main; sys.argv[0] = 'mlx.launch'; main()"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(*command: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Runs `command` as 2 ranks on this host (ring backend; ports chosen free)."""
+    port = _free_port()
+    argv = [sys.executable, "-c", LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(port),
+            "--", sys.executable, *command]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=HERE.parent)
+
+
+def _params(path: Path) -> dict:
+    return mx.load(str(path))
+
+
+def test_ranks_average_gradients_and_stay_in_step(tmp_path):
+    # One step, no warmup: the result must be exactly one AdamW step on the mean of the two
+    # ranks' gradients (each rank's own data), from rank 0's initial weights.
+    r = _launch(str(HERE / "dp_rank.py"), str(tmp_path), "1", "0", "0")
+    assert r.returncode == 0, r.stdout + r.stderr
+    a, b = _params(tmp_path / "rank0.safetensors"), _params(tmp_path / "rank1.safetensors")
+    assert all(mx.array_equal(a[k], b[k]).item() for k in a)
+
+    target = tiny_llama()
+    trainers = []
+    for rank in (0, 1):
+        cfg = TrainConfig(target="", prompts=[], out="", batch_size=4, anchors=6, steps=1, compile=False,
+                          progress=False, lr=3e-3, warmup=0.0)
+        draft = init_dflash_draft(target, num_layers=1, block_size=8, seed=5, dtype=mx.float32)  # rank 0's init
+        trainers.append(Trainer(target, draft, _synthetic_dataset(n=12 + 4 * rank, seed=100 + rank), cfg))
+    grads = [nn.value_and_grad(t.draft, t._loss)(*t.batch(0)[0])[1] for t in trainers]
+    mean = tree_map(lambda x, y: (x + y) / 2, *grads)
+    mean, _ = optim.clip_grad_norm(mean, trainers[0].cfg.grad_clip)
+    ref = trainers[0]
+    ref.opt.learning_rate = ref.cfg.lr
+    ref.opt.update(ref.draft, mean)
+    want = dict(tree_flatten(ref.draft.parameters()))
+    moved = 0
+    for k, v in want.items():
+        assert mx.allclose(a[k], v, atol=1e-5).item(), k
+        moved += int(not mx.allclose(a[k], dict(tree_flatten(trainers[1].draft.parameters()))[k]).item())
+    assert moved > 0  # the step changed the weights
+
+
+def test_ranks_stop_together_with_one_learning_rate_under_a_time_budget(tmp_path):
+    # Rank 1 stalls every step, so the two wall clocks differ; the decisions must not.
+    r = _launch(str(HERE / "dp_rank.py"), str(tmp_path), "100000", "0.03", "0.05")
+    assert r.returncode == 0, r.stdout + r.stderr
+    runs = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1)]
+    assert runs[0]["step"] == runs[1]["step"] > 3
+    assert runs[0]["lrs"] == runs[1]["lrs"]
+    assert runs[0]["elapsed_s"] == runs[1]["elapsed_s"] >= 0.03 * 60 * 0.9
+    a, b = _params(tmp_path / "rank0.safetensors"), _params(tmp_path / "rank1.safetensors")
+    assert all(mx.array_equal(a[k], b[k]).item() for k in a)
+    hist = runs[0]["history"]
+    assert hist[-1]["loss"] < hist[0]["loss"]
+
+
+def test_cli_train_under_mlx_launch_splits_the_data_and_writes_one_draft(tmp_path, tiny_models):
+    from mlx_lm import load
+
+    from flashfleet.cli.draft_cmd import main
+
+    files = _write_prompts(tmp_path)
+    out, work = tmp_path / "draft", tmp_path / "work"
+    argv = ["-m", "flashfleet.cli.draft_cmd", "train", "--target", str(tiny_models.llama),
+            "--prompts", *map(str, files), "--out", str(out), "--work-dir", str(work),
+            "--max-new-tokens", "12", "--steps", "4", "--batch-size", "2", "--anchors", "4", "--block-size", "4",
+            "--heldout-per-corpus", "2", "--heldout-fraction", "0.2", "--eval-max-new-tokens", "8",
+            "--no-compile", "--quiet"]
+    r = _launch(*argv)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "data parallel over 2 processes" in r.stdout
+
+    shards = []
+    for rank in (0, 1):
+        meta = json.loads((work / f"data-rank{rank}of2" / "meta.json").read_text())
+        assert meta["shard"] == [rank, 2]
+        rows = (work / f"data-rank{rank}of2" / "train.jsonl").read_text().splitlines()
+        shards.append({json.loads(line)["id"] for line in rows})
+        assert len(shards[-1]) == meta["train_sequences"] > 0
+    train, _ = split_heldout(read_prompt_files(files), 2, 0.2)
+    assert shards[0].isdisjoint(shards[1])
+    assert shards[0] | shards[1] <= {p.id for p in train}
+    assert len(shards[0]) + len(shards[1]) >= len(train) - 2  # only answers under 2 tokens dropped
+
+    card = json.loads((out / "training_card.json").read_text())
+    assert card["training"]["processes"] == 2 and card["training"]["steps"] == 4
+    assert card["data"]["train_sequences"] == len(shards[0]) + len(shards[1])
+    assert sum(card["data"]["corpora"].values()) == card["data"]["train_sequences"]
+    state = json.loads((work / "resume" / "state.json").read_text())
+    assert state["world_size"] == 2
+    target, _ = load(str(tiny_models.llama))
+    assert load_dflash_draft(out, target).block_size == 4
+
+    # One process cannot resume a checkpoint of two: each rank's data shard would change.
+    single = [a for a in argv[2:]]
+    single[single.index("--steps") + 1] = "6"
+    assert main(single) == 2
