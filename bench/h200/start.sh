@@ -6,8 +6,9 @@
 #   bash bench/h200/start.sh NAME [flashfleet draft train flags...]
 #
 # The knobs of bench/train_draft_h200.sh (GEN_MINUTES, TRAIN_MINUTES, BATCH, ...) pass through
-# the environment. Wait for it with `pgrep -f "[j]ob_train.sh"` (a plain pattern would match the
-# waiting call's own command line).
+# the environment (NPROC=2: data parallel over two GPUs; BENCH_AFTER=1: bench_after_train.sh
+# benchmarks the saved draft on GPU 1 while rank 0 evaluates). Wait for it with
+# `pgrep -f "[j]ob_train.sh"` (a plain pattern would match the waiting call's own command line).
 set -uo pipefail
 NAME=${1:?usage: start.sh NAME [train flags...]}; shift
 source .stage/join/join.sh
@@ -19,5 +20,9 @@ rm -rf /root/ff && mkdir -p /root/ff && tar cf - --exclude=./.stage . | tar xf -
 cd /root/ff
 (setsid nohup bash bench/h200/job_train.sh "$NAME" "$GGUF" /root/cases /root/res "$@" \
   > "/root/res/$NAME.log" 2>&1 < /dev/null &)
+if [ "${BENCH_AFTER:-0}" = 1 ]; then  # two GPUs: benchmark the saved draft on GPU 1 while GPU 0 evaluates
+  (setsid nohup bash bench/h200/bench_after_train.sh "/root/res/$NAME.log" "/root/models/$NAME" "/root/res/$NAME" \
+    > /root/res/bench_after.log 2>&1 < /dev/null &)
+fi
 sleep 2
 echo "start: $NAME job running (pid $(pgrep -f "[j]ob_train.sh $NAME" | head -1)), log /root/res/$NAME.log"

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# On a two-GPU machine, while rank 0 of a data-parallel training job evaluates tau, GPU 1 is free:
+# this waits for the job's log to show the saved draft, then benchmarks it on that GPU against
+# plain decoding (and the drafts in EXTRA_DRAFTS) with bench/bench_dflash.py. Output:
+# RES/bench/dflash_q15.txt and .json. Meant to run detached (start.sh BENCH_AFTER=1).
+#
+#   bash bench/h200/bench_after_train.sh LOG TARGET_DIR DRAFT_DIR
+set -uo pipefail
+LOG=$1; TARGET=$2; DRAFT=$3
+ROOT=$(cd "$(dirname "$0")/../.." && pwd); cd "$ROOT"
+O=${RES:-/root/res}/bench; mkdir -p "$O"
+until grep -q "saved: " "$LOG" 2>/dev/null; do
+  grep -q "JOB DONE" "$LOG" 2>/dev/null && { echo "bench: the job ended without a saved draft" > "$O/dflash_q15.txt"; exit 1; }
+  sleep 5
+done
+drafts=("$DRAFT"); for d in ${EXTRA_DRAFTS:-}; do [ -f "$d/config.json" ] && drafts+=("$d"); done
+echo "+ bench on GPU ${BENCH_GPU:-1} from $(date -u +%T)" > "$O/dflash_q15.txt"
+CUDA_VISIBLE_DEVICES=${BENCH_GPU:-1} PYTHONUNBUFFERED=1 timeout "${BENCH_S:-420}" python3 bench/bench_dflash.py \
+  --target "$TARGET" --dflash-draft "${drafts[@]}" --max-tokens "${MAX_TOKENS:-128}" --prompts "${PROMPTS:-2}" \
+  --cases "${CASES:-/root/cases}" --json-out "$O/dflash_q15.json" --adaptive 2>&1 | grep -v " done$" >> "$O/dflash_q15.txt"
+echo "bench end $(date -u +%T) rc=${PIPESTATUS[0]}" >> "$O/dflash_q15.txt"
