@@ -64,16 +64,17 @@ def main(argv=None) -> int:
         if a.cache_taps:
             tr.precompute_taps(progress=False)
         step_fn = tr._build_step()
+        clock = mx.zeros(2)  # the step's run-clock input (used by data-parallel runs only)
         warm = {}  # one untimed step per batch width: each new width compiles
         for step in range(tr.per_epoch):
             warm.setdefault(tr.batch(step)[0][0].shape[1], step)
         for step in warm.values():
-            mx.eval(step_fn(*tr.batch(step)[0]), tr.draft.parameters(), tr.opt.state)
+            mx.eval(step_fn(*tr.batch(step)[0], clock), tr.draft.parameters(), tr.opt.state)
         labels_total, secs = 0, 0.0
         for step in range(tr.per_epoch, tr.per_epoch + a.steps):  # the next epoch's batches
             inputs, labels, _, _ = tr.batch(step)
             t0 = time.perf_counter()
-            mx.eval(step_fn(*inputs), tr.draft.parameters(), tr.opt.state)
+            mx.eval(step_fn(*inputs, clock), tr.draft.parameters(), tr.opt.state)
             secs += time.perf_counter() - t0
             labels_total += labels
         rows.append(dict(buckets=k, widths=tr.widths, label_positions_per_s=labels_total / secs,

@@ -43,7 +43,7 @@ EVAL_MINUTES=${EVAL_MINUTES:-0.75}
 EVAL_UNTRAINED=${EVAL_UNTRAINED:-1}  # 0: skip tau of the untrained draft
 CACHE_TAPS_GIB=${CACHE_TAPS_GIB:-32}
 NPROC=${NPROC:-1}                   # >1: data parallel, one process per GPU (mlx.launch)
-DIST_BACKEND=${DIST_BACKEND:-nccl}  # mlx.launch backend for NPROC > 1 (ring: CPU dry runs)
+DIST_BACKEND=${DIST_BACKEND:-nccl}  # mlx.launch backend for NPROC > 1 (ring: dry runs with mlx[cpu])
 
 shopt -s nullglob
 PROMPTS=("$CASES"/*.jsonl)
@@ -70,8 +70,11 @@ RUN=(python3 "$MAIN")
 if [ "$NPROC" -gt 1 ]; then
   # The backend must come up first; else the session's GPU time goes to one process, not to nothing.
   export NCCL_NVLS_ENABLE=0  # the lent machines' rule: no NVLink multicast
-  if timeout 180 python3 -c "$LAUNCH" -n "$NPROC" --backend "$DIST_BACKEND" -- python3 -c \
-      'import mlx.core as mx; from worker.training.distributed import world; g = world(); x = mx.distributed.all_sum(mx.ones(4), group=g); assert x[0].item() == g.size() > 1; print("all_sum ok on rank", g.rank(), "of", g.size(), mx.default_device())'; then
+  # mlx.launch exits 0 even when a rank fails: count the ranks that report success instead.
+  ok=$(timeout 180 python3 -c "$LAUNCH" -n "$NPROC" --backend "$DIST_BACKEND" -- python3 -c \
+      'import mlx.core as mx; from worker.training.distributed import world; g = world(); x = mx.distributed.all_sum(mx.ones(4), group=g); assert x[0].item() == g.size() > 1; print("all_sum ok on rank", g.rank(), "of", g.size(), mx.default_device())' \
+      2>&1 | tee /dev/stderr | grep -c "all_sum ok on rank")
+  if [ "$ok" = "$NPROC" ]; then
     RUN=(python3 -c "$LAUNCH" -n "$NPROC" --backend "$DIST_BACKEND" -- python3 "$MAIN")
   else
     echo "$DIST_BACKEND check failed: training in one process"
@@ -90,6 +93,8 @@ set +e
   $([ "$EVAL_UNTRAINED" = 1 ] && echo --eval-untrained) \
   "$@" < /dev/null 2>&1 | tee "$OUT/train.log"
 status=${PIPESTATUS[0]}
+# mlx.launch exits 0 even when a rank failed; its log says so.
+grep -q "exited with code\|was killed" "$OUT/train.log" && status=1
 set -e
 ls -la "$OUT"
 [ -f "$OUT/TRAINING.md" ] && cat "$OUT/TRAINING.md"

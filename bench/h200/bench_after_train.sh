@@ -9,8 +9,12 @@ set -uo pipefail
 LOG=$1; TARGET=$2; DRAFT=$3
 ROOT=$(cd "$(dirname "$0")/../.." && pwd); cd "$ROOT"
 O=${RES:-/root/res}/bench; mkdir -p "$O"
+deadline=$((SECONDS + ${WAIT_S:-3600}))
 until grep -q "saved: " "$LOG" 2>/dev/null; do
-  grep -q "JOB DONE" "$LOG" 2>/dev/null && { echo "bench: the job ended without a saved draft" > "$O/dflash_q15.txt"; exit 1; }
+  if grep -q "JOB DONE\|JOB FAILED" "$LOG" 2>/dev/null || ! pgrep -f "[j]ob_train.sh" >/dev/null \
+     || [ $SECONDS -ge $deadline ]; then
+    echo "bench: the job ended (or WAIT_S passed) without a saved draft" > "$O/dflash_q15.txt"; exit 1
+  fi
   sleep 5
 done
 drafts=("$DRAFT"); for d in ${EXTRA_DRAFTS:-}; do [ -f "$d/config.json" ] && drafts+=("$d"); done

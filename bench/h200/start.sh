@@ -18,6 +18,7 @@ mkdir -p /root/cases /root/res
 [ -f /root/cases/humaneval.jsonl ] || tar xzf /root/stage/files/.stage-cases.tgz -C /root/cases
 rm -rf /root/ff && mkdir -p /root/ff && tar cf - --exclude=./.stage . | tar xf - -C /root/ff
 cd /root/ff
+: > "/root/res/$NAME.log"  # before either job starts: the bench waiter must not read an old log
 (setsid nohup bash bench/h200/job_train.sh "$NAME" "$GGUF" /root/cases /root/res "$@" \
   > "/root/res/$NAME.log" 2>&1 < /dev/null &)
 if [ "${BENCH_AFTER:-0}" = 1 ]; then  # two GPUs: benchmark the saved draft on GPU 1 while GPU 0 evaluates

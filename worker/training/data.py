@@ -475,12 +475,16 @@ def build_dataset(
             if k and left is not None and left <= 0:  # the greedy pass always answers a first batch
                 break
             # Pass k's seed comes from (seed, k), so --seed s pass 2 does not repeat --seed s+1 pass 1.
+            # The order is the same on every rank (their shares must split it); the sampling
+            # noise is each rank's own.
             pass_seed = seed if k == 0 else int(np.random.SeedSequence([seed, k]).generate_state(1)[0])
+            noise_seed = pass_seed if world_size == 1 else int(
+                np.random.SeedSequence([seed, k, rank]).generate_state(1)[0])
             order = list(range(len(enc))) if k == 0 else sampled_pass_order([p.corpus for p in train_p], pass_seed)
             order = order[rank::world_size]
             responses = generate_responses(model, [enc[i] for i in order], max_new_tokens,
                                            sorted(tokenizer.eos_token_ids),
-                                           batch_size=gen_batch_size, top_p=top_p, seed=pass_seed,
+                                           batch_size=gen_batch_size, top_p=top_p, seed=noise_seed,
                                            temperature=temperature if k == 0 else sample_temperature,
                                            max_seconds=left, progress=bar.update)
             generated += sum(len(r) for r in responses)

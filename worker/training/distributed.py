@@ -13,35 +13,83 @@ Run as a single process (no launcher), `world()` is None and nothing here is use
 """
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import Optional, Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_map
 
-# Variables the MLX launchers set in each process they start (ring/jaccl: MLX_RANK + hostfile;
-# nccl: MLX_WORLD_SIZE; mpirun: OMPI_*).
-_LAUNCH_VARS = ("MLX_WORLD_SIZE", "MLX_HOSTFILE", "MLX_JACCL_COORDINATOR", "OMPI_COMM_WORLD_SIZE")
+def _launched() -> Optional[tuple[str, int]]:
+    """(backend, expected process count) from the variables an MLX launcher sets in each process
+    it starts, or None when none is set (a plain single process). Count 0: not known here.
+
+    Raises:
+        RuntimeError: a ring hostfile that cannot be read.
+    """
+    env = os.environ
+    forced = env.get("FLASHFLEET_DIST_BACKEND")
+    if env.get("NCCL_HOST_IP") and env.get("MLX_WORLD_SIZE"):  # mlx.launch --backend nccl
+        return forced or "nccl", int(env["MLX_WORLD_SIZE"])
+    if env.get("MLX_JACCL_COORDINATOR"):  # mlx.launch --backend jaccl / jaccl-ring
+        return forced or "jaccl", 0
+    if env.get("MLX_HOSTFILE"):  # mlx.launch --backend ring
+        text = Path(env["MLX_HOSTFILE"]).read_text().strip() if Path(env["MLX_HOSTFILE"]).is_file() else ""
+        try:
+            hosts = json.loads(text) if text else []
+        except ValueError as e:
+            raise RuntimeError(f"MLX_HOSTFILE={env['MLX_HOSTFILE']}: not a JSON host list ({e})") from e
+        return (forced or "ring", len(hosts)) if len(hosts) > 1 else None  # `-n 1`: no ring at all
+    if env.get("OMPI_COMM_WORLD_SIZE"):  # mpirun
+        return forced or "mpi", int(env["OMPI_COMM_WORLD_SIZE"])
+    return None
 
 
 def world() -> Optional[mx.distributed.Group]:
     """The group of training processes when started by a launcher with more than one process,
     else None (single process: no collective is ever called).
 
+    The backend is the one the launcher set up (its variables say which; FLASHFLEET_DIST_BACKEND
+    overrides): MLX's "any" could settle on another that comes up alone, e.g. an MPI library on
+    the host, and every rank would then train by itself.
+
     Raises:
-        RuntimeError: a launcher's variables are set but no distributed backend came up.
+        RuntimeError: the backend did not come up, or gave another process count than launched.
     """
-    if not any(os.environ.get(v) for v in _LAUNCH_VARS):
+    launched = _launched()
+    if launched is None:
         return None
-    # Name the backend mlx.launch set up: "any" may settle on another one that comes up alone
-    # (an MPI library on the host, say) and give a group of one.
-    backend = os.environ.get("FLASHFLEET_DIST_BACKEND") or ("nccl" if os.environ.get("NCCL_HOST_IP") else "any")
-    group = mx.distributed.init(backend=backend)
-    if group.size() == 1 and int(os.environ.get("MLX_WORLD_SIZE", "1")) > 1:
-        raise RuntimeError("distributed training was launched with MLX_WORLD_SIZE="
-                           f"{os.environ['MLX_WORLD_SIZE']} but mx.distributed.init() gave one process; "
-                           "check the backend (nccl needs MLX's CUDA build)")
+    backend, expected = launched
+    try:
+        group = mx.distributed.init(strict=True, backend=backend)
+    except Exception as e:  # noqa: BLE001 - MLX raises RuntimeError/ValueError by backend
+        raise RuntimeError(f"distributed training: the {backend} backend did not start ({e}); "
+                           "nccl needs MLX's CUDA build, ring a reachable host list") from e
+    if expected and group.size() != expected:
+        raise RuntimeError(f"distributed training: launched {expected} processes but the {backend} group has "
+                           f"{group.size()}")
     return group if group.size() > 1 else None
+
+
+def leave_gpu_headroom(group: Optional[mx.distributed.Group], headroom_gib: float = 12.0) -> Optional[int]:
+    """Caps MLX's memory limit at the GPU's memory minus `headroom_gib` when several processes
+    train on GPUs, and returns the new limit in bytes (None: nothing changed).
+
+    Why: NCCL allocates its buffers outside MLX's allocator, so MLX's default limit can lie above
+    what is really free; then a large step fails in cudaMalloc instead of MLX first releasing its
+    buffer cache (seen once: out of memory at step 1,916 of a two-GPU run on H200s whose single
+    GPU runs of the same settings never ran out). FLASHFLEET_GPU_HEADROOM_GIB overrides the amount.
+    """
+    if group is None or mx.default_device() != mx.gpu:
+        return None
+    size = mx.device_info().get("memory_size")
+    if not size:
+        return None
+    headroom = float(os.environ.get("FLASHFLEET_GPU_HEADROOM_GIB", headroom_gib))
+    limit = int(min(mx.get_memory_limit(), size - headroom * 2**30))
+    mx.set_memory_limit(limit)
+    return limit
 
 
 def rank_of(group: Optional[mx.distributed.Group]) -> int:
@@ -52,14 +100,14 @@ def size_of(group: Optional[mx.distributed.Group]) -> int:
     return group.size() if group is not None else 1
 
 
-def agree_sum(values: Sequence[float], group: Optional[mx.distributed.Group]) -> list[float]:
+def agree_sum(values: Sequence[float], group: Optional[mx.distributed.Group],
+              dtype: mx.Dtype = mx.float32) -> list:
     """Elementwise sum over ranks (a host sync), e.g. the sequence counts of each rank's data
-    shard. Only `all_sum` is used here and in the step: every backend (ring, nccl, mpi, jaccl)
-    has it. Call it at the same point of the run on every rank."""
+    shard (`dtype=mx.int32`: exact up to 2**31). Only `all_sum` is used here and in the step:
+    every backend (ring, nccl, mpi, jaccl) has it. Call it at the same point on every rank."""
     if group is None:
-        return [float(v) for v in values]
-    out = mx.distributed.all_sum(mx.array(list(values), dtype=mx.float32), group=group)
-    return out.tolist()
+        return [float(v) if dtype == mx.float32 else int(v) for v in values]
+    return mx.distributed.all_sum(mx.array(list(values), dtype=dtype), group=group).tolist()
 
 
 def broadcast_tree(tree, group: Optional[mx.distributed.Group]):

@@ -53,7 +53,7 @@ from worker.models.dflash_checkpoint import (load_dflash_draft, quantize_dflash_
 from worker.training.card import render_card, tau_line
 from worker.training.data import DataSplit, TokenDataset, build_dataset, dataset_key, epoch_batches, length_buckets
 from worker.training.defaults import DraftSpec, choose_draft_spec, make_draft
-from worker.training.distributed import agree_sum, broadcast_tree, rank_of, size_of, world
+from worker.training.distributed import agree_sum, broadcast_tree, leave_gpu_headroom, rank_of, size_of, world
 from worker.training.evaluate import evaluate_tau
 from worker.training.forward import block_hidden, block_inputs, cast_tree
 from worker.training.loss import acceptance_stats, block_targets, default_gamma, weighted_cross_entropy
@@ -254,9 +254,10 @@ class Trainer:
         cfg: batch_size, anchors, gamma, lr, weight_decay, warmup, min_lr_ratio, grad_clip,
             epochs / steps / max_minutes, seed, compute_dtype, compile.
         group: the data-parallel process group (`distributed.world()`), or None for one process.
-            Each rank passes its own data shard; the step averages gradients (and the logged loss
-            and the run's clock) over ranks, so weights, learning rate and the stopping step are
-            the same on every rank. `batch_size` is per rank.
+            Each rank passes its own data shard; the step averages gradients and the logged loss
+            over ranks (each rank's mean loss counts equally) and hands every rank rank 0's clock,
+            so weights, learning rate and the stopping step are the same on every rank.
+            `batch_size` is per rank.
     """
 
     def __init__(self, target, draft: Model, data: TokenDataset, cfg: TrainConfig,
@@ -284,8 +285,8 @@ class Trainer:
         self.budget_s = cfg.max_minutes * 60 if cfg.max_minutes else None
         self.step = 0
         # The run's clock: this process's wall time (`_local`) and the value decisions use
-        # (`elapsed_s`, `startup_s`): the same on one process, the ranks' mean (computed in the
-        # step) with several, so every rank stops at the same step with the same LR.
+        # (`elapsed_s`, `startup_s`): the same on one process, rank 0's (passed through the
+        # step's all-reduce) with several, so every rank stops at the same step with the same LR.
         self._local = [0.0, 0.0]  # elapsed_s, startup_s measured here
         self.elapsed_s = 0.0
         # Wall time of each length class's first step in a run (tracing, kernel compiles): it
@@ -347,7 +348,8 @@ class Trainer:
             (loss, acc, tau), grads = loss_and_grad(tokens, lengths, anchors, keep, taps)
             if group is not None:  # the step's only collectives, so ranks issue them in one order
                 grads = nn.average_gradients(grads, group)
-                loss, acc, tau, clock = (mx.distributed.all_sum(x, group=group) / w for x in (loss, acc, tau, clock))
+                loss, acc, tau = (mx.distributed.all_sum(x, group=group) / w for x in (loss, acc, tau))
+                clock = mx.distributed.all_sum(clock, group=group)
             if clip and clip > 0:
                 grads, gnorm = optim.clip_grad_norm(grads, clip)
             else:
@@ -371,6 +373,10 @@ class Trainer:
             mx.eval(outs, self.draft.parameters(), self.opt.state)
             return outs
         except Exception as e:  # noqa: BLE001 - any failure of the compiled path
+            if self.group is not None:
+                # Its collectives may have run: a retry here would pair with the other ranks'
+                # next step. Fail, and the launcher stops every rank.
+                raise
             log(f"train: the compiled step failed ({type(e).__name__}: {e}); continuing without mx.compile")
             self.draft.update(params)
             self.opt.state = opt_state
@@ -504,7 +510,7 @@ class Trainer:
             if c not in warm:
                 warm.add(c)
                 self._local[1] += dt
-            # One process: its own clock. Several: the ranks' mean as of this step's dispatch.
+            # One process: its own clock. Several: rank 0's as of this step's dispatch.
             self.elapsed_s, self.startup_s = self._local if self.group is None else clock.tolist()
             window["loss"] += loss_v
             window["tau"] += tau_v
@@ -537,7 +543,10 @@ class Trainer:
                     retire(pending)
                     pending = None
                 self.opt.learning_rate = lr
-                inputs = (*inputs, mx.array(self._local, dtype=mx.float32))
+                # Several ranks: the step sums this over ranks, and only rank 0's is non-zero, so
+                # every rank reads back rank 0's clock exactly (x + 0 is exact in any order).
+                clock = self._local if self.group is None or self.group.rank() == 0 else [0.0, 0.0]
+                inputs = (*inputs, mx.array(clock, dtype=mx.float32))
                 if first and cfg.compile:
                     outs = self._first_compiled_step(inputs, log)
                 else:
@@ -633,14 +642,16 @@ def _data_totals(split: DataSplit, prompt_files: Sequence[str], group) -> dict:
     if group is None:
         return meta
     stems = sorted({Path(p).stem for p in prompt_files})
-    counts = ("train_sequences", "train_tokens", "response_tokens", "ended_with_eos", "generation_tokens_per_s")
-    cut = float(bool(meta.get("generation_stopped_by_time_limit")))
-    summed = agree_sum([meta.get(k, 0) for k in counts] + [meta.get("generation_s", 0.0), cut]
-                       + [meta["corpora"].get(c, 0) for c in stems], group)
-    meta.update({k: int(v) if k != "generation_tokens_per_s" else round(v, 1) for k, v in zip(counts, summed)})
-    meta["generation_s"] = round(summed[len(counts)] / group.size(), 1)
-    meta["generation_stopped_by_time_limit"] = summed[len(counts) + 1] > 0
-    meta["corpora"] = {c: int(v) for c, v in zip(stems, summed[len(counts) + 2:]) if v}
+    counts = ("train_sequences", "train_tokens", "response_tokens", "ended_with_eos")
+    cut = int(bool(meta.get("generation_stopped_by_time_limit")))
+    summed = agree_sum([meta.get(k, 0) for k in counts] + [cut] + [meta["corpora"].get(c, 0) for c in stems],
+                       group, dtype=mx.int32)
+    meta.update(zip(counts, summed))
+    meta["generation_stopped_by_time_limit"] = summed[len(counts)] > 0
+    meta["corpora"] = {c: v for c, v in zip(stems, summed[len(counts) + 1:]) if v}
+    rate, secs = agree_sum([meta.get("generation_tokens_per_s", 0.0), meta.get("generation_s", 0.0)], group)
+    meta["generation_tokens_per_s"] = round(rate, 1)  # all ranks together
+    meta["generation_s"] = round(secs / group.size(), 1)  # the ranks' mean
     return meta
 
 
@@ -672,6 +683,8 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
     rank, n_ranks = rank_of(group), size_of(group)
     if rank:  # one voice: rank 0 logs and shows progress
         log, cfg = (lambda _msg: None), replace(cfg, progress=False)
+    if (limit := leave_gpu_headroom(group)) is not None:
+        log(f"memory: MLX limit {limit / 2**30:.1f} GiB per GPU (headroom for NCCL)")
     target_path = resolve_target(cfg.target)
     out = Path(cfg.out)
     work = Path(cfg.work_dir) if cfg.work_dir else out.with_name(out.name + ".work")
@@ -706,6 +719,10 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
                           gen_max_seconds=cfg.gen_max_minutes * 60 if cfg.gen_max_minutes else None,
                           regenerate=cfg.regenerate_data, shard=(rank, n_ranks), progress=cfg.progress,
                           log=log, **data_kw)
+    data_meta = _data_totals(split, cfg.prompts, group)
+    if group is not None:
+        log(f"data: {data_meta['train_sequences']} sequences, {data_meta['response_tokens']} response tokens "
+            f"over {n_ranks} processes (each trains on its own)")
 
     resumed, init_weights = None, None
     if cfg.quantize_bits:
@@ -747,9 +764,9 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
     if resuming:
         resumed = trainer.load_state(state_dir)
         log(f"resume: step {trainer.step}, {trainer.elapsed_s:.0f} s trained, from {state_dir}")
-    elif state_dir.exists():
+    elif rank == 0 and state_dir.exists():  # rank 0 alone writes (and clears) the checkpoint
         for f in state_dir.glob("state*"):
-            f.unlink()
+            f.unlink(missing_ok=True)
     if cfg.cache_taps_gib and trainer.tap_cache_bytes() <= cfg.cache_taps_gib * 2**30:
         log(f"taps: caching the target's taps of all sequences ({trainer.tap_cache_bytes() / 2**30:.2f} GiB)")
         trainer.precompute_taps(cfg.progress)
@@ -759,7 +776,6 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
         + (f" or {cfg.max_minutes} min" if cfg.max_minutes else "") + f", compute {trainer.cdt}")
     save = lambda: trainer.save_state(state_dir, {"data_key": split.meta["key"], "world_size": n_ranks})  # noqa: E731
     result = trainer.run(checkpoint=save if rank == 0 else None, log=log)
-    data_meta = _data_totals(split, cfg.prompts, group)
     label_rate = agree_sum([result.get("label_tokens_per_s", 0.0)], group)[0]  # all processes together
     if rank:
         return {"rank": rank, "steps": result["steps"]}
