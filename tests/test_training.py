@@ -558,13 +558,16 @@ def test_static_batch_generation_equals_plain_greedy(arch):
 
     target = TARGETS[arch]()
     prompts = [[3, 17, 42, 99, 7, 250, 31, 64, 12, 5, 77], [9, 4], [200, 1, 2, 3, 4, 5], [60]]
-    n = SYNC_EVERY + 5  # crosses a sync point
+    n = 2 * SYNC_EVERY + 5  # crosses two sync points
     refs = [[t for s in plain.generate(p, n, greedy, set(), model=target) for t in s.tokens] for p in prompts]
     eos = refs[0][6]  # a token the first answer produces: that row must end there
     want = [r[:r.index(eos) + 1] if eos in r else r for r in refs]
-    got = generate_responses(target, prompts, n, [eos], batch_size=3)  # two batches: 3 + 1
-    assert got == want
+    # Ended rows dropped at the first check (0), by the default rule, or never (2): same answers.
+    for compact_at in (0.0, 0.5, 2.0):
+        got = generate_responses(target, prompts, n, [eos], batch_size=3, compact_at=compact_at)  # batches 3 + 1
+        assert got == want, compact_at
     assert len(got[0]) <= 7 and got[0][-1] == eos
+    assert any(len(w) > SYNC_EVERY for w in want[1:3])  # a row of the first batch decodes past the drop
     with pytest.raises(ValueError, match="at least one token"):
         generate_responses(target, [[1], []], 4, [eos])
 

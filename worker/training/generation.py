@@ -5,9 +5,11 @@ Draft training needs the target's own answers to thousands of prompts (the paper
 not latency, so each batch is the simplest thing a GPU runs fast: `batch_size` prompts
 left-padded to one length, one prefill, then one decode step for the whole batch at a time with
 MLX's asynchronous evaluation, no host synchronisation per token (only every `SYNC_EVERY` steps,
-to stop once every row has ended). Rows that ended keep decoding padding until the batch ends;
-that waste is cheaper than mlx-lm's continuous batching (`BatchGenerator`), which keeps one cache
-per sequence, merges caches whenever rows join and syncs every step.
+to stop once every row has ended). Rows that ended keep decoding until the next check; once at
+least `compact_at` of the rows still decoding have ended, the batch drops them (the caches'
+`filter`), so a batch whose answers are mostly short stops paying for the rows that are done. That
+is still simpler and cheaper than mlx-lm's continuous batching (`BatchGenerator`), which keeps
+one cache per sequence, merges caches whenever rows join and syncs every step.
 
 The caches are mlx-lm's `BatchKVCache` / `BatchRotatingKVCache` (per-row RoPE offsets and padding
 masks), chosen per layer from the model's own `make_prompt_cache`, so any mlx-lm model whose
@@ -19,6 +21,7 @@ import time
 from typing import Callable, Optional, Sequence
 
 SYNC_EVERY = 16  # decode steps between checks of "every row has ended" and of the time limit
+COMPACT_AT = 0.5  # drop the ended rows once this fraction of the rows still decoding has ended
 
 
 def make_batch_cache(model, left_padding: Sequence[int]) -> list:
@@ -62,6 +65,7 @@ def generate_responses(
     pad_id: int = 0,
     max_seconds: Optional[float] = None,
     progress: Optional[Callable[[int], None]] = None,
+    compact_at: float = COMPACT_AT,
 ) -> list[list[int]]:
     """The target's answers to token prompts, `batch_size` prompts at a time.
 
@@ -81,6 +85,10 @@ def generate_responses(
             keep what they have) and later prompts come back empty; the first batch always starts.
             None: no limit.
         progress: called with the number of prompts of each finished batch.
+        compact_at: at each check (every `SYNC_EVERY` steps), rows that have ended are dropped
+            from the batch when they are at least this fraction of the rows still decoding
+            (0: whenever any has ended; above 1: never). Outputs do not depend on it (greedy);
+            sampled answers depend on it through the random stream, reproducibly.
 
     Returns:
         One list of generated ids per prompt, in prompt order, each cut after its first EOS.
@@ -118,20 +126,35 @@ def generate_responses(
             mx.eval([c.state for c in cache])
         tok = sample(model(x[:, -1:], cache=cache)[:, -1, :])
         ended = (tok[:, None] == eos[None]).any(axis=1)
-        steps = [tok]
+        live = np.arange(len(rows))  # batch row -> row of this chunk, for the rows still decoding
+        segments, steps = [], [tok]  # (live, tokens of each step) before each compaction
         mx.async_eval(tok, ended)
         for step in range(1, max_new_tokens):
             if step % SYNC_EVERY == 0:
-                if bool(ended.all().item()):
+                done = np.array(ended)
+                if done.all():
                     break
                 if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
                     break
+                n_done = int(done.sum())
+                if n_done and n_done >= compact_at * len(live):
+                    keep = np.flatnonzero(~done)
+                    segments.append((live, steps))
+                    idx = mx.array(keep)
+                    for c in cache:
+                        c.filter(idx)
+                    tok, ended, live, steps = tok[idx], ended[idx], live[keep], []
             tok = sample(model(tok[:, None], cache=cache)[:, -1, :])
             ended = ended | (tok[:, None] == eos[None]).any(axis=1)
             steps.append(tok)
             mx.async_eval(tok, ended)
-        ids = np.array(mx.stack(steps, axis=1))  # (rows, steps)
-        for i, row in enumerate(ids.tolist()):
+        segments.append((live, steps))
+        answers: list[list[int]] = [[] for _ in rows]
+        for seg_rows, seg_steps in segments:
+            if seg_steps:
+                for r, ids in zip(seg_rows.tolist(), np.array(mx.stack(seg_steps, axis=1)).tolist()):
+                    answers[r].extend(ids)
+        for i, row in enumerate(answers):
             cut = next((j + 1 for j, t in enumerate(row) if t in eos_set), len(row))
             out[start + i] = row[:cut]
         del cache
