@@ -143,3 +143,57 @@ def test_cli_train_under_mlx_launch_splits_the_data_and_writes_one_draft(tmp_pat
     single = [a for a in argv[2:]]
     single[single.index("--steps") + 1] = "6"
     assert main(single) == 2
+
+
+# --------------------------------------------------------------------------- launcher detection, GPU memory
+
+_LAUNCH_ENV = ("MLX_WORLD_SIZE", "NCCL_HOST_IP", "MLX_HOSTFILE", "MLX_JACCL_COORDINATOR", "OMPI_COMM_WORLD_SIZE",
+               "FLASHFLEET_DIST_BACKEND")
+
+
+def test_launcher_variables_name_the_backend_and_the_process_count(tmp_path, monkeypatch):
+    from worker.training import distributed as dist
+
+    for v in _LAUNCH_ENV:
+        monkeypatch.delenv(v, raising=False)
+    assert dist._launched() is None and dist.world() is None  # a plain process: no collectives
+
+    monkeypatch.setenv("NCCL_HOST_IP", "127.0.0.1")
+    monkeypatch.setenv("MLX_WORLD_SIZE", "2")
+    assert dist._launched() == ("nccl", 2)
+    monkeypatch.setenv("FLASHFLEET_DIST_BACKEND", "mpi")
+    assert dist._launched() == ("mpi", 2)
+    for v in _LAUNCH_ENV:
+        monkeypatch.delenv(v, raising=False)
+
+    hosts = tmp_path / "hosts.json"
+    monkeypatch.setenv("MLX_HOSTFILE", str(hosts))
+    hosts.write_text(json.dumps([["127.0.0.1:5000"], ["127.0.0.1:5001"]]))
+    assert dist._launched() == ("ring", 2)
+    hosts.write_text("")  # mlx.launch -n 1 writes no host list: one process, no ring
+    assert dist._launched() is None
+    hosts.write_text("{not json")
+    with pytest.raises(RuntimeError, match="MLX_HOSTFILE"):
+        dist._launched()
+
+
+class _Group:
+    def size(self):
+        return 2
+
+
+def test_gpu_headroom_caps_the_memory_limit_below_the_device_memory(monkeypatch):
+    from worker.training import distributed as dist
+
+    limits = []
+    monkeypatch.setattr(dist.mx, "default_device", lambda: mx.Device(mx.gpu))
+    monkeypatch.setattr(dist.mx, "device_info", lambda: {"memory_size": 100 * 2**30})
+    monkeypatch.setattr(dist.mx, "get_memory_limit", lambda: 95 * 2**30)
+    monkeypatch.setattr(dist.mx, "set_memory_limit", limits.append)
+    monkeypatch.delenv("FLASHFLEET_GPU_HEADROOM_GIB", raising=False)
+    assert dist.leave_gpu_headroom(_Group()) == 88 * 2**30 and limits == [88 * 2**30]
+    monkeypatch.setenv("FLASHFLEET_GPU_HEADROOM_GIB", "2")
+    assert dist.leave_gpu_headroom(_Group()) == 95 * 2**30  # never above MLX's own limit
+    assert dist.leave_gpu_headroom(None) is None  # one process: MLX's default stands
+    monkeypatch.setattr(dist.mx, "default_device", lambda: mx.Device(mx.cpu))
+    assert dist.leave_gpu_headroom(_Group()) is None and len(limits) == 2
