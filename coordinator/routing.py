@@ -15,6 +15,11 @@ from coordinator.registry import WorkerRecord
 from flashfleet.v1 import common_pb2
 
 
+def _mode_name(mode: int) -> str:
+    """The SDK's and CLI's name of a decode mode: DECODE_MODE_DFLASH -> "dflash"."""
+    return common_pb2.DecodeMode.Name(mode).removeprefix("DECODE_MODE_").lower()
+
+
 class NoWorker(LookupError):
     """No live worker serves the model (NOT_FOUND)."""
 
@@ -108,8 +113,10 @@ def route(model: str, session_id: str, workers: Iterable[WorkerRecord], exclude:
         raise NoWorker(f"no live worker serves model {model!r}")
     serving = [w for w in workers if w.serves(model, mode)]
     if not serving:
-        raise NoWorker(f"no live worker serving {model!r} has a draft for decode mode "
-                       f"{common_pb2.DecodeMode.Name(mode)}")
+        served = sorted({_mode_name(m) for m in common_pb2.DecodeMode.values()
+                         if m != common_pb2.DECODE_MODE_AUTO and any(w.serves(model, m) for w in workers)})
+        raise NoWorker(f"no live worker serving {model!r} has a draft for mode {_mode_name(mode)!r} (modes served "
+                       f"for it: {', '.join(served)}); start a worker with a draft of that kind, or use mode 'auto'")
     eligible = [w for w in serving if w.worker_id not in exclude]
     sticky = affinity.lookup(session_id)
     for w in eligible:

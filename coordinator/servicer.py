@@ -99,8 +99,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             # Unknown names share one label value: clients must not create unbounded series.
             known = any(w.serves(request.model) for w in self.registry.live())
             self._count(request.model if known else "(unknown)", "", "no_worker")
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"{e}; models served: "
-                                f"{sorted({m for w in self.registry.live() for m in w.model_names})}")
+            served = sorted({m for w in self.registry.live() for m in w.model_names})
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e) if known else f"{e}; models served: {served}")
         except AllBusy as e:
             self._count(request.model, "", "overloaded")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))

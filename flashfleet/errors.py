@@ -36,7 +36,8 @@ class InvalidArgument(FlashfleetError):
 
 
 class ModelNotFound(FlashfleetError):
-    """No worker in the fleet serves the requested model."""
+    """No worker in the fleet serves the requested model, or none of those serving it has a draft
+    for the requested decode mode (`mode="dflash"` with no DFlash draft loaded, say)."""
 
     code = grpc.StatusCode.NOT_FOUND
 
