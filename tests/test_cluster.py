@@ -301,3 +301,14 @@ def test_status_cli_shows_each_workers_draft(capsys):
         assert " - " in rows["w2"] and "dflash" not in rows["w2"]
     finally:
         c.close()
+
+
+def test_cli_generate_prints_whole_lines_and_stats_on_stderr(cluster, capsys):
+    from flashfleet.cli.generate import main
+
+    assert main(["abc", "--model", "fake-model", "--raw", "--max-tokens", "5", "--address", cluster.address]) == 0
+    out, err = capsys.readouterr()
+    assert out and out.endswith("\n") and not out.endswith("\n\n")  # piped output ends with one whole line
+    assert err.startswith("-- length; worker ") and "tok/s" in err
+    assert main(["abc", "--model", "no-such-model", "--address", cluster.address]) == 1
+    assert "NOT_FOUND" in capsys.readouterr().err

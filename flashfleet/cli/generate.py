@@ -33,7 +33,7 @@ def main(argv: list[str]) -> int:
         messages = ([{"role": "system", "content": a.system}] if a.system else [])
         kwargs = {"messages": messages + [{"role": "user", "content": a.prompt}]}
     try:
-        last = None
+        last, text_ended_line = None, False
         with Client(a.address, credentials=credentials(a.config)) as client:
             for chunk in client.generate(a.model, max_tokens=a.max_tokens, temperature=a.temperature,
                                          top_p=a.top_p, seed=a.seed, stop=a.stop,
@@ -41,6 +41,8 @@ def main(argv: list[str]) -> int:
                                          timeout_s=a.timeout_s, **kwargs):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
+                if chunk.text:
+                    text_ended_line = chunk.text.endswith("\n")
                 last = chunk
     except (FlashfleetError, ConfigError) as e:
         print(f"{chr(10) if last else ''}flashfleet generate: {e}", file=sys.stderr)
@@ -48,10 +50,13 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print("\n(cancelled)", file=sys.stderr)
         return 130
+    if not text_ended_line:  # piped output ends with a whole line
+        sys.stdout.write("\n")
+        sys.stdout.flush()
     s = last.stats
     extra = (f", tau {s.acceptance_length:.2f}, acceptance {s.acceptance_rate:.0%}"
              if s.cycles else "")
-    print(f"\n-- {last.finish_reason}; worker {last.worker_id}; {s.prompt_tokens} prompt + "
+    print(f"-- {last.finish_reason}; worker {last.worker_id}; {s.prompt_tokens} prompt + "
           f"{s.generated_tokens} generated tokens; TTFT {s.ttft_s * 1000:.0f} ms; "
           f"{s.tokens_per_s:.1f} tok/s; mode {s.mode}{extra}", file=sys.stderr)
     return 0
