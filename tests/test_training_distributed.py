@@ -128,6 +128,8 @@ def test_cli_train_under_mlx_launch_splits_the_data_and_writes_one_draft(tmp_pat
 
     card = json.loads((out / "training_card.json").read_text())
     assert card["training"]["processes"] == 2 and card["training"]["steps"] == 4
+    curve_steps = [c["step"] for c in card["training"]["curve"]]
+    assert curve_steps == sorted(set(curve_steps)) and curve_steps[-1] == 4  # the last point once
     assert card["data"]["train_sequences"] == len(shards[0]) + len(shards[1])
     assert sum(card["data"]["corpora"].values()) == card["data"]["train_sequences"]
     state = json.loads((work / "resume" / "state.json").read_text())

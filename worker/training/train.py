@@ -635,6 +635,12 @@ def _init_checkpoint(cfg: TrainConfig, target) -> tuple[DraftSpec, dict]:
     return spec, dequantized_weights(init)
 
 
+def _thinned(points: list, n: int) -> list:
+    """About `n` evenly spaced points of a curve, the last one always included once."""
+    out = points[:: max(1, len(points) // n)]
+    return out + points[-1:] if points and out[-1] is not points[-1] else out
+
+
 def _data_totals(split: DataSplit, prompt_files: Sequence[str], group) -> dict:
     """The data's meta over all ranks: counts and generation rate summed, generation time the
     ranks' mean, corpora counted per prompt file (called on every rank alike)."""
@@ -833,7 +839,8 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
            "heldout_per_corpus": {c: sum(1 for h in split.heldout if h["corpus"] == c)
                                   for c in sorted({h["corpus"] for h in split.heldout})}},
         "training": {"steps": result["steps"],
-                     "epochs": round(result["steps"] * trainer.bsz * n_ranks / data_meta["train_sequences"], 2),
+                     # as the progress bar and the curve count them: batches of (rank 0's) data
+                     "epochs": round(result["steps"] / trainer.per_epoch, 2),
                      "elapsed_s": result["elapsed_s"], "batch_size": trainer.bsz, "processes": n_ranks,
                      "anchors": trainer.N,
                      "seq_len": int(trainer.tokens.shape[1]), "gamma": trainer.gamma, "lr": cfg.lr,
@@ -847,7 +854,7 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
                      "final_train_tau": round(result.get("train_tau", float("nan")), 3),
                      "final_accuracy_per_position": result.get("accuracy"),
                      "label_tokens_per_s": round(label_rate),
-                     "curve": trainer.history[:: max(1, len(trainer.history) // 40)] + trainer.history[-1:]},
+                     "curve": _thinned(trainer.history, 40)},
         "eval": evals,
         "environment": {"mlx": mx.__version__, "device": str(mx.default_device()), "python": platform.python_version(),
                         "argv": sys.argv},
