@@ -137,10 +137,15 @@ def test_cli_train_under_mlx_launch_splits_the_data_and_writes_one_draft(tmp_pat
     target, _ = load(str(tiny_models.llama))
     assert load_dflash_draft(out, target).block_size == 4
 
-    # Starting over (--no-resume) clears the old checkpoint once, not once per rank.
-    fresh = [*argv[:argv.index("--steps") + 1], "2", *argv[argv.index("--steps") + 2:], "--no-resume"]
-    _launch(*fresh)
+    # Starting over (--no-resume) clears the old checkpoint once, not once per rank; this time
+    # the command starts its own ranks (--processes).
+    fresh = [*argv[2:argv.index("--steps") + 1], "2", *argv[argv.index("--steps") + 2:], "--no-resume"]
+    assert main([*fresh, "--processes", "2", "--backend", "ring"]) == 0
     assert json.loads((work / "resume" / "state.json").read_text())["step"] == 2
+    assert json.loads((out / "training_card.json").read_text())["training"]["processes"] == 2
+    # A failing rank fails the command (mlx.launch alone would exit 0).
+    broken = [*fresh[:fresh.index("--target") + 1], str(tmp_path / "no-model"), *fresh[fresh.index("--target") + 2:]]
+    assert main([*broken, "--processes", "2", "--backend", "ring"]) == 1
     # One process cannot resume a checkpoint of two: each rank's data shard would change.
     single = [a for a in argv[2:]]
     single[single.index("--steps") + 1] = "6"
@@ -165,6 +170,9 @@ def test_launcher_variables_name_the_backend_and_the_process_count(tmp_path, mon
     assert dist._launched() == ("nccl", 2)
     monkeypatch.setenv("FLASHFLEET_DIST_BACKEND", "mpi")
     assert dist._launched() == ("mpi", 2)
+    from flashfleet.cli.draft_cmd import main  # a rank must not start ranks of its own
+
+    assert main(["train", "--target", "t", "--prompts", "p", "--out", str(tmp_path / "o"), "--processes", "2"]) == 2
     for v in _LAUNCH_ENV:
         monkeypatch.delenv(v, raising=False)
 

@@ -156,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-max-new-tokens", type=_at_least(1), default=128)
     g.add_argument("--eval-max-minutes", type=_minutes, default=None, help="time limit of each tau measurement")
     g.add_argument("--eval-untrained", action="store_true", help="also measure the untrained draft")
+    g = t.add_argument_group("several processes (data parallel; docs/training.md)")
+    g.add_argument("--processes", type=_at_least(1), default=1,
+                   help="train data parallel with this many processes on this host (one per GPU with nccl), "
+                        "started through mlx.launch; across hosts run mlx.launch yourself")
+    g.add_argument("--backend", choices=("nccl", "ring"), default=None,
+                   help="mlx.launch backend for --processes (default: nccl with CUDA, else ring)")
     t.add_argument("--quiet", action="store_true", help="no progress bars")
 
     e = commands.add_parser("eval", help="acceptance length tau of a draft on prompt files",
@@ -179,10 +185,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _train_processes(args, argv: list[str]) -> int:
+    """Re-runs this command as `--processes` ranks under mlx.launch (without that flag)."""
+    from worker.training.distributed import default_backend, run_local_ranks
+
+    rest, skip = [], 0
+    for a in argv:  # drop --processes N / --backend B (and their = forms)
+        if skip:
+            skip -= 1
+        elif a in ("--processes", "--backend"):
+            skip = 1
+        elif not a.startswith(("--processes=", "--backend=")):
+            rest.append(a)
+    backend = args.backend or default_backend()
+    print(f"flashfleet draft: {args.processes} processes over {backend} (mlx.launch)", file=sys.stderr, flush=True)
+    if run_local_ranks(args.processes, backend, [sys.executable, "-m", "flashfleet.cli.draft_cmd", *rest]):
+        print("flashfleet draft: a training process failed (its output is above)", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _train(args) -> int:
     from worker.training.train import TrainConfig, train_draft
 
-    skip = {"command", "quiet"}
+    skip = {"command", "quiet", "processes", "backend"}
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k not in skip}, progress=not args.quiet)
     card = train_draft(cfg)
     ev = card.get("eval", {}).get("trained")  # ranks other than 0 of a distributed run get no card
@@ -234,6 +260,14 @@ def main(argv: list[str] | None = None) -> int:
     from worker.training.train import TrainConfigError
 
     try:
+        if args.command == "train" and args.processes > 1:
+            from worker.training.distributed import launched
+
+            if launched():
+                print("flashfleet draft: --processes under a launcher: each rank would start its own; "
+                      "drop --processes when you run mlx.launch yourself", file=sys.stderr)
+                return 2
+            return _train_processes(args, list(sys.argv[1:] if argv is None else argv))
         return _train(args) if args.command == "train" else _eval(args)
     except (FileNotFoundError, NotADirectoryError, DataError, DraftSizeError, TrainConfigError,
             DraftCheckpointError) as e:

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, TextIO
 
 import mlx.core as mx
 from mlx.utils import tree_map
@@ -119,3 +122,61 @@ def broadcast_tree(tree, group: Optional[mx.distributed.Group]):
     out = tree_map(lambda x: mx.distributed.all_sum(x if first else mx.zeros_like(x), group=group), tree)
     mx.eval(out)
     return out
+
+
+_LAUNCH = "import sys; from mlx._distributed_utils.launch import main; sys.argv[0] = 'mlx.launch'; main()"
+# What mlx.launch prints when a rank ends badly; its own exit status is 0 either way.
+_FAILED = ("exited with code", "was killed")
+
+
+def default_backend() -> str:
+    """nccl where MLX has CUDA, else ring (one host's CPU, or Macs)."""
+    return "nccl" if mx.cuda.is_available() else "ring"
+
+
+def _free_port_pair() -> int:
+    for _ in range(100):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+                return port
+    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
+
+
+def launched() -> bool:
+    """Whether this process was started by an MLX launcher (a rank of a distributed run)."""
+    return _launched() is not None
+
+
+def run_local_ranks(n: int, backend: str, command: Sequence[str], out: TextIO = sys.stdout) -> int:
+    """Runs `command` as `n` ranks on this host through `mlx.launch` and returns 0 only if every
+    rank exited 0 (mlx.launch itself exits 0 even when a rank failed; its output says so).
+
+    The ranks' output (stdout and stderr, progress bars included) is copied to `out` as it comes.
+    ring: ranks on 127.0.0.1 over two free ports; nccl: one rank per CUDA GPU (GPU i for rank i).
+
+    Args:
+        n: number of ranks (>= 2).
+        backend: an mlx.launch backend for one host ("ring" or "nccl").
+        command: the program each rank runs, e.g. [sys.executable, "-m", "flashfleet.cli.draft_cmd", ...].
+
+    Returns:
+        0, or 1 when a rank failed or the launcher did.
+    """
+    argv = [sys.executable, "-c", _LAUNCH, "-n", str(n), "--backend", backend]
+    if backend == "ring":
+        argv += ["--starting-port", str(_free_port_pair())]
+    env = {**os.environ, "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")}
+    proc = subprocess.Popen([*argv, "--", *command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    tail, failed = b"", False
+    while chunk := proc.stdout.read1(65536) if hasattr(proc.stdout, "read1") else proc.stdout.read(4096):
+        out.write(chunk.decode("utf-8", "replace"))
+        out.flush()
+        tail = (tail + chunk)[-4096:]
+        failed = failed or any(m.encode() in tail for m in _FAILED)
+    return 1 if proc.wait() != 0 or failed else 0
