@@ -31,3 +31,14 @@ def test_cli_help_is_fast_and_lists_commands():
     proc = subprocess.run([sys.executable, "-c", "import flashfleet.cli, flashfleet, sys; "
                            "print('mlx' in ' '.join(sys.modules))"], capture_output=True, text=True)
     assert proc.stdout.strip() == "False", "the SDK and CLI dispatcher must not import MLX"
+
+
+def test_draft_directory_without_weights_is_a_clear_error(tmp_path, tiny_models):
+    draft = tmp_path / "draft-without-weights"
+    draft.mkdir()
+    (draft / "config.json").write_bytes((tiny_models.llama / "config.json").read_bytes())
+    proc = subprocess.run([sys.executable, "-m", "worker", "--model", str(tiny_models.llama), "--draft", str(draft),
+                           "--port", "0"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "draft-without-weights" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

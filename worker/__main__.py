@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         engine = build_engine(a)
         a.load_seconds = time.perf_counter() - started
-    except (OSError, ValueError) as e:  # missing or not a model directory, bad config
+    except (OSError, ValueError, RuntimeError) as e:  # missing or not a model directory, bad config or weights
         print(f"worker: cannot start: {e}", file=sys.stderr)
         return 2
     try:

@@ -169,8 +169,8 @@ class Engine:
             raise RuntimeError(f"engine did not load {config.model_path} within {load_timeout_s} s")
         if self._startup_error is not None:
             self._thread.join()
-            if isinstance(self._startup_error, DraftCheckpointError):  # a user error: say it plainly
-                raise self._startup_error
+            if isinstance(self._startup_error, (DraftCheckpointError, FileNotFoundError)):
+                raise self._startup_error  # a user error (e.g. a model directory without weights): say it plainly
             raise RuntimeError(f"engine failed to start: {self._startup_error}") from self._startup_error
 
     # ----- lifecycle -------------------------------------------------------------------------
