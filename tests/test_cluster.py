@@ -296,9 +296,15 @@ def test_status_cli_shows_each_workers_draft(capsys):
     c = start_cluster({"w1": drafted, "w2": FakeEngine()})
     try:
         assert status_main(["--address", c.address]) == 0
-        rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+        lines = capsys.readouterr().out.splitlines()
+        rows = {line.split()[0]: line for line in lines}
         assert "SmolLM2-135M-Instruct (dflash)" in rows["w1"]
         assert " - " in rows["w2"] and "dflash" not in rows["w2"]
+        # every column lines up with its header, however wide the draft's name
+        header = rows["worker"]
+        for col in ("sessions", "KV MiB", "served", "heartbeat"):
+            end = header.index(col) + len(col)  # numbers are right-aligned under their header
+            assert all(r[end - 1] != " " and (len(r) == end or r[end] == " ") for r in (rows["w1"], rows["w2"])), col
     finally:
         c.close()
 

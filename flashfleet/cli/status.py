@@ -23,12 +23,17 @@ def main(argv: list[str]) -> int:
     except (FlashfleetError, ConfigError) as e:
         print(f"flashfleet status: {e}", file=sys.stderr)
         return 1
-    print(f"{'worker':<14} {'address':<22} {'models':<32} {'draft':<24} {'sessions':>9} {'KV MiB':>8} "
-          f"{'served':>7} {'heartbeat':>10}")
+    head = ["worker", "address", "models", "draft", "sessions", "KV MiB", "served", "heartbeat"]
+    rows = []
     for w in status.workers:
-        models = ",".join(m.name for m in w.models)
-        drafts = ",".join(f"{Path(m.draft).name} ({DECODE_MODE_NAMES.get(m.draft_mode, m.draft_mode)})" for m in w.models if m.draft) or "-"
-        print(f"{w.worker_id:<14} {w.address:<22} {models:<32} {drafts:<24} {w.active_sessions:>4}/{w.capacity:<4} "
-              f"{w.kv_cache_bytes / 2**20:>8.1f} {w.served_requests:>7} {w.heartbeat_age_s:>9.1f}s")
+        drafts = ",".join(f"{Path(m.draft).name} ({DECODE_MODE_NAMES.get(m.draft_mode, m.draft_mode)})"
+                          for m in w.models if m.draft) or "-"
+        rows.append([w.worker_id, w.address, ",".join(m.name for m in w.models), drafts,
+                     f"{w.active_sessions}/{w.capacity}", f"{w.kv_cache_bytes / 2**20:.1f}", str(w.served_requests),
+                     f"{w.heartbeat_age_s:.1f}s"])
+    # Columns as wide as their widest cell; text left-aligned, numbers right-aligned.
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    for r in [head, *rows]:
+        print(" ".join(c.ljust(n) if i < 4 else c.rjust(n) for i, (c, n) in enumerate(zip(r, widths))).rstrip())
     print(f"{len(status.workers)} worker(s), {status.sessions} session(s) with affinity")
     return 0

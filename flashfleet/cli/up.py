@@ -141,8 +141,9 @@ class LocalCluster:
                     continue
                 if len(status.workers) != seen:
                     seen = len(status.workers)
-                    progress(f"  {seen}/{self.n_workers} workers ready: " +
-                             ", ".join(f"{w.worker_id} at {w.address}" for w in status.workers))
+                    if seen:  # the coordinator answers before any worker has registered
+                        progress(f"  {seen}/{self.n_workers} workers ready: " +
+                                 ", ".join(f"{w.worker_id} at {w.address}" for w in status.workers))
                 if seen >= self.n_workers:
                     return
                 time.sleep(0.3)
