@@ -44,6 +44,8 @@ EVAL_UNTRAINED=${EVAL_UNTRAINED:-1}  # 0: skip tau of the untrained draft
 CACHE_TAPS_GIB=${CACHE_TAPS_GIB:-32}
 NPROC=${NPROC:-1}                   # >1: data parallel, one process per GPU (mlx.launch)
 DIST_BACKEND=${DIST_BACKEND:-nccl}  # mlx.launch backend for NPROC > 1 (ring: dry runs with mlx[cpu])
+RETRIES=${RETRIES:-1}               # resume after a crash this many times (needs a checkpoint)
+CHECKPOINT_EVERY=${CHECKPOINT_EVERY:-500}  # steps
 
 shopt -s nullglob
 PROMPTS=("$CASES"/*.jsonl)
@@ -81,20 +83,30 @@ if [ "$NPROC" -gt 1 ]; then
   fi
 fi
 set +e
-"${RUN[@]}" train --target "$MODEL" --prompts "${PROMPTS[@]}" --out "$OUT" --work-dir "$WORK" \
-  --max-prompts-per-file "$PER_FILE" --max-prompt-tokens 256 --max-new-tokens "$GEN_TOKENS" \
-  --gen-batch-size "$GEN_BATCH" --gen-max-minutes "$GEN_MINUTES" \
-  --gen-samples "$GEN_SAMPLES" --gen-sample-temperature "$GEN_SAMPLE_T" \
-  --heldout-per-corpus 8 --heldout-fraction 0.1 \
-  --draft-layers 2 --num-taps 5 --block-size 16 --max-draft-mib 15 --save-dtype bfloat16 \
-  --batch-size "$BATCH" --anchors "$ANCHORS" --lr "$LR" --warmup 0.04 --grad-clip 1.0 \
-  --epochs 1000 --max-minutes "$TRAIN_MINUTES" --cache-taps-gib "$CACHE_TAPS_GIB" --checkpoint-every 1000 \
-  --eval-max-new-tokens "$EVAL_TOKENS" --eval-max-minutes "$EVAL_MINUTES" \
-  $([ "$EVAL_UNTRAINED" = 1 ] && echo --eval-untrained) \
-  "$@" < /dev/null 2>&1 | tee "$OUT/train.log"
-status=${PIPESTATUS[0]}
-# mlx.launch exits 0 even when a rank failed; its log says so.
-grep -q "exited with code\|was killed" "$OUT/train.log" && status=1
+: > "$OUT/train.log"
+for attempt in $(seq 0 "$RETRIES"); do
+  from=$(($(wc -l < "$OUT/train.log") + 1)); touch "$WORK.attempt"
+  "${RUN[@]}" train --target "$MODEL" --prompts "${PROMPTS[@]}" --out "$OUT" --work-dir "$WORK" \
+    --max-prompts-per-file "$PER_FILE" --max-prompt-tokens 256 --max-new-tokens "$GEN_TOKENS" \
+    --gen-batch-size "$GEN_BATCH" --gen-max-minutes "$GEN_MINUTES" \
+    --gen-samples "$GEN_SAMPLES" --gen-sample-temperature "$GEN_SAMPLE_T" \
+    --heldout-per-corpus 8 --heldout-fraction 0.1 \
+    --draft-layers 2 --num-taps 5 --block-size 16 --max-draft-mib 15 --save-dtype bfloat16 \
+    --batch-size "$BATCH" --anchors "$ANCHORS" --lr "$LR" --warmup 0.04 --grad-clip 1.0 \
+    --epochs 1000 --max-minutes "$TRAIN_MINUTES" --cache-taps-gib "$CACHE_TAPS_GIB" \
+    --checkpoint-every "$CHECKPOINT_EVERY" \
+    --eval-max-new-tokens "$EVAL_TOKENS" --eval-max-minutes "$EVAL_MINUTES" \
+    $([ "$EVAL_UNTRAINED" = 1 ] && echo --eval-untrained) \
+    "$@" < /dev/null 2>&1 | tee -a "$OUT/train.log"
+  status=${PIPESTATUS[0]}
+  # mlx.launch exits 0 even when a rank failed; its log says so.
+  tail -n +"$from" "$OUT/train.log" | grep -q "exited with code\|was killed" && status=1
+  [ "$status" = 0 ] && break
+  # A crash after a checkpoint (a rank out of memory, say) resumes it: the data is cached, the
+  # kernels compiled, and --max-minutes counts the time already trained.
+  [ -f "$WORK/resume/state.json" ] && [ ! "$OUT/training_card.json" -nt "$WORK.attempt" ] || break
+  [ "$attempt" -lt "$RETRIES" ] && echo "attempt $((attempt + 1)) failed: resuming from $(grep -o '"step": [0-9]*' "$WORK/resume/state.json")"
+done
 set -e
 ls -la "$OUT"
 [ -f "$OUT/TRAINING.md" ] && cat "$OUT/TRAINING.md"
