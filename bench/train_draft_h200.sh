@@ -99,13 +99,16 @@ for attempt in $(seq 0 "$RETRIES"); do
     $([ "$EVAL_UNTRAINED" = 1 ] && echo --eval-untrained) \
     "$@" < /dev/null 2>&1 | tee -a "$OUT/train.log"
   status=${PIPESTATUS[0]}
+  [ "$status" = 2 ] && break  # a usage error (one process): retrying cannot help
   # mlx.launch exits 0 even when a rank failed; its log says so.
-  tail -n +"$from" "$OUT/train.log" | grep -q "exited with code\|was killed" && status=1
+  tail -n +"$from" "$OUT/train.log" | grep -Eq "Node with rank [0-9]+ (exited with code|was killed)" && status=1
   [ "$status" = 0 ] && break
-  # A crash after a checkpoint (a rank out of memory, say) resumes it: the data is cached, the
-  # kernels compiled, and --max-minutes counts the time already trained.
-  [ -f "$WORK/resume/state.json" ] && [ ! "$OUT/training_card.json" -nt "$WORK.attempt" ] || break
-  [ "$attempt" -lt "$RETRIES" ] && echo "attempt $((attempt + 1)) failed: resuming from $(grep -o '"step": [0-9]*' "$WORK/resume/state.json")"
+  # A crash after this attempt wrote a checkpoint (a rank out of memory, say) resumes it: the
+  # data is cached, the kernels compiled, and --max-minutes counts the time already trained.
+  # Not after the draft was saved (evaluation; GPU 1 may be benchmarking), nor on a usage error.
+  tail -n +"$from" "$OUT/train.log" | grep -Eq "saved: |exited with code 2" && break
+  [ "$WORK/resume/state.json" -nt "$WORK.attempt" ] || break
+  [ "$attempt" -lt "$RETRIES" ] && echo "attempt $((attempt + 1)) failed: resuming from $(grep -o '"step": [0-9]*' "$WORK/resume/state.json" | head -1)"
 done
 set -e
 ls -la "$OUT"

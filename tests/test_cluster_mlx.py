@@ -91,7 +91,7 @@ def test_engine_validation_reaches_the_client(mlx_cluster, tiny_models):
             client.complete("tiny-llama", prompt="hi", max_tokens=ctx + 10)
         with pytest.raises(InvalidArgument, match="context|prompt"):
             client.complete("tiny-llama", prompt="word " * (ctx * 2), max_tokens=4)
-        with pytest.raises(ModelNotFound, match="mode 'dflash' \(modes served for it: draft, plain\)"):
+        with pytest.raises(ModelNotFound, match=r"mode 'dflash' \(modes served for it: draft, plain\)"):
             client.complete("tiny-llama", prompt="hi", max_tokens=4, mode="dflash")
         assert client.complete("tiny-llama", prompt="still serving", max_tokens=3).token_ids
 

@@ -55,7 +55,7 @@ def test_cluster_routes_dflash_requests_to_the_dflash_worker(tiny_models, dflash
                 d = client.complete("tiny", prompt="Blocks of tokens", max_tokens=17, mode="dflash")
                 assert d.worker_id == "dflash" and d.stats.mode == "dflash"
                 assert d.token_ids == plain.token_ids
-            with pytest.raises(ModelNotFound, match="mode 'draft' \(modes served for it: dflash, plain\)"):
+            with pytest.raises(ModelNotFound, match=r"mode 'draft' \(modes served for it: dflash, plain\)"):
                 client.complete("tiny", prompt="x", max_tokens=2, mode="draft")
             models = client.list_models()
             assert models[0].info.name == "tiny"

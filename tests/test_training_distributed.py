@@ -140,7 +140,7 @@ def test_cli_train_under_mlx_launch_splits_the_data_and_writes_one_draft(tmp_pat
     # Starting over (--no-resume) clears the old checkpoint once, not once per rank; this time
     # the command starts its own ranks (--processes).
     fresh = [*argv[2:argv.index("--steps") + 1], "2", *argv[argv.index("--steps") + 2:], "--no-resume"]
-    assert main([*fresh, "--processes", "2", "--backend", "ring"]) == 0
+    assert main([*fresh, "--proc=2", "--back", "ring"]) == 0  # abbreviations argparse accepts work too
     assert json.loads((work / "resume" / "state.json").read_text())["step"] == 2
     assert json.loads((out / "training_card.json").read_text())["training"]["processes"] == 2
     # A failing rank fails the command (mlx.launch alone would exit 0).
@@ -207,3 +207,36 @@ def test_gpu_headroom_caps_the_memory_limit_below_the_device_memory(monkeypatch)
     assert dist.leave_gpu_headroom(None) is None  # one process: MLX's default stands
     monkeypatch.setattr(dist.mx, "default_device", lambda: mx.Device(mx.cpu))
     assert dist.leave_gpu_headroom(_Group()) is None and len(limits) == 2
+
+
+class _Chunks:
+    """A byte stream whose reads return the given chunks one by one."""
+
+    def __init__(self, *chunks: bytes):
+        self.chunks = list(chunks)
+
+    def read1(self, _n: int) -> bytes:
+        return self.chunks.pop(0) if self.chunks else b""
+
+
+def test_rank_output_is_copied_whole_and_failures_are_seen_across_reads():
+    import io
+
+    from worker.training.distributed import copy_and_scan
+
+    bar = "train: 50%|█████|".encode()
+    cut = bar.index("█".encode()) + 1  # inside the 3-byte character
+    out = io.StringIO()
+    assert not copy_and_scan(_Chunks(bar[:cut], bar[cut:], b" rank 0 says: exited with code 0 is text\n"), out)
+    assert out.getvalue().startswith("train: 50%|█████|")
+    marker = b"[WARN] Node with rank 1 exited with code 2\n"
+    assert copy_and_scan(_Chunks(b"log\n" + marker[:20], marker[20:] + b"x" * 5000), io.StringIO())
+    assert copy_and_scan(_Chunks(marker + b"x" * 70000), io.StringIO())
+
+
+def test_processes_on_gpus_refuse_a_gpu_selection_they_would_ignore(monkeypatch):
+    from worker.training.distributed import run_local_ranks
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    with pytest.raises(ValueError, match="rank i on GPU i"):
+        run_local_ranks(2, "nccl", [sys.executable, "-c", "pass"])

@@ -186,20 +186,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _train_processes(args, argv: list[str]) -> int:
-    """Re-runs this command as `--processes` ranks under mlx.launch (without that flag)."""
+    """Re-runs this command as `--processes` ranks under mlx.launch. Each rank gets the same
+    arguments plus `--processes 1` (argparse keeps the last value, whatever spelling came first)."""
     from worker.training.distributed import default_backend, run_local_ranks
 
-    rest, skip = [], 0
-    for a in argv:  # drop --processes N / --backend B (and their = forms)
-        if skip:
-            skip -= 1
-        elif a in ("--processes", "--backend"):
-            skip = 1
-        elif not a.startswith(("--processes=", "--backend=")):
-            rest.append(a)
     backend = args.backend or default_backend()
     print(f"flashfleet draft: {args.processes} processes over {backend} (mlx.launch)", file=sys.stderr, flush=True)
-    if run_local_ranks(args.processes, backend, [sys.executable, "-m", "flashfleet.cli.draft_cmd", *rest]):
+    try:
+        failed = run_local_ranks(args.processes, backend,
+                                 [sys.executable, "-m", "flashfleet.cli.draft_cmd", *argv, "--processes", "1"])
+    except ValueError as e:  # a request this host cannot serve (GPU placement)
+        print(f"flashfleet draft: {e}", file=sys.stderr)
+        return 2
+    if failed:
         print("flashfleet draft: a training process failed (its output is above)", file=sys.stderr)
         return 1
     return 0

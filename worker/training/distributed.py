@@ -13,8 +13,10 @@ Run as a single process (no launcher), `world()` is None and nothing here is use
 """
 from __future__ import annotations
 
+import codecs
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -126,7 +128,7 @@ def broadcast_tree(tree, group: Optional[mx.distributed.Group]):
 
 _LAUNCH = "import sys; from mlx._distributed_utils.launch import main; sys.argv[0] = 'mlx.launch'; main()"
 # What mlx.launch prints when a rank ends badly; its own exit status is 0 either way.
-_FAILED = ("exited with code", "was killed")
+FAILED_RANK = re.compile(rb"Node with rank \d+ (exited with code|was killed)")
 
 
 def default_backend() -> str:
@@ -134,18 +136,23 @@ def default_backend() -> str:
     return "nccl" if mx.cuda.is_available() else "ring"
 
 
-def _free_port_pair() -> int:
+def _free_ports(n: int) -> int:
+    """A port p with p .. p + n - 1 free on 127.0.0.1 (ring listens on one port per rank)."""
     for _ in range(100):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-                return port
-    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
+        socks = [socket.socket()]
+        try:
+            socks[0].bind(("127.0.0.1", 0))
+            port = socks[0].getsockname()[1]
+            for k in range(1, n):
+                socks.append(socket.socket())
+                socks[-1].bind(("127.0.0.1", port + k))
+            return port
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports on 127.0.0.1")
 
 
 def launched() -> bool:
@@ -153,12 +160,12 @@ def launched() -> bool:
     return _launched() is not None
 
 
-def run_local_ranks(n: int, backend: str, command: Sequence[str], out: TextIO = sys.stdout) -> int:
+def run_local_ranks(n: int, backend: str, command: Sequence[str], out: Optional[TextIO] = None) -> int:
     """Runs `command` as `n` ranks on this host through `mlx.launch` and returns 0 only if every
     rank exited 0 (mlx.launch itself exits 0 even when a rank failed; its output says so).
 
-    The ranks' output (stdout and stderr, progress bars included) is copied to `out` as it comes.
-    ring: ranks on 127.0.0.1 over two free ports; nccl: one rank per CUDA GPU (GPU i for rank i).
+    The ranks' output (stdout and stderr, progress bars included) is copied to `out` (default
+    stdout) as it comes. ring: ranks on 127.0.0.1 over free ports; nccl: rank i on GPU i.
 
     Args:
         n: number of ranks (>= 2).
@@ -167,16 +174,38 @@ def run_local_ranks(n: int, backend: str, command: Sequence[str], out: TextIO = 
 
     Returns:
         0, or 1 when a rank failed or the launcher did.
+
+    Raises:
+        ValueError: nccl with CUDA_VISIBLE_DEVICES set to other GPUs than 0 .. n-1 (mlx.launch
+            places rank i on GPU i and would silently ignore it).
     """
+    out = out or sys.stdout
     argv = [sys.executable, "-c", _LAUNCH, "-n", str(n), "--backend", backend]
     if backend == "ring":
-        argv += ["--starting-port", str(_free_port_pair())]
+        argv += ["--starting-port", str(_free_ports(n))]
+    elif backend == "nccl":
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        if visible and visible.replace(" ", "").split(",")[:n] != [str(i) for i in range(n)]:
+            raise ValueError(f"CUDA_VISIBLE_DEVICES={visible}: --processes puts rank i on GPU i; unset it, or run "
+                             "mlx.launch yourself to choose GPUs")
+        argv += ["--nccl-port", str(_free_ports(1))]
     env = {**os.environ, "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")}
     proc = subprocess.Popen([*argv, "--", *command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    tail, failed = b"", False
-    while chunk := proc.stdout.read1(65536) if hasattr(proc.stdout, "read1") else proc.stdout.read(4096):
-        out.write(chunk.decode("utf-8", "replace"))
-        out.flush()
-        tail = (tail + chunk)[-4096:]
-        failed = failed or any(m.encode() in tail for m in _FAILED)
+    failed = copy_and_scan(proc.stdout, out)
     return 1 if proc.wait() != 0 or failed else 0
+
+
+def copy_and_scan(stream, out: TextIO) -> bool:
+    """Copies a byte stream (anything with `read1`) to the text stream `out` as it arrives and
+    returns whether it reported a failed rank (`FAILED_RANK`). A UTF-8 character or the marker may
+    be split across reads."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    tail, failed = b"", False
+    while chunk := stream.read1(65536):
+        out.write(decoder.decode(chunk))
+        out.flush()
+        buf = tail + chunk
+        failed = failed or FAILED_RANK.search(buf) is not None
+        tail = buf[-128:]
+    out.write(decoder.decode(b"", final=True))
+    return failed
