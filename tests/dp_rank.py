@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from test_training import _synthetic_dataset, tiny_llama  # noqa: E402
 from worker.models.dflash_checkpoint import init_dflash_draft  # noqa: E402
-from worker.training.distributed import world  # noqa: E402
+from worker.training.distributed import broadcast_tree, world  # noqa: E402
 from worker.training.train import TrainConfig, Trainer  # noqa: E402
 
 
@@ -31,7 +31,6 @@ def main() -> None:
     # Each rank its own data (and its own draft seed: the run must start from rank 0's weights).
     ds = _synthetic_dataset(n=12 + 4 * rank, seed=100 + rank)
     draft = init_dflash_draft(target, num_layers=1, block_size=8, seed=5 + rank, dtype=mx.float32)
-    from worker.training.distributed import broadcast_tree
     draft.update(broadcast_tree(draft.parameters(), group))
     cfg = TrainConfig(target="", prompts=[], out="", batch_size=4, anchors=6, steps=steps, compile=False,
                       progress=False, lr=3e-3, warmup=0.0, max_minutes=minutes or None)

@@ -5,7 +5,6 @@ same weights, learning rates and stopping step, and split the data generation be
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,31 +18,16 @@ from mlx.utils import tree_flatten, tree_map
 from test_training import _synthetic_dataset, _write_prompts, tiny_llama
 from worker.models.dflash_checkpoint import init_dflash_draft, load_dflash_draft
 from worker.training.data import read_prompt_files, split_heldout
+from worker.training.distributed import _LAUNCH, _free_ports
 from worker.training.train import TrainConfig, Trainer
 
 HERE = Path(__file__).resolve().parent
-LAUNCH = "import sys; from mlx._distributed_utils.launch import main; sys.argv[0] = 'mlx.launch'; main()"
-
-
-def _free_port_pair() -> int:
-    """A port p with p and p + 1 free (the ring backend listens on one port per rank)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-                return port
-    raise RuntimeError("no free port pair")
 
 
 def _launch(*command: str, timeout: float = 240) -> subprocess.CompletedProcess:
     """Runs `command` as 2 ranks on this host (ring backend) and checks that both exited 0:
     mlx.launch itself exits 0 either way, and reports a failed rank only in its output."""
-    argv = [sys.executable, "-c", LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(_free_port_pair()),
+    argv = [sys.executable, "-c", _LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(_free_ports(2)),
             "--", sys.executable, *command]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=HERE.parent)
     out = r.stdout + r.stderr
