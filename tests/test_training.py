@@ -425,6 +425,82 @@ def test_build_dataset_caches_and_keeps_heldout_out(tmp_path, tiny_models, monke
         build_dataset(target, tokenizer, files, tmp_path / "cache", **{**kw, "max_new_tokens": 9})
 
 
+def test_user_turn_prefix_is_the_template_up_to_the_users_text(tiny_models):
+    from mlx_lm import load
+
+    from worker.training.synthetic import SyntheticPromptError, user_turn_prefix
+
+    _, tokenizer = load(str(tiny_models.llama))
+    prefix = user_turn_prefix(tokenizer)
+    full = tokenizer.apply_chat_template([{"role": "user", "content": "def add(a, b):"}], add_generation_prompt=True)
+    assert prefix == [tokenizer.convert_tokens_to_ids("<|im_start|>"), *tokenizer.encode("user\n")]
+    assert list(full[:len(prefix)]) == prefix and len(full) > len(prefix)
+
+    class NoTemplate:
+        chat_template = None
+    with pytest.raises(SyntheticPromptError, match="no chat template"):
+        user_turn_prefix(NoTemplate())
+
+    class Rewrites:  # a template that does not carry the user's text verbatim
+        chat_template = "x"
+
+        def apply_chat_template(self, messages, **kw):
+            return "<|im_start|>user\n" + messages[0]["content"].upper()
+    with pytest.raises(SyntheticPromptError, match="verbatim"):
+        user_turn_prefix(Rewrites())
+
+
+def test_target_written_prompts_are_distinct_and_end_at_a_special_token(tiny_models):
+    from mlx_lm import load
+
+    from worker.training.synthetic import write_user_prompts
+
+    target, tokenizer = load(str(tiny_models.llama))
+    texts = write_user_prompts(target, tokenizer, 12, max_tokens=10, temperature=1.5, seed=3, batch_size=5,
+                               min_chars=4)
+    assert 0 < len(texts) <= 12 and len(set(texts)) == len(texts)
+    assert all(len(t) >= 4 and t == t.strip() for t in texts)
+    special = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
+    assert not any(m in t for t in texts for m in special)
+    assert write_user_prompts(target, tokenizer, 12, max_tokens=10, temperature=1.5, seed=3, batch_size=5,
+                              min_chars=4) == texts  # seeded
+    assert write_user_prompts(target, tokenizer, 0) == []
+    with pytest.raises(ValueError, match="temperature > 0"):
+        write_user_prompts(target, tokenizer, 4, temperature=0.0)
+
+
+def test_build_dataset_adds_target_written_prompts(tmp_path, tiny_models, monkeypatch):
+    """--synthetic-prompts: the file prompts' answers are unchanged, the target's own prompts are
+    answered after them (templated like any prompt), none is held out, and the option is part of
+    the cache key only when used."""
+    from mlx_lm import load
+
+    target, tokenizer = load(str(tiny_models.llama))
+    files = _write_prompts(tmp_path)
+    kw = dict(max_new_tokens=8, heldout_per_corpus=2, heldout_fraction=0.2, log=lambda _: None)
+    plain = build_dataset(target, tokenizer, files, tmp_path / "plain", **kw)
+    more = build_dataset(target, tokenizer, files, tmp_path / "more", synthetic=8, synthetic_max_tokens=12,
+                         synthetic_temperature=1.5, **kw)
+    own = [i for i, c in enumerate(more.train.corpus) if c == "synthetic"]
+    assert own and own == list(range(len(plain.train), len(more.train)))  # after the first pass
+    assert more.train.response_ids[:len(plain.train)] == plain.train.response_ids
+    assert len(own) <= more.meta["synthetic_prompts_written"] <= 8
+    assert more.meta["corpora"]["synthetic"] == len(own)
+    im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert all(more.train.prompt_ids[i][0] == im_start and more.train.ids[i].startswith("synthetic/0/") for i in own)
+    assert more.heldout == plain.heldout
+    assert "synthetic" not in plain.meta["settings"] and more.meta["key"] != plain.meta["key"]
+
+    def no_generation(*a, **k):
+        raise AssertionError("a rerun must reuse the cache")
+    monkeypatch.setattr(data_mod, "generate_responses", no_generation)
+    again = build_dataset(target, tokenizer, files, tmp_path / "more", synthetic=8, synthetic_max_tokens=12,
+                          synthetic_temperature=1.5, **kw)
+    assert again.train.ids == more.train.ids
+    with pytest.raises(DataError, match="synthetic"):
+        build_dataset(target, tokenizer, files, tmp_path / "bad", synthetic=-1, **kw)
+
+
 def test_batched_generation_matches_one_by_one(tiny_models):
     from mlx_lm import load
 

@@ -91,7 +91,7 @@ def test_cli_train_under_mlx_launch_splits_the_data_and_writes_one_draft(tmp_pat
             "--prompts", *map(str, files), "--out", str(out), "--work-dir", str(work),
             "--max-new-tokens", "12", "--steps", "4", "--batch-size", "2", "--anchors", "4", "--block-size", "4",
             "--heldout-per-corpus", "2", "--heldout-fraction", "0.2", "--eval-max-new-tokens", "8",
-            "--gen-samples", "2", "--no-compile", "--quiet"]
+            "--gen-samples", "2", "--synthetic-prompts", "6", "--no-compile", "--quiet"]
     r = _launch(*argv)
     assert "data parallel over 2 processes" in r.stdout
 
@@ -100,8 +100,13 @@ def test_cli_train_under_mlx_launch_splits_the_data_and_writes_one_draft(tmp_pat
         meta = json.loads((work / f"data-rank{rank}of2" / "meta.json").read_text())
         assert meta["shard"] == [rank, 2]
         rows = (work / f"data-rank{rank}of2" / "train.jsonl").read_text().splitlines()
-        shards.append({json.loads(line)["id"] for line in rows})
-        assert len(shards[-1]) == meta["train_sequences"] > 0
+        ids = {json.loads(line)["id"] for line in rows}
+        assert len(ids) == meta["train_sequences"] > 0
+        # Each rank writes and answers its own share (3 of 6) of the synthetic prompts.
+        mine = {i for i in ids if i.startswith("synthetic/")}
+        assert 0 < len(mine) <= meta["synthetic_prompts_written"] <= 3
+        assert all(i.startswith(f"synthetic/{rank}/") for i in mine)
+        shards.append(ids - mine)
     train, _ = split_heldout(read_prompt_files(files), 2, 0.2)
     # Greedy pass and sampled pass alike: the two ranks split every prompt between them.
     every = {p.id for p in train} | {f"{p.id}#sample1" for p in train}
@@ -114,8 +119,10 @@ def test_cli_train_under_mlx_launch_splits_the_data_and_writes_one_draft(tmp_pat
     assert card["training"]["processes"] == 2 and card["training"]["steps"] == 4
     curve_steps = [c["step"] for c in card["training"]["curve"]]
     assert curve_steps == sorted(set(curve_steps)) and curve_steps[-1] == 4  # the last point once
-    assert card["data"]["train_sequences"] == len(shards[0]) + len(shards[1])
+    synthetic = card["data"]["corpora"]["synthetic"]
+    assert card["data"]["train_sequences"] == len(shards[0]) + len(shards[1]) + synthetic
     assert sum(card["data"]["corpora"].values()) == card["data"]["train_sequences"]
+    assert synthetic <= card["data"]["synthetic_prompts_written"] <= 6  # summed over the ranks
     state = json.loads((work / "resume" / "state.json").read_text())
     assert state["world_size"] == 2
     target, _ = load(str(tiny_models.llama))

@@ -105,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "at --gen-sample-temperature (more data from the same prompts)")
     g.add_argument("--gen-sample-temperature", type=_sample_temperature, default=0.8,
                    help="temperature of the extra answers of --gen-samples")
+    g.add_argument("--synthetic-prompts", type=_at_least(0), default=0, metavar="N",
+                   help="after the first pass, the target writes N user prompts itself (Magpie: sampled after "
+                        "its chat template's user-turn prefix) and answers them: new data beyond the prompt "
+                        "files, split over --processes; corpus 'synthetic', never held out")
+    g.add_argument("--synthetic-max-tokens", type=_at_least(1), default=128, help="cap on a synthetic prompt, tokens")
+    g.add_argument("--synthetic-temperature", type=_sample_temperature, default=1.0,
+                   help="temperature the synthetic prompts are sampled at (top-p 0.95)")
     g.add_argument("--gen-batch-size", type=_at_least(1), default=64, help="sequences the target answers at once")
     g.add_argument("--regenerate-data", action="store_true",
                    help="generate the data again even when WORK/data matches these options (e.g. after a "

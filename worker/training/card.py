@@ -35,6 +35,10 @@ def render_card(card: dict) -> str:
            if data.get("gen_samples", 1) > 1 else "") + ", up to "
         f"{data['max_new_tokens']} tokens): {data['train_tokens']} tokens, {data['response_tokens']} response tokens, "
         f"{data['ended_with_eos']} ended with EOS; per corpus {data['corpora']}",
+        *([f"- prompts written by the target itself (Magpie: sampled after its user-turn prefix): "
+           f"{data['synthetic_prompts_written']} distinct of {data['synthetic_prompts']} sampled; their answers "
+           "are the corpus 'synthetic' above"]
+          if data.get("synthetic_prompts") else []),
         f"- held out (by prompt, never trained on): {data['heldout_per_corpus']}",
         "",
         "## Training",

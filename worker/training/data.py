@@ -31,8 +31,11 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from worker.training.generation import generate_responses
+from worker.training.synthetic import write_user_prompts
 
 DATA_FORMAT = 3  # bump when the cached layout or the generation recipe changes
+SYNTHETIC_CORPUS = "synthetic"  # corpus name of the prompts the target writes itself
+SYNTHETIC_STREAM = 7919  # seeds the synthetic prompts apart from every answer pass
 
 
 class DataError(ValueError):
@@ -338,6 +341,10 @@ def dataset_key(
     samples: int,
     sample_temperature: float,
     target_fingerprint: str,
+    synthetic: int = 0,
+    synthetic_max_tokens: int = 128,
+    synthetic_temperature: float = 1.0,
+    synthetic_top_p: float = 0.95,
 ) -> tuple[str, dict]:
     """The data cache key of `build_dataset`: what decides the training sequences.
 
@@ -360,6 +367,8 @@ def dataset_key(
                     samples=samples, sample_temperature=sample_temperature if samples > 1 else None,
                     target=target_fingerprint,
                     files=[[f.name, hashlib.sha256(f.read_bytes()).hexdigest()] for f in files])
+    if synthetic:  # absent otherwise, so caches made before the option still match
+        settings["synthetic"] = [synthetic, synthetic_max_tokens, synthetic_temperature, synthetic_top_p]
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16], settings
 
 
@@ -381,6 +390,10 @@ def build_dataset(
     gen_max_seconds: Optional[float] = None,
     samples: int = 1,
     sample_temperature: float = 0.8,
+    synthetic: int = 0,
+    synthetic_max_tokens: int = 128,
+    synthetic_temperature: float = 1.0,
+    synthetic_top_p: float = 0.95,
     target_fingerprint: str = "",
     regenerate: bool = False,
     shard: tuple[int, int] = (0, 1),
@@ -410,6 +423,11 @@ def build_dataset(
             (a seed derived from seed and pass), in `sampled_pass_order` (so a time-capped pass covers other prompts
             under another seed): more sequences from the same prompts, still the target's own
             distribution. Held-out prompts are never answered.
+        synthetic: prompts the target writes itself (`synthetic.write_user_prompts`, Magpie),
+            split over the ranks, after the first pass: each rank samples its share (within a
+            third of the time left), keeps the distinct ones and answers them as the first pass
+            does. Their corpus is "synthetic"; none is held out. 0: none.
+        synthetic_max_tokens / synthetic_temperature / synthetic_top_p: how they are sampled.
         target_fingerprint: identifies the target weights (part of the key).
         regenerate: generate even when the cache matches (e.g. after a time-capped run).
         shard: (rank, world size) of data-parallel training: this process answers every
@@ -433,7 +451,9 @@ def build_dataset(
                                 max_new_tokens=max_new_tokens, heldout_per_corpus=heldout_per_corpus,
                                 heldout_fraction=heldout_fraction, temperature=temperature, top_p=top_p,
                                 seed=seed, samples=samples, sample_temperature=sample_temperature,
-                                target_fingerprint=target_fingerprint)
+                                target_fingerprint=target_fingerprint, synthetic=synthetic,
+                                synthetic_max_tokens=synthetic_max_tokens,
+                                synthetic_temperature=synthetic_temperature, synthetic_top_p=synthetic_top_p)
     meta_path, train_path, held_path = (cache_dir / n for n in ("meta.json", "train.jsonl", "heldout.jsonl"))
     if not regenerate and meta_path.is_file() and train_path.is_file() and held_path.is_file():
         meta = json.loads(meta_path.read_text())
@@ -463,12 +483,48 @@ def build_dataset(
     import time
     if samples < 1:
         raise DataError("samples must be >= 1")
+    if synthetic < 0:
+        raise DataError("synthetic must be >= 0")
     t0 = time.perf_counter()
     ds, generated = TokenDataset(), 0
     rank, world_size = shard
     if not 0 <= rank < world_size:
         raise ValueError(f"shard {shard}: need 0 <= rank < world size")
     share = len(range(rank, len(enc), world_size))  # prompts this rank answers per pass
+    my_synthetic = len(range(rank, synthetic, world_size))
+    written = 0
+
+    def add(rows: list[tuple[str, str, list[int]]], responses: list[list[int]]) -> None:
+        for (corpus, pid, ids), r in zip(rows, responses):
+            if len(r) >= 2:
+                ds.prompt_ids.append(ids)
+                ds.response_ids.append(r)
+                ds.corpus.append(corpus)
+                ds.ids.append(pid)
+
+    def answer_synthetic(left: Optional[float]) -> int:
+        """Writes this rank's synthetic prompts (a third of the time left at most), answers them at
+        `temperature`; returns the tokens generated."""
+        nonlocal written
+        start = time.perf_counter()
+        texts = write_user_prompts(model, tokenizer, my_synthetic, max_tokens=synthetic_max_tokens,
+                                   temperature=synthetic_temperature, top_p=synthetic_top_p,
+                                   seed=int(np.random.SeedSequence([seed, SYNTHETIC_STREAM, rank]).generate_state(1)[0]),
+                                   batch_size=gen_batch_size, max_seconds=None if left is None else left / 3)
+        written = len(texts)
+        log(f"data: the target wrote {len(texts)} distinct prompts of {my_synthetic} sampled "
+            f"({time.perf_counter() - start:.1f} s)")
+        bar.total += len(texts)
+        bar.refresh()
+        left = None if left is None else left - (time.perf_counter() - start)
+        rows = [(SYNTHETIC_CORPUS, f"{SYNTHETIC_CORPUS}/{rank}/{i}", encode_prompt(tokenizer, t, max_prompt_tokens))
+                for i, t in enumerate(texts)]
+        responses = generate_responses(model, [r[2] for r in rows], max_new_tokens, sorted(tokenizer.eos_token_ids),
+                                       batch_size=gen_batch_size, top_p=top_p, seed=seed, temperature=temperature,
+                                       max_seconds=left, progress=bar.update)
+        add(rows, responses)
+        return sum(len(r) for r in responses)
+
     with tqdm(total=share * samples, desc="generate", unit="answer", dynamic_ncols=True, disable=not progress) as bar:
         for k in range(samples):
             left = None if gen_max_seconds is None else gen_max_seconds - (time.perf_counter() - t0)
@@ -488,13 +544,12 @@ def build_dataset(
                                            temperature=temperature if k == 0 else sample_temperature,
                                            max_seconds=left, progress=bar.update)
             generated += sum(len(r) for r in responses)
-            for i, r in zip(order, responses):
-                p, ids = train_p[i], enc[i]
-                if len(r) >= 2:
-                    ds.prompt_ids.append(ids)
-                    ds.response_ids.append(r)
-                    ds.corpus.append(p.corpus)
-                    ds.ids.append(p.id if k == 0 else f"{p.id}#sample{k}")
+            add([(train_p[i].corpus, train_p[i].id if k == 0 else f"{train_p[i].id}#sample{k}", enc[i])
+                 for i in order], responses)
+            if k == 0 and synthetic:
+                left = None if gen_max_seconds is None else gen_max_seconds - (time.perf_counter() - t0)
+                if left is None or left > 0:
+                    generated += answer_synthetic(left)
     gen_s = time.perf_counter() - t0
     if not len(ds):
         raise DataError("the target produced no response of 2 or more tokens")
@@ -505,7 +560,8 @@ def build_dataset(
             "generation_s": round(gen_s, 1),
             "generation_stopped_by_time_limit": bool(gen_max_seconds is not None and gen_s >= gen_max_seconds),
             "generation_tokens_per_s": round(generated / max(gen_s, 1e-9), 1),
-            "corpora": {c: ds.corpus.count(c) for c in sorted(set(ds.corpus))}, "shard": list(shard)}
+            "corpora": {c: ds.corpus.count(c) for c in sorted(set(ds.corpus))}, "shard": list(shard),
+            "synthetic_prompts_written": written}
     cache_dir.mkdir(parents=True, exist_ok=True)
     ds.save(train_path)
     held_path.write_text("".join(json.dumps(h) + "\n" for h in heldout), encoding="utf-8")

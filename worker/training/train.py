@@ -51,7 +51,8 @@ from worker.models.dflash import Model, ModelArgs
 from worker.models.dflash_checkpoint import (load_dflash_draft, quantize_dflash_draft, quantized_bytes_per_param,
                                              save_dflash_draft)
 from worker.training.card import render_card, tau_line
-from worker.training.data import DataSplit, TokenDataset, build_dataset, dataset_key, epoch_batches, length_buckets
+from worker.training.data import (SYNTHETIC_CORPUS, DataSplit, TokenDataset, build_dataset, dataset_key, epoch_batches,
+                                  length_buckets)
 from worker.training.defaults import DraftSpec, choose_draft_spec, make_draft
 from worker.training.distributed import agree_sum, broadcast_tree, leave_gpu_headroom, rank_of, size_of, world
 from worker.training.evaluate import evaluate_tau
@@ -84,8 +85,10 @@ class TrainConfig:
     Data:
         max_prompts_per_file, max_prompt_tokens, max_new_tokens, heldout_per_corpus,
         heldout_fraction, gen_temperature (0: greedy), gen_top_p, gen_samples (answers per
-        training prompt; the extra ones sampled at gen_sample_temperature), gen_batch_size,
-        gen_max_minutes, regenerate_data (ignore a matching data cache).
+        training prompt; the extra ones sampled at gen_sample_temperature), synthetic_prompts
+        (prompts the target writes itself, Magpie: `data.build_dataset`), synthetic_max_tokens,
+        synthetic_temperature, gen_batch_size, gen_max_minutes, regenerate_data (ignore a
+        matching data cache).
     Training:
         batch_size (sequences per step), anchors (N per sequence), gamma (None: paper's value
         for B), lr, weight_decay, warmup (fraction of the run), min_lr_ratio (cosine floor),
@@ -129,6 +132,9 @@ class TrainConfig:
     gen_top_p: float = 1.0
     gen_samples: int = 1
     gen_sample_temperature: float = 0.8
+    synthetic_prompts: int = 0
+    synthetic_max_tokens: int = 128
+    synthetic_temperature: float = 1.0
     gen_batch_size: int = 64
     gen_max_minutes: Optional[float] = None
     regenerate_data: bool = False
@@ -643,12 +649,13 @@ def _thinned(points: list, n: int) -> list:
 
 def _data_totals(split: DataSplit, prompt_files: Sequence[str], group) -> dict:
     """The data's meta over all ranks: counts and generation rate summed, generation time the
-    ranks' mean, corpora counted per prompt file (called on every rank alike)."""
+    ranks' mean, corpora counted per prompt file and for the synthetic prompts (called on every
+    rank alike)."""
     meta = dict(split.meta)
     if group is None:
         return meta
-    stems = sorted({Path(p).stem for p in prompt_files})
-    counts = ("train_sequences", "train_tokens", "response_tokens", "ended_with_eos")
+    stems = sorted({Path(p).stem for p in prompt_files} | {SYNTHETIC_CORPUS})
+    counts = ("train_sequences", "train_tokens", "response_tokens", "ended_with_eos", "synthetic_prompts_written")
     cut = int(bool(meta.get("generation_stopped_by_time_limit")))
     summed = agree_sum([meta.get(k, 0) for k in counts] + [cut] + [meta["corpora"].get(c, 0) for c in stems],
                        group, dtype=mx.int32)
@@ -704,7 +711,8 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
                    max_new_tokens=cfg.max_new_tokens, heldout_per_corpus=cfg.heldout_per_corpus,
                    heldout_fraction=cfg.heldout_fraction, temperature=cfg.gen_temperature, top_p=cfg.gen_top_p,
                    seed=cfg.seed, samples=cfg.gen_samples, sample_temperature=cfg.gen_sample_temperature,
-                   target_fingerprint=fingerprint)
+                   synthetic=cfg.synthetic_prompts, synthetic_max_tokens=cfg.synthetic_max_tokens,
+                   synthetic_temperature=cfg.synthetic_temperature, target_fingerprint=fingerprint)
     state_dir = work / "resume"
     resuming = cfg.resume and (state_dir / "state.json").is_file()
     seen_by = agree_sum([resuming], group)[0]
@@ -831,11 +839,12 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
                   "file_mib": _file_mib(out / "model.safetensors")},
         "data": {k: data_meta.get(k) for k in ("train_sequences", "heldout_prompts", "train_tokens", "response_tokens",
                                                 "ended_with_eos", "generation_s", "generation_tokens_per_s",
-                                                "generation_stopped_by_time_limit", "corpora", "key")}
+                                                "generation_stopped_by_time_limit", "corpora", "key",
+                                                "synthetic_prompts_written")}
         | {"files": [Path(p).name for p in cfg.prompts], "max_prompts_per_file": cfg.max_prompts_per_file,
            "max_prompt_tokens": cfg.max_prompt_tokens, "max_new_tokens": cfg.max_new_tokens,
            "gen_temperature": cfg.gen_temperature, "gen_samples": cfg.gen_samples,
-           "gen_sample_temperature": cfg.gen_sample_temperature,
+           "gen_sample_temperature": cfg.gen_sample_temperature, "synthetic_prompts": cfg.synthetic_prompts,
            "heldout_per_corpus": {c: sum(1 for h in split.heldout if h["corpus"] == c)
                                   for c in sorted({h["corpus"] for h in split.heldout})}},
         "training": {"steps": result["steps"],

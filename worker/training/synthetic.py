@@ -1,0 +1,120 @@
+"""Prompts written by the target itself, for more (and more varied) draft-training data.
+
+Magpie (Xu et al. 2024, "Magpie: Alignment Data Synthesis from Scratch by Prompting Aligned LLMs
+with Nothing", arXiv 2406.08464): an instruction-tuned model given only its chat template's
+prefix of a user turn (system turn included, if the template adds one) continues it with a
+plausible user message. Sampling that prefix many times gives prompts from the target's own
+idea of its users, and the target then answers them as usual (`data.build_dataset`). A DFlash
+draft must learn the target's distribution (paper §4.2 regenerates every answer with the
+target), and the prompt files of a small deployment hold a few thousand prompts at most, so
+a draft trained over many sessions sees the same answers again and again; these prompts add
+new ones at the cost of generation time.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from worker.training.generation import generate_responses
+
+SENTINEL = "\u2063flashfleet-user-text\u2063"  # invisible separators: no template writes this itself
+
+
+class SyntheticPromptError(ValueError):
+    """The target's tokenizer cannot start a user turn (no chat template, or the template does
+    not put a user's text into the conversation verbatim)."""
+
+
+def user_turn_prefix(tokenizer) -> list[int]:
+    """Token ids of the chat template up to where a user's first message starts.
+
+    For Qwen2.5 that is the default system turn plus `<|im_start|>user\\n`; for SmolLM2 and Gemma 3
+    the same idea with their own markers.
+
+    Args:
+        tokenizer: an mlx-lm `TokenizerWrapper` or a Hugging Face tokenizer with a chat template.
+
+    Returns:
+        The prefix's token ids (non-empty; special-token markers parsed as special tokens).
+
+    Raises:
+        SyntheticPromptError: no chat template, or the rendered template does not contain the
+            user's text as given.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise SyntheticPromptError("the target's tokenizer has no chat template: a synthetic prompt needs the "
+                                   "template's user-turn prefix; give prompt files only")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False,
+                                         add_generation_prompt=False)
+    at = text.find(SENTINEL)
+    if at <= 0:
+        raise SyntheticPromptError("the target's chat template does not put the user's text into the "
+                                   "conversation verbatim; synthetic prompts are not possible with it")
+    return [int(i) for i in tokenizer.encode(text[:at], add_special_tokens=False)]
+
+
+def special_token_ids(tokenizer) -> set[int]:
+    """Ids of every special token (EOS, turn markers, tool and FIM markers...): the added tokens
+    marked special, plus `all_special_ids` and the EOS ids (a converted tokenizer's config may list
+    only a few of them as special; its added-token table still marks them)."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return ({int(i) for i, tok in added.items() if getattr(tok, "special", False)}
+            | {int(i) for i in getattr(tokenizer, "all_special_ids", [])} | {int(i) for i in tokenizer.eos_token_ids})
+
+
+def write_user_prompts(
+    model,
+    tokenizer,
+    count: int,
+    *,
+    max_tokens: int = 128,
+    temperature: float = 1.0,
+    top_p: float = 0.95,
+    seed: int = 0,
+    batch_size: int = 64,
+    min_chars: int = 16,
+    max_seconds: Optional[float] = None,
+    progress: Optional[Callable[[int], None]] = None,
+) -> list[str]:
+    """User messages sampled from the target after its template's user-turn prefix (Magpie).
+
+    A message ends at the first special token (the end of the turn, or a stray turn marker) or
+    after `max_tokens` tokens; one cut by the cap is kept as it is (it reads like a pasted
+    excerpt, and the target answers what it is given). Messages shorter than `min_chars`
+    characters after stripping, and repeats, are dropped.
+
+    Args:
+        model, tokenizer: the mlx-lm target and its tokenizer.
+        count: messages to sample (>= 0).
+        max_tokens: cap on a message's length, tokens (>= 1).
+        temperature / top_p: sampling (> 0; Magpie samples at 1.0).
+        seed: MLX random seed.
+        batch_size: messages sampled together.
+        min_chars: shortest message kept.
+        max_seconds: wall-time limit (`generate_responses`); messages not started come back
+            empty and are dropped.
+        progress: called with the number of messages of each finished batch.
+
+    Returns:
+        Distinct message texts (at most `count`), in sampling order.
+
+    Raises:
+        SyntheticPromptError: see `user_turn_prefix`.
+        ValueError: temperature <= 0 (every message would be the same) or max_tokens < 1.
+    """
+    if temperature <= 0:
+        raise ValueError("synthetic prompts need a temperature > 0: greedy decoding writes one prompt only")
+    if count <= 0:
+        return []
+    prefix = user_turn_prefix(tokenizer)
+    special = special_token_ids(tokenizer)
+    rows = generate_responses(model, [prefix] * count, max_tokens, sorted(special), batch_size=batch_size,
+                              temperature=temperature, top_p=top_p, seed=seed, max_seconds=max_seconds,
+                              progress=progress)
+    texts, seen = [], set()
+    for ids in rows:
+        cut = next((j for j, t in enumerate(ids) if t in special), len(ids))
+        text = tokenizer.decode(ids[:cut]).strip()
+        if len(text) >= min_chars and text not in seen:
+            seen.add(text)
+            texts.append(text)
+    return texts
