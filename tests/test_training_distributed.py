@@ -196,8 +196,11 @@ def test_gpu_headroom_caps_the_memory_limit_below_the_device_memory(monkeypatch)
     monkeypatch.setenv("FLASHFLEET_GPU_HEADROOM_GIB", "2")
     assert dist.leave_gpu_headroom(_Group()) == 95 * 2**30  # never above MLX's own limit
     assert dist.leave_gpu_headroom(None) is None  # one process: MLX's default stands
+    monkeypatch.setattr(dist.mx, "device_info", lambda: {"total_memory": 100 * 2**30, "free_memory": 1})  # CUDA's key
+    monkeypatch.delenv("FLASHFLEET_GPU_HEADROOM_GIB")
+    assert dist.leave_gpu_headroom(_Group()) == 88 * 2**30 and limits[-1] == 88 * 2**30
     monkeypatch.setattr(dist.mx, "default_device", lambda: mx.Device(mx.cpu))
-    assert dist.leave_gpu_headroom(_Group()) is None and len(limits) == 2
+    assert dist.leave_gpu_headroom(_Group()) is None and len(limits) == 3
 
 
 class _Chunks:

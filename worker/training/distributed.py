@@ -85,10 +85,13 @@ def leave_gpu_headroom(group: Optional[mx.distributed.Group], headroom_gib: floa
     what is really free; then a large step fails in cudaMalloc instead of MLX first releasing its
     buffer cache (seen once: out of memory at step 1,916 of a two-GPU run on H200s whose single
     GPU runs of the same settings never ran out). FLASHFLEET_GPU_HEADROOM_GIB overrides the amount.
+    The device's memory is `device_info()`'s "memory_size" on Metal, "total_memory" on CUDA (the
+    fifth H200 session found the cap never applied there while only the Metal key was read).
     """
     if group is None or mx.default_device() != mx.gpu:
         return None
-    size = mx.device_info().get("memory_size")
+    info = mx.device_info()
+    size = info.get("memory_size") or info.get("total_memory")  # Metal's key, CUDA's key
     if not size:
         return None
     headroom = float(os.environ.get("FLASHFLEET_GPU_HEADROOM_GIB", headroom_gib))

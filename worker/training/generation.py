@@ -167,4 +167,8 @@ def generate_responses(
     # shapes. In that run the first 10 training steps took 147 s, against 1.8 s in an earlier run
     # with a capped cache; that the cache caused it is a guess, not yet checked on the GPU.
     mx.clear_cache()
+    # On MLX's CUDA build (0.32.4, H200), after a call of 8 new tokens the next call's first small
+    # array failed with "cudaMemcpy ... invalid argument", every time; waiting for the device after
+    # clear_cache fixed it, waiting before did not.
+    mx.synchronize()
     return out
