@@ -217,6 +217,35 @@ def test_adaptive_policy_keeps_greedy_output(pair):
     assert {s.drafted + 1 for s in steps[1:]} >= {1, 2, 16}  # explored plain and several sizes
 
 
+def test_policy_costs_come_from_cycles_run_as_usual(pair):
+    """The cost model sees plain steps and speculative cycles with their draft queued ahead; a
+    cycle timed apart for the metrics (an extra sync, no draft queued) runs slower than those
+    and must not be fed (on the H200 it made the policy prefer plain decoding at tau 2.3)."""
+    target, draft, ref = pair
+    seen = []
+
+    script = [(16, False), (16, True), (4, False), (1, True), (8, True), (16, False)]
+
+    class Scripted(AdaptiveBlockPolicy):  # fixed choices: what is fed must not depend on timing
+        def next_block_size(self):
+            self.last = script[len(seen) % len(script)]
+            return self.last
+
+        def observe(self, block_size, drafted, accepted, seconds):
+            seen.append((block_size, self.last[1], seconds))
+            super().observe(block_size, drafted, accepted, seconds)
+
+    policy = Scripted(16)
+    steps, out = _run(target, draft, 16, policy=policy)
+    assert_greedy_equal(out, ref, target)
+    timed_apart = [sec for bs, timed, sec in seen if bs > 1 and timed]
+    as_usual = [sec for bs, timed, sec in seen if bs == 1 or not timed]
+    assert timed_apart and all(sec is None for sec in timed_apart)
+    assert as_usual and all(sec is not None and sec > 0 for sec in as_usual)
+    assert any(bs > 1 for bs, timed, _ in seen if not timed)  # speculative cycles were measured too
+    assert any(s.draft_s > 0 for s in steps[1:])  # and the metrics still get the split times
+
+
 def test_seeded_sampling_reproducible_and_target_chosen(pair):
     """At T > 0 every committed token is the target's own sample at its position."""
     target, draft, ref = pair

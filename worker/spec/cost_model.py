@@ -165,26 +165,40 @@ class CostModel:
         return Decision(best, best_r, plain, a)
 
 
+# The policy's acceptance window (~20 cycles) and plain-mode probe interval (8 steps), chosen by
+# simulating the fifth H200 session's costs (plain step 5.57 ms, cycles 9.0-9.8 ms for B = 2-16)
+# with geometric acceptance p (tests/test_cost_model.py keeps the simulation). At p = 0.565
+# (tau 2.3; fixed B = 16 runs at 235 tok/s, plain at 180) the old window of 10 cycles with a probe
+# every 32 plain steps reached 186 tok/s: a noisy dip sends it to plain and rare probes bring it
+# back slowly. These reach 221; they cost 3% when the draft is useless (p = 0.2: 171 against 177)
+# and react to a collapse of acceptance (0.9 -> 0) after about 40 cycles instead of 17.
+POLICY_ACCEPTANCE_DECAY = 0.95
+
+
 class AdaptiveBlockPolicy:
     """Schedule around `CostModel`: which block size to run next and whether to time it.
 
-    Timing a speculative cycle costs one extra host sync (draft and verify are timed apart), so
-    only some cycles are timed: while a candidate size has fewer than `min_samples` kept
-    measurements it is explored (largest first; plain steps are timed for free), afterwards the
-    chosen size is timed every `time_every` cycles and one other candidate every `explore_every`
-    cycles. While decoding plainly, a timed speculative probe runs every `probe_every` steps so
-    the acceptance estimate stays current.
+    Costs come from each cycle's own wall time as it normally runs: a plain step, or a
+    speculative cycle whose draft was queued before the previous Step was handed out (one host
+    sync). A "timed" cycle is timed apart (draft and verify, an extra sync, no draft queued
+    ahead) for the metrics only: it runs slower than the cycles the model predicts, so its time
+    is not fed to the model (the first H200 runs fed it, and the policy then chose plain decoding
+    with a draft that beat it by 1.3x). While a candidate size has fewer than `min_samples`
+    kept measurements it is explored (largest first), afterwards the chosen size is timed apart
+    every `time_every` cycles and one other candidate is run every `explore_every` cycles. While
+    decoding plainly, a speculative probe runs every `probe_every` steps so the acceptance
+    estimate stays current.
 
     Args:
         max_block_size: the draft's block size (trained B); larger blocks are never tried.
         candidates: block sizes to choose from, default (1, 2, 4, 8, 16) capped at the maximum,
             plus the maximum itself. 1 (plain) is always included.
-        model: the CostModel (a fresh one by default).
+        model: the CostModel (default: a fresh one with decay `POLICY_ACCEPTANCE_DECAY`).
 
     Usage:
         bs, timed = policy.next_block_size()
-        ... run a cycle at bs (time it when `timed`) ...
-        policy.observe(bs, drafted, accepted, seconds if timed else None)
+        ... run a cycle at bs (draft and verify timed apart when `timed`) ...
+        policy.observe(bs, drafted, accepted, None if timed else cycle_seconds)
     """
 
     def __init__(
@@ -196,13 +210,13 @@ class AdaptiveBlockPolicy:
         min_samples: int = 2,
         time_every: int = 8,
         explore_every: int = 64,
-        probe_every: int = 32,
+        probe_every: int = 8,
     ):
         if max_block_size < 1:
             raise ValueError("max_block_size must be >= 1")
         base = candidates if candidates is not None else (2, 4, 8, 16)
         self.candidates = sorted({1, max_block_size, *(b for b in base if 1 <= b <= max_block_size)})
-        self.model = model or CostModel()
+        self.model = model or CostModel(decay=POLICY_ACCEPTANCE_DECAY)
         self.min_samples = min_samples
         self.time_every = max(1, time_every)
         self.explore_every = max(1, explore_every)
@@ -213,29 +227,31 @@ class AdaptiveBlockPolicy:
         self.decision = self.model.decide(self.candidates)
 
     def next_block_size(self) -> tuple[int, bool]:
-        """(block size for the next cycle, whether to time it)."""
+        """(block size for the next cycle, whether to time its draft and verify apart)."""
         m = self.model
         if len(self.candidates) == 1:
             return 1, True
         for b in reversed(self.candidates):  # explore: every size needs measurements
             if m.samples(b) < self.min_samples:
-                return b, True
+                return b, b == 1
         self.decision = d = m.decide(self.candidates)
         if d.block_size == 1:
             if self._plain_run >= self.probe_every:
                 spec = [b for b in self.candidates if b > 1]
                 best = max(spec, key=lambda b: m.throughput(b) or 0.0)
                 self._plain_run = 0
-                return best, True
+                return best, False
             return 1, True
         if self._cycles % self.explore_every == self.explore_every - 1:
             others = [b for b in self.candidates if b != d.block_size]
             self._explore_idx = (self._explore_idx + 1) % len(others)
-            return others[self._explore_idx], True
+            b = others[self._explore_idx]
+            return b, b == 1
         return d.block_size, self._cycles % self.time_every == 0
 
     def observe(self, block_size: int, drafted: int, accepted: int, seconds: Optional[float]) -> None:
-        """Feeds one cycle: drafted/accepted counts, and its wall time when it was timed."""
+        """Feeds one cycle: drafted/accepted counts, and its wall time as it normally runs
+        (None for a cycle timed apart, or when unknown)."""
         self._cycles += 1
         self._plain_run = self._plain_run + 1 if drafted == 0 else 0
         self.model.observe_cycle(drafted, accepted)

@@ -30,7 +30,9 @@ instead of being concatenated with the context in every layer. Both caches are `
 multi-token attention keeps one key length per 256 positions, because MLX's CUDA backend compiles
 that kernel for every new length (H200: ~65 ms each; a DFlash cycle fell from 116 ms to 13 ms with
 draft 1.9 ms + verify 7.1 ms measured alone). Timing a cycle's draft and verify apart costs a
-second sync and is done only on cycles chosen by `time_every` or the policy.
+second sync and is done only on cycles chosen by `time_every` or the policy (for metrics); the
+policy's cost model gets the untimed cycles' own wall time instead (one sync, the draft queued
+ahead, as the cycles it predicts run).
 """
 from __future__ import annotations
 
@@ -106,7 +108,8 @@ def dflash_generate(
         block_size: B, tokens per block (last token + B-1 drafts); default the draft's. 1 means
             plain decoding through the same loop.
         policy: optional adaptive block-size policy (`AdaptiveBlockPolicy`); it picks each
-            cycle's block size (<= B), including 1 (plain steps) when speculation does not pay.
+            cycle's block size (<= B), including 1 (plain steps) when speculation does not pay,
+            from the wall time of plain steps and untimed speculative cycles.
         time_every: without a policy, time draft and verify apart on every n-th cycle
             (0 = never; untimed cycles report draft_s = verify_s = 0). Plain steps (bs = 1) are
             always timed (verify_s), at no extra cost.
@@ -157,6 +160,7 @@ def dflash_generate(
     n_seq = len(prompt_tokens)  # committed sequence length; the target cache holds n_seq - 1
     pending: list = []  # target taps not yet injected into the draft context
     next_d = None  # the next cycle's draft tokens, queued before the previous Step is yielded
+    cycle_s = None  # wall time of the last cycle as it normally runs (None: timed apart)
 
     def prefill():
         # All but the last prompt token in chunks (as plain decoding does, for identical numerics),
@@ -179,12 +183,12 @@ def dflash_generate(
         return Step(tok.tolist())
 
     def plain_step(b: int) -> Step:
-        nonlocal pending
+        nonlocal pending, cycle_s
         t0 = time.perf_counter()
         logits, taps = verify(mx.array([[b]], dtype=mx.uint32))
         tok = sampler(logits[0])
         mx.eval(tok, taps)
-        verify_s = time.perf_counter() - t0
+        verify_s = cycle_s = time.perf_counter() - t0
         pending.append(taps)
         if len(pending) >= _FLUSH_PENDING:
             draft.extend_context(mx.concatenate(pending, axis=1), dc)
@@ -192,7 +196,7 @@ def dflash_generate(
         return Step(tok.tolist(), verify_s=verify_s)
 
     def spec_cycle(b: int, bs: int, timed: bool) -> Step:
-        nonlocal pending, next_d
+        nonlocal pending, next_d, cycle_s
         t0 = time.perf_counter()
         d = next_d if next_d is not None else launch_draft(b, bs, pending)
         next_d, pending = None, []
@@ -203,6 +207,7 @@ def dflash_generate(
         tok = sampler(logits[0])
         mx.eval(tok, d, taps)  # the one host sync of the cycle
         t2 = time.perf_counter()
+        cycle_s = None if timed else t2 - t0
         dl, tl = d.tolist(), tok.tolist()
         k = bs - 1
         j = 0
@@ -236,8 +241,7 @@ def dflash_generate(
             n_gen += len(commit)
             b = commit[-1]
             if policy is not None and cycle >= 0:
-                policy.observe(bs, step.drafted, step.accepted,
-                               step.draft_s + step.verify_s if bs == 1 or timed else None)
+                policy.observe(bs, step.drafted, step.accepted, cycle_s)
             cycle += 1
             done = stop or n_gen >= max_tokens
             if not done:
