@@ -151,3 +151,16 @@ def test_policy_speculates_when_a_middling_draft_pays(accept_p, most):
         plain_share.append(chosen[-400:].count(1) / 400)
     mean = sum(plain_share) / len(plain_share)
     assert mean < 0.3 if most == "speculative" else mean > 0.75
+
+
+def test_policy_never_times_apart_with_time_every_zero():
+    """time_every=0 (the worker without spec_timing_sync): every speculative cycle runs with its
+    draft queued ahead; only plain steps (timed for free) say timed."""
+    rng = random.Random(1)
+    p = AdaptiveBlockPolicy(16, time_every=0)
+    for _ in range(200):
+        bs, timed = p.next_block_size()
+        assert timed == (bs == 1)
+        k = bs - 1
+        j = next((i for i in range(k) if rng.random() > 0.8), k)
+        p.observe(bs, k, j, H200_COST_MS[bs] * MS)

@@ -246,6 +246,31 @@ def test_policy_costs_come_from_cycles_run_as_usual(pair):
     assert any(s.draft_s > 0 for s in steps[1:])  # and the metrics still get the split times
 
 
+def test_policy_skips_cycles_that_grow_a_cache_bucket(pair, monkeypatch):
+    """A cycle whose verify opens a new cache bucket compiles new attention kernels on CUDA
+    (~65 ms against ~10 ms cycles): its time must not reach the cost model."""
+    target, draft, ref = pair
+    monkeypatch.setattr(PaddedKVCache, "step", 8)  # a new bucket every 8 positions
+    tc = make_target_cache(target)
+    seen = []
+
+    class Recording(AdaptiveBlockPolicy):
+        def next_block_size(self):  # called before each cycle runs
+            self.size_before = tc[0].keys.shape[2]
+            return super().next_block_size()
+
+        def observe(self, block_size, drafted, accepted, seconds):
+            seen.append((self.size_before != tc[0].keys.shape[2], seconds))
+            super().observe(block_size, drafted, accepted, seconds)
+
+    steps, out = _run(target, draft, 16, policy=Recording(16, time_every=1000), target_cache=tc)
+    assert_greedy_equal(out, ref, target)
+    grew = [sec for g, sec in seen if g]
+    same = [sec for g, sec in seen if not g]
+    assert grew and all(sec is None for sec in grew)
+    assert any(sec is not None for sec in same)
+
+
 def test_seeded_sampling_reproducible_and_target_chosen(pair):
     """At T > 0 every committed token is the target's own sample at its position."""
     target, draft, ref = pair

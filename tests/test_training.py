@@ -501,6 +501,40 @@ def test_build_dataset_adds_target_written_prompts(tmp_path, tiny_models, monkey
         build_dataset(target, tokenizer, files, tmp_path / "bad", synthetic=-1, **kw)
 
 
+def test_synthetic_prompts_fail_early_and_never_repeat_a_prompt_file(tmp_path, tiny_models, monkeypatch):
+    """Problems with --synthetic-prompts are DataErrors before any generation; a written prompt
+    that equals a prompt of the files (held-out ones above all) is dropped, not trained on."""
+    from mlx_lm import load
+
+    target, tokenizer = load(str(tiny_models.llama))
+    files = _write_prompts(tmp_path)
+    kw = dict(max_new_tokens=6, heldout_per_corpus=2, heldout_fraction=0.2, log=lambda _: None)
+
+    def no_generation(*a, **k):
+        raise AssertionError("must fail before generating")
+    with monkeypatch.context() as m:
+        m.setattr(data_mod, "generate_responses", no_generation)
+        m.setattr(tokenizer._tokenizer, "chat_template", None)
+        with pytest.raises(DataError, match="no chat template"):
+            build_dataset(target, tokenizer, files, tmp_path / "a", synthetic=4, **kw)
+    clash = tmp_path / "synthetic.txt"
+    clash.write_text("hello there, what is this\n")
+    with monkeypatch.context() as m:
+        m.setattr(data_mod, "generate_responses", no_generation)
+        with pytest.raises(DataError, match="rename it"):
+            build_dataset(target, tokenizer, [*files, clash], tmp_path / "b", synthetic=4, **kw)
+        with pytest.raises(DataError, match="temperature"):
+            build_dataset(target, tokenizer, files, tmp_path / "c", synthetic=4, synthetic_temperature=0.0, **kw)
+
+    held = split_heldout(read_prompt_files(files), 2, 0.2)[1]
+    written = [held[0].text, "  " + held[1].text.replace(" ", "  "), "A brand new question about lists?"]
+    monkeypatch.setattr(data_mod, "write_user_prompts", lambda *a, **k: list(written))
+    split = build_dataset(target, tokenizer, files, tmp_path / "d", synthetic=3, **kw)
+    own = [p for p, c in zip(split.train.prompt_ids, split.train.corpus) if c == "synthetic"]
+    assert split.meta["synthetic_prompts_written"] == 1 and len(own) <= 1
+    assert {tuple(h["prompt_ids"]) for h in split.heldout}.isdisjoint(map(tuple, split.train.prompt_ids))
+
+
 def test_batched_generation_matches_one_by_one(tiny_models):
     from mlx_lm import load
 

@@ -72,7 +72,9 @@ def start_plain(m: LoadedModels, cfg: EngineConfig, req: GenerationRequest, samp
 def start_dflash(m: LoadedModels, cfg: EngineConfig, req: GenerationRequest, sampler: Sampler):
     """DFlash block-diffusion speculative decoding (`worker.spec.dflash`)."""
     cache, draft_cache = make_target_cache(m.target), m.draft.make_cache()
-    policy = (AdaptiveBlockPolicy(cfg.block_size or m.draft.block_size)
+    # Cycles timed apart only feed the metrics' draft/verify split, and cost a sync: only with
+    # spec_timing_sync (the policy learns from the other cycles).
+    policy = (AdaptiveBlockPolicy(cfg.block_size or m.draft.block_size, time_every=8 if cfg.spec_timing_sync else 0)
               if cfg.adaptive_block_size else None)
     steps = dflash_generate(
         list(req.prompt_tokens), req.max_tokens, sampler, m.eos_ids, target=m.target,

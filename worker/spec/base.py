@@ -72,3 +72,22 @@ def accept_prefix(drafted: Sequence[int], chosen: Sequence[int],
         if token in eos_ids:
             return n, committed[: i + 1]
     return n, committed
+
+
+def release_buffer_cache(stream=None) -> None:
+    """Hands MLX's cached buffers back (`mx.clear_cache`), then waits for the device.
+
+    Why the wait: on MLX's CUDA build (0.32.4, H200) an array made from host data right after
+    `clear_cache` failed with "cudaMemcpy ... invalid argument" (training-data generation: every
+    second call of `generate_responses` failed); waiting after the clear fixed it, waiting before
+    did not. The decode loops make such arrays every cycle (the last token as input) and clear
+    every 256 tokens, so they wait too: one device sync per clear. Harmless on Metal and CPU.
+
+    Args:
+        stream: the stream the caller's work runs on (waited for as well as the default one).
+    """
+    mx.clear_cache()
+    mx.synchronize()
+    if stream is not None:
+        mx.synchronize(stream)
+

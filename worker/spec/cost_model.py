@@ -194,6 +194,11 @@ class AdaptiveBlockPolicy:
         candidates: block sizes to choose from, default (1, 2, 4, 8, 16) capped at the maximum,
             plus the maximum itself. 1 (plain) is always included.
         model: the CostModel (default: a fresh one with decay `POLICY_ACCEPTANCE_DECAY`).
+        min_samples: kept cost measurements per size before exploring stops.
+        time_every: time the chosen size's draft and verify apart every n-th cycle (for the
+            metrics; 0: never, the worker's default without `spec_timing_sync`).
+        explore_every: run one other candidate every n-th cycle, to keep its cost current.
+        probe_every: while decoding plainly, one speculative cycle every n plain steps.
 
     Usage:
         bs, timed = policy.next_block_size()
@@ -218,7 +223,7 @@ class AdaptiveBlockPolicy:
         self.candidates = sorted({1, max_block_size, *(b for b in base if 1 <= b <= max_block_size)})
         self.model = model or CostModel(decay=POLICY_ACCEPTANCE_DECAY)
         self.min_samples = min_samples
-        self.time_every = max(1, time_every)
+        self.time_every = max(0, time_every)
         self.explore_every = max(1, explore_every)
         self.probe_every = max(1, probe_every)
         self._cycles = 0
@@ -247,7 +252,7 @@ class AdaptiveBlockPolicy:
             self._explore_idx = (self._explore_idx + 1) % len(others)
             b = others[self._explore_idx]
             return b, b == 1
-        return d.block_size, self._cycles % self.time_every == 0
+        return d.block_size, self.time_every > 0 and self._cycles % self.time_every == 0
 
     def observe(self, block_size: int, drafted: int, accepted: int, seconds: Optional[float]) -> None:
         """Feeds one cycle: drafted/accepted counts, and its wall time as it normally runs

@@ -44,7 +44,7 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-from worker.spec.base import Sampler, Step, accept_prefix
+from worker.spec.base import Sampler, Step, accept_prefix, release_buffer_cache
 from worker.spec.dflash import make_target_cache
 from worker.spec.plain import CLEAR_CACHE_EVERY_TOKENS, prefill_steps
 from worker.spec.translation import (
@@ -270,7 +270,7 @@ def generate(
                            draft_tokens=k, translate_s=translate_s, resync_tokens=resync)
             y = mx.array(committed[-1:], mx.uint32)
             if ntoks // CLEAR_CACHE_EVERY_TOKENS != (ntoks - c) // CLEAR_CACHE_EVERY_TOKENS:
-                mx.clear_cache()
+                release_buffer_cache(stream)
             yield step
             if committed[-1] in eos_ids or ntoks >= max_tokens:
                 return

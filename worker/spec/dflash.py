@@ -46,7 +46,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from worker.capture import HiddenCapture
 from worker.models.dflash import PaddedKVCache
-from worker.spec.base import Sampler, Step
+from worker.spec.base import Sampler, Step, release_buffer_cache
 from worker.spec.cost_model import AdaptiveBlockPolicy
 from worker.spec.plain import CLEAR_CACHE_EVERY_TOKENS
 
@@ -160,7 +160,13 @@ def dflash_generate(
     n_seq = len(prompt_tokens)  # committed sequence length; the target cache holds n_seq - 1
     pending: list = []  # target taps not yet injected into the draft context
     next_d = None  # the next cycle's draft tokens, queued before the previous Step is yielded
-    cycle_s = None  # wall time of the last cycle as it normally runs (None: timed apart)
+    cycle_s = None  # wall time of the last cycle as it normally runs (None: not comparable)
+    prefetch_s = 0.0  # host time spent queueing the next cycle's draft before the yield
+
+    def buffer_sizes() -> tuple:
+        # A cycle that grows a cache buffer (a new 256-position bucket) compiles new attention
+        # kernels on CUDA (~65 ms): not a cost the policy should plan with.
+        return tuple(c.keys.shape[2] if getattr(c, "keys", None) is not None else 0 for c in (tc[0], dc[0]))
 
     def prefill():
         # All but the last prompt token in chunks (as plain decoding does, for identical numerics),
@@ -172,7 +178,7 @@ def dflash_generate(
                 _, taps = verify(prompt[None, s: min(s + prefill_step_tokens, n_seq - 1)])
                 draft.extend_context(taps, dc)
                 mx.eval([c.state for c in tc], [c.state for c in dc])
-            mx.clear_cache()
+            release_buffer_cache(stream)
             if s + prefill_step_tokens < n_seq - 1:  # more chunks to go
                 yield Step([])
         with mx.stream(stream):
@@ -207,7 +213,7 @@ def dflash_generate(
         tok = sampler(logits[0])
         mx.eval(tok, d, taps)  # the one host sync of the cycle
         t2 = time.perf_counter()
-        cycle_s = None if timed else t2 - t0
+        cycle_s = None if timed else t2 - t0 + prefetch_s
         dl, tl = d.tolist(), tok.tolist()
         k = bs - 1
         j = 0
@@ -253,16 +259,23 @@ def dflash_generate(
                 # length compiles new attention kernels, and a few extra verified positions cost
                 # nothing there; tokens past max_tokens are cut below.
                 bs = min(bs, _next_pow2(max_tokens - n_gen))
+                prefetch_s = 0.0
                 if bs > 1 and not timed:  # the device drafts while the caller handles the Step
+                    t_pre = time.perf_counter()
                     with mx.stream(stream):
                         prefetch(b, bs)
+                    prefetch_s = time.perf_counter() - t_pre
             yield step
             if done:
                 return
-            if n_gen // CLEAR_CACHE_EVERY_TOKENS != (n_gen - len(commit)) // CLEAR_CACHE_EVERY_TOKENS:
-                mx.clear_cache()
+            cleared = n_gen // CLEAR_CACHE_EVERY_TOKENS != (n_gen - len(commit)) // CLEAR_CACHE_EVERY_TOKENS
+            if cleared:
+                release_buffer_cache(stream)
+            sizes = buffer_sizes() if policy is not None else None
             with mx.stream(stream):
                 step = plain_step(b) if bs == 1 else spec_cycle(b, bs, timed)
+            if policy is not None and (cleared or buffer_sizes() != sizes):
+                cycle_s = None  # a kernel compile or a device sync inside it: not a usual cycle
     finally:
         # Roll back to the committed sequence: the target keeps n_seq - 1 positions, the draft at
         # most that many (an interrupted cycle may have left rejected or block positions).

@@ -25,7 +25,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from worker.sampling import greedy
-from worker.spec.base import Sampler, Step, accept_prefix
+from worker.spec.base import Sampler, Step, accept_prefix, release_buffer_cache
 from worker.spec.plain import CLEAR_CACHE_EVERY_TOKENS, prefill_steps
 
 
@@ -145,7 +145,7 @@ def generate(
                 yield step
                 return
             if ntoks // CLEAR_CACHE_EVERY_TOKENS != (ntoks - c) // CLEAR_CACHE_EVERY_TOKENS:
-                mx.clear_cache()
+                release_buffer_cache(stream)
             # Tokens the draft has not processed yet: on full acceptance its own last proposal,
             # then the bonus token. (k >= 1 here: k == 0 only in the cycle that reaches max_tokens.)
             pending = [drafted[-1], committed[-1]] if c == k + 1 else [committed[-1]]

@@ -13,7 +13,7 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
-from worker.spec.base import Sampler, Step
+from worker.spec.base import Sampler, Step, release_buffer_cache
 
 CLEAR_CACHE_EVERY_TOKENS = 256  # return freed buffers to the allocator this often, as mlx-lm does
 
@@ -21,7 +21,7 @@ CLEAR_CACHE_EVERY_TOKENS = 256  # return freed buffers to the allocator this oft
 def prefill(model: nn.Module, cache: list[Any], tokens: mx.array, step_tokens: int) -> mx.array:
     """Feeds all prompt tokens but the last to the model, `step_tokens` at a time.
 
-    Evaluates the cache state and calls `mx.clear_cache()` after each chunk, as mlx-lm does, so
+    Evaluates the cache state and frees MLX's buffer cache after each chunk, as mlx-lm does, so
     peak memory stays at one chunk's activations. Call it inside `with mx.stream(...)`.
 
     Args:
@@ -38,7 +38,7 @@ def prefill(model: nn.Module, cache: list[Any], tokens: mx.array, step_tokens: i
         model(tokens[:n][None], cache=cache)
         mx.eval([c.state for c in cache])
         tokens = tokens[n:]
-        mx.clear_cache()
+        release_buffer_cache()
     return tokens
 
 
@@ -58,7 +58,7 @@ def prefill_steps(model: nn.Module, cache: list[Any], tokens: mx.array, step_tok
             model(tokens[:n][None], cache=cache)
             mx.eval([c.state for c in cache])
         tokens = tokens[n:]
-        mx.clear_cache()
+        release_buffer_cache(stream)
         if tokens.size > 1:
             yield Step([])
     return tokens
@@ -124,5 +124,5 @@ def generate(
         if token in eos_ids or n == max_tokens:
             return
         if n % CLEAR_CACHE_EVERY_TOKENS == 0:
-            mx.clear_cache()
+            release_buffer_cache(stream)
         y = next_y

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from worker.training.generation import generate_responses
-from worker.training.synthetic import write_user_prompts
+from worker.training.synthetic import SyntheticPromptError, user_turn_prefix, write_user_prompts
 
 DATA_FORMAT = 3  # bump when the cached layout or the generation recipe changes
 SYNTHETIC_CORPUS = "synthetic"  # corpus name of the prompts the target writes itself
@@ -469,6 +469,17 @@ def build_dataset(
     for f in files:
         if not any(p.corpus == f.stem for p in prompts):
             log(f"data: {f} holds no prompts; skipped")
+    if synthetic:  # fail now, not after the first pass
+        if any(f.stem == SYNTHETIC_CORPUS for f in files):
+            raise DataError(f"a prompt file named {SYNTHETIC_CORPUS}.* would merge with the prompts the target "
+                            "writes (--synthetic-prompts); rename it")
+        if synthetic_temperature <= 0:
+            raise DataError("synthetic prompts need a temperature > 0 (--synthetic-temperature)")
+        try:
+            user_turn_prefix(tokenizer)
+        except SyntheticPromptError as e:
+            raise DataError(f"--synthetic-prompts: {e}") from None
+    known_texts = {" ".join(p.text.split()) for p in prompts}  # a synthetic prompt must not repeat one
     train_p, held_p = split_heldout(prompts, heldout_per_corpus, heldout_fraction)
     train_p = interleave_by_corpus(train_p)  # a time-capped generation still covers every corpus
     if not train_p:
@@ -511,16 +522,20 @@ def build_dataset(
                                    temperature=synthetic_temperature, top_p=synthetic_top_p,
                                    seed=int(np.random.SeedSequence([seed, SYNTHETIC_STREAM, rank]).generate_state(1)[0]),
                                    batch_size=gen_batch_size, max_seconds=None if left is None else left / 3)
-        written = len(texts)
-        log(f"data: the target wrote {len(texts)} distinct prompts of {my_synthetic} sampled "
-            f"({time.perf_counter() - start:.1f} s)")
+        new = [t for t in texts if " ".join(t.split()) not in known_texts]  # held-out ones above all
+        written = len(new)
+        log(f"data: the target wrote {len(new)} distinct new prompts of {my_synthetic} sampled "
+            f"({len(texts) - len(new)} repeated a prompt file's; {time.perf_counter() - start:.1f} s)")
+        texts = new
         bar.total += len(texts)
         bar.refresh()
         left = None if left is None else left - (time.perf_counter() - start)
         rows = [(SYNTHETIC_CORPUS, f"{SYNTHETIC_CORPUS}/{rank}/{i}", encode_prompt(tokenizer, t, max_prompt_tokens))
                 for i, t in enumerate(texts)]
+        noise = seed if world_size == 1 else int(np.random.SeedSequence([seed, SYNTHETIC_STREAM, rank, 1])
+                                                 .generate_state(1)[0])
         responses = generate_responses(model, [r[2] for r in rows], max_new_tokens, sorted(tokenizer.eos_token_ids),
-                                       batch_size=gen_batch_size, top_p=top_p, seed=seed, temperature=temperature,
+                                       batch_size=gen_batch_size, top_p=top_p, seed=noise, temperature=temperature,
                                        max_seconds=left, progress=bar.update)
         add(rows, responses)
         return sum(len(r) for r in responses)
@@ -550,6 +565,8 @@ def build_dataset(
                 left = None if gen_max_seconds is None else gen_max_seconds - (time.perf_counter() - t0)
                 if left is None or left > 0:
                     generated += answer_synthetic(left)
+                else:
+                    log("data: no generation time left for synthetic prompts after the first pass")
     gen_s = time.perf_counter() - t0
     if not len(ds):
         raise DataError("the target produced no response of 2 or more tokens")

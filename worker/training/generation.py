@@ -20,6 +20,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional, Sequence
 
+from worker.spec.base import release_buffer_cache
+
 SYNC_EVERY = 16  # decode steps between checks of "every row has ended" and of the time limit
 COMPACT_AT = 0.5  # drop the ended rows once this fraction of the rows still decoding has ended
 
@@ -166,9 +168,5 @@ def generate_responses(
     # in use during batch-1024 generation on the H200), and the training that follows needs other
     # shapes. In that run the first 10 training steps took 147 s, against 1.8 s in an earlier run
     # with a capped cache; that the cache caused it is a guess, not yet checked on the GPU.
-    mx.clear_cache()
-    # On MLX's CUDA build (0.32.4, H200), after a call of 8 new tokens the next call's first small
-    # array failed with "cudaMemcpy ... invalid argument", every time; waiting for the device after
-    # clear_cache fixed it, waiting before did not.
-    mx.synchronize()
+    release_buffer_cache()  # clears, then waits: without the wait the next call failed on CUDA
     return out

@@ -46,16 +46,20 @@ def user_turn_prefix(tokenizer) -> list[int]:
     text = tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False,
                                          add_generation_prompt=False)
     at = text.find(SENTINEL)
-    if at <= 0:
+    if at < 0:
         raise SyntheticPromptError("the target's chat template does not put the user's text into the "
                                    "conversation verbatim; synthetic prompts are not possible with it")
+    if at == 0:
+        raise SyntheticPromptError("the target's chat template puts nothing before a user's text: there is no "
+                                   "user-turn prefix to sample prompts after")
     return [int(i) for i in tokenizer.encode(text[:at], add_special_tokens=False)]
 
 
 def special_token_ids(tokenizer) -> set[int]:
-    """Ids of every special token (EOS, turn markers, tool and FIM markers...): the added tokens
-    marked special, plus `all_special_ids` and the EOS ids (a converted tokenizer's config may list
-    only a few of them as special; its added-token table still marks them)."""
+    """Ids of the special tokens (EOS, turn markers, ...): the added tokens marked special, plus
+    `all_special_ids` and the EOS ids (a converted tokenizer's config may list only a few of them
+    as special; its added-token table still marks them). Added tokens not marked special (Qwen's
+    tool-call tags, for one) are left in a prompt's text."""
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
     return ({int(i) for i, tok in added.items() if getattr(tok, "special", False)}
             | {int(i) for i in getattr(tokenizer, "all_special_ids", [])} | {int(i) for i in tokenizer.eos_token_ids})
@@ -79,8 +83,9 @@ def write_user_prompts(
 
     A message ends at the first special token (the end of the turn, or a stray turn marker) or
     after `max_tokens` tokens; one cut by the cap is kept as it is (it reads like a pasted
-    excerpt, and the target answers what it is given). Messages shorter than `min_chars`
-    characters after stripping, and repeats, are dropped.
+    excerpt, and the target answers what it is given), less a character the cap split. Messages
+    shorter than `min_chars` characters after stripping, and repeats, are dropped. The messages
+    depend on `seed`: a later run with the same seed writes the same ones.
 
     Args:
         model, tokenizer: the mlx-lm target and its tokenizer.
@@ -113,7 +118,7 @@ def write_user_prompts(
     texts, seen = [], set()
     for ids in rows:
         cut = next((j for j, t in enumerate(ids) if t in special), len(ids))
-        text = tokenizer.decode(ids[:cut]).strip()
+        text = tokenizer.decode(ids[:cut]).rstrip("\ufffd").strip()  # a cap can split a character
         if len(text) >= min_chars and text not in seen:
             seen.add(text)
             texts.append(text)
