@@ -31,6 +31,8 @@ class EngineConfig:
             `max_position_embeddings` from config.json.
         spec_timing_sync: when True, speculative cycles sync the host after drafting so draft_s and
             verify_s are the true split (costs one extra host sync per cycle; for benchmarks).
+            With the adaptive block size (the default) only every 8th cycle is split this way, so
+            the cost model can learn from the others. When False, no cycle is split.
         warmup: run a few tokens through each loaded model before reporting ready.
     """
 
