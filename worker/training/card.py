@@ -35,10 +35,14 @@ def render_card(card: dict) -> str:
            if data.get("gen_samples", 1) > 1 else "") + ", up to "
         f"{data['max_new_tokens']} tokens): {data['train_tokens']} tokens, {data['response_tokens']} response tokens, "
         f"{data['ended_with_eos']} ended with EOS; per corpus {data['corpora']}",
-        *([f"- prompts written by the target itself (Magpie: sampled after its user-turn prefix): "
-           f"{data['synthetic_prompts_written']} distinct of {data['synthetic_prompts']} sampled; their answers "
-           "are the corpus 'synthetic' above"]
+        *([f"- prompts written by the target itself (Magpie: sampled after its user-turn prefix at "
+           f"T={data.get('synthetic_temperature')}, up to {data.get('synthetic_max_tokens')} tokens, seed "
+           f"{data.get('seed')}): {data['synthetic_prompts_written']} new distinct ones of {data['synthetic_prompts']} "
+           "requested (repeats, texts under 16 characters and the generation time limit drop some); their "
+           "answers are the corpus 'synthetic' above"]
           if data.get("synthetic_prompts") else []),
+        *(["- generation was cut by its time limit (--gen-max-minutes): some prompts were not answered"]
+          if data.get("generation_stopped_by_time_limit") else []),
         f"- held out (by prompt, never trained on): {data['heldout_per_corpus']}",
         "",
         "## Training",

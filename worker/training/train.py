@@ -845,6 +845,8 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
            "max_prompt_tokens": cfg.max_prompt_tokens, "max_new_tokens": cfg.max_new_tokens,
            "gen_temperature": cfg.gen_temperature, "gen_samples": cfg.gen_samples,
            "gen_sample_temperature": cfg.gen_sample_temperature, "synthetic_prompts": cfg.synthetic_prompts,
+           "synthetic_max_tokens": cfg.synthetic_max_tokens, "synthetic_temperature": cfg.synthetic_temperature,
+           "seed": cfg.seed,
            "heldout_per_corpus": {c: sum(1 for h in split.heldout if h["corpus"] == c)
                                   for c in sorted({h["corpus"] for h in split.heldout})}},
         "training": {"steps": result["steps"],
