@@ -164,3 +164,19 @@ def test_policy_never_times_apart_with_time_every_zero():
         k = bs - 1
         j = next((i for i in range(k) if rng.random() > 0.8), k)
         p.observe(bs, k, j, H200_COST_MS[bs] * MS)
+
+
+def test_block_policy_benchmark_prints_the_comparison(capsys):
+    """bench/bench_block_policy.py (the simulation the docs quote) runs and ranks the settings."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_block_policy.py"
+    spec = importlib.util.spec_from_file_location("bench_block_policy", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--p", "0.565", "--seeds", "2", "--cycles", "300"]) == 0
+    rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| 0.")}
+    rate = {k: float(v.split("|")[2].split()[0]) for k, v in rows.items()}
+    assert rate["0.95:8"] > rate["0.9:32"]

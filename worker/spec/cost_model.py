@@ -167,11 +167,11 @@ class CostModel:
 
 # The policy's acceptance window (~20 cycles) and plain-mode probe interval (8 steps), chosen by
 # simulating the fifth H200 session's costs (plain step 5.57 ms, cycles 9.0-9.8 ms for B = 2-16)
-# with geometric acceptance p (tests/test_cost_model.py keeps the simulation). At p = 0.565
+# with geometric acceptance p (`python bench/bench_block_policy.py`, docs/benchmarks.md). At p = 0.565
 # (tau 2.3; fixed B = 16 runs at 235 tok/s, plain at 180) the old window of 10 cycles with a probe
 # every 32 plain steps reached 186 tok/s: a noisy dip sends it to plain and rare probes bring it
 # back slowly. These reach 221; they cost 3% when the draft is useless (p = 0.2: 171 against 177)
-# and react to a collapse of acceptance (0.9 -> 0) after about 40 cycles instead of 17.
+# and react to a collapse of acceptance (0.9 -> 0) after about 40 cycles instead of 18.
 POLICY_ACCEPTANCE_DECAY = 0.95
 
 
