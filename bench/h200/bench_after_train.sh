@@ -2,21 +2,29 @@
 # On a two-GPU machine, while rank 0 of a data-parallel training job evaluates tau, GPU 1 is free:
 # this waits for the job's log to show the saved draft, then benchmarks it on that GPU against
 # plain decoding (and the drafts in EXTRA_DRAFTS) with bench/bench_dflash.py. Output:
-# RES/bench/dflash_q15.txt and .json. Meant to run detached (start.sh BENCH_AFTER=1).
+# RES/bench/dflash_q15.txt and .json. Meant to run detached (start.sh BENCH_AFTER=1, which on a
+# one-GPU machine sets BENCH_GPU=0 WAIT_FOR="JOB DONE": the benchmark then waits for the whole job,
+# so it does not share the GPU with the evaluation).
 #
 #   bash bench/h200/bench_after_train.sh LOG TARGET_DIR DRAFT_DIR
 set -uo pipefail
 LOG=$1; TARGET=$2; DRAFT=$3
 ROOT=$(cd "$(dirname "$0")/../.." && pwd); cd "$ROOT"
 O=${RES:-/root/res}/bench; mkdir -p "$O"
+# Run by hand from a later call, join.sh's PYTHONPATH is not set: the staged wheels are in /tmp/site.
+[ -d /tmp/site/mlx ] && case ":${PYTHONPATH:-}:" in *:/tmp/site:*) ;; *) export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH};; esac
+WAIT_FOR=${WAIT_FOR:-saved: }
 deadline=$((SECONDS + ${WAIT_S:-3600}))
-until grep -q "saved: " "$LOG" 2>/dev/null; do
+until grep -q "$WAIT_FOR" "$LOG" 2>/dev/null; do
   if grep -q "JOB DONE\|JOB FAILED" "$LOG" 2>/dev/null || ! pgrep -f "[j]ob_train.sh" >/dev/null \
      || [ $SECONDS -ge $deadline ]; then
-    echo "bench: the job ended (or WAIT_S passed) without a saved draft" > "$O/dflash_q15.txt"; exit 1
+    break
   fi
   sleep 5
 done
+if ! grep -q "saved: " "$LOG" 2>/dev/null; then
+  echo "bench: the job ended (or WAIT_S passed) without a saved draft" > "$O/dflash_q15.txt"; exit 1
+fi
 drafts=("$DRAFT"); for d in ${EXTRA_DRAFTS:-}; do [ -f "$d/config.json" ] && drafts+=("$d"); done
 echo "+ bench on GPU ${BENCH_GPU:-1} from $(date -u +%T)" > "$O/dflash_q15.txt"
 CUDA_VISIBLE_DEVICES=${BENCH_GPU:-1} PYTHONUNBUFFERED=1 timeout "${BENCH_S:-420}" python3 bench/bench_dflash.py \

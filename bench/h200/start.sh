@@ -7,7 +7,8 @@
 #
 # The knobs of bench/train_draft_h200.sh (GEN_MINUTES, TRAIN_MINUTES, BATCH, ...) pass through
 # the environment (NPROC=2: data parallel over two GPUs; BENCH_AFTER=1: bench_after_train.sh
-# benchmarks the saved draft on GPU 1 while rank 0 evaluates). Wait for it with
+# benchmarks the saved draft on GPU 1 while rank 0 evaluates, or on GPU 0 after the job on a
+# one-GPU machine). Wait for it with
 # `pgrep -f "[j]ob_train.sh"` (a plain pattern would match the waiting call's own command line).
 set -uo pipefail
 NAME=${1:?usage: start.sh NAME [train flags...]}; shift
@@ -22,6 +23,9 @@ cd /root/ff
 (setsid nohup bash bench/h200/job_train.sh "$NAME" "$GGUF" /root/cases /root/res "$@" \
   > "/root/res/$NAME.log" 2>&1 < /dev/null &)
 if [ "${BENCH_AFTER:-0}" = 1 ]; then  # two GPUs: benchmark the saved draft on GPU 1 while GPU 0 evaluates
+  if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -le 1 ]; then  # one GPU: after the whole job, on it
+    export BENCH_GPU=0 WAIT_FOR="JOB DONE"
+  fi
   (setsid nohup bash bench/h200/bench_after_train.sh "/root/res/$NAME.log" "/root/models/$NAME" "/root/res/$NAME" \
     > /root/res/bench_after.log 2>&1 < /dev/null &)
 fi

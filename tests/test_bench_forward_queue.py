@@ -1,0 +1,47 @@
+"""bench/bench_forward_queue.py on a tiny random-weight target: one row per block size and round
+with positive times, JSON written, the KV cache back at the context length after every cell,
+and bad arguments rejected with one line (exit 2)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "bench_forward_queue.py"
+sys.path.insert(0, str(ROOT))
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+
+
+def test_table_json_and_bad_arguments(tmp_path, tiny_models):
+    base = ["--target", tiny_models.llama, "--random-weights", "--dtype", "float32"]
+    ok = _run(*base, "--blocks", 1, 4, "--steps", 3, "--rounds", 2, "--context", 8,
+              "--json-out", tmp_path / "q.json")
+    assert ok.returncode == 0, ok.stderr
+    rows = [line.split() for line in ok.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [(r[0], r[1]) for r in rows] == [("1", "0"), ("4", "0"), ("1", "1"), ("4", "1")]
+    assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows)
+    data = json.loads((tmp_path / "q.json").read_text())
+    assert [r["B"] for r in data["rows"]] == [1, 4, 1, 4] and data["context"] == 8
+
+    for bad in (["--blocks", 0], ["--steps", 0], ["--rounds", 0], ["--context", 0]):
+        r = _run(*base, *bad)
+        assert r.returncode == 2 and "Traceback" not in r.stderr and bad[0] in r.stderr, (bad, r.stderr)
+
+
+def test_time_forwards_leaves_the_cache_at_the_context(tiny_models):
+    from bench.bench_dflash import load_model
+    from bench.bench_forward_queue import time_forwards
+
+    model = load_model(str(tiny_models.llama), True, mx.float32, tokenizer=False)[0]
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([[1, 2, 3, 4, 5]]), cache=cache))
+    for synced in (False, True):
+        assert time_forwards(model, cache, 3, 2, synced) > 0
+        assert {c.offset for c in cache} == {5}
