@@ -28,7 +28,10 @@ tokenizer's EOS ends a generation.
 Tokens/s is generation only and steady state: tokens committed after the first cycle divided by
 the time from the end of the first cycle to the end of the last (this leaves out prefill and
 treats bursty speculative methods like token-by-token ones). tau = tokens per cycle (bonus
-included). "same" counts prompts whose output equals plain mlx-lm's token for token; otherwise
+included). `--rounds N` measures every method N times, rotating their order each round: tok/s
+is then the median of the rounds and the speedup the median of each round's ratio to plain
+mlx-lm in that round, printed with its range (on the H200 a single run of a small model moved by
+up to 40% between identical runs, docs/benchmarks.md, sixth session). "same" counts prompts whose output equals plain mlx-lm's token for token; otherwise
 the first differing position is shown (batched verify can flip near-ties, note §3.3).
 
 Then, for DFlash, the per-cycle time of the runs is compared with a draft forward and a verify
@@ -137,6 +140,27 @@ def run_mlx_lm(model, tokenizer, prompt, max_tokens, **kw):
     if n:
         cycles.append((time.perf_counter(), n))
     return tokens, cycles
+
+
+class AggregatedRuns(dict):
+    """(method, corpus) -> the rounds of `measure` combined: tok/s is the median of the rounds',
+    tau, cycles and seconds are over all rounds, `same`/`n`/`diffs` are the first round's (greedy
+    outputs do not change between rounds) and `rounds_tps` lists every round's tok/s."""
+
+    def __init__(self, runs: dict):
+        super().__init__()
+        self.runs = runs
+        for key, rounds in runs.items():
+            toks, cyc = sum(r["toks"] for r in rounds), sum(r["cycles"] for r in rounds)
+            self[key] = dict(tps=statistics.median(r["tps"] for r in rounds), tau=toks / cyc if cyc else 0.0,
+                             cycles=cyc, secs=sum(r["secs"] for r in rounds), same=rounds[0]["same"],
+                             n=rounds[0]["n"], diffs=rounds[0]["diffs"], rounds_tps=[r["tps"] for r in rounds])
+
+    def ratios(self, name: str, corpus: str) -> list[float]:
+        """Each round's tok/s over plain mlx-lm's in the same round (a method measured in fewer
+        rounds, like the registry packages, pairs with plain mlx-lm's first rounds)."""
+        base = self.runs["plain mlx-lm", corpus]
+        return [r["tps"] / b["tps"] if b["tps"] else 0.0 for r, b in zip(self.runs[name, corpus], base)]
 
 
 def steady_rate(cycles: list[tuple[float, int]]) -> tuple[float, int, float]:
@@ -330,6 +354,9 @@ def main(argv=None) -> int:
                    help="random weights in the shape of --target/--draft (only config + tokenizer read): "
                         "per-cycle cost without carrying weights")
     p.add_argument("--reps", type=int, default=10, help="repetitions of the alone-timings")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure every method this many times, in a rotated order each round; tok/s is the "
+                        "median, the speedup the median of each round's ratio (with its range)")
     p.add_argument("--cases", type=Path, default=CASES)
     p.add_argument("--prompt-set", choices=("heldout", "first"), default="heldout")
     p.add_argument("--raw", action="store_true", help="raw prompt text instead of the chat template")
@@ -340,6 +367,8 @@ def main(argv=None) -> int:
                    help="also run these registry DFlash packages (z-lab `dflash`, bstnxbt `dflash-mlx`) "
                         "on the first unquantized --dflash-draft (or the random draft)")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds: at least 1")
 
     print(f"device: {mx.default_device()}  mlx {mx.__version__}", flush=True)
     mx.random.seed(0)
@@ -396,8 +425,8 @@ def main(argv=None) -> int:
         for pr in warm_set:
             fn(pr)
 
-    results = {}  # (method, corpus) -> dict
-    bases = {}  # corpus -> plain mlx-lm's outputs
+    runs = {}  # (method, corpus) -> one dict per round
+    bases = {}  # corpus -> plain mlx-lm's outputs (first round)
 
     def measure(name, fn, corpus, rows):
         toks, secs, cyc, same, diffs = 0, 0.0, 0, 0, []
@@ -405,20 +434,25 @@ def main(argv=None) -> int:
             out, cycles = fn(pr)
             n, c, s = steady_rate(cycles)
             toks, cyc, secs = toks + n, cyc + c, secs + s
-            if name == "plain mlx-lm":
+            if name == "plain mlx-lm" and len(bases.get(corpus, [])) < len(rows):
                 bases.setdefault(corpus, []).append(out)
-            else:
+            elif name != "plain mlx-lm":
                 d = first_diff(out, bases[corpus][i])
                 same += d is None
                 if d is not None:
                     diffs.append(d)
-        results[name, corpus] = dict(tps=toks / secs if secs else 0.0, tau=toks / cyc if cyc else 0.0,
-                                     cycles=cyc, secs=secs, same=same, n=len(rows), diffs=diffs)
+        runs.setdefault((name, corpus), []).append(dict(tps=toks / secs if secs else 0.0, toks=toks, cycles=cyc,
+                                                        secs=secs, same=same, n=len(rows), diffs=diffs))
         print(f"  {corpus:5s} {name:28s} done", file=sys.stderr, flush=True)
 
-    for corpus, rows in prompts.items():
-        for name, fn in methods.items():
-            measure(name, fn, corpus, rows)
+    # Rounds rotate the order of the methods (the first keeps plain mlx-lm first: its outputs are
+    # the reference), so no method always runs right after the same neighbour.
+    names = list(methods)
+    for r in range(args.rounds):
+        for corpus, rows in prompts.items():
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                measure(name, methods[name], corpus, rows)
+    results = AggregatedRuns(runs)
 
     # Our DFlash drafts' cycle cost alone: measured here, before any package is imported (printed
     # after the table).
@@ -475,6 +509,7 @@ def main(argv=None) -> int:
         methods[name] = fn
         for corpus, rows in prompts.items():
             measure(name, fn, corpus, rows)
+        results = AggregatedRuns(runs)  # one round: they patch the target, so nothing runs after them
         cyc = sum(results[name, c]["cycles"] for c in prompts)
         secs = sum(results[name, c]["secs"] for c in prompts)
         cycle_cost[name] = dict(per_cycle_s=secs / cyc if cyc else float("nan"))
@@ -489,16 +524,20 @@ def main(argv=None) -> int:
     print(f"\ntarget {args.target}{weights}  max_tokens {M}  prompts/corpus {args.prompts} "
           f"({args.prompt_set}, {'raw' if args.raw else 'chat'})  dtype {args.dtype or 'as stored'}  "
           f"kv bucket {PaddedKVCache.step}  device {mx.default_device()}")
-    print(f"{'corpus':6s} {'method':28s} {'tok/s':>8s} {'tau':>6s} {'speedup':>8s}  same-as-plain")
+    if args.rounds > 1:
+        print(f"{args.rounds} rounds: tok/s is the median; speedup the median of the rounds' ratios (range)")
+    spread = f" {'range':>11s}" if args.rounds > 1 else ""
+    print(f"{'corpus':6s} {'method':28s} {'tok/s':>8s} {'tau':>6s} {'speedup':>8s}{spread}  same-as-plain")
     for corpus in prompts:
-        b = results["plain mlx-lm", corpus]["tps"]
         for name in methods:
             r = results[name, corpus]
             same = "-" if name == "plain mlx-lm" else f"{r['same']}/{r['n']}" + (
                 f" (first diff at {min(r['diffs'])})" if r["diffs"] else "")
-            speedup = r["tps"] / b if b else 0.0
-            print(f"{corpus:6s} {name:28s} {r['tps']:8.2f} {r['tau']:6.2f} {speedup:7.2f}x  {same}")
-            r["speedup"] = speedup
+            ratios = results.ratios(name, corpus)
+            r["speedup"] = statistics.median(ratios)
+            r["speedup_range"] = [min(ratios), max(ratios)]
+            rng = f" {min(ratios):5.2f}-{max(ratios):4.2f}x" if args.rounds > 1 else ""
+            print(f"{corpus:6s} {name:28s} {r['tps']:8.2f} {r['tau']:6.2f} {r['speedup']:7.2f}x{rng}  {same}")
 
     for name, r in packages.items():
         if r["skipped"]:
