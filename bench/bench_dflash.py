@@ -30,8 +30,8 @@ the time from the end of the first cycle to the end of the last (this leaves out
 treats bursty speculative methods like token-by-token ones). tau = tokens per cycle (bonus
 included). `--rounds N` measures every method N times, rotating their order each round: tok/s
 is then the median of the rounds and the speedup the median of each round's ratio to plain
-mlx-lm in that round, printed with its range (on the H200 a single run of a small model moved by
-up to 40% between identical runs, docs/benchmarks.md, sixth session). "same" counts prompts whose output equals plain mlx-lm's token for token; otherwise
+mlx-lm in that round, printed with its range (on the H200 one ratio moved from 0.83x to 1.22x
+between two identical runs of the 1.5B target, docs/benchmarks.md, sixth session). "same" counts prompts whose output equals plain mlx-lm's token for token; otherwise
 the first differing position is shown (batched verify can flip near-ties, note §3.3).
 
 Then, for DFlash, the per-cycle time of the runs is compared with a draft forward and a verify
