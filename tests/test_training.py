@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -841,3 +842,36 @@ def test_copy_target_layers_takes_matching_weights_only(arch):
         q = target_layers(target)[L - 1].self_attn.q_proj
         want = mx.dequantize(q.weight, q.scales, q.biases, q.group_size, q.bits)
         assert mx.allclose(draft.layers[1].self_attn.q_proj.weight, want.astype(mx.float32)).item()
+
+
+def test_preflight_catches_bad_inputs_without_loading_weights(tmp_path, tiny_models):
+    """`preflight` (run once by the --processes launcher): a clash with the --init-from draft's
+    shape, a directory that is no draft, an unloadable tokenizer with --synthetic-prompts and an
+    unparsable prompt file are clear errors; good inputs pass."""
+    from mlx_lm import load
+
+    from worker.models.dflash_checkpoint import init_dflash_draft, save_dflash_draft
+    from worker.training.data import DataError
+    from worker.training.train import TrainConfigError, preflight
+
+    files = [str(f) for f in _write_prompts(tmp_path)]
+    target, _ = load(str(tiny_models.llama))
+    save_dflash_draft(init_dflash_draft(target, num_layers=1, block_size=4, seed=0), tmp_path / "init")
+    base = dict(target=str(tiny_models.llama), prompts=files, out=str(tmp_path / "out"))
+    preflight(TrainConfig(**base, init_from=str(tmp_path / "init"), synthetic_prompts=4))  # all good
+    with pytest.raises(TrainConfigError, match=r"--draft-layers 2 \(the draft has 1\)"):
+        preflight(TrainConfig(**base, init_from=str(tmp_path / "init"), draft_layers=2))
+    with pytest.raises(TrainConfigError, match="--init-from: .*no config.json"):
+        preflight(TrainConfig(**base, init_from=str(tmp_path)))
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((Path(tiny_models.llama) / "config.json").read_text())
+    preflight(TrainConfig(**{**base, "target": str(bare)}))  # no tokenizer needed without synthetic
+    with pytest.raises(DataError, match="cannot load the tokenizer"):
+        preflight(TrainConfig(**{**base, "target": str(bare)}, synthetic_prompts=4))
+    with pytest.raises(DataError, match="temperature > 0"):
+        preflight(TrainConfig(**base, synthetic_prompts=4, synthetic_temperature=0.0))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{oops\n")
+    with pytest.raises(DataError, match="invalid JSON"):
+        preflight(TrainConfig(**{**base, "prompts": [bad]}))

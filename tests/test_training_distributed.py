@@ -80,7 +80,7 @@ def test_ranks_stop_together_with_one_learning_rate_under_a_time_budget(tmp_path
     assert hist[-1]["loss"] < hist[0]["loss"]
 
 
-def test_cli_train_under_mlx_launch_splits_the_data_and_writes_one_draft(tmp_path, tiny_models):
+def test_cli_train_under_mlx_launch_splits_the_data_and_writes_one_draft(tmp_path, tiny_models, capsys):
     from mlx_lm import load
 
     from flashfleet.cli.draft_cmd import main
@@ -134,9 +134,29 @@ def test_cli_train_under_mlx_launch_splits_the_data_and_writes_one_draft(tmp_pat
     assert main([*fresh, "--proc=2", "--back", "ring"]) == 0  # abbreviations argparse accepts work too
     assert json.loads((work / "resume" / "state.json").read_text())["step"] == 2
     assert json.loads((out / "training_card.json").read_text())["training"]["processes"] == 2
-    # A failing rank fails the command (mlx.launch alone would exit 0).
-    broken = [*fresh[:fresh.index("--target") + 1], str(tmp_path / "no-model"), *fresh[fresh.index("--target") + 2:]]
-    assert main([*broken, "--processes", "2", "--backend", "ring"]) == 1
+    # Inputs the launcher can check are checked once, before any rank starts: one message, exit 2.
+    t = fresh.index("--target") + 1
+
+    def with_target(path):
+        return [*fresh[:t], str(path), *fresh[t + 1:], "--processes", "2", "--backend", "ring"]
+
+    capsys.readouterr()
+    assert main(with_target(tmp_path / "no-model")) == 2
+    err = capsys.readouterr().err
+    assert err.count("no-model") == 1 and "processes over" not in err, err  # no rank was started
+    p = fresh.index("--prompts") + 1
+    bad_prompts = tmp_path / "bad.jsonl"
+    bad_prompts.write_text("{not json\n")
+    assert main([*fresh[:p], str(bad_prompts), *fresh[p + 1:], "--processes", "2"]) == 2
+    assert capsys.readouterr().err.count("invalid JSON") == 1
+    # A failing rank fails the command (mlx.launch alone would exit 0): a model directory whose
+    # config passes the launcher's check but whose weights are missing.
+    no_weights = tmp_path / "no-weights"
+    no_weights.mkdir()
+    for f in Path(tiny_models.llama).iterdir():
+        if not f.name.endswith(".safetensors"):
+            (no_weights / f.name).write_bytes(f.read_bytes())
+    assert main(with_target(no_weights)) == 1
     # One process cannot resume a checkpoint of two: each rank's data shard would change.
     single = [a for a in argv[2:]]
     single[single.index("--steps") + 1] = "6"

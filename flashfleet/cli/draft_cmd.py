@@ -192,11 +192,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_NOT_CONFIG = {"command", "quiet", "processes", "backend"}  # CLI-only arguments, not TrainConfig fields
+
+
 def _train_processes(args, argv: list[str]) -> int:
     """Re-runs this command as `--processes` ranks under mlx.launch. Each rank gets the same
     arguments plus `--processes 1` (argparse keeps the last value, whatever spelling came first)."""
     from worker.training.distributed import default_backend, run_local_ranks
+    from worker.training.train import TrainConfig, preflight
 
+    preflight(TrainConfig(**{k: v for k, v in vars(args).items() if k not in _NOT_CONFIG}))  # once, not per rank
     backend = args.backend or default_backend()
     print(f"flashfleet draft: {args.processes} processes over {backend} (mlx.launch)", file=sys.stderr, flush=True)
     try:
@@ -214,8 +219,7 @@ def _train_processes(args, argv: list[str]) -> int:
 def _train(args) -> int:
     from worker.training.train import TrainConfig, train_draft
 
-    skip = {"command", "quiet", "processes", "backend"}
-    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k not in skip}, progress=not args.quiet)
+    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k not in _NOT_CONFIG}, progress=not args.quiet)
     card = train_draft(cfg)
     ev = card.get("eval", {}).get("trained")  # ranks other than 0 of a distributed run get no card
     if ev and ev["all"]["tau"] is not None:

@@ -41,7 +41,12 @@ class DraftMismatch(DraftCheckpointError):
     """The draft was not built for this target (hidden size, taps, depth or vocabulary differ)."""
 
 
-def _read_config(path: Path) -> dict:
+def read_draft_config(path: Path) -> dict:
+    """The parsed config.json of a draft directory.
+
+    Raises:
+        DraftCheckpointError: no config.json in `path`, or it is not valid JSON.
+    """
     cfg_path = path / CONFIG_FILE
     if not cfg_path.is_file():
         raise DraftCheckpointError(f"{path}: no {CONFIG_FILE}")
@@ -112,7 +117,7 @@ def load_dflash_draft(path: str | Path, target: nn.Module, *, dtype: Optional[mx
         DraftMismatch: the draft does not fit this target (see `check_draft_matches_target`).
     """
     path = Path(path)
-    cfg = _read_config(path)
+    cfg = read_draft_config(path)
     archs = cfg.get("architectures") or ["DFlashDraftModel"]
     if "DFlashDraftModel" not in archs:
         raise DraftCheckpointError(f"{path}: architectures {archs} is not a DFlash draft")

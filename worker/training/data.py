@@ -372,6 +372,28 @@ def dataset_key(
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16], settings
 
 
+def check_synthetic_inputs(files: Sequence[Path], synthetic_temperature: float, tokenizer) -> None:
+    """What `--synthetic-prompts` needs, checked before any generation (also by the launcher of
+    `flashfleet draft train --processes N`, so a bad input is one message, not one per rank).
+
+    Args:
+        files: the prompt files; tokenizer: the target's (its chat template starts a user turn).
+
+    Raises:
+        DataError: a prompt file named synthetic.* (it would merge with the written prompts'
+            corpus), a temperature <= 0, or a tokenizer without a usable chat template.
+    """
+    if any(Path(f).stem == SYNTHETIC_CORPUS for f in files):
+        raise DataError(f"a prompt file named {SYNTHETIC_CORPUS}.* would merge with the prompts the target "
+                        "writes (--synthetic-prompts); rename it")
+    if synthetic_temperature <= 0:
+        raise DataError("synthetic prompts need a temperature > 0 (--synthetic-temperature)")
+    try:
+        user_turn_prefix(tokenizer)
+    except SyntheticPromptError as e:
+        raise DataError(f"--synthetic-prompts: {e}") from None
+
+
 def build_dataset(
     model,
     tokenizer,
@@ -470,15 +492,7 @@ def build_dataset(
         if not any(p.corpus == f.stem for p in prompts):
             log(f"data: {f} holds no prompts; skipped")
     if synthetic:  # fail now, not after the first pass
-        if any(f.stem == SYNTHETIC_CORPUS for f in files):
-            raise DataError(f"a prompt file named {SYNTHETIC_CORPUS}.* would merge with the prompts the target "
-                            "writes (--synthetic-prompts); rename it")
-        if synthetic_temperature <= 0:
-            raise DataError("synthetic prompts need a temperature > 0 (--synthetic-temperature)")
-        try:
-            user_turn_prefix(tokenizer)
-        except SyntheticPromptError as e:
-            raise DataError(f"--synthetic-prompts: {e}") from None
+        check_synthetic_inputs(files, synthetic_temperature, tokenizer)
     known_texts = {" ".join(p.text.split()) for p in prompts}  # a synthetic prompt must not repeat one
     train_p, held_p = split_heldout(prompts, heldout_per_corpus, heldout_fraction)
     train_p = interleave_by_corpus(train_p)  # a time-capped generation still covers every corpus

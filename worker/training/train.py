@@ -630,6 +630,12 @@ def _init_checkpoint(cfg: TrainConfig, target) -> tuple[DraftSpec, dict]:
     a = init.args
     spec = DraftSpec(a.num_hidden_layers, a.block_size, list(a.dflash_config["target_layer_ids"]),
                      int(a.dflash_config["mask_token_id"]), a.intermediate_size)
+    _check_init_shape(cfg, spec)
+    return spec, dequantized_weights(init)
+
+
+def _check_init_shape(cfg: TrainConfig, spec: DraftSpec) -> None:
+    """Raises TrainConfigError when an explicit shape option disagrees with the --init-from draft's."""
     asked = {"--draft-layers": (cfg.draft_layers, spec.num_layers),
              "--target-layer-ids": (cfg.target_layer_ids, spec.target_layer_ids),
              "--mask-token-id": (cfg.mask_token_id, spec.mask_token_id),
@@ -638,7 +644,47 @@ def _init_checkpoint(cfg: TrainConfig, target) -> tuple[DraftSpec, dict]:
              if want is not None and want != have]
     if clash:
         raise TrainConfigError(f"--init-from {cfg.init_from} fixes the draft's shape; drop or change " + ", ".join(clash))
-    return spec, dequantized_weights(init)
+
+
+def preflight(cfg: TrainConfig) -> None:
+    """The input checks of `train_draft` that need no model weights, for the launcher of
+    `flashfleet draft train --processes N`: run there once, a bad input is one message and exit 2
+    instead of one traceback-free message per rank after every rank has loaded the target.
+
+    Checks: the target resolves to a model directory; every prompt file exists and parses;
+    `--synthetic-prompts` inputs (`data.check_synthetic_inputs`, reading only the tokenizer);
+    an --init-from directory is a DFlash draft whose shape agrees with explicit shape options.
+    Checkpoint compatibility is still checked by the ranks (it needs the data key).
+
+    Raises:
+        FileNotFoundError / NotADirectoryError: target or a prompt file missing.
+        DataError: a prompt file that does not parse, or unusable synthetic-prompt inputs.
+        TrainConfigError: an --init-from directory that is no draft, or whose shape clashes.
+    """
+    from worker.models.dflash_checkpoint import DraftCheckpointError, read_draft_config
+    from worker.training.data import DataError, check_synthetic_inputs, read_prompt_files
+
+    path = resolve_target(cfg.target)
+    read_prompt_files(cfg.prompts, cfg.max_prompts_per_file)
+    if cfg.synthetic_prompts:
+        from mlx_lm.utils import load_tokenizer
+
+        try:
+            tokenizer = load_tokenizer(path)
+        except (OSError, ValueError) as e:
+            raise DataError(f"{path}: cannot load the tokenizer ({str(e).splitlines()[0]})") from None
+        check_synthetic_inputs([Path(p) for p in cfg.prompts], cfg.synthetic_temperature, tokenizer)
+    if cfg.init_from:
+        try:
+            c = read_draft_config(Path(cfg.init_from).expanduser())
+            d = c["dflash_config"]
+            spec = DraftSpec(int(c["num_hidden_layers"]), int(c.get("block_size", cfg.block_size)),
+                             list(d["target_layer_ids"]), int(d["mask_token_id"]), int(c["intermediate_size"]))
+        except DraftCheckpointError as e:
+            raise TrainConfigError(f"--init-from: {e}") from e
+        except (KeyError, TypeError, ValueError) as e:
+            raise TrainConfigError(f"--init-from {cfg.init_from}: not a DFlash draft config ({e!r} missing or bad)") from e
+        _check_init_shape(cfg, spec)
 
 
 def _thinned(points: list, n: int) -> list:
