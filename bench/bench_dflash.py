@@ -28,10 +28,12 @@ tokenizer's EOS ends a generation.
 Tokens/s is generation only and steady state: tokens committed after the first cycle divided by
 the time from the end of the first cycle to the end of the last (this leaves out prefill and
 treats bursty speculative methods like token-by-token ones). tau = tokens per cycle (bonus
-included). `--rounds N` measures every method N times, rotating their order each round: tok/s
-is then the median of the rounds and the speedup the median of each round's ratio to plain
-mlx-lm in that round, printed with its range (on the H200 one ratio moved from 0.83x to 1.22x
-between two identical runs of the 1.5B target, docs/benchmarks.md, sixth session). "same" counts prompts whose output equals plain mlx-lm's token for token; otherwise
+included). `--rounds N` measures every method N times, in a new shuffled order each round after
+the first: tok/s is then the median of the rounds and the speedup the median of each round's
+ratio to plain mlx-lm in that round, printed with its range (on the H200 one ratio moved from
+0.83x to 1.22x between two identical runs of the 1.5B target, docs/benchmarks.md, sixth
+session). "same" counts prompts whose output equals plain mlx-lm's token for token (the fewest
+over the rounds); otherwise
 the first differing position is shown (batched verify can flip near-ties, note §3.3).
 
 Then, for DFlash, the per-cycle time of the runs is compared with a draft forward and a verify
@@ -53,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import tempfile
@@ -144,23 +147,25 @@ def run_mlx_lm(model, tokenizer, prompt, max_tokens, **kw):
 
 class AggregatedRuns(dict):
     """(method, corpus) -> the rounds of `measure` combined: tok/s is the median of the rounds',
-    tau, cycles and seconds are over all rounds, `same`/`n`/`diffs` are the first round's (greedy
-    outputs do not change between rounds) and `rounds_tps` lists every round's tok/s."""
+    tau, cycles and seconds are over all rounds, `same`/`diffs` are those of the round with the
+    fewest outputs equal to plain mlx-lm's, and `rounds_tps` lists every round's tok/s."""
 
     def __init__(self, runs: dict):
         super().__init__()
         self.runs = runs
         for key, rounds in runs.items():
             toks, cyc = sum(r["toks"] for r in rounds), sum(r["cycles"] for r in rounds)
+            worst = min(rounds, key=lambda r: r["same"])
             self[key] = dict(tps=statistics.median(r["tps"] for r in rounds), tau=toks / cyc if cyc else 0.0,
-                             cycles=cyc, secs=sum(r["secs"] for r in rounds), same=rounds[0]["same"],
-                             n=rounds[0]["n"], diffs=rounds[0]["diffs"], rounds_tps=[r["tps"] for r in rounds])
+                             cycles=cyc, secs=sum(r["secs"] for r in rounds), same=worst["same"],
+                             n=worst["n"], diffs=worst["diffs"], rounds_tps=[r["tps"] for r in rounds])
 
     def ratios(self, name: str, corpus: str) -> list[float]:
-        """Each round's tok/s over plain mlx-lm's in the same round (a method measured in fewer
-        rounds, like the registry packages, pairs with plain mlx-lm's first rounds)."""
-        base = self.runs["plain mlx-lm", corpus]
-        return [r["tps"] / b["tps"] if b["tps"] else 0.0 for r, b in zip(self.runs[name, corpus], base)]
+        """Each round's tok/s over plain mlx-lm's in the same round. A method measured in fewer
+        rounds (the registry packages, measured after all rounds) pairs with plain mlx-lm's last
+        rounds, the nearest in time."""
+        mine, base = self.runs[name, corpus], self.runs["plain mlx-lm", corpus]
+        return [r["tps"] / b["tps"] if b["tps"] else 0.0 for r, b in zip(mine, base[len(base) - len(mine):])]
 
 
 def steady_rate(cycles: list[tuple[float, int]]) -> tuple[float, int, float]:
@@ -445,12 +450,13 @@ def main(argv=None) -> int:
                                                         secs=secs, same=same, n=len(rows), diffs=diffs))
         print(f"  {corpus:5s} {name:28s} done", file=sys.stderr, flush=True)
 
-    # Rounds rotate the order of the methods (the first keeps plain mlx-lm first: its outputs are
-    # the reference), so no method always runs right after the same neighbour.
+    # The first round keeps the listed order (plain mlx-lm first: its outputs are the reference);
+    # later rounds shuffle it (seeded), so no method always runs right after the same neighbour.
     names = list(methods)
     for r in range(args.rounds):
+        order = names if r == 0 else random.Random(r).sample(names, len(names))
         for corpus, rows in prompts.items():
-            for name in names[r % len(names):] + names[: r % len(names)]:
+            for name in order:
                 measure(name, methods[name], corpus, rows)
     results = AggregatedRuns(runs)
 

@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     if min(a.blocks) < 1:
         ap.error("--blocks: sizes >= 1")
     if a.context < 1 or a.steps < 1 or a.rounds < 1:
-        ap.error("--context, --steps and --rounds: at least 1")
+        ap.error("--context, --steps and --rounds: at least 1 each")
 
     model = load_model(a.target, a.random_weights, getattr(mx, a.dtype), tokenizer=False)[0]
     cache = make_prompt_cache(model)
@@ -93,8 +93,12 @@ def main(argv=None) -> int:
     rows = []
     for r in range(a.rounds):
         for B in a.blocks:
-            q = time_forwards(model, cache, B, a.steps, synced=False)
-            s = time_forwards(model, cache, B, a.steps, synced=True)
+            if r % 2:  # alternate which of the two runs first
+                s = time_forwards(model, cache, B, a.steps, synced=True)
+                q = time_forwards(model, cache, B, a.steps, synced=False)
+            else:
+                q = time_forwards(model, cache, B, a.steps, synced=False)
+                s = time_forwards(model, cache, B, a.steps, synced=True)
             rows.append(dict(B=B, round=r, queued_ms=q, synced_ms=s))
             print(f"{B:3d}  {r:5d}  {q:9.2f}  {s:9.2f}  {s - q:12.2f}", flush=True)
     if a.json_out:

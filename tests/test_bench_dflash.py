@@ -3,9 +3,12 @@ the table has every method and corpus, greedy DFlash equals plain decoding, `--r
 median speedup with its range and one tok/s per round in the JSON, and a bad --rounds is one
 line (exit 2)."""
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tiny_models import CASES_DIR
 
@@ -21,20 +24,27 @@ def _run(*args):
 def test_rounds_table_and_json(tmp_path, tiny_models):
     base = ["--target", tiny_models.llama, "--dflash-random-layers", 1, "--block-size", 4, "--max-tokens", 12,
             "--prompts", 1, "--max-prompt-tokens", 24, "--reps", 1, "--cases", CASES_DIR, "--dtype", "float32"]
-    r = _run(*base, "--rounds", 2, "--json-out", tmp_path / "b.json")
+    r = _run(*base, "--rounds", 3, "--json-out", tmp_path / "b.json")
     assert r.returncode == 0, r.stderr
-    assert "2 rounds: tok/s is the median" in r.stdout
+    assert "3 rounds: tok/s is the median" in r.stdout
     rows = [line.split() for line in r.stdout.splitlines() if line[:5].strip() in ("code", "en", "pl")]
     assert {row[0] for row in rows} == {"code", "en", "pl"} and len(rows) == 3 * 3  # 3 methods each
+    # Every round measures every method once per corpus; the first round in the listed order.
+    done = [line.split(None, 1)[1].rsplit(" done", 1)[0].strip() for line in r.stderr.splitlines()
+            if line.strip().startswith("code") and line.rstrip().endswith(" done")]
+    listed = ["plain mlx-lm", "ours plain", "ours dflash random x1"]
+    assert len(done) == 9 and done[:3] == listed and all(sorted(done[i:i + 3]) == sorted(listed) for i in (3, 6))
+
     data = json.loads((tmp_path / "b.json").read_text())
-    for res in data["results"]:
-        assert len(res["rounds_tps"]) == 2 and all(t > 0 for t in res["rounds_tps"])
-        lo, hi = res["speedup_range"]
-        assert lo <= res["speedup"] <= hi
-        if res["method"] == "plain mlx-lm":
-            assert res["speedup"] == 1.0
-        else:  # greedy DFlash and our plain loop reproduce plain greedy output
+    by = {(res["method"], res["corpus"]): res for res in data["results"]}
+    for (method, corpus), res in by.items():
+        tps = res["rounds_tps"]
+        assert len(tps) == 3 and all(t > 0 for t in tps) and res["tps"] == pytest.approx(statistics.median(tps))
+        paired = [m / p for m, p in zip(tps, by["plain mlx-lm", corpus]["rounds_tps"])]
+        assert res["speedup"] == pytest.approx(statistics.median(paired))  # median of paired ratios
+        assert res["speedup_range"] == pytest.approx([min(paired), max(paired)])
+        if method != "plain mlx-lm":  # greedy DFlash and our plain loop reproduce plain greedy output
             assert res["same"] == res["n"] == 1, res
 
     bad = _run(*base, "--rounds", 0)
-    assert bad.returncode == 2 and "--rounds" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "--rounds: at least 1" in bad.stderr and "Traceback" not in bad.stderr

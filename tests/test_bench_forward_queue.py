@@ -30,9 +30,10 @@ def test_table_json_and_bad_arguments(tmp_path, tiny_models):
     data = json.loads((tmp_path / "q.json").read_text())
     assert [r["B"] for r in data["rows"]] == [1, 4, 1, 4] and data["context"] == 8
 
-    for bad in (["--blocks", 0], ["--steps", 0], ["--rounds", 0], ["--context", 0]):
+    for bad, says in ((["--blocks", 0], "--blocks: sizes >= 1"), (["--steps", 0], "at least 1 each"),
+                      (["--rounds", 0], "at least 1 each"), (["--context", 0], "at least 1 each")):
         r = _run(*base, *bad)
-        assert r.returncode == 2 and "Traceback" not in r.stderr and bad[0] in r.stderr, (bad, r.stderr)
+        assert r.returncode == 2 and "Traceback" not in r.stderr and says in r.stderr, (bad, r.stderr)
 
 
 def test_time_forwards_leaves_the_cache_at_the_context(tiny_models):

@@ -13,7 +13,11 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd); cd "$ROOT"
 O=${RES:-/root/res}/bench; mkdir -p "$O"
 # Run by hand from a later call, join.sh's PYTHONPATH is not set: the staged wheels are in /tmp/site.
 [ -d /tmp/site/mlx ] && case ":${PYTHONPATH:-}:" in *:/tmp/site:*) ;; *) export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH};; esac
+# GPU 1 on a two-GPU machine (GPU 0 evaluates), else the only one.
+[ -n "${BENCH_GPU:-}" ] || { [ "$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)" -ge 2 ] && BENCH_GPU=1 || BENCH_GPU=0; }
 WAIT_FOR=${WAIT_FOR:-saved: }
+# Waiting for the whole job has no deadline: it must never overlap the job's evaluation.
+[ "$WAIT_FOR" = "JOB DONE" ] && WAIT_S=${WAIT_S:-1000000}
 deadline=$((SECONDS + ${WAIT_S:-3600}))
 until grep -q "$WAIT_FOR" "$LOG" 2>/dev/null; do
   if grep -q "JOB DONE\|JOB FAILED" "$LOG" 2>/dev/null || ! pgrep -f "[j]ob_train.sh" >/dev/null \
@@ -26,8 +30,8 @@ if ! grep -q "saved: " "$LOG" 2>/dev/null; then
   echo "bench: the job ended (or WAIT_S passed) without a saved draft" > "$O/dflash_q15.txt"; exit 1
 fi
 drafts=("$DRAFT"); for d in ${EXTRA_DRAFTS:-}; do [ -f "$d/config.json" ] && drafts+=("$d"); done
-echo "+ bench on GPU ${BENCH_GPU:-1} from $(date -u +%T)" > "$O/dflash_q15.txt"
-CUDA_VISIBLE_DEVICES=${BENCH_GPU:-1} PYTHONUNBUFFERED=1 timeout "${BENCH_S:-420}" python3 bench/bench_dflash.py \
+echo "+ bench on GPU $BENCH_GPU from $(date -u +%T)" > "$O/dflash_q15.txt"
+CUDA_VISIBLE_DEVICES=$BENCH_GPU PYTHONUNBUFFERED=1 timeout "${BENCH_S:-420}" python3 bench/bench_dflash.py \
   --target "$TARGET" --dflash-draft "${drafts[@]}" --max-tokens "${MAX_TOKENS:-128}" --prompts "${PROMPTS:-2}" \
-  --cases "${CASES:-/root/cases}" --json-out "$O/dflash_q15.json" --adaptive 2>&1 | grep -v " done$" >> "$O/dflash_q15.txt"
+  --cases "${CASES:-/root/cases}" --rounds "${ROUNDS:-1}" --json-out "$O/dflash_q15.json" --adaptive 2>&1 | grep -v " done$" >> "$O/dflash_q15.txt"
 echo "bench end $(date -u +%T) rc=${PIPESTATUS[0]}" >> "$O/dflash_q15.txt"

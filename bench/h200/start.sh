@@ -23,8 +23,9 @@ cd /root/ff
 (setsid nohup bash bench/h200/job_train.sh "$NAME" "$GGUF" /root/cases /root/res "$@" \
   > "/root/res/$NAME.log" 2>&1 < /dev/null &)
 if [ "${BENCH_AFTER:-0}" = 1 ]; then  # two GPUs: benchmark the saved draft on GPU 1 while GPU 0 evaluates
-  if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -le 1 ]; then  # one GPU: after the whole job, on it
-    export BENCH_GPU=0 WAIT_FOR="JOB DONE"
+  if [ "$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)" -le 1 ]; then
+    : "${BENCH_GPU:=0}" "${WAIT_FOR:=JOB DONE}"  # one GPU: after the whole job, on it
+    export BENCH_GPU WAIT_FOR
   fi
   (setsid nohup bash bench/h200/bench_after_train.sh "/root/res/$NAME.log" "/root/models/$NAME" "/root/res/$NAME" \
     > /root/res/bench_after.log 2>&1 < /dev/null &)
