@@ -875,3 +875,9 @@ def test_preflight_catches_bad_inputs_without_loading_weights(tmp_path, tiny_mod
     bad.write_text("{oops\n")
     with pytest.raises(DataError, match="invalid JSON"):
         preflight(TrainConfig(**{**base, "prompts": [bad]}))
+    other = tmp_path / "other-data"  # --extra-data written for another target
+    other.mkdir()
+    (other / "train.jsonl").write_text("")
+    (other / "meta.json").write_text(json.dumps({"settings": {"target": "someone-else"}}))
+    with pytest.raises(DataError, match="another target"):
+        preflight(TrainConfig(**base, extra_data=[str(other)]))

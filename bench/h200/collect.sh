@@ -1,8 +1,19 @@
 #!/usr/bin/env bash
-# Packs each trained draft (config, weights, card, log) into OUT/draft-NAME.tgz (< 16 MiB each).
-O=${OUT:-/root/out}; R=${RES:-/root/res}; mkdir -p "$O"
+# Packs each trained draft (config, weights, card, log) into OUT/draft-NAME.tgz (< 16 MiB each),
+# and each job's generated data (WORK/data or WORK/data-rank*, train.jsonl gzip-compressed) into
+# OUT/data-NAME-DIR.tar, so a later session can carry it back in and train on it again
+# (`flashfleet draft train --extra-data DIR`) instead of generating it again.
+O=${OUT:-/root/out}; R=${RES:-/root/res}; W=${WORK_ROOT:-/root/work}; mkdir -p "$O"
 for d in "$R"/*/; do
   n=$(basename "$d"); [ -f "$d/config.json" ] || { echo "no draft in $d"; continue; }
   tar czf "$O/draft-$n.tgz" -C "$R" "$n" && ls -la "$O/draft-$n.tgz"
 done
 for f in "$R"/*.log; do [ -f "$f" ] && tail -c 200000 "$f" > "$O/$(basename "$f")"; done
+[ "${DATA:-1}" = 1 ] || exit 0
+for d in "$W"/*/data "$W"/*/data-rank*; do
+  [ -f "$d/meta.json" ] && [ -f "$d/train.jsonl" ] || continue
+  n=$(basename "$(dirname "$d")"); t=$(mktemp -d); c="$t/$n-$(basename "$d")"; mkdir -p "$c"
+  gzip -c "$d/train.jsonl" > "$c/train.jsonl.gz" && cp "$d/heldout.jsonl" "$d/meta.json" "$c/" \
+    && tar cf "$O/data-$n-$(basename "$d").tar" -C "$t" "$(basename "$c")" && ls -la "$O/data-$n-$(basename "$d").tar"
+  rm -rf "$t"
+done

@@ -112,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--synthetic-max-tokens", type=_at_least(1), default=128, help="cap on a synthetic prompt, tokens")
     g.add_argument("--synthetic-temperature", type=_sample_temperature, default=1.0,
                    help="temperature the synthetic prompts are sampled at (top-p 0.95)")
+    g.add_argument("--extra-data", nargs="+", default=[], metavar="DIR",
+                   help="earlier runs' data caches of this target (WORK/data or WORK/data-rank*of*; train.jsonl "
+                        "or train.jsonl.gz): their greedy answers to this run's prompts are reused instead of "
+                        "generated, their other sequences added; held-out prompts dropped")
     g.add_argument("--gen-batch-size", type=_at_least(1), default=64, help="sequences the target answers at once")
     g.add_argument("--regenerate-data", action="store_true",
                    help="generate the data again even when WORK/data matches these options (e.g. after a "

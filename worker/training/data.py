@@ -345,6 +345,7 @@ def dataset_key(
     synthetic_max_tokens: int = 128,
     synthetic_temperature: float = 1.0,
     synthetic_top_p: float = 0.95,
+    extra: Optional[list] = None,
 ) -> tuple[str, dict]:
     """The data cache key of `build_dataset`: what decides the training sequences.
 
@@ -369,6 +370,8 @@ def dataset_key(
                     files=[[f.name, hashlib.sha256(f.read_bytes()).hexdigest()] for f in files])
     if synthetic:  # absent otherwise, so caches made before the option still match
         settings["synthetic"] = [synthetic, synthetic_max_tokens, synthetic_temperature, synthetic_top_p]
+    if extra:  # `extra_data.extra_data_key` of --extra-data (absent without it, as above)
+        settings["extra_data"] = extra
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16], settings
 
 
@@ -417,6 +420,7 @@ def build_dataset(
     synthetic_temperature: float = 1.0,
     synthetic_top_p: float = 0.95,
     target_fingerprint: str = "",
+    extra_data: Sequence[str | Path] = (),
     regenerate: bool = False,
     shard: tuple[int, int] = (0, 1),
     progress: bool = True,
@@ -451,6 +455,11 @@ def build_dataset(
             does. Their corpus is "synthetic"; none is held out. 0: none.
         synthetic_max_tokens / synthetic_temperature / synthetic_top_p: how they are sampled.
         target_fingerprint: identifies the target weights (part of the key).
+        extra_data: earlier runs' data cache directories of the same target
+            (`extra_data.load_extra_data`): their greedy answers to this run's training prompts
+            are reused instead of generated (first pass, when it is greedy), their other
+            sequences are added (each rank takes every world-th); held-out prompts and repeats
+            are dropped. Their training files' hashes are part of the key.
         regenerate: generate even when the cache matches (e.g. after a time-capped run).
         shard: (rank, world size) of data-parallel training: this process answers every
             world-th prompt of each pass's order from position rank, and its cache holds only
@@ -463,9 +472,12 @@ def build_dataset(
         A `DataSplit`. Responses shorter than 2 tokens are dropped (no anchor fits).
 
     Raises:
-        DataError: no training prompts, or no usable sequences after generation.
+        DataError: no training prompts, no usable sequences after generation, or unusable
+            --extra-data (another target's, missing files).
     """
     from tqdm import tqdm
+
+    from worker.training.extra_data import extra_data_key, load_extra_data, shard_of
 
     cache_dir = Path(cache_dir)
     files = [Path(p) for p in prompt_files]
@@ -475,7 +487,8 @@ def build_dataset(
                                 seed=seed, samples=samples, sample_temperature=sample_temperature,
                                 target_fingerprint=target_fingerprint, synthetic=synthetic,
                                 synthetic_max_tokens=synthetic_max_tokens,
-                                synthetic_temperature=synthetic_temperature, synthetic_top_p=synthetic_top_p)
+                                synthetic_temperature=synthetic_temperature, synthetic_top_p=synthetic_top_p,
+                                extra=extra_data_key(extra_data) if extra_data else None)
     meta_path, train_path, held_path = (cache_dir / n for n in ("meta.json", "train.jsonl", "heldout.jsonl"))
     if not regenerate and meta_path.is_file() and train_path.is_file() and held_path.is_file():
         meta = json.loads(meta_path.read_text())
@@ -515,6 +528,10 @@ def build_dataset(
     rank, world_size = shard
     if not 0 <= rank < world_size:
         raise ValueError(f"shard {shard}: need 0 <= rank < world size")
+    extra = load_extra_data(extra_data, target_fingerprint=target_fingerprint, max_new_tokens=max_new_tokens,
+                            greedy=temperature <= 0, heldout_prompt_ids=[h["prompt_ids"] for h in heldout],
+                            heldout_ids=[h["id"] for h in heldout])
+    reused = 0  # greedy answers taken from --extra-data instead of generated
     share = len(range(rank, len(enc), world_size))  # prompts this rank answers per pass
     my_synthetic = len(range(rank, synthetic, world_size))
     written = 0
@@ -567,6 +584,13 @@ def build_dataset(
                 np.random.SeedSequence([seed, k, rank]).generate_state(1)[0])
             order = list(range(len(enc))) if k == 0 else sampled_pass_order([p.corpus for p in train_p], pass_seed)
             order = order[rank::world_size]
+            if k == 0 and extra.greedy:  # answers an earlier run already wrote greedily
+                known = [i for i in order if tuple(enc[i]) in extra.greedy]
+                add([(train_p[i].corpus, train_p[i].id, enc[i]) for i in known],
+                    [extra.greedy[tuple(enc[i])] for i in known])
+                reused = len(known)
+                order = [i for i in order if tuple(enc[i]) not in extra.greedy]
+                bar.update(reused)
             responses = generate_responses(model, [enc[i] for i in order], max_new_tokens,
                                            sorted(tokenizer.eos_token_ids),
                                            batch_size=gen_batch_size, top_p=top_p, seed=noise_seed,
@@ -582,6 +606,13 @@ def build_dataset(
                 else:
                     log("data: no generation time left for synthetic prompts after the first pass")
     gen_s = time.perf_counter() - t0
+    added = shard_of(extra.added, rank, world_size)
+    for name in ("prompt_ids", "response_ids", "corpus", "ids"):
+        getattr(ds, name).extend(getattr(added, name))
+    if extra_data:
+        log(f"data: --extra-data: {reused} greedy answers reused (not generated), {len(added)} sequences added "
+            f"(of {len(extra.added)} over all ranks); dropped as held out "
+            f"{sum(s['heldout_dropped'] for s in extra.sources)}, as repeats {sum(s['repeats_dropped'] for s in extra.sources)}")
     if not len(ds):
         raise DataError("the target produced no response of 2 or more tokens")
     eos = set(tokenizer.eos_token_ids)
@@ -592,7 +623,8 @@ def build_dataset(
             "generation_stopped_by_time_limit": bool(gen_max_seconds is not None and gen_s >= gen_max_seconds),
             "generation_tokens_per_s": round(generated / max(gen_s, 1e-9), 1),
             "corpora": {c: ds.corpus.count(c) for c in sorted(set(ds.corpus))}, "shard": list(shard),
-            "synthetic_prompts_written": written}
+            "synthetic_prompts_written": written, "extra_greedy_reused": reused, "extra_added": len(added),
+            "extra_data": extra.sources, "extra_corpora": extra.corpora}
     cache_dir.mkdir(parents=True, exist_ok=True)
     ds.save(train_path)
     held_path.write_text("".join(json.dumps(h) + "\n" for h in heldout), encoding="utf-8")

@@ -56,6 +56,7 @@ from worker.training.data import (SYNTHETIC_CORPUS, DataSplit, TokenDataset, bui
 from worker.training.defaults import DraftSpec, choose_draft_spec, make_draft
 from worker.training.distributed import agree_sum, broadcast_tree, leave_gpu_headroom, rank_of, size_of, world
 from worker.training.evaluate import evaluate_tau
+from worker.training.extra_data import extra_data_key
 from worker.training.forward import block_hidden, block_inputs, cast_tree
 from worker.training.loss import acceptance_stats, block_targets, default_gamma, weighted_cross_entropy
 from worker.training.masks import sample_anchors
@@ -87,7 +88,9 @@ class TrainConfig:
         heldout_fraction, gen_temperature (0: greedy), gen_top_p, gen_samples (answers per
         training prompt; the extra ones sampled at gen_sample_temperature), synthetic_prompts
         (prompts the target writes itself, Magpie: `data.build_dataset`), synthetic_max_tokens,
-        synthetic_temperature, gen_batch_size, gen_max_minutes, regenerate_data (ignore a
+        synthetic_temperature, extra_data (earlier runs' data cache directories of this target:
+        their greedy answers to this run's prompts are reused, their other sequences added;
+        `extra_data.load_extra_data`), gen_batch_size, gen_max_minutes, regenerate_data (ignore a
         matching data cache).
     Training:
         batch_size (sequences per step), anchors (N per sequence), gamma (None: paper's value
@@ -135,6 +138,7 @@ class TrainConfig:
     synthetic_prompts: int = 0
     synthetic_max_tokens: int = 128
     synthetic_temperature: float = 1.0
+    extra_data: Sequence[str] = ()
     gen_batch_size: int = 64
     gen_max_minutes: Optional[float] = None
     regenerate_data: bool = False
@@ -653,6 +657,7 @@ def preflight(cfg: TrainConfig) -> None:
 
     Checks: the target resolves to a model directory; every prompt file exists and parses;
     `--synthetic-prompts` inputs (`data.check_synthetic_inputs`, reading only the tokenizer);
+    `--extra-data` directories (complete caches of this target: `extra_data.check_extra_data`);
     an --init-from directory is a DFlash draft whose shape agrees with explicit shape options.
     Checkpoint compatibility is still checked by the ranks (it needs the data key).
 
@@ -674,6 +679,10 @@ def preflight(cfg: TrainConfig) -> None:
         except (OSError, ValueError) as e:
             raise DataError(f"{path}: cannot load the tokenizer ({str(e).splitlines()[0]})") from None
         check_synthetic_inputs([Path(p) for p in cfg.prompts], cfg.synthetic_temperature, tokenizer)
+    if cfg.extra_data:
+        from worker.training.extra_data import check_extra_data
+
+        check_extra_data(cfg.extra_data, target_fingerprint(path))
     if cfg.init_from:
         try:
             c = read_draft_config(Path(cfg.init_from).expanduser())
@@ -700,8 +709,9 @@ def _data_totals(split: DataSplit, prompt_files: Sequence[str], group) -> dict:
     meta = dict(split.meta)
     if group is None:
         return meta
-    stems = sorted({Path(p).stem for p in prompt_files} | {SYNTHETIC_CORPUS})
-    counts = ("train_sequences", "train_tokens", "response_tokens", "ended_with_eos", "synthetic_prompts_written")
+    stems = sorted({Path(p).stem for p in prompt_files} | {SYNTHETIC_CORPUS} | set(meta.get("extra_corpora", [])))
+    counts = ("train_sequences", "train_tokens", "response_tokens", "ended_with_eos", "synthetic_prompts_written",
+              "extra_greedy_reused", "extra_added")
     cut = int(bool(meta.get("generation_stopped_by_time_limit")))
     summed = agree_sum([meta.get(k, 0) for k in counts] + [cut] + [meta["corpora"].get(c, 0) for c in stems],
                        group, dtype=mx.int32)
@@ -767,7 +777,8 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
                                "give every rank the same --work-dir (a shared file system) or use --no-resume")
     if resuming:  # before generating: a mismatch is known now
         saved = json.loads((state_dir / "state.json").read_text())
-        if saved.get("data_key") != dataset_key(cfg.prompts, **data_kw)[0]:
+        extra = extra_data_key(cfg.extra_data) if cfg.extra_data else None
+        if saved.get("data_key") != dataset_key(cfg.prompts, **data_kw, extra=extra)[0]:
             raise TrainConfigError(f"{state_dir}: the checkpoint was trained on other data (prompt files or data "
                                    "options changed); rerun with --no-resume to start over on the new data")
         if saved.get("world_size", 1) != n_ranks:
@@ -778,7 +789,7 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
     split = build_dataset(target, tokenizer, cfg.prompts, data_dir, gen_batch_size=cfg.gen_batch_size,
                           gen_max_seconds=cfg.gen_max_minutes * 60 if cfg.gen_max_minutes else None,
                           regenerate=cfg.regenerate_data, shard=(rank, n_ranks), progress=cfg.progress,
-                          log=log, **data_kw)
+                          extra_data=cfg.extra_data, log=log, **data_kw)
     data_meta = _data_totals(split, cfg.prompts, group)
     if group is not None:
         log(f"data: {data_meta['train_sequences']} sequences, {data_meta['response_tokens']} response tokens "
@@ -886,7 +897,8 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
         "data": {k: data_meta.get(k) for k in ("train_sequences", "heldout_prompts", "train_tokens", "response_tokens",
                                                 "ended_with_eos", "generation_s", "generation_tokens_per_s",
                                                 "generation_stopped_by_time_limit", "corpora", "key",
-                                                "synthetic_prompts_written")}
+                                                "synthetic_prompts_written", "extra_greedy_reused", "extra_added",
+                                                "extra_data")}
         | {"files": [Path(p).name for p in cfg.prompts], "max_prompts_per_file": cfg.max_prompts_per_file,
            "max_prompt_tokens": cfg.max_prompt_tokens, "max_new_tokens": cfg.max_new_tokens,
            "gen_temperature": cfg.gen_temperature, "gen_samples": cfg.gen_samples,

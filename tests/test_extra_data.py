@@ -1,0 +1,135 @@
+"""--extra-data (`worker/training/extra_data.py`): an earlier run's data cache is reused by a later
+run of the same target: greedy answers to its training prompts are not generated again, its
+other sequences (target-written prompts, sampled answers) are added, held-out prompts and
+repeats never enter, another target's data is refused, and ranks split the added sequences."""
+import gzip
+import json
+
+import pytest
+
+import worker.training.data as data_mod
+from test_training import _write_prompts
+from worker.training.data import DataError, build_dataset, dataset_key
+from worker.training.extra_data import check_extra_data, load_extra_data, write_gzip_copy
+
+FP = "fingerprint-1"
+
+
+def _cache(d, rows, *, target=FP, temperature=0.0, max_new_tokens=8, gz=False):
+    d.mkdir(parents=True)
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    if gz:
+        with gzip.open(d / "train.jsonl.gz", "wt", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        (d / "train.jsonl").write_text(text)
+    (d / "meta.json").write_text(json.dumps({"settings": {"target": target, "temperature": temperature,
+                                                          "max_new_tokens": max_new_tokens}}))
+    return d
+
+
+def _row(corpus, pid, prompt, response):
+    return {"corpus": corpus, "id": pid, "prompt_ids": prompt, "response_ids": response}
+
+
+def test_load_sorts_reusable_added_and_dropped_sequences(tmp_path):
+    rows = [_row("code", "code/1", [1, 2], [5, 6, 7, 8, 9, 10, 11, 12]),       # greedy: offered for reuse
+            _row("code", "code/1#sample1", [1, 2], [5, 7, 7]),                  # sampled: added
+            _row("synthetic", "synthetic/0/3", [3, 4], [8, 9]),                 # target-written: added
+            _row("synthetic", "synthetic/0/4", [3, 4], [8, 9]),                 # exact repeat: dropped
+            _row("code", "code/7", [9, 9], [1, 2, 3]),                          # held out by its id
+            _row("prose", "prose/2", [4, 4, 4], [1, 2]),                        # held out by its prompt ids
+            _row("code", "code/8", [6], [1])]                                   # too short: dropped
+    d = _cache(tmp_path / "run1" / "data", rows, gz=True)
+    ex = load_extra_data([d], target_fingerprint=FP, max_new_tokens=4, greedy=True,
+                         heldout_prompt_ids=[[4, 4, 4]], heldout_ids=["code/7"])
+    assert ex.greedy == {(1, 2): [5, 6, 7, 8]}  # truncated to this run's cap
+    assert ex.added.ids == ["extra0:code/1#sample1", "extra0:synthetic/0/3"]
+    assert ex.added.response_ids == [[5, 7, 7], [8, 9]] and ex.corpora == ["code", "synthetic"]
+    src = ex.sources[0]
+    assert (src["read"], src["heldout_dropped"], src["repeats_dropped"], src["greedy_offered"], src["added"]) == \
+        (7, 2, 2, 1, 2)
+
+    # This run samples its first pass, or wants longer answers than the cache holds: greedy
+    # answers are not reused as its own, only added.
+    for kw in (dict(max_new_tokens=4, greedy=False), dict(max_new_tokens=9, greedy=True)):
+        ex = load_extra_data([d], target_fingerprint=FP, heldout_prompt_ids=[], heldout_ids=[], **kw)
+        assert not ex.greedy and "extra0:code/1" in ex.added.ids
+
+    # Data of another target, or not a data cache: one clear error each.
+    other = _cache(tmp_path / "other", rows[:1], target="fingerprint-2")
+    with pytest.raises(DataError, match="another target"):
+        check_extra_data([d, other], FP)
+    with pytest.raises(DataError, match="no meta.json"):
+        check_extra_data([tmp_path], FP)
+    with pytest.raises(DataError, match="not a directory"):
+        check_extra_data([tmp_path / "nope"], FP)
+
+
+def test_a_later_run_reuses_greedy_answers_and_adds_the_rest(tmp_path, tiny_models, monkeypatch):
+    from mlx_lm import load
+
+    target, tokenizer = load(str(tiny_models.llama))
+    files = _write_prompts(tmp_path)
+    kw = dict(max_new_tokens=8, heldout_per_corpus=2, heldout_fraction=0.2, target_fingerprint=FP,
+              log=lambda _: None)
+    first = build_dataset(target, tokenizer, files, tmp_path / "w1" / "data", synthetic=6, synthetic_max_tokens=12,
+                          synthetic_temperature=1.5, **kw)
+    n_synthetic = first.meta["corpora"]["synthetic"]
+    assert n_synthetic > 0
+    carried = write_gzip_copy(tmp_path / "w1" / "data", tmp_path / "carried")  # as collect.sh brings it back
+    assert (carried / "train.jsonl.gz").is_file() and not (carried / "train.jsonl").exists()
+
+    asked = []
+
+    def counting(model, prompts, *a, **k):
+        asked.append(len(prompts))
+        return real(model, prompts, *a, **k)
+    real = data_mod.generate_responses
+    monkeypatch.setattr(data_mod, "generate_responses", counting)
+    second = build_dataset(target, tokenizer, files, tmp_path / "w2" / "data", extra_data=[carried], **kw)
+    assert sum(asked) == 0  # every greedy answer came from the earlier run
+    n_file = len(first.train) - n_synthetic
+    assert second.meta["extra_greedy_reused"] == n_file and second.meta["extra_added"] == n_synthetic
+    assert sorted(zip(second.train.prompt_ids, second.train.response_ids)) == \
+        sorted(zip(first.train.prompt_ids, first.train.response_ids))
+    held = {tuple(h["prompt_ids"]) for h in second.heldout}
+    assert held.isdisjoint(map(tuple, second.train.prompt_ids))
+    # The extra data is part of the cache key; without it the key is the one it always was.
+    plain_key = dataset_key(files, **{k: v for k, v in kw.items() if k not in ("log", "target_fingerprint")},
+                            max_per_file=None, max_prompt_tokens=256, top_p=1.0, seed=0, samples=1,
+                            sample_temperature=0.8, temperature=0.0, target_fingerprint=FP)[0]
+    assert second.meta["key"] != plain_key
+
+    # Two ranks split the added sequences between them, without overlap.
+    shares = [build_dataset(target, tokenizer, files, tmp_path / f"r{r}", extra_data=[carried], shard=(r, 2), **kw)
+              for r in (0, 1)]
+    added = [{i for i in s.train.ids if i.startswith("extra0:")} for s in shares]
+    assert added[0].isdisjoint(added[1]) and len(added[0]) + len(added[1]) == n_synthetic
+
+
+def test_cli_trains_on_an_earlier_runs_data_and_says_so_in_the_card(tmp_path, tiny_models):
+    from flashfleet.cli.draft_cmd import main
+
+    files = _write_prompts(tmp_path)
+    common = ["train", "--target", str(tiny_models.llama), "--prompts", *map(str, files), "--max-new-tokens", "12",
+              "--steps", "2", "--batch-size", "4", "--anchors", "4", "--block-size", "4", "--heldout-per-corpus",
+              "2", "--heldout-fraction", "0.2", "--no-eval", "--no-compile", "--quiet"]
+    assert main([*common, "--out", str(tmp_path / "d1"), "--work-dir", str(tmp_path / "w1"),
+                 "--synthetic-prompts", "4"]) == 0
+    carried = write_gzip_copy(tmp_path / "w1" / "data", tmp_path / "carried")
+    assert main([*common, "--out", str(tmp_path / "d2"), "--work-dir", str(tmp_path / "w2"),
+                 "--extra-data", str(carried)]) == 0
+    first = json.loads((tmp_path / "d1" / "training_card.json").read_text())["data"]
+    card = json.loads((tmp_path / "d2" / "training_card.json").read_text())["data"]
+    assert card["train_sequences"] == first["train_sequences"]  # the same sequences, none generated
+    assert card["extra_greedy_reused"] + card["extra_added"] == first["train_sequences"]
+    assert card["corpora"].get("synthetic") == first["corpora"]["synthetic"]
+    assert "from earlier runs' data (--extra-data carried)" in (tmp_path / "d2" / "TRAINING.md").read_text()
+    # Another target's data (a changed fingerprint) is one line and exit 2, before any training.
+    meta = json.loads((carried / "meta.json").read_text())
+    meta["settings"]["target"] = "another"
+    (carried / "meta.json").write_text(json.dumps(meta))
+    assert main([*common, "--out", str(tmp_path / "d3"), "--work-dir", str(tmp_path / "w3"),
+                 "--extra-data", str(carried)]) == 2
+    assert not (tmp_path / "d3").exists()

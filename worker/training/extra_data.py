@@ -1,0 +1,195 @@
+"""Training sequences from earlier runs' data caches (`flashfleet draft train --extra-data DIR`).
+
+A draft gains held-out tau from prompts it has not seen (docs/training.md, fifth and sixth H200
+sessions), so data should accumulate across runs and machines instead of being generated again:
+each run's data cache (`WORK/data/` or `WORK/data-rank{r}of{W}/`: `meta.json` + `train.jsonl`,
+or `train.jsonl.gz`) can be handed to a later run. There,
+
+- a greedy answer to a prompt this run would answer greedily anyway (same templated prompt ids,
+  written with a token cap at least this run's) is reused, truncated to this run's cap, and that
+  prompt is not generated again (greedy decoding's answer is a prefix of the longer one);
+- every other sequence (answers to prompts the target wrote, sampled answers, answers to prompts
+  outside this run's files) is added as it is;
+- a sequence whose prompt is one of this run's held-out prompts (same templated ids, or the same
+  file prompt id) is dropped, and exact repeats are dropped.
+
+The data must come from the same target: its `meta.json` fingerprint (`train.target_fingerprint`:
+config + weight file sizes and ends) must equal this target's.
+"""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+from worker.training.data import SYNTHETIC_CORPUS, DataError, TokenDataset
+
+SAMPLE_MARK = "#sample"  # ids of sampled (not greedy) answers to file prompts end with #sample{k}
+
+
+@dataclass
+class ExtraData:
+    """Sequences read from earlier data caches, ready for `build_dataset`.
+
+    Attributes:
+        greedy: templated prompt ids (tuple) -> the greedy answer (token ids, at most the cap of
+            the run that reads it), for prompts this run may answer greedily.
+        added: every other usable sequence (corpus and id kept; ids prefixed `extra{k}:`).
+        sources: one dict per directory: path, sequences read, held-out ones dropped, repeats
+            dropped, greedy answers offered for reuse, sequences added.
+    """
+
+    greedy: dict = field(default_factory=dict)
+    added: TokenDataset = field(default_factory=TokenDataset)
+    sources: list = field(default_factory=list)
+
+    @property
+    def corpora(self) -> list[str]:
+        """Corpus names among the added sequences (sorted)."""
+        return sorted(set(self.added.corpus))
+
+
+def _train_file(d: Path) -> Path:
+    for name in ("train.jsonl", "train.jsonl.gz"):
+        if (d / name).is_file():
+            return d / name
+    raise DataError(f"--extra-data {d}: no train.jsonl or train.jsonl.gz (give a data cache directory: "
+                    "WORK/data or WORK/data-rank*of*)")
+
+
+def extra_data_key(dirs: Sequence[str | Path]) -> list:
+    """[[directory name, sha256 of its training file]] per directory: what the data cache key of a
+    run with --extra-data covers.
+
+    Raises:
+        DataError: a directory without a training file.
+    """
+    out = []
+    for d in map(Path, dirs):
+        f = _train_file(d)
+        out.append([d.name, hashlib.sha256(f.read_bytes()).hexdigest()])
+    return out
+
+
+def check_extra_data(dirs: Sequence[str | Path], target_fingerprint: str) -> list[dict]:
+    """Checks that every directory is a complete data cache written for this target; returns
+    their `settings` (from meta.json), in order.
+
+    Raises:
+        DataError: a directory that is missing, without meta.json or training file, or written
+            by another target (its fingerprint differs).
+    """
+    out = []
+    for d in map(Path, dirs):
+        if not d.is_dir():
+            raise DataError(f"--extra-data {d}: not a directory")
+        meta_path = d / "meta.json"
+        if not meta_path.is_file():
+            raise DataError(f"--extra-data {d}: no meta.json (not a complete data cache)")
+        _train_file(d)
+        try:
+            settings = json.loads(meta_path.read_text()).get("settings", {})
+        except json.JSONDecodeError as e:
+            raise DataError(f"{meta_path}: invalid JSON ({e})") from None
+        if settings.get("target") != target_fingerprint:
+            raise DataError(f"--extra-data {d}: written by another target (fingerprint {settings.get('target')}, "
+                            f"this target {target_fingerprint}); a draft must learn its own target's answers")
+        out.append(settings)
+    return out
+
+
+def _rows(path: Path) -> Iterable[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: invalid JSON ({e})") from None
+
+
+def load_extra_data(
+    dirs: Sequence[str | Path],
+    *,
+    target_fingerprint: str,
+    max_new_tokens: int,
+    greedy: bool,
+    heldout_prompt_ids: Iterable[Sequence[int]],
+    heldout_ids: Iterable[str],
+) -> ExtraData:
+    """Reads earlier runs' data caches for this run.
+
+    Args:
+        dirs: data cache directories (each with meta.json and train.jsonl or train.jsonl.gz).
+        target_fingerprint: this run's target (`train.target_fingerprint`); each meta.json's must
+            equal it.
+        max_new_tokens: this run's answer cap; longer answers are truncated to it.
+        greedy: this run answers its file prompts greedily (temperature 0); only then are greedy
+            answers offered for reuse (`ExtraData.greedy`), else they are added like the rest.
+        heldout_prompt_ids: this run's held-out prompts, templated token ids.
+        heldout_ids: this run's held-out prompt ids ("corpus/row").
+
+    Returns:
+        An `ExtraData`. Sequences shorter than 2 response tokens after truncation are dropped.
+
+    Raises:
+        DataError: a directory that is missing or has no meta.json / training file, data from
+            another target, or a line that is not valid JSON.
+    """
+    held_ids = {tuple(p) for p in heldout_prompt_ids}
+    held_names = set(heldout_ids)
+    out, seen = ExtraData(), set()
+    all_settings = check_extra_data(dirs, target_fingerprint)
+    for k, (d, settings) in enumerate(zip(map(Path, dirs), all_settings)):
+        was_greedy = not settings.get("temperature")
+        cap = settings.get("max_new_tokens") or 0
+        src = dict(dir=str(d), read=0, heldout_dropped=0, repeats_dropped=0, greedy_offered=0, added=0)
+        for row in _rows(_train_file(d)):
+            src["read"] += 1
+            pid, corpus = str(row["id"]), str(row["corpus"])
+            prompt, response = list(row["prompt_ids"]), list(row["response_ids"])[:max_new_tokens]
+            if tuple(prompt) in held_ids or (corpus != SYNTHETIC_CORPUS and pid.split(SAMPLE_MARK)[0] in held_names):
+                src["heldout_dropped"] += 1
+                continue
+            if len(response) < 2 or (tuple(prompt), tuple(response)) in seen:
+                src["repeats_dropped"] += 1
+                continue
+            seen.add((tuple(prompt), tuple(response)))
+            is_greedy = was_greedy and corpus != SYNTHETIC_CORPUS and SAMPLE_MARK not in pid
+            if greedy and is_greedy and cap >= max_new_tokens and tuple(prompt) not in out.greedy:
+                out.greedy[tuple(prompt)] = response
+                src["greedy_offered"] += 1  # build_dataset reuses those its prompts need
+                continue
+            out.added.prompt_ids.append(prompt)
+            out.added.response_ids.append(response)
+            out.added.corpus.append(corpus)
+            out.added.ids.append(f"extra{k}:{pid}")
+            src["added"] += 1
+        out.sources.append(src)
+    return out
+
+
+def shard_of(ds: TokenDataset, rank: int, world_size: int) -> TokenDataset:
+    """Every `world_size`-th sequence from `rank` on (a data-parallel rank's share)."""
+    return TokenDataset(ds.prompt_ids[rank::world_size], ds.response_ids[rank::world_size],
+                        ds.corpus[rank::world_size], ds.ids[rank::world_size])
+
+
+def write_gzip_copy(data_dir: str | Path, out_dir: str | Path) -> Optional[Path]:
+    """Copies a data cache (meta.json, heldout.jsonl, train.jsonl gzip-compressed) to `out_dir`,
+    e.g. to carry it off a GPU machine; returns the new directory, None if `data_dir` has no
+    complete cache."""
+    src, dst = Path(data_dir), Path(out_dir)
+    if not (src / "meta.json").is_file() or not (src / "train.jsonl").is_file():
+        return None
+    dst.mkdir(parents=True, exist_ok=True)
+    with open(src / "train.jsonl", "rb") as f, gzip.open(dst / "train.jsonl.gz", "wb", compresslevel=6) as g:
+        while chunk := f.read(1 << 20):
+            g.write(chunk)
+    for name in ("heldout.jsonl", "meta.json"):  # meta last: marks the copy complete
+        if (src / name).is_file():
+            (dst / name).write_bytes((src / name).read_bytes())
+    return dst
