@@ -168,6 +168,26 @@ def test_policy_never_times_apart_with_time_every_zero():
 
 def test_block_policy_benchmark_prints_the_comparison(capsys):
     """bench/bench_block_policy.py (the simulation the docs quote) runs and ranks the settings."""
+    bench = _bench_policy()
+    assert bench.main(["--p", "0.565", "--seeds", "2", "--cycles", "300"]) == 0
+    rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| 0.")}
+    rate = {k: float(v.split("|")[2].split()[0]) for k, v in rows.items()}
+    assert rate["0.95:8"] > rate["0.9:32"]
+
+
+def test_cost_window_takes_the_median_of_recent_cycles():
+    m = CostModel(cost_window=3)
+    for s in (9.0, 1.0, 2.0, 100.0, 3.0):  # the first is the warm-up, dropped
+        m.observe_cost(4, s)
+    assert m.cycle_cost(4) == 3.0  # median of the last 3 (2, 100, 3): one outlier moves nothing
+    ewma = CostModel()
+    for s in (9.0, 1.0, 2.0, 100.0, 3.0):
+        ewma.observe_cost(4, s)
+    assert ewma.cycle_cost(4) > 20  # the default mean follows the outlier
+
+
+def _bench_policy():
     import importlib.util
     from pathlib import Path
 
@@ -175,8 +195,36 @@ def test_block_policy_benchmark_prints_the_comparison(capsys):
     spec = importlib.util.spec_from_file_location("bench_block_policy", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    assert bench.main(["--p", "0.565", "--seeds", "2", "--cycles", "300"]) == 0
-    rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines()
-            if line.startswith("| 0.")}
-    rate = {k: float(v.split("|")[2].split()[0]) for k, v in rows.items()}
-    assert rate["0.95:8"] > rate["0.9:32"]
+    return bench
+
+
+def test_trace_replay_maps_recorded_acceptance_to_any_block_size(tmp_path, capsys):
+    import json
+
+    bench = _bench_policy()
+    s = bench.TraceSession([3, 0, 15, 2])  # cycles at positions 0, 4, 5, 21; 24 tokens
+    assert s.length == 24
+    assert [s.accepted(p, 16) for p in (0, 1, 3, 4, 5, 10, 20, 21)] == [3, 2, 0, 0, 15, 10, 0, 2]
+    assert s.accepted(5, 4) == 3 and s.accepted(0, 2) == 1  # capped by the block
+
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"draft": "d", "max_tokens": 24, "corpora": {"code": [[3, 0, 15, 2]] * 2}}))
+    assert bench.main(["--trace", str(trace), "--seeds", "1", "--settings", "0.95:8"]) == 0
+    rows = {line.split("|")[1].strip(): line.split("|")[2].split() for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and not line.startswith("| policy")}
+    fixed, plain = rows["fixed B=16"], rows["plain"]
+    assert float(fixed[1].strip("(,")) == pytest.approx(24 / 4)  # the recorded tau: 24 tokens in 4 cycles
+    assert float(fixed[0]) == pytest.approx(48 / (8 * 9.8) * 1e3, rel=0.01)
+    assert float(plain[0]) == pytest.approx(1e3 / 5.57, rel=0.01) and plain[2].strip(")") == "1.00"
+    assert "adaptive 0.95:8" in rows
+
+
+def test_noise_slows_every_policy_alike():
+    import random
+
+    bench = _bench_policy()
+    rates = {}
+    for kind in ("none", "spikes", "drift"):
+        _, rates[kind] = bench.run(bench.FixedBlock(16), 0.5, 400, random.Random(0), bench.H200_COST_MS, 1.0,
+                                   bench.Noise(kind, random.Random(1)))
+    assert rates["none"] > rates["spikes"] and rates["none"] > rates["drift"]

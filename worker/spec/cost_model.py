@@ -76,6 +76,7 @@ class CostModel:
         decay: float = 0.9,
         cost_decay: float = 0.7,
         min_gain: float = 1.05,
+        cost_window: int = 0,
     ):
         if not 0.0 <= prior_acceptance <= 1.0:
             raise ValueError("prior_acceptance must be in [0, 1]")
@@ -86,8 +87,10 @@ class CostModel:
         self.min_gain = min_gain
         self._succ = prior_acceptance * prior_weight
         self._fail = (1.0 - prior_acceptance) * prior_weight
+        self.cost_window = max(0, int(cost_window))
         self._cost: dict[int, float] = {}
         self._seen: dict[int, int] = {}
+        self._recent: dict[int, list] = {}
 
     # -- observations ----------------------------------------------------------------------
     def observe_cycle(self, drafted: int, accepted: int) -> None:
@@ -103,6 +106,12 @@ class CostModel:
         self._seen[block_size] = n + 1
         if n == 0:
             return  # warm-up measurement
+        if self.cost_window:
+            recent = self._recent.setdefault(block_size, [])
+            recent.append(seconds)
+            del recent[:-self.cost_window]
+            self._cost[block_size] = sorted(recent)[len(recent) // 2]
+            return
         old = self._cost.get(block_size)
         w = self.cost_decay
         self._cost[block_size] = seconds if old is None else w * old + (1 - w) * seconds
