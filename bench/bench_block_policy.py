@@ -141,8 +141,8 @@ def trace_table(a, path: Path) -> None:
                     else:
                         parts = setting.split(":")
                         policy = AdaptiveBlockPolicy(16, model=CostModel(
-                            decay=float(parts[0]), cost_window=int(parts[2]) if len(parts) > 2 else 0),
-                            probe_every=int(parts[1]))
+                            decay=float(parts[0]), cost_window=int(parts[2]) if len(parts) > 2 else 0,
+                            optimism=float(parts[3]) if len(parts) > 3 else 0.0), probe_every=int(parts[1]))
                     n = Noise(a.noise, random.Random(1000 * seed + k))
                     t, m, c, p = replay(policy, TraceSession(acc), cost, a.timed_cost, n)
                     tok, ms, cyc, pl = tok + t, ms + m, cyc + c, pl + p
@@ -155,8 +155,9 @@ def trace_table(a, path: Path) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--settings", nargs="+", default=["0.9:32", "0.95:8"],
-                    help="DECAY:PROBE_EVERY[:COST_WINDOW] (0.9:32 was the policy before 2026-12-01, 0.95:8 "
-                         "after; COST_WINDOW n > 0: costs are the median of the last n cycles, else a mean)")
+                    help="DECAY:PROBE_EVERY[:COST_WINDOW[:OPTIMISM]] (0.9:32 was the policy before 2026-12-01, 0.95:8 "
+                         "after; COST_WINDOW n > 0: costs are the median of the last n cycles, else a mean; "
+                         "OPTIMISM z: plain decoding only when speculation loses at acceptance + z standard errors)")
     ap.add_argument("--noise", choices=("none", "spikes", "drift"), default="none",
                     help="cycle-cost noise (class Noise); the fixed block and plain rows get the same")
     ap.add_argument("--p", type=float, nargs="+", default=[0.2, 0.45, 0.565, 0.65])
@@ -191,9 +192,11 @@ def main(argv=None) -> int:
         parts = setting.split(":")
         decay, probe = float(parts[0]), int(parts[1])
         window = int(parts[2]) if len(parts) > 2 else 0
+        optimism = float(parts[3]) if len(parts) > 3 else 0.0
 
         def make() -> AdaptiveBlockPolicy:
-            return AdaptiveBlockPolicy(16, model=CostModel(decay=decay, cost_window=window), probe_every=probe)
+            return AdaptiveBlockPolicy(16, model=CostModel(decay=decay, cost_window=window, optimism=optimism),
+                                       probe_every=probe)
         cells = [f"{r:.0f} ({share:.2f})" for r, share in (measure(make, p) for p in a.p)]
         lags = []
         for seed in range(a.seeds):

@@ -228,3 +228,26 @@ def test_noise_slows_every_policy_alike():
         _, rates[kind] = bench.run(bench.FixedBlock(16), 0.5, 400, random.Random(0), bench.H200_COST_MS, 1.0,
                                    bench.Noise(kind, random.Random(1)))
     assert rates["none"] > rates["spikes"] and rates["none"] > rates["drift"]
+
+
+def test_optimism_needs_evidence_before_plain_decoding():
+    """Below break-even (a = 0.4 on H200-like costs: 170 tok/s against 1.05 x 180 for plain), a few
+    cycles' evidence does not switch to plain decoding under optimism, many cycles' does, and
+    without optimism a few suffice; a useless draft falls back whatever the optimism."""
+    def model(optimism, cycles, pattern):
+        m = CostModel(decay=1.0, prior_weight=0.0, optimism=optimism)
+        for b, c in ((1, 5.57e-3), (16, 9.8e-3)):
+            for _ in range(3):
+                m.observe_cost(b, c)
+        for i in range(cycles):
+            m.observe_cycle(15, pattern[i % len(pattern)])
+        return m
+
+    assert CostModel(optimism=1.5, prior_weight=0.0).acceptance_bound() == 0.0  # no evidence: nothing added
+    below = (1, 1, 0)  # 2 accepted per 3 rejections: a = 0.4
+    assert model(0.0, 6, below).acceptance_rate == pytest.approx(0.4)
+    assert model(0.0, 6, below).decide([1, 16]).block_size == 1
+    assert model(1.5, 6, below).decide([1, 16]).block_size == 16
+    assert model(1.5, 600, below).decide([1, 16]).block_size == 1
+    for opt in (0.0, 1.5):
+        assert model(opt, 20, (0,)).decide([1, 16]).block_size == 1  # nothing ever accepted

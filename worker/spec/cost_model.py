@@ -67,6 +67,13 @@ class CostModel:
         decay: per-cycle decay of the acceptance counts, in (0, 1].
         cost_decay: weight of the old mean in the per-size cost average, in [0, 1).
         min_gain: speculate only when R(B*) >= min_gain * R(1).
+        cost_window: 0: costs are exponentially weighted means (`cost_decay`); n > 0: the
+            median of the last n cycles per size (robust to single slow cycles; simulated no
+            better than the mean under spikes or drift, so not the policy's default).
+        optimism: z >= 0; the speculate-or-plain test evaluates R(B*) at acceptance
+            a + z * sqrt(a (1 - a) / n), n the decayed observation count (`acceptance_bound`),
+            so it falls back to plain decoding only when speculation loses with some confidence.
+            The choice among block sizes uses `a` itself.
     """
 
     def __init__(
@@ -77,6 +84,7 @@ class CostModel:
         cost_decay: float = 0.7,
         min_gain: float = 1.05,
         cost_window: int = 0,
+        optimism: float = 0.0,
     ):
         if not 0.0 <= prior_acceptance <= 1.0:
             raise ValueError("prior_acceptance must be in [0, 1]")
@@ -88,6 +96,7 @@ class CostModel:
         self._succ = prior_acceptance * prior_weight
         self._fail = (1.0 - prior_acceptance) * prior_weight
         self.cost_window = max(0, int(cost_window))
+        self.optimism = float(optimism)
         self._cost: dict[int, float] = {}
         self._seen: dict[int, int] = {}
         self._recent: dict[int, list] = {}
@@ -155,6 +164,14 @@ class CostModel:
         c = self.cycle_cost(block_size)
         return None if not c else self.expected_tokens(block_size) / c
 
+    def acceptance_bound(self) -> float:
+        """a + optimism * its standard error over the (decayed) observations: the acceptance the
+        speculate-or-not test uses, so plain decoding needs evidence, not one noisy dip."""
+        a, n = self.acceptance_rate, self._succ + self._fail
+        if not self.optimism or n <= 0:
+            return a
+        return min(1.0, a + self.optimism * (a * (1.0 - a) / n) ** 0.5)
+
     def decide(self, candidates: Sequence[int]) -> Decision:
         """Best block size among `candidates` (1 = plain); the largest one while nothing is measured."""
         a = self.acceptance_rate
@@ -169,19 +186,26 @@ class CostModel:
         if best is None:
             spec = [b for b in candidates if b > 1]
             return Decision(max(spec) if spec else 1, None, plain, a)
-        if plain is not None and best_r < self.min_gain * plain:
+        bound_r = best_r
+        if self.optimism and plain is not None:
+            bound_r = self.expected_tokens(best, self.acceptance_bound()) / self.cycle_cost(best)
+        if plain is not None and bound_r < self.min_gain * plain:
             return Decision(1, plain, plain, a)
         return Decision(best, best_r, plain, a)
 
 
-# The policy's acceptance window (~20 cycles) and plain-mode probe interval (8 steps), chosen by
+# The policy's acceptance window (~10 cycles), plain-mode probe interval (8 steps) and optimism
+# (plain decoding only when speculation loses even at acceptance + 1.5 standard errors), chosen by
 # simulating the fifth H200 session's costs (plain step 5.57 ms, cycles 9.0-9.8 ms for B = 2-16)
-# with geometric acceptance p (`python bench/bench_block_policy.py`, docs/benchmarks.md). At p = 0.565
-# (tau 2.3; fixed B = 16 runs at 235 tok/s, plain at 180) the old window of 10 cycles with a probe
-# every 32 plain steps reached 186 tok/s: a noisy dip sends it to plain and rare probes bring it
-# back slowly. These reach 221; they cost 3% when the draft is useless (p = 0.2: 171 against 177)
-# and react to a collapse of acceptance (0.9 -> 0) after about 40 cycles instead of 18.
-POLICY_ACCEPTANCE_DECAY = 0.95
+# with geometric acceptance p (`python bench/bench_block_policy.py`, docs/benchmarks.md). Without
+# the optimism a noisy dip of the estimate sends the policy to plain decoding, where only the
+# probes bring new evidence, so it stays there long: at p = 0.565 (tau 2.3; fixed B = 16 at 236
+# tok/s, plain at 180) it spent 28% of its cycles in plain steps and reached 226 tok/s (window ~20
+# cycles), 187 (window 10, probe every 32). With it: 237, and at p = 0.45, where speculation barely
+# pays, 191 (fixed 187, plain 180); a useless draft (p = 0.2) still falls back (170; fixed 129),
+# and a collapse of acceptance (0.9 -> 0) turns it to plain after about 25 cycles.
+POLICY_ACCEPTANCE_DECAY = 0.9
+POLICY_OPTIMISM = 1.5
 
 
 class AdaptiveBlockPolicy:
@@ -202,10 +226,14 @@ class AdaptiveBlockPolicy:
         max_block_size: the draft's block size (trained B); larger blocks are never tried.
         candidates: block sizes to choose from, default (1, 2, 4, 8, 16) capped at the maximum,
             plus the maximum itself. 1 (plain) is always included.
-        model: the CostModel (default: a fresh one with decay `POLICY_ACCEPTANCE_DECAY`).
+        model: the CostModel (default: a fresh one with decay `POLICY_ACCEPTANCE_DECAY` and
+            optimism `POLICY_OPTIMISM`).
         min_samples: kept cost measurements per size before exploring stops.
         time_every: time the chosen size's draft and verify apart every n-th cycle (for the
-            metrics; 0: never, the worker's default without `spec_timing_sync`).
+            metrics; 0, the default: never, as the worker runs without `spec_timing_sync`, which
+            passes 8). Until 2026-12-01 the default was 8, so the benchmark's and the
+            simulation's policy paid a cycle timed apart (1.28x on the H200) every 8 cycles that
+            the worker's did not.
         explore_every: run one other candidate every n-th cycle, to keep its cost current.
         probe_every: while decoding plainly, one speculative cycle every n plain steps.
 
@@ -222,7 +250,7 @@ class AdaptiveBlockPolicy:
         model: Optional[CostModel] = None,
         *,
         min_samples: int = 2,
-        time_every: int = 8,
+        time_every: int = 0,
         explore_every: int = 64,
         probe_every: int = 8,
     ):
@@ -230,7 +258,7 @@ class AdaptiveBlockPolicy:
             raise ValueError("max_block_size must be >= 1")
         base = candidates if candidates is not None else (2, 4, 8, 16)
         self.candidates = sorted({1, max_block_size, *(b for b in base if 1 <= b <= max_block_size)})
-        self.model = model or CostModel(decay=POLICY_ACCEPTANCE_DECAY)
+        self.model = model or CostModel(decay=POLICY_ACCEPTANCE_DECAY, optimism=POLICY_OPTIMISM)
         self.min_samples = min_samples
         self.time_every = max(0, time_every)
         self.explore_every = max(1, explore_every)
