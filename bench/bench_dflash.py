@@ -542,7 +542,8 @@ def main(argv=None) -> int:
             ratios = results.ratios(name, corpus)
             r["speedup"] = statistics.median(ratios)
             r["speedup_range"] = [min(ratios), max(ratios)]
-            rng = f" {min(ratios):5.2f}-{max(ratios):4.2f}x" if args.rounds > 1 else ""
+            rng = "" if args.rounds == 1 else f" {'-':>11s}" if name == "plain mlx-lm" else \
+                f" {min(ratios):5.2f}-{max(ratios):4.2f}x"
             print(f"{corpus:6s} {name:28s} {r['tps']:8.2f} {r['tau']:6.2f} {r['speedup']:7.2f}x{rng}  {same}")
 
     for name, r in packages.items():

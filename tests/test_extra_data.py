@@ -32,8 +32,14 @@ def _row(corpus, pid, prompt, response):
     return {"corpus": corpus, "id": pid, "prompt_ids": prompt, "response_ids": response}
 
 
+EOS = 99
+
+
 def test_load_sorts_reusable_added_and_dropped_sequences(tmp_path):
-    rows = [_row("code", "code/1", [1, 2], [5, 6, 7, 8, 9, 10, 11, 12]),       # greedy: offered for reuse
+    rows = [_row("code", "code/1", [1, 2], [5, 6, 7, 8, 9, 10, 11, 12]),       # ran to the cap: reusable
+            _row("code", "code/2", [1, 3], [5, EOS]),                            # ended with EOS: reusable
+            _row("code", "code/3", [1, 4], [5, 6, 7]),                           # cut short (time limit)
+            _row("code", "code/5", [7, 7], [5, 6, 7]),                           # a prompt this run lacks
             _row("code", "code/1#sample1", [1, 2], [5, 7, 7]),                  # sampled: added
             _row("synthetic", "synthetic/0/3", [3, 4], [8, 9]),                 # target-written: added
             _row("synthetic", "synthetic/0/4", [3, 4], [8, 9]),                 # exact repeat: dropped
@@ -41,29 +47,56 @@ def test_load_sorts_reusable_added_and_dropped_sequences(tmp_path):
             _row("prose", "prose/2", [4, 4, 4], [1, 2]),                        # held out by its prompt ids
             _row("code", "code/8", [6], [1])]                                   # too short: dropped
     d = _cache(tmp_path / "run1" / "data", rows, gz=True)
-    ex = load_extra_data([d], target_fingerprint=FP, max_new_tokens=4, greedy=True,
-                         heldout_prompt_ids=[[4, 4, 4]], heldout_ids=["code/7"])
-    assert ex.greedy == {(1, 2): [5, 6, 7, 8]}  # truncated to this run's cap
-    assert ex.added.ids == ["extra0:code/1#sample1", "extra0:synthetic/0/3"]
-    assert ex.added.response_ids == [[5, 7, 7], [8, 9]] and ex.corpora == ["code", "synthetic"]
+    answered = [[1, 2], [1, 3], [1, 4]]
+    kw = dict(target_fingerprint=FP, eos_ids=[EOS], heldout_prompt_ids=[[4, 4, 4]], heldout_ids=["code/7"])
+    ex = load_extra_data([d], max_new_tokens=4, answered=answered, **kw)
+    assert ex.greedy == {(1, 2): [5, 6, 7, 8], (1, 3): [5, EOS]}  # cut to this run's cap; EOS-ended kept
+    assert ex.added.ids == ["extra0:code/5", "extra0:code/1#sample1", "extra0:synthetic/0/3"]
+    assert ex.added.response_ids == [[5, 6, 7], [5, 7, 7], [8, 9]] and ex.corpora == ["code", "synthetic"]
     src = ex.sources[0]
-    assert (src["read"], src["heldout_dropped"], src["repeats_dropped"], src["greedy_offered"], src["added"]) == \
-        (7, 2, 2, 1, 2)
-
-    # This run samples its first pass, or wants longer answers than the cache holds: greedy
-    # answers are not reused as its own, only added.
-    for kw in (dict(max_new_tokens=4, greedy=False), dict(max_new_tokens=9, greedy=True)):
-        ex = load_extra_data([d], target_fingerprint=FP, heldout_prompt_ids=[], heldout_ids=[], **kw)
-        assert not ex.greedy and "extra0:code/1" in ex.added.ids
+    assert {k: src[k] for k in ("read", "heldout_dropped", "repeats_dropped", "superseded", "reused_offered",
+                                "added")} == dict(read=10, heldout_dropped=2, repeats_dropped=2, superseded=1,
+                                                  reused_offered=2, added=3)
+    # A longer cap than the earlier run's: only the EOS-ended answer is complete; the one that ran
+    # to the old cap is written again (not kept beside the new answer as a near-duplicate).
+    ex = load_extra_data([d], max_new_tokens=9, answered=answered, **kw)
+    assert set(ex.greedy) == {(1, 3)} and ex.sources[0]["superseded"] == 2
+    # This run samples its first pass (answers nothing greedily): every greedy answer is added.
+    ex = load_extra_data([d], max_new_tokens=4, answered=[], **kw)
+    assert not ex.greedy and "extra0:code/1" in ex.added.ids
 
     # Data of another target, or not a data cache: one clear error each.
     other = _cache(tmp_path / "other", rows[:1], target="fingerprint-2")
     with pytest.raises(DataError, match="another target"):
         check_extra_data([d, other], FP)
-    with pytest.raises(DataError, match="no meta.json"):
+    with pytest.raises(DataError, match="no train.jsonl"):
         check_extra_data([tmp_path], FP)
     with pytest.raises(DataError, match="not a directory"):
         check_extra_data([tmp_path / "nope"], FP)
+
+
+@pytest.mark.parametrize("damage, says", [
+    ("cut_gzip", "unreadable after line"),
+    ("missing_field", "not a training sequence"),
+    ("bad_token", "not a training sequence"),
+    ("empty", "holds 0 sequences, meta.json says 2"),
+])
+def test_damaged_training_files_are_one_clear_error(tmp_path, damage, says):
+    rows = [_row("code", "code/1", [1, 2], [5, 6]), _row("code", "code/2", [1, 3], [5, 6])]
+    d = _cache(tmp_path / "d", rows, gz=damage == "cut_gzip")
+    meta = json.loads((d / "meta.json").read_text())
+    (d / "meta.json").write_text(json.dumps({**meta, "train_sequences": 2}))
+    if damage == "cut_gzip":
+        whole = (d / "train.jsonl.gz").read_bytes()
+        (d / "train.jsonl.gz").write_bytes(whole[: len(whole) // 2])
+    elif damage == "missing_field":
+        (d / "train.jsonl").write_text(json.dumps({"corpus": "code"}) + "\n\n")
+    elif damage == "bad_token":
+        (d / "train.jsonl").write_text(json.dumps(_row("code", "c", [1], ["x", 2])) + "\n")
+    else:
+        (d / "train.jsonl").write_text("\n")  # blank lines are skipped, not an error
+    with pytest.raises(DataError, match=says):
+        check_extra_data([d], FP, read_rows=True)
 
 
 def test_a_later_run_reuses_greedy_answers_and_adds_the_rest(tmp_path, tiny_models, monkeypatch):
@@ -125,7 +158,7 @@ def test_cli_trains_on_an_earlier_runs_data_and_says_so_in_the_card(tmp_path, ti
     assert card["train_sequences"] == first["train_sequences"]  # the same sequences, none generated
     assert card["extra_greedy_reused"] + card["extra_added"] == first["train_sequences"]
     assert card["corpora"].get("synthetic") == first["corpora"]["synthetic"]
-    assert "from earlier runs' data (--extra-data carried)" in (tmp_path / "d2" / "TRAINING.md").read_text()
+    assert f"of these, from earlier runs' data (--extra-data {carried}): " in (tmp_path / "d2" / "TRAINING.md").read_text()
     # Another target's data (a changed fingerprint) is one line and exit 2, before any training.
     meta = json.loads((carried / "meta.json").read_text())
     meta["settings"]["target"] = "another"

@@ -1,8 +1,6 @@
 """The training card of a draft: `TRAINING.md` rendered from `training_card.json` (one job)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 
 def tau_line(ev: dict) -> str:
     """One line of tau per corpus from an `evaluate_tau` result (for logs)."""
@@ -43,11 +41,12 @@ def render_card(card: dict) -> str:
            "requested (repeats, texts under 16 characters and the generation time limit drop some); their "
            "answers are the corpus 'synthetic' above"]
           if data.get("synthetic_prompts") else []),
-        *([f"- from earlier runs' data (--extra-data {', '.join(Path(x['dir']).name for x in data['extra_data'])}): "
+        *([f"- of these, from earlier runs' data (--extra-data {', '.join(x['dir'] for x in data['extra_data'])}): "
            f"{data.get('extra_greedy_reused', 0)} greedy answers reused instead of generated, "
-           f"{data.get('extra_added', 0)} more sequences added; "
-           f"{sum(x['heldout_dropped'] for x in data['extra_data'])} held-out and "
-           f"{sum(x['repeats_dropped'] for x in data['extra_data'])} repeated or too short dropped"]
+           f"{data.get('extra_added', 0)} more sequences added; dropped "
+           f"{sum(x['heldout_dropped'] for x in data['extra_data'])} held out, "
+           f"{sum(x['repeats_dropped'] for x in data['extra_data'])} repeated or too short, "
+           f"{sum(x.get('superseded', 0) for x in data['extra_data'])} incomplete answers written again"]
           if data.get("extra_data") else []),
         *(["- generation was cut by its time limit (--gen-max-minutes): some prompts were not answered"]
           if data.get("generation_stopped_by_time_limit") else []),

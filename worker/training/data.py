@@ -529,7 +529,8 @@ def build_dataset(
     if not 0 <= rank < world_size:
         raise ValueError(f"shard {shard}: need 0 <= rank < world size")
     extra = load_extra_data(extra_data, target_fingerprint=target_fingerprint, max_new_tokens=max_new_tokens,
-                            greedy=temperature <= 0, heldout_prompt_ids=[h["prompt_ids"] for h in heldout],
+                            answered=enc if temperature <= 0 else [], eos_ids=tokenizer.eos_token_ids,
+                            heldout_prompt_ids=[h["prompt_ids"] for h in heldout],
                             heldout_ids=[h["id"] for h in heldout])
     reused = 0  # greedy answers taken from --extra-data instead of generated
     share = len(range(rank, len(enc), world_size))  # prompts this rank answers per pass
@@ -610,9 +611,12 @@ def build_dataset(
     for name in ("prompt_ids", "response_ids", "corpus", "ids"):
         getattr(ds, name).extend(getattr(added, name))
     if extra_data:
-        log(f"data: --extra-data: {reused} greedy answers reused (not generated), {len(added)} sequences added "
-            f"(of {len(extra.added)} over all ranks); dropped as held out "
-            f"{sum(s['heldout_dropped'] for s in extra.sources)}, as repeats {sum(s['repeats_dropped'] for s in extra.sources)}")
+        src = extra.sources
+        log(f"data: --extra-data: {reused} greedy answers reused instead of generated and {len(added)} sequences added"
+            + (f" on this rank ({sum(x['reused_offered'] for x in src)} and {len(extra.added)} over all ranks)"
+               if world_size > 1 else "")
+            + f"; dropped: {sum(x['heldout_dropped'] for x in src)} held out, {sum(x['repeats_dropped'] for x in src)} "
+            f"repeated or too short, {sum(x['superseded'] for x in src)} incomplete answers this run wrote again")
     if not len(ds):
         raise DataError("the target produced no response of 2 or more tokens")
     eos = set(tokenizer.eos_token_ids)

@@ -5,11 +5,13 @@ sessions), so data should accumulate across runs and machines instead of being g
 each run's data cache (`WORK/data/` or `WORK/data-rank{r}of{W}/`: `meta.json` + `train.jsonl`,
 or `train.jsonl.gz`) can be handed to a later run. There,
 
-- a greedy answer to a prompt this run would answer greedily anyway (same templated prompt ids,
-  written with a token cap at least this run's) is reused, truncated to this run's cap, and that
-  prompt is not generated again (greedy decoding's answer is a prefix of the longer one);
-- every other sequence (answers to prompts the target wrote, sampled answers, answers to prompts
-  outside this run's files) is added as it is;
+- a greedy answer to a prompt this run answers greedily anyway (same templated prompt ids) is
+  reused and that prompt is not generated again, when the answer is complete: it ended with EOS,
+  or it ran to its run's token cap and that cap is at least this run's (it is cut to this run's
+  cap: greedy decoding's answer is a prefix of the longer one). An incomplete one (cut by a time
+  limit or a smaller cap) is dropped, and this run answers the prompt itself;
+- every other sequence (answers to prompts the target wrote, sampled answers, greedy answers to
+  prompts outside this run's files) is added as it is;
 - a sequence whose prompt is one of this run's held-out prompts (same templated ids, or the same
   file prompt id) is dropped, and exact repeats are dropped.
 
@@ -21,9 +23,10 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 from worker.training.data import SYNTHETIC_CORPUS, DataError, TokenDataset
 
@@ -35,11 +38,12 @@ class ExtraData:
     """Sequences read from earlier data caches, ready for `build_dataset`.
 
     Attributes:
-        greedy: templated prompt ids (tuple) -> the greedy answer (token ids, at most the cap of
-            the run that reads it), for prompts this run may answer greedily.
+        greedy: templated prompt ids (tuple) -> a complete greedy answer (token ids, at most the
+            cap of the run that reads it), for prompts this run answers greedily.
         added: every other usable sequence (corpus and id kept; ids prefixed `extra{k}:`).
         sources: one dict per directory: path, sequences read, held-out ones dropped, repeats
-            dropped, greedy answers offered for reuse, sequences added.
+            (or too short) dropped, incomplete greedy answers superseded by this run's, greedy
+            answers offered for reuse, sequences added.
     """
 
     greedy: dict = field(default_factory=dict)
@@ -53,6 +57,9 @@ class ExtraData:
 
 
 def _train_file(d: Path) -> Path:
+    if not d.is_dir():
+        raise DataError(f"--extra-data {d}: not a directory (give a data cache directory: WORK/data or "
+                        "WORK/data-rank*of*)")
     for name in ("train.jsonl", "train.jsonl.gz"):
         if (d / name).is_file():
             return d / name
@@ -74,41 +81,71 @@ def extra_data_key(dirs: Sequence[str | Path]) -> list:
     return out
 
 
-def check_extra_data(dirs: Sequence[str | Path], target_fingerprint: str) -> list[dict]:
+def _int_list(v) -> bool:
+    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v)
+
+
+def _rows(path: Path) -> Iterator[dict]:
+    """The rows of a training file, each checked (corpus and id strings, prompt_ids and
+    response_ids lists of token ids); blank lines skipped.
+
+    Raises:
+        DataError: a line that is not JSON or lacks a field, or a cut or corrupt gzip file.
+    """
+    opener = gzip.open if path.suffix == ".gz" else open
+    n = 0
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{n}: invalid JSON ({e})") from None
+                if not (isinstance(row, dict) and isinstance(row.get("corpus"), str) and isinstance(row.get("id"), str)
+                        and _int_list(row.get("prompt_ids")) and _int_list(row.get("response_ids"))):
+                    raise DataError(f"{path}:{n}: not a training sequence (needs corpus and id strings, "
+                                    "prompt_ids and response_ids lists of token ids)")
+                yield row
+    except (EOFError, OSError, UnicodeDecodeError, zlib.error) as e:
+        raise DataError(f"{path}: unreadable after line {n} ({type(e).__name__}: {e}); copy it again") from None
+
+
+def check_extra_data(dirs: Sequence[str | Path], target_fingerprint: str, *, read_rows: bool = False) -> list[dict]:
     """Checks that every directory is a complete data cache written for this target; returns
     their `settings` (from meta.json), in order.
 
+    Args:
+        read_rows: also read every training file through (`_rows`) and compare its sequence
+            count with meta.json's (what the --processes launcher does before starting ranks).
+
     Raises:
-        DataError: a directory that is missing, without meta.json or training file, or written
-            by another target (its fingerprint differs).
+        DataError: a directory that is missing, without meta.json or training file, written by
+            another target (its fingerprint differs), or (read_rows) with a bad or cut file.
     """
     out = []
     for d in map(Path, dirs):
-        if not d.is_dir():
-            raise DataError(f"--extra-data {d}: not a directory")
+        train = _train_file(d)
         meta_path = d / "meta.json"
         if not meta_path.is_file():
             raise DataError(f"--extra-data {d}: no meta.json (not a complete data cache)")
-        _train_file(d)
         try:
-            settings = json.loads(meta_path.read_text()).get("settings", {})
+            meta = json.loads(meta_path.read_text())
         except json.JSONDecodeError as e:
             raise DataError(f"{meta_path}: invalid JSON ({e})") from None
+        settings = meta.get("settings", {}) if isinstance(meta, dict) else {}
         if settings.get("target") != target_fingerprint:
             raise DataError(f"--extra-data {d}: written by another target (fingerprint {settings.get('target')}, "
                             f"this target {target_fingerprint}); a draft must learn its own target's answers")
+        if read_rows:
+            n = sum(1 for _ in _rows(train))
+            want = meta.get("train_sequences")
+            if isinstance(want, int) and n != want:
+                raise DataError(f"--extra-data {d}: {train.name} holds {n} sequences, meta.json says {want} "
+                                "(a cut or emptied copy?)")
         out.append(settings)
     return out
-
-
-def _rows(path: Path) -> Iterable[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{n}: invalid JSON ({e})") from None
 
 
 def load_extra_data(
@@ -116,7 +153,8 @@ def load_extra_data(
     *,
     target_fingerprint: str,
     max_new_tokens: int,
-    greedy: bool,
+    answered: Iterable[Sequence[int]],
+    eos_ids: Iterable[int],
     heldout_prompt_ids: Iterable[Sequence[int]],
     heldout_ids: Iterable[str],
 ) -> ExtraData:
@@ -127,8 +165,13 @@ def load_extra_data(
         target_fingerprint: this run's target (`train.target_fingerprint`); each meta.json's must
             equal it.
         max_new_tokens: this run's answer cap; longer answers are truncated to it.
-        greedy: this run answers its file prompts greedily (temperature 0); only then are greedy
-            answers offered for reuse (`ExtraData.greedy`), else they are added like the rest.
+        answered: templated ids of the prompts this run answers greedily in its first pass, on
+            any rank (empty when that pass samples). A greedy answer to one of them is reused
+            (`ExtraData.greedy`) when it is complete: it ended with EOS, or it ran to its run's
+            cap and that cap is at least this run's. An incomplete one (cut by a time limit, or
+            by a smaller cap) is dropped: this run writes the prompt's answer again. Greedy
+            answers to other prompts are added like every other sequence.
+        eos_ids: the target's EOS token ids.
         heldout_prompt_ids: this run's held-out prompts, templated token ids.
         heldout_ids: this run's held-out prompt ids ("corpus/row").
 
@@ -136,34 +179,41 @@ def load_extra_data(
         An `ExtraData`. Sequences shorter than 2 response tokens after truncation are dropped.
 
     Raises:
-        DataError: a directory that is missing or has no meta.json / training file, data from
-            another target, or a line that is not valid JSON.
+        DataError: as `check_extra_data` with read_rows, or a line that is not a training sequence.
     """
     held_ids = {tuple(p) for p in heldout_prompt_ids}
     held_names = set(heldout_ids)
+    mine = {tuple(p) for p in answered}
+    eos = set(eos_ids)
     out, seen = ExtraData(), set()
     all_settings = check_extra_data(dirs, target_fingerprint)
     for k, (d, settings) in enumerate(zip(map(Path, dirs), all_settings)):
         was_greedy = not settings.get("temperature")
         cap = settings.get("max_new_tokens") or 0
-        src = dict(dir=str(d), read=0, heldout_dropped=0, repeats_dropped=0, greedy_offered=0, added=0)
+        src = dict(dir=str(d), read=0, heldout_dropped=0, repeats_dropped=0, superseded=0, reused_offered=0,
+                   added=0)
         for row in _rows(_train_file(d)):
             src["read"] += 1
-            pid, corpus = str(row["id"]), str(row["corpus"])
-            prompt, response = list(row["prompt_ids"]), list(row["response_ids"])[:max_new_tokens]
-            if tuple(prompt) in held_ids or (corpus != SYNTHETIC_CORPUS and pid.split(SAMPLE_MARK)[0] in held_names):
+            pid, corpus = row["id"], row["corpus"]
+            prompt, full = tuple(row["prompt_ids"]), row["response_ids"]
+            response = full[:max_new_tokens]
+            if prompt in held_ids or (corpus != SYNTHETIC_CORPUS and pid.split(SAMPLE_MARK)[0] in held_names):
                 src["heldout_dropped"] += 1
                 continue
-            if len(response) < 2 or (tuple(prompt), tuple(response)) in seen:
+            if len(response) < 2 or (prompt, tuple(response)) in seen:
                 src["repeats_dropped"] += 1
                 continue
-            seen.add((tuple(prompt), tuple(response)))
+            seen.add((prompt, tuple(response)))
             is_greedy = was_greedy and corpus != SYNTHETIC_CORPUS and SAMPLE_MARK not in pid
-            if greedy and is_greedy and cap >= max_new_tokens and tuple(prompt) not in out.greedy:
-                out.greedy[tuple(prompt)] = response
-                src["greedy_offered"] += 1  # build_dataset reuses those its prompts need
+            if is_greedy and prompt in mine:
+                complete = full[-1] in eos or (len(full) >= cap >= max_new_tokens)
+                if complete and prompt not in out.greedy:
+                    out.greedy[prompt] = response
+                    src["reused_offered"] += 1
+                else:
+                    src["superseded"] += 1  # this run answers the prompt itself
                 continue
-            out.added.prompt_ids.append(prompt)
+            out.added.prompt_ids.append(list(prompt))
             out.added.response_ids.append(response)
             out.added.corpus.append(corpus)
             out.added.ids.append(f"extra{k}:{pid}")

@@ -682,7 +682,7 @@ def preflight(cfg: TrainConfig) -> None:
     if cfg.extra_data:
         from worker.training.extra_data import check_extra_data
 
-        check_extra_data(cfg.extra_data, target_fingerprint(path))
+        check_extra_data(cfg.extra_data, target_fingerprint(path), read_rows=True)
     if cfg.init_from:
         try:
             c = read_draft_config(Path(cfg.init_from).expanduser())
@@ -760,8 +760,12 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
     tdt = resolve_dtype(cfg.target_dtype)
     log(f"target: {target_path} ({tdt}); device {mx.default_device()}; out {out}; work {work}"
         + (f"; data parallel over {n_ranks} processes" if group is not None else ""))
-    target, tokenizer = load_target(target_path, tdt)
     fingerprint = target_fingerprint(target_path)
+    if cfg.extra_data:  # before loading the target: another target's data is known now
+        from worker.training.extra_data import check_extra_data
+
+        check_extra_data(cfg.extra_data, fingerprint)
+    target, tokenizer = load_target(target_path, tdt)
 
     data_kw = dict(max_per_file=cfg.max_prompts_per_file, max_prompt_tokens=cfg.max_prompt_tokens,
                    max_new_tokens=cfg.max_new_tokens, heldout_per_corpus=cfg.heldout_per_corpus,
