@@ -18,6 +18,7 @@ import argparse
 import random
 import sys
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -82,15 +83,18 @@ class TraceSession:
     P with j accepted means the draft matched positions P+1..P+j. A cycle of block B starting at
     a position p inside such a run is taken to accept min(B-1, P+j-p) drafts, one starting where
     a recorded cycle started accepts min(B-1, j): exact for the recorded starts, an estimate
-    inside a run (a later start sees more context and may match longer)."""
+    inside a run (a later start sees more context and may match longer). A block starting at a
+    recorded bonus position is given the matches of nothing before the next recorded start, which
+    is pessimistic when the recorded cycle accepted its whole block. The generation ends at
+    `max_tokens` (the recording's last cycles may have verified past it)."""
 
-    def __init__(self, accepted: list[int]):
+    def __init__(self, accepted: list[int], max_tokens: Optional[int] = None):
         self.run_end = {}  # start position -> last matched position
         pos = 0
         for j in accepted:
             self.run_end[pos] = pos + j
             pos += j + 1
-        self.length = pos
+        self.length = pos if max_tokens is None else min(pos, max_tokens)
         self.starts = sorted(self.run_end)
 
     def accepted(self, pos: int, block_size: int) -> int:
@@ -107,6 +111,7 @@ def replay(policy, session: TraceSession, cost_ms: dict, timed_cost: float, nois
     while pos < session.length:
         bs, timed = policy.next_block_size()
         j = session.accepted(pos, bs) if bs > 1 else 0
+        j = min(j, session.length - pos - 1)  # the last cycle ends at the generation's end
         apart = timed and bs > 1
         cost = cost_ms[bs] * (noise() if noise else 1.0)
         policy.observe(bs, bs - 1, j, None if apart else cost / 1e3)
@@ -144,7 +149,7 @@ def trace_table(a, path: Path) -> None:
                             decay=float(parts[0]), cost_window=int(parts[2]) if len(parts) > 2 else 0,
                             optimism=float(parts[3]) if len(parts) > 3 else 0.0), probe_every=int(parts[1]))
                     n = Noise(a.noise, random.Random(1000 * seed + k))
-                    t, m, c, p = replay(policy, TraceSession(acc), cost, a.timed_cost, n)
+                    t, m, c, p = replay(policy, TraceSession(acc, trace.get("max_tokens")), cost, a.timed_cost, n)
                     tok, ms, cyc, pl = tok + t, ms + m, cyc + c, pl + p
             spec = cyc - pl
             tau = (tok - pl) / spec if spec else 1.0
@@ -154,9 +159,10 @@ def trace_table(a, path: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--settings", nargs="+", default=["0.9:32", "0.95:8"],
-                    help="DECAY:PROBE_EVERY[:COST_WINDOW[:OPTIMISM]] (0.9:32 was the policy before 2026-12-01, 0.95:8 "
-                         "after; COST_WINDOW n > 0: costs are the median of the last n cycles, else a mean; "
+    ap.add_argument("--settings", nargs="+", default=["0.9:32", "0.95:8", "0.9:8:0:1.5"],
+                    help="DECAY:PROBE_EVERY[:COST_WINDOW[:OPTIMISM]] (0.9:32 was the policy until the fifth H200 "
+                         "session, 0.95:8 after it, 0.9:8:0:1.5 since the sixth (the worker's); "
+                         "COST_WINDOW n > 0: costs are the median of the last n cycles, else a mean; "
                          "OPTIMISM z: plain decoding only when speculation loses at acceptance + z standard errors)")
     ap.add_argument("--noise", choices=("none", "spikes", "drift"), default="none",
                     help="cycle-cost noise (class Noise); the fixed block and plain rows get the same")

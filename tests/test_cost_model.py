@@ -173,7 +173,13 @@ def test_block_policy_benchmark_prints_the_comparison(capsys):
     rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines()
             if line.startswith("| 0.")}
     rate = {k: float(v.split("|")[2].split()[0]) for k, v in rows.items()}
-    assert rate["0.95:8"] > rate["0.9:32"]
+    assert rate["0.9:8:0:1.5"] > rate["0.95:8"] > rate["0.9:32"]  # each policy change gained here
+
+
+def test_policy_defaults_are_the_workers():
+    p = AdaptiveBlockPolicy(16)
+    assert p.time_every == 0  # cycles are timed apart only when the worker asks (spec_timing_sync)
+    assert p.model.optimism == 1.5 and p.model.decay == 0.9
 
 
 def test_cost_window_takes_the_median_of_recent_cycles():

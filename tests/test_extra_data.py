@@ -61,6 +61,13 @@ def test_load_sorts_reusable_added_and_dropped_sequences(tmp_path):
     # to the old cap is written again (not kept beside the new answer as a near-duplicate).
     ex = load_extra_data([d], max_new_tokens=9, answered=answered, **kw)
     assert set(ex.greedy) == {(1, 3)} and ex.sources[0]["superseded"] == 2
+    # An answer cut by a time limit still holds this run's whole answer when it is long enough.
+    ex = load_extra_data([d], max_new_tokens=3, answered=answered, **kw)
+    assert ex.greedy[(1, 4)] == [5, 6, 7] and ex.sources[0]["superseded"] == 0
+    # The same complete answer in a second copy is a repeat, not an incomplete answer.
+    copy = _cache(tmp_path / "copy", rows[:1])
+    ex = load_extra_data([d, copy], max_new_tokens=4, answered=answered, **kw)
+    assert ex.sources[1]["repeats_dropped"] == 1 and ex.sources[1]["superseded"] == 0
     # This run samples its first pass (answers nothing greedily): every greedy answer is added.
     ex = load_extra_data([d], max_new_tokens=4, answered=[], **kw)
     assert not ex.greedy and "extra0:code/1" in ex.added.ids
@@ -80,6 +87,8 @@ def test_load_sorts_reusable_added_and_dropped_sequences(tmp_path):
     ("missing_field", "not a training sequence"),
     ("bad_token", "not a training sequence"),
     ("empty", "holds 0 sequences, meta.json says 2"),
+    ("null_settings", "not the meta.json of a data cache"),
+    ("big_token", "below 500"),
 ])
 def test_damaged_training_files_are_one_clear_error(tmp_path, damage, says):
     rows = [_row("code", "code/1", [1, 2], [5, 6]), _row("code", "code/2", [1, 3], [5, 6])]
@@ -93,10 +102,23 @@ def test_damaged_training_files_are_one_clear_error(tmp_path, damage, says):
         (d / "train.jsonl").write_text(json.dumps({"corpus": "code"}) + "\n\n")
     elif damage == "bad_token":
         (d / "train.jsonl").write_text(json.dumps(_row("code", "c", [1], ["x", 2])) + "\n")
+    elif damage == "null_settings":
+        (d / "meta.json").write_text(json.dumps({"settings": None, "train_sequences": 2}))
+    elif damage == "big_token":
+        (d / "train.jsonl").write_text(json.dumps(_row("code", "c", [1], [2, 500])) + "\n")
     else:
         (d / "train.jsonl").write_text("\n")  # blank lines are skipped, not an error
+    if damage == "big_token":  # the vocabulary is known where the data is loaded
+        with pytest.raises(DataError, match=says):
+            load_extra_data([d], target_fingerprint=FP, max_new_tokens=4, answered=[], eos_ids=[],
+                            heldout_prompt_ids=[], heldout_ids=[], vocab_size=500)
+        return
     with pytest.raises(DataError, match=says):
         check_extra_data([d], FP, read_rows=True)
+    if damage in ("empty", "cut_gzip"):  # a single process's load finds it too
+        with pytest.raises(DataError, match=says):
+            load_extra_data([d], target_fingerprint=FP, max_new_tokens=4, answered=[], eos_ids=[],
+                            heldout_prompt_ids=[], heldout_ids=[])
 
 
 def test_a_later_run_reuses_greedy_answers_and_adds_the_rest(tmp_path, tiny_models, monkeypatch):

@@ -37,6 +37,7 @@ decoding plainly) for `worker.spec.dflash.dflash_generate`.
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -71,9 +72,13 @@ class CostModel:
             median of the last n cycles per size (robust to single slow cycles; simulated no
             better than the mean under spikes or drift, so not the policy's default).
         optimism: z >= 0; the speculate-or-plain test evaluates R(B*) at acceptance
-            a + z * sqrt(a (1 - a) / n), n the decayed observation count (`acceptance_bound`),
-            so it falls back to plain decoding only when speculation loses with some confidence.
-            The choice among block sizes uses `a` itself.
+            a + z * sqrt(a (1 - a) / n), n = S + F, the decayed counts (`acceptance_bound`), so
+            it falls back to plain decoding only when speculation loses by a margin. With decay
+            n levels off (at about 1 / (1 - decay) cycles' worth), so the margin is a lasting
+            one, not one that shrinks with evidence, and it is wider than z standard errors of
+            the decayed estimate (whose effective sample is about (1 + decay) / (1 - decay)
+            cycles): z was tuned by simulation, not derived. The choice among block sizes uses
+            `a` itself.
     """
 
     def __init__(
@@ -119,7 +124,7 @@ class CostModel:
             recent = self._recent.setdefault(block_size, [])
             recent.append(seconds)
             del recent[:-self.cost_window]
-            self._cost[block_size] = sorted(recent)[len(recent) // 2]
+            self._cost[block_size] = statistics.median(recent)
             return
         old = self._cost.get(block_size)
         w = self.cost_decay
@@ -165,8 +170,8 @@ class CostModel:
         return None if not c else self.expected_tokens(block_size) / c
 
     def acceptance_bound(self) -> float:
-        """a + optimism * its standard error over the (decayed) observations: the acceptance the
-        speculate-or-not test uses, so plain decoding needs evidence, not one noisy dip."""
+        """a + optimism * sqrt(a (1 - a) / n) over the decayed counts n = S + F: the acceptance
+        the speculate-or-not test uses, so one noisy dip does not switch to plain decoding."""
         a, n = self.acceptance_rate, self._succ + self._fail
         if not self.optimism or n <= 0:
             return a
@@ -195,7 +200,8 @@ class CostModel:
 
 
 # The policy's acceptance window (~10 cycles), plain-mode probe interval (8 steps) and optimism
-# (plain decoding only when speculation loses even at acceptance + 1.5 standard errors), chosen by
+# (plain decoding only when speculation loses even at acceptance + 1.5 sqrt(a (1 - a) / n), see
+# `CostModel`), chosen by
 # simulating the fifth H200 session's costs (plain step 5.57 ms, cycles 9.0-9.8 ms for B = 2-16)
 # with geometric acceptance p (`python bench/bench_block_policy.py`, docs/benchmarks.md). Without
 # the optimism a noisy dip of the estimate sends the policy to plain decoding, where only the

@@ -477,6 +477,7 @@ def build_dataset(
     """
     from tqdm import tqdm
 
+    from worker.capture import target_vocab_size
     from worker.training.extra_data import extra_data_key, load_extra_data, shard_of
 
     cache_dir = Path(cache_dir)
@@ -531,7 +532,7 @@ def build_dataset(
     extra = load_extra_data(extra_data, target_fingerprint=target_fingerprint, max_new_tokens=max_new_tokens,
                             answered=enc if temperature <= 0 else [], eos_ids=tokenizer.eos_token_ids,
                             heldout_prompt_ids=[h["prompt_ids"] for h in heldout],
-                            heldout_ids=[h["id"] for h in heldout])
+                            heldout_ids=[h["id"] for h in heldout], vocab_size=target_vocab_size(model))
     reused = 0  # greedy answers taken from --extra-data instead of generated
     share = len(range(rank, len(enc), world_size))  # prompts this rank answers per pass
     my_synthetic = len(range(rank, synthetic, world_size))

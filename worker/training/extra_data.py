@@ -68,29 +68,37 @@ def _train_file(d: Path) -> Path:
 
 
 def extra_data_key(dirs: Sequence[str | Path]) -> list:
-    """[[directory name, sha256 of its training file]] per directory: what the data cache key of a
-    run with --extra-data covers.
+    """The sha256 of each directory's training file, in order: what the data cache key of a run
+    with --extra-data covers (not the paths: a moved or renamed copy keeps the key).
 
     Raises:
-        DataError: a directory without a training file.
+        DataError: a directory without a readable training file.
     """
     out = []
     for d in map(Path, dirs):
-        f = _train_file(d)
-        out.append([d.name, hashlib.sha256(f.read_bytes()).hexdigest()])
+        h = hashlib.sha256()
+        try:
+            with open(_train_file(d), "rb") as f:
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+        except OSError as e:
+            raise DataError(f"--extra-data {d}: unreadable ({e})") from None
+        out.append(h.hexdigest())
     return out
 
 
-def _int_list(v) -> bool:
-    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v)
+def _int_list(v, vocab: Optional[int]) -> bool:
+    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t
+                                       and (vocab is None or t < vocab) for t in v)
 
 
-def _rows(path: Path) -> Iterator[dict]:
+def _rows(path: Path, vocab: Optional[int] = None) -> Iterator[dict]:
     """The rows of a training file, each checked (corpus and id strings, prompt_ids and
-    response_ids lists of token ids); blank lines skipped.
+    response_ids lists of token ids, below `vocab` when given); blank lines skipped.
 
     Raises:
-        DataError: a line that is not JSON or lacks a field, or a cut or corrupt gzip file.
+        DataError: a line that is not JSON or lacks a field, a token id out of range, or a cut
+            or corrupt gzip file.
     """
     opener = gzip.open if path.suffix == ".gz" else open
     n = 0
@@ -104,9 +112,10 @@ def _rows(path: Path) -> Iterator[dict]:
                 except json.JSONDecodeError as e:
                     raise DataError(f"{path}:{n}: invalid JSON ({e})") from None
                 if not (isinstance(row, dict) and isinstance(row.get("corpus"), str) and isinstance(row.get("id"), str)
-                        and _int_list(row.get("prompt_ids")) and _int_list(row.get("response_ids"))):
+                        and _int_list(row.get("prompt_ids"), vocab) and _int_list(row.get("response_ids"), vocab)):
                     raise DataError(f"{path}:{n}: not a training sequence (needs corpus and id strings, "
-                                    "prompt_ids and response_ids lists of token ids)")
+                                    "prompt_ids and response_ids lists of token ids"
+                                    + (f" below {vocab}, the target's vocabulary)" if vocab else ")"))
                 yield row
     except (EOFError, OSError, UnicodeDecodeError, zlib.error) as e:
         raise DataError(f"{path}: unreadable after line {n} ({type(e).__name__}: {e}); copy it again") from None
@@ -114,7 +123,7 @@ def _rows(path: Path) -> Iterator[dict]:
 
 def check_extra_data(dirs: Sequence[str | Path], target_fingerprint: str, *, read_rows: bool = False) -> list[dict]:
     """Checks that every directory is a complete data cache written for this target; returns
-    their `settings` (from meta.json), in order.
+    their meta.json contents, in order (`settings` a dict, `train_sequences` an int or None).
 
     Args:
         read_rows: also read every training file through (`_rows`) and compare its sequence
@@ -131,21 +140,28 @@ def check_extra_data(dirs: Sequence[str | Path], target_fingerprint: str, *, rea
         if not meta_path.is_file():
             raise DataError(f"--extra-data {d}: no meta.json (not a complete data cache)")
         try:
-            meta = json.loads(meta_path.read_text())
-        except json.JSONDecodeError as e:
-            raise DataError(f"{meta_path}: invalid JSON ({e})") from None
-        settings = meta.get("settings", {}) if isinstance(meta, dict) else {}
+            meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
+            raise DataError(f"{meta_path}: unreadable or invalid JSON ({e})") from None
+        settings = meta.get("settings") if isinstance(meta, dict) else None
+        if not isinstance(settings, dict) or not isinstance(settings.get("max_new_tokens", 0), int) \
+                or not isinstance(meta.get("train_sequences", 0), int):
+            raise DataError(f"{meta_path}: not the meta.json of a data cache (needs a settings object, integer "
+                            "max_new_tokens and train_sequences)")
         if settings.get("target") != target_fingerprint:
             raise DataError(f"--extra-data {d}: written by another target (fingerprint {settings.get('target')}, "
                             f"this target {target_fingerprint}); a draft must learn its own target's answers")
         if read_rows:
-            n = sum(1 for _ in _rows(train))
-            want = meta.get("train_sequences")
-            if isinstance(want, int) and n != want:
-                raise DataError(f"--extra-data {d}: {train.name} holds {n} sequences, meta.json says {want} "
-                                "(a cut or emptied copy?)")
-        out.append(settings)
+            _check_count(d, train, sum(1 for _ in _rows(train)), meta)
+        out.append(meta)
     return out
+
+
+def _check_count(d: Path, train: Path, n: int, meta: dict) -> None:
+    want = meta.get("train_sequences")
+    if want is not None and n != want:
+        raise DataError(f"--extra-data {d}: {train.name} holds {n} sequences, meta.json says {want} "
+                        "(a cut or emptied copy?)")
 
 
 def load_extra_data(
@@ -157,6 +173,7 @@ def load_extra_data(
     eos_ids: Iterable[int],
     heldout_prompt_ids: Iterable[Sequence[int]],
     heldout_ids: Iterable[str],
+    vocab_size: Optional[int] = None,
 ) -> ExtraData:
     """Reads earlier runs' data caches for this run.
 
@@ -167,32 +184,34 @@ def load_extra_data(
         max_new_tokens: this run's answer cap; longer answers are truncated to it.
         answered: templated ids of the prompts this run answers greedily in its first pass, on
             any rank (empty when that pass samples). A greedy answer to one of them is reused
-            (`ExtraData.greedy`) when it is complete: it ended with EOS, or it ran to its run's
-            cap and that cap is at least this run's. An incomplete one (cut by a time limit, or
-            by a smaller cap) is dropped: this run writes the prompt's answer again. Greedy
-            answers to other prompts are added like every other sequence.
+            (`ExtraData.greedy`) when it holds this run's whole answer: it ended with EOS, or it
+            has at least `max_new_tokens` tokens (greedy decoding's first tokens do not depend on
+            where it stops). A shorter one (cut by a time limit or a smaller cap) is dropped:
+            this run writes the prompt's answer again. Greedy answers to other prompts are added
+            like every other sequence.
         eos_ids: the target's EOS token ids.
         heldout_prompt_ids: this run's held-out prompts, templated token ids.
         heldout_ids: this run's held-out prompt ids ("corpus/row").
+        vocab_size: the target's vocabulary; a token id at or above it is an error.
 
     Returns:
         An `ExtraData`. Sequences shorter than 2 response tokens after truncation are dropped.
 
     Raises:
-        DataError: as `check_extra_data` with read_rows, or a line that is not a training sequence.
+        DataError: as `check_extra_data` with read_rows (a file holding other than meta.json's
+            count of sequences included), or a line that is not a training sequence.
     """
     held_ids = {tuple(p) for p in heldout_prompt_ids}
     held_names = set(heldout_ids)
     mine = {tuple(p) for p in answered}
     eos = set(eos_ids)
     out, seen = ExtraData(), set()
-    all_settings = check_extra_data(dirs, target_fingerprint)
-    for k, (d, settings) in enumerate(zip(map(Path, dirs), all_settings)):
-        was_greedy = not settings.get("temperature")
-        cap = settings.get("max_new_tokens") or 0
+    metas = check_extra_data(dirs, target_fingerprint)
+    for k, (d, meta) in enumerate(zip(map(Path, dirs), metas)):
+        was_greedy = not meta["settings"].get("temperature")
         src = dict(dir=str(d), read=0, heldout_dropped=0, repeats_dropped=0, superseded=0, reused_offered=0,
                    added=0)
-        for row in _rows(_train_file(d)):
+        for row in _rows(_train_file(d), vocab_size):
             src["read"] += 1
             pid, corpus = row["id"], row["corpus"]
             prompt, full = tuple(row["prompt_ids"]), row["response_ids"]
@@ -206,18 +225,20 @@ def load_extra_data(
             seen.add((prompt, tuple(response)))
             is_greedy = was_greedy and corpus != SYNTHETIC_CORPUS and SAMPLE_MARK not in pid
             if is_greedy and prompt in mine:
-                complete = full[-1] in eos or (len(full) >= cap >= max_new_tokens)
-                if complete and prompt not in out.greedy:
+                if prompt in out.greedy:  # another copy's complete answer came first
+                    src["repeats_dropped"] += 1
+                elif full[-1] in eos or len(full) >= max_new_tokens:
                     out.greedy[prompt] = response
                     src["reused_offered"] += 1
                 else:
-                    src["superseded"] += 1  # this run answers the prompt itself
+                    src["superseded"] += 1  # incomplete: this run answers the prompt itself
                 continue
             out.added.prompt_ids.append(list(prompt))
             out.added.response_ids.append(response)
             out.added.corpus.append(corpus)
             out.added.ids.append(f"extra{k}:{pid}")
             src["added"] += 1
+        _check_count(d, _train_file(d), src["read"], meta)
         out.sources.append(src)
     return out
 
