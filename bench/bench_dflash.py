@@ -7,6 +7,7 @@ Methods (each one skipped when its inputs are missing):
   ours plain       worker.spec.plain.generate
   ours dflash      worker.spec.dflash.dflash_generate     needs --dflash-draft or --dflash-random-layers
   ... adaptive     the same with the worker's cost model (AdaptiveBlockPolicy)          needs --adaptive
+  ... pol SPEC     the same under other cost-model settings                          needs --policy
   z-lab dflash     dflash.model_mlx.stream_generate (registry package `dflash` 0.1.0, z-lab)
                                                         --packages zlab, and a DFlash draft
   dflash-mlx       dflash_mlx.runtime.stream_dflash_generate, fixed block (verify_mode "dflash";
@@ -345,6 +346,9 @@ def main(argv=None) -> int:
     p.add_argument("--target", required=True, help="mlx-lm model directory")
     p.add_argument("--draft", help="mlx-lm draft model directory (same tokenizer) for draft-model modes")
     p.add_argument("--dflash-draft", nargs="+", default=[], help="DFlash draft directories (published layout)")
+    p.add_argument("--policy", nargs="+", default=[], metavar="DECAY:PROBE[:WINDOW[:OPTIMISM]]",
+                   help="also run each DFlash draft under these cost-model settings (as bench_block_policy.py "
+                        "--settings; 0.95:8 was the policy of the fifth H200 session, 0.9:8:0:1.5 is the default)")
     p.add_argument("--adaptive", action="store_true",
                    help="also run each DFlash draft with the worker's cost model (AdaptiveBlockPolicy)")
     p.add_argument("--dflash-random-layers", type=int, default=0,
@@ -374,6 +378,15 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds: at least 1")
+    for spec in args.policy:
+        parts = spec.split(":")
+        try:
+            ok = 2 <= len(parts) <= 4 and 0 < float(parts[0]) <= 1 and int(parts[1]) >= 1 and \
+                all(float(x) >= 0 for x in parts[2:]) and (len(parts) < 3 or parts[2].isdigit())
+        except ValueError:
+            ok = False
+        if not ok:
+            p.error(f"--policy {spec}: expected DECAY:PROBE[:WINDOW[:OPTIMISM]], e.g. 0.95:8 or 0.9:8:0:1.5")
 
     print(f"device: {mx.default_device()}  mlx {mx.__version__}", flush=True)
     mx.random.seed(0)
@@ -411,13 +424,24 @@ def main(argv=None) -> int:
     for name, d in dflash.items():
         methods[name] = lambda pr, d=d: run_steps(dflash_generate(
             pr, M, greedy, eos, target=target, draft=d, block_size=args.block_size or d.block_size))
-    if args.adaptive:  # what the worker runs by default: the cost model picks each block size
-        from worker.spec.cost_model import AdaptiveBlockPolicy
+    if args.adaptive or args.policy:  # the cost model picks each block size
+        from worker.spec.cost_model import AdaptiveBlockPolicy, CostModel
 
+        def policy_maker(spec: str | None, B: int):
+            if spec is None:  # what the worker runs by default
+                return lambda: AdaptiveBlockPolicy(B)
+            decay, probe, window, optimism = (spec.split(":") + ["0", "0"])[:4]
+            return lambda: AdaptiveBlockPolicy(B, model=CostModel(decay=float(decay), cost_window=int(window),
+                                                                   optimism=float(optimism)),
+                                               probe_every=int(probe))
         for name, d in list(dflash.items()):
             B = args.block_size or d.block_size
-            methods[f"{name[:19]} adaptive"] = lambda pr, d=d, B=B: run_steps(dflash_generate(
-                pr, M, greedy, eos, target=target, draft=d, block_size=B, policy=AdaptiveBlockPolicy(B)))
+            for spec in ([None] if args.adaptive else []) + list(args.policy):
+                make = policy_maker(spec, B)
+                short = name.removeprefix("ours dflash ")[:10].strip()
+                label = f"{name[:19]} adaptive" if spec is None else f"{short} pol {spec}"
+                methods[label[:28]] = lambda pr, d=d, B=B, make=make: run_steps(dflash_generate(
+                    pr, M, greedy, eos, target=target, draft=d, block_size=B, policy=make()))
 
     warm = prompts["code"][0][:32]
     # Compile/allocate once before timing, on the shortest and the longest timed prompt: on the

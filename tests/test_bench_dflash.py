@@ -48,3 +48,19 @@ def test_rounds_table_and_json(tmp_path, tiny_models):
 
     bad = _run(*base, "--rounds", 0)
     assert bad.returncode == 2 and "--rounds: at least 1" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_policy_variants_run_side_by_side(tiny_models):
+    base = ["--target", tiny_models.llama, "--dflash-random-layers", 1, "--block-size", 4, "--max-tokens", 10,
+            "--prompts", 1, "--max-prompt-tokens", 24, "--reps", 1, "--cases", CASES_DIR, "--dtype", "float32"]
+    r = _run(*base, "--adaptive", "--policy", "0.95:8", "0.9:8:0:1.5")
+    assert r.returncode == 0, r.stderr
+    names = {line[6:35].strip() for line in r.stdout.splitlines() if line.startswith("code ")}
+    assert {"ours dflash random x1", "ours dflash random  adaptive", "random x1 pol 0.95:8",
+            "random x1 pol 0.9:8:0:1.5"} <= names, names
+    for line in r.stdout.splitlines():  # lossless under every policy
+        if line.startswith("code ") and ("dflash" in line or " pol " in line):
+            assert line.rstrip().endswith("1/1"), line
+    for bad in ("1.5:8", "0.9", "0.9:0", "0.9:8:x", "0.9:8:0:-1"):
+        b = _run(*base, "--policy", bad)
+        assert b.returncode == 2 and f"--policy {bad}: expected" in b.stderr, (bad, b.stderr)
