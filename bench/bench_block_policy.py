@@ -157,6 +157,33 @@ def trace_table(a, path: Path) -> None:
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
+def short_table(a) -> None:
+    """Generations of `a.short` cycles, each under a fresh policy (as the worker makes one per
+    request): cold, or sharing one `CostMemory` across a seed's generations (the first one left
+    out of the measurement), against the fixed block and plain decoding, per p."""
+    from worker.spec.cost_model import CostMemory
+
+    cost, gens = H200_COST_MS, 20
+    print(f"{a.short}-cycle generations, a fresh default policy each; costs ms {cost}; noise {a.noise}; "
+          f"{a.seeds} seeds x {gens} generations")
+    print("| policy | " + " | ".join(f"p={p} tok/s" for p in a.p) + " |")
+    print("|---" * (len(a.p) + 1) + "|")
+    for name in ("cold", "cost memory", "fixed B=16", "plain"):
+        cells = []
+        for p in a.p:
+            rates = []
+            for seed in range(a.seeds):
+                rng, noise, memory = random.Random(seed), Noise(a.noise, random.Random(1000 + seed)), CostMemory()
+                for g in range(gens):
+                    policy = (FixedBlock(16) if name == "fixed B=16" else FixedBlock(1) if name == "plain" else
+                              AdaptiveBlockPolicy(16, memory=memory if name == "cost memory" else None))
+                    _, rate = run(policy, p, a.short, rng, cost, a.timed_cost, noise)
+                    if g:  # the first generation fills the memory
+                        rates.append(rate)
+            cells.append(f"{sum(rates) / len(rates):.0f}")  # mean over generations
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--settings", nargs="+", default=["0.9:32", "0.95:8", "0.9:8:0:1.5"],
@@ -171,9 +198,14 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=100, help="cycles before measuring")
     ap.add_argument("--cycles", type=int, default=500, help="cycles measured")
     ap.add_argument("--timed-cost", type=float, default=1.28, help="cost of a cycle timed apart (H200: 12.5/9.8)")
+    ap.add_argument("--short", type=int, default=0, metavar="N",
+                    help="short generations of N cycles, fresh policy each: cold vs a shared CostMemory")
     ap.add_argument("--trace", type=Path, default=None,
                     help="replay real acceptance recorded by bench/record_acceptance.py instead of geometric p")
     a = ap.parse_args(argv)
+    if a.short:
+        short_table(a)
+        return 0
     if a.trace:
         trace_table(a, a.trace)
         return 0

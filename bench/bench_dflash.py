@@ -6,7 +6,8 @@ Methods (each one skipped when its inputs are missing):
   ours draft       worker.spec.draft_model.generate                                  needs --draft
   ours plain       worker.spec.plain.generate
   ours dflash      worker.spec.dflash.dflash_generate     needs --dflash-draft or --dflash-random-layers
-  ... adaptive     the same with the worker's cost model (AdaptiveBlockPolicy)          needs --adaptive
+  ... adaptive     the same with the worker's cost model (AdaptiveBlockPolicy and one
+                   CostMemory across the method's generations, as a worker's requests)   needs --adaptive
   ... pol SPEC     the same under other cost-model settings                          needs --policy
   z-lab dflash     dflash.model_mlx.stream_generate (registry package `dflash` 0.1.0, z-lab)
                                                         --packages zlab, and a DFlash draft
@@ -425,15 +426,18 @@ def main(argv=None) -> int:
         methods[name] = lambda pr, d=d: run_steps(dflash_generate(
             pr, M, greedy, eos, target=target, draft=d, block_size=args.block_size or d.block_size))
     if args.adaptive or args.policy:  # the cost model picks each block size
-        from worker.spec.cost_model import AdaptiveBlockPolicy, CostModel
+        from worker.spec.cost_model import AdaptiveBlockPolicy, CostMemory, CostModel
 
         def policy_maker(spec: str | None, B: int):
+            # One CostMemory per method, shared by its generations (warm-ups included), as a
+            # worker shares one across its requests.
+            memory = CostMemory()
             if spec is None:  # what the worker runs by default
-                return lambda: AdaptiveBlockPolicy(B)
+                return lambda: AdaptiveBlockPolicy(B, memory=memory)
             decay, probe, window, optimism = (spec.split(":") + ["0", "0"])[:4]
             return lambda: AdaptiveBlockPolicy(B, model=CostModel(decay=float(decay), cost_window=int(window),
                                                                    optimism=float(optimism)),
-                                               probe_every=int(probe))
+                                               probe_every=int(probe), memory=memory)
         for name, d in list(dflash.items()):
             B = args.block_size or d.block_size
             for spec in ([None] if args.adaptive else []) + list(args.policy):

@@ -257,3 +257,36 @@ def test_optimism_needs_evidence_before_plain_decoding():
     assert model(1.5, 600, below).decide([1, 16]).block_size == 1
     for opt in (0.0, 1.5):
         assert model(opt, 20, (0,)).decide([1, 16]).block_size == 1  # nothing ever accepted
+
+
+def test_cost_memory_lets_a_new_session_skip_exploring():
+    """Costs a session keeps go to the worker's CostMemory (not its warm-up cycles); the next
+    session's policy starts with them and picks its block from its first cycle on."""
+    from worker.spec.cost_model import CostMemory
+
+    memory = CostMemory()
+    first = AdaptiveBlockPolicy(16, memory=memory)
+    seen = []
+    for _ in range(40):
+        bs, timed = first.next_block_size()
+        seen.append(bs)
+        cost = {1: 5.57, 2: 9.0, 4: 9.2, 8: 9.5, 16: 9.8}[bs] * (10 if seen.count(bs) == 1 else 1)  # warm-ups slow
+        first.observe(bs, bs - 1, min(bs - 1, 2), cost / 1e3)
+    assert set(seen[:15]) == {1, 2, 4, 8, 16}  # a cold policy explores every size
+    assert memory.costs[16] == pytest.approx(9.8e-3) and memory.costs[1] == pytest.approx(5.57e-3)  # no warm-up
+
+    second = AdaptiveBlockPolicy(16, memory=memory)
+    bs, _ = second.next_block_size()
+    assert all(second.model.samples(b) >= second.min_samples for b in second.candidates)  # nothing to explore
+    assert bs == second.decision.block_size and second.model.cycle_cost(16) == pytest.approx(9.8e-3)
+    cold = AdaptiveBlockPolicy(16)
+    assert cold.model.samples(16) == 0 and cold.next_block_size()[0] == 16  # explores, largest first
+
+
+def test_short_generations_gain_from_the_cost_memory(capsys):
+    bench = _bench_policy()
+    assert bench.main(["--short", "30", "--p", "0.05", "0.65", "--seeds", "2"]) == 0
+    rows = {line.split("|")[1].strip(): [float(x) for x in line.split("|")[2:-1]]
+            for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "policy" not in line}
+    assert all(m > c for m, c in zip(rows["cost memory"], rows["cold"]))
+    assert rows["plain"][0] == round(1e3 / 5.57)  # printed as whole tokens/s

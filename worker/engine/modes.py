@@ -6,7 +6,7 @@ builds its caches and calls it, and an entry in `MODES`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
@@ -16,7 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from worker.config import EngineConfig
 from worker.engine.types import GenerationRequest, InvalidRequest
 from worker.spec import draft_model, plain
-from worker.spec.cost_model import AdaptiveBlockPolicy
+from worker.spec.cost_model import AdaptiveBlockPolicy, CostMemory
 from worker.spec.cross_tokenizer import start_uag
 from worker.spec.dflash import dflash_generate, make_target_cache
 from worker.spec.base import Sampler, Step
@@ -33,6 +33,7 @@ class LoadedModels:
         draft: the draft model, or None.
         draft_kind: the kind of `draft` ("" when none, else a key of `MODES`, e.g. "draft").
         draft_tokenizer: the draft's own tokenizer (cross-tokenizer "uag" drafts only).
+        cost_memory: DFlash cycle costs shared by this worker's sessions (`CostMemory`).
     """
 
     target: nn.Module
@@ -41,6 +42,7 @@ class LoadedModels:
     draft: nn.Module | None = None
     draft_kind: str = ""
     draft_tokenizer: Any = None
+    cost_memory: CostMemory = field(default_factory=CostMemory)
 
 
 # Builds one session's decoding generator and returns it with every cache it writes (the engine
@@ -74,7 +76,8 @@ def start_dflash(m: LoadedModels, cfg: EngineConfig, req: GenerationRequest, sam
     cache, draft_cache = make_target_cache(m.target), m.draft.make_cache()
     # Cycles timed apart only feed the metrics' draft/verify split, and cost a sync: only with
     # spec_timing_sync (the policy learns from the other cycles).
-    policy = (AdaptiveBlockPolicy(cfg.block_size or m.draft.block_size, time_every=8 if cfg.spec_timing_sync else 0)
+    policy = (AdaptiveBlockPolicy(cfg.block_size or m.draft.block_size, time_every=8 if cfg.spec_timing_sync else 0,
+                                  memory=m.cost_memory)
               if cfg.adaptive_block_size else None)
     steps = dflash_generate(
         list(req.prompt_tokens), req.max_tokens, sampler, m.eos_ids, target=m.target,

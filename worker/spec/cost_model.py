@@ -114,21 +114,31 @@ class CostModel:
         self._succ = self._succ * self.decay + accepted
         self._fail = self._fail * self.decay + (1.0 if accepted < drafted else 0.0)
 
-    def observe_cost(self, block_size: int, seconds: float) -> None:
-        """Measured wall time of one cycle (draft + verify) at `block_size`; B = 1 is a plain step."""
+    def observe_cost(self, block_size: int, seconds: float) -> bool:
+        """Measured wall time of one cycle (draft + verify) at `block_size`; B = 1 is a plain step.
+        Returns whether it was kept (False for the warm-up measurement of a size)."""
         n = self._seen.get(block_size, 0)
         self._seen[block_size] = n + 1
         if n == 0:
-            return  # warm-up measurement
+            return False  # warm-up measurement
         if self.cost_window:
             recent = self._recent.setdefault(block_size, [])
             recent.append(seconds)
             del recent[:-self.cost_window]
             self._cost[block_size] = statistics.median(recent)
-            return
+            return True
         old = self._cost.get(block_size)
         w = self.cost_decay
         self._cost[block_size] = seconds if old is None else w * old + (1 - w) * seconds
+        return True
+
+    def seed_cost(self, block_size: int, seconds: float, samples: int) -> None:
+        """Starts `block_size` as measured: cost `seconds`, `samples` measurements kept (warm-up
+        done), e.g. from a worker's `CostMemory`; later measurements update it as usual."""
+        self._cost[block_size] = seconds
+        self._seen[block_size] = max(self._seen.get(block_size, 0), samples + 1)
+        if self.cost_window:
+            self._recent[block_size] = [seconds]
 
     def samples(self, block_size: int) -> int:
         """Cost measurements kept for `block_size` (warm-up excluded)."""
@@ -214,6 +224,36 @@ POLICY_ACCEPTANCE_DECAY = 0.9
 POLICY_OPTIMISM = 1.5
 
 
+class CostMemory:
+    """Cycle costs per block size shared by the sessions of one worker (one target and draft on
+    one machine), so a new session starts from them instead of trying every block size first.
+
+    Why: costs belong to the machine and the models, acceptance to the session. A fresh policy
+    spends its first cycles measuring every candidate size (3 cycles each), which is a large
+    part of a short generation: simulated over 30-cycle generations on the H200's costs
+    (`python bench/bench_block_policy.py --short 30`, docs/benchmarks.md), policies sharing a
+    memory ran at 288 tok/s against 271 cold at p = 0.65 (fixed block 293) and fell back from a
+    useless draft (p = 0.05) at 158 against 141 (plain 180).
+
+    Every cycle cost a policy keeps (not a size's first, warm-up measurement in a session: on
+    CUDA it may include a kernel compile) updates an exponentially weighted mean per size here.
+
+    Args:
+        decay: weight of the old mean, in [0, 1).
+    """
+
+    def __init__(self, decay: float = 0.9):
+        if not 0.0 <= decay < 1.0:
+            raise ValueError("decay must be in [0, 1)")
+        self.decay = decay
+        self.costs: dict[int, float] = {}
+
+    def observe(self, block_size: int, seconds: float) -> None:
+        """One cycle's wall time at `block_size` (1 = a plain step), seconds."""
+        old = self.costs.get(block_size)
+        self.costs[block_size] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+
+
 class AdaptiveBlockPolicy:
     """Schedule around `CostModel`: which block size to run next and whether to time it.
 
@@ -242,6 +282,8 @@ class AdaptiveBlockPolicy:
             the worker's did not.
         explore_every: run one other candidate every n-th cycle, to keep its cost current.
         probe_every: while decoding plainly, one speculative cycle every n plain steps.
+        memory: a worker's `CostMemory`: the sizes it knows start measured (no exploration), and
+            every cost this policy measures goes into it.
 
     Usage:
         bs, timed = policy.next_block_size()
@@ -259,6 +301,7 @@ class AdaptiveBlockPolicy:
         time_every: int = 0,
         explore_every: int = 64,
         probe_every: int = 8,
+        memory: Optional[CostMemory] = None,
     ):
         if max_block_size < 1:
             raise ValueError("max_block_size must be >= 1")
@@ -272,6 +315,11 @@ class AdaptiveBlockPolicy:
         self._cycles = 0
         self._plain_run = 0
         self._explore_idx = 0
+        self.memory = memory
+        if memory is not None:
+            for b in self.candidates:
+                if b in memory.costs:
+                    self.model.seed_cost(b, memory.costs[b], min_samples)
         self.decision = self.model.decide(self.candidates)
 
     def next_block_size(self) -> tuple[int, bool]:
@@ -303,5 +351,5 @@ class AdaptiveBlockPolicy:
         self._cycles += 1
         self._plain_run = self._plain_run + 1 if drafted == 0 else 0
         self.model.observe_cycle(drafted, accepted)
-        if seconds is not None:
-            self.model.observe_cost(block_size, seconds)
+        if seconds is not None and self.model.observe_cost(block_size, seconds) and self.memory is not None:
+            self.memory.observe(block_size, seconds)
