@@ -21,8 +21,9 @@ class EngineConfig:
         block_size: DFlash block size B (last token + B-1 drafted); None takes the checkpoint's.
         adaptive_block_size: DFlash chooses each cycle's block size from measured draft / verify
             times and acceptance, down to plain decoding when speculation stops paying
-            (worker/spec/cost_model.py). On by default; False keeps the block size fixed
-            (benchmarks of the raw cycle).
+            (worker/spec/cost_model.py; the worker's sessions share one `CostMemory` of cycle
+            costs, so a new request does not measure every block size first). On by default;
+            False keeps the block size fixed (benchmarks of the raw cycle).
         num_draft_tokens: draft tokens proposed per speculative cycle (k), >= 1.
         capacity: most sessions admitted at once (running or queued), >= 1.
         max_tokens_default: generation budget the servicer applies when a request leaves it unset.
