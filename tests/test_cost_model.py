@@ -279,6 +279,12 @@ def test_cost_memory_lets_a_new_session_skip_exploring():
     bs, _ = second.next_block_size()
     assert all(second.model.samples(b) >= second.min_samples for b in second.candidates)  # nothing to explore
     assert bs == second.decision.block_size and second.model.cycle_cost(16) == pytest.approx(9.8e-3)
+    # The seeded session still drops its own first cycle at a size (it may hold a compile).
+    bs, _ = second.next_block_size()
+    second.observe(bs, bs - 1, 2, 0.5)  # a 500 ms first cycle: a kernel compile
+    assert second.model.cycle_cost(bs) == pytest.approx(memory.costs[bs]) and memory.costs[bs] < 0.1
+    second.observe(bs, bs - 1, 2, {1: 5.57, 2: 9.0, 4: 9.2, 8: 9.5, 16: 9.8}[bs] / 1e3)
+    assert memory.costs[bs] < 0.1  # the kept one went to the memory; the compile did not
     cold = AdaptiveBlockPolicy(16)
     assert cold.model.samples(16) == 0 and cold.next_block_size()[0] == 16  # explores, largest first
 

@@ -103,7 +103,8 @@ class CostModel:
         self.cost_window = max(0, int(cost_window))
         self.optimism = float(optimism)
         self._cost: dict[int, float] = {}
-        self._seen: dict[int, int] = {}
+        self._seen: dict[int, int] = {}  # measurements this session, warm-up included
+        self._kept: dict[int, int] = {}  # measurements behind the estimate (seeded ones included)
         self._recent: dict[int, list] = {}
 
     # -- observations ----------------------------------------------------------------------
@@ -120,7 +121,8 @@ class CostModel:
         n = self._seen.get(block_size, 0)
         self._seen[block_size] = n + 1
         if n == 0:
-            return False  # warm-up measurement
+            return False  # warm-up measurement (also after seeding: it may hold a kernel compile)
+        self._kept[block_size] = self._kept.get(block_size, 0) + 1
         if self.cost_window:
             recent = self._recent.setdefault(block_size, [])
             recent.append(seconds)
@@ -133,16 +135,18 @@ class CostModel:
         return True
 
     def seed_cost(self, block_size: int, seconds: float, samples: int) -> None:
-        """Starts `block_size` as measured: cost `seconds`, `samples` measurements kept (warm-up
-        done), e.g. from a worker's `CostMemory`; later measurements update it as usual."""
+        """Starts `block_size` as measured: cost `seconds` counts as `samples` kept measurements
+        (so the policy does not explore it), e.g. from a worker's `CostMemory`. The session's own
+        first measurement of the size is still dropped as warm-up (a kernel compile on CUDA at
+        a new shape); later ones update the cost as usual."""
         self._cost[block_size] = seconds
-        self._seen[block_size] = max(self._seen.get(block_size, 0), samples + 1)
+        self._kept[block_size] = max(self._kept.get(block_size, 0), samples)
         if self.cost_window:
             self._recent[block_size] = [seconds]
 
     def samples(self, block_size: int) -> int:
         """Cost measurements kept for `block_size` (warm-up excluded)."""
-        return max(0, self._seen.get(block_size, 0) - 1)
+        return self._kept.get(block_size, 0)
 
     # -- estimates -------------------------------------------------------------------------
     @property
