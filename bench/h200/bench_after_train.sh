@@ -33,5 +33,5 @@ drafts=("$DRAFT"); for d in ${EXTRA_DRAFTS:-}; do [ -f "$d/config.json" ] && dra
 echo "+ bench on GPU $BENCH_GPU from $(date -u +%T)" > "$O/dflash_q15.txt"
 CUDA_VISIBLE_DEVICES=$BENCH_GPU PYTHONUNBUFFERED=1 timeout "${BENCH_S:-420}" python3 bench/bench_dflash.py \
   --target "$TARGET" --dflash-draft "${drafts[@]}" --max-tokens "${MAX_TOKENS:-128}" --prompts "${PROMPTS:-2}" \
-  --cases "${CASES:-/root/cases}" --rounds "${ROUNDS:-1}" --json-out "$O/dflash_q15.json" --adaptive 2>&1 | grep -v " done$" >> "$O/dflash_q15.txt"
+  --cases "${CASES:-/root/cases}" --rounds "${ROUNDS:-1}" --json-out "$O/dflash_q15.json" --adaptive ${POLICY:+--policy $POLICY} 2>&1 | grep -v " done$" >> "$O/dflash_q15.txt"
 echo "bench end $(date -u +%T) rc=${PIPESTATUS[0]}" >> "$O/dflash_q15.txt"
