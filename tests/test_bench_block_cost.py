@@ -1,21 +1,16 @@
 """bench/bench_block_cost.py on a tiny random-weight target: a table with every block size, and
 bad arguments rejected with one line (exit 2) before any timing."""
-import subprocess
-import sys
-from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm import load
 
 from worker.models.dflash_checkpoint import init_dflash_draft, save_dflash_draft
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "bench" / "bench_block_cost.py"
+from bench_scripts import run_bench
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
+    return run_bench("bench_block_cost.py", *args)
 
 
 def test_bench_block_cost_table_and_bad_arguments(tmp_path, tiny_models):

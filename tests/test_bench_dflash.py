@@ -4,21 +4,16 @@ median speedup with its range and one tok/s per round in the JSON, and a bad --r
 line (exit 2)."""
 import json
 import statistics
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from tiny_models import CASES_DIR
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "bench" / "bench_dflash.py"
+from bench_scripts import run_bench
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=600)
+    return run_bench("bench_dflash.py", *args, timeout=600)
 
 
 def test_rounds_table_and_json(tmp_path, tiny_models):

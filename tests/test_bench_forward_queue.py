@@ -2,21 +2,17 @@
 with positive times, JSON written, the KV cache back at the context length after every cell,
 and bad arguments rejected with one line (exit 2)."""
 import json
-import subprocess
 import sys
-from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "bench" / "bench_forward_queue.py"
+from bench_scripts import ROOT, run_bench
 sys.path.insert(0, str(ROOT))
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
+    return run_bench("bench_forward_queue.py", *args)
 
 
 def test_table_json_and_bad_arguments(tmp_path, tiny_models):

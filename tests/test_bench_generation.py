@@ -1,17 +1,12 @@
 """bench/bench_generation.py on a tiny random-weight target: one table row per compact_at setting,
 identical greedy answers across settings, and bad arguments rejected with one line (exit 2)."""
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "bench" / "bench_generation.py"
+from bench_scripts import run_bench
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
+    return run_bench("bench_generation.py", *args)
 
 
 def test_bench_generation_table_and_bad_arguments(tmp_path, tiny_models):
