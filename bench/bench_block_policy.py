@@ -22,9 +22,28 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker.spec.cost_model import AdaptiveBlockPolicy, CostModel  # noqa: E402
+from worker.spec.cost_model import AdaptiveBlockPolicy, CostMemory, CostModel  # noqa: E402
 
 H200_COST_MS = {1: 5.57, 2: 9.0, 4: 9.2, 8: 9.5, 16: 9.8}
+
+
+def policy_from_spec(spec: str, block_size: int = 16, memory: Optional[CostMemory] = None) -> AdaptiveBlockPolicy:
+    """A policy from DECAY:PROBE_EVERY[:COST_WINDOW[:OPTIMISM]] (the settings this script and
+    `bench_dflash.py --policy` take; the CostModel's other arguments at their defaults).
+
+    Raises:
+        ValueError: not 2 to 4 fields, decay outside (0, 1], probe < 1, a negative or non-integer
+            window, a negative optimism.
+    """
+    parts = spec.split(":")
+    if not 2 <= len(parts) <= 4 or (len(parts) > 2 and not parts[2].isdigit()):
+        raise ValueError(spec)
+    decay, probe = float(parts[0]), int(parts[1])
+    optimism = float(parts[3]) if len(parts) > 3 else 0.0
+    if not 0 < decay <= 1 or probe < 1 or optimism < 0:
+        raise ValueError(spec)
+    model = CostModel(decay=decay, cost_window=int(parts[2]) if len(parts) > 2 else 0, optimism=optimism)
+    return AdaptiveBlockPolicy(block_size, model=model, probe_every=probe, memory=memory)
 
 
 class Noise:
@@ -144,10 +163,7 @@ def trace_table(a, path: Path) -> None:
                     if isinstance(setting, int):
                         policy = FixedBlock(setting)
                     else:
-                        parts = setting.split(":")
-                        policy = AdaptiveBlockPolicy(16, model=CostModel(
-                            decay=float(parts[0]), cost_window=int(parts[2]) if len(parts) > 2 else 0,
-                            optimism=float(parts[3]) if len(parts) > 3 else 0.0), probe_every=int(parts[1]))
+                        policy = policy_from_spec(setting)
                     n = Noise(a.noise, random.Random(1000 * seed + k))
                     t, m, c, p = replay(policy, TraceSession(acc, trace.get("max_tokens")), cost, a.timed_cost, n)
                     tok, ms, cyc, pl = tok + t, ms + m, cyc + c, pl + p
@@ -161,8 +177,6 @@ def short_table(a) -> None:
     """Generations of `a.short` cycles, each under a fresh policy (as the worker makes one per
     request): cold, or sharing one `CostMemory` across a seed's generations (the first one left
     out of the measurement), against the fixed block and plain decoding, per p."""
-    from worker.spec.cost_model import CostMemory
-
     cost, gens = H200_COST_MS, 20
     print(f"{a.short}-cycle generations, a fresh default policy each; costs ms {cost}; noise {a.noise}; "
           f"{a.seeds} seeds x {gens} generations")
@@ -227,14 +241,8 @@ def main(argv=None) -> int:
         return sum(rates) / a.seeds, sum(plain) / a.seeds
 
     for setting in a.settings:
-        parts = setting.split(":")
-        decay, probe = float(parts[0]), int(parts[1])
-        window = int(parts[2]) if len(parts) > 2 else 0
-        optimism = float(parts[3]) if len(parts) > 3 else 0.0
-
-        def make() -> AdaptiveBlockPolicy:
-            return AdaptiveBlockPolicy(16, model=CostModel(decay=decay, cost_window=window, optimism=optimism),
-                                       probe_every=probe)
+        def make(setting=setting) -> AdaptiveBlockPolicy:
+            return policy_from_spec(setting)
         cells = [f"{r:.0f} ({share:.2f})" for r, share in (measure(make, p) for p in a.p)]
         lags = []
         for seed in range(a.seeds):

@@ -379,14 +379,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds: at least 1")
+    from bench.bench_block_policy import policy_from_spec
+
     for spec in args.policy:
-        parts = spec.split(":")
         try:
-            ok = 2 <= len(parts) <= 4 and 0 < float(parts[0]) <= 1 and int(parts[1]) >= 1 and \
-                all(float(x) >= 0 for x in parts[2:]) and (len(parts) < 3 or parts[2].isdigit())
+            policy_from_spec(spec)
         except ValueError:
-            ok = False
-        if not ok:
             p.error(f"--policy {spec}: expected DECAY:PROBE[:WINDOW[:OPTIMISM]], e.g. 0.95:8 or 0.9:8:0:1.5")
 
     print(f"device: {mx.default_device()}  mlx {mx.__version__}", flush=True)
@@ -426,7 +424,7 @@ def main(argv=None) -> int:
         methods[name] = lambda pr, d=d: run_steps(dflash_generate(
             pr, M, greedy, eos, target=target, draft=d, block_size=args.block_size or d.block_size))
     if args.adaptive or args.policy:  # the cost model picks each block size
-        from worker.spec.cost_model import AdaptiveBlockPolicy, CostMemory, CostModel
+        from worker.spec.cost_model import AdaptiveBlockPolicy, CostMemory
 
         def policy_maker(spec: str | None, B: int):
             # One CostMemory per method, shared by its generations (warm-ups included), as a
@@ -434,10 +432,7 @@ def main(argv=None) -> int:
             memory = CostMemory()
             if spec is None:  # what the worker runs by default
                 return lambda: AdaptiveBlockPolicy(B, memory=memory)
-            decay, probe, window, optimism = (spec.split(":") + ["0", "0"])[:4]
-            return lambda: AdaptiveBlockPolicy(B, model=CostModel(decay=float(decay), cost_window=int(window),
-                                                                   optimism=float(optimism)),
-                                               probe_every=int(probe), memory=memory)
+            return lambda: policy_from_spec(spec, B, memory)
         for name, d in list(dflash.items()):
             B = args.block_size or d.block_size
             for spec in ([None] if args.adaptive else []) + list(args.policy):
