@@ -10,9 +10,20 @@ import pytest
 import worker.training.data as data_mod
 from test_training import _write_prompts
 from worker.training.data import DataError, build_dataset, dataset_key
-from worker.training.extra_data import check_extra_data, load_extra_data, write_gzip_copy
+from worker.training.extra_data import check_extra_data, load_extra_data
 
 FP = "fingerprint-1"
+
+
+def write_gzip_copy(data_dir, out_dir):
+    """A data cache as bench/h200/collect.sh packs it: train.jsonl gzip-compressed, meta.json and
+    heldout.jsonl as they are."""
+    out_dir.mkdir(parents=True)
+    with gzip.open(out_dir / "train.jsonl.gz", "wb") as g:
+        g.write((data_dir / "train.jsonl").read_bytes())
+    for name in ("heldout.jsonl", "meta.json"):
+        (out_dir / name).write_bytes((data_dir / name).read_bytes())
+    return out_dir
 
 
 def _cache(d, rows, *, target=FP, temperature=0.0, max_new_tokens=8, gz=False):

@@ -201,6 +201,8 @@ def load_extra_data(
         DataError: as `check_extra_data` with read_rows (a file holding other than meta.json's
             count of sequences included), or a line that is not a training sequence.
     """
+    if not dirs:  # the usual run: nothing to read, no sets to build
+        return ExtraData()
     held_ids = {tuple(p) for p in heldout_prompt_ids}
     held_names = set(heldout_ids)
     mine = {tuple(p) for p in answered}
@@ -247,20 +249,3 @@ def shard_of(ds: TokenDataset, rank: int, world_size: int) -> TokenDataset:
     """Every `world_size`-th sequence from `rank` on (a data-parallel rank's share)."""
     return TokenDataset(ds.prompt_ids[rank::world_size], ds.response_ids[rank::world_size],
                         ds.corpus[rank::world_size], ds.ids[rank::world_size])
-
-
-def write_gzip_copy(data_dir: str | Path, out_dir: str | Path) -> Optional[Path]:
-    """Copies a data cache (meta.json, heldout.jsonl, train.jsonl gzip-compressed) to `out_dir`,
-    e.g. to carry it off a GPU machine; returns the new directory, None if `data_dir` has no
-    complete cache."""
-    src, dst = Path(data_dir), Path(out_dir)
-    if not (src / "meta.json").is_file() or not (src / "train.jsonl").is_file():
-        return None
-    dst.mkdir(parents=True, exist_ok=True)
-    with open(src / "train.jsonl", "rb") as f, gzip.open(dst / "train.jsonl.gz", "wb", compresslevel=6) as g:
-        while chunk := f.read(1 << 20):
-            g.write(chunk)
-    for name in ("heldout.jsonl", "meta.json"):  # meta last: marks the copy complete
-        if (src / name).is_file():
-            (dst / name).write_bytes((src / name).read_bytes())
-    return dst
