@@ -2,7 +2,9 @@
 # Packs each trained draft (config, weights, card, log) into OUT/draft-NAME.tgz (< 16 MiB each),
 # and each job's generated data (WORK/data or WORK/data-rank*, train.jsonl gzip-compressed) into
 # OUT/data-NAME-DIR.tar, so a later session can carry it back in and train on it again
-# (`flashfleet draft train --extra-data DIR`) instead of generating it again.
+# (`flashfleet draft train --extra-data DIR`) instead of generating it again. A tar over 15 MiB is
+# split into OUT/data-NAME-DIR.tar.partaa, .partab, ... (files come back at most 16 MiB each);
+# join them with `cat data-NAME-DIR.tar.part* | tar x`.
 O=${OUT:-/root/out}; R=${RES:-/root/res}; W=${WORK_ROOT:-/root/work}; mkdir -p "$O"
 for d in "$R"/*/; do
   n=$(basename "$d"); [ -f "$d/config.json" ] || { echo "no draft in $d"; continue; }
@@ -13,7 +15,10 @@ for f in "$R"/*.log; do [ -f "$f" ] && tail -c 200000 "$f" > "$O/$(basename "$f"
 for d in "$W"/*/data "$W"/*/data-rank*; do
   [ -f "$d/meta.json" ] && [ -f "$d/train.jsonl" ] || continue
   n=$(basename "$(dirname "$d")"); t=$(mktemp -d); c="$t/$n-$(basename "$d")"; mkdir -p "$c"
-  gzip -c "$d/train.jsonl" > "$c/train.jsonl.gz" && cp "$d/heldout.jsonl" "$d/meta.json" "$c/" \
-    && tar cf "$O/data-$n-$(basename "$d").tar" -C "$t" "$(basename "$c")" && ls -la "$O/data-$n-$(basename "$d").tar"
+  f="$O/data-$n-$(basename "$d").tar"
+  gzip -9 -c "$d/train.jsonl" > "$c/train.jsonl.gz" && cp "$d/heldout.jsonl" "$d/meta.json" "$c/" \
+    && tar cf "$f" -C "$t" "$(basename "$c")" \
+    && if [ "$(stat -c %s "$f")" -gt $((15 * 1024 * 1024)) ]; then split -b 15M "$f" "$f.part" && rm "$f"; fi
+  ls -la "$f"*
   rm -rf "$t"
 done
