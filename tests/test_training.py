@@ -49,7 +49,7 @@ from worker.training.defaults import (
     choose_mask_token_id,
     default_draft_layers,
 )
-from worker.training.train import TrainConfig, Trainer, learning_rate
+from worker.training.train import TrainConfig, Trainer, learning_rate, tap_cache_plan
 
 VOCAB = 256
 
@@ -363,6 +363,32 @@ def test_cached_taps_train_like_online_taps():
     assert all(mx.allclose(a[k], b[k], atol=1e-5).item() for k in a)
 
 
+def test_taps_cached_for_the_classes_that_fit_train_like_online_taps():
+    target = tiny_llama()
+    ds = _synthetic_dataset(n=6)
+    online = _trainer(target, ds, steps=4)
+    online.run(log=lambda _: None)
+    partial = _trainer(target, ds, steps=4)
+    sizes = partial.class_tap_bytes()
+    assert len(sizes) == 2 and all(sizes) and sum(sizes) == partial.tap_cache_bytes()
+    assert partial.classes_to_cache(sum(sizes)) == [0, 1]
+    assert partial.classes_to_cache(min(sizes) - 1) == []
+    big = int(np.argmax(sizes))
+    assert partial.classes_to_cache(max(sizes)) == [big]  # the subset with the most bytes that fits
+    assert {partial.batch(s)[3] for s in range(4)} == {0, 1}  # the run below steps in both classes
+    assert tap_cache_plan(partial, sum(sizes) / 2**30) == ([0, 1], f"taps: caching the target's taps of all "
+                                                        f"sequences ({sum(sizes) / 2**30:.3g} GiB)")
+    classes, message = tap_cache_plan(partial, max(sizes) / 2**30)
+    assert classes == [big] and f"caching length classes [{partial.widths[big]}]" in message
+    assert tap_cache_plan(partial, (min(sizes) - 1) / 2**30)[0] == []
+    partial.precompute_taps(progress=False, classes=[big])
+    assert partial.taps_cached[big] is not None and partial.taps_cached[1 - big] is None
+    assert partial.taps_cached[big].shape[:2] == ((partial.bucket_of == big).sum(), partial.widths[big])
+    partial.run(log=lambda _: None)
+    a, b = dict(tree_flatten(online.draft.parameters())), dict(tree_flatten(partial.draft.parameters()))
+    assert all(mx.allclose(a[k], b[k], atol=1e-5).item() for k in a)
+
+
 def test_batches_are_a_function_of_epoch_and_stay_in_one_length_class():
     lengths = np.array([5, 40, 100, 200, 640, 300, 17, 650, 33, 120, 180, 500])
     widths, cls = length_buckets(lengths, 672, 4)
@@ -595,7 +621,7 @@ def test_evaluate_tau_is_at_least_one():
 # --------------------------------------------------------------------------- command line
 
 
-def test_cli_train_writes_a_loadable_draft_and_resumes(tmp_path, tiny_models):
+def test_cli_train_writes_a_loadable_draft_and_resumes(tmp_path, tiny_models, capsys):
     from mlx_lm import load
 
     from flashfleet.cli.draft_cmd import main
@@ -617,9 +643,14 @@ def test_cli_train_writes_a_loadable_draft_and_resumes(tmp_path, tiny_models):
     draft = load_dflash_draft(out, target)
     assert draft.block_size == 4 and {v.dtype for _, v in tree_flatten(draft.parameters())} == {mx.bfloat16}
 
-    assert main([*argv[:argv.index("--steps") + 1], "9", *argv[argv.index("--steps") + 2:]]) == 0
+    capsys.readouterr()
+    # resumed, with no room for the taps (tap_cache_plan's other cases: the test below)
+    assert main([*argv[:argv.index("--steps") + 1], "9", *argv[argv.index("--steps") + 2:],
+                 "--cache-taps-gib", str(20 * 2**10 / 2**30)]) == 0
     card = json.loads((out / "training_card.json").read_text())
     assert card["training"]["resumed_from_step"] == 6 and card["training"]["steps"] == 9
+    printed = capsys.readouterr().out
+    assert "taps: not cached (the smallest length class takes" in printed, printed
     assert main(["train", "--target", str(tiny_models.llama), "--prompts", str(tmp_path / "missing.jsonl"),
                  "--out", str(out)]) == 2
 

@@ -154,8 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights sharing one scale and bias (with --quantize-bits)")
     g.add_argument("--no-compile", dest="compile", action="store_false", help="do not mx.compile the step")
     g.add_argument("--cache-taps-gib", type=float, default=8.0,
-                   help="keep the target taps of the whole dataset in memory when they fit (0: recompute "
-                        "them every batch)")
+                   help="GiB of memory for the target taps, computed once and kept: the length classes that "
+                        "fit together are cached, the others' batches recompute them (0: every batch)")
     g.add_argument("--length-buckets", type=_at_least(1), default=4,
                    help="length classes: a batch is padded to its class's width instead of the longest "
                         "sequence's (1: off)")

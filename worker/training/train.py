@@ -105,8 +105,9 @@ class TrainConfig:
         (None: keep `save_dtype`; 4 or 8: the saved draft's linear layers are MLX-quantized with
         `quantize_group_size`, the size budget counts the quantized bytes, and the unquantized
         draft is kept in the work dir and evaluated too, so the card shows what it costs), compile,
-        cache_taps_gib (compute the target taps of the whole dataset once and keep them in
-        memory when they fit this many GiB, the paper's "offline" mode; 0: always online, one
+        cache_taps_gib (compute the target taps once and keep them in memory, the paper's
+        "offline" mode, for the length classes that fit this many GiB together (all of them when
+        the dataset fits); the other classes' batches run the target; 0: always online, one
         target forward per batch), length_buckets (batches come from one of this many length
         classes and are padded to its width, not the dataset's; 1: off), checkpoint_every
         (steps), resume, log_every (steps between loss-curve points).
@@ -311,29 +312,51 @@ class Trainer:
         self._step_fn = None
         self.taps_cached: Optional[list[Optional[mx.array]]] = None  # per length class, rows in `local` order
 
-    def tap_cache_bytes(self) -> int:
-        """Bytes the taps of the whole dataset take, each sequence padded to its class's width:
-        sum(width of class) * n_taps * D * dtype size."""
+    def class_tap_bytes(self) -> list[int]:
+        """Bytes the taps of each length class take, each sequence padded to its class's width:
+        rows in class * width * n_taps * D * dtype size (one entry per class)."""
         d = target_hidden_size(self.target) * len(self.draft.target_layer_ids)
         itemsize = self.draft._embed(mx.array([0])).dtype.size
-        return int(np.asarray(self.widths)[self.bucket_of].sum()) * d * itemsize
+        rows = np.bincount(self.bucket_of, minlength=len(self.widths))
+        return [int(r) * w * d * itemsize for r, w in zip(rows, self.widths)]
 
-    def precompute_taps(self, progress: bool = True) -> None:
-        """Runs the target once over the dataset (in batches) and keeps every tap in memory;
-        steps then read their batch's taps instead of running the target (paper: "offline")."""
+    def tap_cache_bytes(self) -> int:
+        """Bytes the taps of the whole dataset take (sum of `class_tap_bytes`)."""
+        return sum(self.class_tap_bytes())
+
+    def classes_to_cache(self, budget_bytes: float) -> list[int]:
+        """The length classes whose taps to cache within `budget_bytes`: the subset with the most
+        bytes that fits (a class is cached whole or not at all; a step's time saved is about
+        proportional to its tokens, so bytes cached measure the saving). Empty if none fits."""
+        sizes = self.class_tap_bytes()
+        best: tuple[int, list[int]] = (0, [])
+        for mask in range(1, 1 << len(sizes)):  # at most 2^length_buckets subsets (a handful)
+            chosen = [c for c in range(len(sizes)) if mask >> c & 1 and sizes[c] > 0]
+            total = sum(sizes[c] for c in chosen)
+            if best[0] < total <= budget_bytes:
+                best = (total, chosen)
+        return best[1]
+
+    def precompute_taps(self, progress: bool = True, classes: Optional[Sequence[int]] = None) -> None:
+        """Runs the target once over the sequences of `classes` (default: all) in batches and
+        keeps their taps in memory; steps of those classes then read their batch's taps instead
+        of running the target (paper: "offline"), the other classes' steps run it as before."""
         from tqdm import tqdm
 
-        self.taps_cached = []
-        with tqdm(total=self.n, desc="target taps", unit="seq", disable=not progress, dynamic_ncols=True) as bar:
-            for c, width in enumerate(self.widths):
+        classes = set(range(len(self.widths)) if classes is None else classes)
+        self.taps_cached = [None] * len(self.widths)
+        total = int(sum((self.bucket_of == c).sum() for c in classes))
+        with tqdm(total=total, desc="target taps", unit="seq", disable=not progress, dynamic_ncols=True) as bar:
+            for c in sorted(classes):
                 members, parts = np.flatnonzero(self.bucket_of == c), []
                 for i in range(0, len(members), self.bsz):
-                    t = self.taps(mx.array(self.tokens[members[i: i + self.bsz], :width]))
+                    t = self.taps(mx.array(self.tokens[members[i: i + self.bsz], :self.widths[c]]))
                     mx.eval(t)
                     parts.append(t)
                     bar.update(len(members[i: i + self.bsz]))
-                self.taps_cached.append(mx.concatenate(parts, axis=0) if parts else None)
-                mx.eval(self.taps_cached[-1])
+                if parts:
+                    self.taps_cached[c] = mx.concatenate(parts, axis=0)
+                    mx.eval(self.taps_cached[c])
 
     # -- the compiled step -------------------------------------------------------------------
 
@@ -418,7 +441,8 @@ class Trainer:
         anchors, keep = sample_anchors(rng, prompt_lens, lengths, self.N)
         labels = int((np.minimum(self.B - 1, lengths[:, None] - 1 - anchors) * keep).sum())
         tokens = mx.array(self.tokens[idx, :self.widths[c]])
-        taps = self.taps(tokens) if self.taps_cached is None else self.taps_cached[c][mx.array(self.local[idx])]
+        cached = None if self.taps_cached is None else self.taps_cached[c]
+        taps = self.taps(tokens) if cached is None else cached[mx.array(self.local[idx])]
         return (tokens, mx.array(lengths), mx.array(anchors), mx.array(keep), taps), labels, epoch, c
 
     def progress(self) -> float:
@@ -585,6 +609,21 @@ class Trainer:
         if total["t"] > 0:
             last["label_tokens_per_s"] = total["labels"] / total["t"]
         return {"steps": self.step, "elapsed_s": round(self.elapsed_s, 1), **last}
+
+
+def tap_cache_plan(trainer: Trainer, cache_taps_gib: float) -> tuple[list[int], str]:
+    """Which length classes' taps to cache within `cache_taps_gib` GiB (`Trainer.classes_to_cache`)
+    and the log line that says so (what is cached, what it takes, what is left to run online)."""
+    sizes, classes = trainer.class_tap_bytes(), trainer.classes_to_cache(cache_taps_gib * 2**30)
+    gib = lambda b: f"{b / 2**30:.3g} GiB"  # noqa: E731 - tiny test data and 100 GiB runs alike
+    if len(classes) == len(trainer.widths):
+        return classes, f"taps: caching the target's taps of all sequences ({gib(sum(sizes))})"
+    if classes:
+        return classes, (f"taps: all would take {gib(sum(sizes))}, over --cache-taps-gib {cache_taps_gib:g}: caching "
+                         f"length classes {[trainer.widths[c] for c in classes]} "
+                         f"({gib(sum(sizes[c] for c in classes))}); the other classes' steps run the target")
+    return classes, (f"taps: not cached (the smallest length class takes {gib(min((s for s in sizes if s), default=0))}, "
+                     f"over --cache-taps-gib {cache_taps_gib:g}); every step runs the target")
 
 
 def _args_dict(args: ModelArgs) -> dict:
@@ -842,9 +881,11 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
     elif rank == 0 and state_dir.exists():  # rank 0 alone writes (and clears) the checkpoint
         for f in state_dir.glob("state*"):
             f.unlink(missing_ok=True)
-    if cfg.cache_taps_gib and trainer.tap_cache_bytes() <= cfg.cache_taps_gib * 2**30:
-        log(f"taps: caching the target's taps of all sequences ({trainer.tap_cache_bytes() / 2**30:.2f} GiB)")
-        trainer.precompute_taps(cfg.progress)
+    if cfg.cache_taps_gib:
+        classes, message = tap_cache_plan(trainer, cfg.cache_taps_gib)
+        log(message)
+        if classes:
+            trainer.precompute_taps(cfg.progress, classes)
     log(f"train: {trainer.n} sequences (S={trainer.tokens.shape[1]}, batch widths {trainer.widths}), "
         f"batch {trainer.bsz}" + (f" per rank x {n_ranks} ranks" if group is not None else "") + f", {trainer.N} anchors, "
         f"gamma {trainer.gamma}, up to {trainer.total_steps} steps"
