@@ -68,6 +68,13 @@ def _top_p(text: str) -> float:
     return v
 
 
+def _val_fraction(text: str) -> float:
+    v = float(text)
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError("must be in [0, 1) (0: no validation)")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``flashfleet draft`` (sub-commands ``train`` and ``eval``)."""
     parser = argparse.ArgumentParser(prog="flashfleet draft", description="Train and evaluate DFlash drafts.")
@@ -167,6 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-max-new-tokens", type=_at_least(1), default=128)
     g.add_argument("--eval-max-minutes", type=_minutes, default=None, help="time limit of each tau measurement")
     g.add_argument("--eval-untrained", action="store_true", help="also measure the untrained draft")
+    g.add_argument("--val-fraction", type=_val_fraction, default=0.02,
+                   help="share of prompts whose answers are held out of training for teacher-forced "
+                        "validation (chosen by a hash of the prompt: the same in every run; 0: none)")
+    g.add_argument("--val-max-sequences", type=_at_least(0), default=128, help="cap on validation sequences")
+    g.add_argument("--val-every", type=_at_least(0), default=500,
+                   help="steps between validations (loss and tau estimate on the validation sequences; "
+                        "0: only at the end)")
     g = t.add_argument_group("several processes (data parallel; docs/training.md)")
     g.add_argument("--processes", type=_at_least(1), default=1,
                    help="train data parallel with this many processes on this host (one per GPU with nccl), "

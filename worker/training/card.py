@@ -9,6 +9,16 @@ def tau_line(ev: dict) -> str:
     return (f"all {a['tau']:.3f} over {a['cycles']} cycles; " if a["tau"] is not None else "no cycles; ") + ", ".join(parts)
 
 
+def _validation_lines(val: dict) -> list[str]:
+    """The card's lines on teacher-forced validation (`validation.Validator`), if it ran."""
+    final = val.get("final")
+    if not final:
+        return []
+    curve = ", ".join(f"{p['tau']:.2f}@{p['step']}" for p in val.get("curve", []))
+    return [f"- teacher-forced on {final['sequences']} sequences held out of training (never trained on in this "
+            f"run): loss {final['loss']}, tau estimate {final['tau']}; along the run (tau@step): {curve}"]
+
+
 def render_card(card: dict) -> str:
     """TRAINING.md: the training card as a short human-readable page."""
     t, d, data, tr = card["target"], card["draft"], card["data"], card["training"]
@@ -61,6 +71,7 @@ def render_card(card: dict) -> str:
         f"- AdamW lr {tr['lr']} (warmup {tr['warmup']}, cosine), weight decay {tr['weight_decay']}, "
         f"clip {tr['grad_clip']}, gamma {tr['gamma']}",
         f"- final loss {tr['final_loss']}, teacher-forced tau estimate {tr['final_train_tau']}",
+        *_validation_lines(tr.get("validation") or {}),
         *([f"- started from the weights of {tr['init_from']} (--init-from)"] if tr.get("init_from") else []),
         "",
         "## Acceptance length tau on held-out prompts (greedy, tokens per cycle, bonus included)",

@@ -60,6 +60,7 @@ from worker.training.extra_data import extra_data_key
 from worker.training.forward import block_hidden, block_inputs, cast_tree
 from worker.training.loss import acceptance_stats, block_targets, default_gamma, weighted_cross_entropy
 from worker.training.masks import sample_anchors
+from worker.training.validation import Validator, split_validation
 
 STATE_FORMAT = 1
 
@@ -113,7 +114,10 @@ class TrainConfig:
         (steps), resume, log_every (steps between loss-curve points).
     Evaluation:
         eval (tau on the held-out prompts at the end), eval_max_new_tokens, eval_max_minutes,
-        eval_untrained (also measure the untrained draft), progress (tqdm bars).
+        eval_untrained (also measure the untrained draft), progress (tqdm bars);
+        val_fraction / val_max_sequences (answered sequences held out of training, by a hash of
+        their prompt, for teacher-forced validation: `validation.split_validation`; 0: none) and
+        val_every (steps between validations; 0: only at the end).
     """
 
     target: str
@@ -172,6 +176,9 @@ class TrainConfig:
     eval_max_new_tokens: int = 128
     eval_max_minutes: Optional[float] = None
     eval_untrained: bool = False
+    val_fraction: float = 0.02
+    val_max_sequences: int = 128
+    val_every: int = 500
     progress: bool = True
 
 
@@ -311,6 +318,8 @@ class Trainer:
         self.opt.init(draft.trainable_parameters())
         self._step_fn = None
         self.taps_cached: Optional[list[Optional[mx.array]]] = None  # per length class, rows in `local` order
+        self.validator: Optional[Validator] = None  # set_validation
+        self.val_history: list[dict] = []
 
     def class_tap_bytes(self) -> list[int]:
         """Bytes the taps of each length class take, each sequence padded to its class's width:
@@ -360,15 +369,27 @@ class Trainer:
 
     # -- the compiled step -------------------------------------------------------------------
 
-    def _loss(self, tokens, lengths, anchors, keep, taps):
+    def block_logits(self, tokens, lengths, anchors, keep, taps):
+        """The draft's logits for every block of a batch, with labels and loss weights.
+
+        Args:
+            tokens (Bsz, S) int, lengths (Bsz,) int, anchors / keep (Bsz, N), taps (Bsz, S,
+            n_taps * D): as `batch` returns them.
+
+        Returns:
+            logits (Bsz*N, B-1, V) in the compute dtype (the target's frozen head), labels
+            (Bsz*N, B-1) int32 and weights (Bsz*N, B-1) float32 (`loss.block_targets`).
+        """
         draft = self.draft
         params = cast_tree(draft.parameters(), self.cdt)
         blocks = block_inputs(tokens, anchors, self.B, draft.mask_token_id)
         h = block_hidden(draft, params, taps, blocks, anchors)  # (Bsz*N, B, D)
-        logits = draft._head(h[:, 1:])  # (Bsz*N, B-1, V): the target's frozen head
+        logits = draft._head(h[:, 1:])
         labels, weights = block_targets(tokens, lengths, anchors, keep, self.B, self.gamma)
-        labels = labels.reshape(-1, self.B - 1)
-        weights = weights.reshape(-1, self.B - 1)
+        return logits, labels.reshape(-1, self.B - 1), weights.reshape(-1, self.B - 1)
+
+    def _loss(self, tokens, lengths, anchors, keep, taps):
+        logits, labels, weights = self.block_logits(tokens, lengths, anchors, keep, taps)
         loss = weighted_cross_entropy(logits, labels, weights)
         acc, tau = acceptance_stats(logits, labels, weights)
         return loss, acc, tau
@@ -445,6 +466,33 @@ class Trainer:
         taps = self.taps(tokens) if cached is None else cached[mx.array(self.local[idx])]
         return (tokens, mx.array(lengths), mx.array(anchors), mx.array(keep), taps), labels, epoch, c
 
+    def set_validation(self, data: TokenDataset) -> None:
+        """Sequences to validate on every `val_every` steps (`validation.split_validation`; this
+        process's share). With several processes every rank calls this, even with none."""
+        self.validator = Validator(self, data)
+
+    def validate(self, log: Callable[[str], None] = print) -> Optional[dict]:
+        """Teacher-forced loss and tau on the validation sequences now (`validation.Validator`),
+        appended to `val_history` and logged. Its time counts as training time (the budget), not
+        in the steps' tokens/s. Every process of the group must call it at the same step.
+
+        Returns:
+            {"step", "loss", "tau", "sequences", "blocks", "per_corpus", "train_tau"}, or None
+            without validation sequences."""
+        if self.validator is None:
+            return None
+        t0 = time.perf_counter()
+        result = self.validator.run(self.group)
+        self._local[0] += time.perf_counter() - t0
+        if result is None:
+            return None
+        train_tau = self.history[-1]["train_tau"] if self.history else None
+        point = {"step": self.step, **result.as_dict(), "train_tau": train_tau}
+        self.val_history.append(point)
+        log(f"val: step {self.step}, loss {result.loss:.3f}, tau {result.tau:.2f} on {result.sequences} sequences "
+            f"never trained on" + (f" (training batches: {train_tau:.2f})" if train_tau is not None else ""))
+        return point
+
     def progress(self) -> float:
         """Fraction of the run done: steps or wall time, whichever is further. The wall-time
         fraction leaves out the first step of each length class (`startup_s`, traces and kernel
@@ -472,7 +520,8 @@ class Trainer:
         mx.save_safetensors(str(path / "state.tmp.safetensors"), arrays)
         os.replace(path / "state.tmp.safetensors", path / "state.safetensors")
         meta = {"format": STATE_FORMAT, "step": self.step, "elapsed_s": self.elapsed_s, "startup_s": self.startup_s,
-                "draft_args": _args_dict(self.draft.args), "history": self.history, **(extra or {})}
+                "draft_args": _args_dict(self.draft.args), "history": self.history, "val_history": self.val_history,
+                **(extra or {})}
         (path / "state.tmp.json").write_text(json.dumps(meta, indent=1) + "\n")
         os.replace(path / "state.tmp.json", path / "state.json")
 
@@ -490,6 +539,7 @@ class Trainer:
         self.opt.state = tree_unflatten([(k[4:], v) for k, v in arrays.items() if k.startswith("opt/")])
         self.opt.init(self.draft.trainable_parameters())
         self.step, self.elapsed_s, self.history = int(meta["step"]), float(meta["elapsed_s"]), meta["history"]
+        self.val_history = meta.get("val_history", [])
         self.startup_s = float(meta.get("startup_s", 0.0))
         self._local = [self.elapsed_s, self.startup_s]
         mx.eval(self.draft.parameters(), self.opt.state)
@@ -593,6 +643,12 @@ class Trainer:
                     retire(pending)
                 pending = (outs, labels, step, epoch, lr, c)
                 next_batch = None
+                if cfg.val_every and self.validator is not None and self.step % cfg.val_every == 0 \
+                        and not self.done():
+                    retire(pending)
+                    pending = None
+                    self.validate(log=log)
+                    t_prev = time.perf_counter()  # validation time is in elapsed_s, not in a step's
                 if not self.done():  # prepared while the device runs this step
                     next_batch = prepare()
                     if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and checkpoint:
@@ -874,7 +930,9 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
         f"B={spec.block_size}, MLP {spec.intermediate_size}, {n_params / 1e6:.2f} M parameters "
         f"({n_params * bytes_per_param / 2**20:.1f} MiB saved as {stored})")
 
-    trainer = Trainer(target, draft, split.train, cfg, group)
+    train_data, val_data = split_validation(split.train, cfg.val_fraction, cfg.val_max_sequences)
+    trainer = Trainer(target, draft, train_data, cfg, group)
+    trainer.set_validation(val_data)
     if resuming:
         resumed = trainer.load_state(state_dir)
         log(f"resume: step {trainer.step}, {trainer.elapsed_s:.0f} s trained, from {state_dir}")
@@ -890,8 +948,20 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
         f"batch {trainer.bsz}" + (f" per rank x {n_ranks} ranks" if group is not None else "") + f", {trainer.N} anchors, "
         f"gamma {trainer.gamma}, up to {trainer.total_steps} steps"
         + (f" or {cfg.max_minutes} min" if cfg.max_minutes else "") + f", compute {trainer.cdt}")
-    save = lambda: trainer.save_state(state_dir, {"data_key": split.meta["key"], "world_size": n_ranks})  # noqa: E731
+    val_key = [cfg.val_fraction, cfg.val_max_sequences]  # which sequences train: part of the data
+    if resumed is not None and resumed.get("val_split", [0.0, 0]) != val_key:
+        raise TrainConfigError(f"{state_dir}: the checkpoint was trained with another validation split "
+                               f"(--val-fraction/--val-max-sequences {resumed.get('val_split', [0.0, 0])}); "
+                               "rerun with those values, or --no-resume")
+    n_val = agree_sum([len(val_data)], group)[0]
+    log(f"val: {n_val:.0f} sequences held out of training for teacher-forced validation"
+        + (f" every {cfg.val_every} steps" if cfg.val_every else " at the end") if n_val else
+        "val: no validation sequences (--val-fraction / --val-max-sequences, or too little data)")
+    save = lambda: trainer.save_state(state_dir, {"data_key": split.meta["key"], "world_size": n_ranks,  # noqa: E731
+                                                  "val_split": val_key})
     result = trainer.run(checkpoint=save if rank == 0 else None, log=log)
+    if not trainer.val_history or trainer.val_history[-1]["step"] != trainer.step:
+        trainer.validate(log=log)  # every rank: the result is summed over them
     label_rate = agree_sum([result.get("label_tokens_per_s", 0.0)], group)[0]  # all processes together
     if rank:
         return {"rank": rank, "steps": result["steps"]}
@@ -968,7 +1038,11 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
                      "final_train_tau": round(result.get("train_tau", float("nan")), 3),
                      "final_accuracy_per_position": result.get("accuracy"),
                      "label_tokens_per_s": round(label_rate),
-                     "curve": _thinned(trainer.history, 40)},
+                     "curve": _thinned(trainer.history, 40),
+                     "validation": {"fraction": cfg.val_fraction, "max_sequences": cfg.val_max_sequences,
+                                    "every": cfg.val_every, "sequences": int(n_val),
+                                    "final": trainer.val_history[-1] if trainer.val_history else None,
+                                    "curve": _thinned(trainer.val_history, 40)}},
         "eval": evals,
         "environment": {"mlx": mx.__version__, "device": str(mx.default_device()), "python": platform.python_version(),
                         "argv": sys.argv},

@@ -1,0 +1,150 @@
+"""Teacher-forced validation: how well the draft predicts answers it has never trained on.
+
+The held-out tau at the end of a run (`evaluate.evaluate_tau`) decodes 72 prompts with the target
+and costs minutes; it says nothing about *when* training stopped helping. This module holds a few
+answered sequences out of the training data and measures, every `val_every` steps, the same
+loss and teacher-forced tau estimate the training batches report (`loss.acceptance_stats`), so a
+run shows how far the draft fits its own data better than new data (the sixth and seventh H200
+sessions: training batches 4-5.7, held-out decoding 2.3).
+
+Which sequences: those whose prompt token ids hash below `fraction` (SHA-1, so a prompt is on
+the same side in every run and on every process, whatever else the data holds; every answer to
+one prompt goes with it), at most `max_rows` of them (the lowest hashes). A row that was trained
+on by an earlier run (`--init-from` plus `--extra-data`) is not new to the draft: such a run's
+first validation is optimistic.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .data import TokenDataset
+from .distributed import agree_sum
+from .masks import sample_anchors
+
+if TYPE_CHECKING:  # the trainer imports this module
+    from .train import Trainer
+
+
+def _prompt_hash(prompt_ids: list[int]) -> float:
+    """A prompt's place in [0, 1): SHA-1 of its token ids (little-endian int32)."""
+    digest = hashlib.sha1(np.asarray(prompt_ids, dtype="<i4").tobytes()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def split_validation(data: TokenDataset, fraction: float, max_rows: int) -> tuple[TokenDataset, TokenDataset]:
+    """Splits training sequences into (train, validation) by prompt (see the module docstring).
+
+    Args:
+        data: the training sequences.
+        fraction: share of prompts that validate, in [0, 1) (0: none).
+        max_rows: cap on validation sequences (0: none).
+
+    Returns:
+        (train, validation): disjoint, together all of `data`, each in `data`'s order. The
+        validation set is empty when `fraction` or `max_rows` is 0, or when it would leave no
+        training sequence.
+    """
+    if fraction <= 0 or max_rows <= 0:
+        return data, TokenDataset()
+    hashes = np.array([_prompt_hash(p) for p in data.prompt_ids])
+    below = np.flatnonzero(hashes < fraction)
+    chosen = set(below[np.argsort(hashes[below], kind="stable")][:max_rows].tolist())
+    if len(chosen) >= len(data):
+        return data, TokenDataset()
+    parts = (TokenDataset(), TokenDataset())
+    for i in range(len(data)):
+        part = parts[1] if i in chosen else parts[0]
+        part.prompt_ids.append(data.prompt_ids[i])
+        part.response_ids.append(data.response_ids[i])
+        part.corpus.append(data.corpus[i])
+        part.ids.append(data.ids[i])
+    return parts
+
+
+@dataclass
+class ValidationResult:
+    """One validation: `loss` (weighted cross-entropy, nats per token, as the training loss),
+    `tau` (teacher-forced acceptance length, bonus included), over `sequences` sequences and
+    `blocks` blocks, all processes together; `per_corpus` {corpus: tau} of this process's rows."""
+
+    loss: float
+    tau: float
+    sequences: int
+    blocks: int
+    per_corpus: dict
+
+    def as_dict(self) -> dict:
+        return {"loss": round(self.loss, 4), "tau": round(self.tau, 3), "sequences": self.sequences,
+                "blocks": self.blocks, "per_corpus": {c: round(t, 3) for c, t in sorted(self.per_corpus.items())}}
+
+
+class Validator:
+    """Measures a trainer's draft on fixed validation sequences with fixed anchors, so successive
+    results differ only by the weights.
+
+    Args:
+        trainer: the `Trainer` (its target, draft, anchors per sequence, batch size, seed).
+        data: the validation sequences (`split_validation`); every process passes its own.
+
+    The target runs per batch (online taps): the set is small. Each batch is padded to its own
+    longest sequence (rounded up to 32 tokens).
+    """
+
+    def __init__(self, trainer: "Trainer", data: TokenDataset):
+        self.trainer, self.corpus = trainer, list(data.corpus)
+        self.batches = []
+        if not len(data):
+            return
+        tokens, lengths, prompt_lens = data.arrays(pad_id=0)
+        order = np.argsort(lengths, kind="stable")  # similar lengths share a batch: less padding
+        for b, i in enumerate(range(0, len(order), trainer.bsz)):
+            idx = order[i: i + trainer.bsz]
+            width = int(-(-int(lengths[idx].max()) // 32) * 32)
+            rng = np.random.default_rng([trainer.cfg.seed, 2, b])
+            anchors, keep = sample_anchors(rng, prompt_lens[idx], lengths[idx], trainer.N)
+            self.batches.append((idx, mx.array(tokens[idx, :width]), mx.array(lengths[idx]),
+                                 mx.array(anchors), mx.array(keep)))
+
+    def __len__(self) -> int:
+        return len(self.corpus)
+
+    def run(self, group: Optional[mx.distributed.Group] = None) -> Optional[ValidationResult]:
+        """One pass over the validation sequences (no gradients, weights unchanged).
+
+        Every process of `group` must call it at the same step (one all-reduce).
+
+        Returns:
+            The result, or None when no process has validation sequences.
+        """
+        tr, B = self.trainer, self.trainer.B
+        rows = len(self.corpus)
+        loss_sum = w_sum = acc_sum = n_blocks = 0.0
+        corpus_acc: dict[str, list[float]] = {}
+        for idx, tokens, lengths, anchors, keep in self.batches:
+            logits, labels, weights = tr.block_logits(tokens, lengths, anchors, keep, tr.taps(tokens))
+            x = logits.astype(mx.float32)
+            ce = mx.logsumexp(x, axis=-1) - mx.take_along_axis(x, labels[..., None], axis=-1)[..., 0]
+            real = weights > 0
+            prefix = mx.cumprod(((mx.argmax(x, axis=-1) == labels) & real).astype(mx.float32), axis=-1).sum(-1)
+            n = len(idx)
+            first = real[:, 0].astype(mx.float32).reshape(n, -1)  # (rows, N): blocks with a real label
+            per_row = mx.stack([(prefix.reshape(n, -1) * first).sum(-1), first.sum(-1)], axis=-1)
+            sums = mx.stack([(ce * weights).sum(), weights.sum()])
+            mx.eval(per_row, sums)
+            ls, ws = sums.tolist()
+            loss_sum, w_sum = loss_sum + ls, w_sum + ws
+            for r, (a, k) in zip(idx.tolist(), per_row.tolist()):
+                acc_sum, n_blocks = acc_sum + a, n_blocks + k
+                c = corpus_acc.setdefault(self.corpus[r], [0.0, 0.0])
+                c[0], c[1] = c[0] + a, c[1] + k
+        loss_sum, w_sum, acc_sum, n_blocks, rows = agree_sum([loss_sum, w_sum, acc_sum, n_blocks, rows], group)
+        if not rows or not n_blocks:
+            return None
+        return ValidationResult(loss=loss_sum / max(w_sum, 1e-6), tau=1.0 + acc_sum / n_blocks,
+                                sequences=int(rows), blocks=int(n_blocks),
+                                per_corpus={c: 1.0 + a / k for c, (a, k) in corpus_acc.items() if k})
