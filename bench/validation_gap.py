@@ -1,0 +1,103 @@
+"""How well a DFlash draft predicts answers it trained on vs answers it never saw (teacher-forced).
+
+Reads data caches (`WORK/data` of a training run, or what `bench/h200/collect.sh` brings back),
+groups their sequences by corpus and by origin (rows an earlier run added through --extra-data
+carry its `extraK:` id prefix), takes the same number from each group and prints the draft's
+loss and teacher-forced tau per group (`worker.training.validation.Validator`, the numbers a
+training run logs as `val:`). A draft whose tau is much higher on the groups it trained on than
+on new ones is bound by its data, not its steps:
+
+    python bench/validation_gap.py --target MODEL_DIR --draft DRAFT_DIR --data DATA_DIR... \
+        [--groups synthetic extra0:synthetic code_tasks] [--per-group 16] [--anchors 32]
+
+A quantized draft is dequantized to float32 first. Memory: the draft's logits of one batch are
+batch x anchors x (B-1) x vocab floats (4 x 32 x 15 x 152K x 4 bytes = 1.2 GB on a Qwen2.5
+target), so keep --batch-size small on a CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def group_of(row: dict) -> str:
+    """A row's group: its corpus, prefixed by the `extraK:` marker of rows an earlier run added."""
+    origin = row["id"].split(":", 1)[0] + ":" if ":" in row["id"].split("/", 1)[0] else ""
+    return origin + row["corpus"]
+
+
+def main(argv=None) -> int:
+    import mlx.core as mx
+    import numpy as np
+
+    from bench.bench_dflash import load_model
+    from worker.models.dflash_checkpoint import dequantized_weights, load_dflash_draft
+    from worker.training.data import TokenDataset
+    from worker.training.defaults import DraftSpec, make_draft
+    from worker.training.extra_data import _rows, _train_file
+    from worker.training.train import Trainer, TrainConfig
+    from worker.training.validation import Validator
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--data", nargs="+", required=True, help="data cache directories (train.jsonl[.gz])")
+    ap.add_argument("--groups", nargs="*", default=None, help="groups to measure (default: all)")
+    ap.add_argument("--per-group", type=int, default=16, help="sequences per group (random, --seed)")
+    ap.add_argument("--anchors", type=int, default=32)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    if a.per_group < 1 or a.anchors < 1 or a.batch_size < 1:
+        ap.error("--per-group, --anchors and --batch-size: at least 1")
+
+    groups: dict[str, list[dict]] = {}
+    for d in a.data:
+        for row in _rows(_train_file(Path(d))):
+            groups.setdefault(group_of(row), []).append(row)
+    names = a.groups if a.groups is not None else sorted(groups)
+    missing = [g for g in names if g not in groups]
+    if missing:
+        ap.error(f"no rows in group(s) {missing}; the data has {sorted(groups)}")
+
+    target, _ = load_model(a.target, False, None, tokenizer=False)
+    init = load_dflash_draft(a.draft, target)
+    args = init.args
+    spec = DraftSpec(args.num_hidden_layers, args.block_size, list(args.dflash_config["target_layer_ids"]),
+                     int(args.dflash_config["mask_token_id"]), args.intermediate_size)
+    draft = make_draft(target, spec, 0, from_target=False)
+    draft.load_weights(list(dequantized_weights(init).items()), strict=True)
+    mx.eval(draft.parameters())
+
+    rng = np.random.default_rng(a.seed)
+    picked = {}
+    for g in names:
+        rows = groups[g]
+        take = rng.choice(len(rows), size=min(a.per_group, len(rows)), replace=False)
+        ds = TokenDataset()
+        for i in sorted(take.tolist()):
+            r = rows[i]
+            ds.prompt_ids.append(r["prompt_ids"]), ds.response_ids.append(r["response_ids"])
+            ds.corpus.append(g), ds.ids.append(r["id"])
+        picked[g] = ds
+    cfg = TrainConfig(target=a.target, prompts=[], out="", batch_size=a.batch_size, anchors=a.anchors, steps=1,
+                      seed=a.seed, compile=False, progress=False, compute_dtype="float32", cache_taps_gib=0)
+    trainer = Trainer(target, draft, picked[names[0]], cfg)
+
+    print(f"target {a.target}; draft {a.draft} (dequantized, float32); {a.anchors} anchors per sequence, "
+          f"block {spec.block_size}; device {mx.default_device()}")
+    print(f"{'group':<30} {'rows':>6} {'seqs':>5} {'blocks':>7} {'loss':>7} {'tau':>6} {'s':>6}")
+    for g in names:
+        t0 = time.perf_counter()
+        res = Validator(trainer, picked[g]).run()
+        print(f"{g:<30} {len(groups[g]):>6} {res.sequences:>5} {res.blocks:>7} {res.loss:>7.3f} {res.tau:>6.2f} "
+              f"{time.perf_counter() - t0:>6.0f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""bench/validation_gap.py on a tiny target and a random DFlash draft: rows are grouped by corpus
+and `extraK:` origin, the same sequences give the same numbers in any group, a group the data
+lacks is one line (exit 2)."""
+import gzip
+import json
+
+import numpy as np
+from mlx_lm import load
+
+from bench_scripts import run_bench
+from worker.models.dflash_checkpoint import init_dflash_draft, quantize_dflash_draft, save_dflash_draft
+
+
+def _rows(ids, seed=0, corpus="code"):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in ids:
+        out.append({"corpus": corpus, "id": i, "prompt_ids": rng.integers(5, 100, 6).tolist(),
+                    "response_ids": rng.integers(5, 100, 20).tolist()})
+    return out
+
+
+def test_groups_and_table(tmp_path, tiny_models):
+    target, _ = load(str(tiny_models.llama))
+    draft = init_dflash_draft(target, num_layers=1, block_size=4, seed=3)
+    quantize_dflash_draft(draft, 4, 32)  # read back dequantized, as the shipped 4-bit drafts are
+    save_dflash_draft(draft, tmp_path / "draft")
+    data = tmp_path / "data"
+    data.mkdir()
+    new = _rows([f"code/{i}" for i in range(3)])
+    seen = [dict(r, id="extra0:" + r["id"]) for r in new]  # the same sequences, from an earlier run
+    with gzip.open(data / "train.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in new + seen + _rows(["prose/0"], seed=1, corpus="prose"))
+
+    base = ["--target", tiny_models.llama, "--draft", tmp_path / "draft", "--data", data, "--anchors", 4,
+            "--batch-size", 2]
+    r = run_bench("validation_gap.py", *base, "--per-group", 3)
+    assert r.returncode == 0, r.stderr
+    table = {line.split()[0]: line.split()[1:] for line in r.stdout.splitlines()[2:]}
+    assert set(table) == {"code", "extra0:code", "prose"}, r.stdout
+    assert table["code"][:2] == ["3", "3"] and table["prose"][:2] == ["1", "1"]  # rows, sequences
+    # the same sequences under another origin: the same blocks, loss and tau (fixed anchors)
+    assert table["code"][2:5] == table["extra0:code"][2:5] and table["code"][2:5] != table["prose"][2:5]
+    loss, tau = float(table["code"][3]), float(table["code"][4])
+    assert loss > 0 and 1.0 <= tau <= 4
+
+    one = run_bench("validation_gap.py", *base, "--groups", "prose")
+    assert one.returncode == 0 and [line.split()[0] for line in one.stdout.splitlines()[2:]] == ["prose"]
+    bad = run_bench("validation_gap.py", *base, "--groups", "poetry")
+    assert bad.returncode == 2 and "no rows in group(s) ['poetry']" in bad.stderr and "Traceback" not in bad.stderr
