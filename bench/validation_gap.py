@@ -2,7 +2,7 @@
 
 Reads data caches (`WORK/data` of a training run, or what `bench/h200/collect.sh` brings back),
 groups their sequences by corpus and by origin (rows an earlier run added through --extra-data
-carry its `extraK:` id prefix), takes the same number from each group and prints the draft's
+carry `extraK:` id prefixes, one per run that carried them), takes the same number from each group and prints the draft's
 loss and teacher-forced tau per group (`worker.training.validation.Validator`, the numbers a
 training run logs as `val:`). A draft whose tau is much higher on the groups it trained on than
 on new ones is bound by its data, not its steps:
@@ -25,9 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def group_of(row: dict) -> str:
-    """A row's group: its corpus, prefixed by the `extraK:` marker of rows an earlier run added."""
-    origin = row["id"].split(":", 1)[0] + ":" if ":" in row["id"].split("/", 1)[0] else ""
-    return origin + row["corpus"]
+    """A row's group: its corpus, prefixed by the `extraK:` markers of the runs that carried it
+    over (`extra0:extra0:synthetic`: added two runs ago, carried on by the last one)."""
+    head = row["id"].split("/", 1)[0]
+    return (head.rsplit(":", 1)[0] + ":" if ":" in head else "") + row["corpus"]
 
 
 def main(argv=None) -> int:

@@ -30,14 +30,15 @@ def test_groups_and_table(tmp_path, tiny_models):
     new = _rows([f"code/{i}" for i in range(3)])
     seen = [dict(r, id="extra0:" + r["id"]) for r in new]  # the same sequences, from an earlier run
     with gzip.open(data / "train.jsonl.gz", "wt") as f:
-        f.writelines(json.dumps(r) + "\n" for r in new + seen + _rows(["prose/0"], seed=1, corpus="prose"))
+        f.writelines(json.dumps(r) + "\n" for r in new + seen + _rows(["prose/0"], seed=1, corpus="prose")
+                     + _rows(["extra0:extra1:code/9"], seed=2))
 
     base = ["--target", tiny_models.llama, "--draft", tmp_path / "draft", "--data", data, "--anchors", 4,
             "--batch-size", 2]
     r = run_bench("validation_gap.py", *base, "--per-group", 3)
     assert r.returncode == 0, r.stderr
     table = {line.split()[0]: line.split()[1:] for line in r.stdout.splitlines()[2:]}
-    assert set(table) == {"code", "extra0:code", "prose"}, r.stdout
+    assert set(table) == {"code", "extra0:code", "extra0:extra1:code", "prose"}, r.stdout
     assert table["code"][:2] == ["3", "3"] and table["prose"][:2] == ["1", "1"]  # rows, sequences
     # the same sequences under another origin: the same blocks, loss and tau (fixed anchors)
     assert table["code"][2:5] == table["extra0:code"][2:5] and table["code"][2:5] != table["prose"][2:5]
