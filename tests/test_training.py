@@ -381,6 +381,12 @@ def test_taps_cached_for_the_classes_that_fit_train_like_online_taps():
     classes, message = tap_cache_plan(partial, max(sizes) / 2**30)
     assert classes == [big] and f"caching length classes [{partial.widths[big]}]" in message
     assert tap_cache_plan(partial, (min(sizes) - 1) / 2**30)[0] == []
+    gappy = _synthetic_dataset(n=4)
+    gappy.response_ids[0] = gappy.response_ids[0] * 5  # one long sequence: the middle classes stay empty
+    g = _trainer(target, gappy, length_buckets=4)
+    g_sizes = g.class_tap_bytes()
+    assert len(g_sizes) == 4 and g_sizes.count(0) == 2
+    assert tap_cache_plan(g, sum(g_sizes) / 2**30)[1].startswith("taps: caching the target's taps of all sequences")
     partial.precompute_taps(progress=False, classes=[big])
     assert partial.taps_cached[big] is not None and partial.taps_cached[1 - big] is None
     assert partial.taps_cached[big].shape[:2] == ((partial.bucket_of == big).sum(), partial.widths[big])

@@ -672,7 +672,7 @@ def tap_cache_plan(trainer: Trainer, cache_taps_gib: float) -> tuple[list[int], 
     and the log line that says so (what is cached, what it takes, what is left to run online)."""
     sizes, classes = trainer.class_tap_bytes(), trainer.classes_to_cache(cache_taps_gib * 2**30)
     gib = lambda b: f"{b / 2**30:.3g} GiB"  # noqa: E731 - tiny test data and 100 GiB runs alike
-    if len(classes) == len(trainer.widths):
+    if classes == [c for c, size in enumerate(sizes) if size]:  # every class that holds sequences
         return classes, f"taps: caching the target's taps of all sequences ({gib(sum(sizes))})"
     if classes:
         return classes, (f"taps: all would take {gib(sum(sizes))}, over --cache-taps-gib {cache_taps_gib:g}: caching "
