@@ -108,3 +108,14 @@ def test_cli_card_reports_validation_and_resume_keeps_the_split(tmp_path, tiny_m
     more[more.index("--val-max-sequences") + 1] = "2"
     assert main(more) == 2  # another split would train on other sequences: one clear error
     assert "another validation split" in capsys.readouterr().err
+
+
+def test_validation_and_checkpoint_at_the_same_step(tmp_path):
+    """--val-every and --checkpoint-every coinciding (500 and 500 in the H200 job) must not crash."""
+    target = tiny_llama()
+    tr = _trainer(target, _synthetic_dataset(n=12), steps=6, val_every=2, checkpoint_every=2)
+    tr.set_validation(_synthetic_dataset(n=3, seed=5))
+    saved = []
+    tr.run(checkpoint=lambda: (tr.save_state(tmp_path), saved.append(tr.step)), log=lambda _: None)
+    assert [p["step"] for p in tr.val_history] == [2, 4] and saved == [2, 4, 6]
+    assert json.loads((tmp_path / "state.json").read_text())["val_history"] == tr.val_history

@@ -652,8 +652,9 @@ class Trainer:
                 if not self.done():  # prepared while the device runs this step
                     next_batch = prepare()
                     if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and checkpoint:
-                        retire(pending)
-                        pending = None
+                        if pending is not None:  # a validation at this step retired it already
+                            retire(pending)
+                            pending = None
                         checkpoint()
             if pending is not None:
                 retire(pending)
