@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("--target", required=True)
     ap.add_argument("--draft", required=True)
     ap.add_argument("--data", nargs="+", required=True, help="data cache directories (train.jsonl[.gz])")
-    ap.add_argument("--groups", nargs="*", default=None, help="groups to measure (default: all)")
+    ap.add_argument("--groups", nargs="+", default=None, help="groups to measure (default: all)")
     ap.add_argument("--per-group", type=int, default=16, help="sequences per group (random, --seed)")
     ap.add_argument("--anchors", type=int, default=32)
     ap.add_argument("--batch-size", type=int, default=4)
@@ -56,10 +56,15 @@ def main(argv=None) -> int:
     if a.per_group < 1 or a.anchors < 1 or a.batch_size < 1:
         ap.error("--per-group, --anchors and --batch-size: at least 1")
 
+    from worker.training.data import DataError
+
     groups: dict[str, list[dict]] = {}
-    for d in a.data:
-        for row in _rows(_train_file(Path(d))):
-            groups.setdefault(group_of(row), []).append(row)
+    try:
+        for d in a.data:
+            for row in _rows(_train_file(Path(d))):
+                groups.setdefault(group_of(row), []).append(row)
+    except DataError as e:
+        ap.error(str(e).replace("--extra-data ", "--data ", 1))
     names = a.groups if a.groups is not None else sorted(groups)
     missing = [g for g in names if g not in groups]
     if missing:
@@ -95,6 +100,9 @@ def main(argv=None) -> int:
     for g in names:
         t0 = time.perf_counter()
         res = Validator(trainer, picked[g]).run()
+        if res is None:  # no block with a label: answers of fewer than 2 tokens
+            print(f"{g:<30} {len(groups[g]):>6} {len(picked[g]):>5} {0:>7}  (no answer long enough to measure)")
+            continue
         print(f"{g:<30} {len(groups[g]):>6} {res.sequences:>5} {res.blocks:>7} {res.loss:>7.3f} {res.tau:>6.2f} "
               f"{time.perf_counter() - t0:>6.0f}", flush=True)
     return 0

@@ -49,3 +49,9 @@ def test_groups_and_table(tmp_path, tiny_models):
     assert one.returncode == 0 and [line.split()[0] for line in one.stdout.splitlines()[2:]] == ["prose"]
     bad = run_bench("validation_gap.py", *base, "--groups", "poetry")
     assert bad.returncode == 2 and "no rows in group(s) ['poetry']" in bad.stderr and "Traceback" not in bad.stderr
+    no_groups = run_bench("validation_gap.py", *base, "--groups")
+    assert no_groups.returncode == 2 and "expected at least one argument" in no_groups.stderr
+    nowhere = [*base[:base.index("--data") + 1], tmp_path / "nowhere", *base[base.index("--data") + 2:]]
+    missing = run_bench("validation_gap.py", *nowhere)
+    assert missing.returncode == 2 and f"--data {tmp_path / 'nowhere'}: not a directory" in missing.stderr
+    assert "Traceback" not in missing.stderr

@@ -387,6 +387,13 @@ def test_taps_cached_for_the_classes_that_fit_train_like_online_taps():
     g_sizes = g.class_tap_bytes()
     assert len(g_sizes) == 4 and g_sizes.count(0) == 2
     assert tap_cache_plan(g, sum(g_sizes) / 2**30)[1].startswith("taps: caching the target's taps of all sequences")
+    spread = _synthetic_dataset(n=40, seed=4)
+    spread.response_ids = [r * (1 + i % 20) for i, r in enumerate(spread.response_ids)]  # up to ~600 tokens
+    many = _trainer(target, spread, length_buckets=20)  # 20 classes of 32-token steps: the greedy path
+    m_sizes = many.class_tap_bytes()
+    assert len(m_sizes) > 12 and many.classes_to_cache(sum(m_sizes)) == [c for c, b in enumerate(m_sizes) if b]
+    top = int(np.argmax(m_sizes))
+    assert many.classes_to_cache(m_sizes[top]) == [top] and many.classes_to_cache(0) == []
     partial.precompute_taps(progress=False, classes=[big])
     assert partial.taps_cached[big] is not None and partial.taps_cached[1 - big] is None
     assert partial.taps_cached[big].shape[:2] == ((partial.bucket_of == big).sum(), partial.widths[big])

@@ -27,7 +27,7 @@ def _with_repeats(ds: TokenDataset) -> TokenDataset:
 
 def test_split_is_by_prompt_disjoint_and_the_same_in_a_larger_dataset():
     small = _with_repeats(_synthetic_dataset(n=60, seed=1))
-    train, val = split_validation(small, fraction=0.2, max_rows=1000)
+    train, val = split_validation(small, fraction=0.2)
     assert 0 < len(val) < len(small) and len(train) + len(val) == len(small)
     val_prompts = {tuple(p) for p in val.prompt_ids}
     assert not val_prompts & {tuple(p) for p in train.prompt_ids}  # every answer of a prompt on one side
@@ -35,21 +35,17 @@ def test_split_is_by_prompt_disjoint_and_the_same_in_a_larger_dataset():
 
     big = _synthetic_dataset(n=200, seed=1)  # the same first 60 prompts (same seed), then more
     assert big.prompt_ids[:60] == small.prompt_ids[:60]
-    _, big_val = split_validation(big, fraction=0.2, max_rows=1000)
+    _, big_val = split_validation(big, fraction=0.2)
+    assert 20 < len(big_val) < 60  # about fraction * rows
     assert val_prompts == {tuple(p) for p in big_val.prompt_ids} & {tuple(p) for p in small.prompt_ids}
 
 
-def test_split_cap_none_and_never_all():
+def test_split_none_and_never_all():
     ds = _synthetic_dataset(n=60, seed=2)
-    _, val = split_validation(ds, fraction=0.5, max_rows=3)
-    assert len(val) == 3
-    _, uncapped = split_validation(ds, fraction=0.5, max_rows=1000)
-    assert set(val.ids) < set(uncapped.ids)  # the cap keeps the lowest hashes of the same set
-    for fraction, cap in ((0.0, 10), (0.5, 0)):
-        train, none = split_validation(ds, fraction, cap)
-        assert len(none) == 0 and train is ds
+    train, none = split_validation(ds, 0.0)
+    assert len(none) == 0 and train is ds
     one = _synthetic_dataset(n=1, seed=3)
-    train, val = split_validation(one, fraction=0.999, max_rows=10)
+    train, val = split_validation(one, fraction=0.999)
     assert len(val) == 0 and len(train) == 1  # a validation set never takes all the data
 
 
@@ -95,19 +91,23 @@ def test_cli_card_reports_validation_and_resume_keeps_the_split(tmp_path, tiny_m
     argv = ["train", "--target", str(tiny_models.llama), "--prompts", *map(str, files), "--out", str(out),
             "--max-new-tokens", "12", "--steps", "4", "--batch-size", "4", "--anchors", "4", "--block-size", "4",
             "--heldout-per-corpus", "1", "--no-eval", "--no-compile", "--quiet",
-            "--val-fraction", "0.5", "--val-max-sequences", "3", "--val-every", "2"]
+            "--val-fraction", "0.5", "--val-every", "2"]
     assert main(argv) == 0
     card = json.loads((out / "training_card.json").read_text())
     val = card["training"]["validation"]
-    assert val["sequences"] == 3 and [p["step"] for p in val["curve"]] == [2, 4]
-    assert val["final"]["step"] == 4 and 1.0 <= val["final"]["tau"] <= 4
-    assert "held out of training" in (out / "TRAINING.md").read_text()
-    assert "val: 3 sequences held out" in capsys.readouterr().out
+    n_val = val["sequences"]
+    assert n_val > 0 and [p["step"] for p in val["curve"]] == [2, 4]
+    assert val["final"]["step"] == 4 and val["final"]["sequences"] == n_val and 1.0 <= val["final"]["tau"] <= 4
+    state = json.loads((tmp_path / "draft.work" / "resume" / "state.json").read_text())
+    assert state["val_history"][-1] == val["final"] and state["val_fraction"] == 0.5
+    assert "held out of this run's training (--val-fraction 0.5)" in (out / "TRAINING.md").read_text()
+    assert f"val: {n_val} sequences held out" in capsys.readouterr().out
 
     more = [*argv[:argv.index("--steps") + 1], "6", *argv[argv.index("--steps") + 2:]]
-    more[more.index("--val-max-sequences") + 1] = "2"
+    more[more.index("--val-fraction") + 1] = "0.25"
     assert main(more) == 2  # another split would train on other sequences: one clear error
-    assert "another validation split" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "trained with --val-fraction 0.5 (this run: 0.25)" in err and "generate" not in err
 
 
 def test_validation_and_checkpoint_at_the_same_step(tmp_path):

@@ -19,7 +19,8 @@ mkdir -p /root/cases /root/res
 [ -f /root/cases/humaneval.jsonl ] || tar xzf /root/stage/files/.stage-cases.tgz -C /root/cases
 # MLX's CUDA kernel cache from an earlier session (collect.sh packs it; carried and copied to
 # /root/stage like the data): kernels found there skip NVRTC, so a fresh machine starts faster.
-if [ -f /root/stage/mlx-kernels.tgz ] && ! ls -d /tmp/mlx/*/ptx >/dev/null 2>&1; then
+# Merged into whatever this machine compiled already (files are named by kernel).
+if [ -f /root/stage/mlx-kernels.tgz ]; then
   tar xzf /root/stage/mlx-kernels.tgz -C /tmp && echo "start: MLX kernel cache, $(find /tmp/mlx -name '*.txt' | wc -l) modules"
 fi
 rm -rf /root/ff && mkdir -p /root/ff && tar cf - --exclude=./.stage . | tar xf - -C /root/ff

@@ -15,8 +15,9 @@ def _validation_lines(val: dict) -> list[str]:
     if not final:
         return []
     curve = ", ".join(f"{p['tau']:.2f}@{p['step']}" for p in val.get("curve", []))
-    return [f"- teacher-forced on {final['sequences']} sequences held out of training (never trained on in this "
-            f"run): loss {final['loss']}, tau estimate {final['tau']}; along the run (tau@step): {curve}"]
+    return [f"- teacher-forced on {final['sequences']} sequences held out of this run's training "
+            f"(--val-fraction {val.get('fraction')}): loss {final['loss']}, tau estimate {final['tau']}; "
+            f"along the run (tau@step): {curve}"]
 
 
 def render_card(card: dict) -> str:

@@ -115,8 +115,8 @@ class TrainConfig:
     Evaluation:
         eval (tau on the held-out prompts at the end), eval_max_new_tokens, eval_max_minutes,
         eval_untrained (also measure the untrained draft), progress (tqdm bars);
-        val_fraction / val_max_sequences (answered sequences held out of training, by a hash of
-        their prompt, for teacher-forced validation: `validation.split_validation`; 0: none) and
+        val_fraction (share of prompts whose answers are held out of training, by a hash of the
+        prompt, for teacher-forced validation: `validation.split_validation`; 0: none) and
         val_every (steps between validations; 0: only at the end).
     """
 
@@ -176,8 +176,7 @@ class TrainConfig:
     eval_max_new_tokens: int = 128
     eval_max_minutes: Optional[float] = None
     eval_untrained: bool = False
-    val_fraction: float = 0.02
-    val_max_sequences: int = 128
+    val_fraction: float = 0.005
     val_every: int = 500
     progress: bool = True
 
@@ -336,10 +335,18 @@ class Trainer:
     def classes_to_cache(self, budget_bytes: float) -> list[int]:
         """The length classes whose taps to cache within `budget_bytes`: the subset with the most
         bytes that fits (a class is cached whole or not at all; a step's time saved is about
-        proportional to its tokens, so bytes cached measure the saving). Empty if none fits."""
+        proportional to its tokens, so bytes cached measure the saving); with more than 12
+        classes, the largest first that fit. Empty if none fits."""
         sizes = self.class_tap_bytes()
+        if len(sizes) > 12:  # 2^n subsets stop being instant: largest classes first that fit
+            chosen, total = [], 0
+            for c in sorted(range(len(sizes)), key=lambda c: -sizes[c]):
+                if sizes[c] and total + sizes[c] <= budget_bytes:
+                    chosen.append(c)
+                    total += sizes[c]
+            return sorted(chosen)
         best: tuple[int, list[int]] = (0, [])
-        for mask in range(1, 1 << len(sizes)):  # at most 2^length_buckets subsets (a handful)
+        for mask in range(1, 1 << len(sizes)):  # the default 4 length classes: 15 subsets
             chosen = [c for c in range(len(sizes)) if mask >> c & 1 and sizes[c] > 0]
             total = sum(sizes[c] for c in chosen)
             if best[0] < total <= budget_bytes:
@@ -490,7 +497,7 @@ class Trainer:
         point = {"step": self.step, **result.as_dict(), "train_tau": train_tau}
         self.val_history.append(point)
         log(f"val: step {self.step}, loss {result.loss:.3f}, tau {result.tau:.2f} on {result.sequences} sequences "
-            f"never trained on" + (f" (training batches: {train_tau:.2f})" if train_tau is not None else ""))
+            f"held out" + (f" (training batches: {train_tau:.2f})" if train_tau is not None else ""))
         return point
 
     def progress(self) -> float:
@@ -881,6 +888,10 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
         if saved.get("data_key") != dataset_key(cfg.prompts, **data_kw, extra=extra)[0]:
             raise TrainConfigError(f"{state_dir}: the checkpoint was trained on other data (prompt files or data "
                                    "options changed); rerun with --no-resume to start over on the new data")
+        if saved.get("val_fraction", 0.0) != cfg.val_fraction:  # it decides which sequences train
+            raise TrainConfigError(f"{state_dir}: the checkpoint was trained with --val-fraction "
+                                   f"{saved.get('val_fraction', 0.0)} (this run: {cfg.val_fraction}), which "
+                                   "holds other sequences out of training: rerun with that value, or --no-resume")
         if saved.get("world_size", 1) != n_ranks:
             raise TrainConfigError(f"{state_dir}: the checkpoint was trained by {saved.get('world_size', 1)} "
                                    f"process(es), this run has {n_ranks}; each rank's data shard would change: "
@@ -931,7 +942,7 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
         f"B={spec.block_size}, MLP {spec.intermediate_size}, {n_params / 1e6:.2f} M parameters "
         f"({n_params * bytes_per_param / 2**20:.1f} MiB saved as {stored})")
 
-    train_data, val_data = split_validation(split.train, cfg.val_fraction, cfg.val_max_sequences)
+    train_data, val_data = split_validation(split.train, cfg.val_fraction)
     trainer = Trainer(target, draft, train_data, cfg, group)
     trainer.set_validation(val_data)
     if resuming:
@@ -949,20 +960,17 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
         f"batch {trainer.bsz}" + (f" per rank x {n_ranks} ranks" if group is not None else "") + f", {trainer.N} anchors, "
         f"gamma {trainer.gamma}, up to {trainer.total_steps} steps"
         + (f" or {cfg.max_minutes} min" if cfg.max_minutes else "") + f", compute {trainer.cdt}")
-    val_key = [cfg.val_fraction, cfg.val_max_sequences]  # which sequences train: part of the data
-    if resumed is not None and resumed.get("val_split", [0.0, 0]) != val_key:
-        raise TrainConfigError(f"{state_dir}: the checkpoint was trained with another validation split "
-                               f"(--val-fraction/--val-max-sequences {resumed.get('val_split', [0.0, 0])}); "
-                               "rerun with those values, or --no-resume")
     n_val = agree_sum([len(val_data)], group)[0]
-    log(f"val: {n_val:.0f} sequences held out of training for teacher-forced validation"
+    log(f"val: {n_val:.0f} sequences held out of this run's training for teacher-forced validation"
         + (f" every {cfg.val_every} steps" if cfg.val_every else " at the end") if n_val else
-        "val: no validation sequences (--val-fraction / --val-max-sequences, or too little data)")
+        "val: no validation sequences (--val-fraction 0, or too little data)")
     save = lambda: trainer.save_state(state_dir, {"data_key": split.meta["key"], "world_size": n_ranks,  # noqa: E731
-                                                  "val_split": val_key})
+                                                  "val_fraction": cfg.val_fraction})
     result = trainer.run(checkpoint=save if rank == 0 else None, log=log)
     if not trainer.val_history or trainer.val_history[-1]["step"] != trainer.step:
         trainer.validate(log=log)  # every rank: the result is summed over them
+        if rank == 0:
+            save()  # the checkpoint holds the final point too
     label_rate = agree_sum([result.get("label_tokens_per_s", 0.0)], group)[0]  # all processes together
     if rank:
         return {"rank": rank, "steps": result["steps"]}
@@ -1040,8 +1048,7 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
                      "final_accuracy_per_position": result.get("accuracy"),
                      "label_tokens_per_s": round(label_rate),
                      "curve": _thinned(trainer.history, 40),
-                     "validation": {"fraction": cfg.val_fraction, "max_sequences": cfg.val_max_sequences,
-                                    "every": cfg.val_every, "sequences": int(n_val),
+                     "validation": {"fraction": cfg.val_fraction, "every": cfg.val_every, "sequences": int(n_val),
                                     "final": trainer.val_history[-1] if trainer.val_history else None,
                                     "curve": _thinned(trainer.val_history, 40)}},
         "eval": evals,

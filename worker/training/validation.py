@@ -7,11 +7,11 @@ loss and teacher-forced tau estimate the training batches report (`loss.acceptan
 run shows how far the draft fits its own data better than new data (the sixth and seventh H200
 sessions: training batches 4-5.7, held-out decoding 2.3).
 
-Which sequences: those whose prompt token ids hash below `fraction` (SHA-1, so a prompt is on
-the same side in every run and on every process, whatever else the data holds; every answer to
-one prompt goes with it), at most `max_rows` of them (the lowest hashes). A row that was trained
-on by an earlier run (`--init-from` plus `--extra-data`) is not new to the draft: such a run's
-first validation is optimistic.
+Which sequences: those whose prompt token ids hash below `fraction` (SHA-1), so a prompt is on the
+same side in every run, on every process and in any mix of data (every answer to one prompt goes
+with it; no cap that more data could move). A row that an earlier run trained on (`--init-from`
+plus `--extra-data` of data from before validation existed) is not new to the draft: such a
+run's numbers are optimistic for those rows.
 """
 from __future__ import annotations
 
@@ -36,24 +36,21 @@ def _prompt_hash(prompt_ids: list[int]) -> float:
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
-def split_validation(data: TokenDataset, fraction: float, max_rows: int) -> tuple[TokenDataset, TokenDataset]:
+def split_validation(data: TokenDataset, fraction: float) -> tuple[TokenDataset, TokenDataset]:
     """Splits training sequences into (train, validation) by prompt (see the module docstring).
 
     Args:
         data: the training sequences.
-        fraction: share of prompts that validate, in [0, 1) (0: none).
-        max_rows: cap on validation sequences (0: none).
+        fraction: share of prompts that validate, in [0, 1) (0: none); the expected number of
+            validation sequences is fraction * len(data).
 
     Returns:
         (train, validation): disjoint, together all of `data`, each in `data`'s order. The
-        validation set is empty when `fraction` or `max_rows` is 0, or when it would leave no
-        training sequence.
+        validation set is empty when `fraction` is 0 or when it would leave no training sequence.
     """
-    if fraction <= 0 or max_rows <= 0:
+    if fraction <= 0:
         return data, TokenDataset()
-    hashes = np.array([_prompt_hash(p) for p in data.prompt_ids])
-    below = np.flatnonzero(hashes < fraction)
-    chosen = set(below[np.argsort(hashes[below], kind="stable")][:max_rows].tolist())
+    chosen = {i for i, p in enumerate(data.prompt_ids) if _prompt_hash(p) < fraction}
     if len(chosen) >= len(data):
         return data, TokenDataset()
     parts = (TokenDataset(), TokenDataset())
