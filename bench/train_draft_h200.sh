@@ -41,6 +41,7 @@ LR=${LR:-6e-4}                      # peak learning rate
 EVAL_TOKENS=${EVAL_TOKENS:-128}
 EVAL_MINUTES=${EVAL_MINUTES:-0.75}
 EVAL_UNTRAINED=${EVAL_UNTRAINED:-1}  # 0: skip tau of the untrained draft
+EVAL_UNQUANTIZED=${EVAL_UNQUANTIZED:-1}  # 0: with --quantize-bits, skip tau of the weights before quantizing
 CACHE_TAPS_GIB=${CACHE_TAPS_GIB:-32}
 NPROC=${NPROC:-1}                   # >1: data parallel, one process per GPU (mlx.launch)
 DIST_BACKEND=${DIST_BACKEND:-nccl}  # mlx.launch backend for NPROC > 1 (ring: dry runs with mlx[cpu])
@@ -96,7 +97,7 @@ for attempt in $(seq 0 "$RETRIES"); do
     --epochs 1000 --max-minutes "$TRAIN_MINUTES" --cache-taps-gib "$CACHE_TAPS_GIB" \
     --checkpoint-every "$CHECKPOINT_EVERY" \
     --eval-max-new-tokens "$EVAL_TOKENS" --eval-max-minutes "$EVAL_MINUTES" \
-    $([ "$EVAL_UNTRAINED" = 1 ] && echo --eval-untrained) \
+    $([ "$EVAL_UNTRAINED" = 1 ] && echo --eval-untrained) $([ "$EVAL_UNQUANTIZED" = 1 ] || echo --no-eval-unquantized) \
     "$@" < /dev/null 2>&1 | tee -a "$OUT/train.log"
   status=${PIPESTATUS[0]}
   [ "$status" = 2 ] && break  # a usage error (one process): retrying cannot help

@@ -690,6 +690,11 @@ def test_cli_train_quantized_draft_is_smaller_and_evaluated_both_ways(tmp_path, 
     draft = load_dflash_draft(out, target)
     assert type(draft.layers[0].self_attn.q_proj).__name__ == "QuantizedLinear"
 
+    only = tmp_path / "only"  # --no-eval-unquantized: the saved draft's tau alone
+    assert main([*argv[:argv.index("--out") + 1], str(only), *argv[argv.index("--out") + 2:],
+                 "--no-eval-unquantized"]) == 0
+    assert set(json.loads((only / "training_card.json").read_text())["eval"]) == {"trained"}
+
 
 def test_generation_order_interleaves_corpora():
     from worker.training.data import Prompt, interleave_by_corpus

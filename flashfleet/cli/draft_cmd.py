@@ -174,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-max-new-tokens", type=_at_least(1), default=128)
     g.add_argument("--eval-max-minutes", type=_minutes, default=None, help="time limit of each tau measurement")
     g.add_argument("--eval-untrained", action="store_true", help="also measure the untrained draft")
+    g.add_argument("--no-eval-unquantized", dest="eval_unquantized", action="store_false",
+                   help="with --quantize-bits, measure only the saved (quantized) draft, not the weights "
+                        "before quantization too (half the evaluation time)")
     g.add_argument("--val-fraction", type=_val_fraction, default=0.005,
                    help="share of prompts whose answers are held out of training for teacher-forced "
                         "validation (chosen by a hash of the prompt: the same in every run; 0: none)")

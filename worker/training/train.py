@@ -114,7 +114,8 @@ class TrainConfig:
         (steps), resume, log_every (steps between loss-curve points).
     Evaluation:
         eval (tau on the held-out prompts at the end), eval_max_new_tokens, eval_max_minutes,
-        eval_untrained (also measure the untrained draft), progress (tqdm bars);
+        eval_untrained (also measure the untrained draft), eval_unquantized (with quantize_bits,
+        also measure the draft before quantization: what quantizing costs), progress (tqdm bars);
         val_fraction (share of prompts whose answers are held out of training, by a hash of the
         prompt, for teacher-forced validation: `validation.split_validation`; 0: none) and
         val_every (steps between validations; 0: only at the end).
@@ -176,6 +177,7 @@ class TrainConfig:
     eval_max_new_tokens: int = 128
     eval_max_minutes: Optional[float] = None
     eval_untrained: bool = False
+    eval_unquantized: bool = True
     val_fraction: float = 0.005
     val_every: int = 500
     progress: bool = True
@@ -995,7 +997,7 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
         evals["trained"] = evaluate_tau(target, trained, split.heldout, cfg.eval_max_new_tokens, eos,
                                         max_seconds=eval_s, progress=cfg.progress, desc="tau trained")
         log("tau (trained): " + tau_line(evals["trained"]))
-        if cfg.quantize_bits:
+        if cfg.quantize_bits and cfg.eval_unquantized:
             full = load_dflash_draft(full_dir, target, dtype=edt)
             evals["unquantized"] = evaluate_tau(target, full, split.heldout, cfg.eval_max_new_tokens, eos,
                                                 max_seconds=eval_s, progress=cfg.progress, desc="tau unquantized")
