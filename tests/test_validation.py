@@ -11,7 +11,7 @@ from mlx.utils import tree_flatten
 from tests.test_training import _synthetic_dataset, _trainer, _write_prompts, tiny_llama
 from worker.training.data import TokenDataset
 from worker.training.loss import acceptance_stats, weighted_cross_entropy
-from worker.training.validation import Validator, split_validation
+from worker.training.validation import Validator, _prompt_hash, lowest_hashes, split_validation
 
 
 def _with_repeats(ds: TokenDataset) -> TokenDataset:
@@ -47,6 +47,15 @@ def test_split_none_and_never_all():
     one = _synthetic_dataset(n=1, seed=3)
     train, val = split_validation(one, fraction=0.999)
     assert len(val) == 0 and len(train) == 1  # a validation set never takes all the data
+
+
+def test_measured_subset_is_the_lowest_hashes_in_order():
+    ds = _with_repeats(_synthetic_dataset(n=30, seed=4))
+    few = lowest_hashes(ds, 7)
+    hashes = sorted(_prompt_hash(p) for p in ds.prompt_ids)
+    assert len(few) == 7 and max(_prompt_hash(p) for p in few.prompt_ids) == hashes[6]
+    assert few.ids == [i for i in ds.ids if i in set(few.ids)]  # ds's order kept
+    assert lowest_hashes(ds, len(ds)) is ds and len(lowest_hashes(ds, 0)) == 0
 
 
 def test_validator_matches_the_training_loss_and_leaves_the_weights_alone():
@@ -91,17 +100,17 @@ def test_cli_card_reports_validation_and_resume_keeps_the_split(tmp_path, tiny_m
     argv = ["train", "--target", str(tiny_models.llama), "--prompts", *map(str, files), "--out", str(out),
             "--max-new-tokens", "12", "--steps", "4", "--batch-size", "4", "--anchors", "4", "--block-size", "4",
             "--heldout-per-corpus", "1", "--no-eval", "--no-compile", "--quiet",
-            "--val-fraction", "0.5", "--val-every", "2"]
+            "--val-fraction", "0.5", "--val-every", "2", "--val-max-sequences", "2"]
     assert main(argv) == 0
     card = json.loads((out / "training_card.json").read_text())
     val = card["training"]["validation"]
-    n_val = val["sequences"]
-    assert n_val > 0 and [p["step"] for p in val["curve"]] == [2, 4]
+    n_val, held = val["sequences"], val["held_out"]
+    assert n_val == 2 < held and [p["step"] for p in val["curve"]] == [2, 4]
     assert val["final"]["step"] == 4 and val["final"]["sequences"] == n_val and 1.0 <= val["final"]["tau"] <= 4
     state = json.loads((tmp_path / "draft.work" / "resume" / "state.json").read_text())
     assert state["val_history"][-1] == val["final"] and state["val_fraction"] == 0.5
     assert "held out of this run's training (--val-fraction 0.5)" in (out / "TRAINING.md").read_text()
-    assert f"val: {n_val} sequences held out" in capsys.readouterr().out
+    assert f"val: {held} sequences held out of this run's training, 2 measured" in capsys.readouterr().out
 
     more = [*argv[:argv.index("--steps") + 1], "6", *argv[argv.index("--steps") + 2:]]
     more[more.index("--val-fraction") + 1] = "0.25"

@@ -60,7 +60,7 @@ from worker.training.extra_data import extra_data_key
 from worker.training.forward import block_hidden, block_inputs, cast_tree
 from worker.training.loss import acceptance_stats, block_targets, default_gamma, weighted_cross_entropy
 from worker.training.masks import sample_anchors
-from worker.training.validation import Validator, split_validation
+from worker.training.validation import Validator, lowest_hashes, split_validation
 
 STATE_FORMAT = 1
 
@@ -117,8 +117,10 @@ class TrainConfig:
         eval_untrained (also measure the untrained draft), eval_unquantized (with quantize_bits,
         also measure the draft before quantization: what quantizing costs), progress (tqdm bars);
         val_fraction (share of prompts whose answers are held out of training, by a hash of the
-        prompt, for teacher-forced validation: `validation.split_validation`; 0: none) and
-        val_every (steps between validations; 0: only at the end).
+        prompt, for teacher-forced validation: `validation.split_validation`; 0: none),
+        val_max_sequences (at most this many of them measured, the lowest prompt hashes: the
+        cost of a validation on large data) and val_every (steps between validations; 0: only
+        at the end).
     """
 
     target: str
@@ -179,6 +181,7 @@ class TrainConfig:
     eval_untrained: bool = False
     eval_unquantized: bool = True
     val_fraction: float = 0.005
+    val_max_sequences: int = 256
     val_every: int = 500
     progress: bool = True
 
@@ -946,7 +949,7 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
 
     train_data, val_data = split_validation(split.train, cfg.val_fraction)
     trainer = Trainer(target, draft, train_data, cfg, group)
-    trainer.set_validation(val_data)
+    trainer.set_validation(lowest_hashes(val_data, -(-cfg.val_max_sequences // n_ranks)))  # per rank
     if resuming:
         resumed = trainer.load_state(state_dir)
         log(f"resume: step {trainer.step}, {trainer.elapsed_s:.0f} s trained, from {state_dir}")
@@ -962,8 +965,8 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
         f"batch {trainer.bsz}" + (f" per rank x {n_ranks} ranks" if group is not None else "") + f", {trainer.N} anchors, "
         f"gamma {trainer.gamma}, up to {trainer.total_steps} steps"
         + (f" or {cfg.max_minutes} min" if cfg.max_minutes else "") + f", compute {trainer.cdt}")
-    n_val = agree_sum([len(val_data)], group)[0]
-    log(f"val: {n_val:.0f} sequences held out of this run's training for teacher-forced validation"
+    n_val, n_measured = agree_sum([len(val_data), len(trainer.validator)], group)
+    log(f"val: {n_val:.0f} sequences held out of this run's training, {n_measured:.0f} measured (teacher-forced)"
         + (f" every {cfg.val_every} steps" if cfg.val_every else " at the end") if n_val else
         "val: no validation sequences (--val-fraction 0, or too little data)")
     save = lambda: trainer.save_state(state_dir, {"data_key": split.meta["key"], "world_size": n_ranks,  # noqa: E731
@@ -1050,7 +1053,8 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
                      "final_accuracy_per_position": result.get("accuracy"),
                      "label_tokens_per_s": round(label_rate),
                      "curve": _thinned(trainer.history, 40),
-                     "validation": {"fraction": cfg.val_fraction, "every": cfg.val_every, "sequences": int(n_val),
+                     "validation": {"fraction": cfg.val_fraction, "every": cfg.val_every, "held_out": int(n_val),
+                                    "sequences": int(n_measured),
                                     "final": trainer.val_history[-1] if trainer.val_history else None,
                                     "curve": _thinned(trainer.val_history, 40)}},
         "eval": evals,

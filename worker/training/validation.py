@@ -63,6 +63,24 @@ def split_validation(data: TokenDataset, fraction: float) -> tuple[TokenDataset,
     return parts
 
 
+def lowest_hashes(data: TokenDataset, n: int) -> TokenDataset:
+    """The `n` sequences of `data` whose prompts hash lowest (all of them if it has <= n), in
+    `data`'s order: which validation sequences to measure when the held-out set is larger than a
+    measurement should cost. Membership of the held-out set is `split_validation`'s alone, so a
+    smaller measured set never puts a sequence into training."""
+    if len(data) <= n:
+        return data
+    hashes = np.array([_prompt_hash(p) for p in data.prompt_ids])
+    keep = set(np.argsort(hashes, kind="stable")[:max(n, 0)].tolist())
+    out = TokenDataset()
+    for i in sorted(keep):
+        out.prompt_ids.append(data.prompt_ids[i])
+        out.response_ids.append(data.response_ids[i])
+        out.corpus.append(data.corpus[i])
+        out.ids.append(data.ids[i])
+    return out
+
+
 @dataclass
 class ValidationResult:
     """One validation: `loss` (weighted cross-entropy, nats per token, as the training loss),
