@@ -5,6 +5,9 @@ for changes to the loop itself (what a cycle queues when, how it syncs):
     python bench/ab_dflash.py --rev HEAD~1 --target MODEL_DIR --draft DFLASH_DIR \
         [--prompts 3] [--max-tokens 64] [--rounds 3] [--dtype float32]
 
+`--file PATH` instead of `--rev` compares against a saved copy of the file (a machine without
+the git history: `git show REV:worker/spec/dflash.py > PATH` beforehand).
+
 Prints decode tokens/s of both per round (mean over the prompts, first token excluded), the
 per-round ratio, and whether the greedy outputs are identical (they must be).
 """
@@ -23,13 +26,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def load_revision(rev: str):
-    """`worker/spec/dflash.py` as of git revision `rev`, imported as its own module."""
-    try:
-        src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:worker/spec/dflash.py"], check=True,
-                             capture_output=True, text=True).stdout
-    except subprocess.CalledProcessError as e:
-        raise SystemExit(f"ab_dflash.py: --rev {rev}: {e.stderr.strip()}") from None
+def load_revision(rev: str | None, file: Path | None = None):
+    """`worker/spec/dflash.py` as of git revision `rev` (or the copy in `file`), imported as its
+    own module."""
+    if file is not None:
+        if not file.is_file():
+            raise SystemExit(f"ab_dflash.py: --file {file}: no such file")
+        src = file.read_text()
+    else:
+        try:
+            src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:worker/spec/dflash.py"], check=True,
+                                 capture_output=True, text=True).stdout
+        except (OSError, subprocess.CalledProcessError) as e:
+            raise SystemExit(f"ab_dflash.py: --rev {rev}: {getattr(e, 'stderr', '') or e}".strip()) from None
     path = Path(tempfile.mkdtemp()) / "dflash_rev.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location("dflash_rev", path)
@@ -40,7 +49,9 @@ def load_revision(rev: str):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rev", required=True, help="git revision to compare against (e.g. HEAD~1)")
+    which = ap.add_mutually_exclusive_group(required=True)
+    which.add_argument("--rev", help="git revision to compare against (e.g. HEAD~1)")
+    which.add_argument("--file", type=Path, help="a saved worker/spec/dflash.py to compare against")
     ap.add_argument("--target", required=True)
     ap.add_argument("--draft", required=True, help="DFlash draft directory")
     ap.add_argument("--cases", type=Path, default=ROOT.parent / "shared" / "cases")
@@ -51,7 +62,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if min(a.prompts, a.max_tokens, a.rounds) < 1:
         ap.error("--prompts, --max-tokens and --rounds: at least 1")
-    other = load_revision(a.rev)
+    other = load_revision(a.rev, a.file)
+    label = a.rev or "other file"
 
     import mlx.core as mx
     from mlx_lm import load
@@ -83,10 +95,10 @@ def main(argv=None) -> int:
 
     for p in ids:  # warm-up: kernels, caches
         run(ours, p), run(other, p)
-    tps = {"this checkout": [], a.rev: []}
+    tps = {"this checkout": [], label: []}
     outs = {}
     for r in range(a.rounds):
-        order = [("this checkout", ours), (a.rev, other)]
+        order = [("this checkout", ours), (label, other)]
         for name, mod in order if r % 2 == 0 else order[::-1]:
             got = [run(mod, p) for p in ids]
             tps[name].append(sum(t for t, _ in got) / len(got))
@@ -95,9 +107,9 @@ def main(argv=None) -> int:
           f"device {mx.default_device()}")
     for name, v in tps.items():
         print(f"{name:>16}: " + " ".join(f"{x:7.2f}" for x in v) + "  tok/s per round")
-    ratios = [x / y for x, y in zip(tps["this checkout"], tps[a.rev])]
+    ratios = [x / y for x, y in zip(tps["this checkout"], tps[label])]
     print(f"{'ratio':>16}: " + " ".join(f"{x:7.3f}" for x in ratios))
-    same = outs["this checkout"] == outs[a.rev]
+    same = outs["this checkout"] == outs[label]
     print("greedy outputs identical:", same)
     return 0 if same else 1
 
