@@ -23,11 +23,9 @@ temperature: lossless, though not Leviathan-style rejection sampling (at T > 0 a
 than it could be, note §3.3). The draft always proposes its argmax: P(target sample == d) = p(d)
 is highest at the mode, and drafting uses none of the sampler's random state.
 
-Speed (note §3.4): one host sync per cycle (the accept read-back); the whole next cycle is queued
-with `mx.async_eval` before the Step is yielded (the draft first, then the verify built on its
-lazy output while the device drafts), so the device drafts and verifies back to back while the
-host handles the Step: between two Steps the target cache therefore also holds the queued block
-(closing the generator rolls it back). Block K/V of the draft are written into its cache buffer and trimmed (O(1))
+Speed (note §3.4): one host sync per cycle (the accept read-back); the next cycle's draft is
+queued with `mx.async_eval` before the Step is yielded, so the device drafts while the host
+handles the Step. Block K/V of the draft are written into its cache buffer and trimmed (O(1))
 instead of being concatenated with the context in every layer. Both caches are `PaddedKVCache`s:
 multi-token attention keeps one key length per 256 positions, because MLX's CUDA backend compiles
 that kernel for every new length (H200: ~65 ms each; a DFlash cycle fell from 116 ms to 13 ms with
@@ -161,7 +159,7 @@ def dflash_generate(
 
     n_seq = len(prompt_tokens)  # committed sequence length; the target cache holds n_seq - 1
     pending: list = []  # target taps not yet injected into the draft context
-    queued = None  # (draft tokens, target tokens, taps) of the next cycle, queued before the yield
+    next_d = None  # the next cycle's draft tokens, queued before the previous Step is yielded
     cycle_s = None  # wall time of the last cycle as it normally runs (None: not comparable)
     prefetch_s = 0.0  # host time spent queueing the next cycle's draft before the yield
 
@@ -203,22 +201,16 @@ def dflash_generate(
             pending = []
         return Step(tok.tolist(), verify_s=verify_s)
 
-    def queue_verify(b: int, d: mx.array) -> tuple:
-        logits, taps = verify(mx.concatenate([mx.array([[b]], dtype=mx.uint32), d[None]], axis=1))
-        return sampler(logits[0]), taps
-
     def spec_cycle(b: int, bs: int, timed: bool) -> Step:
-        nonlocal pending, queued, cycle_s
-        t0 = t1 = time.perf_counter()
-        if queued is not None:  # draft and verify were queued before the last yield
-            (d, tok, taps), queued = queued, None
-        else:
-            d = launch_draft(b, bs, pending)
-            pending = []
-            if timed:
-                mx.eval(d)
-            t1 = time.perf_counter()
-            tok, taps = queue_verify(b, d)
+        nonlocal pending, next_d, cycle_s
+        t0 = time.perf_counter()
+        d = next_d if next_d is not None else launch_draft(b, bs, pending)
+        next_d, pending = None, []
+        if timed:
+            mx.eval(d)
+        t1 = time.perf_counter()
+        logits, taps = verify(mx.concatenate([mx.array([[b]], dtype=mx.uint32), d[None]], axis=1))
+        tok = sampler(logits[0])
         mx.eval(tok, d, taps)  # the one host sync of the cycle
         t2 = time.perf_counter()
         cycle_s = None if timed else t2 - t0 + prefetch_s
@@ -235,16 +227,10 @@ def dflash_generate(
         return Step(tl[: j + 1], k, j)
 
     def prefetch(b: int, bs: int) -> None:
-        # The whole next cycle is queued before the Step is yielded: the device drafts while the
-        # host builds the verify (its graph is the longest host work of a cycle), then verifies
-        # while the caller handles the Step, so it does not idle between the two forwards.
-        nonlocal pending, queued
-        d = launch_draft(b, bs, pending)
+        nonlocal pending, next_d
+        next_d = launch_draft(b, bs, pending)
         pending = []
-        mx.async_eval(d)
-        tok, taps = queue_verify(b, d)
-        mx.async_eval(tok, taps)
-        queued = (d, tok, taps)
+        mx.async_eval(next_d)
 
     try:
         step = yield from prefill()
@@ -273,7 +259,6 @@ def dflash_generate(
                 # length compiles new attention kernels, and a few extra verified positions cost
                 # nothing there; tokens past max_tokens are cut below.
                 bs = min(bs, _next_pow2(max_tokens - n_gen))
-                sizes = buffer_sizes() if policy is not None else None  # before the prefetch grows them
                 prefetch_s = 0.0
                 if bs > 1 and not timed:  # the device drafts while the caller handles the Step
                     t_pre = time.perf_counter()
@@ -286,6 +271,7 @@ def dflash_generate(
             cleared = n_gen // CLEAR_CACHE_EVERY_TOKENS != (n_gen - len(commit)) // CLEAR_CACHE_EVERY_TOKENS
             if cleared:
                 release_buffer_cache(stream)
+            sizes = buffer_sizes() if policy is not None else None
             with mx.stream(stream):
                 step = plain_step(b) if bs == 1 else spec_cycle(b, bs, timed)
             if policy is not None and (cleared or buffer_sizes() != sizes):
