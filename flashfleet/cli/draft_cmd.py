@@ -181,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of prompts whose answers are held out of training for teacher-forced "
                         "validation (chosen by a hash of the prompt: the same in every run; 0: none)")
     g.add_argument("--val-max-sequences", type=_at_least(1), default=256,
-                   help="measure at most this many of them (the cost of each validation on large data)")
+                   help="measure about this many of them at most (the lowest prompt hashes, split evenly over "
+                        "processes): the cost of each validation on large data")
     g.add_argument("--val-every", type=_at_least(0), default=500,
                    help="steps between validations (loss and tau estimate on the validation sequences; "
                         "0: only at the end)")
