@@ -232,6 +232,12 @@ class TokenDataset:
         """Total response (target-written) tokens."""
         return sum(len(r) for r in self.response_ids)
 
+    def subset(self, indices) -> "TokenDataset":
+        """The sequences at `indices` (any iterable of ints), in that order."""
+        idx = list(indices)
+        return TokenDataset([self.prompt_ids[i] for i in idx], [self.response_ids[i] for i in idx],
+                            [self.corpus[i] for i in idx], [self.ids[i] for i in idx])
+
     def save(self, path: Path) -> None:
         """Writes one JSON line per sequence: corpus, id, prompt_ids, response_ids."""
         with path.open("w", encoding="utf-8") as f:

@@ -53,14 +53,8 @@ def split_validation(data: TokenDataset, fraction: float) -> tuple[TokenDataset,
     chosen = {i for i, p in enumerate(data.prompt_ids) if _prompt_hash(p) < fraction}
     if len(chosen) >= len(data):
         return data, TokenDataset()
-    parts = (TokenDataset(), TokenDataset())
-    for i in range(len(data)):
-        part = parts[1] if i in chosen else parts[0]
-        part.prompt_ids.append(data.prompt_ids[i])
-        part.response_ids.append(data.response_ids[i])
-        part.corpus.append(data.corpus[i])
-        part.ids.append(data.ids[i])
-    return parts
+    return (data.subset(i for i in range(len(data)) if i not in chosen),
+            data.subset(i for i in range(len(data)) if i in chosen))
 
 
 def lowest_hashes(data: TokenDataset, n: int) -> TokenDataset:
@@ -71,14 +65,7 @@ def lowest_hashes(data: TokenDataset, n: int) -> TokenDataset:
     if len(data) <= n:
         return data
     hashes = np.array([_prompt_hash(p) for p in data.prompt_ids])
-    keep = set(np.argsort(hashes, kind="stable")[:max(n, 0)].tolist())
-    out = TokenDataset()
-    for i in sorted(keep):
-        out.prompt_ids.append(data.prompt_ids[i])
-        out.response_ids.append(data.response_ids[i])
-        out.corpus.append(data.corpus[i])
-        out.ids.append(data.ids[i])
-    return out
+    return data.subset(sorted(np.argsort(hashes, kind="stable")[:max(n, 0)].tolist()))
 
 
 @dataclass
