@@ -1,6 +1,7 @@
 """bench/validation_gap.py on a tiny target and a random DFlash draft: rows are grouped by corpus
 and `extraK:` origin, the same sequences give the same numbers in any group, a group the data
-lacks is one line (exit 2)."""
+lacks is one line (exit 2); several drafts are measured on the same rows; --val-fraction keeps a
+training run's held-out rows."""
 import gzip
 import json
 
@@ -44,6 +45,30 @@ def test_groups_and_table(tmp_path, tiny_models):
     assert table["code"][2:5] == table["extra0:code"][2:5] and table["code"][2:5] != table["prose"][2:5]
     loss, tau = float(table["code"][3]), float(table["code"][4])
     assert loss > 0 and 1.0 <= tau <= 4
+
+    # two drafts: the same rows and anchors for each, one table row per group and draft
+    other = init_dflash_draft(target, num_layers=1, block_size=4, seed=4)
+    save_dflash_draft(other, tmp_path / "other")
+    d = base.index("--draft") + 1
+    with_drafts = lambda *ds: [*base[:d], *ds, *base[d + 1:]]  # noqa: E731
+    two = run_bench("validation_gap.py", *with_drafts(tmp_path / "draft", tmp_path / "other", tmp_path / "draft"),
+                    "--groups", "code", "prose")
+    assert two.returncode == 0, two.stderr
+    rows = [line.split() for line in two.stdout.splitlines()[2:]]
+    assert [(r[0], r[-1]) for r in rows] == [("code", "1"), ("prose", "1"), ("code", "2"), ("prose", "2"),
+                                             ("code", "3"), ("prose", "3")]
+    assert rows[0][1:6] == rows[4][1:6] and rows[0][3] == rows[2][3]  # same draft, same numbers; same blocks
+    assert rows[0][4:6] != rows[2][4:6]  # another draft, other loss and tau
+
+    # --val-fraction: only the rows whose prompt hash falls in the held-out share
+    from worker.training.validation import prompt_hash
+    cut = sorted(prompt_hash(r["prompt_ids"]) for r in new)[1] + 1e-12  # two of the three code prompts
+    held = run_bench("validation_gap.py", *base, "--groups", "code", "--val-fraction", cut)
+    assert held.returncode == 0 and held.stdout.splitlines()[2].split()[1:3] == ["2", "2"], held.stdout
+    none = run_bench("validation_gap.py", *base, "--groups", "prose", "--val-fraction", 1e-12)
+    assert none.returncode == 2 and "held out at --val-fraction" in none.stderr
+    nodraft = run_bench("validation_gap.py", *with_drafts(tmp_path / "draft", tmp_path), "--groups", "prose")
+    assert nodraft.returncode == 2 and "no config.json" in nodraft.stderr and "Traceback" not in nodraft.stderr
 
     one = run_bench("validation_gap.py", *base, "--groups", "prose")
     assert one.returncode == 0 and [line.split()[0] for line in one.stdout.splitlines()[2:]] == ["prose"]

@@ -859,6 +859,32 @@ def test_time_cut_data_is_flagged_on_reuse_and_can_be_regenerated(tmp_path, tiny
     assert len(again.train) > len(first.train) and not again.meta["generation_stopped_by_time_limit"]
 
 
+def test_prompt_writing_cut_by_the_time_limit_says_so(tmp_path, tiny_models, monkeypatch):
+    """Fewer target-written prompts than asked for: the log line says whether the time limit,
+    not repeats, cut them, and what to change."""
+    import time
+
+    from mlx_lm import load
+
+    real = data_mod.write_user_prompts
+
+    def slow(*a, max_seconds=None, **k):  # writing that uses up its share of the time
+        time.sleep(max_seconds or 0)
+        return real(*a, max_seconds=max_seconds, **k)
+    monkeypatch.setattr(data_mod, "write_user_prompts", slow)
+
+    target, tokenizer = load(str(tiny_models.llama))
+    files = _write_prompts(tmp_path)
+    kw = dict(max_new_tokens=8, heldout_per_corpus=2, heldout_fraction=0.2, gen_batch_size=2, synthetic=4,
+              synthetic_max_tokens=12, synthetic_temperature=1.5)
+    cut, free = [], []
+    build_dataset(target, tokenizer, files, tmp_path / "cut", gen_max_seconds=3, log=cut.append, **kw)
+    build_dataset(target, tokenizer, files, tmp_path / "free", log=free.append, **kw)
+    wrote = [x for x in cut if "distinct new prompts" in x]
+    assert wrote and "stopped at its limit" in wrote[0] and "--gen-max-minutes" in wrote[0]
+    assert not any("stopped at its limit" in x for x in free if "distinct new prompts" in x)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_copy_target_layers_takes_matching_weights_only(arch):
     """Draft layer i of n starts as target layer L-n+i where names and shapes match: attention

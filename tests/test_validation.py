@@ -11,7 +11,7 @@ from mlx.utils import tree_flatten
 from tests.test_training import _synthetic_dataset, _trainer, _write_prompts, tiny_llama
 from worker.training.data import TokenDataset
 from worker.training.loss import acceptance_stats, weighted_cross_entropy
-from worker.training.validation import Validator, _prompt_hash, lowest_hashes, split_validation
+from worker.training.validation import Validator, prompt_hash, lowest_hashes, split_validation
 
 
 def _with_repeats(ds: TokenDataset) -> TokenDataset:
@@ -52,8 +52,8 @@ def test_split_none_and_never_all():
 def test_measured_subset_is_the_lowest_hashes_in_order():
     ds = _with_repeats(_synthetic_dataset(n=30, seed=4))
     few = lowest_hashes(ds, 7)
-    hashes = sorted(_prompt_hash(p) for p in ds.prompt_ids)
-    assert len(few) == 7 and max(_prompt_hash(p) for p in few.prompt_ids) == hashes[6]
+    hashes = sorted(prompt_hash(p) for p in ds.prompt_ids)
+    assert len(few) == 7 and max(prompt_hash(p) for p in few.prompt_ids) == hashes[6]
     assert few.ids == [i for i in ds.ids if i in set(few.ids)]  # ds's order kept
     assert lowest_hashes(ds, len(ds)) is ds and len(lowest_hashes(ds, 0)) == 0
 

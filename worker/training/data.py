@@ -563,8 +563,13 @@ def build_dataset(
                                    batch_size=gen_batch_size, max_seconds=None if left is None else left / 3)
         new = [t for t in texts if " ".join(t.split()) not in known_texts]  # held-out ones above all
         written = len(new)
+        took = time.perf_counter() - start
+        # Say when the limit, not repeats, cut the count: a short --gen-max-minutes leaves a third
+        # of it to writing, which may be one batch (session 8 got 967 of 8000 so).
+        cut = (f"; writing stopped at its limit, a third of the generation time left ({left / 3:.0f} s): "
+               "give --gen-max-minutes more for more prompts") if left is not None and took >= left / 3 else ""
         log(f"data: the target wrote {len(new)} distinct new prompts of {my_synthetic} sampled "
-            f"({len(texts) - len(new)} repeated a prompt file's; {time.perf_counter() - start:.1f} s)")
+            f"({len(texts) - len(new)} repeated a prompt file's; {took:.1f} s{cut})")
         texts = new
         bar.total += len(texts)
         bar.refresh()

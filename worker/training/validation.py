@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # the trainer imports this module
     from .train import Trainer
 
 
-def _prompt_hash(prompt_ids: list[int]) -> float:
+def prompt_hash(prompt_ids: list[int]) -> float:
     """A prompt's place in [0, 1): SHA-1 of its token ids (little-endian int32)."""
     digest = hashlib.sha1(np.asarray(prompt_ids, dtype="<i4").tobytes()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
@@ -50,7 +50,7 @@ def split_validation(data: TokenDataset, fraction: float) -> tuple[TokenDataset,
     """
     if fraction <= 0:
         return data, TokenDataset()
-    chosen = {i for i, p in enumerate(data.prompt_ids) if _prompt_hash(p) < fraction}
+    chosen = {i for i, p in enumerate(data.prompt_ids) if prompt_hash(p) < fraction}
     if len(chosen) >= len(data):
         return data, TokenDataset()
     return (data.subset(i for i in range(len(data)) if i not in chosen),
@@ -64,7 +64,7 @@ def lowest_hashes(data: TokenDataset, n: int) -> TokenDataset:
     smaller measured set never puts a sequence into training."""
     if len(data) <= n:
         return data
-    hashes = np.array([_prompt_hash(p) for p in data.prompt_ids])
+    hashes = np.array([prompt_hash(p) for p in data.prompt_ids])
     return data.subset(sorted(np.argsort(hashes, kind="stable")[:max(n, 0)].tolist()))
 
 
