@@ -105,7 +105,7 @@ def test_cli_card_reports_validation_and_resume_keeps_the_split(tmp_path, tiny_m
     card = json.loads((out / "training_card.json").read_text())
     val = card["training"]["validation"]
     n_val, held = val["sequences"], val["held_out"]
-    assert n_val == 2 < held and [p["step"] for p in val["curve"]] == [2, 4]
+    assert n_val == 2 < held and [p["step"] for p in val["curve"]] == [0, 2, 4]  # the starting weights too
     assert val["final"]["step"] == 4 and val["final"]["sequences"] == n_val and 1.0 <= val["final"]["tau"] <= 4
     state = json.loads((tmp_path / "draft.work" / "resume" / "state.json").read_text())
     assert state["val_history"][-1] == val["final"] and state["val_fraction"] == 0.5

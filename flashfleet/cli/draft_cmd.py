@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "processes): the cost of each validation on large data")
     g.add_argument("--val-every", type=_at_least(0), default=500,
                    help="steps between validations (loss and tau estimate on the validation sequences; "
-                        "0: only at the end)")
+                        "also before the first step of a new run; 0: only at the end)")
     g = t.add_argument_group("several processes (data parallel; docs/training.md)")
     g.add_argument("--processes", type=_at_least(1), default=1,
                    help="train data parallel with this many processes on this host (one per GPU with nccl), "

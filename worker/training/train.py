@@ -119,8 +119,8 @@ class TrainConfig:
         val_fraction (share of prompts whose answers are held out of training, by a hash of the
         prompt, for teacher-forced validation: `validation.split_validation`; 0: none),
         val_max_sequences (at most this many of them measured, the lowest prompt hashes: the
-        cost of a validation on large data) and val_every (steps between validations; 0: only
-        at the end).
+        cost of a validation on large data) and val_every (steps between validations, and one
+        before a new run's first step; 0: only at the end).
     """
 
     target: str
@@ -971,6 +971,10 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
         "val: no validation sequences (--val-fraction 0, or too little data)")
     save = lambda: trainer.save_state(state_dir, {"data_key": split.meta["key"], "world_size": n_ranks,  # noqa: E731
                                                   "val_fraction": cfg.val_fraction})
+    if trainer.step == 0 and cfg.val_every:
+        # Where the starting weights stand (an --init-from draft may know validation rows from
+        # earlier runs): without this point a curve cannot tell forgetting from learning.
+        trainer.validate(log=log)  # every rank, like the later points
     result = trainer.run(checkpoint=save if rank == 0 else None, log=log)
     if not trainer.val_history or trainer.val_history[-1]["step"] != trainer.step:
         trainer.validate(log=log)  # every rank: the result is summed over them
