@@ -14,8 +14,9 @@ on new ones is bound by its data, not its steps:
 Several drafts are measured on the same sequences and anchors (one table row per group and
 draft; the last column numbers the draft), which compares a new draft with the one it started
 from. `--val-fraction F` keeps only the rows a training run with the same `--val-fraction` held
-out of its training (by prompt hash, `worker.training.validation`): the fair data for that
-comparison, as neither draft trained on them in that run.
+out of its training (by prompt hash, `worker.training.validation`): no draft trained on them in
+that run, but an older draft may have in earlier runs (before validation existed, every row was
+trained on), so only the groups new to every draft compared are a fair comparison.
 
 A quantized draft is dequantized to float32 first. Memory: the draft's logits of one batch are
 batch x anchors x (B-1) x vocab floats (4 x 32 x 15 x 152K x 4 bytes = 1.2 GB on a Qwen2.5
@@ -43,7 +44,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     from bench.bench_dflash import load_model
-    from worker.models.dflash_checkpoint import dequantized_weights, load_dflash_draft
+    from worker.models.dflash_checkpoint import DraftCheckpointError, dequantized_weights, load_dflash_draft
     from worker.training.data import TokenDataset
     from worker.training.defaults import DraftSpec, make_draft
     from worker.training.extra_data import _rows, _train_file
@@ -79,14 +80,22 @@ def main(argv=None) -> int:
         ap.error(str(e).replace("--extra-data ", "--data ", 1))
     names = a.groups if a.groups is not None else sorted(groups)
     missing = [g for g in names if g not in groups]
-    if missing or not names:
-        held = "" if a.val_fraction is None else f" held out at --val-fraction {a.val_fraction}"
+    held = "" if a.val_fraction is None else f" held out at --val-fraction {a.val_fraction}"
+    if not groups:
+        ap.error(f"no rows{held} in --data")
+    if missing:
         ap.error(f"no rows{held} in group(s) {missing}; the data has {sorted(groups)}")
     for d in a.draft:
         if not Path(d, "config.json").is_file():
             ap.error(f"--draft {d}: no config.json there (a DFlash draft directory)")
 
     target, _ = load_model(a.target, False, None, tokenizer=False)
+    blocks = []
+    for d in a.draft:  # every draft checked before minutes are spent measuring the first
+        try:
+            blocks.append(load_dflash_draft(d, target).args.block_size)
+        except DraftCheckpointError as e:
+            ap.error(f"--draft {d}: {e}")
 
     def float_draft(path):
         init = load_dflash_draft(path, target)
@@ -112,8 +121,8 @@ def main(argv=None) -> int:
     cfg = TrainConfig(target=a.target, prompts=[], out="", batch_size=a.batch_size, anchors=a.anchors, steps=1,
                       seed=a.seed, compile=False, progress=False, compute_dtype="float32", cache_taps_gib=0)
     drafts = ", ".join(f"[{k}] {d}" for k, d in enumerate(a.draft, 1))
-    print(f"target {a.target}; drafts {drafts} (dequantized, float32); {a.anchors} anchors per sequence; "
-          f"device {mx.default_device()}")
+    print(f"target {a.target}; drafts {drafts} (dequantized, float32); {a.anchors} anchors per sequence, "
+          f"block {'/'.join(map(str, blocks))}; device {mx.default_device()}")
     print(f"{'group':<30} {'rows':>6} {'seqs':>5} {'blocks':>7} {'loss':>7} {'tau':>6} {'s':>6} {'draft':>5}")
     for k, path in enumerate(a.draft, 1):
         draft, _ = float_draft(path)
@@ -122,7 +131,8 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             res = Validator(trainer, picked[g]).run()
             if res is None:  # no block with a label: answers of fewer than 2 tokens
-                print(f"{g:<30} {len(groups[g]):>6} {len(picked[g]):>5} {0:>7}  (no answer long enough to measure)")
+                print(f"{g:<30} {len(groups[g]):>6} {len(picked[g]):>5} {0:>7}  (no answer long enough to measure) "
+                      f"{k:>5}")
                 continue
             print(f"{g:<30} {len(groups[g]):>6} {res.sequences:>5} {res.blocks:>7} {res.loss:>7.3f} {res.tau:>6.2f} "
                   f"{time.perf_counter() - t0:>6.0f} {k:>5}", flush=True)

@@ -69,6 +69,16 @@ def test_groups_and_table(tmp_path, tiny_models):
     assert none.returncode == 2 and "held out at --val-fraction" in none.stderr
     nodraft = run_bench("validation_gap.py", *with_drafts(tmp_path / "draft", tmp_path), "--groups", "prose")
     assert nodraft.returncode == 2 and "no config.json" in nodraft.stderr and "Traceback" not in nodraft.stderr
+    wrong = init_dflash_draft(target, num_layers=1, block_size=4, seed=3)
+    save_dflash_draft(wrong, tmp_path / "wrong")
+    cfg = json.loads((tmp_path / "wrong" / "config.json").read_text())
+    cfg["vocab_size"] += 1  # a draft for another target
+    (tmp_path / "wrong" / "config.json").write_text(json.dumps(cfg))
+    mismatch = run_bench("validation_gap.py", *with_drafts(tmp_path / "draft", tmp_path / "wrong"), "--groups", "prose")
+    assert mismatch.returncode == 2 and f"--draft {tmp_path / 'wrong'}:" in mismatch.stderr
+    assert "Traceback" not in mismatch.stderr and "prose" not in mismatch.stdout  # before any measuring
+    empty = run_bench("validation_gap.py", *base, "--val-fraction", 1e-12)
+    assert empty.returncode == 2 and "no rows held out at --val-fraction 1e-12 in --data" in empty.stderr
 
     one = run_bench("validation_gap.py", *base, "--groups", "prose")
     assert one.returncode == 0 and [line.split()[0] for line in one.stdout.splitlines()[2:]] == ["prose"]

@@ -1,6 +1,6 @@
 """bench/h200's shell helpers that run on the GPU machine, tried here with stand-in files:
 progress.sh splits a log's progress bars and keeps its milestones; wait.sh ends as soon as its
-pattern shows up, or after its limit, and says which."""
+pattern shows up (exit 0), or after its limit (exit 1), and says which."""
 import subprocess
 import threading
 import time
@@ -34,6 +34,9 @@ def test_wait_ends_when_the_pattern_appears_or_at_its_limit(tmp_path):
     assert "wait: 'bench end' in" in r.stdout and "card: done" in r.stdout
     t0 = time.monotonic()
     r = _run(H200 / "wait.sh", 1, "never", f, log)
-    assert "wait: no 'never' in" in r.stdout and time.monotonic() - t0 < 15
+    assert r.returncode == 1 and "wait: no 'never' in" in r.stdout and time.monotonic() - t0 < 15
     r = _run(H200 / "wait.sh", 1, "x", tmp_path / "missing.txt", tmp_path / "missing.log")
-    assert r.returncode == 0 and "wait: no 'x' in" in r.stdout
+    assert r.returncode == 1 and "wait: no 'x' in" in r.stdout
+    for bad in (["2m", "x", f], ["5", "x"]):
+        r = _run(H200 / "wait.sh", *bad)
+        assert r.returncode == 2 and "usage: wait.sh" in r.stderr

@@ -2,17 +2,23 @@
 # A wait call's body on the GPU machine: sleeps until FILE contains PATTERN (grep -a) or SECONDS
 # pass, then prints the job log's milestones (progress.sh) and the GPU's memory. One long wait
 # call leaves fewer gaps between calls than several short ones (a gap over 30 s gives the machine
-# back, and with it the job: session 8), and ending early wastes no device time.
+# back, and with it the job: session 8), and ending early wastes no device time. Exit status 0
+# when PATTERN (a grep basic regex) was found, 1 when the time ran out, 2 on bad arguments, so
+# `wait.sh ... && collect.sh` collects only what is there.
 #
 #   bash bench/h200/wait.sh SECONDS PATTERN FILE [LOG]
 #   e.g. bash bench/h200/wait.sh 540 "bench end" /root/res/bench/dflash_q15.txt
 set -u
-secs=${1:?usage: wait.sh SECONDS PATTERN FILE [LOG]}; pat=${2:?}; file=${3:?}
+usage() { echo "usage: wait.sh SECONDS PATTERN FILE [LOG] (SECONDS a whole number)" >&2; exit 2; }
+[ $# -ge 3 ] || usage
+secs=$1; pat=$2; file=$3
+[[ "$secs" =~ ^[0-9]+$ ]] || usage
 log=${4:-/root/res/Qwen2.5-Coder-1.5B-Instruct.log}
 end=$((SECONDS + secs))
 until grep -aq -- "$pat" "$file" 2>/dev/null || [ "$SECONDS" -ge "$end" ]; do sleep 2; done
-if grep -aq -- "$pat" "$file" 2>/dev/null; then echo "wait: '$pat' in $file after ${SECONDS} s"
+found=1
+if grep -aq -- "$pat" "$file" 2>/dev/null; then echo "wait: '$pat' in $file after ${SECONDS} s"; found=0
 else echo "wait: no '$pat' in $file after ${secs} s"; fi
 [ -f "$log" ] && bash "$(dirname "$0")/progress.sh" "$log" | cut -c1-300
 nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv 2>/dev/null
-exit 0
+exit $found
