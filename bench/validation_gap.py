@@ -90,22 +90,22 @@ def main(argv=None) -> int:
             ap.error(f"--draft {d}: no config.json there (a DFlash draft directory)")
 
     target, _ = load_model(a.target, False, None, tokenizer=False)
-    blocks = []
+    loaded = []
     for d in a.draft:  # every draft checked before minutes are spent measuring the first
         try:
-            blocks.append(load_dflash_draft(d, target).args.block_size)
+            loaded.append(load_dflash_draft(d, target))
         except DraftCheckpointError as e:
             ap.error(f"--draft {d}: {e}")
 
-    def float_draft(path):
-        init = load_dflash_draft(path, target)
+    def float_draft(init):
+        """The draft dequantized into a float32 model built like a training run's."""
         args = init.args
         spec = DraftSpec(args.num_hidden_layers, args.block_size, list(args.dflash_config["target_layer_ids"]),
                          int(args.dflash_config["mask_token_id"]), args.intermediate_size)
         draft = make_draft(target, spec, 0, from_target=False)
         draft.load_weights(list(dequantized_weights(init).items()), strict=True)
         mx.eval(draft.parameters())
-        return draft, spec
+        return draft
 
     rng = np.random.default_rng(a.seed)
     picked = {}
@@ -122,10 +122,10 @@ def main(argv=None) -> int:
                       seed=a.seed, compile=False, progress=False, compute_dtype="float32", cache_taps_gib=0)
     drafts = ", ".join(f"[{k}] {d}" for k, d in enumerate(a.draft, 1))
     print(f"target {a.target}; drafts {drafts} (dequantized, float32); {a.anchors} anchors per sequence, "
-          f"block {'/'.join(map(str, blocks))}; device {mx.default_device()}")
+          f"block {'/'.join(str(d.args.block_size) for d in loaded)}; device {mx.default_device()}")
     print(f"{'group':<30} {'rows':>6} {'seqs':>5} {'blocks':>7} {'loss':>7} {'tau':>6} {'s':>6} {'draft':>5}")
-    for k, path in enumerate(a.draft, 1):
-        draft, _ = float_draft(path)
+    for k, init in enumerate(loaded, 1):
+        draft = float_draft(init)
         trainer = Trainer(target, draft, picked[names[0]], cfg)  # same seed: the same anchors per draft
         for g in names:
             t0 = time.perf_counter()
