@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     from worker.models.dflash_checkpoint import DraftCheckpointError, dequantized_weights, load_dflash_draft
     from worker.training.data import TokenDataset
     from worker.training.defaults import DraftSpec, make_draft
-    from worker.training.extra_data import _rows, _train_file
+    from worker.training.extra_data import cache_rows
     from worker.training.train import Trainer, TrainConfig
     from worker.training.validation import Validator, prompt_hash
 
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     groups: dict[str, list[dict]] = {}
     try:
         for d in a.data:
-            for row in _rows(_train_file(Path(d))):
+            for row in cache_rows(d):
                 if a.val_fraction is None or prompt_hash(row["prompt_ids"]) < a.val_fraction:
                     groups.setdefault(group_of(row), []).append(row)
     except DataError as e:

@@ -10,7 +10,7 @@ import pytest
 import worker.training.data as data_mod
 from test_training import _write_prompts
 from worker.training.data import DataError, build_dataset, dataset_key
-from worker.training.extra_data import check_extra_data, load_extra_data
+from worker.training.extra_data import cache_rows, check_extra_data, load_extra_data
 
 FP = "fingerprint-1"
 
@@ -199,3 +199,13 @@ def test_cli_trains_on_an_earlier_runs_data_and_says_so_in_the_card(tmp_path, ti
     assert main([*common, "--out", str(tmp_path / "d3"), "--work-dir", str(tmp_path / "w3"),
                  "--extra-data", str(carried)]) == 2
     assert not (tmp_path / "d3").exists()
+
+
+def test_cache_rows_reads_a_cache_and_names_what_is_wrong(tmp_path):
+    rows = [_row("code", "code/1", [1, 2], [5, 6]), _row("synthetic", "synthetic/0/3", [3, 4], [8, 9])]
+    assert list(cache_rows(_cache(tmp_path / "a", rows, gz=True))) == rows
+    assert list(cache_rows(_cache(tmp_path / "b", rows), vocab=10)) == rows
+    with pytest.raises(DataError, match="below 8"):  # token 9 is outside an 8-token vocabulary
+        list(cache_rows(tmp_path / "b", vocab=8))
+    with pytest.raises(DataError, match="not a directory"):
+        list(cache_rows(tmp_path / "missing"))

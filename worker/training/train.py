@@ -501,8 +501,14 @@ class Trainer:
         train_tau = self.history[-1]["train_tau"] if self.history else None
         point = {"step": self.step, **result.as_dict(), "train_tau": train_tau}
         self.val_history.append(point)
+        # Per corpus too: a continued draft's pooled figure mixes rows it memorised in earlier runs
+        # (file prompts) with rows new to it (target-written prompts); only the split tells
+        # forgetting from learning (ninth H200 session, docs/training.md).
+        by_corpus = ", ".join(f"{c} {t:.2f}" for c, t in sorted(result.per_corpus.items()))
         log(f"val: step {self.step}, loss {result.loss:.3f}, tau {result.tau:.2f} on {result.sequences} sequences "
-            f"held out" + (f" (training batches: {train_tau:.2f})" if train_tau is not None else ""))
+            f"held out" + (f" (training batches: {train_tau:.2f})" if train_tau is not None else "")
+            + (f"; by corpus{' (rank 0)' if self.group is not None and self.group.size() > 1 else ''}: {by_corpus}"
+               if by_corpus else ""))
         return point
 
     def progress(self) -> float:
@@ -953,6 +959,10 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
     if resuming:
         resumed = trainer.load_state(state_dir)
         log(f"resume: step {trainer.step}, {trainer.elapsed_s:.0f} s trained, from {state_dir}")
+        before = saved.get("val_max_sequences", cfg.val_max_sequences)
+        if before != cfg.val_max_sequences:  # training is unchanged; the curve's rows are not
+            log(f"val: --val-max-sequences {cfg.val_max_sequences} (the checkpoint's run measured {before}): the "
+                f"validation points from step {trainer.step} on are measured on other rows than the earlier ones")
     elif rank == 0 and state_dir.exists():  # rank 0 alone writes (and clears) the checkpoint
         for f in state_dir.glob("state*"):
             f.unlink(missing_ok=True)
@@ -970,7 +980,8 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
         + (f" every {cfg.val_every} steps" if cfg.val_every else " at the end") if n_val else
         "val: no validation sequences (--val-fraction 0, or too little data)")
     save = lambda: trainer.save_state(state_dir, {"data_key": split.meta["key"], "world_size": n_ranks,  # noqa: E731
-                                                  "val_fraction": cfg.val_fraction})
+                                                  "val_fraction": cfg.val_fraction,
+                                                  "val_max_sequences": cfg.val_max_sequences})
     if trainer.step == 0 and cfg.val_every:
         # Where the starting weights stand (an --init-from draft may know validation rows from
         # earlier runs): without this point a curve cannot tell forgetting from learning.
