@@ -25,6 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from worker.spec.cost_model import AdaptiveBlockPolicy, CostMemory, CostModel  # noqa: E402
 
 H200_COST_MS = {1: 5.57, 2: 9.0, 4: 9.2, 8: 9.5, 16: 9.8}
+# The same at 8K tokens of context, derived, not measured as whole cycles: the verify part (cycle
+# less a 2.0 ms draft, assumed unchanged) scaled by /work/shared/research/h200-costs.md's 8K/512
+# forward ratios for the 1.5B target (L=1 0.98, 2 1.28, 4 1.66, 8 1.33, 16 1.84; one run each).
+H200_LONG_COST_MS = {1: 5.46, 2: 11.0, 4: 14.0, 8: 12.0, 16: 16.3}
+LONG_CONTEXT = 8192
 
 
 def policy_from_spec(spec: str, block_size: int = 16, memory: Optional[CostMemory] = None) -> AdaptiveBlockPolicy:
@@ -79,8 +84,9 @@ class FixedBlock:
 
 
 def run(policy: AdaptiveBlockPolicy, p: float, cycles: int, rng: random.Random, cost_ms: dict,
-        timed_cost: float, noise: Noise | None = None) -> tuple[list[int], float]:
-    """Runs `cycles` cycles; returns the block sizes chosen and the tokens/s over them."""
+        timed_cost: float, noise: Noise | None = None, context: int = 0) -> tuple[list[int], float]:
+    """Runs `cycles` cycles at `context` tokens of context (what the policy is told, for its cost
+    memory); returns the block sizes chosen and the tokens/s over them."""
     chosen, tokens, ms = [], 0, 0.0
     for _ in range(cycles):
         bs, timed = policy.next_block_size()
@@ -88,7 +94,7 @@ def run(policy: AdaptiveBlockPolicy, p: float, cycles: int, rng: random.Random, 
         j = next((i for i in range(k) if rng.random() >= p), k)
         apart = timed and bs > 1
         cost = cost_ms[bs] * (noise() if noise else 1.0)
-        policy.observe(bs, k, j, None if apart else cost / 1e3)
+        policy.observe(bs, k, j, None if apart else cost / 1e3, context)
         chosen.append(bs)
         tokens += j + 1
         ms += cost * (timed_cost if apart else 1.0)
@@ -175,24 +181,36 @@ def trace_table(a, path: Path) -> None:
 
 def short_table(a) -> None:
     """Generations of `a.short` cycles, each under a fresh policy (as the worker makes one per
-    request): cold, or sharing one `CostMemory` across a seed's generations (the first one left
-    out of the measurement), against the fixed block and plain decoding, per p."""
-    cost, gens = H200_COST_MS, 20
-    print(f"{a.short}-cycle generations, a fresh default policy each; costs ms {cost}; noise {a.noise}; "
-          f"{a.seeds} seeds x {gens} generations")
-    print("| policy | " + " | ".join(f"p={p} tok/s" for p in a.p) + " |")
-    print("|---" * (len(a.p) + 1) + "|")
-    for name in ("cold", "cost memory", "fixed B=16", "plain"):
+    request): cold, or sharing one `CostMemory` across a seed's generations (the first ones left
+    out of the measurement), against the fixed block and plain decoding, per p. With `a.mixed`,
+    generations alternate between short context (`H200_COST_MS`) and 8K (`H200_LONG_COST_MS`),
+    and the memory is shared either blind to context (every cost in one bucket, the worker until
+    the ninth H200 session) or per context length (the worker now)."""
+    gens = 20
+    kinds = [(H200_COST_MS, 0), (H200_LONG_COST_MS, LONG_CONTEXT)] if a.mixed else [(H200_COST_MS, 0)]
+    print(f"{a.short}-cycle generations, a fresh default policy each; costs ms {kinds[0][0]}"
+          + (f" and, every other generation, at {LONG_CONTEXT} tokens of context {kinds[1][0]}" if a.mixed else "")
+          + f"; noise {a.noise}; {a.seeds} seeds x {gens} generations")
+    names = (("cold", "cost memory, blind to context", "cost memory per context", "fixed B=16", "fixed B=8", "plain")
+             if a.mixed else ("cold", "cost memory", "fixed B=16", "plain"))
+    cols = [(p, k) for p in a.p for k in range(len(kinds))]
+    print("| policy | " + " | ".join(f"p={p}" + (" short" if k == 0 else " 8K") * bool(a.mixed) + " tok/s"
+                                     for p, k in cols) + " |")
+    print("|---" * (len(cols) + 1) + "|")
+    for name in names:
         cells = []
-        for p in a.p:
+        for p, kind in cols:
             rates = []
             for seed in range(a.seeds):
                 rng, noise, memory = random.Random(seed), Noise(a.noise, random.Random(1000 + seed)), CostMemory()
                 for g in range(gens):
-                    policy = (FixedBlock(16) if name == "fixed B=16" else FixedBlock(1) if name == "plain" else
-                              AdaptiveBlockPolicy(16, memory=memory if name == "cost memory" else None))
-                    _, rate = run(policy, p, a.short, rng, cost, a.timed_cost, noise)
-                    if g:  # the first generation fills the memory
+                    cost, context = kinds[g % len(kinds)]
+                    told = 0 if "blind" in name else context
+                    policy = (FixedBlock(16) if name == "fixed B=16" else FixedBlock(8) if name == "fixed B=8"
+                              else FixedBlock(1) if name == "plain" else
+                              AdaptiveBlockPolicy(16, memory=None if name == "cold" else memory, context_tokens=told))
+                    _, rate = run(policy, p, a.short, rng, cost, a.timed_cost, noise, told)
+                    if g >= len(kinds) and g % len(kinds) == kind:  # the first ones fill the memory
                         rates.append(rate)
             cells.append(f"{sum(rates) / len(rates):.0f}")  # mean over generations
         print(f"| {name} | " + " | ".join(cells) + " |")
@@ -214,6 +232,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timed-cost", type=float, default=1.28, help="cost of a cycle timed apart (H200: 12.5/9.8)")
     ap.add_argument("--short", type=int, default=0, metavar="N",
                     help="short generations of N cycles, fresh policy each: cold vs a shared CostMemory")
+    ap.add_argument("--mixed", action="store_true",
+                    help="with --short: alternate short- and long-context generations (cost memory per context)")
     ap.add_argument("--trace", type=Path, default=None,
                     help="replay real acceptance recorded by bench/record_acceptance.py instead of geometric p")
     a = ap.parse_args(argv)

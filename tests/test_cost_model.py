@@ -273,7 +273,7 @@ def test_cost_memory_lets_a_new_session_skip_exploring():
         cost = {1: 5.57, 2: 9.0, 4: 9.2, 8: 9.5, 16: 9.8}[bs] * (10 if seen.count(bs) == 1 else 1)  # warm-ups slow
         first.observe(bs, bs - 1, min(bs - 1, 2), cost / 1e3)
     assert set(seen[:15]) == {1, 2, 4, 8, 16}  # a cold policy explores every size
-    assert memory.costs[16] == pytest.approx(9.8e-3) and memory.costs[1] == pytest.approx(5.57e-3)  # no warm-up
+    assert memory.costs_at()[16] == pytest.approx(9.8e-3) and memory.costs_at()[1] == pytest.approx(5.57e-3)  # no warm-up
 
     second = AdaptiveBlockPolicy(16, memory=memory)
     bs, _ = second.next_block_size()
@@ -282,11 +282,39 @@ def test_cost_memory_lets_a_new_session_skip_exploring():
     # The seeded session still drops its own first cycle at a size (it may hold a compile).
     bs, _ = second.next_block_size()
     second.observe(bs, bs - 1, 2, 0.5)  # a 500 ms first cycle: a kernel compile
-    assert second.model.cycle_cost(bs) == pytest.approx(memory.costs[bs]) and memory.costs[bs] < 0.1
+    assert second.model.cycle_cost(bs) == pytest.approx(memory.costs_at()[bs]) and memory.costs_at()[bs] < 0.1
     second.observe(bs, bs - 1, 2, {1: 5.57, 2: 9.0, 4: 9.2, 8: 9.5, 16: 9.8}[bs] / 1e3)
-    assert memory.costs[bs] < 0.1  # the kept one went to the memory; the compile did not
+    assert memory.costs_at()[bs] < 0.1  # the kept one went to the memory; the compile did not
     cold = AdaptiveBlockPolicy(16)
     assert cold.model.samples(16) == 0 and cold.next_block_size()[0] == 16  # explores, largest first
+
+
+def test_cost_memory_keeps_costs_per_context_length():
+    """Verify costs grow with the KV cache (H200: 16 tokens 7.0 ms at 512, 12.8 ms at 8K; a plain
+    step 6.4 and 6.3): a session is seeded with the costs of its own context length, the nearest
+    bucket that has a size standing in for one that has not."""
+    from worker.spec.cost_model import CostMemory, context_bucket
+
+    assert [context_bucket(n) for n in (0, 1, 512, 513, 1024, 1025, 8000)] == [512, 512, 512, 1024, 1024, 2048, 8192]
+    memory = CostMemory(decay=0.5)
+    memory.observe(16, 7.0e-3, 300)
+    memory.observe(1, 6.4e-3, 300)
+    memory.observe(16, 12.8e-3, 8000)
+    memory.observe(16, 13.2e-3, 7000)  # the same bucket: a mean
+    memory.observe(8, 9.7e-3, 8100)
+    assert memory.costs_at(100) == {16: pytest.approx(7.0e-3), 1: pytest.approx(6.4e-3), 8: pytest.approx(9.7e-3)}
+    assert memory.costs_at(8000) == {16: pytest.approx(13.0e-3), 8: pytest.approx(9.7e-3), 1: pytest.approx(6.4e-3)}
+    # 2K is as far from 512 as from 8K in buckets (2 vs 2): the longer context, pessimistic, wins.
+    assert memory.costs_at(2048)[16] == pytest.approx(13.0e-3) and memory.costs_at(1024)[16] == pytest.approx(7.0e-3)
+
+    long = AdaptiveBlockPolicy(16, memory=memory, context_tokens=8000)
+    short = AdaptiveBlockPolicy(16, memory=memory, context_tokens=200)
+    assert long.model.cycle_cost(16) == pytest.approx(13.0e-3) and short.model.cycle_cost(16) == pytest.approx(7.0e-3)
+    short.observe(16, 15, 15, 7.2e-3, context_tokens=600)  # its first cycle at 16: warm-up, not kept
+    short.observe(16, 15, 15, 7.2e-3, context_tokens=600)
+    assert memory.costs_at(600)[16] == pytest.approx(7.2e-3) and memory.costs_at(100)[16] == pytest.approx(7.0e-3)
+    memory.clear()
+    assert memory.costs_at(100) == {}
 
 
 def test_short_generations_gain_from_the_cost_memory(capsys):

@@ -231,13 +231,18 @@ def test_policy_costs_come_from_cycles_run_as_usual(pair):
             self.last = script[len(seen) % len(script)]
             return self.last
 
-        def observe(self, block_size, drafted, accepted, seconds):
+        def observe(self, block_size, drafted, accepted, seconds, context_tokens=0):
             seen.append((block_size, self.last[1], seconds))
-            super().observe(block_size, drafted, accepted, seconds)
+            contexts.append(context_tokens)
+            super().observe(block_size, drafted, accepted, seconds, context_tokens)
 
+    contexts = []
     policy = Scripted(16)
     steps, out = _run(target, draft, 16, policy=policy)
     assert_greedy_equal(out, ref, target)
+    # Each cycle's context is the target's KV cache when it ran: the prompt, then what was committed.
+    committed = [len(s.tokens) for s in steps]
+    assert contexts == [len(PROMPT) + sum(committed[:i]) - 1 for i in range(1, len(contexts) + 1)]
     timed_apart = [sec for bs, timed, sec in seen if bs > 1 and timed]
     as_usual = [sec for bs, timed, sec in seen if bs == 1 or not timed]
     assert timed_apart and all(sec is None for sec in timed_apart)
@@ -259,9 +264,9 @@ def test_policy_skips_cycles_that_grow_a_cache_bucket(pair, monkeypatch):
             self.size_before = tc[0].keys.shape[2]
             return super().next_block_size()
 
-        def observe(self, block_size, drafted, accepted, seconds):
+        def observe(self, block_size, drafted, accepted, seconds, context_tokens=0):
             seen.append((self.size_before != tc[0].keys.shape[2], seconds))
-            super().observe(block_size, drafted, accepted, seconds)
+            super().observe(block_size, drafted, accepted, seconds, context_tokens)
 
     steps, out = _run(target, draft, 16, policy=Recording(16, time_every=1000), target_cache=tc)
     assert_greedy_equal(out, ref, target)

@@ -77,7 +77,7 @@ def start_dflash(m: LoadedModels, cfg: EngineConfig, req: GenerationRequest, sam
     # Cycles timed apart only feed the metrics' draft/verify split, and cost a sync: only with
     # spec_timing_sync (the policy learns from the other cycles).
     policy = (AdaptiveBlockPolicy(cfg.block_size or m.draft.block_size, time_every=8 if cfg.spec_timing_sync else 0,
-                                  memory=m.cost_memory)
+                                  memory=m.cost_memory, context_tokens=len(req.prompt_tokens))
               if cfg.adaptive_block_size else None)
     steps = dflash_generate(
         list(req.prompt_tokens), req.max_tokens, sampler, m.eos_ids, target=m.target,

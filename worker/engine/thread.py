@@ -379,7 +379,7 @@ class Engine:
                 steps, _ = self._modes[key].start(m, self.config, req, sampler)
                 for _ in steps:
                     pass
-        m.cost_memory.costs.clear()  # a 4-token dummy prompt's costs are no request's
+        m.cost_memory.clear()  # a 4-token dummy prompt's costs are no request's
         mx.clear_cache()
 
     def _handle_commands(self, m: LoadedModels, sessions: dict[str, Session], block: bool) -> bool:

@@ -228,19 +228,38 @@ POLICY_ACCEPTANCE_DECAY = 0.9
 POLICY_OPTIMISM = 1.5
 
 
-class CostMemory:
-    """Cycle costs per block size shared by the sessions of one worker (one target and draft on
-    one machine), so a new session starts from them instead of trying every block size first.
+CONTEXT_BUCKET_MIN = 512  # tokens; the H200's costs barely move below 4K (h200-costs.md)
 
-    Why: costs belong to the machine and the models, acceptance to the session. A fresh policy
-    spends its first cycles measuring every candidate size (3 cycles each), which is a large
-    part of a short generation: simulated over 30-cycle generations on the H200's costs
-    (`python bench/bench_block_policy.py --short 30`, docs/benchmarks.md), policies sharing a
-    memory ran at 288 tok/s against 271 cold at p = 0.65 (fixed block 293) and fell back from a
-    useless draft (p = 0.05) at 158 against 141 (plain 180).
+
+def context_bucket(context_tokens: int) -> int:
+    """The context-length bucket a cycle cost is kept under: the smallest power of two >= the
+    context (tokens in the KV cache), at least `CONTEXT_BUCKET_MIN`."""
+    return max(CONTEXT_BUCKET_MIN, 1 << max(int(context_tokens) - 1, 0).bit_length())
+
+
+class CostMemory:
+    """Cycle costs per block size and context length shared by the sessions of one worker (one
+    target and draft on one machine), so a new session starts from them instead of trying every
+    block size first.
+
+    Why: costs belong to the machine, the models and the context length, acceptance to the
+    session. A fresh policy spends its first cycles measuring every candidate size (3 cycles
+    each), which is a large part of a short generation: simulated over 30-cycle generations on the
+    H200's costs (`python bench/bench_block_policy.py --short 30`, docs/benchmarks.md), policies
+    sharing a memory ran at 288 tok/s against 271 cold at p = 0.65 (fixed block 293) and fell back
+    from a useless draft (p = 0.05) at 158 against 141 (plain 180).
+
+    Why per context length: verifying a block costs more as the KV cache grows, a plain step
+    hardly more (H200, 1.5B target: 16 tokens 7.0 ms at 512 tokens of context and 12.8 ms at 8K,
+    one token 6.4 and 6.3 ms; /work/shared/research/h200-costs.md), so the best block differs
+    between a short and a long session, and one memory for both would seed each with the other's
+    costs (`python bench/bench_block_policy.py --short 30 --mixed`, docs/benchmarks.md).
+    Costs are kept per `context_bucket` (powers of two from 512 tokens); a session is seeded from
+    the nearest bucket that has a size (the longer one on a tie).
 
     Every cycle cost a policy keeps (not a size's first, warm-up measurement in a session: on
-    CUDA it may include a kernel compile) updates an exponentially weighted mean per size here.
+    CUDA it may include a kernel compile) updates an exponentially weighted mean per bucket and
+    size here.
 
     Args:
         decay: weight of the old mean, in [0, 1).
@@ -250,12 +269,30 @@ class CostMemory:
         if not 0.0 <= decay < 1.0:
             raise ValueError("decay must be in [0, 1)")
         self.decay = decay
-        self.costs: dict[int, float] = {}
+        self.buckets: dict[int, dict[int, float]] = {}  # context bucket -> {block size: seconds}
 
-    def observe(self, block_size: int, seconds: float) -> None:
-        """One cycle's wall time at `block_size` (1 = a plain step), seconds."""
-        old = self.costs.get(block_size)
-        self.costs[block_size] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+    def observe(self, block_size: int, seconds: float, context_tokens: int = 0) -> None:
+        """One cycle's wall time at `block_size` (1 = a plain step), seconds, with
+        `context_tokens` tokens in the target's KV cache."""
+        costs = self.buckets.setdefault(context_bucket(context_tokens), {})
+        old = costs.get(block_size)
+        costs[block_size] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+
+    def costs_at(self, context_tokens: int = 0) -> dict[int, float]:
+        """{block size: seconds} for a session at `context_tokens`: each size from the nearest
+        bucket that has it (distance in powers of two; the longer context on a tie)."""
+        here = context_bucket(context_tokens).bit_length()
+        out: dict[int, tuple[int, float]] = {}  # size -> (rank of its bucket, cost)
+        for bucket, costs in self.buckets.items():
+            rank = 2 * abs(bucket.bit_length() - here) - (bucket.bit_length() > here)
+            for b, c in costs.items():
+                if b not in out or rank < out[b][0]:
+                    out[b] = (rank, c)
+        return {b: c for b, (_, c) in out.items()}
+
+    def clear(self) -> None:
+        """Forgets every cost (the worker's warm-up requests are no request's)."""
+        self.buckets.clear()
 
 
 class AdaptiveBlockPolicy:
@@ -288,6 +325,8 @@ class AdaptiveBlockPolicy:
         probe_every: while decoding plainly, one speculative cycle every n plain steps.
         memory: a worker's `CostMemory`: the sizes it knows start measured (no exploration), and
             every cost this policy measures goes into it.
+        context_tokens: the session's context when it starts (its prompt, tokens): which of the
+            memory's context buckets seeds the costs.
 
     Usage:
         bs, timed = policy.next_block_size()
@@ -306,6 +345,7 @@ class AdaptiveBlockPolicy:
         explore_every: int = 64,
         probe_every: int = 8,
         memory: Optional[CostMemory] = None,
+        context_tokens: int = 0,
     ):
         if max_block_size < 1:
             raise ValueError("max_block_size must be >= 1")
@@ -321,9 +361,10 @@ class AdaptiveBlockPolicy:
         self._explore_idx = 0
         self.memory = memory
         if memory is not None:
+            known = memory.costs_at(context_tokens)
             for b in self.candidates:
-                if b in memory.costs:
-                    self.model.seed_cost(b, memory.costs[b], min_samples)
+                if b in known:
+                    self.model.seed_cost(b, known[b], min_samples)
         self.decision = self.model.decide(self.candidates)
 
     def next_block_size(self) -> tuple[int, bool]:
@@ -349,11 +390,13 @@ class AdaptiveBlockPolicy:
             return b, b == 1
         return d.block_size, self.time_every > 0 and self._cycles % self.time_every == 0
 
-    def observe(self, block_size: int, drafted: int, accepted: int, seconds: Optional[float]) -> None:
-        """Feeds one cycle: drafted/accepted counts, and its wall time as it normally runs
-        (None for a cycle timed apart, or when unknown)."""
+    def observe(self, block_size: int, drafted: int, accepted: int, seconds: Optional[float],
+                context_tokens: int = 0) -> None:
+        """Feeds one cycle: drafted/accepted counts, its wall time as it normally runs (None for
+        a cycle timed apart, or when unknown) and the context it ran at (tokens in the target's
+        KV cache, for the memory's bucket)."""
         self._cycles += 1
         self._plain_run = self._plain_run + 1 if drafted == 0 else 0
         self.model.observe_cycle(drafted, accepted)
         if seconds is not None and self.model.observe_cost(block_size, seconds) and self.memory is not None:
-            self.memory.observe(block_size, seconds)
+            self.memory.observe(block_size, seconds, context_tokens)

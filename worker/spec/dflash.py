@@ -243,11 +243,12 @@ def dflash_generate(
                 del commit[next(i for i, t in enumerate(commit) if t in eos) + 1:]
             if n_gen + len(commit) > max_tokens:
                 del commit[max_tokens - n_gen:]
+            context = n_seq - 1  # the target's KV cache while this step ran
             n_seq += len(commit)
             n_gen += len(commit)
             b = commit[-1]
             if policy is not None and cycle >= 0:
-                policy.observe(bs, step.drafted, step.accepted, cycle_s)
+                policy.observe(bs, step.drafted, step.accepted, cycle_s, context)
             cycle += 1
             done = stop or n_gen >= max_tokens
             if not done:
