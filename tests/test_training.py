@@ -804,7 +804,7 @@ def test_cli_train_init_from_continues_a_saved_draft(tmp_path, tiny_models):
     w = dequantized_weights(load_dflash_draft(first, target))
     assert "layers.0.self_attn.q_proj.weight" in w and all(v.dtype == mx.float32 for v in w.values())
     assert main(["train", *common, "--out", str(tmp_path / "bad"), "--steps", "1", "--no-resume",
-                 "--init-from", str(first), "--draft-layers", "7"]) == 2
+                 "--init-from", str(first), "--mask-token-id", "7"]) == 2
 
 
 @pytest.mark.parametrize("bad", [["--gen-samples", "0"], ["--gen-sample-temperature", "0"], ["--gen-top-p", "1.5"],
@@ -932,10 +932,12 @@ def test_preflight_catches_bad_inputs_without_loading_weights(tmp_path, tiny_mod
     files = [str(f) for f in _write_prompts(tmp_path)]
     target, _ = load(str(tiny_models.llama))
     save_dflash_draft(init_dflash_draft(target, num_layers=1, block_size=4, seed=0), tmp_path / "init")
+    save_dflash_draft(init_dflash_draft(target, num_layers=2, block_size=4, seed=0), tmp_path / "init2")
     base = dict(target=str(tiny_models.llama), prompts=files, out=str(tmp_path / "out"))
     preflight(TrainConfig(**base, init_from=str(tmp_path / "init"), synthetic_prompts=4))  # all good
-    with pytest.raises(TrainConfigError, match=r"--draft-layers 2 \(the draft has 1\)"):
-        preflight(TrainConfig(**base, init_from=str(tmp_path / "init"), draft_layers=2))
+    preflight(TrainConfig(**base, init_from=str(tmp_path / "init"), draft_layers=2))  # grows: fine
+    with pytest.raises(TrainConfigError, match=r"--draft-layers 1 \(the draft has 2; it can grow, not shrink\)"):
+        preflight(TrainConfig(**base, init_from=str(tmp_path / "init2"), draft_layers=1))
     with pytest.raises(TrainConfigError, match="--init-from: .*no config.json"):
         preflight(TrainConfig(**base, init_from=str(tmp_path)))
     bare = tmp_path / "bare"

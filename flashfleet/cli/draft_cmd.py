@@ -153,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "match), or random")
     g.add_argument("--init-from", default=None, metavar="DRAFT_DIR",
                    help="start from this saved draft (its shape and weights, dequantized if 4/8-bit) "
-                        "instead of a random one: training continues across runs")
+                        "instead of a random one: training continues across runs; a larger --draft-layers "
+                        "or --intermediate-size grows it (new weights add nothing at the first step)")
     g.add_argument("--quantize-bits", type=int, default=None, choices=(4, 8),
                    help="save the draft's linear layers MLX-quantized (default: unquantized, in --save-dtype; "
                    "the size budget counts quantized bytes; the shipped drafts use 4)")

@@ -20,6 +20,14 @@ def _validation_lines(val: dict) -> list[str]:
             f"along the run (tau@step): {curve}"]
 
 
+def _grown_text(grown_from) -> str:
+    """', grown from ...' for a draft grown from a smaller --init-from one (`grow.grow_weights`)."""
+    if not grown_from:
+        return ""
+    return (f", grown from {grown_from['layers']} layer(s) and MLP {grown_from['intermediate_size']} "
+            "(new weights add nothing at step 0)")
+
+
 def render_card(card: dict) -> str:
     """TRAINING.md: the training card as a short human-readable page."""
     t, d, data, tr = card["target"], card["draft"], card["data"], card["training"]
@@ -73,7 +81,8 @@ def render_card(card: dict) -> str:
         f"clip {tr['grad_clip']}, gamma {tr['gamma']}",
         f"- final loss {tr['final_loss']}, teacher-forced tau estimate {tr['final_train_tau']}",
         *_validation_lines(tr.get("validation") or {}),
-        *([f"- started from the weights of {tr['init_from']} (--init-from)"] if tr.get("init_from") else []),
+        *([f"- started from the weights of {tr['init_from']} (--init-from)" + _grown_text(tr.get("grown_from"))]
+          if tr.get("init_from") else []),
         "",
         "## Acceptance length tau on held-out prompts (greedy, tokens per cycle, bonus included)",
         "",

@@ -100,7 +100,9 @@ class TrainConfig:
         time; the cosine schedule then runs on the time fraction), seed, compute_dtype and
         target_dtype ("auto": bfloat16 on a GPU, float32 on a CPU), save_dtype, init_from (a
         saved draft directory, quantized or not, whose shape and weights the run starts from
-        instead of a random draft: training continues across sessions), init_layers ("target":
+        instead of a random draft: training continues across sessions; an explicit larger
+        draft_layers / intermediate_size grows it, computing the same function at step 0,
+        `grow.grow_weights`), init_layers ("target":
         a new draft's layers start as copies of the target's last layers, `copy_target_layers`;
         "random"), quantize_bits
         (None: keep `save_dtype`; 4 or 8: the saved draft's linear layers are MLX-quantized with
@@ -731,13 +733,18 @@ def _file_mib(path: Path) -> float:
     return round(path.stat().st_size / 2**20, 2)
 
 
-def _init_checkpoint(cfg: TrainConfig, target) -> tuple[DraftSpec, dict]:
-    """Shape and float32 weights of the draft in `cfg.init_from` (dequantized if it is 4/8-bit).
+def _init_checkpoint(cfg: TrainConfig, target) -> tuple[DraftSpec, DraftSpec, dict]:
+    """Shapes and float32 weights of the draft in `cfg.init_from` (dequantized if it is 4/8-bit).
+
+    Returns:
+        (the saved draft's shape, the shape to train: the saved one grown to an explicit larger
+        --draft-layers / --intermediate-size (`grow.grow_weights`), its weights).
 
     Raises:
         TrainConfigError: the directory is not a draft for this target, or an explicit shape
-            option (--draft-layers, --target-layer-ids, --mask-token-id, --intermediate-size)
-            disagrees with it. The block size is the checkpoint's too.
+            option (--target-layer-ids, --mask-token-id, or a --draft-layers /
+            --intermediate-size below the draft's) disagrees with it. The block size is the
+            checkpoint's too.
     """
     from worker.models.dflash_checkpoint import DraftCheckpointError, DraftMismatch, dequantized_weights
 
@@ -746,22 +753,31 @@ def _init_checkpoint(cfg: TrainConfig, target) -> tuple[DraftSpec, dict]:
     except (DraftCheckpointError, DraftMismatch) as e:
         raise TrainConfigError(f"--init-from: {e}") from e
     a = init.args
-    spec = DraftSpec(a.num_hidden_layers, a.block_size, list(a.dflash_config["target_layer_ids"]),
-                     int(a.dflash_config["mask_token_id"]), a.intermediate_size)
-    _check_init_shape(cfg, spec)
-    return spec, dequantized_weights(init)
+    saved = DraftSpec(a.num_hidden_layers, a.block_size, list(a.dflash_config["target_layer_ids"]),
+                      int(a.dflash_config["mask_token_id"]), a.intermediate_size)
+    return saved, _grown_init_shape(cfg, saved), dequantized_weights(init)
 
 
-def _check_init_shape(cfg: TrainConfig, spec: DraftSpec) -> None:
-    """Raises TrainConfigError when an explicit shape option disagrees with the --init-from draft's."""
-    asked = {"--draft-layers": (cfg.draft_layers, spec.num_layers),
-             "--target-layer-ids": (cfg.target_layer_ids, spec.target_layer_ids),
-             "--mask-token-id": (cfg.mask_token_id, spec.mask_token_id),
-             "--intermediate-size": (cfg.intermediate_size, spec.intermediate_size)}
+def _grown_init_shape(cfg: TrainConfig, saved: DraftSpec) -> DraftSpec:
+    """The shape to train from an --init-from draft of shape `saved`: its own, with an explicit
+    larger --draft-layers / --intermediate-size grown into.
+
+    Raises:
+        TrainConfigError: an explicit option that disagrees with the draft (taps, mask token) or
+            would shrink it (fewer layers, a narrower MLP).
+    """
+    asked = {"--target-layer-ids": (cfg.target_layer_ids, saved.target_layer_ids),
+             "--mask-token-id": (cfg.mask_token_id, saved.mask_token_id)}
     clash = [f"{flag} {want} (the draft has {have})" for flag, (want, have) in asked.items()
              if want is not None and want != have]
+    grows = {"--draft-layers": (cfg.draft_layers, saved.num_layers),
+             "--intermediate-size": (cfg.intermediate_size, saved.intermediate_size)}
+    clash += [f"{flag} {want} (the draft has {have}; it can grow, not shrink)" for flag, (want, have) in grows.items()
+              if want is not None and want < have]
     if clash:
         raise TrainConfigError(f"--init-from {cfg.init_from} fixes the draft's shape; drop or change " + ", ".join(clash))
+    return DraftSpec(cfg.draft_layers or saved.num_layers, saved.block_size, saved.target_layer_ids,
+                     saved.mask_token_id, cfg.intermediate_size or saved.intermediate_size)
 
 
 def preflight(cfg: TrainConfig) -> None:
@@ -807,7 +823,7 @@ def preflight(cfg: TrainConfig) -> None:
             raise TrainConfigError(f"--init-from: {e}") from e
         except (KeyError, TypeError, ValueError) as e:
             raise TrainConfigError(f"--init-from {cfg.init_from}: not a DFlash draft config ({e!r} missing or bad)") from e
-        _check_init_shape(cfg, spec)
+        _grown_init_shape(cfg, spec)
 
 
 def _thinned(points: list, n: int) -> list:
@@ -917,7 +933,7 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
         log(f"data: {data_meta['train_sequences']} sequences, {data_meta['response_tokens']} response tokens "
             f"over {n_ranks} processes (each trains on its own)")
 
-    resumed, init_weights = None, None
+    resumed, init_weights, saved_spec, grown_from = None, None, None, None
     if cfg.quantize_bits:
         bytes_per_param = quantized_bytes_per_param(cfg.quantize_bits, cfg.quantize_group_size,
                                                     DTYPES[cfg.save_dtype].size)
@@ -931,7 +947,7 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
         spec = DraftSpec(args["num_hidden_layers"], args["block_size"], dc["target_layer_ids"], dc["mask_token_id"],
                          args["intermediate_size"])
     elif cfg.init_from:
-        spec, init_weights = _init_checkpoint(cfg, target)
+        saved_spec, spec, init_weights = _init_checkpoint(cfg, target)
     else:
         spec = choose_draft_spec(
             target, tokenizer, _used_ids(split, target_vocab_size(target), group),
@@ -944,9 +960,17 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
     if from_target:
         log(f"init: draft layers start from the target's last {spec.num_layers} (--init-layers target)")
     if init_weights is not None:
+        grown = spec != saved_spec
+        if grown:
+            from worker.training.grow import grow_weights
+
+            grown_from = {"layers": saved_spec.num_layers, "intermediate_size": saved_spec.intermediate_size}
+            init_weights = grow_weights(init_weights, dict(tree_flatten(draft.parameters())))
         draft.load_weights(list(init_weights.items()), strict=True)
         mx.eval(draft.parameters())
-        log(f"init: weights from {cfg.init_from}")
+        log(f"init: weights from {cfg.init_from}" + (
+            f", grown from {saved_spec.num_layers} layer(s), MLP {saved_spec.intermediate_size} to "
+            f"{spec.num_layers}, MLP {spec.intermediate_size} (the same function at step 0)" if grown else ""))
     draft.update(broadcast_tree(draft.parameters(), group))
     n_params = spec.num_params(target)
     log(f"draft: {spec.num_layers} layer(s), taps {spec.target_layer_ids}, mask id {spec.mask_token_id}, "
@@ -1062,6 +1086,7 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
                      "max_minutes": cfg.max_minutes, "planned_steps": trainer.total_steps,
                      "resumed_from_step": resumed["step"] if resumed else None,
                      "init_from": str(cfg.init_from) if cfg.init_from else None,
+                     "grown_from": grown_from,
                      "init_layers": None if cfg.init_from or resumed else cfg.init_layers,
                      "final_loss": round(result.get("loss", float("nan")), 4),
                      "final_train_tau": round(result.get("train_tau", float("nan")), 3),
