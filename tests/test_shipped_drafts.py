@@ -112,6 +112,11 @@ def test_default_root_is_the_package_directory(monkeypatch):
     assert drafts_root() == package_drafts_root() == Path(flashfleet.__file__).resolve().parent / "drafts"
 
 
+# What a draft in git may weigh: a 3-layer 1.5B draft with MLP 1024 at 4 bits is 21.5 MiB, the
+# width the next H200 session grows the shipped one (MLP 256, 15.9 MiB) to (bench/h200/README.md).
+MAX_SHIPPED_DRAFT_MIB = 24
+
+
 def test_committed_drafts_are_well_formed():
     """Every directory under flashfleet/drafts (none until drafts are committed) is named after a
     catalog model and holds a draft in the published layout, small enough to ship."""
@@ -123,7 +128,7 @@ def test_committed_drafts_are_well_formed():
         assert config["block_size"] >= 2 and "mask_token_id" in config["dflash_config"]
         assert config["dflash_config"]["target_layer_ids"]
         size = sum(f.stat().st_size for f in entry.iterdir() if f.is_file())
-        assert size < 16 * 2**20, f"{entry}: {size} bytes"
+        assert size < MAX_SHIPPED_DRAFT_MIB * 2**20, f"{entry}: {size} bytes"
 
 
 def test_lookup_imports_no_mlx(drafts):
