@@ -10,16 +10,38 @@ from typing import Sequence
 
 import grpc
 
-CHANNEL_OPTIONS: list[tuple[str, int]] = [
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-]
+KEEPALIVE_TIME_MS = 30_000  # every channel pings an idle or silent connection this often
 
 
-# grpc sets SO_REUSEPORT by default, which lets a second coordinator or worker bind a port in use
-# and silently split the traffic; turn it off so binding a busy port fails.
-SERVER_OPTIONS: list[tuple[str, int]] = [("grpc.so_reuseport", 0)]
+def channel_options(keepalive_time_ms: int = KEEPALIVE_TIME_MS) -> list[tuple[str, int]]:
+    """Options of every flashfleet channel: keepalive pings every `keepalive_time_ms`, also on a
+    stream that sends nothing for a while (a long prefill), so a dead peer is found in seconds."""
+    return [("grpc.keepalive_time_ms", keepalive_time_ms),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0)]
+
+
+def server_options(min_ping_interval_ms: int = KEEPALIVE_TIME_MS // 3) -> list[tuple[str, int]]:
+    """Options of every flashfleet server.
+
+    grpc sets SO_REUSEPORT by default, which lets a second coordinator or worker bind a port in
+    use and silently split the traffic: off, so binding a busy port fails. grpc servers also
+    accept a ping without data only every 5 minutes by default and answer a third early one
+    with GOAWAY "too_many_pings", which killed a stream whose prompt took minutes to prefill
+    (the channels ping every 30 s): the server here accepts pings `min_ping_interval_ms` apart,
+    below the channels' interval, with or without calls (gRPC keepalive guide, doc/keepalive.md).
+    """
+    return [("grpc.so_reuseport", 0),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", min_ping_interval_ms),
+            # grpc 1.85's server checks incoming pings against this one too (measured:
+            # tests/test_transport.py fails with the option above alone)
+            ("grpc.http2.min_ping_interval_without_data_ms", min_ping_interval_ms)]
+
+
+CHANNEL_OPTIONS: list[tuple[str, int]] = channel_options()
+SERVER_OPTIONS: list[tuple[str, int]] = server_options()
 
 
 def add_port(server: grpc.aio.Server, address: str, tls=None) -> int:

@@ -82,7 +82,8 @@ def test_grow_refuses_what_is_not_growth():
 def test_cli_grows_a_saved_draft_and_refuses_to_shrink_it(tmp_path, tiny_models):
     """`draft train --init-from D --intermediate-size N --draft-layers M`: the card and the log say
     it grew, the saved draft has the new shape and loads; its first loss equals the saved
-    draft's continued unchanged (the same function); a smaller size is exit 2."""
+    draft's continued unchanged (the same function); a smaller size, a missing directory or a
+    file is exit 2 before any data is generated."""
     from flashfleet.cli.draft_cmd import main
 
     files = _write_prompts(tmp_path)
@@ -112,3 +113,9 @@ def test_cli_grows_a_saved_draft_and_refuses_to_shrink_it(tmp_path, tiny_models)
     assert len(loaded.layers) == 2 and loaded.layers[0].mlp.down_proj.weight.shape[-1] == 64
     assert main(["train", *common, "--out", str(tmp_path / "bad"), "--steps", "1", "--no-resume",
                  "--init-from", str(grown), "--intermediate-size", "32"]) == 2
+    # Bad --init-from inputs fail before the target answers any prompt (a fresh work dir stays empty).
+    for bad in (tmp_path / "missing", files[0]):
+        work = tmp_path / f"w_{bad.name}"
+        assert main(["train", *common, "--out", str(tmp_path / "bad"), "--steps", "1", "--no-resume",
+                     "--init-from", str(bad), "--work-dir", str(work)]) == 2
+        assert not (work / "data").exists()

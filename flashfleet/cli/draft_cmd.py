@@ -241,9 +241,10 @@ def _train_processes(args, argv: list[str]) -> int:
 
 
 def _train(args) -> int:
-    from worker.training.train import TrainConfig, train_draft
+    from worker.training.train import TrainConfig, preflight, train_draft
 
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k not in _NOT_CONFIG}, progress=not args.quiet)
+    preflight(cfg)  # a bad --init-from or prompt file fails now, not after the target answered every prompt
     card = train_draft(cfg)
     ev = card.get("eval", {}).get("trained")  # ranks other than 0 of a distributed run get no card
     if ev and ev["all"]["tau"] is not None:

@@ -45,8 +45,13 @@ def read_draft_config(path: Path) -> dict:
     """The parsed config.json of a draft directory.
 
     Raises:
-        DraftCheckpointError: no config.json in `path`, or it is not valid JSON.
+        DraftCheckpointError: `path` missing or not a directory, no config.json in it, or it is
+            not valid JSON.
     """
+    if not path.exists():
+        raise DraftCheckpointError(f"{path} does not exist")
+    if not path.is_dir():
+        raise DraftCheckpointError(f"{path} is not a directory (a draft is a directory with {CONFIG_FILE})")
     cfg_path = path / CONFIG_FILE
     if not cfg_path.is_file():
         raise DraftCheckpointError(f"{path}: no {CONFIG_FILE}")
