@@ -82,8 +82,9 @@ def test_grow_refuses_what_is_not_growth():
 def test_cli_grows_a_saved_draft_and_refuses_to_shrink_it(tmp_path, tiny_models):
     """`draft train --init-from D --intermediate-size N --draft-layers M`: the card and the log say
     it grew, the saved draft has the new shape and loads; its first loss equals the saved
-    draft's continued unchanged (the same function); a smaller size, a missing directory or a
-    file is exit 2 before any data is generated."""
+    draft's continued unchanged (the same function); a resumed grown run keeps `grown_from`; a
+    smaller size, a size over --max-draft-mib, another size than the checkpoint being resumed, a
+    missing directory or a file is exit 2 (the last two before any data is generated)."""
     from flashfleet.cli.draft_cmd import main
 
     files = _write_prompts(tmp_path)
@@ -91,9 +92,10 @@ def test_cli_grows_a_saved_draft_and_refuses_to_shrink_it(tmp_path, tiny_models)
               "--batch-size", "4", "--anchors", "4", "--block-size", "4", "--heldout-per-corpus", "2",
               "--heldout-fraction", "0.2", "--no-eval", "--no-compile", "--quiet", "--lr", "3e-3",
               "--work-dir", str(tmp_path / "work"), "--seed", "5"]
-    first = tmp_path / "first"
+    first = tmp_path / "first"  # 4-bit, as the shipped drafts: growth starts from its dequantized weights
     assert main(["train", *common, "--out", str(first), "--steps", "30", "--draft-layers", "1",
-                 "--intermediate-size", "32", "--no-resume"]) == 0
+                 "--intermediate-size", "32", "--no-resume", "--quantize-bits", "4",
+                 "--quantize-group-size", "32"]) == 0
     same, grown = tmp_path / "same", tmp_path / "grown"
     step0 = ["--steps", "1", "--no-resume", "--log-every", "1", "--init-from", str(first), "--lr", "0"]
     assert main(["train", *common, "--out", str(same), *step0]) == 0
@@ -113,6 +115,18 @@ def test_cli_grows_a_saved_draft_and_refuses_to_shrink_it(tmp_path, tiny_models)
     assert len(loaded.layers) == 2 and loaded.layers[0].mlp.down_proj.weight.shape[-1] == 64
     assert main(["train", *common, "--out", str(tmp_path / "bad"), "--steps", "1", "--no-resume",
                  "--init-from", str(grown), "--intermediate-size", "32"]) == 2
+    # Over --max-draft-mib: the grown size is what was asked, so it is an error, not a shrink.
+    assert main(["train", *common, "--out", str(tmp_path / "bad"), *step0, "--intermediate-size", "64",
+                 "--max-draft-mib", "0.001"]) == 2
+    # A grown run that resumes keeps its growth in the card; another size in its work dir is refused.
+    grow = ["--init-from", str(first), "--intermediate-size", "64", "--work-dir", str(tmp_path / "w_grow"),
+            "--checkpoint-every", "1", "--out", str(tmp_path / "g2")]
+    assert main(["train", *common, *grow, "--steps", "2"]) == 0
+    assert main(["train", *common, *grow, "--steps", "3"]) == 0
+    card = json.loads((tmp_path / "g2" / "training_card.json").read_text())
+    assert card["training"]["resumed_from_step"] == 2
+    assert card["training"]["grown_from"] == {"layers": 1, "intermediate_size": 32}
+    assert main(["train", *common, *grow, "--steps", "4", "--intermediate-size", "128"]) == 2
     # Bad --init-from inputs fail before the target answers any prompt (a fresh work dir stays empty).
     for bad in (tmp_path / "missing", files[0]):
         work = tmp_path / f"w_{bad.name}"

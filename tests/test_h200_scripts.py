@@ -1,6 +1,7 @@
 """bench/h200's shell helpers that run on the GPU machine, tried here with stand-in files:
 progress.sh splits a log's progress bars and keeps its milestones; wait.sh ends as soon as its
-pattern shows up (exit 0), or after its limit (exit 1), and says which."""
+pattern shows up (exit 0), or after its limit (exit 1), and says which; collect.sh splits what
+is too big to come back in one file."""
 import subprocess
 import threading
 import time
@@ -40,3 +41,23 @@ def test_wait_ends_when_the_pattern_appears_or_at_its_limit(tmp_path):
     for bad in (["2m", "x", f], ["5", "x"]):
         r = _run(H200 / "wait.sh", *bad)
         assert r.returncode == 2 and "usage: wait.sh" in r.stderr
+
+def test_collect_splits_a_draft_too_big_to_come_back_in_one_file(tmp_path):
+    """Files come back from the GPU machine at most 16 MiB each: a draft packed over 15 MiB (a
+    grown one is about 20) is split into .partaa, .partab, ... that join to the whole draft."""
+    import os
+
+    res, out = tmp_path / "res", tmp_path / "out"
+    (res / "Big").mkdir(parents=True)
+    (res / "Big" / "config.json").write_text("{}")
+    (res / "Big" / "model.safetensors").write_bytes(os.urandom(17 * 2**20))  # incompressible
+    r = subprocess.run(["bash", str(H200 / "collect.sh")], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "OUT": str(out), "RES": str(res), "WORK_ROOT": str(tmp_path / "none"),
+                            "KERNELS": "0", "DATA": "0"})
+    assert r.returncode == 0, r.stderr
+    parts = sorted(out.glob("draft-Big.tgz.part*"))
+    assert len(parts) == 2 and not (out / "draft-Big.tgz").exists()
+    assert all(p.stat().st_size <= 15 * 2**20 for p in parts)
+    joined = subprocess.run(f"cat {' '.join(map(str, parts))} | tar tzf -", shell=True, capture_output=True,
+                            text=True, timeout=60)
+    assert joined.returncode == 0 and "Big/model.safetensors" in joined.stdout

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Packs each trained draft (config, weights, card, log) into OUT/draft-NAME.tgz (< 16 MiB each),
+# Packs each trained draft (config, weights, card, log) into OUT/draft-NAME.tgz (split like the
+# data when over 15 MiB: a grown draft's is about 20 MiB),
 # MLX's CUDA kernel cache into OUT/mlx-kernels.tgz,
 # and each job's generated data (WORK/data or WORK/data-rank*, train.jsonl gzip-compressed) into
 # OUT/data-NAME-DIR.tar, so a later session can carry it back in and train on it again
@@ -13,7 +14,7 @@ split_big() {  # FILE over 15 MiB -> FILE.partaa, FILE.partab, ... (the original
 }
 for d in "$R"/*/; do
   n=$(basename "$d"); [ -f "$d/config.json" ] || { echo "no draft in $d"; continue; }
-  tar czf "$O/draft-$n.tgz" -C "$R" "$n" && ls -la "$O/draft-$n.tgz"
+  tar czf "$O/draft-$n.tgz" -C "$R" "$n" && split_big "$O/draft-$n.tgz"
 done
 for f in "$R"/*.log; do [ -f "$f" ] && tail -c 200000 "$f" > "$O/$(basename "$f")"; done
 # MLX's CUDA kernel cache (NVRTC output; /tmp/mlx/VERSION/ptx, MLX's default): the next session

@@ -225,7 +225,9 @@ def _train_processes(args, argv: list[str]) -> int:
     from worker.training.distributed import default_backend, run_local_ranks
     from worker.training.train import TrainConfig, preflight
 
-    preflight(TrainConfig(**{k: v for k, v in vars(args).items() if k not in _NOT_CONFIG}))  # once, not per rank
+    # Before any rank starts: a bad input is one message, not one per rank after each loaded the
+    # target (each rank checks again, cheaply, in _train).
+    preflight(TrainConfig(**{k: v for k, v in vars(args).items() if k not in _NOT_CONFIG}))
     backend = args.backend or default_backend()
     print(f"flashfleet draft: {args.processes} processes over {backend} (mlx.launch)", file=sys.stderr, flush=True)
     try:

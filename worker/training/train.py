@@ -780,6 +780,29 @@ def _grown_init_shape(cfg: TrainConfig, saved: DraftSpec) -> DraftSpec:
                      saved.mask_token_id, cfg.intermediate_size or saved.intermediate_size)
 
 
+def _check_resumed_shape(cfg: TrainConfig, spec: DraftSpec, state_dir: Path) -> None:
+    """Raises TrainConfigError when an explicit --draft-layers / --intermediate-size differs from
+    the shape of the checkpoint being resumed (e.g. a new growth asked in an old work dir), which
+    would otherwise train the old shape without a word."""
+    asked = {"--draft-layers": (cfg.draft_layers, spec.num_layers),
+             "--intermediate-size": (cfg.intermediate_size, spec.intermediate_size)}
+    clash = [f"{flag} {want} (the checkpoint has {have})" for flag, (want, have) in asked.items()
+             if want is not None and want != have]
+    if clash:
+        raise TrainConfigError(f"{state_dir}: resuming a checkpoint of another shape: " + ", ".join(clash)
+                               + "; rerun with --no-resume (or another --work-dir) to start this shape")
+
+
+def _check_grown_size(cfg: TrainConfig, spec: DraftSpec, target, bytes_per_param: float) -> None:
+    """Raises TrainConfigError when a draft grown from --init-from would exceed --max-draft-mib
+    (a fresh draft is shrunk to fit instead; a grown one has the size the options ask for)."""
+    mib = spec.num_params(target) * bytes_per_param / 2**20
+    if cfg.max_draft_mib is not None and mib > cfg.max_draft_mib:
+        raise TrainConfigError(f"--init-from {cfg.init_from} grown to {spec.num_layers} layer(s), MLP "
+                               f"{spec.intermediate_size} is {mib:.1f} MiB, over --max-draft-mib {cfg.max_draft_mib:g}: "
+                               "raise the budget or ask for less")
+
+
 def preflight(cfg: TrainConfig) -> None:
     """The input checks of `train_draft` that need no model weights, for the launcher of
     `flashfleet draft train --processes N`: run there once, a bad input is one message and exit 2
@@ -946,8 +969,12 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
         dc = args["dflash_config"]
         spec = DraftSpec(args["num_hidden_layers"], args["block_size"], dc["target_layer_ids"], dc["mask_token_id"],
                          args["intermediate_size"])
+        _check_resumed_shape(cfg, spec, state_dir)
+        grown_from = saved.get("grown_from")
     elif cfg.init_from:
         saved_spec, spec, init_weights = _init_checkpoint(cfg, target)
+        if spec != saved_spec:
+            _check_grown_size(cfg, spec, target, bytes_per_param)
     else:
         spec = choose_draft_spec(
             target, tokenizer, _used_ids(split, target_vocab_size(target), group),
@@ -1005,7 +1032,8 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
         "val: no validation sequences (--val-fraction 0, or too little data)")
     save = lambda: trainer.save_state(state_dir, {"data_key": split.meta["key"], "world_size": n_ranks,  # noqa: E731
                                                   "val_fraction": cfg.val_fraction,
-                                                  "val_max_sequences": cfg.val_max_sequences})
+                                                  "val_max_sequences": cfg.val_max_sequences,
+                                                  "grown_from": grown_from})
     if trainer.step == 0 and cfg.val_every:
         # Where the starting weights stand (an --init-from draft may know validation rows from
         # earlier runs): without this point a curve cannot tell forgetting from learning.
