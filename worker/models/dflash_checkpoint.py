@@ -49,7 +49,7 @@ def read_draft_config(path: Path) -> dict:
             not valid JSON.
     """
     if not path.exists():
-        raise DraftCheckpointError(f"{path} does not exist")
+        raise DraftCheckpointError(f"{path} does not exist (a draft is a directory with {CONFIG_FILE})")
     if not path.is_dir():
         raise DraftCheckpointError(f"{path} is not a directory (a draft is a directory with {CONFIG_FILE})")
     cfg_path = path / CONFIG_FILE
