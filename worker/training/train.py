@@ -975,6 +975,7 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
         saved_spec, spec, init_weights = _init_checkpoint(cfg, target)
         if spec != saved_spec:
             _check_grown_size(cfg, spec, target, bytes_per_param)
+            grown_from = {"layers": saved_spec.num_layers, "intermediate_size": saved_spec.intermediate_size}
     else:
         spec = choose_draft_spec(
             target, tokenizer, _used_ids(split, target_vocab_size(target), group),
@@ -987,17 +988,15 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
     if from_target:
         log(f"init: draft layers start from the target's last {spec.num_layers} (--init-layers target)")
     if init_weights is not None:
-        grown = spec != saved_spec
-        if grown:
+        if grown_from:
             from worker.training.grow import grow_weights
 
-            grown_from = {"layers": saved_spec.num_layers, "intermediate_size": saved_spec.intermediate_size}
             init_weights = grow_weights(init_weights, dict(tree_flatten(draft.parameters())))
         draft.load_weights(list(init_weights.items()), strict=True)
         mx.eval(draft.parameters())
         log(f"init: weights from {cfg.init_from}" + (
             f", grown from {saved_spec.num_layers} layer(s), MLP {saved_spec.intermediate_size} to "
-            f"{spec.num_layers}, MLP {spec.intermediate_size} (the same function at step 0)" if grown else ""))
+            f"{spec.num_layers}, MLP {spec.intermediate_size} (the same function at step 0)" if grown_from else ""))
     draft.update(broadcast_tree(draft.parameters(), group))
     n_params = spec.num_params(target)
     log(f"draft: {spec.num_layers} layer(s), taps {spec.target_layer_ids}, mask id {spec.mask_token_id}, "
