@@ -112,9 +112,9 @@ def test_default_root_is_the_package_directory(monkeypatch):
     assert drafts_root() == package_drafts_root() == Path(flashfleet.__file__).resolve().parent / "drafts"
 
 
-# What a draft in git may weigh: a 3-layer 1.5B draft with MLP 1024 at 4 bits is 21.5 MiB, the
-# width the next H200 session grows the shipped one (MLP 256, 15.9 MiB) to (bench/h200/README.md).
-MAX_SHIPPED_DRAFT_MIB = 24
+# What a draft in git may weigh: the shipped 3-layer 1.5B draft with MLP 1024 at 4 bits is
+# 21.55 MiB; MLP 2048, what the next H200 session grows it to (bench/h200/README.md), about 29.
+MAX_SHIPPED_DRAFT_MIB = 32
 
 
 def test_committed_drafts_are_well_formed():
