@@ -475,12 +475,39 @@ def test_padded_cache_attention_equals_kvcache():
         kp, vp = padded.update_and_fetch(k, v)
         if n > 1:
             assert kp.shape[2] % 256 == 0 and m1.shape == (n, kp.shape[2])
+            # boolean only while the cache was empty; then additive in the keys' dtype
+            assert m1.dtype == (mx.bool_ if padded.offset == n else k.dtype)
         a = mx.fast.scaled_dot_product_attention(q, k0, v0, scale=0.25, mask=m0)
         b = mx.fast.scaled_dot_product_attention(q, kp, vp, scale=0.25, mask=m1)
         assert mx.allclose(a, b, atol=1e-5)
         plain_c.trim(2)
         padded.trim(2)
         assert padded.offset == plain_c.offset
+
+
+def test_additive_masks_give_the_boolean_masks_attention(pair, monkeypatch):
+    """The additive masks (converted once per forward) give attention exactly what the boolean
+    ones did: the same draft logits and the same DFlash tokens either way."""
+    from worker.models.dflash import additive_mask
+
+    visible = mx.array([[True, False, True], [False, True, True]])
+    assert additive_mask(visible, None) is visible
+    m = additive_mask(visible, mx.bfloat16)
+    assert m.dtype == mx.bfloat16 and m.tolist() == [[0, -float("inf"), 0], [-float("inf"), 0, 0]]
+
+    target, draft, ref = pair
+    outs = {}
+    for additive in (False, True):
+        monkeypatch.setattr(PaddedKVCache, "additive", additive)
+        cache = draft.make_cache()
+        taps = mx.random.normal((1, 7, len(draft.target_layer_ids) * draft.args.hidden_size),
+                                key=mx.random.key(3))
+        logits = draft(mx.array([[1, 2, 3, 4]]), taps, cache)
+        steps = dflash_generate(PROMPT, MAX_TOKENS, greedy, (), target=target, draft=draft, block_size=4)
+        outs[additive] = (logits, [t for s in steps for t in s.tokens])
+    assert mx.array_equal(outs[False][0], outs[True][0])
+    assert outs[False][1] == outs[True][1]
+    assert_greedy_equal(outs[True][1], ref, target)
 
 
 def test_chunked_prefill_yields_between_chunks_and_stays_lossless(pair):

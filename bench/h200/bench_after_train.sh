@@ -34,4 +34,13 @@ echo "+ bench on GPU $BENCH_GPU from $(date -u +%T)" > "$O/dflash_q15.txt"
 CUDA_VISIBLE_DEVICES=$BENCH_GPU PYTHONUNBUFFERED=1 timeout "${BENCH_S:-420}" python3 bench/bench_dflash.py \
   --target "$TARGET" --dflash-draft "${drafts[@]}" --max-tokens "${MAX_TOKENS:-128}" --prompts "${PROMPTS:-2}" \
   --cases "${CASES:-/root/cases}" --rounds "${ROUNDS:-1}" --json-out "$O/dflash_q15.json" --adaptive ${POLICY:+--policy $POLICY} 2>&1 | grep -v " done$" >> "$O/dflash_q15.txt"
-echo "bench end $(date -u +%T) rc=${PIPESTATUS[0]}" >> "$O/dflash_q15.txt"
+rc=${PIPESTATUS[0]}
+# What a verify's masks and taps cost, side by side (forward_queue.txt; FORWARD_QUEUE=0 skips it):
+# the cycle's verify runs over the padded cache with an additive mask; padded-bool is the boolean
+# mask before it, mlx mlx-lm's own cache.
+if [ "${FORWARD_QUEUE:-1}" = 1 ]; then
+  CUDA_VISIBLE_DEVICES=$BENCH_GPU timeout "${FORWARD_QUEUE_S:-120}" python3 bench/bench_forward_queue.py \
+    --target "$TARGET" --blocks 1 16 --caches mlx padded padded-bool --taps "${TAPS:-4}" --rounds 3 \
+    --json-out "$O/forward_queue.json" > "$O/forward_queue.txt" 2>&1
+fi
+echo "bench end $(date -u +%T) rc=$rc" >> "$O/dflash_q15.txt"

@@ -61,6 +61,22 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int = 5) -> list[
     return [int(round(1 + i * span / (n - 1))) for i in range(n)]
 
 
+def additive_mask(visible: mx.array, dtype: Optional[mx.Dtype]) -> mx.array:
+    """A boolean attention mask as the additive one attention kernels take: 0 where `visible`,
+    -inf elsewhere, in `dtype` (the queries' dtype); `visible` unchanged when dtype is None.
+
+    Why: `mx.fast.scaled_dot_product_attention` turns a boolean mask into an additive one inside
+    every call when its fused kernel takes no boolean masks (CUDA's cuDNN path, MLX 0.32: two
+    `full_like` and a `where` per call, mlx/fast.cpp), i.e. three kernels per layer of a 16-token
+    verify, 84 on a 28-layer target; converted once per forward here, the layers share it. The
+    values it gives attention are the same (exp(-inf) = 0); every query sees at least its own key,
+    so no row is all -inf.
+    """
+    if dtype is None:
+        return visible
+    return mx.where(visible, mx.array(0, dtype), mx.array(-float("inf"), dtype))
+
+
 class PaddedKVCache(KVCache):
     """A `KVCache` whose multi-token updates attend over the whole allocated buffer, with a mask.
 
@@ -70,8 +86,8 @@ class PaddedKVCache(KVCache):
     verify or a DFlash draft call has a new key length every cycle, so every cycle paid that.
     Here the buffer grows in `step` (256) position buckets and multi-token updates return the
     full buffer, so the key length changes once per 256 positions; `make_mask` returns the
-    matching boolean mask (causal, optionally windowed), which also hides the unused tail.
-    One-token updates (plain decode steps) return the exact slice and need no mask, as in
+    matching mask (causal, optionally windowed; additive in the keys' dtype once the cache holds
+    keys, see `additive_mask`), which also hides the unused tail. One-token updates (plain decode steps) return the exact slice and need no mask, as in
     `KVCache`. Trimming only moves `offset` (O(1)).
 
     The bucket (`step`) defaults to 256 positions, or `FLASHFLEET_KV_BUCKET` from the
@@ -80,6 +96,7 @@ class PaddedKVCache(KVCache):
     """
 
     step = int(os.environ.get("FLASHFLEET_KV_BUCKET", "256"))
+    additive = True  # False: boolean masks, as before (bench/bench_forward_queue.py compares both)
 
     def update_and_fetch(self, keys, values):
         prev = self.offset
@@ -113,7 +130,11 @@ class PaddedKVCache(KVCache):
             return create_attention_mask(N, self.offset, return_array, window_size)
         mask = create_causal_mask(N, self.offset, window_size=window_size)  # (N, offset + N)
         pad = self.key_length(N) - (self.offset + N)
-        return mx.pad(mask, [(0, 0), (0, pad)]) if pad else mask  # padded keys: False
+        if pad:
+            mask = mx.pad(mask, [(0, 0), (0, pad)])  # padded keys: False
+        # The first forward (empty cache) does not know the dtype yet: boolean, as mlx-lm's.
+        dtype = self.keys.dtype if self.additive and self.keys is not None else None
+        return additive_mask(mask, dtype)
 
 
 @dataclass
@@ -245,9 +266,11 @@ class Attention(nn.Module):
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
-    def make_mask(self, L: int, n_valid: int, n_keys: int) -> Optional[mx.array]:
-        """(L, n_keys) bool mask for L block queries ending at position n_valid - 1; keys at
-        n_valid and beyond are padding. None when everything is visible."""
+    def make_mask(self, L: int, n_valid: int, n_keys: int,
+                  dtype: Optional[mx.Dtype] = None) -> Optional[mx.array]:
+        """(L, n_keys) mask for L block queries ending at position n_valid - 1; keys at n_valid
+        and beyond are padding. Boolean, or additive in `dtype` (`additive_mask`); None when
+        everything is visible."""
         if not (self.window or self.causal or n_keys > n_valid):
             return None
         qpos = mx.arange(n_valid - L, n_valid)[:, None]
@@ -259,7 +282,7 @@ class Attention(nn.Module):
             visible = visible & (qpos - kpos < self.window)
             if not self.causal:
                 visible = visible & (kpos - qpos < self.window)
-        return visible
+        return additive_mask(visible, dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -372,7 +395,8 @@ class Model(nn.Module):
             a = layer.self_attn
             kind = (a.window, a.causal)
             if kind not in masks:
-                masks[kind] = a.make_mask(L, n_valid, n_keys)
+                dtype = h.dtype if PaddedKVCache.additive else None
+                masks[kind] = a.make_mask(L, n_valid, n_keys, dtype)
             h = layer(h, ctx, c, masks[kind])
         for c in cache:  # drop the block's K/V: only context positions stay cached
             c.trim(L)
