@@ -99,7 +99,7 @@ def main(argv=None) -> int:
 
     from bench.bench_dflash import load_model
     from worker.capture import HiddenCapture, target_layers
-    from worker.models.dflash import default_target_layer_ids
+    from worker.models.dflash import default_target_layer_ids, takes_additive_masks
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True)
@@ -141,7 +141,9 @@ def main(argv=None) -> int:
         mx.eval([c.state for c in cache])
         caches[kind] = cache
     print(f"target {a.target}{' (random weights)' if a.random_weights else ''} {a.dtype}; context {a.context}; "
-          f"{a.steps} forwards per cell; taps {a.taps}; device {mx.default_device()}; mlx {mx.__version__}")
+          f"{a.steps} forwards per cell; taps {a.taps}; padded masks "
+          f"{'additive' if takes_additive_masks(model) else 'boolean (not in ADDITIVE_MASK_MODELS)'}; "
+          f"device {mx.default_device()}; mlx {mx.__version__}")
     print("  B  round  cache        queued ms  synced ms  sync cost ms")
     rows = []
     for r in range(a.rounds):

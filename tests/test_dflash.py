@@ -18,6 +18,7 @@ from mlx_lm.models import gemma3_text, llama, qwen2, qwen3
 from mlx_lm.models.cache import KVCache
 
 from worker.capture import HiddenCapture, target_head_fn
+from worker.models import dflash as dflash_model_module
 from worker.models.dflash import Model, ModelArgs, PaddedKVCache, default_target_layer_ids
 from worker.models.dflash_checkpoint import (
     DraftCheckpointError,
@@ -463,7 +464,7 @@ def test_default_taps_and_config_fallback():
 def test_padded_cache_attention_equals_kvcache():
     """Full buffer + mask gives the attention of the exact slice + causal mask; trims are O(1)."""
     key = mx.random.key(1)
-    plain_c, padded = KVCache(), PaddedKVCache()
+    plain_c, padded = KVCache(), PaddedKVCache(additive_ok=True)
     for n, window in ((5, None), (16, None), (1, None), (4, 3), (300, None)):
         k1, k2, k3, key = mx.random.split(key, 4)
         q = mx.random.normal((1, 4, n, 16), key=k1)
@@ -508,6 +509,37 @@ def test_additive_masks_give_the_boolean_masks_attention(pair, monkeypatch):
     assert mx.array_equal(outs[False][0], outs[True][0])
     assert outs[False][1] == outs[True][1]
     assert_greedy_equal(outs[True][1], ref, target)
+
+
+def test_masks_stay_boolean_for_models_that_may_read_them_as_boolean(pair, monkeypatch):
+    """Only architectures known to hand masks to attention unchanged get additive ones
+    (deepseek_v32 does `mx.where(mask, scores, -inf)`, which an additive mask would invert)."""
+    from worker.models.dflash import takes_additive_masks
+
+    target = pair[0]
+    x = mx.array([[1, 2, 3, 4]])
+    for model_type, additive in ((target.model_type, True), ("deepseek_v32", False)):
+        monkeypatch.setattr(target, "model_type", model_type, raising=False)
+        assert takes_additive_masks(target) is additive
+        cache = make_target_cache(target)
+        assert all(c.additive_ok is additive for c in cache if isinstance(c, PaddedKVCache))
+        mx.eval(target(x, cache=cache))
+        assert cache[0].make_mask(4).dtype == (mx.float32 if additive else mx.bool_)
+
+    kv = mx.zeros((1, 2, 3, 8))
+    assert PaddedKVCache(additive_ok=True).make_mask(4).dtype == mx.bool_  # no keys yet: dtype unknown
+    for cache, dtype in ((PaddedKVCache(), mx.bool_), (PaddedKVCache(additive_ok=True), mx.float32)):
+        cache.update_and_fetch(kv, kv)
+        assert cache.make_mask(4).dtype == dtype  # boolean unless the model was checked
+
+    # The draft builds its own masks, additive in its hidden states' dtype.
+    seen = []
+    real = dflash_model_module.additive_mask
+    monkeypatch.setattr(dflash_model_module, "additive_mask",
+                        lambda visible, dtype: seen.append(dtype) or real(visible, dtype))
+    draft = pair[1]
+    draft(x, None, draft.make_cache())
+    assert seen and set(seen) == {mx.float32}
 
 
 def test_chunked_prefill_yields_between_chunks_and_stays_lossless(pair):

@@ -42,5 +42,13 @@ if [ "${FORWARD_QUEUE:-1}" = 1 ]; then
   CUDA_VISIBLE_DEVICES=$BENCH_GPU timeout "${FORWARD_QUEUE_S:-120}" python3 bench/bench_forward_queue.py \
     --target "$TARGET" --blocks 1 16 --caches mlx padded padded-bool --taps "${TAPS:-4}" --rounds 3 \
     --json-out "$O/forward_queue.json" > "$O/forward_queue.txt" 2>&1
+  # The same verify with MLX's cuDNN attention off (its fallback: matmul, softmax, matmul), right
+  # after: whether a fused call per layer is worth its per-call host work at 16 queries.
+  CUDA_VISIBLE_DEVICES=$BENCH_GPU MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${FORWARD_QUEUE_S:-120}" python3 \
+    bench/bench_forward_queue.py --target "$TARGET" --blocks 16 --caches padded padded-bool \
+    --taps "${TAPS:-4}" --rounds 3 --json-out "$O/forward_queue_nocudnn.json" > "$O/forward_queue_nocudnn.txt" 2>&1
+  # The operations a cycle's pieces put in the graph on this device (graph_ops.txt, a few seconds).
+  CUDA_VISIBLE_DEVICES=$BENCH_GPU timeout 60 python3 bench/count_graph_ops.py --target "$TARGET" \
+    --taps "${TAPS:-4}" --json-out "$O/graph_ops.json" > "$O/graph_ops.txt" 2>&1
 fi
 echo "bench end $(date -u +%T) rc=$rc" >> "$O/dflash_q15.txt"

@@ -77,6 +77,24 @@ def additive_mask(visible: mx.array, dtype: Optional[mx.Dtype]) -> mx.array:
     return mx.where(visible, mx.array(0, dtype), mx.array(-float("inf"), dtype))
 
 
+# mlx-lm architectures whose layers hand the mask from `create_attention_mask` to attention
+# unchanged (mlx_lm.models.base.scaled_dot_product_attention takes boolean and additive masks
+# alike). Others may read it as boolean (deepseek_v32: `mx.where(mask, scores, -inf)`), so their
+# masks stay boolean: slower on CUDA, never wrong.
+ADDITIVE_MASK_MODELS = frozenset({
+    "llama", "mistral", "smollm3", "qwen2", "qwen3", "qwen3_moe", "gemma3", "gemma3_text", "phi3",
+    "starcoder2", "olmo2", "granite", "cohere", "internlm2", "minicpm", "exaone", "glm4",
+    "ministral3", "mistral3",
+})
+
+
+def takes_additive_masks(model: nn.Module) -> bool:
+    """Whether an mlx-lm model's attention masks may be additive (its `model_type` is in
+    `ADDITIVE_MASK_MODELS`)."""
+    kind = getattr(model, "model_type", None) or getattr(getattr(model, "args", None), "model_type", None)
+    return kind in ADDITIVE_MASK_MODELS
+
+
 class PaddedKVCache(KVCache):
     """A `KVCache` whose multi-token updates attend over the whole allocated buffer, with a mask.
 
@@ -97,6 +115,13 @@ class PaddedKVCache(KVCache):
 
     step = int(os.environ.get("FLASHFLEET_KV_BUCKET", "256"))
     additive = True  # False: boolean masks, as before (bench/bench_forward_queue.py compares both)
+    additive_ok = False  # also for caches made without __init__ (mlx-lm's `from_state`)
+
+    def __init__(self, additive_ok: bool = False):
+        """additive_ok: the model reading this cache's masks takes additive ones (it hands them
+        to attention unchanged: `takes_additive_masks`); False keeps them boolean."""
+        super().__init__()
+        self.additive_ok = additive_ok
 
     def update_and_fetch(self, keys, values):
         prev = self.offset
@@ -133,7 +158,7 @@ class PaddedKVCache(KVCache):
         if pad:
             mask = mx.pad(mask, [(0, 0), (0, pad)])  # padded keys: False
         # The first forward (empty cache) does not know the dtype yet: boolean, as mlx-lm's.
-        dtype = self.keys.dtype if self.additive and self.keys is not None else None
+        dtype = self.keys.dtype if self.additive and self.additive_ok and self.keys is not None else None
         return additive_mask(mask, dtype)
 
 

@@ -45,7 +45,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from worker.capture import HiddenCapture
-from worker.models.dflash import PaddedKVCache
+from worker.models.dflash import PaddedKVCache, takes_additive_masks
 from worker.spec.base import Sampler, Step, release_buffer_cache
 from worker.spec.cost_model import AdaptiveBlockPolicy
 from worker.spec.plain import CLEAR_CACHE_EVERY_TOKENS
@@ -70,7 +70,8 @@ def make_target_cache(target: nn.Module) -> list:
     Raises:
         ValueError: some layer's cache cannot be trimmed (e.g. recurrent GatedDeltaNet state).
     """
-    cache = [PaddedKVCache() if type(c) in (KVCache, RotatingKVCache) else c
+    additive_ok = takes_additive_masks(target)
+    cache = [PaddedKVCache(additive_ok) if type(c) in (KVCache, RotatingKVCache) else c
              for c in make_prompt_cache(target)]
     bad = {type(c).__name__ for c in cache if not c.is_trimmable()}
     if bad:
