@@ -105,8 +105,9 @@ class PaddedKVCache(KVCache):
     Here the buffer grows in `step` (256) position buckets and multi-token updates return the
     full buffer, so the key length changes once per 256 positions; `make_mask` returns the
     matching mask (causal, optionally windowed; additive in the keys' dtype once the cache holds
-    keys, see `additive_mask`), which also hides the unused tail. One-token updates (plain decode steps) return the exact slice and need no mask, as in
-    `KVCache`. Trimming only moves `offset` (O(1)).
+    keys and `additive_ok`, see `additive_mask`), which also hides the unused tail. One-token
+    updates (plain decode steps) return the exact slice and need no mask, as in `KVCache`.
+    Trimming only moves `offset` (O(1)).
 
     The bucket (`step`) defaults to 256 positions, or `FLASHFLEET_KV_BUCKET` from the
     environment: a larger bucket (e.g. 4096 on a GPU) compiles once per 4096 positions at the

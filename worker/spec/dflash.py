@@ -66,6 +66,7 @@ def make_target_cache(target: nn.Module) -> list:
     once they wrap (mlx-lm #1423), so they are replaced too: mlx-lm models pass `window_size`
     when they build the mask of a sliding layer, and `make_mask` honours it, so attention is
     unchanged (memory of those layers grows with the context instead of staying at the window).
+    Masks are additive where the architecture takes them (`takes_additive_masks`).
 
     Raises:
         ValueError: some layer's cache cannot be trimmed (e.g. recurrent GatedDeltaNet state).
