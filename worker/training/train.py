@@ -758,6 +758,13 @@ def _init_checkpoint(cfg: TrainConfig, target) -> tuple[DraftSpec, DraftSpec, di
     return saved, _grown_init_shape(cfg, saved), dequantized_weights(init)
 
 
+def _clashes(asked: dict, bad: Callable[[object, object], bool], has: str, note: str = "") -> list[str]:
+    """'FLAG WANT (HAS HAVE[NOTE])' for each {flag: (want, have)} asked explicitly (want not None)
+    with bad(want, have); `has` names the owner, e.g. "the draft has"."""
+    return [f"{flag} {want} ({has} {have}{note})" for flag, (want, have) in asked.items()
+            if want is not None and bad(want, have)]
+
+
 def _grown_init_shape(cfg: TrainConfig, saved: DraftSpec) -> DraftSpec:
     """The shape to train from an --init-from draft of shape `saved`: its own, with an explicit
     larger --draft-layers / --intermediate-size grown into.
@@ -766,14 +773,12 @@ def _grown_init_shape(cfg: TrainConfig, saved: DraftSpec) -> DraftSpec:
         TrainConfigError: an explicit option that disagrees with the draft (taps, mask token) or
             would shrink it (fewer layers, a narrower MLP).
     """
-    asked = {"--target-layer-ids": (cfg.target_layer_ids, saved.target_layer_ids),
-             "--mask-token-id": (cfg.mask_token_id, saved.mask_token_id)}
-    clash = [f"{flag} {want} (the draft has {have})" for flag, (want, have) in asked.items()
-             if want is not None and want != have]
-    grows = {"--draft-layers": (cfg.draft_layers, saved.num_layers),
-             "--intermediate-size": (cfg.intermediate_size, saved.intermediate_size)}
-    clash += [f"{flag} {want} (the draft has {have}; it can grow, not shrink)" for flag, (want, have) in grows.items()
-              if want is not None and want < have]
+    clash = _clashes({"--target-layer-ids": (cfg.target_layer_ids, saved.target_layer_ids),
+                      "--mask-token-id": (cfg.mask_token_id, saved.mask_token_id)},
+                     lambda want, have: want != have, "the draft has")
+    clash += _clashes({"--draft-layers": (cfg.draft_layers, saved.num_layers),
+                       "--intermediate-size": (cfg.intermediate_size, saved.intermediate_size)},
+                      lambda want, have: want < have, "the draft has", "; it can grow, not shrink")
     if clash:
         raise TrainConfigError(f"--init-from {cfg.init_from} fixes the draft's shape; drop or change " + ", ".join(clash))
     return DraftSpec(cfg.draft_layers or saved.num_layers, saved.block_size, saved.target_layer_ids,
@@ -784,10 +789,9 @@ def _check_resumed_shape(cfg: TrainConfig, spec: DraftSpec, state_dir: Path) -> 
     """Raises TrainConfigError when an explicit --draft-layers / --intermediate-size differs from
     the shape of the checkpoint being resumed (e.g. a new growth asked in an old work dir), which
     would otherwise train the old shape without a word."""
-    asked = {"--draft-layers": (cfg.draft_layers, spec.num_layers),
-             "--intermediate-size": (cfg.intermediate_size, spec.intermediate_size)}
-    clash = [f"{flag} {want} (the checkpoint has {have})" for flag, (want, have) in asked.items()
-             if want is not None and want != have]
+    clash = _clashes({"--draft-layers": (cfg.draft_layers, spec.num_layers),
+                      "--intermediate-size": (cfg.intermediate_size, spec.intermediate_size)},
+                     lambda want, have: want != have, "the checkpoint has")
     if clash:
         raise TrainConfigError(f"{state_dir}: resuming a checkpoint of another shape: " + ", ".join(clash)
                                + "; rerun with --no-resume (or another --work-dir) to start this shape")
