@@ -575,6 +575,112 @@ def test_synthetic_prompts_fail_early_and_never_repeat_a_prompt_file(tmp_path, t
     assert {tuple(h["prompt_ids"]) for h in split.heldout}.isdisjoint(map(tuple, split.train.prompt_ids))
 
 
+def test_opening_text_keeps_the_first_words_as_written():
+    from worker.training.synthetic import opening_text
+
+    assert opening_text("def add(a, b):\n    return a + b", 4) == "def add(a, b):\n    return"
+    assert opening_text("  Write Python code that sorts", 2) == "Write Python"
+    assert opening_text("two words ", 5) == "two words"
+    with pytest.raises(ValueError, match="at least one word"):
+        opening_text("x", 0)
+
+
+def test_target_written_prompts_start_with_their_openings(tiny_models, monkeypatch):
+    """--synthetic-openings: message i is its opening plus the target's continuation; a message
+    whose continuation is empty, blank or never started (time limit) is dropped, not kept as
+    the opening alone."""
+    from mlx_lm import load
+
+    from worker.training import synthetic as synthetic_mod
+    from worker.training.synthetic import write_user_prompts
+
+    target, tokenizer = load(str(tiny_models.llama))
+    starts = ["def sort_list(xs):", "The number seven"]
+    openings = [tokenizer.encode(starts[i % 2], add_special_tokens=False) for i in range(10)]
+    texts = write_user_prompts(target, tokenizer, 10, max_tokens=6, temperature=1.5, seed=2, batch_size=4,
+                               min_chars=4, openings=openings)
+    assert texts and all(t.startswith(starts[0]) or t.startswith(starts[1]) for t in texts)
+    with pytest.raises(ValueError, match="one per message"):
+        write_user_prompts(target, tokenizer, 3, openings=openings)
+
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    more = tokenizer.encode(" and returns it sorted", add_special_tokens=False)
+    rows = [[], [eos], [*tokenizer.encode("  \n", add_special_tokens=False), eos], [*more, eos]]
+    seen_prompts = []
+
+    def fake_generate(model, prompts, *a, **k):
+        seen_prompts.extend(prompts)
+        return rows
+    monkeypatch.setattr(synthetic_mod, "generate_responses", fake_generate)
+    got = write_user_prompts(target, tokenizer, 4, min_chars=4, openings=[openings[0]] * 4)
+    assert got == [tokenizer.decode(openings[0] + more).strip()]
+    prefix = synthetic_mod.user_turn_prefix(tokenizer)
+    assert all(p == prefix + openings[0] for p in seen_prompts)
+
+
+def test_openings_of_text_without_spaces_are_a_phrase():
+    from worker.training.synthetic import OPENING_CHARS_PER_WORD, opening_text
+
+    long = "请写一个函数计算两个数的最大公约数并给出测试用例" * 3
+    assert opening_text(long, 2) == long[:2 * OPENING_CHARS_PER_WORD]
+
+
+def test_build_dataset_synthetic_openings_come_from_chosen_training_prompts(tmp_path, tiny_models, monkeypatch):
+    """Openings are the first words of training prompts of the chosen corpora, never of a
+    held-out prompt, the same for the same seed; they are part of the cache key (absent at 0
+    words, so older caches keep theirs); a corpus no file gives, or none left for training, is a
+    DataError before any generation."""
+    from mlx_lm import load
+
+    target, tokenizer = load(str(tiny_models.llama))
+    files = _write_prompts(tmp_path)
+    kw = dict(max_new_tokens=4, heldout_per_corpus=2, heldout_fraction=0.2, log=lambda _: None)
+    held = {p.text for p in split_heldout(read_prompt_files(files), 2, 0.2)[1]}
+    seen = []
+
+    def fake_write(model, tok, count, **k):
+        if k["openings"] is None:
+            return [f"a question without an opening {i}" for i in range(count)]
+        seen.append([tok.decode(o) for o in k["openings"]])
+        return [f"{tok.decode(o)} and then something new {i}" for i, o in enumerate(k["openings"])]
+    monkeypatch.setattr(data_mod, "write_user_prompts", fake_write)
+    split = build_dataset(target, tokenizer, files, tmp_path / "o", synthetic=60, synthetic_openings=(2, ("code",)), **kw)
+    code_train = [p.text for p in read_prompt_files(files) if p.corpus == "code" and p.text not in held]
+    drawn = seen[0]
+    assert len(drawn) == 60 and all(o.startswith("def f") and o.count(" ") == 1 for o in drawn)
+    assert set(drawn) <= {" ".join(t.split()[:2]) for t in code_train}
+    assert set(drawn).isdisjoint(" ".join(t.split()[:2]) for t in held)  # each code prompt's opening is its own
+    assert split.meta["settings"]["synthetic_openings"] == [2, ["code"]]
+    build_dataset(target, tokenizer, files, tmp_path / "o2", synthetic=60, synthetic_openings=(2, ("code",)), **kw)
+    assert seen[1] == drawn  # seeded
+    build_dataset(target, tokenizer, files, tmp_path / "o3", synthetic=60, synthetic_openings=(2, ("code",)),
+                  **{**kw, "seed": 1})
+    assert seen[2] != drawn
+    again = build_dataset(target, tokenizer, files, tmp_path / "o", synthetic=60, synthetic_openings=(2, ("code",)), **kw)
+    assert len(seen) == 3 and again.meta["key"] == split.meta["key"]  # the cache, not a new draw
+    bare = build_dataset(target, tokenizer, files, tmp_path / "b", synthetic=6, **kw)
+    zero = build_dataset(target, tokenizer, files, tmp_path / "z", synthetic=6, synthetic_openings=(0, ()), **kw)
+    assert "synthetic_openings" not in bare.meta["settings"] and zero.meta["key"] == bare.meta["key"]
+
+    def no_generation(*a, **k):
+        raise AssertionError("must fail before generating")
+    monkeypatch.setattr(data_mod, "generate_responses", no_generation)
+    with pytest.raises(DataError, match="no prompt file of that name"):
+        build_dataset(target, tokenizer, files, tmp_path / "x", synthetic=6, synthetic_openings=(2, ("humaneval",)), **kw)
+    with pytest.raises(DataError, match="needs --synthetic-openings"):
+        build_dataset(target, tokenizer, files, tmp_path / "y", synthetic=6, synthetic_openings=(0, ("code",)), **kw)
+    train = split_heldout(read_prompt_files(files), 2, 0.2)[0]
+    with pytest.raises(DataError, match="no training prompt of code"):  # e.g. every code prompt held out
+        data_mod.synthetic_openings_pool([p for p in train if p.corpus != "code"], 2, ["code"])
+    assert data_mod.synthetic_openings_pool(train, 1, []) == [p.text.split()[0] for p in train]
+
+    def empty_pool(*a):
+        raise DataError("no openings left")
+    monkeypatch.setattr(data_mod, "synthetic_openings_pool", empty_pool)
+    with pytest.raises(DataError, match="no openings left"):  # before the first pass generates anything
+        build_dataset(target, tokenizer, files, tmp_path / "w", synthetic=6, synthetic_openings=(2, ("code",)), **kw)
+
+
 def test_batched_generation_matches_one_by_one(tiny_models):
     from mlx_lm import load
 
@@ -948,6 +1054,11 @@ def test_preflight_catches_bad_inputs_without_loading_weights(tmp_path, tiny_mod
         preflight(TrainConfig(**{**base, "target": str(bare)}, synthetic_prompts=4))
     with pytest.raises(DataError, match="temperature > 0"):
         preflight(TrainConfig(**base, synthetic_prompts=4, synthetic_temperature=0.0))
+    preflight(TrainConfig(**base, synthetic_prompts=4, synthetic_openings=3, synthetic_openings_from=["code"]))
+    with pytest.raises(DataError, match="give --synthetic-prompts"):
+        preflight(TrainConfig(**base, synthetic_openings=3))
+    with pytest.raises(DataError, match="no prompt file of that name"):
+        preflight(TrainConfig(**base, synthetic_prompts=4, synthetic_openings=3, synthetic_openings_from=["cod"]))
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{oops\n")
     with pytest.raises(DataError, match="invalid JSON"):
@@ -958,3 +1069,17 @@ def test_preflight_catches_bad_inputs_without_loading_weights(tmp_path, tiny_mod
     (other / "meta.json").write_text(json.dumps({"settings": {"target": "someone-else"}}))
     with pytest.raises(DataError, match="another target"):
         preflight(TrainConfig(**base, extra_data=[str(other)]))
+
+
+def test_training_card_says_how_synthetic_prompts_began():
+    """TRAINING.md names the openings of the synthetic prompts when they had any (the shipped
+    1.5B draft's real card, with and without them)."""
+    from worker.training.card import render_card
+
+    card = json.loads((Path(__file__).resolve().parents[1] / "flashfleet" / "drafts" / "Qwen2.5-Coder-1.5B-Instruct"
+                       / "training_card.json").read_text())
+    assert card["data"]["synthetic_prompts"] > 0
+    bare = render_card(card)
+    assert "prompts written by the target itself" in bare and "begun with" not in bare
+    card["data"] |= {"synthetic_openings": 4, "synthetic_openings_from": ["code_requests", "humaneval"]}
+    assert "each begun with the first 4 words of a training prompt of code_requests, humaneval" in render_card(card)

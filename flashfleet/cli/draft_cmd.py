@@ -119,6 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--synthetic-max-tokens", type=_at_least(1), default=128, help="cap on a synthetic prompt, tokens")
     g.add_argument("--synthetic-temperature", type=_sample_temperature, default=1.0,
                    help="temperature the synthetic prompts are sampled at (top-p 0.95)")
+    g.add_argument("--synthetic-openings", type=_at_least(0), default=0, metavar="WORDS",
+                   help="each synthetic prompt starts with the first WORDS words of a random training prompt "
+                        "and the target writes the rest: prompts near your files' own (0: Magpie from the "
+                        "bare user turn; a coder target's own prompts mention code one time in six)")
+    g.add_argument("--synthetic-openings-from", nargs="+", default=[], metavar="CORPUS",
+                   help="take the openings only from these prompt files (their names without suffix, e.g. "
+                        "code_requests humaneval); default all")
     g.add_argument("--extra-data", nargs="+", default=[], metavar="DIR",
                    help="earlier runs' data caches of this target (WORK/data or WORK/data-rank*of*; train.jsonl "
                         "or train.jsonl.gz): their greedy answers to this run's prompts are reused instead of "

@@ -57,8 +57,11 @@ def render_card(card: dict) -> str:
         *([f"- prompts written by the target itself (Magpie: sampled after its user-turn prefix at "
            f"T={data.get('synthetic_temperature')}, up to {data.get('synthetic_max_tokens')} tokens, seed "
            f"{data.get('seed')}): {data['synthetic_prompts_written']} new distinct ones of {data['synthetic_prompts']} "
-           "requested (repeats, texts under 16 characters and the generation time limit drop some); their "
-           "answers are the corpus 'synthetic' above"]
+           "requested (repeats, texts under 16 characters and the generation time limit drop some)"
+           + (f", each begun with the first {data['synthetic_openings']} words of a training prompt of "
+              f"{', '.join(data.get('synthetic_openings_from') or []) or 'any file'}"
+              if data.get("synthetic_openings") else "")
+           + "; their answers are the corpus 'synthetic' above"]
           if data.get("synthetic_prompts") else []),
         *([f"- of these, from earlier runs' data (--extra-data {', '.join(x['dir'] for x in data['extra_data'])}): "
            f"{data.get('extra_greedy_reused', 0)} greedy answers reused instead of generated, "

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from worker.training.generation import generate_responses
-from worker.training.synthetic import SyntheticPromptError, user_turn_prefix, write_user_prompts
+from worker.training.synthetic import SyntheticPromptError, opening_text, user_turn_prefix, write_user_prompts
 
 DATA_FORMAT = 3  # bump when the cached layout or the generation recipe changes
 SYNTHETIC_CORPUS = "synthetic"  # corpus name of the prompts the target writes itself
@@ -351,6 +351,7 @@ def dataset_key(
     synthetic_max_tokens: int = 128,
     synthetic_temperature: float = 1.0,
     synthetic_top_p: float = 0.95,
+    synthetic_openings: Optional[tuple[int, Sequence[str]]] = None,
     extra: Optional[list] = None,
 ) -> tuple[str, dict]:
     """The data cache key of `build_dataset`: what decides the training sequences.
@@ -376,21 +377,26 @@ def dataset_key(
                     files=[[f.name, hashlib.sha256(f.read_bytes()).hexdigest()] for f in files])
     if synthetic:  # absent otherwise, so caches made before the option still match
         settings["synthetic"] = [synthetic, synthetic_max_tokens, synthetic_temperature, synthetic_top_p]
+        if synthetic_openings and synthetic_openings[0]:  # absent without openings, as above
+            settings["synthetic_openings"] = [int(synthetic_openings[0]), sorted(synthetic_openings[1])]
     if extra:  # `extra_data.extra_data_key` of --extra-data (absent without it, as above)
         settings["extra_data"] = extra
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16], settings
 
 
-def check_synthetic_inputs(files: Sequence[Path], synthetic_temperature: float, tokenizer) -> None:
+def check_synthetic_inputs(files: Sequence[Path], synthetic_temperature: float, tokenizer,
+                           openings: Optional[tuple[int, Sequence[str]]] = None) -> None:
     """What `--synthetic-prompts` needs, checked before any generation (also by the launcher of
     `flashfleet draft train --processes N`, so a bad input is one message, not one per rank).
 
     Args:
         files: the prompt files; tokenizer: the target's (its chat template starts a user turn).
+        openings: (words, corpora) of `--synthetic-openings` / `--synthetic-openings-from`, or None.
 
     Raises:
         DataError: a prompt file named synthetic.* (it would merge with the written prompts'
-            corpus), a temperature <= 0, or a tokenizer without a usable chat template.
+            corpus), a temperature <= 0, a tokenizer without a usable chat template, a negative
+            opening length, or an openings corpus that no prompt file gives.
     """
     if any(Path(f).stem == SYNTHETIC_CORPUS for f in files):
         raise DataError(f"a prompt file named {SYNTHETIC_CORPUS}.* would merge with the prompts the target "
@@ -401,6 +407,39 @@ def check_synthetic_inputs(files: Sequence[Path], synthetic_temperature: float, 
         user_turn_prefix(tokenizer)
     except SyntheticPromptError as e:
         raise DataError(f"--synthetic-prompts: {e}") from None
+    if openings is not None:
+        words, corpora = openings
+        if words < 0:
+            raise DataError(f"--synthetic-openings must be >= 0 words, got {words}")
+        known = sorted({Path(f).stem for f in files})
+        unknown = sorted(set(corpora) - set(known))
+        if unknown:
+            raise DataError(f"--synthetic-openings-from {' '.join(unknown)}: no prompt file of that name "
+                            f"(corpora here: {', '.join(known)})")
+        if corpora and not words:
+            raise DataError("--synthetic-openings-from needs --synthetic-openings WORDS > 0")
+
+
+def synthetic_openings_pool(train_prompts: Sequence[Prompt], words: int, corpora: Sequence[str]) -> list[str]:
+    """The openings synthetic prompts may start with (`--synthetic-openings`).
+
+    Args:
+        train_prompts: the training prompts (after `split_heldout`: no held-out prompt among them).
+        words: words per opening (>= 1; `synthetic.opening_text`).
+        corpora: corpus names to take them from (empty: all).
+
+    Returns:
+        One opening per training prompt of `corpora`, in `train_prompts`' order, repeats kept
+        (a common opening is drawn more often, as in the files).
+
+    Raises:
+        DataError: no training prompt of those corpora (all held out, or empty files)."""
+    pool = [opening_text(p.text, words) for p in train_prompts if not corpora or p.corpus in corpora]
+    pool = [o for o in pool if o]
+    if not pool:
+        raise DataError(f"--synthetic-openings: no training prompt of {', '.join(corpora) or 'any corpus'} "
+                        "to take openings from (all held out, or empty)")
+    return pool
 
 
 def build_dataset(
@@ -425,6 +464,7 @@ def build_dataset(
     synthetic_max_tokens: int = 128,
     synthetic_temperature: float = 1.0,
     synthetic_top_p: float = 0.95,
+    synthetic_openings: Optional[tuple[int, Sequence[str]]] = None,
     target_fingerprint: str = "",
     extra_data: Sequence[str | Path] = (),
     regenerate: bool = False,
@@ -460,6 +500,10 @@ def build_dataset(
             third of the time left), keeps the distinct ones and answers them as the first pass
             does. Their corpus is "synthetic"; none is held out. 0: none.
         synthetic_max_tokens / synthetic_temperature / synthetic_top_p: how they are sampled.
+        synthetic_openings: (words, corpora): each synthetic prompt starts with the first `words`
+            words of a training prompt of `corpora` (all when empty), drawn at random (seeded),
+            and the target writes the rest (`synthetic_openings_pool`); None or words 0: Magpie
+            from the bare user-turn prefix.
         target_fingerprint: identifies the target weights (part of the key).
         extra_data: earlier runs' data cache directories of the same target
             (`extra_data.load_extra_data`): their greedy answers to this run's training prompts
@@ -495,6 +539,7 @@ def build_dataset(
                                 target_fingerprint=target_fingerprint, synthetic=synthetic,
                                 synthetic_max_tokens=synthetic_max_tokens,
                                 synthetic_temperature=synthetic_temperature, synthetic_top_p=synthetic_top_p,
+                                synthetic_openings=synthetic_openings,
                                 extra=extra_data_key(extra_data) if extra_data else None)
     meta_path, train_path, held_path = (cache_dir / n for n in ("meta.json", "train.jsonl", "heldout.jsonl"))
     if not regenerate and meta_path.is_file() and train_path.is_file() and held_path.is_file():
@@ -512,12 +557,14 @@ def build_dataset(
         if not any(p.corpus == f.stem for p in prompts):
             log(f"data: {f} holds no prompts; skipped")
     if synthetic:  # fail now, not after the first pass
-        check_synthetic_inputs(files, synthetic_temperature, tokenizer)
+        check_synthetic_inputs(files, synthetic_temperature, tokenizer, synthetic_openings)
     known_texts = {" ".join(p.text.split()) for p in prompts}  # a synthetic prompt must not repeat one
     train_p, held_p = split_heldout(prompts, heldout_per_corpus, heldout_fraction)
     train_p = interleave_by_corpus(train_p)  # a time-capped generation still covers every corpus
     if not train_p:
         raise DataError("no training prompts (all held out, or the files are empty)")
+    pool = (synthetic_openings_pool(train_p, *synthetic_openings)  # fails now, not after the first pass
+            if synthetic and synthetic_openings and synthetic_openings[0] else None)
     enc = [encode_prompt(tokenizer, p.text, max_prompt_tokens) for p in train_p]
     heldout = [{"corpus": p.corpus, "id": p.id, "prompt_ids": encode_prompt(tokenizer, p.text, max_prompt_tokens)}
                for p in held_p]
@@ -557,10 +604,15 @@ def build_dataset(
         `temperature`; returns the tokens generated."""
         nonlocal written
         start = time.perf_counter()
+        openings = None
+        if pool:
+            picks = np.random.default_rng([seed, SYNTHETIC_STREAM, rank, 2]).integers(len(pool), size=my_synthetic)
+            openings = [tokenizer.encode(pool[i], add_special_tokens=False) for i in picks.tolist()]
         texts = write_user_prompts(model, tokenizer, my_synthetic, max_tokens=synthetic_max_tokens,
                                    temperature=synthetic_temperature, top_p=synthetic_top_p,
                                    seed=int(np.random.SeedSequence([seed, SYNTHETIC_STREAM, rank]).generate_state(1)[0]),
-                                   batch_size=gen_batch_size, max_seconds=None if left is None else left / 3)
+                                   batch_size=gen_batch_size, max_seconds=None if left is None else left / 3,
+                                   openings=openings)
         new = [t for t in texts if " ".join(t.split()) not in known_texts]  # held-out ones above all
         written = len(new)
         took = time.perf_counter() - start
@@ -568,7 +620,9 @@ def build_dataset(
         # of it to writing, which may be one batch (session 8 got 967 of 8000 so).
         cut = (f"; writing stopped at its limit, a third of the generation time left ({left / 3:.0f} s): "
                "give --gen-max-minutes more for more prompts") if left is not None and took >= left / 3 else ""
-        log(f"data: the target wrote {len(new)} distinct new prompts of {my_synthetic} sampled "
+        begun = (f", each begun with {synthetic_openings[0]} words of a training prompt"
+                 + (f" of {', '.join(synthetic_openings[1])}" if synthetic_openings[1] else "")) if openings else ""
+        log(f"data: the target wrote {len(new)} distinct new prompts of {my_synthetic} sampled{begun} "
             f"({len(texts) - len(new)} repeated a prompt file's; {took:.1f} s{cut})")
         texts = new
         bar.total += len(texts)

@@ -9,10 +9,19 @@ draft must learn the target's distribution (paper §4.2 regenerates every answer
 target), and the prompt files of a small deployment hold a few thousand prompts at most, so
 a draft trained over many sessions sees the same answers again and again; these prompts add
 new ones at the cost of generation time.
+
+Openings: a bare user-turn prefix gives the target's idea of *all* its users (for
+Qwen2.5-Coder-1.5B, 16% of 2,000 of its prompts mention code; the twelfth H200 session,
+docs/training.md). A deployment that serves code wants code prompts. Given openings (the
+first words of the deployment's own training prompts, `opening_text`), each message starts with
+one and the target writes the rest, so the prompts stay near the prompt files' distribution
+while their content is new (Magpie itself conditions on the template alone; the openings are
+this project's addition).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+import re
+from typing import Callable, Optional, Sequence
 
 from worker.training.generation import generate_responses
 
@@ -55,6 +64,31 @@ def user_turn_prefix(tokenizer) -> list[int]:
     return [int(i) for i in tokenizer.encode(text[:at], add_special_tokens=False)]
 
 
+OPENING_CHARS_PER_WORD = 16  # caps an opening of text without spaces (Chinese, Japanese) at ~a phrase
+
+
+def opening_text(text: str, words: int) -> str:
+    """The opening of a prompt: its first words, as written.
+
+    Args:
+        text: a prompt.
+        words: how many whitespace-separated words (>= 1).
+
+    Returns:
+        The first `words` words of `text` with the whitespace between them kept (a code prompt's
+        newlines and indentation stay), all of it (stripped) when it has fewer; at most
+        `OPENING_CHARS_PER_WORD * words` characters, so text written without spaces gives a
+        phrase, not the whole prompt.
+
+    Raises:
+        ValueError: words < 1.
+    """
+    if words < 1:
+        raise ValueError(f"an opening needs at least one word, got {words}")
+    m = re.match(r"\s*((?:\S+\s+){%d}\S+)" % (words - 1), text)
+    return (m.group(1) if m else text.strip())[: OPENING_CHARS_PER_WORD * words].rstrip()
+
+
 def special_token_ids(tokenizer) -> set[int]:
     """Ids of the special tokens (EOS, turn markers, ...): the added tokens marked special, plus
     `all_special_ids` and the EOS ids (a converted tokenizer's config may list only a few of them
@@ -78,6 +112,7 @@ def write_user_prompts(
     min_chars: int = 16,
     max_seconds: Optional[float] = None,
     progress: Optional[Callable[[int], None]] = None,
+    openings: Optional[Sequence[list[int]]] = None,
 ) -> list[str]:
     """User messages sampled from the target after its template's user-turn prefix (Magpie).
 
@@ -98,27 +133,37 @@ def write_user_prompts(
         max_seconds: wall-time limit (`generate_responses`); messages not started come back
             empty and are dropped.
         progress: called with the number of messages of each finished batch.
+        openings: optional token ids (no special tokens) that message i starts with, one list
+            per message (`count` of them); the target continues each, and the message is the
+            opening and its continuation decoded together (`max_tokens` counts the continuation
+            only). None: every message starts right after the prefix.
 
     Returns:
         Distinct message texts (at most `count`), in sampling order.
 
     Raises:
         SyntheticPromptError: see `user_turn_prefix`.
-        ValueError: temperature <= 0 (every message would be the same) or max_tokens < 1.
+        ValueError: temperature <= 0 (every message would be the same), max_tokens < 1, or
+            `openings` not one per message.
     """
     if temperature <= 0:
         raise ValueError("synthetic prompts need a temperature > 0: greedy decoding writes one prompt only")
     if count <= 0:
         return []
+    if openings is not None and len(openings) != count:
+        raise ValueError(f"{len(openings)} openings for {count} messages: give one per message")
+    starts = [[]] * count if openings is None else [[int(t) for t in o] for o in openings]
     prefix = user_turn_prefix(tokenizer)
     special = special_token_ids(tokenizer)
-    rows = generate_responses(model, [prefix] * count, max_tokens, sorted(special), batch_size=batch_size,
-                              temperature=temperature, top_p=top_p, seed=seed, max_seconds=max_seconds,
-                              progress=progress)
+    rows = generate_responses(model, [prefix + o for o in starts], max_tokens, sorted(special),
+                              batch_size=batch_size, temperature=temperature, top_p=top_p, seed=seed,
+                              max_seconds=max_seconds, progress=progress)
     texts, seen = [], set()
-    for ids in rows:
+    for start, ids in zip(starts, rows):
         cut = next((j for j, t in enumerate(ids) if t in special), len(ids))
-        text = tokenizer.decode(ids[:cut]).rstrip("\ufffd").strip()  # a cap can split a character
+        if start and not tokenizer.decode(ids[:cut]).strip():  # an opening alone is no prompt
+            continue
+        text = tokenizer.decode(start + ids[:cut]).rstrip("\ufffd").strip()  # a cap can split a character
         if len(text) >= min_chars and text not in seen:
             seen.add(text)
             texts.append(text)

@@ -89,7 +89,9 @@ class TrainConfig:
         heldout_fraction, gen_temperature (0: greedy), gen_top_p, gen_samples (answers per
         training prompt; the extra ones sampled at gen_sample_temperature), synthetic_prompts
         (prompts the target writes itself, Magpie: `data.build_dataset`), synthetic_max_tokens,
-        synthetic_temperature, extra_data (earlier runs' data cache directories of this target:
+        synthetic_temperature, synthetic_openings (words; each synthetic prompt starts with the
+        first words of a training prompt, of the corpora synthetic_openings_from or all; 0: none),
+        extra_data (earlier runs' data cache directories of this target:
         their greedy answers to this run's prompts are reused, their other sequences added;
         `extra_data.load_extra_data`), gen_batch_size, gen_max_minutes, regenerate_data (ignore a
         matching data cache).
@@ -148,6 +150,8 @@ class TrainConfig:
     synthetic_prompts: int = 0
     synthetic_max_tokens: int = 128
     synthetic_temperature: float = 1.0
+    synthetic_openings: int = 0
+    synthetic_openings_from: Sequence[str] = ()
     extra_data: Sequence[str] = ()
     gen_batch_size: int = 64
     gen_max_minutes: Optional[float] = None
@@ -828,6 +832,9 @@ def preflight(cfg: TrainConfig) -> None:
 
     path = resolve_target(cfg.target)
     read_prompt_files(cfg.prompts, cfg.max_prompts_per_file)
+    if (cfg.synthetic_openings or cfg.synthetic_openings_from) and not cfg.synthetic_prompts:
+        raise DataError("--synthetic-openings / --synthetic-openings-from shape the prompts the target writes: "
+                        "give --synthetic-prompts N too")
     if cfg.synthetic_prompts:
         from mlx_lm.utils import load_tokenizer
 
@@ -835,7 +842,8 @@ def preflight(cfg: TrainConfig) -> None:
             tokenizer = load_tokenizer(path)
         except (OSError, ValueError) as e:
             raise DataError(f"{path}: cannot load the tokenizer ({str(e).splitlines()[0]})") from None
-        check_synthetic_inputs([Path(p) for p in cfg.prompts], cfg.synthetic_temperature, tokenizer)
+        check_synthetic_inputs([Path(p) for p in cfg.prompts], cfg.synthetic_temperature, tokenizer,
+                               (cfg.synthetic_openings, tuple(cfg.synthetic_openings_from)))
     if cfg.extra_data:
         from worker.training.extra_data import check_extra_data
 
@@ -929,7 +937,9 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
                    heldout_fraction=cfg.heldout_fraction, temperature=cfg.gen_temperature, top_p=cfg.gen_top_p,
                    seed=cfg.seed, samples=cfg.gen_samples, sample_temperature=cfg.gen_sample_temperature,
                    synthetic=cfg.synthetic_prompts, synthetic_max_tokens=cfg.synthetic_max_tokens,
-                   synthetic_temperature=cfg.synthetic_temperature, target_fingerprint=fingerprint)
+                   synthetic_temperature=cfg.synthetic_temperature,
+                   synthetic_openings=(cfg.synthetic_openings, tuple(cfg.synthetic_openings_from)),
+                   target_fingerprint=fingerprint)
     state_dir = work / "resume"
     resuming = cfg.resume and (state_dir / "state.json").is_file()
     seen_by = agree_sum([resuming], group)[0]
@@ -1103,6 +1113,7 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
            "gen_temperature": cfg.gen_temperature, "gen_samples": cfg.gen_samples,
            "gen_sample_temperature": cfg.gen_sample_temperature, "synthetic_prompts": cfg.synthetic_prompts,
            "synthetic_max_tokens": cfg.synthetic_max_tokens, "synthetic_temperature": cfg.synthetic_temperature,
+           "synthetic_openings": cfg.synthetic_openings, "synthetic_openings_from": list(cfg.synthetic_openings_from),
            "seed": cfg.seed,
            "heldout_per_corpus": {c: sum(1 for h in split.heldout if h["corpus"] == c)
                                   for c in sorted({h["corpus"] for h in split.heldout})}},
