@@ -16,8 +16,6 @@ the same test's share over `--sample` of the cache's synthetic prompts.
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import random
 import re
 import subprocess
@@ -33,6 +31,7 @@ import numpy as np  # noqa: E402
 from mlx_lm.utils import load_model, load_tokenizer  # noqa: E402
 
 from worker.training.data import read_prompt_files, split_heldout, synthetic_openings_pool  # noqa: E402
+from worker.training.extra_data import cache_rows  # noqa: E402
 from worker.training.synthetic import write_user_prompts  # noqa: E402
 
 CASES = ROOT.parent / "shared" / "cases"
@@ -56,7 +55,7 @@ def main() -> int:
     a = ap.parse_args()
     tok = load_tokenizer(a.tokenizer or a.target)
     if a.data:
-        rows = [json.loads(line) for line in gzip.open(a.data / "train.jsonl.gz", "rt")]
+        rows = list(cache_rows(a.data))
         own = [r for r in rows if r["corpus"] == "synthetic"]
         pick = random.Random(a.seed).sample(own, min(a.sample, len(own)))
         user = [tok.decode(r["prompt_ids"]).split("<|im_start|>user\n", 1)[-1].split("<|im_end|>")[0] for r in pick]

@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True)
     ap.add_argument("--draft", nargs="+", required=True, help="draft directories, measured on the same rows")
-    ap.add_argument("--data", nargs="+", required=True, help="data cache directories (train.jsonl[.gz])")
+    ap.add_argument("--data", nargs="+", required=True, help="data cache directories (train.jsonl[.xz|.gz])")
     ap.add_argument("--groups", nargs="+", default=None, help="groups to measure (default: all)")
     ap.add_argument("--per-group", type=int, default=16, help="sequences per group (random, --seed)")
     ap.add_argument("--anchors", type=int, default=32)

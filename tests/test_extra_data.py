@@ -4,6 +4,7 @@ other sequences (target-written prompts, sampled answers) are added, held-out pr
 repeats never enter, another target's data is refused, and ranks split the added sequences."""
 import gzip
 import json
+import lzma
 
 import pytest
 
@@ -26,11 +27,14 @@ def write_gzip_copy(data_dir, out_dir):
     return out_dir
 
 
-def _cache(d, rows, *, target=FP, temperature=0.0, max_new_tokens=8, gz=False):
+def _cache(d, rows, *, target=FP, temperature=0.0, max_new_tokens=8, gz=False, xz=False):
     d.mkdir(parents=True)
     text = "".join(json.dumps(r) + "\n" for r in rows)
     if gz:
         with gzip.open(d / "train.jsonl.gz", "wt", encoding="utf-8") as f:
+            f.write(text)
+    elif xz:  # as bench/h200/unpack_data.sh keeps it in git
+        with lzma.open(d / "train.jsonl.xz", "wt", encoding="utf-8") as f:
             f.write(text)
     else:
         (d / "train.jsonl").write_text(text)
@@ -93,8 +97,19 @@ def test_load_sorts_reusable_added_and_dropped_sequences(tmp_path):
         check_extra_data([tmp_path / "nope"], FP)
 
 
+def test_xz_and_gzip_caches_read_the_same_rows(tmp_path):
+    from worker.training.extra_data import cache_rows
+
+    rows = [_row("code", f"code/{i}", [1, i], [5, 6, i]) for i in range(40)]
+    plain, gz, xz = (_cache(tmp_path / n, rows, gz=n == "gz", xz=n == "xz") for n in ("plain", "gz", "xz"))
+    assert (xz / "train.jsonl.xz").is_file() and not (xz / "train.jsonl").exists()
+    assert list(cache_rows(xz)) == list(cache_rows(gz)) == list(cache_rows(plain)) == rows
+    check_extra_data([xz], FP, read_rows=True)
+
+
 @pytest.mark.parametrize("damage, says", [
     ("cut_gzip", "unreadable after line"),
+    ("cut_xz", "unreadable after line"),
     ("missing_field", "not a training sequence"),
     ("bad_token", "not a training sequence"),
     ("empty", "holds 0 sequences, meta.json says 2"),
@@ -103,12 +118,15 @@ def test_load_sorts_reusable_added_and_dropped_sequences(tmp_path):
 ])
 def test_damaged_training_files_are_one_clear_error(tmp_path, damage, says):
     rows = [_row("code", "code/1", [1, 2], [5, 6]), _row("code", "code/2", [1, 3], [5, 6])]
-    d = _cache(tmp_path / "d", rows, gz=damage == "cut_gzip")
+    d = _cache(tmp_path / "d", rows, gz=damage == "cut_gzip", xz=damage == "cut_xz")
     meta = json.loads((d / "meta.json").read_text())
     (d / "meta.json").write_text(json.dumps({**meta, "train_sequences": 2}))
     if damage == "cut_gzip":
         whole = (d / "train.jsonl.gz").read_bytes()
         (d / "train.jsonl.gz").write_bytes(whole[: len(whole) // 2])
+    elif damage == "cut_xz":
+        whole = (d / "train.jsonl.xz").read_bytes()
+        (d / "train.jsonl.xz").write_bytes(whole[: len(whole) // 2])
     elif damage == "missing_field":
         (d / "train.jsonl").write_text(json.dumps({"corpus": "code"}) + "\n\n")
     elif damage == "bad_token":
@@ -126,7 +144,7 @@ def test_damaged_training_files_are_one_clear_error(tmp_path, damage, says):
         return
     with pytest.raises(DataError, match=says):
         check_extra_data([d], FP, read_rows=True)
-    if damage in ("empty", "cut_gzip"):  # a single process's load finds it too
+    if damage in ("empty", "cut_gzip", "cut_xz"):  # a single process's load finds it too
         with pytest.raises(DataError, match=says):
             load_extra_data([d], target_fingerprint=FP, max_new_tokens=4, answered=[], eos_ids=[],
                             heldout_prompt_ids=[], heldout_ids=[])

@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "code_requests humaneval); default all")
     g.add_argument("--extra-data", nargs="+", default=[], metavar="DIR",
                    help="earlier runs' data caches of this target (WORK/data or WORK/data-rank*of*; train.jsonl "
-                        "or train.jsonl.gz): their greedy answers to this run's prompts are reused instead of "
+                        "or train.jsonl.xz / .gz): their greedy answers to this run's prompts are reused instead of "
                         "generated, their other sequences added; held-out prompts dropped")
     g.add_argument("--gen-batch-size", type=_at_least(1), default=64, help="sequences the target answers at once")
     g.add_argument("--regenerate-data", action="store_true",

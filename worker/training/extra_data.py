@@ -3,7 +3,7 @@
 A draft gains held-out tau from prompts it has not seen (docs/training.md, fifth and sixth H200
 sessions), so data should accumulate across runs and machines instead of being generated again:
 each run's data cache (`WORK/data/` or `WORK/data-rank{r}of{W}/`: `meta.json` + `train.jsonl`,
-or `train.jsonl.gz`) can be handed to a later run. There,
+or it compressed as `train.jsonl.xz` or `train.jsonl.gz`) can be handed to a later run. There,
 
 - a greedy answer to a prompt this run answers greedily anyway (same templated prompt ids) is
   reused and that prompt is not generated again, when the answer is complete: it ended with EOS,
@@ -23,6 +23,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import lzma
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,14 +57,18 @@ class ExtraData:
         return sorted(set(self.added.corpus))
 
 
+TRAIN_FILES = ("train.jsonl", "train.jsonl.xz", "train.jsonl.gz")  # a cache's training file, first found
+_OPENERS = {".gz": gzip.open, ".xz": lzma.open}  # xz keeps git's copy 38% smaller than gzip -9
+
+
 def _train_file(d: Path) -> Path:
     if not d.is_dir():
         raise DataError(f"--extra-data {d}: not a directory (give a data cache directory: WORK/data or "
                         "WORK/data-rank*of*)")
-    for name in ("train.jsonl", "train.jsonl.gz"):
+    for name in TRAIN_FILES:
         if (d / name).is_file():
             return d / name
-    raise DataError(f"--extra-data {d}: no train.jsonl or train.jsonl.gz (give a data cache directory: "
+    raise DataError(f"--extra-data {d}: no {', '.join(TRAIN_FILES)} (give a data cache directory: "
                     "WORK/data or WORK/data-rank*of*)")
 
 
@@ -98,9 +103,9 @@ def _rows(path: Path, vocab: Optional[int] = None) -> Iterator[dict]:
 
     Raises:
         DataError: a line that is not JSON or lacks a field, a token id out of range, or a cut
-            or corrupt gzip file.
+            or corrupt gzip or xz file.
     """
-    opener = gzip.open if path.suffix == ".gz" else open
+    opener = _OPENERS.get(path.suffix, open)
     n = 0
     try:
         with opener(path, "rt", encoding="utf-8") as f:
@@ -117,7 +122,7 @@ def _rows(path: Path, vocab: Optional[int] = None) -> Iterator[dict]:
                                     "prompt_ids and response_ids lists of token ids"
                                     + (f" below {vocab}, the target's vocabulary)" if vocab else ")"))
                 yield row
-    except (EOFError, OSError, UnicodeDecodeError, zlib.error) as e:
+    except (EOFError, OSError, UnicodeDecodeError, zlib.error, lzma.LZMAError) as e:
         raise DataError(f"{path}: unreadable after line {n} ({type(e).__name__}: {e}); copy it again") from None
 
 
@@ -128,7 +133,7 @@ def cache_rows(directory: str | Path, vocab: Optional[int] = None) -> Iterator[d
     when given), in file order. Nothing is held in memory beyond one row.
 
     Raises:
-        DataError: not a directory, no train.jsonl[.gz] in it, or a bad row or cut file (the
+        DataError: not a directory, no train.jsonl[.xz|.gz] in it, or a bad row or cut file (the
             message names the file and line; its `--extra-data` prefix is the training flag's).
     """
     return _rows(_train_file(Path(directory)), vocab)
@@ -191,7 +196,7 @@ def load_extra_data(
     """Reads earlier runs' data caches for this run.
 
     Args:
-        dirs: data cache directories (each with meta.json and train.jsonl or train.jsonl.gz).
+        dirs: data cache directories (each with meta.json and train.jsonl, .jsonl.xz or .jsonl.gz).
         target_fingerprint: this run's target (`train.target_fingerprint`); each meta.json's must
             equal it.
         max_new_tokens: this run's answer cap; longer answers are truncated to it.
