@@ -1082,4 +1082,6 @@ def test_training_card_says_how_synthetic_prompts_began():
     bare = render_card(card)
     assert "prompts written by the target itself" in bare and "begun with" not in bare
     card["data"] |= {"synthetic_openings": 4, "synthetic_openings_from": ["code_requests", "humaneval"]}
-    assert "each begun with the first 4 words of a training prompt of code_requests, humaneval" in render_card(card)
+    opened = render_card(card)
+    assert "each begun with the first 4 words of a training prompt of code_requests, humaneval" in opened
+    assert "tokens after the opening" in opened and "after the opening" not in bare

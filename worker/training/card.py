@@ -31,6 +31,7 @@ def _grown_text(grown_from) -> str:
 def render_card(card: dict) -> str:
     """TRAINING.md: the training card as a short human-readable page."""
     t, d, data, tr = card["target"], card["draft"], card["data"], card["training"]
+    opened = bool(data.get("synthetic_openings"))  # the synthetic prompts began with openings
     lines = [
         f"# DFlash draft for {t['name']}",
         "",
@@ -55,12 +56,14 @@ def render_card(card: dict) -> str:
         f"{data['max_new_tokens']} tokens): {data['train_tokens']} tokens, {data['response_tokens']} response tokens, "
         f"{data['ended_with_eos']} ended with EOS; per corpus {data['corpora']}",
         *([f"- prompts written by the target itself (Magpie: sampled after its user-turn prefix at "
-           f"T={data.get('synthetic_temperature')}, up to {data.get('synthetic_max_tokens')} tokens, seed "
-           f"{data.get('seed')}): {data['synthetic_prompts_written']} new distinct ones of {data['synthetic_prompts']} "
-           "requested (repeats, texts under 16 characters and the generation time limit drop some)"
+           f"T={data.get('synthetic_temperature')}, up to {data.get('synthetic_max_tokens')} tokens"
+           + (" after the opening" if opened else "") + f", seed {data.get('seed')}): "
+           f"{data['synthetic_prompts_written']} new distinct ones of {data['synthetic_prompts']} requested "
+           "(repeats, texts under 16 characters"
+           + (", openings the target did not continue" if opened else "")
+           + " and the generation time limit drop some)"
            + (f", each begun with the first {data['synthetic_openings']} words of a training prompt of "
-              f"{', '.join(data.get('synthetic_openings_from') or []) or 'any file'}"
-              if data.get("synthetic_openings") else "")
+              f"{', '.join(data.get('synthetic_openings_from') or []) or 'any file'}" if opened else "")
            + "; their answers are the corpus 'synthetic' above"]
           if data.get("synthetic_prompts") else []),
         *([f"- of these, from earlier runs' data (--extra-data {', '.join(x['dir'] for x in data['extra_data'])}): "
