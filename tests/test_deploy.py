@@ -396,3 +396,16 @@ def test_grafana_provisioning_files():
     (provider,) = boards["providers"]
     assert provider["type"] == "file" and provider["options"]["path"] in DOCS.read_text()
     assert len(list((ROOT / "grafana" / "dashboards").glob("*.json"))) == 4
+
+
+def test_a_closed_pipe_ends_the_cli_quietly():
+    """`flashfleet --help | head -1`: the reader goes away before the output is flushed; the
+    command ends with status 1 and no traceback (Python's SIGPIPE advice), not 120 and a
+    BrokenPipeError on stderr."""
+    proc = subprocess.Popen([sys.executable, "-c", "import sys, time; from flashfleet.cli import main; "
+                             "time.sleep(0.5); sys.exit(main(['--help']))"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the child writes
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err.decode()
+    assert b"Traceback" not in err and b"BrokenPipeError" not in err

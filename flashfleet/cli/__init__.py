@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 COMMANDS = {
@@ -27,6 +28,19 @@ def usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs one command; exit status 0 on success, 2 for bad usage, the command's own otherwise.
+    A reader that goes away (`flashfleet status | head -1`) ends the command quietly (status 1),
+    as the Python docs advise for SIGPIPE, instead of a traceback."""
+    try:
+        rc = _dispatch(argv)
+        sys.stdout.flush()  # inside the try: a closed pipe fails here, not at interpreter exit
+        return rc
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the final flush must not raise
+        return 1
+
+
+def _dispatch(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
