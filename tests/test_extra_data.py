@@ -171,8 +171,11 @@ def test_a_later_run_reuses_greedy_answers_and_adds_the_rest(tmp_path, tiny_mode
         return real(model, prompts, *a, **k)
     real = data_mod.generate_responses
     monkeypatch.setattr(data_mod, "generate_responses", counting)
-    second = build_dataset(target, tokenizer, files, tmp_path / "w2" / "data", extra_data=[carried], **kw)
+    said = []
+    second = build_dataset(target, tokenizer, files, tmp_path / "w2" / "data", extra_data=[carried],
+                           **{**kw, "log": said.append})
     assert sum(asked) == 0  # every greedy answer came from the earlier run
+    assert any("none generated (all from --extra-data)" in line for line in said), said
     n_file = len(first.train) - n_synthetic
     assert second.meta["extra_greedy_reused"] == n_file and second.meta["extra_added"] == n_synthetic
     assert sorted(zip(second.train.prompt_ids, second.train.response_ids)) == \

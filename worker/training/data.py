@@ -699,6 +699,7 @@ def build_dataset(
     ds.save(train_path)
     held_path.write_text("".join(json.dumps(h) + "\n" for h in heldout), encoding="utf-8")
     meta_path.write_text(json.dumps(meta, indent=1) + "\n")  # last: marks the cache complete
-    log(f"data: {len(ds)} sequences, {ds.num_response_tokens} response tokens in {gen_s:.1f} s "
-        f"({meta['generation_tokens_per_s']} tok/s); cached in {cache_dir}")
+    speed = (f"{generated} generated in {gen_s:.1f} s ({meta['generation_tokens_per_s']} tok/s)" if generated
+             else "none generated (all from --extra-data)")
+    log(f"data: {len(ds)} sequences, {ds.num_response_tokens} response tokens, {speed}; cached in {cache_dir}")
     return DataSplit(ds, heldout, meta)
