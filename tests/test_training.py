@@ -1079,6 +1079,7 @@ def test_training_card_says_how_synthetic_prompts_began():
     card = json.loads((Path(__file__).resolve().parents[1] / "flashfleet" / "drafts" / "Qwen2.5-Coder-1.5B-Instruct"
                        / "training_card.json").read_text())
     assert card["data"]["synthetic_prompts"] > 0
+    card["data"] |= {"synthetic_openings": 0, "synthetic_openings_from": []}  # as a bare run records them
     bare = render_card(card)
     assert "prompts written by the target itself" in bare and "begun with" not in bare
     card["data"] |= {"synthetic_openings": 4, "synthetic_openings_from": ["code_requests", "humaneval"]}
