@@ -9,6 +9,9 @@ Methods (each one skipped when its inputs are missing):
   ... adaptive     the same with the worker's cost model (AdaptiveBlockPolicy and one
                    CostMemory across the method's generations, as a worker's requests)   needs --adaptive
   ... pol SPEC     the same under other cost-model settings                          needs --policy
+  ... fused        ours plain and each fixed-block DFlash method again, on a second copy of the
+                   target whose q/k/v and gate/up projections are fused (worker/fusion.py, what
+                   the worker loads by default)                                      needs --fuse
   z-lab dflash     dflash.model_mlx.stream_generate (registry package `dflash` 0.1.0, z-lab)
                                                         --packages zlab, and a DFlash draft
   dflash-mlx       dflash_mlx.runtime.stream_dflash_generate, fixed block (verify_mode "dflash";
@@ -350,6 +353,8 @@ def main(argv=None) -> int:
     p.add_argument("--policy", nargs="+", default=[], metavar="DECAY:PROBE[:WINDOW[:OPTIMISM]]",
                    help="also run each DFlash draft under these cost-model settings (as bench_block_policy.py "
                         "--settings; 0.95:8 was the policy of the fifth H200 session, 0.9:8:0:1.5 is the default)")
+    p.add_argument("--fuse", action="store_true",
+                   help="also run ours plain and the fixed-block DFlash methods on a fused copy of the target")
     p.add_argument("--adaptive", action="store_true",
                    help="also run each DFlash draft with the worker's cost model (AdaptiveBlockPolicy)")
     p.add_argument("--dflash-random-layers", type=int, default=0,
@@ -391,6 +396,15 @@ def main(argv=None) -> int:
     mx.random.seed(0)
     dtype = DTYPES.get(args.dtype)
     target, tokenizer = load_model(args.target, args.random_weights, dtype)
+    fused_target = None
+    if args.fuse:  # a second copy, so that plain mlx-lm and the unfused rows keep mlx-lm's own layers
+        from worker.fusion import fuse_projections
+
+        fused_target = load_model(args.target, args.random_weights, dtype, tokenizer=False)[0]
+        if args.random_weights:
+            fused_target.update(target.parameters())
+        groups = fuse_projections(fused_target)
+        print(f"fused: {groups} projection groups of the target's copy", flush=True)
     draft_lm = load_model(args.draft, args.random_weights, dtype)[0] if args.draft else None
     if args.kv_bucket:
         PaddedKVCache.step = args.kv_bucket
@@ -423,6 +437,14 @@ def main(argv=None) -> int:
     for name, d in dflash.items():
         methods[name] = lambda pr, d=d: run_steps(dflash_generate(
             pr, M, greedy, eos, target=target, draft=d, block_size=args.block_size or d.block_size))
+    verify_target = {name: target for name in dflash}  # method -> the target its verify runs
+    if fused_target is not None:
+        methods["ours plain fused"] = lambda pr: run_steps(plain.generate(pr, M, greedy, eos, model=fused_target))
+        for name, d in list(dflash.items()):  # the draft borrows the first copy's embedding and head: same weights
+            fname = f"{name[:22].strip()} fused"
+            verify_target[fname] = fused_target
+            methods[fname] = lambda pr, d=d: run_steps(dflash_generate(
+                pr, M, greedy, eos, target=fused_target, draft=d, block_size=args.block_size or d.block_size))
     if args.adaptive or args.policy:  # the cost model picks each block size
         from worker.spec.cost_model import AdaptiveBlockPolicy, CostMemory
 
@@ -486,14 +508,16 @@ def main(argv=None) -> int:
     # Our DFlash drafts' cycle cost alone: measured here, before any package is imported (printed
     # after the table).
     cycle_cost, cycle_lines = {}, []
-    for name, d in dflash.items():
+    drafts_of = {**dflash, **{f"{n[:22].strip()} fused": d for n, d in dflash.items() if fused_target is not None}}
+    for name, d in drafts_of.items():
         B = args.block_size or d.block_size
         cyc = sum(results[name, c]["cycles"] for c in prompts)
         secs = sum(results[name, c]["secs"] for c in prompts)
         per_cycle = secs / cyc if cyc else float("nan")
-        d_s, v_s = per_cycle_alone(target, d, prompts["code"][0], B, args.reps)
+        d_s, v_s = per_cycle_alone(verify_target[name], d, prompts["code"][0], B, args.reps)
+        plain_name = "ours plain fused" if verify_target[name] is fused_target else "ours plain"
         plain_step = statistics.mean(
-            results["ours plain", c]["secs"] / max(1, results["ours plain", c]["cycles"]) for c in prompts)
+            results[plain_name, c]["secs"] / max(1, results[plain_name, c]["cycles"]) for c in prompts)
         cycle_cost[name] = dict(per_cycle_s=per_cycle, draft_s=d_s, verify_s=v_s, plain_step_s=plain_step)
         cycle_lines.append(
             f"\n{name} per cycle (B={B}): {per_cycle * 1e3:.2f} ms in the runs; alone: draft "

@@ -10,6 +10,9 @@ the model's own forward matter as much as bytes. This builds, without evaluating
     verify-bool  the same with boolean masks (how it was before `additive_mask`)
     step         a plain decode step: one token over the padded cache, taps captured
     draft        the draft's block of B over its padded context cache, with B pending taps
+    verify-fused, step-fused
+                 verify and step again after `worker.fusion.fuse_projections` (one matmul for
+                 q/k/v and one for gate/up per layer, as the worker loads its models)
 
 exports each with `mx.export_to_dot` and counts its primitive nodes: `ops` are all of them,
 `views` those that usually launch nothing (broadcast, reshape, transpose, slice, ...; an
@@ -128,10 +131,16 @@ def main(argv=None) -> int:
         PaddedKVCache.additive = True
     graphs["step"] = counted(verify(block[:, :1], padded), padded, 1)
     graphs["draft"] = counted([mx.argmax(draft(block, pending, draft_cache)[0], axis=-1)], draft_cache, 0)
+    from worker.fusion import fuse_projections
+
+    fused_groups = fuse_projections(model)  # last: it changes the model in place
+    graphs["verify-fused"] = counted(verify(block, padded), padded, a.block)
+    graphs["step-fused"] = counted(verify(block[:, :1], padded), padded, 1)
 
     print(f"target {a.target}{' (random weights)' if a.random_weights else ''} {a.dtype}, {n_layers} layers; "
           f"block {a.block}; context {a.context}; draft {a.draft_layers} layers, taps {taps_ids}; "
           f"additive masks {'yes' if takes_additive_masks(model) else 'no (not in ADDITIVE_MASK_MODELS)'}; "
+          f"fused projection groups {fused_groups}; "
           f"device {mx.default_device()}; mlx {mx.__version__}")
     print(f"{'graph':12s} {'ops':>6s} {'views':>6s} {'kernels':>8s}  commonest kernels")
     rows = {}

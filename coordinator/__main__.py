@@ -10,7 +10,7 @@ from coordinator.config import CoordinatorConfig
 
 # Built-in defaults; a --config file's values come before them, command-line flags before both.
 DEFAULTS = {"host": "127.0.0.1", "port": 50051, "lease_ttl_s": 10.0, "heartbeat_interval_s": 2.0,
-            "route_attempts": 3, "log_level": "INFO"}
+            "route_attempts": 3, "log_level": "INFO", "migrate": True, "migrate_min_remaining_tokens": 64}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -32,6 +32,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lease-ttl-s", type=float, default=None, help="default 10")
     p.add_argument("--heartbeat-interval-s", type=float, default=None, help="default 2")
     p.add_argument("--route-attempts", type=int, default=None, help="default 3")
+    p.add_argument("--no-migration", dest="migrate", action="store_const", const=False, default=None,
+                   help="never move a running session to another worker (default: move one from a "
+                   "worker running two or more to an idle one; coordinator/migration.py)")
+    p.add_argument("--migrate-min-remaining-tokens", type=int, default=None,
+                   help="tokens of max_tokens a session must have left to be moved (default 64)")
     p.add_argument("--log-level", default=None)
     a = p.parse_args(argv)
     if a.config:
@@ -49,6 +54,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             setattr(a, key, value)
     if a.route_attempts < 1 or a.lease_ttl_s <= a.heartbeat_interval_s:
         p.error("need --route-attempts >= 1 and --lease-ttl-s > --heartbeat-interval-s")
+    if a.migrate_min_remaining_tokens < 1:
+        p.error("--migrate-min-remaining-tokens must be >= 1")
     return a
 
 
@@ -61,10 +68,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"coordinator: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from coordinator.migration import MigrationPolicy
     from coordinator.server import serve
     config = CoordinatorConfig(host=a.host, port=a.port, lease_ttl_s=a.lease_ttl_s,
                                heartbeat_interval_s=a.heartbeat_interval_s,
-                               route_attempts=a.route_attempts)
+                               route_attempts=a.route_attempts,
+                               migration=MigrationPolicy(enabled=a.migrate,
+                                                         min_remaining_tokens=a.migrate_min_remaining_tokens))
     try:
         asyncio.run(serve(config, a.metrics_port or None, getattr(a, "tls", None)))
     except RuntimeError as e:

@@ -1,7 +1,9 @@
 """Coordinator tunables, with units in their names. Built once (CLI / cluster config), passed down."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from coordinator.migration import MigrationPolicy
 
 
 @dataclass(frozen=True)
@@ -14,6 +16,7 @@ class CoordinatorConfig:
         retry_initial_wait_s, retry_max_wait_s: exponential backoff (with jitter) between tries.
         session_ttl_s: a session's worker affinity is forgotten after this long unused.
         shutdown_grace_s: in-flight RPCs get this long to finish on shutdown.
+        migration: when a running session moves to an idle worker (coordinator/migration.py).
     """
 
     host: str = "127.0.0.1"
@@ -25,3 +28,4 @@ class CoordinatorConfig:
     retry_max_wait_s: float = 1.0
     session_ttl_s: float = 3600.0
     shutdown_grace_s: float = 5.0
+    migration: MigrationPolicy = field(default_factory=MigrationPolicy)

@@ -3,10 +3,14 @@
 Concurrency: everything runs on one asyncio event loop; the registry and session map are plain
 objects touched only from that loop, so no locks. A client's Generate is proxied to one worker
 stream; the client going away cancels the handler task, whose `finally` cancels the worker call,
-which in turn aborts the request in the worker's engine.
+which in turn aborts the request in the worker's engine. Between two chunks the stream may move
+to an idle worker (session migration, coordinator/migration.py): the same request, resumed after
+the tokens already sent, opens on the destination, and the source call is cancelled once the
+destination answers.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -15,6 +19,7 @@ import grpc
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from coordinator.config import CoordinatorConfig
+from coordinator.migration import StreamProgress
 from coordinator.registry import Registry, UnknownLease, WorkerRecord
 from coordinator.routing import AllBusy, NoWorker, PowerOfTwoRouter, SessionAffinity, route
 from flashfleet.errors import FlashfleetError
@@ -90,6 +95,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             known = any(w.serves(request.model) for w in self.registry.live())
             self._count(request.model if known else "(unknown)", "", "invalid")
             await context.abort(e.code, e.details)
+        if request.resume_token_ids or request.resume_text:
+            self._count("(unknown)", "", "invalid")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "resume_token_ids and resume_text are set by "
+                                "the coordinator when it migrates a session; leave them empty")
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
         tried: set[str] = set()
@@ -110,22 +119,32 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if self.metrics:
             self.metrics.observe_queue(request.model, queue_s)
         self.affinity.bind(request.session_id, worker.worker_id)
-        sent_tokens = 0
+        progress = StreamProgress()
+        policy = self.config.migration
         outcome = "cancelled"
         try:
             resp = first
             while resp is not grpc.aio.EOF:
                 if resp.WhichOneof("kind") == "complete":
                     resp.complete.stats.queue_s = queue_s
+                    progress.finish_stats(resp.complete.stats)
                     outcome = "ok"
+                    await context.write(resp)
                 else:
-                    sent_tokens += len(resp.chunk.token_ids)
-                await context.write(resp)
+                    progress.add(resp.chunk)
+                    await context.write(resp)
+                    if policy.enabled and progress.due(policy.check_interval_s):
+                        dest = policy.target(request, worker, len(progress.token_ids), self.registry.live(),
+                                             progress.moved_s, time.monotonic())
+                        moved = dest and await self._migrate(request, context, progress, worker, call, dest)
+                        if moved:
+                            worker, call, resp = moved
+                            continue
                 resp = await call.read()
         except grpc.aio.AioRpcError as e:
             outcome = "error"
             # Tokens may already be with the client: never replay on another worker.
-            await context.abort(e.code(), f"worker {worker.worker_id} failed after {sent_tokens} "
+            await context.abort(e.code(), f"worker {worker.worker_id} failed after {len(progress.token_ids)} "
                                 f"tokens (not retried: output was already streamed): {e.details()}")
         finally:
             call.cancel()
@@ -135,6 +154,55 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             if worker.in_flight == 0 and not any(w.address == worker.address
                                                  for w in self.registry.live()):
                 await self.pool.drop(worker.address)  # the worker left while this stream ran
+
+    async def _migrate(self, request, context, progress: StreamProgress, source: WorkerRecord, source_call,
+                       dest: WorkerRecord):
+        """Moves a stream from `source` to `dest` (by recomputation: coordinator/migration.py).
+
+        The resumed request goes to `dest` while the source call stays open and unread; only when
+        `dest` sends its first message is the source cancelled (its unread messages, past the
+        resume point, are dropped). If `dest` refuses (at capacity, draining, or the request
+        ended meanwhile: its tokens already reach a stop string or the budget), the stream simply
+        stays on the source, nothing lost.
+
+        Returns:
+            (dest, its call, its first response), or None when the stream stays on the source.
+        """
+        resumed = progress.resume_request(request)
+        dest.in_flight += 1  # reserved now, so no other stream takes the idle worker meanwhile
+        call = None
+        try:
+            call = self.pool.stub(dest.address).Generate(resumed, timeout=context.time_remaining())
+            first = await call.read()
+            if first is grpc.aio.EOF:
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                           "the worker ended the stream without a message")
+        except BaseException as e:
+            dest.in_flight -= 1
+            if call is not None:
+                call.cancel()
+            if not isinstance(e, grpc.aio.AioRpcError):  # the client left, or the server stops
+                raise
+            log.info("migration of %s to %s refused (%s %s); it stays on %s", request.request_id, dest.worker_id,
+                     e.code().name, e.details(), source.worker_id)
+            self._migrated(request.model, "aborted")
+            progress.attempted()
+            return None
+        source_call.cancel()  # the client has exactly progress.token_ids: nothing lost, nothing repeated
+        source.in_flight -= 1
+        source.served_requests += 1
+        if source.in_flight == 0 and not any(w.address == source.address for w in self.registry.live()):
+            await self.pool.drop(source.address)  # the source left while this stream ran
+        self._migrated(request.model, "ok")
+        progress.moved()
+        self.affinity.bind(request.session_id, dest.worker_id)
+        log.info("session %s (request %s) moved from %s to %s after %d tokens", request.session_id or "-",
+                 request.request_id, source.worker_id, dest.worker_id, len(progress.token_ids))
+        return dest, call, first
+
+    def _migrated(self, model: str, outcome: str) -> None:
+        if self.metrics:
+            self.metrics.migrations.labels(model=model, outcome=outcome).inc()
 
     async def _open_stream(self, request, context, tried: set[str], t0: float):
         """Opens a worker stream and reads its first message, retrying other workers on

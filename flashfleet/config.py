@@ -58,6 +58,8 @@ class CoordinatorSection:
             when host is a wildcard).
         metrics_port: its Prometheus /metrics port (None = no endpoint).
         lease_ttl_s, heartbeat_interval_s, route_attempts: as in CoordinatorConfig.
+        migrate, migrate_min_remaining_tokens: session migration on or off, and the budget a
+            session must have left to be moved (coordinator/migration.py, MigrationPolicy).
     """
 
     host: str = "127.0.0.1"
@@ -67,6 +69,8 @@ class CoordinatorSection:
     lease_ttl_s: float = 10.0
     heartbeat_interval_s: float = 2.0
     route_attempts: int = 3
+    migrate: bool = True
+    migrate_min_remaining_tokens: int = 64
 
     @property
     def dial_address(self) -> str:
@@ -251,7 +255,8 @@ class ClusterConfig:
         c = self.coordinator
         return {"host": c.host, "port": c.port, "metrics_port": c.metrics_port,
                 "lease_ttl_s": c.lease_ttl_s, "heartbeat_interval_s": c.heartbeat_interval_s,
-                "route_attempts": c.route_attempts}
+                "route_attempts": c.route_attempts, "migrate": c.migrate,
+                "migrate_min_remaining_tokens": c.migrate_min_remaining_tokens}
 
 
 TOP_LEVEL = ("coordinator", "models", "worker", "workers", "tls")
@@ -319,6 +324,8 @@ def _check(cfg: ClusterConfig) -> None:
     if c.route_attempts < 1 or c.lease_ttl_s <= c.heartbeat_interval_s:
         raise ConfigError(f"{p}: [coordinator] needs route_attempts >= 1 and lease_ttl_s > "
                           "heartbeat_interval_s")
+    if c.migrate_min_remaining_tokens < 1:
+        raise ConfigError(f"{p}: [coordinator] migrate_min_remaining_tokens must be >= 1")
     ports = [("[coordinator] port", c.port), ("[coordinator] metrics_port", c.metrics_port)]
     ports += [(f"worker {w.id!r} {k}", getattr(w, k)) for w in cfg.workers
               for k in ("port", "metrics_port")]

@@ -8,6 +8,9 @@ from flashfleet.errors import InvalidArgument
 from flashfleet.types import DECODE_MODES
 from flashfleet.v1 import common_pb2
 
+# A worker's generation budget when a request leaves max_tokens unset (capped by the context left).
+WORKER_DEFAULT_MAX_TOKENS = 256
+
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 # gRPC's default limit on a received message; larger requests are refused by the server.
 MAX_REQUEST_BYTES = 4 * 1024 * 1024

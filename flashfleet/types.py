@@ -25,6 +25,9 @@ class GenerationStats:
     """Statistics of one finished request, as measured by the worker (times in seconds).
 
     acceptance_length is tau: mean tokens committed per speculative cycle, bonus token included.
+    migrations counts the times the coordinator moved the request to another worker mid-stream;
+    after one, the times and speculative counts are the last worker's, the token counts the
+    request's.
     """
 
     prompt_tokens: int
@@ -42,6 +45,7 @@ class GenerationStats:
     accepted_per_position: tuple[int, ...] = ()
     queue_s: float = 0.0
     translate_s: float = 0.0
+    migrations: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -56,7 +60,7 @@ class GenerationStats:
             drafted_tokens=s.drafted_tokens, accepted_tokens=s.accepted_tokens,
             acceptance_length=s.acceptance_length, draft_s=s.draft_s, verify_s=s.verify_s,
             accepted_per_position=tuple(s.accepted_per_position), queue_s=s.queue_s,
-            translate_s=s.translate_s,
+            translate_s=s.translate_s, migrations=s.migrations,
         )
 
 

@@ -11,7 +11,8 @@ from worker.engine.types import (DoneEvent, Draining, EngineLoad, GenerationStat
 
 
 class FakeEngine:
-    """Emits token i = (sum(prompt) + i) % 100 as text "<i>", one every token_delay_s.
+    """Emits token i = (sum(prompt) + i) % 100 as text "<i>", one every token_delay_s (a request
+    resumed after k tokens, `GenerationRequest.resume_tokens`, starts at i = k).
 
     Args:
         name: model name it serves.
@@ -47,6 +48,8 @@ class FakeEngine:
         if len(request.prompt_tokens) + request.max_tokens > self.model.max_context_tokens:
             raise InvalidRequest("prompt + max_tokens exceed the context")
         with self._lock:
+            if request.request_id in self.active:  # as the real engine: ids are unique while running
+                raise InvalidRequest(f"request_id {request.request_id!r} is already running")
             if len(self.active) >= self.capacity:
                 raise Overloaded(f"capacity {self.capacity} reached")
             stop = threading.Event()
@@ -58,7 +61,7 @@ class FakeEngine:
         t0 = time.monotonic()
         base = sum(request.prompt_tokens)
         n, reason = 0, "length"
-        for i in range(request.max_tokens):
+        for i in range(len(request.resume_tokens), request.max_tokens):  # a migrated request goes on after them
             if stop.wait(self.token_delay_s) if self.token_delay_s else stop.is_set():
                 reason = "cancelled"
                 break
@@ -67,7 +70,7 @@ class FakeEngine:
             n += 1
         with self._lock:
             self.active.pop(request.request_id, None)
-        stats = GenerationStats(prompt_tokens=len(request.prompt_tokens), generated_tokens=n,
+        stats = GenerationStats(prompt_tokens=len(request.prompt_tokens) + len(request.resume_tokens), generated_tokens=n,
                                 total_s=time.monotonic() - t0, mode="plain")
         emit(DoneEvent(request.request_id, reason, stats))
 

@@ -59,3 +59,19 @@ def test_policy_variants_run_side_by_side(tiny_models):
     for bad in ("1.5:8", "0.9", "0.9:0", "0.9:8:x", "0.9:8:0:-1"):
         b = _run(*base, "--policy", bad)
         assert b.returncode == 2 and f"--policy {bad}: expected" in b.stderr, (bad, b.stderr)
+
+
+def test_fused_rows_run_beside_the_unfused(tmp_path, tiny_models):
+    r = _run("--target", tiny_models.llama, "--dflash-random-layers", 1, "--block-size", 4, "--max-tokens", 10,
+             "--prompts", 1, "--max-prompt-tokens", 24, "--reps", 1, "--cases", CASES_DIR, "--dtype", "float32",
+             "--fuse", "--json-out", tmp_path / "f.json")
+    assert r.returncode == 0, r.stderr
+    groups = int(r.stdout.split("fused: ", 1)[1].split()[0])
+    assert groups > 0
+    rows = {line[6:35].strip(): line for line in r.stdout.splitlines() if line.startswith("code ")}
+    assert {"ours plain fused", "ours dflash random x1 fused"} <= set(rows), rows
+    for name in ("ours plain fused", "ours dflash random x1 fused"):  # fused decoding is still lossless
+        assert rows[name].rstrip().endswith("1/1"), rows[name]
+    assert "ours dflash random x1 fused per cycle (B=4)" in r.stdout
+    costs = json.loads((tmp_path / "f.json").read_text())["cycle_cost"]
+    assert costs["ours dflash random x1 fused"]["verify_s"] > 0

@@ -116,3 +116,40 @@ def test_text_assembler_stops_before_stop_string(tokenizer):
     asm = TextAssembler(tokenizer, ["nope"])
     out = "".join(asm.add([t]) for t in ids) + asm.finish()
     assert not asm.stopped and out == text
+
+
+def test_resume_continues_a_stream_from_any_batching_and_stop_hold_back(tokenizer):
+    """A migrated stream: the client saw the first tokens (batched arbitrarily, so with more or less
+    text held back); a fresh assembler primed by `resume` releases exactly the rest, stop strings
+    included."""
+    text = polish_texts(1)[0]
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    stops = ("jaźń", "łódź") if "jaźń" in text else ("ok",)
+    full = TextAssembler(tokenizer, stops)
+    want = "".join(full.add([t]) for t in ids) + full.finish()
+    rng = random.Random(3)
+    for cut in range(1, len(ids) - 1, max(1, len(ids) // 9)):
+        first = TextAssembler(tokenizer, stops)
+        seen, i = "", 0
+        while i < cut and not first.stopped:  # the first worker's batches
+            n = min(rng.randint(1, 4), cut - i)
+            seen += first.add(ids[i:i + n])
+            i += n
+        if first.stopped:
+            break
+        second = TextAssembler(tokenizer, stops)
+        rest = second.resume(ids[:i], seen)
+        for t in ids[i:]:
+            rest += second.add([t])
+            if second.stopped:
+                break
+        rest += second.finish()
+        assert seen + rest == want, (cut, seen, rest)
+
+
+def test_resume_rejects_text_that_is_not_the_tokens_and_a_finished_stream(tokenizer):
+    ids = tokenizer.encode("Hello there, general Kenobi", add_special_tokens=False)
+    with pytest.raises(ValueError, match="not the text of resume_token_ids"):
+        TextAssembler(tokenizer).resume(ids, "Goodbye")
+    with pytest.raises(ValueError, match="already reached a stop string"):
+        TextAssembler(tokenizer, ("there",)).resume(ids, "Hello ")

@@ -333,3 +333,46 @@ def test_long_prefill_does_not_block_other_sessions_and_can_be_aborted(tiny_mode
         assert engine.abort("long2")
         assert order.get(timeout=60) == ("long2", "cancelled")
         assert engine.load().active_sessions == 0
+
+
+def test_fused_projections_engine_gives_the_unfused_engines_tokens(tiny_models):
+    """The default engine fuses q/k/v and gate/up (worker/fusion.py); qwen2 has projection biases."""
+    assert EngineConfig(tiny_models.qwen2).fuse_projections
+    outs = {}
+    for fuse in (True, False):
+        with Engine(EngineConfig(tiny_models.qwen2, warmup=False, fuse_projections=fuse)) as e:
+            prompt = tuple(e.encode_prompt("Dzień dobry! def f(x):", None))
+            c, done = run(e, req(f"fuse-{fuse}", prompt, 24, mode="plain"))
+            assert done.finish_reason in ("length", "stop")
+            outs[fuse] = c.token_ids
+    assert outs[True] == outs[False] and len(outs[True]) > 0
+
+
+@pytest.mark.parametrize("mode", ["plain", "draft"])
+def test_resumed_request_continues_the_stream_it_takes_over(engine, prompt, mode):
+    """Session migration's worker side: a request resumed after the tokens (and text) another
+    worker streamed produces exactly the rest of the unmigrated output."""
+    full_c, full_done = run(engine, req(f"full-{mode}", prompt, 30, mode=mode))
+    full = full_c.token_ids
+    events = [e for e in full_c.events if isinstance(e, TokenEvent)]
+    cut = len(events) // 2  # the client saw the first `cut` events' tokens and text
+    seen_ids = tuple(t for e in events[:cut] for t in e.token_ids)
+    seen_text = "".join(e.text for e in events[:cut])
+    assert 0 < len(seen_ids) < 30
+    c, done = run(engine, req(f"resumed-{mode}", prompt, 30, mode=mode, resume_tokens=seen_ids,
+                              resume_text=seen_text))
+    assert list(seen_ids) + c.token_ids == full
+    assert seen_text + c.text == full_c.text
+    assert done.finish_reason == full_done.finish_reason
+    assert done.stats.prompt_tokens == len(prompt) + len(seen_ids)
+    assert done.stats.generated_tokens == full_done.stats.generated_tokens - len(seen_ids)  # an EOS counts, unseen
+
+
+def test_bad_resume_is_an_invalid_request(engine, prompt):
+    eos = next(iter(engine._encode_tokenizer.eos_token_ids))
+    for kw, says in ((dict(resume_tokens=(5,) * 20), "must be fewer than max_tokens"),
+                     (dict(resume_tokens=(5, eos)), "end-of-sequence"),
+                     (dict(resume_tokens=(5, 6), resume_text="definitely not it"), "not the text"),
+                     (dict(resume_text="x"), "resume_text without resume_token_ids")):
+        with pytest.raises(InvalidRequest, match=says):
+            engine.submit(req("bad-resume", prompt, 20, **kw), Collector())

@@ -42,3 +42,14 @@ def test_draft_directory_without_weights_is_a_clear_error(tmp_path, tiny_models)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and "draft-without-weights" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_fuse_projections_flag_reaches_the_engine_config(tiny_models, monkeypatch):
+    import worker.__main__ as cli
+    import worker.engine.thread as thread
+
+    seen = []
+    monkeypatch.setattr(thread, "Engine", lambda config: seen.append(config) or config)
+    for argv, want in (([], True), (["--no-fuse-projections"], False)):
+        cli.build_engine(cli.parse_args(["--model", str(tiny_models.llama), *argv]))
+        assert seen[-1].fuse_projections is want

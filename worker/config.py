@@ -35,6 +35,10 @@ class EngineConfig:
             With the adaptive block size (the default) only every 8th cycle is split this way, so
             the cost model can learn from the others. When False, no cycle is split.
         warmup: run a few tokens through each loaded model before reporting ready.
+        fuse_projections: after loading, compute each decoder layer's q/k/v projections with one
+            matmul and its MLP's gate/up with one (worker/fusion.py): the same outputs to float
+            rounding with three fewer kernels a layer, which is what a launch-bound GPU pays for.
+            On by default; False keeps mlx-lm's layers as loaded.
     """
 
     model_path: Path
@@ -50,6 +54,7 @@ class EngineConfig:
     max_context_tokens: int | None = None
     spec_timing_sync: bool = False
     warmup: bool = True
+    fuse_projections: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_path", Path(self.model_path))

@@ -29,7 +29,8 @@ def generation_request(request: common_pb2.GenerateRequest, prompt_tokens: list[
         seed=request.seed if request.HasField("seed") else None)
     return GenerationRequest(request_id=request.request_id, prompt_tokens=tuple(prompt_tokens),
                              max_tokens=max_tokens, sampling=sampling, stop=tuple(request.stop),
-                             mode=DECODE_MODE_NAMES[request.mode])
+                             mode=DECODE_MODE_NAMES[request.mode],
+                             resume_tokens=tuple(request.resume_token_ids), resume_text=request.resume_text)
 
 
 def chunk_response(event: TokenEvent) -> common_pb2.GenerateResponse:

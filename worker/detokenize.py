@@ -128,16 +128,44 @@ class TextAssembler:
     def __init__(self, tokenizer: Any, stops: Sequence[str] = ()):
         self._detok = IncrementalDetokenizer(tokenizer)
         self._stops = StopStrings(stops)
+        self._skip = 0  # characters the client already has (a resumed request), not yet released here
 
     @property
     def stopped(self) -> bool:
         return self._stops.stopped
 
+    def resume(self, token_ids: Sequence[int], delivered: str) -> str:
+        """Continues a stream another assembler began: `token_ids` were streamed with the text
+        `delivered` (what the client has: a prefix of their text, since an assembler holds back
+        incomplete characters and possible stop strings, and how much depends on how the ids
+        were batched). Returns the text now due to the client; later calls release the rest.
+
+        Raises:
+            ValueError: `delivered` is not a prefix of the ids' text, or a stop string already
+                ends it.
+        """
+        released = self.add(token_ids)
+        if self.stopped:
+            raise ValueError("the resumed output already reached a stop string")
+        if released.startswith(delivered):
+            return released[len(delivered):]
+        if not delivered.startswith(released):
+            raise ValueError("resume_text is not the text of resume_token_ids")
+        self._skip = len(delivered) - len(released)
+        return ""
+
     def add(self, token_ids: Sequence[int]) -> str:
         """Text released by these ids (complete characters, nothing at or after a stop string)."""
-        return self._stops.feed(self._detok.add(token_ids))
+        return self._skipped(self._stops.feed(self._detok.add(token_ids)))
 
     def finish(self) -> str:
         """Text still held back at the end of generation (incomplete bytes as U+FFFD)."""
         text = self._stops.feed(self._detok.finalize())
-        return text if self._stops.stopped else text + self._stops.flush()
+        return self._skipped(text if self._stops.stopped else text + self._stops.flush())
+
+    def _skipped(self, text: str) -> str:
+        if self._skip and text:
+            n = min(self._skip, len(text))
+            self._skip -= n
+            text = text[n:]
+        return text

@@ -15,7 +15,7 @@ import uuid
 import grpc
 
 from flashfleet.errors import FlashfleetError
-from flashfleet.requests import validate_request
+from flashfleet.requests import WORKER_DEFAULT_MAX_TOKENS, validate_request
 from flashfleet.v1 import worker_pb2, worker_pb2_grpc
 from worker import convert
 from worker.engine.types import (DoneEvent, Draining, EngineProtocol, ErrorEvent, InvalidRequest,
@@ -23,7 +23,6 @@ from worker.engine.types import (DoneEvent, Draining, EngineProtocol, ErrorEvent
 
 log = logging.getLogger("flashfleet.worker")
 
-DEFAULT_MAX_TOKENS = 256
 ENGINE_ERROR_CODES = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -77,7 +76,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 request.prompt if request.WhichOneof("input") == "prompt" else None,
                 convert.messages_of(request))
             max_tokens = request.max_tokens if request.HasField("max_tokens") else max(
-                1, min(DEFAULT_MAX_TOKENS, model.max_context_tokens - len(prompt_tokens)))
+                1, min(WORKER_DEFAULT_MAX_TOKENS, model.max_context_tokens - len(prompt_tokens)))
             self.engine.submit(convert.generation_request(request, prompt_tokens, max_tokens), emit)
         except tuple(ENGINE_ERROR_CODES) as e:
             self._outcome(type(e).__name__.lower())

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a two-GPU machine, while rank 0 of a data-parallel training job evaluates tau, GPU 1 is free:
 # this waits for the job's log to show the saved draft, then benchmarks it on that GPU against
-# plain decoding (and the drafts in EXTRA_DRAFTS) with bench/bench_dflash.py. Output:
+# plain decoding (and the drafts in EXTRA_DRAFTS) with bench/bench_dflash.py (with --fuse: ours
+# again on a target with fused projections, worker/fusion.py; FUSE=0 leaves it out). Output:
 # RES/bench/dflash_q15.txt and .json. Meant to run detached (start.sh BENCH_AFTER=1, which on a
 # one-GPU machine sets BENCH_GPU=0 WAIT_FOR="JOB DONE": the benchmark then waits for the whole job,
 # so it does not share the GPU with the evaluation).
@@ -33,7 +34,7 @@ drafts=("$DRAFT"); for d in ${EXTRA_DRAFTS:-}; do [ -f "$d/config.json" ] && dra
 echo "+ bench on GPU $BENCH_GPU from $(date -u +%T)" > "$O/dflash_q15.txt"
 CUDA_VISIBLE_DEVICES=$BENCH_GPU PYTHONUNBUFFERED=1 timeout "${BENCH_S:-420}" python3 bench/bench_dflash.py \
   --target "$TARGET" --dflash-draft "${drafts[@]}" --max-tokens "${MAX_TOKENS:-128}" --prompts "${PROMPTS:-2}" \
-  --cases "${CASES:-/root/cases}" --rounds "${ROUNDS:-1}" --json-out "$O/dflash_q15.json" --adaptive ${POLICY:+--policy $POLICY} 2>&1 | grep -v " done$" >> "$O/dflash_q15.txt"
+  --cases "${CASES:-/root/cases}" --rounds "${ROUNDS:-1}" --json-out "$O/dflash_q15.json" --adaptive ${POLICY:+--policy $POLICY} $( [ "${FUSE:-1}" = 1 ] && echo --fuse ) 2>&1 | grep -v " done$" >> "$O/dflash_q15.txt"
 rc=${PIPESTATUS[0]}
 # What a verify's masks and taps cost, side by side (forward_queue.txt; FORWARD_QUEUE=0 skips it):
 # the cycle's verify runs over the padded cache with an additive mask; padded-bool is the boolean
@@ -43,8 +44,8 @@ if [ "${FORWARD_QUEUE:-1}" = 1 ]; then
     --target "$TARGET" --blocks 1 16 --caches mlx padded padded-bool --taps "${TAPS:-4}" --rounds 3 \
     --json-out "$O/forward_queue.json" > "$O/forward_queue.txt" 2>&1
   # The same verify with MLX's cuDNN attention off (its fallback: matmul, softmax, matmul), right
-  # after: whether a fused call per layer is worth its per-call host work at 16 queries.
-  CUDA_VISIBLE_DEVICES=$BENCH_GPU MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${FORWARD_QUEUE_S:-120}" python3 \
+  # after (NOCUDNN=1; sessions 12 and 13 found no difference their noise resolved).
+  [ "${NOCUDNN:-0}" = 1 ] && CUDA_VISIBLE_DEVICES=$BENCH_GPU MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${FORWARD_QUEUE_S:-120}" python3 \
     bench/bench_forward_queue.py --target "$TARGET" --blocks 16 --caches padded padded-bool \
     --taps "${TAPS:-4}" --rounds 3 --json-out "$O/forward_queue_nocudnn.json" > "$O/forward_queue_nocudnn.txt" 2>&1
   # The operations a cycle's pieces put in the graph on this device (graph_ops.txt, a few seconds).

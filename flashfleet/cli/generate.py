@@ -56,6 +56,8 @@ def main(argv: list[str]) -> int:
     s = last.stats
     extra = (f", tau {s.acceptance_length:.2f}, acceptance {s.acceptance_rate:.0%}"
              if s.cycles else "")
+    if s.migrations:
+        extra += f"; moved {s.migrations}x between workers (times are the last worker's)"
     print(f"-- {last.finish_reason}; worker {last.worker_id}; {s.prompt_tokens} prompt + "
           f"{s.generated_tokens} generated tokens; TTFT {s.ttft_s * 1000:.0f} ms; "
           f"{s.tokens_per_s:.1f} tok/s; mode {s.mode}{extra}", file=sys.stderr)

@@ -46,7 +46,7 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "messages", "max_tokens", "temperature", "top_p", "seed", "stop", "session_id", "request_id", "mode")
+    __slots__ = ("model", "prompt", "messages", "max_tokens", "temperature", "top_p", "seed", "stop", "session_id", "request_id", "mode", "resume_token_ids", "resume_text")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,8 @@ class GenerateRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TEXT_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     messages: ChatMessages
@@ -69,7 +71,9 @@ class GenerateRequest(_message.Message):
     session_id: str
     request_id: str
     mode: DecodeMode
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., mode: _Optional[_Union[DecodeMode, str]] = ...) -> None: ...
+    resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    resume_text: str
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., mode: _Optional[_Union[DecodeMode, str]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., resume_text: _Optional[str] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("text", "token_ids")
@@ -80,7 +84,7 @@ class Chunk(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "ttft_s", "tokens_per_s", "total_s", "mode", "cycles", "drafted_tokens", "accepted_tokens", "acceptance_length", "draft_s", "verify_s", "accepted_per_position", "queue_s", "translate_s")
+    __slots__ = ("prompt_tokens", "generated_tokens", "ttft_s", "tokens_per_s", "total_s", "mode", "cycles", "drafted_tokens", "accepted_tokens", "acceptance_length", "draft_s", "verify_s", "accepted_per_position", "queue_s", "translate_s", "migrations")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +100,7 @@ class GenerationStats(_message.Message):
     ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     TRANSLATE_S_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     ttft_s: float
@@ -111,7 +116,8 @@ class GenerationStats(_message.Message):
     accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
     queue_s: float
     translate_s: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., total_s: _Optional[float] = ..., mode: _Optional[str] = ..., cycles: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_length: _Optional[float] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., queue_s: _Optional[float] = ..., translate_s: _Optional[float] = ...) -> None: ...
+    migrations: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., total_s: _Optional[float] = ..., mode: _Optional[str] = ..., cycles: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_length: _Optional[float] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., queue_s: _Optional[float] = ..., translate_s: _Optional[float] = ..., migrations: _Optional[int] = ...) -> None: ...
 
 class Complete(_message.Message):
     __slots__ = ("finish_reason", "stats", "worker_id")

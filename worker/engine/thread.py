@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -22,6 +22,7 @@ from mlx_lm.utils import load_tokenizer
 
 from worker.config import EngineConfig
 from worker.detokenize import TextAssembler
+from worker.fusion import fuse_projections
 from worker.engine.modes import MODES, LoadedModels, Mode, draft_kind_of, resolve_mode
 from worker.models.dflash_checkpoint import DraftCheckpointError, load_dflash_draft
 from worker.engine.session import Session, new_stats
@@ -261,7 +262,9 @@ class Engine:
             Draining: closing or closed.
             InvalidRequest: empty or duplicate request_id, empty prompt, token ids outside the
                 vocabulary, max_tokens < 1, prompt + max_tokens beyond the context, bad sampling
-                parameters, an empty stop string, or a mode this worker cannot serve.
+                parameters, an empty stop string, a mode this worker cannot serve, or resume
+                tokens that are not fewer than max_tokens, hold an EOS or do not match
+                resume_text (session migration, `GenerationRequest.resume_tokens`).
             Overloaded: `capacity` sessions are admitted already.
         """
         if not self._accepting:
@@ -309,6 +312,20 @@ class Engine:
             raise InvalidRequest(f"prompt token ids must be in [0, {self._vocab_size})")
         if r.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be >= 1, got {r.max_tokens}")
+        if r.resume_tokens:
+            if len(r.resume_tokens) >= r.max_tokens:
+                raise InvalidRequest(f"resume_token_ids ({len(r.resume_tokens)}) must be fewer than "
+                                     f"max_tokens ({r.max_tokens}): nothing is left to generate")
+            if self._vocab_size is not None and not all(0 <= t < self._vocab_size for t in r.resume_tokens):
+                raise InvalidRequest(f"resume_token_ids must be in [0, {self._vocab_size})")
+            if set(self._encode_tokenizer.eos_token_ids).intersection(r.resume_tokens):
+                raise InvalidRequest("resume_token_ids contain an end-of-sequence token")
+            try:  # the engine thread primes its own assembler the same way
+                TextAssembler(self._encode_tokenizer, r.stop).resume(r.resume_tokens, r.resume_text)
+            except ValueError as e:
+                raise InvalidRequest(str(e)) from None
+        elif r.resume_text:
+            raise InvalidRequest("resume_text without resume_token_ids")
         ctx = self.model.max_context_tokens
         if n + r.max_tokens > ctx:
             raise InvalidRequest(
@@ -362,6 +379,10 @@ class Engine:
             if self._draft_kind == "draft" and draft_tokenizer.vocab_size != tokenizer.vocab_size:
                 log.warning("draft %s has vocabulary %d, target %d: acceptance may suffer",
                             cfg.draft_path, draft_tokenizer.vocab_size, tokenizer.vocab_size)
+        if cfg.fuse_projections:  # before any forward; a DFlash draft has its own layer class
+            fuse_projections(target)
+            if draft is not None and self._draft_kind != "dflash":
+                fuse_projections(draft)
         models = LoadedModels(target, tokenizer, frozenset(tokenizer.eos_token_ids), draft,
                               self._draft_kind, draft_tokenizer=draft_tokenizer)
         if cfg.warmup:
@@ -403,10 +424,17 @@ class Engine:
     def _start_session(self, m: LoadedModels, cmd: Submit, sessions: dict[str, Session]) -> None:
         req = cmd.request
         try:
+            text = TextAssembler(m.tokenizer, req.stop)
+            due = ""
+            if req.resume_tokens:  # a migrated session: its output so far becomes context (checked in submit)
+                due = text.resume(req.resume_tokens, req.resume_text)
+                req = replace(req, prompt_tokens=req.prompt_tokens + req.resume_tokens,
+                              max_tokens=req.max_tokens - len(req.resume_tokens), resume_tokens=(),
+                              resume_text="")
             sampler = sampler_for(req.sampling)
             steps, caches = self._modes[cmd.mode].start(m, self.config, req, sampler)
-            s = Session(req, cmd.emit, steps, caches, TextAssembler(m.tokenizer, req.stop), m.eos_ids,
-                        cmd.received_s, new_stats(req, cmd.mode))
+            s = Session(req, cmd.emit, steps, caches, text, m.eos_ids, cmd.received_s,
+                        new_stats(req, cmd.mode))
         except Exception as e:
             log.exception("request %s failed to start", req.request_id)
             self._release(req.request_id)
@@ -414,6 +442,8 @@ class Engine:
             return
         sessions[req.request_id] = s
         self._publish(sessions)
+        if due:  # text the previous worker held back (an incomplete character, a stop-string prefix)
+            _safe_emit(cmd.emit, TokenEvent(req.request_id, (), due))
 
     def _advance(self, s: Session, sessions: dict[str, Session]) -> None:
         """Advances one session by one step; ends it when it finishes or fails."""

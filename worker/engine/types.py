@@ -53,6 +53,10 @@ class GenerationRequest:
         sampling: temperature / top-p / seed.
         stop: stop strings; output ends before the first occurrence of any of them.
         mode: "auto", "plain", "draft", "dflash" or "uag".
+        resume_tokens: a migrated session's output so far (another worker streamed these ids;
+            fewer than max_tokens, which counts them): decoding continues after
+            prompt_tokens + resume_tokens.
+        resume_text: the text the client received with resume_tokens (a prefix of their text).
     """
 
     request_id: str
@@ -61,6 +65,8 @@ class GenerationRequest:
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
     mode: str = "auto"
+    resume_tokens: tuple[int, ...] = ()
+    resume_text: str = ""
 
 
 @dataclass
