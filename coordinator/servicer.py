@@ -189,8 +189,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             progress.attempted()
             return None
         source_call.cancel()  # the client has exactly progress.token_ids: nothing lost, nothing repeated
-        source.in_flight -= 1
-        source.served_requests += 1
+        source.in_flight -= 1  # served_requests counts the request once, on the worker that ends it
         if source.in_flight == 0 and not any(w.address == source.address for w in self.registry.live()):
             await self.pool.drop(source.address)  # the source left while this stream ran
         self._migrated(request.model, "ok")

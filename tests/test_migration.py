@@ -142,6 +142,7 @@ def test_a_shared_session_moves_to_the_idle_worker_without_losing_a_token(two_wo
     m = cluster.coordinator.metrics.migrations
     assert m.labels(model="tiny-llama", outcome="ok")._value.get() == 1
     assert all(w.in_flight == 0 for w in cluster.coordinator.registry.live())  # every slot released
+    assert sum(w.served_requests for w in cluster.coordinator.registry.live()) == 2  # each request once
 
 
 def test_clients_cannot_send_resume_fields(two_workers):

@@ -380,9 +380,10 @@ class Engine:
                 log.warning("draft %s has vocabulary %d, target %d: acceptance may suffer",
                             cfg.draft_path, draft_tokenizer.vocab_size, tokenizer.vocab_size)
         if cfg.fuse_projections:  # before any forward; a DFlash draft has its own layer class
-            fuse_projections(target)
+            groups = fuse_projections(target)
             if draft is not None and self._draft_kind != "dflash":
-                fuse_projections(draft)
+                groups += fuse_projections(draft)
+            log.info("fused %d projection groups (q/k/v, gate/up) into one matmul each", groups)
         models = LoadedModels(target, tokenizer, frozenset(tokenizer.eos_token_ids), draft,
                               self._draft_kind, draft_tokenizer=draft_tokenizer)
         if cfg.warmup:
