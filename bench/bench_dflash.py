@@ -437,12 +437,13 @@ def main(argv=None) -> int:
     for name, d in dflash.items():
         methods[name] = lambda pr, d=d: run_steps(dflash_generate(
             pr, M, greedy, eos, target=target, draft=d, block_size=args.block_size or d.block_size))
-    verify_target = {name: target for name in dflash}  # method -> the target its verify runs
+    # fixed-block DFlash method -> (draft, the target its verify runs, the plain row of that target)
+    fixed_block = {name: (d, target, "ours plain") for name, d in dflash.items()}
     if fused_target is not None:
         methods["ours plain fused"] = lambda pr: run_steps(plain.generate(pr, M, greedy, eos, model=fused_target))
         for name, d in list(dflash.items()):  # the draft borrows the first copy's embedding and head: same weights
             fname = f"{name[:22].strip()} fused"
-            verify_target[fname] = fused_target
+            fixed_block[fname] = (d, fused_target, "ours plain fused")
             methods[fname] = lambda pr, d=d: run_steps(dflash_generate(
                 pr, M, greedy, eos, target=fused_target, draft=d, block_size=args.block_size or d.block_size))
     if args.adaptive or args.policy:  # the cost model picks each block size
@@ -508,14 +509,12 @@ def main(argv=None) -> int:
     # Our DFlash drafts' cycle cost alone: measured here, before any package is imported (printed
     # after the table).
     cycle_cost, cycle_lines = {}, []
-    drafts_of = {**dflash, **{f"{n[:22].strip()} fused": d for n, d in dflash.items() if fused_target is not None}}
-    for name, d in drafts_of.items():
+    for name, (d, verify_model, plain_name) in fixed_block.items():
         B = args.block_size or d.block_size
         cyc = sum(results[name, c]["cycles"] for c in prompts)
         secs = sum(results[name, c]["secs"] for c in prompts)
         per_cycle = secs / cyc if cyc else float("nan")
-        d_s, v_s = per_cycle_alone(verify_target[name], d, prompts["code"][0], B, args.reps)
-        plain_name = "ours plain fused" if verify_target[name] is fused_target else "ours plain"
+        d_s, v_s = per_cycle_alone(verify_model, d, prompts["code"][0], B, args.reps)
         plain_step = statistics.mean(
             results[plain_name, c]["secs"] / max(1, results[plain_name, c]["cycles"]) for c in prompts)
         cycle_cost[name] = dict(per_cycle_s=per_cycle, draft_s=d_s, verify_s=v_s, plain_step_s=plain_step)

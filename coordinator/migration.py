@@ -24,10 +24,11 @@ Serving"; shared/research/serving.md §c) reduced to what a fleet of one-model M
   decoding gives, after a pause of one prefill. An unseeded sampled session continues as a valid
   sample from the target's distribution; a seeded one is never moved (the same seed must give
   the same output, and its random stream lives on the worker).
-  Llumnix copies the KV cache instead, in stages while decoding continues; on a LAN of Macs a
-  1.5B model's cache at 4 K tokens is 117 MB (28 layers x 2 x 256 x 4096 x 2 bytes), a second
-  over 1 GbE, about what re-prefilling it costs, and recomputation needs no cache format
-  shared between workers.
+  Llumnix copies the KV cache instead, in stages while decoding continues; a 1.5B model's
+  cache at 4 K tokens is 117 MB by arithmetic (28 layers x 2 x 256 x 4096 x 2 bytes), about a
+  second over 1 GbE, and recomputation needs no cache format shared between workers. Which is
+  cheaper on Macs is not measured here (bench/bench_migration.py measures the re-prefill's
+  pause).
 """
 from __future__ import annotations
 
