@@ -52,4 +52,11 @@ if [ "${FORWARD_QUEUE:-1}" = 1 ]; then
   CUDA_VISIBLE_DEVICES=$BENCH_GPU timeout 60 python3 bench/count_graph_ops.py --target "$TARGET" \
     --taps "${TAPS:-4}" --json-out "$O/graph_ops.json" > "$O/graph_ops.txt" 2>&1
 fi
+# Each operation of a decoder layer and the head alone, B = 1 against B = 16 (layer_ops.txt, under
+# a minute; LAYER_OPS=0 skips it): which pieces make a verify cost more than a plain step that
+# launches as many kernels (bench/bench_layer_ops.py).
+if [ "${LAYER_OPS:-1}" = 1 ]; then
+  CUDA_VISIBLE_DEVICES=$BENCH_GPU timeout "${LAYER_OPS_S:-150}" python3 bench/bench_layer_ops.py --target "$TARGET" \
+    --block 16 --rounds 5 --json-out "$O/layer_ops.json" > "$O/layer_ops.txt" 2>&1
+fi
 echo "bench end $(date -u +%T) rc=$rc" >> "$O/dflash_q15.txt"
