@@ -14,6 +14,8 @@ DFlash verify uses, `--context` positions in it) and for the head, every piece a
                    padded buffer (a multiple of 256) with its additive mask; at B = 1 the exact
                    keys and no mask (a plain step)
     sdpa causal    the same over exactly context + B keys with mask "causal" (mlx-lm's KVCache)
+    sdpa unfused   the padded cell as matmul, mask add, softmax, matmul (`sdpa_unfused`): five
+                   kernels that need no attention kernel compiled per key length
     attention      the layer's whole attention module (projections, RoPE, cache update, sdpa)
     mlp            the layer's whole MLP
     layer          the whole decoder layer
@@ -53,6 +55,23 @@ def time_op(fn, reps: int) -> float:
     t0 = time.perf_counter()
     mx.eval([fn() for _ in range(reps)])
     return (time.perf_counter() - t0) / reps * 1e6
+
+
+def sdpa_unfused(q, k, v, scale: float, mask):
+    """Attention as plain operations: softmax(q k^T * scale + mask) v, grouped-query heads shared.
+
+    q: (1, H, B, hd); k, v: (1, Hkv, L, hd) with H a multiple of Hkv; mask: None or additive
+    (B, L) in q's dtype. Returns (1, H, B, hd), what `mx.fast.scaled_dot_product_attention`
+    returns for the same inputs (softmax in float32, `precise`)."""
+    import mlx.core as mx
+
+    _, H, B, hd = q.shape
+    Hkv = k.shape[1]
+    qg = (q * scale).reshape(1, Hkv, H // Hkv, B, hd)  # each kv head's query heads together
+    s = qg @ k[:, :, None].swapaxes(-1, -2)  # (1, Hkv, H/Hkv, B, L)
+    if mask is not None:
+        s = s + mask
+    return (mx.softmax(s, axis=-1, precise=True) @ v[:, :, None]).reshape(1, H, B, hd)
 
 
 def layer_ops(model, B: int, context: int) -> tuple[list[tuple[str, int, object]], list]:
@@ -111,6 +130,7 @@ def layer_ops(model, B: int, context: int) -> tuple[list[tuple[str, int, object]
             q, k_pad, k_pad, scale=hd ** -0.5, mask=mask)),
         (f"sdpa causal ({context + B} keys)", 0, lambda: mx.fast.scaled_dot_product_attention(
             q, k_exact, k_exact, scale=hd ** -0.5, mask="causal" if B > 1 else None)),
+        (f"sdpa unfused ({L_pad} keys)", 0, lambda: sdpa_unfused(q, k_pad, k_pad, hd ** -0.5, mask)),
         ("attention", n, trimmed(lambda: attn(layer.input_layernorm(x), mask, lc), [lc])),
         ("mlp", n, lambda: layer.mlp(x)),
         ("layer", n, trimmed(lambda: layer(x, mask, lc), [lc])),

@@ -51,3 +51,23 @@ def test_timed_cells_leave_the_cache_at_the_context(tiny_models):
             assert time_op(fn, 2) > 0, name
             # Every cache a cell touches (layer 0's by attention and layer, all by forward) is back at 5.
             assert {c.offset for c in cache} == {5}, name
+
+
+def test_sdpa_unfused_equals_the_fused_kernel():
+    """The unfused attention the benchmark times computes what MLX's kernel does: grouped heads,
+    with an additive mask that hides padded keys and the block's future, and without a mask."""
+    from bench.bench_layer_ops import sdpa_unfused
+    from worker.models.dflash import additive_mask
+    from mlx_lm.models.base import create_causal_mask
+
+    mx.random.seed(0)
+    q = mx.random.normal((1, 6, 4, 16))
+    k, v = mx.random.normal((1, 2, 12, 16)), mx.random.normal((1, 2, 12, 16))
+    mask = additive_mask(mx.pad(create_causal_mask(4, 5), [(0, 0), (0, 3)]), mx.float32)  # 9 keys used
+    for m in (mask, None):
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=m)
+        got = sdpa_unfused(q, k, v, 0.25, m)
+        assert got.shape == want.shape and mx.allclose(got, want, atol=1e-5).item()
+    # The padded keys carry no weight: changing them changes nothing.
+    v2 = mx.concatenate([v[:, :, :9], 100 + v[:, :, 9:]], axis=2)
+    assert mx.allclose(sdpa_unfused(q, k, v2, 0.25, mask), sdpa_unfused(q, k, v, 0.25, mask), atol=1e-5).item()
