@@ -59,4 +59,14 @@ if [ "${LAYER_OPS:-1}" = 1 ]; then
   CUDA_VISIBLE_DEVICES=$BENCH_GPU timeout "${LAYER_OPS_S:-150}" python3 bench/bench_layer_ops.py --target "$TARGET" \
     --block 16 --rounds 5 --json-out "$O/layer_ops.json" > "$O/layer_ops.txt" 2>&1
 fi
+# A cycle's cost per block size against a plain step, fused as the worker runs it, at two
+# contexts (block_cost.txt, about 30 s; BLOCK_COST=0 skips it): the curve the worker's cost model
+# measures for itself, here without a session's noise in it (bench/bench_block_cost.py).
+if [ "${BLOCK_COST:-1}" = 1 ]; then
+  for ctx in 256 1024; do
+    CUDA_VISIBLE_DEVICES=$BENCH_GPU timeout "${BLOCK_COST_S:-90}" python3 bench/bench_block_cost.py --target "$TARGET" \
+      --dflash-draft "$DRAFT" --blocks 1 2 4 6 8 12 16 --context $ctx --reps 20 --rounds 3 \
+      --json-out "$O/block_cost_$ctx.json" >> "$O/block_cost.txt" 2>&1
+  done
+fi
 echo "bench end $(date -u +%T) rc=$rc" >> "$O/dflash_q15.txt"
