@@ -32,7 +32,8 @@ H200_LONG_COST_MS = {1: 5.46, 2: 11.0, 4: 14.0, 8: 12.0, 16: 16.3}
 LONG_CONTEXT = 8192
 
 
-def policy_from_spec(spec: str, block_size: int = 16, memory: Optional[CostMemory] = None) -> AdaptiveBlockPolicy:
+def policy_from_spec(spec: str, block_size: int = 16, memory: Optional[CostMemory] = None,
+                     candidates=None) -> AdaptiveBlockPolicy:
     """A policy from DECAY:PROBE_EVERY[:COST_WINDOW[:OPTIMISM]] (the settings this script and
     `bench_dflash.py --policy` take; the CostModel's other arguments at their defaults).
 
@@ -48,26 +49,44 @@ def policy_from_spec(spec: str, block_size: int = 16, memory: Optional[CostMemor
     if not 0 < decay <= 1 or probe < 1 or optimism < 0:
         raise ValueError(spec)
     model = CostModel(decay=decay, cost_window=int(parts[2]) if len(parts) > 2 else 0, optimism=optimism)
-    return AdaptiveBlockPolicy(block_size, model=model, probe_every=probe, memory=memory)
+    return AdaptiveBlockPolicy(block_size, candidates, model=model, probe_every=probe, memory=memory)
+
+
+COMPILE_MS = 65.0  # a multi-token attention's kernel for a new key length, H200 (PaddedKVCache's docstring)
+KEY_BUCKET = 256  # PaddedKVCache.step: the key length a verify sees changes once per this many positions
+PROMPT_TOKENS = 200  # where the simulated session's context starts, for the "compiles" noise
 
 
 class Noise:
-    """Multiplies each cycle's cost: "none"; "spikes" (one cycle in 10 costs 1.8x, independently);
-    "drift" (the machine alternates between normal and 1.6x slower periods of about 100 cycles,
-    every block size alike). Hypothetical shapes: the H200 runs showed cells of 60 forwards
-    moving by up to 84% between repeats (docs/benchmarks.md, sixth session), not their form."""
+    """A cycle's cost with noise, `noise(cost_ms, block_size)` -> ms: "none"; "spikes" (one cycle
+    in 10 costs 1.8x, independently); "drift" (the machine alternates between normal and 1.6x
+    slower periods of about 100 cycles, every block size alike); "compiles" (the first
+    speculative cycle of each block size in each 256-position key bucket of a growing context
+    costs `COMPILE_MS` more, as MLX's CUDA attention compiles per key length; plain steps do
+    not). The first two are hypothetical shapes: the H200 runs showed cells of 60 forwards moving
+    by up to 84% between repeats (docs/benchmarks.md, sixth session), not their form. `advance(n)`
+    moves the context on by the n tokens a cycle committed."""
 
     def __init__(self, kind: str, rng: random.Random):
         self.kind, self.rng, self.slow = kind, rng, False
+        self.position, self.compiled = PROMPT_TOKENS, set()
 
-    def __call__(self) -> float:
+    def __call__(self, cost_ms: float, block_size: int = 0) -> float:
         if self.kind == "spikes":
-            return 1.8 if self.rng.random() < 0.1 else 1.0
+            return cost_ms * (1.8 if self.rng.random() < 0.1 else 1.0)
         if self.kind == "drift":
             if self.rng.random() < 0.01:
                 self.slow = not self.slow
-            return 1.6 if self.slow else 1.0
-        return 1.0
+            return cost_ms * (1.6 if self.slow else 1.0)
+        if self.kind == "compiles" and block_size > 1:
+            key = (block_size, -(-(self.position + block_size) // KEY_BUCKET))
+            if key not in self.compiled:
+                self.compiled.add(key)
+                return cost_ms + COMPILE_MS
+        return cost_ms
+
+    def advance(self, tokens: int) -> None:
+        self.position += tokens
 
 
 class FixedBlock:
@@ -93,7 +112,9 @@ def run(policy: AdaptiveBlockPolicy, p: float, cycles: int, rng: random.Random, 
         k = bs - 1
         j = next((i for i in range(k) if rng.random() >= p), k)
         apart = timed and bs > 1
-        cost = cost_ms[bs] * (noise() if noise else 1.0)
+        cost = noise(cost_ms[bs], bs) if noise else cost_ms[bs]
+        if noise:
+            noise.advance(j + 1)
         policy.observe(bs, k, j, None if apart else cost / 1e3, context)
         chosen.append(bs)
         tokens += j + 1
@@ -138,7 +159,9 @@ def replay(policy, session: TraceSession, cost_ms: dict, timed_cost: float, nois
         j = session.accepted(pos, bs) if bs > 1 else 0
         j = min(j, session.length - pos - 1)  # the last cycle ends at the generation's end
         apart = timed and bs > 1
-        cost = cost_ms[bs] * (noise() if noise else 1.0)
+        cost = noise(cost_ms[bs], bs) if noise else cost_ms[bs]
+        if noise:
+            noise.advance(j + 1)
         policy.observe(bs, bs - 1, j, None if apart else cost / 1e3)
         pos += j + 1
         ms += cost * (timed_cost if apart else 1.0)
@@ -223,8 +246,10 @@ def main(argv=None) -> int:
                          "session, 0.95:8 after it, 0.9:8:0:1.5 since the sixth (the worker's); "
                          "COST_WINDOW n > 0: costs are the median of the last n cycles, else a mean; "
                          "OPTIMISM z: plain decoding only when speculation loses at acceptance + z standard errors)")
-    ap.add_argument("--noise", choices=("none", "spikes", "drift"), default="none",
+    ap.add_argument("--noise", choices=("none", "spikes", "drift", "compiles"), default="none",
                     help="cycle-cost noise (class Noise); the fixed block and plain rows get the same")
+    ap.add_argument("--candidates", type=int, nargs="+", default=None,
+                    help="block sizes the policies choose among (default the worker's: 2 4 8 16; 1 and 16 always)")
     ap.add_argument("--p", type=float, nargs="+", default=[0.2, 0.45, 0.565, 0.65])
     ap.add_argument("--seeds", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=100, help="cycles before measuring")
@@ -244,7 +269,8 @@ def main(argv=None) -> int:
         trace_table(a, a.trace)
         return 0
     cost = H200_COST_MS
-    print(f"costs ms {cost}; noise {a.noise}; {a.seeds} seeds, {a.cycles} cycles measured after {a.warmup}")
+    print(f"costs ms {cost}; noise {a.noise}; {a.seeds} seeds, {a.cycles} cycles measured after {a.warmup}"
+          + (f"; candidates {a.candidates}" if a.candidates else ""))
     print("| decay:probe[:window] | " + " | ".join(f"p={p} tok/s (plain share)" for p in a.p)
           + " | cycles to plain after a collapse |")
     print("|---" * (len(a.p) + 2) + "|")
@@ -262,7 +288,7 @@ def main(argv=None) -> int:
 
     for setting in a.settings:
         def make(setting=setting) -> AdaptiveBlockPolicy:
-            return policy_from_spec(setting)
+            return policy_from_spec(setting, candidates=a.candidates)
         cells = [f"{r:.0f} ({share:.2f})" for r, share in (measure(make, p) for p in a.p)]
         lags = []
         for seed in range(a.seeds):

@@ -324,3 +324,31 @@ def test_short_generations_gain_from_the_cost_memory(capsys):
             for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "policy" not in line}
     assert all(m > c for m, c in zip(rows["cost memory"], rows["cold"]))
     assert rows["plain"][0] == round(1e3 / 5.57)  # printed as whole tokens/s
+
+
+def test_compile_noise_charges_each_size_once_per_key_bucket(capsys):
+    """`--noise compiles`: the first speculative cycle of a (block size, 256-position bucket) costs
+    65 ms more, later ones and plain steps nothing; a fixed block pays once per bucket it enters,
+    so it loses less than a policy that runs several sizes (the docs' table)."""
+    import random
+
+    bench = _bench_policy()
+    n = bench.Noise("compiles", random.Random(0))
+    assert n(9.8, 16) == pytest.approx(9.8 + bench.COMPILE_MS) and n(9.8, 16) == 9.8  # bucket of 216
+    assert n(9.0, 2) == pytest.approx(9.0 + bench.COMPILE_MS) and n(5.57, 1) == 5.57  # another size; plain
+    n.advance(bench.KEY_BUCKET)  # into the next bucket: compiled again
+    assert n(9.8, 16) == pytest.approx(9.8 + bench.COMPILE_MS)
+
+    _, clean = bench.run(bench.FixedBlock(16), 0.565, 600, random.Random(0), bench.H200_COST_MS, 1.0)
+    _, noisy = bench.run(bench.FixedBlock(16), 0.565, 600, random.Random(0), bench.H200_COST_MS, 1.0,
+                         bench.Noise("compiles", random.Random(0)))
+    assert noisy < clean
+
+    assert bench.main(["--noise", "compiles", "--p", "0.565", "--seeds", "2", "--settings", "0.9:8:0:1.5"]) == 0
+    assert bench.main(["--noise", "compiles", "--p", "0.565", "--seeds", "2", "--settings", "0.9:8:0:1.5",
+                       "--candidates", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "candidates [16]" in out
+    adaptive = [float(line.split("|")[2].split()[0]) for line in out.splitlines() if line.startswith("| 0.9:8:0:1.5")]
+    fixed = [float(line.split("|")[2].split()[0]) for line in out.splitlines() if line.startswith("| fixed B=16")]
+    assert len(adaptive) == 2 and adaptive[0] < fixed[0]  # the cold-process case the docs describe
