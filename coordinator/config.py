@@ -15,7 +15,8 @@ class CoordinatorConfig:
         route_attempts: workers tried for one request before its first token (>= 1).
         retry_initial_wait_s, retry_max_wait_s: exponential backoff (with jitter) between tries.
         session_ttl_s: a session's worker affinity is forgotten after this long unused.
-        shutdown_grace_s: in-flight RPCs get this long to finish on shutdown.
+        shutdown_grace_s: in-flight RPCs get this long to finish on shutdown (25 s: under the
+            30 s systemd allows a stop, deploy/systemd).
         migration: when a running session moves to an idle worker (coordinator/migration.py).
     """
 
@@ -27,5 +28,5 @@ class CoordinatorConfig:
     retry_initial_wait_s: float = 0.05
     retry_max_wait_s: float = 1.0
     session_ttl_s: float = 3600.0
-    shutdown_grace_s: float = 5.0
+    shutdown_grace_s: float = 25.0
     migration: MigrationPolicy = field(default_factory=MigrationPolicy)

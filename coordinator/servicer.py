@@ -38,6 +38,13 @@ OUTCOME_BY_CODE = {grpc.StatusCode.INVALID_ARGUMENT: "invalid",
                    grpc.StatusCode.CANCELLED: "cancelled"}
 
 
+def _deadline_passed(context) -> bool:
+    """Whether the call's deadline (if it has one) is over: a call that ends unfinished then ended
+    by DEADLINE_EXCEEDED, not by the client's cancel."""
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= 0
+
+
 class WorkerPool:
     """One gRPC channel per worker address, opened lazily and closed when the worker leaves.
 
@@ -142,7 +149,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                             continue
                 resp = await call.read()
         except grpc.aio.AioRpcError as e:
-            outcome = "error"
+            outcome = OUTCOME_BY_CODE.get(e.code(), "error")
             # Tokens may already be with the client: never replay on another worker.
             await context.abort(e.code(), f"worker {worker.worker_id} failed after {len(progress.token_ids)} "
                                 f"tokens (not retried: output was already streamed): {e.details()}")
@@ -150,6 +157,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             call.cancel()
             worker.in_flight -= 1
             worker.served_requests += 1
+            if outcome == "cancelled" and _deadline_passed(context):
+                outcome = "deadline"  # the client's deadline ended the call, not the client
             self._count(request.model, worker.worker_id, outcome)
             if worker.in_flight == 0 and not any(w.address == worker.address
                                                  for w in self.registry.live()):

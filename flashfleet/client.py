@@ -87,7 +87,7 @@ class Client:
     def generate(self, model: str, prompt: str | None = None, *,
                  messages: Iterable[Mapping[str, str]] | None = None, max_tokens: int | None = 256,
                  temperature: float | None = None, top_p: float | None = None,
-                 seed: int | None = None, stop: Iterable[str] = (), session_id: str = "",
+                 seed: int | None = None, stop: str | Iterable[str] = (), session_id: str = "",
                  request_id: str = "", mode: str = "auto",
                  timeout_s: float | None = None) -> Iterator[Chunk]:
         """Streams a generation.
@@ -98,7 +98,7 @@ class Client:
                 the model's chat template. Exactly one of the two.
             max_tokens: most tokens to generate (> 0); None = the worker's default.
             temperature: 0 or None = greedy; top_p in (0, 1]; seed makes sampling reproducible.
-            stop: output ends before the first of these strings.
+            stop: output ends before the first of these strings (one string, or several).
             session_id: requests of one session go to the same worker.
             mode: "auto", "plain", "draft", "dflash" or "uag".
             timeout_s: deadline of the whole stream, seconds (default: the client's).

@@ -34,7 +34,7 @@ def build_request(
     temperature: float | None = None,
     top_p: float | None = None,
     seed: int | None = None,
-    stop: Iterable[str] = (),
+    stop: str | Iterable[str] = (),
     session_id: str = "",
     request_id: str = "",
     mode: str = "auto",
@@ -42,7 +42,8 @@ def build_request(
     """Makes a GenerateRequest from keyword arguments.
 
     Exactly one of prompt (raw text) or messages (chat turns: dicts with "role" and "content")
-    must be given. Validation happens on the server (see validate_request); this only converts.
+    must be given; `stop` is one stop string or several. Validation happens on the server (see
+    validate_request); this only converts.
 
     Raises:
         InvalidArgument: both or neither of prompt/messages, a message that is not a mapping with
@@ -70,7 +71,8 @@ def _build(model, prompt, messages, max_tokens, temperature, top_p, seed, stop, 
     if mode not in DECODE_MODES:
         raise InvalidArgument(f"unknown mode {mode!r}; use one of {sorted(DECODE_MODES)}")
     req = common_pb2.GenerateRequest(
-        model=model, stop=list(stop), session_id=session_id, request_id=request_id,
+        model=model, stop=[stop] if isinstance(stop, str) else list(stop), session_id=session_id,
+        request_id=request_id,
         mode=DECODE_MODES[mode])
     if max_tokens is not None:
         req.max_tokens = max_tokens

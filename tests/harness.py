@@ -36,6 +36,7 @@ class Cluster:
     coordinator: RunningCoordinator
     workers: list[RunningWorker] = field(default_factory=list)
     worker_metrics: list[WorkerMetrics] = field(default_factory=list)
+    coordinator_registry: CollectorRegistry | None = None  # the coordinator's Prometheus metrics
 
     @property
     def address(self) -> str:
@@ -66,8 +67,9 @@ def start_cluster(engines: dict, **config) -> Cluster:
     """Starts a coordinator on a free port and one worker per (worker_id -> engine)."""
     loop = LoopThread()
     cfg = CoordinatorConfig(port=0, **config)
-    coordinator = loop.run(start_coordinator(cfg, CollectorRegistry()))
-    cluster = Cluster(loop, coordinator)
+    registry = CollectorRegistry()
+    coordinator = loop.run(start_coordinator(cfg, registry))
+    cluster = Cluster(loop, coordinator, coordinator_registry=registry)
     for worker_id, engine in engines.items():
         cluster.add_worker(engine, worker_id)
     return cluster

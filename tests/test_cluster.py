@@ -114,12 +114,28 @@ def test_client_cancellation_frees_the_worker():
 def test_deadline_propagates_and_frees_the_worker():
     engine = FakeEngine(token_delay_s=0.05)
     c = start_cluster({"w1": engine})
+    routed = lambda outcome: c.coordinator_registry.get_sample_value(  # noqa: E731
+        "flashfleet_coordinator_requests_total", {"model": "fake-model", "worker": "w1", "outcome": outcome})
     try:
         with Client(c.address) as client, pytest.raises(DeadlineExceeded):
             client.complete("fake-model", prompt="long", max_tokens=1000, timeout_s=0.5)
         assert wait_until(lambda: engine.load().active_sessions == 0)
+        # Counted as a deadline, not as a client's cancel; a cancel stays a cancel.
+        assert wait_until(lambda: routed("deadline") == 1) and not routed("cancelled")
+        with Client(c.address) as client:
+            stream = client.generate("fake-model", prompt="long", max_tokens=1000)
+            next(stream)
+            stream.close()
+        assert wait_until(lambda: routed("cancelled") == 1) and routed("deadline") == 1
     finally:
         c.close()
+
+
+def test_one_stop_string_is_one_stop_string():
+    from flashfleet.requests import build_request
+
+    assert list(build_request("m", "hi", stop="XYZ4").stop) == ["XYZ4"]  # not its characters
+    assert list(build_request("m", "hi", stop=["a", "bc"]).stop) == ["a", "bc"]
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
@@ -230,11 +246,19 @@ def test_deregistered_worker_is_marked_down_and_forgets_sessions():
         with Client(c.address) as client:
             first = client.complete("fake-model", prompt="a", max_tokens=1, session_id="s")
         leaving = next(w for w in c.workers if w.worker_id == first.worker_id)
+        ages = c.coordinator_registry.get_sample_value
+        assert wait_until(lambda: ages("flashfleet_coordinator_worker_heartbeat_age_seconds",
+                                       {"worker": first.worker_id}) is not None)
         c.loop.run(leaving.stop(grace_s=0.2))
         c.workers.remove(leaving)
         m = c.coordinator.metrics
         assert m.worker_up.labels(worker=first.worker_id)._value.get() == 0
         assert m.lease_expiries._value.get() == 0
+        # Its heartbeat age is gone (not frozen at its last value); the other worker's remains.
+        assert ages("flashfleet_coordinator_worker_heartbeat_age_seconds", {"worker": first.worker_id}) is None
+        other = next(w.worker_id for w in c.workers)
+        assert wait_until(lambda: ages("flashfleet_coordinator_worker_heartbeat_age_seconds", {"worker": other})
+                          is not None)
         with Client(c.address) as client:
             again = client.complete("fake-model", prompt="b", max_tokens=1, session_id="s")
             assert again.worker_id != first.worker_id

@@ -177,6 +177,33 @@ def test_flags_override_the_config_file():
     assert (c.host, c.port, c.metrics_port) == ("127.0.0.1", 50051, None)
     with pytest.raises(SystemExit):
         worker_main.parse_args([])  # no model at all
+    # In-flight requests get most of the 30 s systemd allows a stop (the units' TimeoutStopSec).
+    assert worker_main.parse_args(["--model", "m"]).drain_timeout_s == 25.0
+    assert worker_main.parse_args(["--model", "m", "--drain-timeout", "3"]).drain_timeout_s == 3.0
+    with pytest.raises(SystemExit):
+        worker_main.parse_args(["--model", "m", "--drain-timeout", "-1"])
+    from coordinator.config import CoordinatorConfig
+    assert CoordinatorConfig().shutdown_grace_s == 25.0
+    for unit in ("coordinator", "worker"):
+        text = (ROOT / "deploy" / "systemd" / f"flashfleet-{unit}.service").read_text()
+        assert "TimeoutStopSec=30" in text
+
+
+def test_up_refuses_a_busy_port_before_starting_anything(tmp_path):
+    """With a listener already on the port, `LocalCluster.start` says so and spawns nothing (the
+    workers would otherwise register with the other process, and the cluster look ready)."""
+    from flashfleet.cli.up import LocalCluster, port_is_free
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert not port_is_free("127.0.0.1", port)
+        cluster = LocalCluster(port=port, workers=1, log_dir=tmp_path)
+        with pytest.raises(RuntimeError, match=f"127.0.0.1:{port} is in use"):
+            cluster.start()
+        assert cluster.procs == {}
+    assert port_is_free("127.0.0.1", port)
 
 
 MINIMAL = '[[models]]\nname = "m"\n\n[[workers]]\nid = "w1"\nmodel = "m"\n'

@@ -64,3 +64,19 @@ def test_cluster_routes_dflash_requests_to_the_dflash_worker(tiny_models, dflash
                                              common_pb2.DECODE_MODE_DFLASH]
     finally:
         c.close()
+
+
+def test_model_info_names_a_shipped_draft_and_its_block(tiny_models, dflash_dir, tmp_path, monkeypatch):
+    """A shipped draft's directory is named after its target, so the worker calls it
+    `flashfleet/drafts/NAME`; a DFlash draft drafts block size - 1 tokens a cycle (the metrics'
+    per-position series), whatever --num-draft-tokens says."""
+    import shutil
+
+    root = tmp_path / "drafts"
+    shipped = root / "tiny"
+    shutil.copytree(dflash_dir, shipped)
+    monkeypatch.setenv("FLASHFLEET_DRAFTS_DIR", str(root))
+    with Engine(EngineConfig(model_path=tiny_models.llama, model_name="tiny", draft_path=shipped)) as engine:
+        assert engine.model.draft == "flashfleet/drafts/tiny" and engine.model.num_draft_tokens == 3
+    with Engine(EngineConfig(model_path=tiny_models.llama, draft_path=dflash_dir, block_size=2)) as engine:
+        assert engine.model.draft == "tiny-dflash" and engine.model.num_draft_tokens == 1

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 
 def test_missing_model_directory_is_a_clear_error(tmp_path):
@@ -53,3 +56,47 @@ def test_fuse_projections_flag_reaches_the_engine_config(tiny_models, monkeypatc
     for argv, want in (([], True), (["--no-fuse-projections"], False)):
         cli.build_engine(cli.parse_args(["--model", str(tiny_models.llama), *argv]))
         assert seen[-1].fuse_projections is want
+
+
+def test_openblas_preload_applies_only_where_it_should(tmp_path, monkeypatch):
+    from flashfleet.blas import openblas_env
+
+    lib = tmp_path / "libopenblas.so.0"
+    lib.write_bytes(b"")
+    monkeypatch.setattr(sys, "platform", "linux")
+    env = openblas_env({"PATH": "/bin"}, str(lib))
+    assert env == {"PATH": "/bin", "LD_PRELOAD": str(lib), "OPENBLAS_NUM_THREADS": "1"}
+    assert openblas_env({"OPENBLAS_NUM_THREADS": "2"}, str(lib))["OPENBLAS_NUM_THREADS"] == "2"
+    assert openblas_env({"LD_PRELOAD": "/x.so"}, str(lib)) is None  # the user's choice stands
+    assert openblas_env({"FLASHFLEET_OPENBLAS": "0"}, str(lib)) is None
+    assert openblas_env({}, str(tmp_path / "absent.so")) is None
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert openblas_env({}, str(lib)) is None
+
+
+def test_a_worker_started_by_hand_restarts_itself_with_openblas(monkeypatch):
+    """`python -m worker` / `flashfleet worker` on Linux with OpenBLAS installed: main() starts the
+    same command again with OpenBLAS preloaded, before parsing anything (a library is preloaded
+    at process start only); already preloaded, it runs on."""
+    import os
+
+    import flashfleet.blas as blas
+    import worker.__main__ as cli
+
+    calls = []
+
+    def fake_execve(path, args, env):
+        calls.append((path, args, env))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(os, "execve", fake_execve)
+    monkeypatch.setattr(blas, "openblas_env", lambda: {"LD_PRELOAD": "/lib/openblas.so", "X": "1"})
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/flashfleet", "worker", "--model", "m"])
+    with pytest.raises(SystemExit):
+        cli.main(["--model", "m", "--port", "0"])
+    (path, args, env), = calls
+    assert path == sys.executable and args == [sys.executable, "-m", "worker", "--model", "m", "--port", "0"]
+    assert env["LD_PRELOAD"] == "/lib/openblas.so" and env[cli.INVOKED_AS] == "flashfleet worker"
+
+    monkeypatch.setattr(blas, "openblas_env", lambda: None)  # nothing to preload: no restart
+    assert cli.main(["--model", str(Path("/nonexistent/model"))]) == 2 and len(calls) == 1

@@ -2,17 +2,21 @@
 
 Loads the target (and optional draft) on the engine thread, serves the Worker API, registers with
 the coordinator and heartbeats until SIGINT/SIGTERM; then drains (NOT_SERVING, deregister, finish
-in-flight RPCs) and frees the engine. A model that cannot be found or loaded is a clear error and
-a non-zero exit code.
+in-flight RPCs for up to --drain-timeout seconds) and frees the engine. A model that cannot be
+found or loaded is a clear error and a non-zero exit code. On Linux with Debian's OpenBLAS
+installed it first starts itself again with OpenBLAS preloaded (`flashfleet.blas`; set
+FLASHFLEET_OPENBLAS=0, or LD_PRELOAD yourself, to keep the process as started).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import socket
 import sys
+from pathlib import Path
 import time
 
 
@@ -20,6 +24,16 @@ import time
 DEFAULTS = {"model_name": "", "num_draft_tokens": 3, "capacity": 4, "host": "127.0.0.1",
             "port": 0, "log_level": "INFO"}
 MODEL_SETTINGS = ("model", "model_name", "draft", "num_draft_tokens", "max_context_tokens")
+
+
+INVOKED_AS = "FLASHFLEET_INVOKED_AS"
+
+
+def _prog(name: str) -> str:
+    """How this command was invoked, for its usage line: `flashfleet {name}` from the console
+    script, else `python -m {name}`."""
+    invoked = os.environ.get(INVOKED_AS)  # set across `main`'s re-execution with OpenBLAS
+    return invoked or (f"flashfleet {name}" if Path(sys.argv[0]).name == "flashfleet" else f"python -m {name}")
 
 
 def parse_args(argv):
@@ -34,7 +48,7 @@ def parse_args(argv):
             this worker in it.
         flashfleet.models.NoShippedDraftError: draft `dflash` for a model without a shipped draft.
     """
-    p = argparse.ArgumentParser(prog="python -m worker", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=_prog("worker"), description=__doc__.splitlines()[0])
     p.add_argument("--config", default=None, help="cluster config file (TOML, see "
                    "deploy/cluster.toml); flags override its values")
     p.add_argument("--model", default=None, help="model name (flashfleet models list) or local "
@@ -70,6 +84,9 @@ def parse_args(argv):
                    help="peak memory bandwidth in GB/s (default: from the chip table)")
     p.add_argument("--kv-cache-limit-bytes", type=int, default=None, help="KV-cache budget "
                    "for metrics and alerts (default: 75%% of memory minus the weights)")
+    p.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, default=25.0,
+                   help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they "
+                   "are cut off (default 25: under the 30 s systemd allows a stop)")
     p.add_argument("--log-level", default=None)
     a = p.parse_args(argv)
     if a.config:
@@ -96,6 +113,8 @@ def parse_args(argv):
     from flashfleet.models.drafts import resolve_draft_arg
 
     a.draft = resolve_draft_arg(a.draft, a.model, a.model_name)
+    if a.drain_timeout_s < 0:
+        p.error("--drain-timeout must be >= 0")
     for key in ("peak_memory_bandwidth_gbs", "kv_cache_limit_bytes"):
         if getattr(a, key) is not None and getattr(a, key) <= 0:
             p.error(f"--{key.replace('_', '-')} must be > 0")
@@ -145,13 +164,21 @@ async def serve(a, engine) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    logging.getLogger("flashfleet.worker").info("worker %s shutting down", a.worker_id)
-    await running.stop(grace_s=5.0)
+    logging.getLogger("flashfleet.worker").info("worker %s draining (up to %.0f s for in-flight requests)",
+                                                a.worker_id, a.drain_timeout_s)
+    await running.stop(grace_s=a.drain_timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from flashfleet.blas import openblas_env
     from flashfleet.config import ConfigError
     from flashfleet.models.drafts import NoShippedDraftError
+
+    env = openblas_env()
+    if env is not None:  # a library is preloaded at process start only: start again with it
+        args = sys.argv[1:] if argv is None else list(argv)
+        env[INVOKED_AS] = _prog("worker")
+        os.execve(sys.executable, [sys.executable, "-m", "worker", *args], env)
 
     try:
         a = parse_args(argv)

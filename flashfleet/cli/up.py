@@ -12,7 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+from flashfleet.blas import openblas_env
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 
@@ -23,16 +24,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def port_is_free(host: str, port: int) -> bool:
+    """Whether a listener could bind host:port now (False while another process listens there;
+    a closed listener's TIME_WAIT connections do not count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
 def worker_env() -> dict[str, str]:
-    """Environment for worker processes. On Linux with Debian's OpenBLAS installed, preload it:
-    MLX's CPU wheel otherwise uses a reference BLAS (see docs/benchmarks.md: 1.4-2x faster decode
-    with float32 weights); one BLAS thread per worker since small mat-vec products get slower with
-    more."""
-    env = dict(os.environ)
-    if sys.platform.startswith("linux") and Path(OPENBLAS).exists() and "LD_PRELOAD" not in env:
-        env["LD_PRELOAD"] = OPENBLAS
-        env.setdefault("OPENBLAS_NUM_THREADS", "1")
-    return env
+    """Environment for worker processes: this one's, with Debian's OpenBLAS preloaded where it
+    applies (`flashfleet.blas.openblas_env`)."""
+    return openblas_env() or dict(os.environ)
 
 
 class LocalCluster:
@@ -100,9 +107,16 @@ class LocalCluster:
         """Starts every process and waits until all workers have registered.
 
         Raises:
-            RuntimeError: a process exited during start-up (its log's tail is in the message), or
-                the workers were not all registered within timeout_s.
+            RuntimeError: the coordinator's address is in use (nothing is started then), a
+                process exited during start-up (its log's tail is in the message), or the workers
+                were not all registered within timeout_s.
         """
+        if not port_is_free(self.host, self.port):
+            # Checked before anything starts: the workers would otherwise register with the
+            # process already there, and this cluster would look ready before its coordinator
+            # failed to bind.
+            raise RuntimeError(f"{self.address} is in use (another coordinator?): stop it or pick "
+                               "another --port")
         conf = ["--config", str(self.config)] if self.config else []
         coord = ["coordinator", *conf, "--host", self.host, "--port", str(self.port),
                  "--metrics-port", str(self.metrics_port or 0)]

@@ -47,6 +47,16 @@ THREAD_NAME = "flashfleet-engine"
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
+def _draft_label(path: Path) -> str:
+    """The draft's name in model info and metrics: its directory's name, or for a draft shipped
+    with the package (named after its target) `flashfleet/drafts/NAME`, so it does not read as
+    the target itself."""
+    from flashfleet.models.drafts import drafts_root, package_drafts_root
+
+    shipped = {r.resolve() for r in (drafts_root(), package_drafts_root())}
+    return f"flashfleet/drafts/{path.name}" if path.resolve().parent in shipped else path.name
+
+
 @dataclass(frozen=True)
 class Submit:
     """Start a validated request in `mode` (a key of the mode table)."""
@@ -153,13 +163,14 @@ class Engine:
         self._model = ModelDescription(
             name=config.served_name,
             max_context_tokens=int(context),
-            draft=config.draft_path.name if config.draft_path is not None else "",
+            draft=_draft_label(config.draft_path) if config.draft_path is not None else "",
             draft_mode=self._draft_kind,
             weights_bytes=target_fp.weights_bytes,
             kv_bytes_per_token=target_fp.kv_bytes_per_token,
             draft_weights_bytes=draft_fp.weights_bytes if draft_fp else 0,
             draft_kv_bytes_per_token=draft_fp.kv_bytes_per_token if draft_fp else 0,
-            num_draft_tokens=config.num_draft_tokens if draft_fp else 0,
+            num_draft_tokens=(0 if not draft_fp else (config.block_size or draft_cfg.get("block_size") or 16) - 1
+                              if self._draft_kind == "dflash" else config.num_draft_tokens),
         )
         self._encode_tokenizer = load_tokenizer(config.model_path)
 
