@@ -17,6 +17,7 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.registry import Registry
 from coordinator.routing import SessionAffinity
 from coordinator.servicer import CoordinatorServicer, RegistryServicer, WorkerPool
+from flashfleet.bad_messages import RejectUndecodable
 from flashfleet.transport import SERVER_OPTIONS, add_port
 from flashfleet.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -82,7 +83,7 @@ async def start_coordinator(config: CoordinatorConfig,
 
     registry = Registry(config.lease_ttl_s, on_remove=on_remove)
     servicer = CoordinatorServicer(config, registry, pool, affinity=affinity, metrics=metrics)
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RejectUndecodable()])
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
     worker_pb2_grpc.add_RegistryServicer_to_server(
         RegistryServicer(config, registry, pool), server)

@@ -348,3 +348,30 @@ def test_cli_generate_prints_whole_lines_and_stats_on_stderr(cluster, capsys):
     assert err.startswith("-- length; worker ") and "tok/s" in err
     assert main(["abc", "--model", "no-such-model", "--address", cluster.address]) == 1
     assert "NOT_FOUND" in capsys.readouterr().err
+
+
+def test_a_request_that_does_not_parse_is_invalid_argument_and_others_are_served(cluster):
+    """Bytes protobuf cannot parse (a prompt that is not UTF-8, a truncated message), as a client
+    in another language can send them: INVALID_ARGUMENT saying what to fix (grpc alone answers
+    UNKNOWN), on the coordinator and on a worker; health checks and real requests still work."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from flashfleet.v1 import common_pb2
+
+    good = common_pb2.GenerateRequest(model="fake-model", prompt="cafe", max_tokens=2).SerializeToString()
+    not_utf8 = good.replace(b"cafe", b"caf\xe9")
+    worker_address = cluster.workers[0].advertise_address
+    for address, method in ((cluster.address, "/flashfleet.v1.Coordinator/Generate"),
+                            (worker_address, "/flashfleet.v1.Worker/Generate")):
+        with grpc.insecure_channel(address) as ch:
+            call = ch.unary_stream(method)  # raw bytes in and out
+            for data in (not_utf8, good[:-1]):
+                with pytest.raises(grpc.RpcError) as e:
+                    list(call(data, timeout=5))
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (address, e.value)
+                assert "not a valid protobuf message" in e.value.details()
+            health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+    with Client(cluster.address) as client:
+        assert client.complete("fake-model", prompt="cafe", max_tokens=2).finish_reason == "length"
+        assert [m.info.name for m in client.list_models()] == ["fake-model"]

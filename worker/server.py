@@ -12,6 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential_jitter
 
+from flashfleet.bad_messages import RejectUndecodable
 from flashfleet.transport import SERVER_OPTIONS, add_port, aio_channel
 from flashfleet.v1 import worker_pb2, worker_pb2_grpc
 from worker import convert
@@ -84,7 +85,7 @@ async def start_worker(engine: EngineProtocol, worker_id: str, host: str = "127.
     Raises:
         RuntimeError: the port could not be bound.
     """
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RejectUndecodable()])
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine, worker_id, metrics), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
