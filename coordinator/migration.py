@@ -83,7 +83,7 @@ class MigrationPolicy:
         if budget - sent_tokens < self.min_remaining_tokens:
             return None
         idle = [w for w in workers if w.worker_id != source.worker_id and w.in_flight == 0
-                and w.capacity > 0 and w.serves(request.model, request.mode)]
+                and w.capacity > 0 and not w.unreachable and w.serves(request.model, request.mode)]
         return min(idle, key=lambda w: w.worker_id) if idle else None
 
 

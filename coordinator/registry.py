@@ -29,6 +29,10 @@ class WorkerRecord:
         last_heartbeat_s: clock reading of the latest heartbeat.
         in_flight: streams the coordinator has open to it now (fresher than load).
         served_requests: requests routed to it that finished.
+        unreachable: a call to it failed UNAVAILABLE before its first message (the process is
+            gone, the host unreachable, or it is draining) since its last heartbeat; routing
+            passes it over while another worker can take the request, instead of trying it
+            first on every request until its lease runs out.
     """
 
     worker_id: str
@@ -40,6 +44,7 @@ class WorkerRecord:
     in_flight: int = 0
     served_requests: int = 0
     model_names: frozenset[str] = field(default=frozenset())
+    unreachable: bool = False
 
     def serves(self, model: str, mode: int = common_pb2.DECODE_MODE_AUTO) -> bool:
         """True when the worker serves `model` and, for a speculative mode (DRAFT, DFLASH, UAG),
@@ -115,6 +120,7 @@ class Registry:
         rec = self._get_live(worker_id, lease_id)
         rec.load = load
         rec.last_heartbeat_s = self._clock()
+        rec.unreachable = False  # it is alive: route to it again
         return rec
 
     def deregister(self, worker_id: str, lease_id: str) -> WorkerRecord:

@@ -101,8 +101,9 @@ def route(model: str, session_id: str, workers: Iterable[WorkerRecord], exclude:
     """Chooses the worker for one attempt of a request.
 
     Only workers serving the model (with a draft of the right kind for a speculative `mode`) are
-    eligible. The session's worker wins while it is live, eligible, has room and was not tried;
-    otherwise the router picks among the other eligible workers.
+    eligible, and of those the ones not marked `unreachable` while any is. The session's worker
+    wins while it is live, eligible, has room and was not tried; otherwise the router picks among
+    the other eligible workers.
 
     Raises:
         NoWorker: no live worker serves the model.
@@ -118,6 +119,9 @@ def route(model: str, session_id: str, workers: Iterable[WorkerRecord], exclude:
         raise NoWorker(f"no live worker serving {model!r} has a draft for mode {_mode_name(mode)!r} (modes served "
                        f"for it: {', '.join(served)}); start a worker with a draft of that kind, or use mode 'auto'")
     eligible = [w for w in serving if w.worker_id not in exclude]
+    # A worker that just failed to answer is a last resort (it may be back: then its heartbeat
+    # clears the mark), not every request's first try.
+    eligible = [w for w in eligible if not w.unreachable] or eligible
     sticky = affinity.lookup(session_id)
     for w in eligible:
         if w.worker_id == sticky and w.busy < w.capacity:

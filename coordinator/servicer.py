@@ -255,6 +255,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                         raise
                     log.info("worker %s refused %s: %s %s", worker.worker_id, request.request_id,
                              e.code().name, e.details())
+                    if e.code() == grpc.StatusCode.UNAVAILABLE:
+                        worker.unreachable = True  # until its next heartbeat (coordinator/registry.py)
                     last_failure = _WorkerFailed(worker, e)
                     raise last_failure from None
                 return worker, call, first, queue_s

@@ -375,3 +375,27 @@ def test_a_request_that_does_not_parse_is_invalid_argument_and_others_are_served
     with Client(cluster.address) as client:
         assert client.complete("fake-model", prompt="cafe", max_tokens=2).finish_reason == "length"
         assert [m.info.name for m in client.list_models()] == ["fake-model"]
+
+
+def test_a_vanished_worker_is_not_every_requests_first_try():
+    """A worker killed without deregistering (kill -9, a pulled cable) keeps its lease until it
+    expires; after one request finds it gone (UNAVAILABLE before a first token, retried on the
+    other worker), routing passes it over instead of trying it first each time. A heartbeat
+    (it came back) clears the mark."""
+    c = start_cluster({"w1": FakeEngine(), "w2": FakeEngine()}, lease_ttl_s=60.0)
+    try:
+        gone = next(w for w in c.workers if w.worker_id == "w1")
+        gone.stop_heartbeats()
+        c.loop.run(gone.server.stop(0))  # no deregistration: the lease stays
+        retries = c.coordinator.metrics.retries.labels(model="fake-model")
+        with Client(c.address) as client:
+            served = [client.complete("fake-model", prompt=f"r{i}", max_tokens=2).worker_id for i in range(12)]
+        assert served == ["w2"] * 12
+        assert retries._value.get() <= 1  # only the request that found it gone tried it
+        rec = c.coordinator.registry.get("w1")
+        assert rec is not None and rec.unreachable
+        c.coordinator.registry.heartbeat("w1", rec.lease_id, rec.load)
+        assert not rec.unreachable
+    finally:
+        c.workers.remove(gone)
+        c.close()

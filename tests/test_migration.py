@@ -25,6 +25,7 @@ class FakeWorker:
     in_flight: int = 0
     capacity: int = 2
     models: tuple = ("m",)
+    unreachable: bool = False
 
     def serves(self, model, mode=common_pb2.DECODE_MODE_AUTO):
         return model in self.models
@@ -50,6 +51,8 @@ def test_policy_moves_a_shared_session_to_an_idle_worker_only():
     assert p.target(_req(max_tokens=100, temperature=0.8), src, 5, workers, None, 0.0) is idle
     assert p.target(_req(), src, 5, workers, None, 0.0) is idle  # budget unset: the worker's default (256)
     assert p.target(_req(), src, 250, workers, None, 0.0) is None
+    gone = FakeWorker("e", unreachable=True)  # idle only because its calls fail
+    assert p.target(_req(max_tokens=100), src, 5, [src, gone], None, 0.0) is None
     other_model = FakeWorker("d", models=("other",))
     assert p.target(_req(max_tokens=100), src, 5, [src, other_model], None, 0.0) is None
     assert MigrationPolicy(enabled=False).target(_req(max_tokens=100), src, 5, workers, None, 0.0) is None
