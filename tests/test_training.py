@@ -735,6 +735,35 @@ def test_evaluate_tau_is_at_least_one():
     for v in list(res["per_corpus"].values()) + [res["all"]]:
         assert 1.0 <= v["tau"] <= 4.0 and v["cycles"] > 0
         assert v["tokens"] == 12 * v["prompts"]
+    # Per prompt, keyed by the prompt's ids: the pooled figures are their sums.
+    per = res["per_prompt"]
+    assert [r["corpus"] for r in per] == ["a", "b", "a"] and len({r["key"] for r in per}) == 3
+    assert sum(r["cycles"] for r in per) == res["all"]["cycles"]
+    lo, hi = res["all"]["interval"]
+    assert lo <= res["all"]["tau"] <= hi
+
+
+def test_tau_interval_and_paired_difference():
+    from worker.training.evaluate import paired_tau_difference, pooled_tau_interval, prompt_key
+
+    assert prompt_key([1, 2, 3]) == prompt_key((1, 2, 3)) != prompt_key([1, 2, 4])
+    rows = [{"corpus": "c" if i % 2 else "p", "key": str(i), "cycles": 10, "accepted": a}
+            for i, a in enumerate([5, 30, 12, 20, 8, 25, 15, 18])]
+    lo, hi = pooled_tau_interval(rows)
+    assert lo < 1 + sum(r["accepted"] for r in rows) / 80 < hi and pooled_tau_interval(rows) == [lo, hi]
+    assert pooled_tau_interval(rows[:1]) is None  # one prompt: no spread to resample
+    same = paired_tau_difference({"per_prompt": rows}, {"per_prompt": rows})
+    assert same["difference"] == 0 and same["interval"] == [0, 0] and same["prompts"] == 8
+    # Every prompt one accepted draft per cycle better: +1.0 exactly, whatever the prompts' spread,
+    # while the two drafts' own intervals overlap.
+    better = [dict(r, accepted=r["accepted"] + 10) for r in rows]
+    d = paired_tau_difference({"per_prompt": better}, {"per_prompt": rows})
+    assert d["difference"] == pytest.approx(1.0) and d["interval"] == [pytest.approx(1.0)] * 2
+    assert pooled_tau_interval(better)[0] < hi
+    only_c = paired_tau_difference({"per_prompt": better}, {"per_prompt": rows}, corpora=["c"])
+    assert only_c["prompts"] == 4
+    assert paired_tau_difference({"per_prompt": rows}, {"per_corpus": {}}) is None  # an older card
+    assert paired_tau_difference({"per_prompt": rows}, {"per_prompt": [dict(rows[0], key="x")]}) is None
 
 
 # --------------------------------------------------------------------------- command line

@@ -103,10 +103,12 @@ def render_card(card: dict) -> str:
         first = evals[names[0]]
         for c in list(first["per_corpus"]) + ["all"]:
             rows = [evals[n]["per_corpus"].get(c) if c != "all" else evals[n]["all"] for n in names]
-            taus = [f"{r['tau']:.3f}" if r and r["tau"] is not None else "-" for r in rows]
+            taus = [f"{r['tau']:.3f}" + (" ({:.2f}-{:.2f})".format(*r["interval"]) if r.get("interval") else "")
+                    if r and r["tau"] is not None else "-" for r in rows]
             lines.append(f"| {c} | {rows[0]['prompts'] if rows[0] else 0} | " + " | ".join(taus) + " |")
         lines.append("")
-        lines.append(f"max {first['max_new_tokens']} new tokens per prompt, block size {first['block_size']}."
+        lines.append(f"max {first['max_new_tokens']} new tokens per prompt, block size {first['block_size']};"
+                     " `all` with its 95% bootstrap interval over prompts."
                      + (" `trained` is the saved (quantized) draft, `unquantized` the same weights before"
                         " quantization." if "unquantized" in evals else ""))
     lines.append("")
