@@ -60,9 +60,10 @@ def time_op(fn, reps: int) -> float:
 def sdpa_unfused(q, k, v, scale: float, mask):
     """Attention as plain operations: softmax(q k^T * scale + mask) v, grouped-query heads shared.
 
-    q: (1, H, B, hd); k, v: (1, Hkv, L, hd) with H a multiple of Hkv; mask: None or additive
-    (B, L) in q's dtype. Returns (1, H, B, hd), what `mx.fast.scaled_dot_product_attention`
-    returns for the same inputs (softmax in float32, `precise`)."""
+    q: (1, H, B, hd); k, v: (1, Hkv, L, hd) with H a multiple of Hkv; mask: None, additive (B, L)
+    in q's dtype, or boolean (B, L), True where visible. Returns (1, H, B, hd), what
+    `mx.fast.scaled_dot_product_attention` returns for the same inputs (softmax in float32,
+    `precise`)."""
     import mlx.core as mx
 
     _, H, B, hd = q.shape
@@ -70,7 +71,7 @@ def sdpa_unfused(q, k, v, scale: float, mask):
     qg = (q * scale).reshape(1, Hkv, H // Hkv, B, hd)  # each kv head's query heads together
     s = qg @ k[:, :, None].swapaxes(-1, -2)  # (1, Hkv, H/Hkv, B, L)
     if mask is not None:
-        s = s + mask
+        s = mx.where(mask, s, -mx.inf) if mask.dtype == mx.bool_ else s + mask
     return (mx.softmax(s, axis=-1, precise=True) @ v[:, :, None]).reshape(1, H, B, hd)
 
 
@@ -93,7 +94,8 @@ def layer_ops(model, B: int, context: int) -> tuple[list[tuple[str, int, object]
     D = target_hidden_size(model)
     dtype = layer.input_layernorm.weight.dtype
     H, Hkv = attn.n_heads, attn.n_kv_heads
-    hd = getattr(attn, "head_dim", None) or D // H
+    q_norm = getattr(attn, "q_norm", None)  # qwen3 keeps no head_dim, but normalises each head
+    hd = getattr(attn, "head_dim", None) or (q_norm.weight.shape[0] if q_norm is not None else D // H)
     cache = make_target_cache(model)
     mx.eval(model(mx.array([list(range(100, 100 + context))], dtype=mx.uint32), cache=cache))
     lc = cache[0]  # layer 0's cache, holding the context's keys and values
@@ -120,7 +122,7 @@ def layer_ops(model, B: int, context: int) -> tuple[list[tuple[str, int, object]
     # In the order a forward runs them: attention's input projections, its output, then the MLP's.
     linears.sort(key=lambda nm: (nm[0].startswith("mlp"), nm[0].endswith(("o_proj", "down_proj")), nm[0]))
     for name, m in linears:
-        d_in = m.weight.shape[1] * (32 // m.bits if type(m) is nn.QuantizedLinear else 1)
+        d_in = m.weight.shape[1] * 32 // m.bits if type(m) is nn.QuantizedLinear else m.weight.shape[1]
         xi = mx.random.normal((1, B, d_in)).astype(dtype)
         ops.append((f"linear {name} {d_in}->{m.weight.shape[0]}", n, lambda m=m, xi=xi: m(xi)))
     ops += [

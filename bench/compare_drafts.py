@@ -58,14 +58,25 @@ def main(argv=None) -> int:
     except (OSError, ValueError) as e:
         print(f"compare_drafts: {e}", file=sys.stderr)
         return 2
+    for key in ("block_size", "max_new_tokens"):
+        if new.get(key) != old.get(key):
+            print(f"compare_drafts: warning: {key} differs ({new.get(key)} against {old.get(key)}): "
+                  "the taus are not measured alike", file=sys.stderr)
     fmt = lambda t, iv: "-" if t is None else f"{t:.3f}" + (f" ({iv[0]:.2f}-{iv[1]:.2f})" if iv else "")  # noqa: E731
     print(f"new {a.new}\nold {a.old}")
     print("| prompts | n | new tau (95%) | old tau (95%) | paired new - old (95%) |\n|---|---|---|---|---|")
     for label, corpora in (("all", None), ("+".join(a.corpora), set(a.corpora))):
         (tn, ivn, nn), (to, ivo, _) = _pooled(new, corpora), _pooled(old, corpora)
         d = paired_tau_difference(new, old, sorted(corpora) if corpora else None)
-        paired = (f"{d['difference']:+.3f} ({d['interval'][0]:+.3f} to {d['interval'][1]:+.3f}), "
-                  f"{d['prompts']} shared" if d else "- (a card without per-prompt results)")
+        if d is None:
+            paired = ("- (no prompt measured by both)" if new.get("per_prompt") and old.get("per_prompt")
+                      else "- (a card without per-prompt results)")
+        elif d["difference"] is None:
+            paired = f"- (no cycles on one side), {d['prompts']} shared"
+        else:
+            iv = d["interval"]
+            paired = (f"{d['difference']:+.3f}" + (f" ({iv[0]:+.3f} to {iv[1]:+.3f})" if iv else " (one prompt)")
+                      + f", {d['prompts']} shared")
         print(f"| {label} | {nn} | {fmt(tn, ivn)} | {fmt(to, ivo)} | {paired} |")
     return 0
 

@@ -101,7 +101,7 @@ def route(model: str, session_id: str, workers: Iterable[WorkerRecord], exclude:
     """Chooses the worker for one attempt of a request.
 
     Only workers serving the model (with a draft of the right kind for a speculative `mode`) are
-    eligible, and of those the ones not marked `unreachable` while any is. The session's worker
+    eligible, and of those the ones not marked `unreachable` while any of them has room. The session's worker
     wins while it is live, eligible, has room and was not tried; otherwise the router picks among
     the other eligible workers.
 
@@ -120,8 +120,8 @@ def route(model: str, session_id: str, workers: Iterable[WorkerRecord], exclude:
                        f"for it: {', '.join(served)}); start a worker with a draft of that kind, or use mode 'auto'")
     eligible = [w for w in serving if w.worker_id not in exclude]
     # A worker that just failed to answer is a last resort (it may be back: then its heartbeat
-    # clears the mark), not every request's first try.
-    eligible = [w for w in eligible if not w.unreachable] or eligible
+    # clears the mark), not every request's first try; it still serves when the others are full.
+    eligible = [w for w in eligible if not w.unreachable and w.busy < w.capacity] or eligible
     sticky = affinity.lookup(session_id)
     for w in eligible:
         if w.worker_id == sticky and w.busy < w.capacity:

@@ -111,6 +111,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         tried: set[str] = set()
         try:
             worker, call, first, queue_s = await self._open_stream(request, context, tried, t0)
+        except asyncio.CancelledError:  # the client left, or its deadline ran out, before a first token
+            self._count(request.model, "", "deadline" if _deadline_passed(context) else "cancelled")
+            raise
         except NoWorker as e:
             # Unknown names share one label value: clients must not create unbounded series.
             known = any(w.serves(request.model) for w in self.registry.live())
@@ -194,6 +197,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 raise
             log.info("migration of %s to %s refused (%s %s); it stays on %s", request.request_id, dest.worker_id,
                      e.code().name, e.details(), source.worker_id)
+            if e.code() == grpc.StatusCode.UNAVAILABLE and call is not None and call.done() \
+                    and await call.code() == grpc.StatusCode.UNAVAILABLE:
+                dest.unreachable = True  # its own call failed, as in routing: passed over until it heartbeats
             self._migrated(request.model, "aborted")
             progress.attempted()
             return None

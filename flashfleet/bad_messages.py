@@ -6,7 +6,7 @@ other languages can send both) it answers UNKNOWN "Unexpected <class DecodeError
 traceback. `RejectUndecodable`, a server interceptor on every flashfleet server, wraps each
 single-request method's deserializer so that a parse error becomes INVALID_ARGUMENT with a
 message saying what to fix; the servicer and every other stream are untouched. Methods whose
-requests stream in (grpc reflection) are left as they are.
+requests stream in (grpc reflection) and synchronous behaviors are left as they are.
 """
 from __future__ import annotations
 
@@ -49,6 +49,8 @@ class RejectUndecodable(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         kind = "unary_stream" if handler.response_streaming else "unary_unary"
         inner = getattr(handler, kind)
+        if not (inspect.isasyncgenfunction(inner) or inspect.iscoroutinefunction(inner)):
+            return handler  # a synchronous behavior (none in flashfleet): left as grpc runs it
         if inspect.isasyncgenfunction(inner):  # yields its responses
             async def behavior(request, context):
                 if isinstance(request, _Undecodable):

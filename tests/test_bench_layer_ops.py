@@ -64,7 +64,8 @@ def test_sdpa_unfused_equals_the_fused_kernel():
     q = mx.random.normal((1, 6, 4, 16))
     k, v = mx.random.normal((1, 2, 12, 16)), mx.random.normal((1, 2, 12, 16))
     mask = additive_mask(mx.pad(create_causal_mask(4, 5), [(0, 0), (0, 3)]), mx.float32)  # 9 keys used
-    for m in (mask, None):
+    boolean = mx.pad(create_causal_mask(4, 5), [(0, 0), (0, 3)])
+    for m in (mask, None, boolean):
         want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=m)
         got = sdpa_unfused(q, k, v, 0.25, m)
         assert got.shape == want.shape and mx.allclose(got, want, atol=1e-5).item()

@@ -399,3 +399,35 @@ def test_a_vanished_worker_is_not_every_requests_first_try():
     finally:
         c.workers.remove(gone)
         c.close()
+
+
+def test_routing_prefers_reachable_workers_with_room_and_falls_back():
+    """Marked workers are passed over only while an unmarked one has room: with every unmarked
+    worker full, a marked worker with free slots still gets the request (no RESOURCE_EXHAUSTED)."""
+    from coordinator.registry import WorkerRecord
+    from coordinator.routing import PowerOfTwoRouter, SessionAffinity, route
+    from flashfleet.v1 import common_pb2, worker_pb2
+
+    def rec(wid, in_flight, unreachable=False):
+        return WorkerRecord(worker_id=wid, address=f"{wid}:1", lease_id="l", models=[common_pb2.ModelInfo(name="m")],
+                            load=worker_pb2.WorkerLoad(capacity=2), last_heartbeat_s=0.0, in_flight=in_flight,
+                            model_names=frozenset({"m"}), unreachable=unreachable)
+
+    router, affinity = PowerOfTwoRouter(), SessionAffinity(ttl_s=60.0)
+    marked, healthy = rec("a", 0, unreachable=True), rec("b", 0)
+    assert all(route("m", "", [marked, healthy], set(), router, affinity) is healthy for _ in range(20))
+    assert route("m", "", [marked, rec("b", 2)], set(), router, affinity) is marked  # b full: a serves
+    assert route("m", "", [marked], set(), router, affinity) is marked  # the only one: tried anyway
+
+
+def test_a_deadline_before_the_first_token_is_counted():
+    engine = FakeEngine(token_delay_s=2.0)  # the first token comes after the deadline
+    c = start_cluster({"w1": engine})
+    routed = lambda outcome: c.coordinator_registry.get_sample_value(  # noqa: E731
+        "flashfleet_coordinator_requests_total", {"model": "fake-model", "worker": "", "outcome": outcome})
+    try:
+        with Client(c.address) as client, pytest.raises(DeadlineExceeded):
+            client.complete("fake-model", prompt="slow", max_tokens=3, timeout_s=0.3)
+        assert wait_until(lambda: routed("deadline") == 1)
+    finally:
+        c.close()

@@ -764,6 +764,18 @@ def test_tau_interval_and_paired_difference():
     assert only_c["prompts"] == 4
     assert paired_tau_difference({"per_prompt": rows}, {"per_corpus": {}}) is None  # an older card
     assert paired_tau_difference({"per_prompt": rows}, {"per_prompt": [dict(rows[0], key="x")]}) is None
+    one = paired_tau_difference({"per_prompt": better[:1]}, {"per_prompt": rows[:1]})
+    assert one["difference"] == pytest.approx(1.0) and one["interval"] is None  # no spread from one prompt
+    # Prompts without cycles: no tau on that side, and resamples without cycles are not scored.
+    dry = [dict(r, cycles=0, accepted=0) for r in rows]
+    none = paired_tau_difference({"per_prompt": dry}, {"per_prompt": rows})
+    assert none["new"] is None and none["difference"] is None and none["interval"] is None
+    mixed = [dict(r, cycles=0, accepted=0) if i < 6 else r for i, r in enumerate(rows)]
+    d = paired_tau_difference({"per_prompt": mixed}, {"per_prompt": rows})
+    assert d["interval"][0] <= d["difference"] <= d["interval"][1]
+    # A prompt held twice pairs as the sum of its rows.
+    twice = paired_tau_difference({"per_prompt": rows + rows[:1]}, {"per_prompt": rows + rows[:1]})
+    assert twice["prompts"] == 8 and twice["difference"] == 0
 
 
 # --------------------------------------------------------------------------- command line

@@ -76,8 +76,9 @@ def test_openblas_preload_applies_only_where_it_should(tmp_path, monkeypatch):
 
 def test_a_worker_started_by_hand_restarts_itself_with_openblas(monkeypatch):
     """`python -m worker` / `flashfleet worker` on Linux with OpenBLAS installed: main() starts the
-    same command again with OpenBLAS preloaded, before parsing anything (a library is preloaded
-    at process start only); already preloaded, it runs on."""
+    process's own command again with OpenBLAS preloaded, before parsing anything (a library is
+    preloaded at process start only); a restarted process, or a program calling main([...]),
+    never restarts."""
     import os
 
     import flashfleet.blas as blas
@@ -91,12 +92,22 @@ def test_a_worker_started_by_hand_restarts_itself_with_openblas(monkeypatch):
 
     monkeypatch.setattr(os, "execve", fake_execve)
     monkeypatch.setattr(blas, "openblas_env", lambda: {"LD_PRELOAD": "/lib/openblas.so", "X": "1"})
+    monkeypatch.delenv(cli.INVOKED_AS, raising=False)
+    own = ["/usr/bin/python3", "-X", "dev", "/usr/bin/flashfleet", "worker", "--model", "m"]
+    monkeypatch.setattr(sys, "orig_argv", own)
     monkeypatch.setattr(sys, "argv", ["/usr/bin/flashfleet", "worker", "--model", "m"])
     with pytest.raises(SystemExit):
-        cli.main(["--model", "m", "--port", "0"])
+        cli.main(["--model", "m"])
     (path, args, env), = calls
-    assert path == sys.executable and args == [sys.executable, "-m", "worker", "--model", "m", "--port", "0"]
+    assert path == sys.executable and args == own  # its own command line, flags kept
     assert env["LD_PRELOAD"] == "/lib/openblas.so" and env[cli.INVOKED_AS] == "flashfleet worker"
 
+    missing = str(Path("/nonexistent/model"))
+    monkeypatch.setenv(cli.INVOKED_AS, "flashfleet worker")  # already restarted: never again
+    assert cli.main(["--model", missing]) == 2 and len(calls) == 1
+    monkeypatch.delenv(cli.INVOKED_AS)
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/pytest"])  # main([...]) inside another program
+    assert cli.main(["--model", missing]) == 2 and len(calls) == 1
     monkeypatch.setattr(blas, "openblas_env", lambda: None)  # nothing to preload: no restart
-    assert cli.main(["--model", str(Path("/nonexistent/model"))]) == 2 and len(calls) == 1
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/flashfleet", "worker"])
+    assert cli.main(["--model", missing]) == 2 and len(calls) == 1

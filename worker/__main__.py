@@ -169,16 +169,30 @@ async def serve(a, engine) -> None:
     await running.stop(grace_s=a.drain_timeout_s)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _restart_with_openblas(argv: list[str] | None) -> None:
+    """Replaces this process by the same command with Debian's OpenBLAS preloaded, where
+    `flashfleet.blas.openblas_env` says it applies (a library is preloaded at process start only).
+
+    Only a process that is the worker restarts: `python -m worker` (argv None) or the `flashfleet`
+    console script, never a caller of `main([...])` inside another program; the command line is
+    the process's own (`sys.orig_argv`: interpreter flags kept, no working directory put first on
+    the import path), and a restarted process never restarts again (INVOKED_AS marks it: a loader
+    that drops LD_PRELOAD, as glibc does for a privileged executable, cannot make it loop)."""
     from flashfleet.blas import openblas_env
+
+    if os.environ.get(INVOKED_AS) or not (argv is None or Path(sys.argv[0]).name == "flashfleet"):
+        return
+    env = openblas_env()
+    if env is not None:
+        env[INVOKED_AS] = _prog("worker")
+        os.execve(sys.executable, list(sys.orig_argv), env)
+
+
+def main(argv: list[str] | None = None) -> int:
     from flashfleet.config import ConfigError
     from flashfleet.models.drafts import NoShippedDraftError
 
-    env = openblas_env()
-    if env is not None:  # a library is preloaded at process start only: start again with it
-        args = sys.argv[1:] if argv is None else list(argv)
-        env[INVOKED_AS] = _prog("worker")
-        os.execve(sys.executable, [sys.executable, "-m", "worker", *args], env)
+    _restart_with_openblas(argv)
 
     try:
         a = parse_args(argv)

@@ -86,30 +86,48 @@ def paired_tau_difference(new: dict, old: dict, corpora: Optional[Sequence[str]]
 
     Args:
         new, old: `evaluate_tau` results with "per_prompt" (runs on the same held-out prompts of
-            one target: they pair by `prompt_key`).
+            one target: they pair by corpus and `prompt_key`; a prompt held twice counts as the
+            sum of its rows).
         corpora: only these corpora's prompts (None: all).
 
     Returns:
         {"prompts", "new", "old", "difference", "interval"} (taus pooled over the shared
-        prompts), or None when either has no per-prompt results or they share no prompt.
+        prompts; a tau is None without cycles, the interval None with fewer than two shared
+        prompts or no resample with cycles on both sides), or None when either has no per-prompt
+        results or they share no prompt.
     """
     if not new.get("per_prompt") or not old.get("per_prompt"):
         return None
-    keep = (lambda r: r["corpus"] in corpora) if corpora else (lambda r: True)  # noqa: E731
-    a = {r["key"]: r for r in new["per_prompt"] if keep(r)}
-    b = {r["key"]: r for r in old["per_prompt"] if keep(r)}
+
+    def by_prompt(rows):
+        out: dict[tuple, list[float]] = {}
+        for r in rows:
+            if corpora is None or r["corpus"] in corpora:
+                acc = out.setdefault((r["corpus"], r["key"]), [0.0, 0.0])
+                acc[0] += r["cycles"]
+                acc[1] += r["accepted"]
+        return out
+
+    a, b = by_prompt(new["per_prompt"]), by_prompt(old["per_prompt"])
     shared = sorted(set(a) & set(b))
     if not shared:
         return None
-    arr = lambda rows, f: np.array([rows[k][f] for k in shared], dtype=np.float64)  # noqa: E731
-    ca, aa, cb, ab = arr(a, "cycles"), arr(a, "accepted"), arr(b, "cycles"), arr(b, "accepted")
-    tau = lambda acc, cyc: float((acc.sum() + cyc.sum()) / max(cyc.sum(), 1))  # noqa: E731
-    idx = np.random.default_rng(BOOTSTRAP_SEED).integers(0, len(shared), (BOOTSTRAP_RESAMPLES, len(shared)))
-    sa, sb = np.maximum(ca[idx].sum(axis=1), 1), np.maximum(cb[idx].sum(axis=1), 1)
-    diffs = (aa[idx].sum(axis=1) + sa) / sa - (ab[idx].sum(axis=1) + sb) / sb
-    lo, hi = np.quantile(diffs, [(1 - level) / 2, (1 + level) / 2])
-    return {"prompts": len(shared), "new": round(tau(aa, ca), 4), "old": round(tau(ab, cb), 4),
-            "difference": round(tau(aa, ca) - tau(ab, cb), 4), "interval": [round(float(lo), 4), round(float(hi), 4)]}
+    ca, aa = np.array([a[k] for k in shared]).T
+    cb, ab = np.array([b[k] for k in shared]).T
+    tau = lambda acc, cyc: float((acc.sum() + cyc.sum()) / cyc.sum()) if cyc.sum() else None  # noqa: E731
+    tn, to = tau(aa, ca), tau(ab, cb)
+    interval = None
+    if len(shared) >= 2:
+        idx = np.random.default_rng(BOOTSTRAP_SEED).integers(0, len(shared), (BOOTSTRAP_RESAMPLES, len(shared)))
+        sa, sb = ca[idx].sum(axis=1), cb[idx].sum(axis=1)
+        ok = (sa > 0) & (sb > 0)  # a resample without cycles on one side has no tau there
+        if ok.any():
+            diffs = (aa[idx].sum(axis=1)[ok] + sa[ok]) / sa[ok] - (ab[idx].sum(axis=1)[ok] + sb[ok]) / sb[ok]
+            lo, hi = np.quantile(diffs, [(1 - level) / 2, (1 + level) / 2])
+            interval = [round(float(lo), 4), round(float(hi), 4)]
+    return {"prompts": len(shared), "new": None if tn is None else round(tn, 4),
+            "old": None if to is None else round(to, 4),
+            "difference": None if tn is None or to is None else round(tn - to, 4), "interval": interval}
 
 
 def _summary(rows: list[dict]) -> dict:
