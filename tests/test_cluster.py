@@ -23,6 +23,12 @@ def cluster():
     c.close()
 
 
+def routed_count(cluster, outcome: str, worker: str):
+    """The coordinator's requests_total for fake-model, this outcome and worker (None: no sample)."""
+    return cluster.coordinator_registry.get_sample_value(
+        "flashfleet_coordinator_requests_total", {"model": "fake-model", "worker": worker, "outcome": outcome})
+
+
 def wait_until(pred, timeout=5.0):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -114,8 +120,7 @@ def test_client_cancellation_frees_the_worker():
 def test_deadline_propagates_and_frees_the_worker():
     engine = FakeEngine(token_delay_s=0.05)
     c = start_cluster({"w1": engine})
-    routed = lambda outcome: c.coordinator_registry.get_sample_value(  # noqa: E731
-        "flashfleet_coordinator_requests_total", {"model": "fake-model", "worker": "w1", "outcome": outcome})
+    routed = lambda outcome: routed_count(c, outcome, "w1")  # noqa: E731
     try:
         with Client(c.address) as client, pytest.raises(DeadlineExceeded):
             client.complete("fake-model", prompt="long", max_tokens=1000, timeout_s=0.5)
@@ -423,8 +428,7 @@ def test_routing_prefers_reachable_workers_with_room_and_falls_back():
 def test_a_deadline_before_the_first_token_is_counted():
     engine = FakeEngine(token_delay_s=2.0)  # the first token comes after the deadline
     c = start_cluster({"w1": engine})
-    routed = lambda outcome: c.coordinator_registry.get_sample_value(  # noqa: E731
-        "flashfleet_coordinator_requests_total", {"model": "fake-model", "worker": "", "outcome": outcome})
+    routed = lambda outcome: routed_count(c, outcome, "")  # noqa: E731 - no worker had answered
     try:
         with Client(c.address) as client, pytest.raises(DeadlineExceeded):
             client.complete("fake-model", prompt="slow", max_tokens=3, timeout_s=0.3)
