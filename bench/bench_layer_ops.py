@@ -1,9 +1,8 @@
 """Where a verify's time goes: each operation of a decoder layer and the head, alone, B = 1 vs B.
 
 On the lent H200 a B = 16 verify of the 1.5B target costs about 1.7 plain steps (9.7 against 5.9 ms,
-docs/benchmarks.md, fourteenth session) although both launch the same ~400 kernels
-(`bench/count_graph_ops.py`): some operations must cost more per launch with 16 rows than with
-one. This times, for one decoder layer of the target (its own modules, over the padded KV cache a
+docs/benchmarks.md, fourteenth session) although both graphs hold about 400 kernel-launching
+operations (`bench/count_graph_ops.py`): some operations cost more with 16 rows than with one. This times, for one decoder layer of the target (its own modules, over the padded KV cache a
 DFlash verify uses, `--context` positions in it) and for the head, every piece alone:
 
     linear NAME    each projection of the layer (fused ones too: `worker/fusion.py`, on unless
