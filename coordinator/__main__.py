@@ -5,19 +5,13 @@ import argparse
 import asyncio
 import logging
 import sys
-from pathlib import Path
 
 from coordinator.config import CoordinatorConfig
+from flashfleet.cli import prog_name
 
 # Built-in defaults; a --config file's values come before them, command-line flags before both.
 DEFAULTS = {"host": "127.0.0.1", "port": 50051, "lease_ttl_s": 10.0, "heartbeat_interval_s": 2.0,
             "route_attempts": 3, "log_level": "INFO", "migrate": True, "migrate_min_remaining_tokens": 64}
-
-
-def _prog(name: str) -> str:
-    """How this command was invoked, for its usage line: `flashfleet {name}` from the console
-    script, else `python -m {name}`."""
-    return f"flashfleet {name}" if Path(sys.argv[0]).name == "flashfleet" else f"python -m {name}"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -27,7 +21,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     Raises:
         flashfleet.config.ConfigError: an unreadable or invalid config file.
     """
-    p = argparse.ArgumentParser(prog=_prog("coordinator"), description=__doc__)
+    p = argparse.ArgumentParser(prog=prog_name("coordinator"), description=__doc__)
     p.add_argument("--config", default=None, help="cluster config file (TOML, see "
                    "deploy/cluster.toml); flags override its values")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; 0.0.0.0 "

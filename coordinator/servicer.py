@@ -197,8 +197,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 raise
             log.info("migration of %s to %s refused (%s %s); it stays on %s", request.request_id, dest.worker_id,
                      e.code().name, e.details(), source.worker_id)
-            if e.code() == grpc.StatusCode.UNAVAILABLE and call is not None and call.done() \
-                    and await call.code() == grpc.StatusCode.UNAVAILABLE:
+            if call is not None and await call.code() == grpc.StatusCode.UNAVAILABLE:
                 dest.unreachable = True  # its own call failed, as in routing: passed over until it heartbeats
             self._migrated(request.model, "aborted")
             progress.attempted()

@@ -2,8 +2,8 @@
 
 MLX's `mlx[cpu]` wheel links a reference BLAS; preloading Debian's OpenBLAS
 (`apt-get install libopenblas0-pthread`) makes a CPU worker's float32 matmuls much faster
-(docs/benchmarks.md; ../shared/models/README.md: SmolLM2 decodes at 10.2 against 6.7 tokens/s,
-prefill 8-15x sooner). A library must be preloaded when the process starts, so `flashfleet up`
+(../shared/models/README.md: SmolLM2 in float32 decodes at 10.2 against 6.7 tokens/s on two
+cores). A library must be preloaded when the process starts, so `flashfleet up`
 sets it in its workers' environment and a worker started by hand re-executes itself with it
 (`worker/__main__.py`). One BLAS thread per worker: small matrix-vector products get slower with
 more.

@@ -16,24 +16,15 @@ import os
 import signal
 import socket
 import sys
-from pathlib import Path
 import time
+from pathlib import Path
 
+from flashfleet.cli import INVOKED_AS, prog_name
 
 # Built-in defaults; a --config file's values come before them, command-line flags before both.
 DEFAULTS = {"model_name": "", "num_draft_tokens": 3, "capacity": 4, "host": "127.0.0.1",
             "port": 0, "log_level": "INFO"}
 MODEL_SETTINGS = ("model", "model_name", "draft", "num_draft_tokens", "max_context_tokens")
-
-
-INVOKED_AS = "FLASHFLEET_INVOKED_AS"
-
-
-def _prog(name: str) -> str:
-    """How this command was invoked, for its usage line: `flashfleet {name}` from the console
-    script, else `python -m {name}`."""
-    invoked = os.environ.get(INVOKED_AS)  # set across `main`'s re-execution with OpenBLAS
-    return invoked or (f"flashfleet {name}" if Path(sys.argv[0]).name == "flashfleet" else f"python -m {name}")
 
 
 def parse_args(argv):
@@ -48,7 +39,7 @@ def parse_args(argv):
             this worker in it.
         flashfleet.models.NoShippedDraftError: draft `dflash` for a model without a shipped draft.
     """
-    p = argparse.ArgumentParser(prog=_prog("worker"), description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=prog_name("worker"), description=__doc__.splitlines()[0])
     p.add_argument("--config", default=None, help="cluster config file (TOML, see "
                    "deploy/cluster.toml); flags override its values")
     p.add_argument("--model", default=None, help="model name (flashfleet models list) or local "
@@ -184,7 +175,7 @@ def _restart_with_openblas(argv: list[str] | None) -> None:
         return
     env = openblas_env()
     if env is not None:
-        env[INVOKED_AS] = _prog("worker")
+        env[INVOKED_AS] = prog_name("worker")
         os.execve(sys.executable, list(sys.orig_argv), env)
 
 

@@ -20,6 +20,20 @@ COMMANDS = {
 }
 
 
+INVOKED_AS = "FLASHFLEET_INVOKED_AS"  # a restarted service's usage name (worker/__main__.py)
+
+
+def prog_name(name: str) -> str:
+    """How the service `name` was invoked, for its usage line: `flashfleet NAME` from the console
+    script, else `python -m NAME` (or what a restart carried over in INVOKED_AS)."""
+    from pathlib import Path
+
+    invoked = os.environ.get(INVOKED_AS, "")
+    if invoked.endswith(f" {name}"):  # carried over by this service's own restart
+        return invoked
+    return f"flashfleet {name}" if Path(sys.argv[0]).name == "flashfleet" else f"python -m {name}"
+
+
 def usage() -> str:
     lines = ["usage: flashfleet COMMAND [ARGS...]", "", "commands:"]
     lines += [f"  {name:<12} {help_}" for name, (_, help_) in COMMANDS.items()]

@@ -169,8 +169,7 @@ class Engine:
             kv_bytes_per_token=target_fp.kv_bytes_per_token,
             draft_weights_bytes=draft_fp.weights_bytes if draft_fp else 0,
             draft_kv_bytes_per_token=draft_fp.kv_bytes_per_token if draft_fp else 0,
-            num_draft_tokens=(0 if not draft_fp else (config.block_size or draft_cfg.get("block_size") or 16) - 1
-                              if self._draft_kind == "dflash" else config.num_draft_tokens),
+            num_draft_tokens=self._draft_tokens_per_cycle(config, draft_cfg) if draft_fp else 0,
         )
         self._encode_tokenizer = load_tokenizer(config.model_path)
 
@@ -225,6 +224,13 @@ class Engine:
     def model(self) -> ModelDescription:
         """Name, context limit and draft of the served model."""
         return self._model
+
+    def _draft_tokens_per_cycle(self, config: EngineConfig, draft_cfg: Mapping) -> int:
+        """k for the model info and the per-position metrics: a DFlash block drafts B - 1 tokens
+        (the configured B, else the checkpoint's); other drafts `num_draft_tokens`."""
+        if self._draft_kind == "dflash":
+            return (config.block_size or draft_cfg.get("block_size") or 16) - 1
+        return config.num_draft_tokens
 
     def encode_prompt(self, prompt: str | None, messages: list[dict] | None) -> list[int]:
         """Tokenizes raw text (with the tokenizer's special tokens, e.g. BOS), or renders chat
