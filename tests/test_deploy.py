@@ -204,6 +204,14 @@ def test_up_refuses_a_busy_port_before_starting_anything(tmp_path):
             cluster.start()
         assert cluster.procs == {}
     assert port_is_free("127.0.0.1", port)
+    if socket.has_ipv6:  # an IPv6 host is checked as IPv6, not reported busy
+        try:
+            with socket.socket(socket.AF_INET6) as probe:
+                probe.bind(("::1", 0))
+                free6 = probe.getsockname()[1]
+        except OSError:
+            return  # no IPv6 loopback on this machine
+        assert port_is_free("::1", free6) and port_is_free("[::1]", free6)
 
 
 MINIMAL = '[[models]]\nname = "m"\n\n[[workers]]\nid = "w1"\nmodel = "m"\n'

@@ -27,10 +27,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 def port_is_free(host: str, port: int) -> bool:
     """Whether a listener could bind host:port now (False while another process listens there;
     a closed listener's TIME_WAIT connections do not count)."""
-    with socket.socket() as s:
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+    except OSError:
+        return True  # an unresolvable host: the coordinator's own bind reports it
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind((host, port))
+            s.bind(addr)
         except OSError:
             return False
         return True
