@@ -42,6 +42,26 @@ def test_wait_ends_when_the_pattern_appears_or_at_its_limit(tmp_path):
         r = _run(H200 / "wait.sh", *bad)
         assert r.returncode == 2 and "usage: wait.sh" in r.stderr
 
+
+def test_wait_on_the_job_log_stops_when_the_job_ended_without_the_pattern(tmp_path):
+    """Session 15: the training died (CUDA OOM) and a 560 s wait for `saved: ` slept to its limit.
+    A wait on the job's own log ends once `JOB DONE` is there (or no job runs), status 1, with the
+    log's error lines; a pattern written before the end still counts (status 0)."""
+    log = tmp_path / "job.log"
+    log.write_text("taps: caching\nRuntimeError: cudaMallocAsync out of memory\nJOB DONE Q rc=1 10:28:32\n")
+    t0 = time.monotonic()
+    r = _run(H200 / "wait.sh", 300, "saved: ", log, log)
+    assert r.returncode == 1 and time.monotonic() - t0 < 15, r.stdout
+    assert "the job ended" in r.stdout and "JOB DONE Q rc=1" in r.stdout and "out of memory" in r.stdout
+    log.write_text("saved: /root/res/Q\nJOB DONE Q rc=0\n")
+    r = _run(H200 / "wait.sh", 300, "saved: ", log, log)
+    assert r.returncode == 0 and "wait: 'saved: ' in" in r.stdout
+    other = tmp_path / "bench.txt"  # not the job log: the benchmark runs after the job's end
+    other.write_text("bench start\n")
+    threading.Timer(2.5, lambda: other.write_text("bench start\nbench end\n")).start()
+    r = _run(H200 / "wait.sh", 30, "bench end", other, log)
+    assert r.returncode == 0, r.stdout
+
 def test_collect_splits_a_draft_too_big_to_come_back_in_one_file(tmp_path):
     """Files come back from the GPU machine at most 16 MiB each: a draft packed over 15 MiB (a
     grown one is about 20) is split into .partaa, .partab, ... that join to the whole draft."""

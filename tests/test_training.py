@@ -49,7 +49,7 @@ from worker.training.defaults import (
     choose_mask_token_id,
     default_draft_layers,
 )
-from worker.training.train import TrainConfig, Trainer, learning_rate, tap_cache_plan
+from worker.training.train import CachedTaps, TrainConfig, Trainer, learning_rate, tap_cache_plan
 
 VOCAB = 256
 
@@ -399,6 +399,44 @@ def test_taps_cached_for_the_classes_that_fit_train_like_online_taps():
     assert partial.taps_cached[big].shape[:2] == ((partial.bucket_of == big).sum(), partial.widths[big])
     partial.run(log=lambda _: None)
     a, b = dict(tree_flatten(online.draft.parameters())), dict(tree_flatten(partial.draft.parameters()))
+    assert all(mx.allclose(a[k], b[k], atol=1e-5).item() for k in a)
+
+
+def test_cached_taps_read_rows_across_parts_as_one_array_would():
+    whole = mx.arange(7 * 3 * 2, dtype=mx.float32).reshape(7, 3, 2)
+    cached = CachedTaps([whole[0:3], whole[3:6], whole[6:7]], 3)
+    assert cached.shape == (7, 3, 2) and cached.nbytes == whole.nbytes
+    rows = np.array([6, 0, 4, 4, 2])
+    assert mx.array_equal(cached.rows(rows), whole[mx.array(rows)]).item()
+    with pytest.raises(ValueError, match="must hold 3 rows"):
+        CachedTaps([whole[0:2], whole[2:5]], 3)
+
+
+def test_a_length_class_whose_taps_do_not_fit_runs_online_and_the_run_goes_on():
+    """Session 15: computing one class's 78.7 GiB of taps ran the H200 out of memory and killed
+    the run. Now the backend's error drops that class's cache (logged) and training goes on, its
+    steps running the target, with the same weights as an online run."""
+    target = tiny_llama()
+    ds = _synthetic_dataset(n=6)
+    online = _trainer(target, ds, steps=4)
+    online.run(log=lambda _: None)
+    t = _trainer(target, ds, steps=4)
+    big = int(np.argmax(t.class_tap_bytes()))
+    real_taps, calls = t.taps, []
+
+    def taps_failing_for_the_big_class(tokens):
+        calls.append(tokens.shape[1])
+        if tokens.shape[1] == t.widths[big] and len(calls) > 1:  # fails after one batch is held
+            raise RuntimeError("[cudaMallocAsync] out of memory")
+        return real_taps(tokens)
+
+    t.taps, lines = taps_failing_for_the_big_class, []
+    t.precompute_taps(progress=False, log=lines.append)
+    t.taps = real_taps
+    assert t.taps_cached[big] is None and t.taps_cached[1 - big] is not None
+    assert len(lines) == 1 and f"length class {t.widths[big]} did not fit in memory" in lines[0]
+    t.run(log=lambda _: None)
+    a, b = dict(tree_flatten(online.draft.parameters())), dict(tree_flatten(t.draft.parameters()))
     assert all(mx.allclose(a[k], b[k], atol=1e-5).item() for k in a)
 
 

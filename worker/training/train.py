@@ -270,6 +270,31 @@ def learning_rate(progress: float, lr: float, warmup: float, min_lr_ratio: float
 # --------------------------------------------------------------------------- trainer
 
 
+class CachedTaps:
+    """One length class's cached target taps, kept as the batches that computed them.
+
+    parts: mx.arrays (rows, width, n_taps * D), every one `rows_per_part` rows but the last;
+    row r of the class (its `Trainer.local` index) is row r % rows_per_part of part r //
+    rows_per_part. Kept apart because joining them (`mx.concatenate`) holds the class twice at
+    its peak: 2 x 78.7 GiB did not fit the H200's 139 GiB (session 15)."""
+
+    def __init__(self, parts: Sequence[mx.array], rows_per_part: int):
+        if any(p.shape[0] != rows_per_part for p in parts[:-1]) or not 0 < parts[-1].shape[0] <= rows_per_part:
+            raise ValueError(f"every part but the last must hold {rows_per_part} rows")
+        self.parts, self.per = list(parts), rows_per_part
+        self.shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (sum of the parts)."""
+        return sum(p.nbytes for p in self.parts)
+
+    def rows(self, local: np.ndarray) -> mx.array:
+        """The taps of rows `local` (int array, (n,)) in that order: (n, width, n_taps * D).
+        One slice per row and one concatenation: a few kernels per training step."""
+        return mx.concatenate([self.parts[r // self.per][r % self.per: r % self.per + 1] for r in map(int, local)])
+
+
 class Trainer:
     """The training loop over a fixed dataset; owns the draft's float32 weights and AdamW state.
 
@@ -364,10 +389,14 @@ class Trainer:
                 best = (total, chosen)
         return best[1]
 
-    def precompute_taps(self, progress: bool = True, classes: Optional[Sequence[int]] = None) -> None:
+    def precompute_taps(self, progress: bool = True, classes: Optional[Sequence[int]] = None,
+                        log: Callable[[str], None] = print) -> None:
         """Runs the target once over the sequences of `classes` (default: all) in batches and
-        keeps their taps in memory; steps of those classes then read their batch's taps instead
-        of running the target (paper: "offline"), the other classes' steps run it as before."""
+        keeps their taps in memory (`CachedTaps`, the batches as computed: no concatenation, which
+        would need the class's bytes twice: session 15's out-of-memory); steps of those classes
+        then read their batch's taps instead of running the target (paper: "offline"), the other
+        classes' steps run it as before. A class whose taps do not fit in memory (the backend
+        raises while computing them) is dropped, logged, and runs online: the run goes on."""
         from tqdm import tqdm
 
         classes = set(range(len(self.widths)) if classes is None else classes)
@@ -376,14 +405,20 @@ class Trainer:
         with tqdm(total=total, desc="target taps", unit="seq", disable=not progress, dynamic_ncols=True) as bar:
             for c in sorted(classes):
                 members, parts = np.flatnonzero(self.bucket_of == c), []
-                for i in range(0, len(members), self.bsz):
-                    t = self.taps(mx.array(self.tokens[members[i: i + self.bsz], :self.widths[c]]))
-                    mx.eval(t)
-                    parts.append(t)
-                    bar.update(len(members[i: i + self.bsz]))
+                try:
+                    for i in range(0, len(members), self.bsz):
+                        t = self.taps(mx.array(self.tokens[members[i: i + self.bsz], :self.widths[c]]))
+                        mx.eval(t)
+                        parts.append(t)
+                        bar.update(len(members[i: i + self.bsz]))
+                except RuntimeError as e:  # MLX's allocation failures (CUDA, Metal) are RuntimeErrors
+                    parts = t = None  # free what was computed before clearing the cache
+                    mx.clear_cache()
+                    log(f"taps: length class {self.widths[c]} did not fit in memory ({str(e)[:120]}); "
+                        "its steps run the target")
+                    continue
                 if parts:
-                    self.taps_cached[c] = mx.concatenate(parts, axis=0)
-                    mx.eval(self.taps_cached[c])
+                    self.taps_cached[c] = CachedTaps(parts, self.bsz)
 
     # -- the compiled step -------------------------------------------------------------------
 
@@ -481,7 +516,7 @@ class Trainer:
         labels = int((np.minimum(self.B - 1, lengths[:, None] - 1 - anchors) * keep).sum())
         tokens = mx.array(self.tokens[idx, :self.widths[c]])
         cached = None if self.taps_cached is None else self.taps_cached[c]
-        taps = self.taps(tokens) if cached is None else cached[mx.array(self.local[idx])]
+        taps = self.taps(tokens) if cached is None else cached.rows(self.local[idx])
         return (tokens, mx.array(lengths), mx.array(anchors), mx.array(keep), taps), labels, epoch, c
 
     def set_validation(self, data: TokenDataset) -> None:
@@ -1034,7 +1069,7 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
         classes, message = tap_cache_plan(trainer, cfg.cache_taps_gib)
         log(message)
         if classes:
-            trainer.precompute_taps(cfg.progress, classes)
+            trainer.precompute_taps(cfg.progress, classes, log)
     log(f"train: {trainer.n} sequences (S={trainer.tokens.shape[1]}, batch widths {trainer.widths}), "
         f"batch {trainer.bsz}" + (f" per rank x {n_ranks} ranks" if group is not None else "") + f", {trainer.N} anchors, "
         f"gamma {trainer.gamma}, up to {trainer.total_steps} steps"
