@@ -12,6 +12,8 @@ Methods (each one skipped when its inputs are missing):
   ... fused        ours plain and each fixed-block DFlash method again, on a second copy of the
                    target whose q/k/v and gate/up projections are fused (worker/fusion.py, what
                    the worker loads by default)                                      needs --fuse
+  ... queued       each fixed-block DFlash method again, fused, with `queue_taps` (the verify's
+                   tapped layers handed to the device as their graph is built)   needs --fuse --queue-taps
   z-lab dflash     dflash.model_mlx.stream_generate (registry package `dflash` 0.1.0, z-lab)
                                                         --packages zlab, and a DFlash draft
   dflash-mlx       dflash_mlx.runtime.stream_dflash_generate, fixed block (verify_mode "dflash";
@@ -355,6 +357,8 @@ def main(argv=None) -> int:
                         "--settings; 0.95:8 was the policy of the fifth H200 session, 0.9:8:0:1.5 is the default)")
     p.add_argument("--fuse", action="store_true",
                    help="also run ours plain and the fixed-block DFlash methods on a fused copy of the target")
+    p.add_argument("--queue-taps", action="store_true",
+                   help="with --fuse: also the fused DFlash methods with the verify's taps queued as built")
     p.add_argument("--adaptive", action="store_true",
                    help="also run each DFlash draft with the worker's cost model (AdaptiveBlockPolicy)")
     p.add_argument("--dflash-random-layers", type=int, default=0,
@@ -384,6 +388,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds: at least 1")
+    if args.queue_taps and not args.fuse:
+        p.error("--queue-taps: its rows run on the fused target; add --fuse")
     from bench.bench_block_policy import policy_from_spec
 
     for spec in args.policy:
@@ -446,6 +452,10 @@ def main(argv=None) -> int:
             fixed_block[fname] = (d, fused_target, "ours plain fused")
             methods[fname] = lambda pr, d=d: run_steps(dflash_generate(
                 pr, M, greedy, eos, target=fused_target, draft=d, block_size=args.block_size or d.block_size))
+            if args.queue_taps:
+                methods[f"{name[:19].strip()} queued"] = lambda pr, d=d: run_steps(dflash_generate(
+                    pr, M, greedy, eos, target=fused_target, draft=d, block_size=args.block_size or d.block_size,
+                    queue_taps=True))
     if args.adaptive or args.policy:  # the cost model picks each block size
         from worker.spec.cost_model import AdaptiveBlockPolicy, CostMemory
 

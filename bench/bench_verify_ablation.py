@@ -8,8 +8,8 @@ times whole forwards instead, each variant at B = 1 and B:
     full        the target's forward over the padded KV cache (`PaddedKVCache`), additive mask
     taps        full, capturing 4 layers' hidden states as a DFlash verify does (`HiddenCapture`)
     taps-ahead  taps, each tapped layer's output queued (`mx.async_eval`) as soon as it is built,
-                so the device runs the first layers while Python builds the rest (a candidate:
-                a verify's graph takes 2.6-3.0 ms to build on the H200, sixteenth session)
+                so the device runs the first layers while Python builds the rest (`HiddenCapture`
+                `queue`; a verify's graph takes 2.6-3.0 ms to build on the H200, sixteenth session)
     no-mask     the same, no mask (B > 1 attends over the padded buffer unmasked: wrong output,
                 the cost of building and applying the mask)
     exact       mlx-lm's own `KVCache` ("causal" mask, exact key length, constant here because
@@ -60,45 +60,6 @@ def _set_parts(layers, attn, mlp) -> None:
         layer.self_attn, layer.mlp = a, m
 
 
-class _QueueingCapture:
-    """A `HiddenCapture` whose tapped layers queue their output for evaluation when built."""
-
-    def __init__(self, capture):
-        self.capture = capture
-
-    def __enter__(self):
-        import mlx.core as mx
-
-        self.capture.__enter__()
-        for i in self.capture._unique:
-            tap = self.capture.layers[i]
-            self.capture.layers[i] = _Queue(tap, mx.async_eval)
-        return self
-
-    def __exit__(self, *exc):
-        for i in self.capture._unique:
-            self.capture.layers[i] = self.capture.layers[i].tap
-        self.capture.__exit__(*exc)
-
-    def hidden(self):
-        return self.capture.hidden()
-
-
-class _Queue:
-    __slots__ = ("tap", "queue")
-
-    def __init__(self, tap, queue):
-        self.tap, self.queue = tap, queue
-
-    def __call__(self, *args, **kwargs):
-        out = self.tap(*args, **kwargs)
-        self.queue(out[0] if isinstance(out, tuple) else out)
-        return out
-
-    def __getattr__(self, name):
-        return getattr(self.tap, name)
-
-
 def variant_forward(model, variant: str, B: int, context: int):
     """(forward, restore): `forward()` builds one forward of B tokens over a KV cache holding
     `context` positions in `variant`'s form (module docstring) and returns its argmax ids (B,)
@@ -124,9 +85,8 @@ def variant_forward(model, variant: str, B: int, context: int):
     if variant in ("no-mlp", "norms+head"):
         _set_parts(layers, [layer.self_attn for layer in layers], [skip] * len(layers))
     tokens = mx.array([[5] * B], dtype=mx.uint32)
-    capture = HiddenCapture(model, default_target_layer_ids(len(layers), 4)) if variant.startswith("taps") else None
-    if variant == "taps-ahead":
-        capture = _QueueingCapture(capture)
+    capture = (HiddenCapture(model, default_target_layer_ids(len(layers), 4), queue=variant == "taps-ahead")
+               if variant.startswith("taps") else None)
 
     def forward():
         if capture is None:

@@ -153,6 +153,19 @@ def test_greedy_matches_plain_oracle_draft(pair, bs):
     assert cycles == -(-(MAX_TOKENS - 1) // bs)  # ceil: the last block shrinks
 
 
+@pytest.mark.parametrize("bs", [4, 16])
+def test_queued_taps_keep_greedy_output_and_acceptance(pair, bs):
+    """`queue_taps` hands the verify's tapped layers to the device as their graph is built: the
+    same tokens and the same verdicts, cycle for cycle, random and oracle drafts alike."""
+    target, draft, ref = pair
+    for d in (draft, OracleDraft(draft, len(PROMPT), ref)):
+        steps, out = _run(target, d, bs)
+        q_steps, q_out = _run(target, d, bs, queue_taps=True)
+        assert q_out == out
+        assert [(s.drafted, s.accepted) for s in q_steps] == [(s.drafted, s.accepted) for s in steps]
+        assert_greedy_equal(q_out, ref, target)
+
+
 def test_cache_invariants_every_cycle(pair):
     """Target cache = committed - 1; draft context = what the target kept (prefetched or pending)."""
     target, draft, ref = pair
@@ -423,6 +436,11 @@ def test_capture_restores_layers_and_matches_logits():
     assert all(a is b for a, b in zip(target.layers, layers))
     with pytest.raises(ValueError, match="out of range"):
         HiddenCapture(target, [6])
+    queued = HiddenCapture(target, [5, 1], queue=True)  # outputs handed to the device as built
+    with queued:
+        q_logits = target(x)
+    assert mx.array_equal(q_logits, logits).item() and mx.array_equal(queued.hidden(), taps).item()
+    assert all(a is b for a, b in zip(target.layers, layers))
 
 
 def test_draft_context_incremental_equals_one_shot():

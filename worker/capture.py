@@ -83,18 +83,22 @@ def target_head_fn(model: nn.Module) -> Callable[[mx.array], mx.array]:
 
 
 class _Tap:
-    """Stands in for one decoder layer: calls it and stores its output in `slots[index]`."""
+    """Stands in for one decoder layer: calls it and stores its output in `slots[index]`
+    (queued for evaluation at once with `queue`)."""
 
-    __slots__ = ("layer", "slots", "index")
+    __slots__ = ("layer", "slots", "index", "queue")
 
-    def __init__(self, layer, slots: list, index: int):
+    def __init__(self, layer, slots: list, index: int, queue: bool = False):
         self.layer = layer
         self.slots = slots
         self.index = index
+        self.queue = queue
 
     def __call__(self, *args, **kwargs):
         out = self.layer(*args, **kwargs)
-        self.slots[self.index] = out[0] if isinstance(out, tuple) else out
+        h = self.slots[self.index] = out[0] if isinstance(out, tuple) else out
+        if self.queue:
+            mx.async_eval(h)
         return out
 
     def __getattr__(self, name):  # e.g. llama reads `layer.use_sliding`
@@ -117,12 +121,17 @@ class HiddenCapture:
     Args:
         model: an mlx-lm model with a `layers` list.
         layer_ids: 0-based layer indices; order is the concatenation order.
+        queue: hand each tapped layer's output to the device (`mx.async_eval`) as soon as its
+            graph is built, so the device runs the forward's first layers while Python builds
+            the rest (a 1.5B forward's graph takes 2.6-3.0 ms to build on the H200; sixteenth
+            session, docs/benchmarks.md). Values are unchanged; off by default until it is
+            measured to pay (`bench/bench_dflash.py --queue-taps`).
 
     Raises:
         ValueError: empty or out-of-range layer ids.
     """
 
-    def __init__(self, model: nn.Module, layer_ids: Sequence[int]):
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int], queue: bool = False):
         self.layers = target_layers(model)
         self.layer_ids = [int(i) for i in layer_ids]
         n = len(self.layers)
@@ -136,6 +145,7 @@ class HiddenCapture:
         self._slots: list = [None] * len(self._unique)
         self._order = [self._unique.index(i) for i in self.layer_ids]
         self._originals: list = []
+        self.queue = bool(queue)
 
     def __enter__(self) -> "HiddenCapture":
         if self._originals:
@@ -145,7 +155,7 @@ class HiddenCapture:
             if isinstance(layer, _Tap):
                 raise RuntimeError(f"layer {i} is already being captured")
             self._originals.append(layer)
-            self.layers[i] = _Tap(layer, self._slots, k)
+            self.layers[i] = _Tap(layer, self._slots, k, self.queue)
         return self
 
     def __exit__(self, *exc) -> None:

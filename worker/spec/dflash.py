@@ -94,6 +94,7 @@ def dflash_generate(
     target_cache: Optional[list] = None,
     draft_cache: Optional[list] = None,
     prefill_step_tokens: int = 512,
+    queue_taps: bool = False,
     stream=generation_stream,
 ) -> Iterator[Step]:
     """Decodes with a DFlash draft; yields one `Step` for the first token, then one per cycle.
@@ -119,6 +120,9 @@ def dflash_generate(
             Steps); default `make_target_cache(target)` and `draft.make_cache()`.
         prefill_step_tokens: prompt tokens per prefill forward (plain decoding's default, so
             the prefill numerics match it).
+        queue_taps: queue each tapped layer's output for evaluation as the verify's graph is
+            built (`HiddenCapture` `queue`): the same tokens; whether it is faster is measured
+            by `bench/bench_dflash.py --queue-taps`.
         stream: MLX stream to run on; entered around each piece of work, never across a
             `yield`, so several generators can interleave on one thread.
 
@@ -146,7 +150,7 @@ def dflash_generate(
     dc = draft.make_cache() if draft_cache is None else draft_cache
     if any(c.offset for c in tc) or any(c.offset for c in dc):
         raise ValueError("dflash_generate needs empty caches")
-    cap = HiddenCapture(target, draft.target_layer_ids)
+    cap = HiddenCapture(target, draft.target_layer_ids, queue=queue_taps)
     masks = [int(draft.mask_token_id)] * (B - 1)
 
     def verify(x: mx.array):
