@@ -453,7 +453,10 @@ def main(argv=None) -> int:
             methods[fname] = lambda pr, d=d: run_steps(dflash_generate(
                 pr, M, greedy, eos, target=fused_target, draft=d, block_size=args.block_size or d.block_size))
             if args.queue_taps:
-                methods[f"{name[:19].strip()} queued"] = lambda pr, d=d: run_steps(dflash_generate(
+                qname = f"{name[:19].strip()} queued"
+                if qname in methods:  # two drafts' names alike in their first characters
+                    qname = f"{name[:16].strip()} {len(methods)} queued"
+                methods[qname] = lambda pr, d=d: run_steps(dflash_generate(
                     pr, M, greedy, eos, target=fused_target, draft=d, block_size=args.block_size or d.block_size,
                     queue_taps=True))
     if args.adaptive or args.policy:  # the cost model picks each block size

@@ -439,6 +439,13 @@ def test_a_length_class_whose_taps_do_not_fit_runs_online_and_the_run_goes_on():
     a, b = dict(tree_flatten(online.draft.parameters())), dict(tree_flatten(t.draft.parameters()))
     assert all(mx.allclose(a[k], b[k], atol=1e-5).item() for k in a)
 
+    def taps_with_a_bug(tokens):  # not an allocation failure: it must surface
+        raise RuntimeError("a tapped layer did not run during the captured forward")
+
+    t.taps = taps_with_a_bug
+    with pytest.raises(RuntimeError, match="did not run"):
+        t.precompute_taps(progress=False, log=lines.append)
+
 
 def test_batches_are_a_function_of_epoch_and_stay_in_one_length_class():
     lengths = np.array([5, 40, 100, 200, 640, 300, 17, 650, 33, 120, 180, 500])

@@ -352,7 +352,7 @@ class Trainer:
         self.opt = optim.AdamW(learning_rate=cfg.lr, weight_decay=cfg.weight_decay)
         self.opt.init(draft.trainable_parameters())
         self._step_fn = None
-        self.taps_cached: Optional[list[Optional[mx.array]]] = None  # per length class, rows in `local` order
+        self.taps_cached: Optional[list[Optional[CachedTaps]]] = None  # per length class, rows in `local` order
         self.validator: Optional[Validator] = None  # set_validation
         self.val_history: list[dict] = []
 
@@ -412,6 +412,8 @@ class Trainer:
                         parts.append(t)
                         bar.update(len(members[i: i + self.bsz]))
                 except RuntimeError as e:  # MLX's allocation failures (CUDA, Metal) are RuntimeErrors
+                    if not any(w in str(e).lower() for w in ("out of memory", "malloc", "allocat")):
+                        raise  # a bug, not a full device: say so instead of training online quietly
                     parts = t = None  # free what was computed before clearing the cache
                     mx.clear_cache()
                     log(f"taps: length class {self.widths[c]} did not fit in memory ({str(e)[:120]}); "
