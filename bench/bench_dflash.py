@@ -14,6 +14,8 @@ Methods (each one skipped when its inputs are missing):
                    the worker loads by default)                                      needs --fuse
   ... queued       each fixed-block DFlash method again, fused, with `queue_taps` (the verify's
                    tapped layers handed to the device as their graph is built)   needs --fuse --queue-taps
+  ... compiled     each fixed-block DFlash method again, fused, with `compile_target` (every verify
+                   and plain step one compiled graph: worker/compiled_forward.py)  needs --fuse --compile
   z-lab dflash     dflash.model_mlx.stream_generate (registry package `dflash` 0.1.0, z-lab)
                                                         --packages zlab, and a DFlash draft
   dflash-mlx       dflash_mlx.runtime.stream_dflash_generate, fixed block (verify_mode "dflash";
@@ -359,6 +361,8 @@ def main(argv=None) -> int:
                    help="also run ours plain and the fixed-block DFlash methods on a fused copy of the target")
     p.add_argument("--queue-taps", action="store_true",
                    help="with --fuse: also the fused DFlash methods with the verify's taps queued as built")
+    p.add_argument("--compile", action="store_true",
+                   help="with --fuse: also the fused DFlash methods with every verify one compiled graph")
     p.add_argument("--adaptive", action="store_true",
                    help="also run each DFlash draft with the worker's cost model (AdaptiveBlockPolicy)")
     p.add_argument("--dflash-random-layers", type=int, default=0,
@@ -390,6 +394,8 @@ def main(argv=None) -> int:
         p.error("--rounds: at least 1")
     if args.queue_taps and not args.fuse:
         p.error("--queue-taps: its rows run on the fused target; add --fuse")
+    if args.compile and not args.fuse:
+        p.error("--compile: its rows run on the fused target; add --fuse")
     from bench.bench_block_policy import policy_from_spec
 
     for spec in args.policy:
@@ -459,6 +465,16 @@ def main(argv=None) -> int:
                 methods[qname] = lambda pr, d=d: run_steps(dflash_generate(
                     pr, M, greedy, eos, target=fused_target, draft=d, block_size=args.block_size or d.block_size,
                     queue_taps=True))
+            if args.compile and "ours plain compiled" not in methods:
+                methods["ours plain compiled"] = lambda pr: run_steps(plain.generate(
+                    pr, M, greedy, eos, model=fused_target, compile_target=True))
+            if args.compile:
+                cname = f"{name[:19].strip()} compiled"
+                if cname in methods:
+                    cname = f"{name[:16].strip()} {len(methods)} compiled"
+                methods[cname] = lambda pr, d=d: run_steps(dflash_generate(
+                    pr, M, greedy, eos, target=fused_target, draft=d, block_size=args.block_size or d.block_size,
+                    compile_target=True))
     if args.adaptive or args.policy:  # the cost model picks each block size
         from worker.spec.cost_model import AdaptiveBlockPolicy, CostMemory
 

@@ -10,6 +10,9 @@ times whole forwards instead, each variant at B = 1 and B:
     taps-ahead  taps, each tapped layer's output queued (`mx.async_eval`) as soon as it is built,
                 so the device runs the first layers while Python builds the rest (`HiddenCapture`
                 `queue`; a verify's graph takes 2.6-3.0 ms to build on the H200, sixteenth session)
+    compiled    full as one `mx.compile`d graph (`worker.compiled_forward.CompiledTarget`: traced
+                once per shape, replayed from C++, elementwise chains fused)
+    compiled-taps  compiled, capturing the taps as `taps` does
     no-mask     the same, no mask (B > 1 attends over the padded buffer unmasked: wrong output,
                 the cost of building and applying the mask)
     exact       mlx-lm's own `KVCache` ("causal" mask, exact key length, constant here because
@@ -43,7 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-VARIANTS = ("full", "taps", "taps-ahead", "no-mask", "exact", "no-attn", "no-mlp", "norms+head")
+VARIANTS = ("full", "taps", "taps-ahead", "compiled", "compiled-taps", "no-mask", "exact", "no-attn", "no-mlp", "norms+head")
 
 
 class _Skip:
@@ -68,6 +71,7 @@ def variant_forward(model, variant: str, B: int, context: int):
     from mlx_lm.models.cache import make_prompt_cache
 
     from worker.capture import HiddenCapture, target_layers
+    from worker.compiled_forward import CompiledTarget
     from worker.spec.dflash import make_target_cache
     from worker.training.defaults import default_target_layer_ids
 
@@ -86,10 +90,15 @@ def variant_forward(model, variant: str, B: int, context: int):
         _set_parts(layers, [layer.self_attn for layer in layers], [skip] * len(layers))
     tokens = mx.array([[5] * B], dtype=mx.uint32)
     capture = (HiddenCapture(model, default_target_layer_ids(len(layers), 4), queue=variant == "taps-ahead")
-               if variant.startswith("taps") else None)
+               if variant.endswith(("taps", "taps-ahead")) else None)
+    compiled = CompiledTarget(model, capture) if variant.startswith("compiled") else None
 
     def forward():
-        if capture is None:
+        if compiled is not None:
+            logits, taps = compiled(tokens, cache)
+            y = mx.argmax(logits[0], axis=-1)
+            y = y if taps is None else (y, taps)
+        elif capture is None:
             y = mx.argmax(model(tokens, cache=cache)[0], axis=-1)
         else:
             with capture:

@@ -15,7 +15,8 @@ def test_table_json_and_bad_arguments(tmp_path, tiny_models):
                    "float32", "--block", 4, "--context", 8, "--reps", 2, "--rounds", 2, "--json-out", tmp_path / "a.json")
     assert ok.returncode == 0, ok.stderr
     data = json.loads((tmp_path / "a.json").read_text())
-    assert [r["variant"] for r in data["rows"]] == ["full", "taps", "taps-ahead", "no-mask", "exact", "no-attn", "no-mlp", "norms+head"]
+    assert [r["variant"] for r in data["rows"]] == ["full", "taps", "taps-ahead", "compiled", "compiled-taps", "no-mask", "exact",
+                                                   "no-attn", "no-mlp", "norms+head"]
     for r in data["rows"]:
         assert len(r["rounds_b1"]) == len(r["rounds_block"]) == 2
         assert all(r[k][t] > 0 for k in ("b1", "block") for t in ("synced", "queued", "build")), r
@@ -33,15 +34,20 @@ def test_variants_take_parts_out_and_restore_them(tiny_models):
     model = load_model(str(tiny_models.llama), True, mx.float32, tokenizer=False)[0]
     x = mx.array([[3, 1, 4, 1, 5]], dtype=mx.uint32)
     before = model(x)
-    logits = {}
+    logits, ids, tapped = {}, {}, {}
     for v in VARIANTS:
         forward, restore = variant_forward(model, v, 3, 6)
         y = forward()
         mx.eval(y)
-        if v.startswith("taps"):
-            y, taps = y
-            assert taps.shape[:2] == (1, 3) and taps.shape[2] % model.args.hidden_size == 0
+        if v.endswith("taps") or v == "taps-ahead":
+            y, tapped[v] = y
+            assert tapped[v].shape[:2] == (1, 3) and tapped[v].shape[2] % model.args.hidden_size == 0
         assert y.shape == (3,) and y.dtype == mx.uint32, v
+        ids[v] = y
+        if v.startswith("compiled"):  # a replayed trace calls no Python: compare what it returns
+            assert mx.array_equal(forward() if v == "compiled" else forward()[0], y).item(), v
+            restore()
+            continue
         layers = model.model.layers
         assert all(type(l.self_attn).__name__ == "_Skip" for l in layers) == (v in ("no-attn", "norms+head")), v
         assert all(type(l.mlp).__name__ == "_Skip" for l in layers) == (v in ("no-mlp", "norms+head")), v
@@ -54,6 +60,9 @@ def test_variants_take_parts_out_and_restore_them(tiny_models):
     assert mx.allclose(logits["exact"][0], full, atol=1e-4).item()
     assert mx.allclose(logits["taps"][0], full, atol=1e-4).item()
     assert mx.array_equal(logits["taps-ahead"][0], logits["taps"][0]).item()  # queueing changes no value  # the same attention, mlx-lm's cache
+    assert mx.array_equal(ids["compiled"], ids["full"]).item()  # the same forward, compiled
+    assert mx.array_equal(ids["compiled-taps"], ids["taps"]).item()
+    assert mx.allclose(tapped["compiled-taps"], tapped["taps"], atol=1e-4).item()
     for v in ("no-mask", "no-attn", "no-mlp", "norms+head"):
         assert not mx.allclose(logits[v][0], full, atol=1e-4).item(), v
 

@@ -145,6 +145,16 @@ class PaddedKVCache(KVCache):
             return self.keys[..., :end, :], self.values[..., :end, :]
         return self.keys, self.values
 
+    def reserve(self, n: int) -> None:
+        """Grows the buffers (by whole buckets, zero-filled) so that n more positions fit,
+        without writing any. Needs a cache that already holds keys (their shape and dtype)."""
+        if self.offset + n > self.keys.shape[2]:
+            grow = self.key_length(n) - self.keys.shape[2]
+            B, H, _, Dk = self.keys.shape
+            self.keys = mx.concatenate([self.keys, mx.zeros((B, H, grow, Dk), self.keys.dtype)], axis=2)
+            self.values = mx.concatenate(
+                [self.values, mx.zeros((B, H, grow, self.values.shape[3]), self.values.dtype)], axis=2)
+
     def key_length(self, n: int) -> int:
         """Keys an update of n > 1 positions will return (the buffer length after it)."""
         end = self.offset + n

@@ -45,6 +45,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from worker.capture import HiddenCapture
+from worker.compiled_forward import compilable, shared_compiled_target
 from worker.models.dflash import PaddedKVCache, takes_additive_masks
 from worker.spec.base import Sampler, Step, release_buffer_cache
 from worker.spec.cost_model import AdaptiveBlockPolicy
@@ -95,6 +96,7 @@ def dflash_generate(
     draft_cache: Optional[list] = None,
     prefill_step_tokens: int = 512,
     queue_taps: bool = False,
+    compile_target: bool = False,
     stream=generation_stream,
 ) -> Iterator[Step]:
     """Decodes with a DFlash draft; yields one `Step` for the first token, then one per cycle.
@@ -123,6 +125,9 @@ def dflash_generate(
         queue_taps: queue each tapped layer's output for evaluation as the verify's graph is
             built (`HiddenCapture` `queue`): the same tokens; whether it is faster is measured
             by `bench/bench_dflash.py --queue-taps`.
+        compile_target: run every verify and plain step after the prefill as one compiled graph
+            (`worker.compiled_forward.CompiledTarget`, shared by the target's sessions) where
+            `compilable` allows it; the prefill's chunks stay uncompiled (their lengths vary).
         stream: MLX stream to run on; entered around each piece of work, never across a
             `yield`, so several generators can interleave on one thread.
 
@@ -152,8 +157,12 @@ def dflash_generate(
         raise ValueError("dflash_generate needs empty caches")
     cap = HiddenCapture(target, draft.target_layer_ids, queue=queue_taps)
     masks = [int(draft.mask_token_id)] * (B - 1)
+    compiled = (shared_compiled_target(target, draft.target_layer_ids)
+                if compile_target and compilable(target, tc) else None)
 
-    def verify(x: mx.array):
+    def verify(x: mx.array, prefill_chunk: bool = False):
+        if compiled is not None and not prefill_chunk and tc[0].keys is not None:
+            return compiled(x, tc)
         with cap:
             logits = target(x, cache=tc)
         return logits, cap.hidden()
@@ -181,7 +190,7 @@ def dflash_generate(
         prompt = mx.array(prompt_tokens, dtype=mx.uint32)
         for s in range(0, n_seq - 1, prefill_step_tokens):
             with mx.stream(stream):
-                _, taps = verify(prompt[None, s: min(s + prefill_step_tokens, n_seq - 1)])
+                _, taps = verify(prompt[None, s: min(s + prefill_step_tokens, n_seq - 1)], prefill_chunk=True)
                 draft.extend_context(taps, dc)
                 mx.eval([c.state for c in tc], [c.state for c in dc])
             release_buffer_cache(stream)

@@ -73,6 +73,7 @@ def generate(
     model: nn.Module,
     cache: list[Any] | None = None,
     prefill_step_tokens: int = 512,
+    compile_target: bool = False,
     stream: Any = generation_stream,
 ) -> Iterator[Step]:
     """Decodes one token per step (the `spec.base` decoding-generator contract).
@@ -86,6 +87,9 @@ def generate(
         cache: the target's cache list, updated in place (made here when None). The caller may
             read `nbytes` from it while the generator runs.
         prefill_step_tokens: prompt tokens per prefill forward.
+        compile_target: (with cache None) decode on a padded KV cache with every step one
+            compiled graph (`worker.compiled_forward`), where `compilable` allows it; the
+            prefill stays uncompiled. Same tokens (tests/test_compiled_forward.py).
         stream: MLX stream to run on. It is entered around each piece of work, never across a
             `yield`, so several generators can interleave on one thread.
 
@@ -101,12 +105,21 @@ def generate(
         raise ValueError("prompt_tokens is empty")
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    forward = model
+    if cache is None and compile_target:
+        from worker.compiled_forward import compilable, shared_compiled_target
+        from worker.spec.dflash import make_target_cache  # imports this module
+
+        cache = make_target_cache(model)
+        if compilable(model, cache) and len(prompt_tokens) > 1:  # compiled steps need a prefilled cache
+            compiled = shared_compiled_target(model, None)
+            forward = lambda x, cache: compiled(x, cache)[0]  # noqa: E731
     if cache is None:
         cache = make_prompt_cache(model)
 
     def _step(y: mx.array) -> mx.array:
         with mx.stream(stream):
-            logits = model(y[None], cache=cache)[:, -1, :]
+            logits = forward(y[None], cache=cache)[:, -1, :]
             y = sampler(logits)
             mx.async_eval(y)
         return y

@@ -1,0 +1,142 @@
+"""The target's decode forward as one compiled MLX graph, reused for every step of a shape.
+
+Why: on the H200 a 0.5-1.5B target is bound by per-operation overhead, not bandwidth (a 1.5B
+step reads 3.55 GB in 5.7-6.4 ms, 0.55 TB/s; ../shared/research/h200-costs.md), and building a
+forward's graph in Python takes 2.6-3.0 ms (sixteenth H200 session, docs/benchmarks.md). An
+`mx.compile`d function is traced once per input shape; later calls replay the traced graph from
+C++ (no Python per operation) and fuse chains of elementwise operations into single kernels.
+
+What stops an mlx-lm forward from being compiled as it is: its KV cache keeps `offset` as a
+Python int (slices, RoPE offsets and masks baked into the trace would be stale on the next step)
+and returns a key length that grows every step (a new shape, so a new trace, every step). Here
+the forward runs on `_OffsetCache` stand-ins instead: the offset is an int32 scalar array (MLX's
+`slice_update` takes array start indices and `fast.rope` an array offset), and every update
+returns the whole fixed-size buffer of `worker.models.dflash.PaddedKVCache` with an additive mask
+that hides the positions not yet written. So the trace depends only on (tokens per forward,
+buffer length): a verify of B tokens retraces once per 256-position bucket, as its attention
+kernels already compile once per bucket on CUDA.
+
+No model code is copied: the mlx-lm model's own `__call__` runs on the stand-ins (any model that
+reads `cache.offset`, calls `update_and_fetch` and builds its mask with `cache.make_mask`, which
+is llama, qwen2, qwen3 and the other full-attention architectures; `compilable` says which).
+Values equal the uncompiled forward's over the same padded cache (the same operations; a
+one-token step attends over the masked buffer instead of the exact slice), checked in
+tests/test_compiled_forward.py.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from worker.capture import HiddenCapture
+from worker.models.dflash import PaddedKVCache, additive_mask, takes_additive_masks
+
+
+class _OffsetCache:
+    """A PaddedKVCache's buffers inside a traced forward, with the offset as an array.
+
+    keys, values: (1, H_kv, S, head_dim) buffers; offset: int32 scalar array, the positions
+    already written. `update_and_fetch` writes L new positions at offset and returns the whole
+    buffers; `make_mask` returns the additive (L, S) mask for them (0 where a query may look:
+    key position <= its own; -inf elsewhere, the unwritten tail included)."""
+
+    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array):
+        self.keys, self.values, self.offset = keys, values, offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self.keys = mx.slice_update(self.keys, keys, self.offset, axes=(2,))
+        self.values = mx.slice_update(self.values, values, self.offset, axes=(2,))
+        self.offset = self.offset + keys.shape[2]
+        return self.keys, self.values
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        if window_size is not None:  # `compilable` keeps sliding-window models out
+            raise NotImplementedError("a compiled forward does not support sliding-window layers")
+        query_pos = self.offset + mx.arange(N)
+        return additive_mask(mx.arange(self.keys.shape[2])[None, :] <= query_pos[:, None], self.keys.dtype)
+
+
+def compilable(model: nn.Module, cache: Sequence) -> bool:
+    """Whether `CompiledTarget` can run this model on this cache: mlx-lm gives the model plain
+    `KVCache`s only (no sliding-window or recurrent layers), this cache has a `PaddedKVCache` for
+    each, and the architecture hands masks to attention unchanged, additive ones included
+    (`takes_additive_masks`)."""
+    own = make_prompt_cache(model)
+    return (len(own) == len(cache) and all(type(c) is KVCache for c in own)
+            and all(type(c) is PaddedKVCache for c in cache) and takes_additive_masks(model))
+
+
+class CompiledTarget:
+    """Runs `model(tokens, cache)` (optionally capturing tapped layers) as a compiled graph.
+
+    Usage, on the caches of `worker.spec.dflash.make_target_cache`:
+
+        fwd = CompiledTarget(target, capture)       # once per session (or per worker)
+        logits, taps = fwd(tokens, cache)            # tokens (1, L) uint32
+        # logits (1, L, V) in the model's dtype; taps (1, L, n_taps * D) or None
+
+    Each call writes the L positions into the caches' buffers and advances their offsets, as
+    the uncompiled forward would; the buffers grow by whole `PaddedKVCache.step` buckets first
+    (outside the graph), so a new trace happens once per (L, buffer length).
+
+    Args:
+        model: an mlx-lm model for which `compilable(model, cache)` holds.
+        capture: a `HiddenCapture` on the same model (its `queue` is ignored inside a trace),
+            or None for logits only.
+
+    Raises (on call):
+        ValueError: a cache is empty (prefill uncompiled first: a prompt's chunk lengths vary,
+            and the buffers' shape and dtype come from the first forward) or the caches
+            disagree on their offsets (a forward must see one sequence).
+    """
+
+    def __init__(self, model: nn.Module, capture: Optional[HiddenCapture] = None):
+        self.model, self.capture = model, capture
+        self._fn = mx.compile(self._forward)
+
+    def _forward(self, tokens: mx.array, offset: mx.array, keys: list, values: list):
+        caches = [_OffsetCache(k, v, offset) for k, v in zip(keys, values)]
+        if self.capture is None:
+            logits, taps = self.model(tokens, cache=caches), None
+        else:
+            queue, self.capture.queue = self.capture.queue, False  # no async_eval inside a trace
+            try:
+                with self.capture:
+                    logits = self.model(tokens, cache=caches)
+                taps = self.capture.hidden()
+            finally:
+                self.capture.queue = queue
+        return logits, taps, [c.keys for c in caches], [c.values for c in caches]
+
+    def __call__(self, tokens: mx.array, cache: Sequence[PaddedKVCache]):
+        offset = cache[0].offset
+        if any(c.keys is None for c in cache):
+            raise ValueError("CompiledTarget needs caches that hold the prompt; prefill first")
+        if any(c.offset != offset for c in cache):
+            raise ValueError(f"caches at different offsets {sorted({c.offset for c in cache})}")
+        L = tokens.shape[1]
+        for c in cache:
+            c.reserve(L)
+        logits, taps, keys, values = self._fn(tokens, mx.array(offset, dtype=mx.int32),
+                                              [c.keys for c in cache], [c.values for c in cache])
+        for c, k, v in zip(cache, keys, values):
+            c.keys, c.values, c.offset = k, v, offset + L
+        return logits, taps
+
+
+def shared_compiled_target(model: nn.Module, layer_ids: Optional[Sequence[int]]) -> CompiledTarget:
+    """The `CompiledTarget` of this model capturing `layer_ids` (None: no taps), made once and
+    kept on the model, so that sessions share its traces (a trace per shape costs a graph build
+    and, on CUDA, kernel compiles; a new instance would trace again)."""
+    key = None if layer_ids is None else tuple(int(i) for i in layer_ids)
+    store = model.__dict__.get("_flashfleet_compiled")
+    if store is None:
+        store = {}
+        object.__setattr__(model, "_flashfleet_compiled", store)
+    if key not in store:
+        store[key] = CompiledTarget(model, None if key is None else HiddenCapture(model, key))
+    return store[key]
