@@ -15,7 +15,9 @@ Methods (each one skipped when its inputs are missing):
   ... queued       each fixed-block DFlash method again, fused, with `queue_taps` (the verify's
                    tapped layers handed to the device as their graph is built)   needs --fuse --queue-taps
   ... compiled     each fixed-block DFlash method again, fused, with `compile_target` (every verify
-                   and plain step one compiled graph: worker/compiled_forward.py)  needs --fuse --compile
+                   and plain step one compiled graph: worker/compiled_forward.py); ours plain
+                   compiled; with --adaptive also "adapt compiled" (the cost model, compiled)
+                                                                                 needs --fuse --compile
   z-lab dflash     dflash.model_mlx.stream_generate (registry package `dflash` 0.1.0, z-lab)
                                                         --packages zlab, and a DFlash draft
   dflash-mlx       dflash_mlx.runtime.stream_dflash_generate, fixed block (verify_mode "dflash";
@@ -493,6 +495,11 @@ def main(argv=None) -> int:
                 label = f"{name[:19]} adaptive" if spec is None else f"{short} pol {spec}"
                 methods[label[:28]] = lambda pr, d=d, B=B, make=make: run_steps(dflash_generate(
                     pr, M, greedy, eos, target=target, draft=d, block_size=B, policy=make()))
+            if args.adaptive and args.compile:  # the worker's path: fused, compiled, cost model
+                make = policy_maker(None, B)
+                methods[f"{short} adapt compiled"] = lambda pr, d=d, B=B, make=make: run_steps(
+                    dflash_generate(pr, M, greedy, eos, target=fused_target, draft=d, block_size=B,
+                                    policy=make(), compile_target=True))
 
     warm = prompts["code"][0][:32]
     # Compile/allocate once before timing, on the shortest and the longest timed prompt: on the
