@@ -79,6 +79,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm import load, stream_generate  # noqa: E402
 
 from worker.capture import HiddenCapture  # noqa: E402
+from worker.compiled_forward import shared_compiled_target  # noqa: E402
 from worker.models.dflash import PaddedKVCache  # noqa: E402
 from worker.models.dflash_checkpoint import (  # noqa: E402
     init_dflash_draft, load_dflash_draft, save_dflash_draft)
@@ -201,9 +202,11 @@ def time_alone(fn, reps: int) -> float:
     return (time.perf_counter() - t0) / reps
 
 
-def per_cycle_alone(target, draft, prompt: list[int], block: int, reps: int) -> tuple[float, float]:
+def per_cycle_alone(target, draft, prompt: list[int], block: int, reps: int,
+                    compiled: bool = False) -> tuple[float, float]:
     """Seconds of one draft forward and one verify forward (block tokens), each alone (block 1:
-    no draft, 0.0, and the verify is a plain decoding step)."""
+    no draft, 0.0, and the verify is a plain decoding step); `compiled`: the verify through the
+    target's shared `CompiledTarget`, as `dflash_generate(compile_target=True)` runs it."""
     tc = make_target_cache(target)
     cap = HiddenCapture(target, draft.target_layer_ids)
     with cap:
@@ -222,11 +225,17 @@ def per_cycle_alone(target, draft, prompt: list[int], block: int, reps: int) -> 
         for c in dc:
             c.trim(1)
 
+    fwd = shared_compiled_target(target, draft.target_layer_ids) if compiled else None
+
     def verify_fwd():
-        with cap:
-            logits = target(x, cache=tc)
+        if fwd is not None:
+            logits, taps = fwd(x, tc)
+        else:
+            with cap:
+                logits = target(x, cache=tc)
+            taps = cap.hidden()
         t = greedy(logits[0])
-        mx.eval(t, cap.hidden())
+        mx.eval(t, taps)
         for c in tc:
             c.trim(block)
 
@@ -452,12 +461,12 @@ def main(argv=None) -> int:
         methods[name] = lambda pr, d=d: run_steps(dflash_generate(
             pr, M, greedy, eos, target=target, draft=d, block_size=args.block_size or d.block_size))
     # fixed-block DFlash method -> (draft, the target its verify runs, the plain row of that target)
-    fixed_block = {name: (d, target, "ours plain") for name, d in dflash.items()}
+    fixed_block = {name: (d, target, "ours plain", False) for name, d in dflash.items()}
     if fused_target is not None:
         methods["ours plain fused"] = lambda pr: run_steps(plain.generate(pr, M, greedy, eos, model=fused_target))
         for name, d in list(dflash.items()):  # the draft borrows the first copy's embedding and head: same weights
             fname = f"{name[:22].strip()} fused"
-            fixed_block[fname] = (d, fused_target, "ours plain fused")
+            fixed_block[fname] = (d, fused_target, "ours plain fused", False)
             methods[fname] = lambda pr, d=d: run_steps(dflash_generate(
                 pr, M, greedy, eos, target=fused_target, draft=d, block_size=args.block_size or d.block_size))
             if args.queue_taps:
@@ -474,6 +483,7 @@ def main(argv=None) -> int:
                 cname = f"{name[:19].strip()} compiled"
                 if cname in methods:
                     cname = f"{name[:16].strip()} {len(methods)} compiled"
+                fixed_block[cname] = (d, fused_target, "ours plain compiled", True)
                 methods[cname] = lambda pr, d=d: run_steps(dflash_generate(
                     pr, M, greedy, eos, target=fused_target, draft=d, block_size=args.block_size or d.block_size,
                     compile_target=True))
@@ -545,12 +555,12 @@ def main(argv=None) -> int:
     # Our DFlash drafts' cycle cost alone: measured here, before any package is imported (printed
     # after the table).
     cycle_cost, cycle_lines = {}, []
-    for name, (d, verify_model, plain_name) in fixed_block.items():
+    for name, (d, verify_model, plain_name, compiled) in fixed_block.items():
         B = args.block_size or d.block_size
         cyc = sum(results[name, c]["cycles"] for c in prompts)
         secs = sum(results[name, c]["secs"] for c in prompts)
         per_cycle = secs / cyc if cyc else float("nan")
-        d_s, v_s = per_cycle_alone(verify_model, d, prompts["code"][0], B, args.reps)
+        d_s, v_s = per_cycle_alone(verify_model, d, prompts["code"][0], B, args.reps, compiled)
         plain_step = statistics.mean(
             results[plain_name, c]["secs"] / max(1, results[plain_name, c]["cycles"]) for c in prompts)
         cycle_cost[name] = dict(per_cycle_s=per_cycle, draft_s=d_s, verify_s=v_s, plain_step_s=plain_step)

@@ -76,6 +76,7 @@ def test_fused_rows_run_beside_the_unfused(tmp_path, tiny_models):
         # fused decoding, with the verify's taps queued as built, and compiled, is still lossless
         assert rows[name].rstrip().endswith("1/1"), rows[name]
     assert "ours dflash random x1 fused per cycle (B=4)" in r.stdout
+    assert "ours dflash random compiled per cycle (B=4)" in r.stdout
     costs = json.loads((tmp_path / "f.json").read_text())["cycle_cost"]
     assert costs["ours dflash random x1 fused"]["verify_s"] > 0
     bad = _run("--target", tiny_models.llama, "--dflash-random-layers", 1, "--queue-taps")

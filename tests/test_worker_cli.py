@@ -56,6 +56,9 @@ def test_fuse_projections_flag_reaches_the_engine_config(tiny_models, monkeypatc
     for argv, want in (([], True), (["--no-fuse-projections"], False)):
         cli.build_engine(cli.parse_args(["--model", str(tiny_models.llama), *argv]))
         assert seen[-1].fuse_projections is want
+    for argv, want in (([], True), (["--no-compile-forward"], False)):
+        cli.build_engine(cli.parse_args(["--model", str(tiny_models.llama), *argv]))
+        assert seen[-1].compile_forward is want
 
 
 def test_openblas_preload_applies_only_where_it_should(tmp_path, monkeypatch):

@@ -60,6 +60,9 @@ def parse_args(argv):
     p.add_argument("--no-fuse-projections", dest="fuse_projections", action="store_false",
                    help="keep mlx-lm's layers as loaded (default: one matmul for each layer's q/k/v "
                    "and one for its gate/up: the same outputs to float rounding, fewer GPU kernels)")
+    p.add_argument("--no-compile-forward", dest="compile_forward", action="store_false",
+                   help="run the target's forward op by op (default: decode steps and DFlash verifies "
+                   "as one compiled MLX graph per shape, where the architecture allows it)")
     p.add_argument("--capacity", type=int, default=None, help="sessions admitted at once (default 4)")
     p.add_argument("--max-context-tokens", type=int, default=None)
     p.add_argument("--coordinator", default=None, help="coordinator host:port (omit: standalone)")
@@ -128,7 +131,8 @@ def build_engine(a):
     config = EngineConfig(model_path=model_dir, model_name=name, draft_path=draft_dir,
                           num_draft_tokens=a.num_draft_tokens, capacity=a.capacity,
                           block_size=a.block_size, adaptive_block_size=a.adaptive_block_size,
-                          max_context_tokens=a.max_context_tokens, fuse_projections=a.fuse_projections)
+                          max_context_tokens=a.max_context_tokens, fuse_projections=a.fuse_projections,
+                          compile_forward=a.compile_forward)
     return Engine(config)
 
 

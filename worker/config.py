@@ -39,6 +39,11 @@ class EngineConfig:
             matmul and its MLP's gate/up with one (worker/fusion.py): the same outputs to float
             rounding with three fewer kernels a layer, which is what a launch-bound GPU pays for.
             On by default; False keeps mlx-lm's layers as loaded.
+        compile_forward: decode steps and DFlash verifies run the target's forward as one
+            compiled MLX graph over a padded KV cache (worker/compiled_forward.py: traced once
+            per shape, replayed without Python per operation; on the H200 DFlash on code ran
+            1.57x plain mlx-lm against 1.43x uncompiled, docs/benchmarks.md). Models with
+            sliding-window or recurrent layers are decoded uncompiled. On by default.
     """
 
     model_path: Path
@@ -55,6 +60,7 @@ class EngineConfig:
     spec_timing_sync: bool = False
     warmup: bool = True
     fuse_projections: bool = True
+    compile_forward: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_path", Path(self.model_path))

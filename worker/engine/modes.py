@@ -65,9 +65,10 @@ class Mode:
 
 def start_plain(m: LoadedModels, cfg: EngineConfig, req: GenerationRequest, sampler: Sampler):
     """Plain decoding with the target (`worker.spec.plain`)."""
-    cache = make_prompt_cache(m.target)
+    cache = make_target_cache(m.target) if cfg.compile_forward else make_prompt_cache(m.target)
     steps = plain.generate(list(req.prompt_tokens), req.max_tokens, sampler, m.eos_ids,
-                           model=m.target, cache=cache, prefill_step_tokens=cfg.prefill_step_tokens)
+                           model=m.target, cache=cache, prefill_step_tokens=cfg.prefill_step_tokens,
+                           compile_target=cfg.compile_forward)
     return steps, cache
 
 
@@ -83,7 +84,7 @@ def start_dflash(m: LoadedModels, cfg: EngineConfig, req: GenerationRequest, sam
         list(req.prompt_tokens), req.max_tokens, sampler, m.eos_ids, target=m.target,
         draft=m.draft, block_size=cfg.block_size, policy=policy, target_cache=cache,
         draft_cache=draft_cache, prefill_step_tokens=cfg.prefill_step_tokens,
-        time_every=1 if cfg.spec_timing_sync else 0)
+        time_every=1 if cfg.spec_timing_sync else 0, compile_target=cfg.compile_forward)
     return steps, cache + draft_cache
 
 

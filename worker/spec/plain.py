@@ -87,8 +87,9 @@ def generate(
         cache: the target's cache list, updated in place (made here when None). The caller may
             read `nbytes` from it while the generator runs.
         prefill_step_tokens: prompt tokens per prefill forward.
-        compile_target: (with cache None) decode on a padded KV cache with every step one
-            compiled graph (`worker.compiled_forward`), where `compilable` allows it; the
+        compile_target: decode with every step one compiled graph (`worker.compiled_forward`)
+            where `compilable` allows it: on a padded KV cache (`make_target_cache`, made here
+            when cache is None; a cache of mlx-lm's `KVCache`s is decoded uncompiled). The
             prefill stays uncompiled. Same tokens (tests/test_compiled_forward.py).
         stream: MLX stream to run on. It is entered around each piece of work, never across a
             `yield`, so several generators can interleave on one thread.
@@ -106,11 +107,11 @@ def generate(
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     forward = model
-    if cache is None and compile_target:
+    if compile_target:
         from worker.compiled_forward import compilable, shared_compiled_target
         from worker.spec.dflash import make_target_cache  # imports this module
 
-        cache = make_target_cache(model)
+        cache = make_target_cache(model) if cache is None else cache
         if compilable(model, cache) and len(prompt_tokens) > 1:  # compiled steps need a prefilled cache
             compiled = shared_compiled_target(model, None)
             forward = lambda x, cache: compiled(x, cache)[0]  # noqa: E731
