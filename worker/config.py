@@ -41,8 +41,8 @@ class EngineConfig:
             On by default; False keeps mlx-lm's layers as loaded.
         compile_forward: decode steps and DFlash verifies run the target's forward as one
             compiled MLX graph over a padded KV cache (worker/compiled_forward.py: traced once
-            per shape, replayed without Python per operation; on the H200 DFlash on code ran
-            1.57x plain mlx-lm against 1.43x uncompiled, docs/benchmarks.md). Models with
+            per shape, replayed without Python per operation; on the H200 a DFlash cycle took
+            9-24% less time than uncompiled in nine of nine pairs, docs/benchmarks.md). Models with
             sliding-window or recurrent layers are decoded uncompiled. On by default.
     """
 
