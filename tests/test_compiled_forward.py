@@ -112,3 +112,23 @@ def test_plain_decoding_through_compiled_target_equals_plain(pair):
     one = [t for s in plain.generate(PROMPT[:1], 5, greedy, set(), model=target) for t in s.tokens]
     assert [t for s in plain.generate(PROMPT[:1], 5, greedy, set(), model=target, compile_target=True)
             for t in s.tokens] == one
+
+
+def test_buffers_past_max_positions_run_uncompiled(monkeypatch):
+    """Past `max_positions` the forward runs op by op (MLX keeps every trace): the same values,
+    and no call of the compiled function once the buffer is longer."""
+    monkeypatch.setattr(PaddedKVCache, "step", 32)
+    target = TARGETS["qwen2"]()
+    eager_cache, cache = _prefilled(target, 20), _prefilled(target, 20)
+    fwd = CompiledTarget(target, max_positions=32)
+    calls = []
+    traced = fwd._fn
+    fwd._fn = lambda *a: calls.append(a[0].shape) or traced(*a)
+    for tokens in ([[5]], [list(range(30, 46))], [[9]]):  # 21 fits 32; 37 and 38 need 64
+        x = mx.array(tokens, dtype=mx.uint32)
+        want = target(x, cache=eager_cache)
+        got, taps = fwd(x, cache)
+        assert taps is None
+        assert mx.abs(got - want).max().item() < 1e-4 * max(1.0, mx.abs(want).max().item())
+    assert calls == [(1, 1)]
+    assert cache[0].offset == eager_cache[0].offset == 38

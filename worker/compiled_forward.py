@@ -25,6 +25,7 @@ tests/test_compiled_forward.py.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
 import mlx.core as mx
@@ -81,12 +82,17 @@ class CompiledTarget:
 
     Each call writes the L positions into the caches' buffers and advances their offsets, as
     the uncompiled forward would; the buffers grow by whole `PaddedKVCache.step` buckets first
-    (outside the graph), so a new trace happens once per (L, buffer length).
+    (outside the graph), so a new trace happens once per (L, buffer length). MLX keeps every
+    trace of a function and searches them on each call, so buffers longer than `max_positions`
+    run uncompiled instead (same values): the traces stay bounded, about 5 block lengths x
+    max_positions / 256 buckets, and at such lengths attention, not graph building, dominates.
 
     Args:
         model: an mlx-lm model for which `compilable(model, cache)` holds.
         capture: a `HiddenCapture` on the same model (its `queue` is ignored inside a trace),
             or None for logits only.
+        max_positions: the longest KV buffer run compiled (default 8192, or
+            `FLASHFLEET_COMPILE_MAX_POSITIONS` from the environment).
 
     Raises (on call):
         ValueError: a cache is empty (prefill uncompiled first: a prompt's chunk lengths vary,
@@ -94,9 +100,19 @@ class CompiledTarget:
             disagree on their offsets (a forward must see one sequence).
     """
 
-    def __init__(self, model: nn.Module, capture: Optional[HiddenCapture] = None):
+    def __init__(self, model: nn.Module, capture: Optional[HiddenCapture] = None,
+                 max_positions: Optional[int] = None):
         self.model, self.capture = model, capture
+        self.max_positions = int(max_positions if max_positions is not None
+                                 else os.environ.get("FLASHFLEET_COMPILE_MAX_POSITIONS", "8192"))
         self._fn = mx.compile(self._forward)
+
+    def _eager(self, tokens: mx.array, cache: Sequence[PaddedKVCache]):
+        if self.capture is None:
+            return self.model(tokens, cache=cache), None
+        with self.capture:
+            logits = self.model(tokens, cache=cache)
+        return logits, self.capture.hidden()
 
     def _forward(self, tokens: mx.array, offset: mx.array, keys: list, values: list):
         caches = [_OffsetCache(k, v, offset) for k, v in zip(keys, values)]
@@ -121,6 +137,8 @@ class CompiledTarget:
         L = tokens.shape[1]
         for c in cache:
             c.reserve(L)
+        if cache[0].keys.shape[2] > self.max_positions:
+            return self._eager(tokens, cache)
         logits, taps, keys, values = self._fn(tokens, mx.array(offset, dtype=mx.int32),
                                               [c.keys for c in cache], [c.values for c in cache])
         for c, k, v in zip(cache, keys, values):
