@@ -132,3 +132,63 @@ def test_buffers_past_max_positions_run_uncompiled(monkeypatch):
         assert mx.abs(got - want).max().item() < 1e-4 * max(1.0, mx.abs(want).max().item())
     assert calls == [(1, 1)]
     assert cache[0].offset == eager_cache[0].offset == 38
+
+
+def _mamba():
+    from mlx_lm.models import mamba
+
+    mx.random.seed(5)
+    m = mamba.Model(mamba.ModelArgs(model_type="mamba", vocab_size=256, hidden_size=32, intermediate_size=64,
+                                    state_size=8, num_hidden_layers=2, conv_kernel=4, use_bias=False,
+                                    use_conv_bias=True, time_step_rank=4))
+    mx.eval(m.parameters())
+    return m
+
+
+def test_models_it_cannot_compile_decode_as_before():
+    """compile_target on a recurrent model (mamba) or a sliding-window one (gemma3_text): mlx-lm's
+    own cache and tokens; and the worker's plain mode keeps mlx-lm's cache with compile on."""
+    from pathlib import Path
+
+    from worker.config import EngineConfig
+    from worker.engine.modes import LoadedModels, start_plain
+    from worker.engine.types import GenerationRequest
+    from worker.compiled_forward import compilable_model
+
+    for model in (_mamba(), TARGETS["gemma3"]()):
+        assert not compilable_model(model)
+        ref = [t for s in plain.generate(PROMPT, 9, greedy, set(), model=model) for t in s.tokens]
+        assert [t for s in plain.generate(PROMPT, 9, greedy, set(), model=model, compile_target=True)
+                for t in s.tokens] == ref
+        cfg = EngineConfig(model_path=Path("/tmp"), compile_forward=True)
+        steps, cache = start_plain(LoadedModels(model, None, frozenset()), cfg, GenerationRequest("r", tuple(PROMPT), 9),
+                                   greedy)
+        assert [t for s in steps for t in s.tokens] == ref
+        assert not any(type(c) is PaddedKVCache for c in cache)  # the window stays bounded
+
+
+def test_a_model_that_reads_the_offset_in_python_runs_uncompiled(caplog):
+    """Dynamic-NTK RoPE compares the offset with the context limit in Python: not compilable; and
+    forced through CompiledTarget anyway, its failed trace falls back to the uncompiled forward."""
+    from mlx_lm.models import llama
+
+    from tests.test_dflash import _tiny
+    from worker.compiled_forward import compilable_model
+
+    target = _tiny(llama, 1, model_type="llama", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                   num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256,
+                   tie_word_embeddings=False, rope_scaling={"type": "dynamic", "factor": 2.0},
+                   max_position_embeddings=16)
+    assert not compilable_model(target)
+    ref = [t for s in plain.generate(PROMPT, 12, greedy, set(), model=target) for t in s.tokens]
+    assert [t for s in plain.generate(PROMPT, 12, greedy, set(), model=target, compile_target=True)
+            for t in s.tokens] == ref
+    eager_cache, cache = _prefilled(target, 11), _prefilled(target, 11)
+    fwd = CompiledTarget(target)
+    for tokens in ([[5]], [[7]]):
+        x = mx.array(tokens, dtype=mx.uint32)
+        want = target(x, cache=eager_cache)
+        got, _ = fwd(x, cache)
+        assert mx.allclose(got, want, atol=1e-5).item()
+        assert fwd.broken and cache[0].offset == eager_cache[0].offset
+    assert "failed to trace" in caplog.text

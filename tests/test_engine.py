@@ -348,20 +348,6 @@ def test_fused_projections_engine_gives_the_unfused_engines_tokens(tiny_models):
     assert outs[True] == outs[False] and len(outs[True]) > 0
 
 
-def test_compiled_forward_engine_gives_the_uncompiled_engines_tokens(tiny_models):
-    """The default engine decodes through the compiled target forward (worker/compiled_forward.py)
-    on a padded KV cache; off, mlx-lm's cache op by op: the same tokens."""
-    assert EngineConfig(tiny_models.qwen2).compile_forward
-    outs = {}
-    for compiled in (True, False):
-        with Engine(EngineConfig(tiny_models.qwen2, warmup=False, compile_forward=compiled)) as e:
-            prompt = tuple(e.encode_prompt("Dzień dobry! def f(x):", None))
-            c, done = run(e, req(f"compiled-{compiled}", prompt, 24, mode="plain"))
-            assert done.finish_reason in ("length", "stop")
-            outs[compiled] = c.token_ids
-    assert outs[True] == outs[False] and len(outs[True]) > 0
-
-
 @pytest.mark.parametrize("mode", ["plain", "draft"])
 def test_resumed_request_continues_the_stream_it_takes_over(engine, prompt, mode):
     """Session migration's worker side: a request resumed after the tokens (and text) another

@@ -24,10 +24,12 @@ def dflash_dir(tiny_models, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("adaptive", [False, True])
-def test_engine_detects_dflash_and_matches_plain(tiny_models, dflash_dir, adaptive):
+@pytest.mark.parametrize("adaptive,compiled", [(False, True), (True, True), (False, False)])
+def test_engine_detects_dflash_and_matches_plain(tiny_models, dflash_dir, adaptive, compiled):
+    """The default engine verifies through the compiled target forward; off, op by op: both
+    equal plain greedy."""
     cfg = EngineConfig(model_path=tiny_models.llama, draft_path=dflash_dir,
-                       adaptive_block_size=adaptive)
+                       adaptive_block_size=adaptive, compile_forward=compiled)
     with Engine(cfg) as engine:
         assert engine.model.draft_mode == "dflash"
         prompt = tuple(engine.encode_prompt("Speculation pays when", None))

@@ -17,14 +17,17 @@ buffer length): a verify of B tokens retraces once per 256-position bucket, as i
 kernels already compile once per bucket on CUDA.
 
 No model code is copied: the mlx-lm model's own `__call__` runs on the stand-ins (any model that
-reads `cache.offset`, calls `update_and_fetch` and builds its mask with `cache.make_mask`, which
-is llama, qwen2, qwen3 and the other full-attention architectures; `compilable` says which).
-Values equal the uncompiled forward's over the same padded cache (the same operations; a
-one-token step attends over the masked buffer instead of the exact slice), checked in
-tests/test_compiled_forward.py.
+passes `cache.offset` on to RoPE without reading it, calls `update_and_fetch` and builds its mask
+with `cache.make_mask`: llama, qwen2, qwen3 and the other full-attention architectures;
+`compilable_model` rules out the known exceptions, and a model that fails its first trace runs
+uncompiled). The operations are the uncompiled forward's over the same padded cache, except
+that a one-token step attends over the masked buffer instead of the exact slice: equal in
+float32 on the CPU (tests/test_compiled_forward.py); in bf16 on a GPU the different attention
+kernel can round differently and flip a near-tie, as a multi-token verify already can.
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Optional, Sequence
 
@@ -32,9 +35,12 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE
 
 from worker.capture import HiddenCapture
 from worker.models.dflash import PaddedKVCache, additive_mask, takes_additive_masks
+
+log = logging.getLogger(__name__)
 
 
 class _OffsetCache:
@@ -61,14 +67,23 @@ class _OffsetCache:
         return additive_mask(mx.arange(self.keys.shape[2])[None, :] <= query_pos[:, None], self.keys.dtype)
 
 
+def compilable_model(model: nn.Module) -> bool:
+    """Whether `CompiledTarget` can run this model at all: mlx-lm gives it plain `KVCache`s only
+    (no sliding-window, rotating or recurrent layers), the architecture hands masks to attention
+    unchanged, additive ones included (`takes_additive_masks`), and no RoPE reads the offset in
+    Python (mlx-lm's `DynamicNTKScalingRoPE` compares it with the context limit). A model that
+    still reads the offset in Python fails its first trace; `CompiledTarget` then runs it
+    uncompiled."""
+    if any(isinstance(m, DynamicNTKScalingRoPE) for _, m in model.named_modules()):
+        return False
+    return all(type(c) is KVCache for c in make_prompt_cache(model)) and takes_additive_masks(model)
+
+
 def compilable(model: nn.Module, cache: Sequence) -> bool:
-    """Whether `CompiledTarget` can run this model on this cache: mlx-lm gives the model plain
-    `KVCache`s only (no sliding-window or recurrent layers), this cache has a `PaddedKVCache` for
-    each, and the architecture hands masks to attention unchanged, additive ones included
-    (`takes_additive_masks`)."""
-    own = make_prompt_cache(model)
-    return (len(own) == len(cache) and all(type(c) is KVCache for c in own)
-            and all(type(c) is PaddedKVCache for c in cache) and takes_additive_masks(model))
+    """`compilable_model(model)`, and this cache has a `PaddedKVCache` for each layer (the caches
+    of `worker.spec.dflash.make_target_cache`)."""
+    return (bool(cache) and all(type(c) is PaddedKVCache for c in cache) and compilable_model(model)
+            and len(cache) == len(make_prompt_cache(model)))
 
 
 class CompiledTarget:
@@ -106,6 +121,7 @@ class CompiledTarget:
         self.max_positions = int(max_positions if max_positions is not None
                                  else os.environ.get("FLASHFLEET_COMPILE_MAX_POSITIONS", "8192"))
         self._fn = mx.compile(self._forward)
+        self.broken = False  # a trace failed: every call runs uncompiled
 
     def _eager(self, tokens: mx.array, cache: Sequence[PaddedKVCache]):
         if self.capture is None:
@@ -137,10 +153,19 @@ class CompiledTarget:
         L = tokens.shape[1]
         for c in cache:
             c.reserve(L)
-        if cache[0].keys.shape[2] > self.max_positions:
+        if self.broken or cache[0].keys.shape[2] > self.max_positions:
             return self._eager(tokens, cache)
-        logits, taps, keys, values = self._fn(tokens, mx.array(offset, dtype=mx.int32),
-                                              [c.keys for c in cache], [c.values for c in cache])
+        try:
+            logits, taps, keys, values = self._fn(tokens, mx.array(offset, dtype=mx.int32),
+                                                  [c.keys for c in cache], [c.values for c in cache])
+        except (ValueError, RuntimeError, TypeError) as e:
+            # A model whose code reads the offset in Python (evaluates an array inside the
+            # trace): nothing was written (reserve only grew the buffers), so run it op by op
+            # from now on.
+            log.warning("compiled forward of %s failed to trace (%s); running it uncompiled",
+                        type(self.model).__name__, e)
+            self.broken = True
+            return self._eager(tokens, cache)
         for c, k, v in zip(cache, keys, values):
             c.keys, c.values, c.offset = k, v, offset + L
         return logits, taps

@@ -39,11 +39,12 @@ class EngineConfig:
             matmul and its MLP's gate/up with one (worker/fusion.py): the same outputs to float
             rounding with three fewer kernels a layer, which is what a launch-bound GPU pays for.
             On by default; False keeps mlx-lm's layers as loaded.
-        compile_forward: decode steps and DFlash verifies run the target's forward as one
-            compiled MLX graph over a padded KV cache (worker/compiled_forward.py: traced once
-            per shape, replayed without Python per operation; on the H200 a DFlash cycle took
-            9-24% less time than uncompiled in nine of nine pairs, docs/benchmarks.md). Models with
-            sliding-window or recurrent layers are decoded uncompiled. On by default.
+        compile_forward: DFlash verifies (and DFlash's plain steps) run the target's forward as
+            one compiled MLX graph over the padded KV cache (worker/compiled_forward.py: traced
+            once per shape, replayed without Python per operation; on the H200 a DFlash cycle
+            took 9-24% less time than uncompiled in nine of nine pairs, docs/benchmarks.md).
+            Models `compilable_model` rejects (sliding-window, recurrent, dynamic-NTK RoPE) run
+            uncompiled; plain mode never compiles (no gain measured). On by default.
     """
 
     model_path: Path

@@ -65,10 +65,11 @@ class Mode:
 
 def start_plain(m: LoadedModels, cfg: EngineConfig, req: GenerationRequest, sampler: Sampler):
     """Plain decoding with the target (`worker.spec.plain`)."""
-    cache = make_target_cache(m.target) if cfg.compile_forward else make_prompt_cache(m.target)
+    # mlx-lm's cache, op by op: compiling plain steps measured no gain on the H200 (their graph
+    # building already overlaps the previous step; docs/benchmarks.md, seventeenth session).
+    cache = make_prompt_cache(m.target)
     steps = plain.generate(list(req.prompt_tokens), req.max_tokens, sampler, m.eos_ids,
-                           model=m.target, cache=cache, prefill_step_tokens=cfg.prefill_step_tokens,
-                           compile_target=cfg.compile_forward)
+                           model=m.target, cache=cache, prefill_step_tokens=cfg.prefill_step_tokens)
     return steps, cache
 
 

@@ -128,6 +128,7 @@ def dflash_generate(
         compile_target: run every verify and plain step after the prefill as one compiled graph
             (`worker.compiled_forward.CompiledTarget`, shared by the target's sessions) where
             `compilable` allows it; the prefill's chunks stay uncompiled (their lengths vary).
+            `queue_taps` does not apply to compiled forwards (a trace cannot queue).
         stream: MLX stream to run on; entered around each piece of work, never across a
             `yield`, so several generators can interleave on one thread.
 

@@ -87,10 +87,12 @@ def generate(
         cache: the target's cache list, updated in place (made here when None). The caller may
             read `nbytes` from it while the generator runs.
         prefill_step_tokens: prompt tokens per prefill forward.
-        compile_target: decode with every step one compiled graph (`worker.compiled_forward`)
-            where `compilable` allows it: on a padded KV cache (`make_target_cache`, made here
-            when cache is None; a cache of mlx-lm's `KVCache`s is decoded uncompiled). The
-            prefill stays uncompiled. Same tokens (tests/test_compiled_forward.py).
+        compile_target: with cache None and a model `compilable_model` accepts, decode on a
+            padded KV cache (`make_target_cache`) with every step one compiled graph
+            (`worker.compiled_forward`); the prefill stays uncompiled; otherwise (a given cache,
+            sliding-window or recurrent models) mlx-lm's way. For benchmarks: the worker's plain
+            mode does not use it (no gain measured on the H200). The same tokens in float32 on
+            the CPU (tests/test_compiled_forward.py).
         stream: MLX stream to run on. It is entered around each piece of work, never across a
             `yield`, so several generators can interleave on one thread.
 
@@ -107,14 +109,16 @@ def generate(
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     forward = model
-    if compile_target:
-        from worker.compiled_forward import compilable, shared_compiled_target
+    if compile_target and cache is None:
+        from worker.compiled_forward import compilable_model, shared_compiled_target
         from worker.spec.dflash import make_target_cache  # imports this module
 
-        cache = make_target_cache(model) if cache is None else cache
-        if compilable(model, cache) and len(prompt_tokens) > 1:  # compiled steps need a prefilled cache
+        if compilable_model(model):
+            cache = make_target_cache(model)
             compiled = shared_compiled_target(model, None)
-            forward = lambda x, cache: compiled(x, cache)[0]  # noqa: E731
+            # compiled steps need a cache that holds keys: a one-token prompt's first step does not
+            forward = lambda x, cache: (compiled(x, cache)[0] if cache[0].keys is not None  # noqa: E731
+                                        else model(x, cache=cache))
     if cache is None:
         cache = make_prompt_cache(model)
 
