@@ -570,3 +570,15 @@ def test_chunked_prefill_yields_between_chunks_and_stays_lossless(pair):
     assert empty and empty == list(range(len(empty)))  # only at the start
     assert len(empty) == (len(PROMPT) - 2) // 2  # one between each pair of chunks
     assert_greedy_equal([t for s in steps for t in s.tokens], ref, target)
+
+
+def test_seeded_output_does_not_depend_on_the_block_schedule(pair):
+    """The adaptive policy picks block sizes from measured times, so two runs of one seeded
+    request may batch positions differently: each token is drawn with its position's key
+    (`sample_rows`), so fixed blocks of 1, 4 and 16 and plain decoding give the same tokens."""
+    target, draft, _ = pair
+    outs = {bs: _run(target, draft, bs, sampler=make_sampler(1.0, 0.9, 21))[1] for bs in (1, 4, 16)}
+    outs["plain"] = [t for s in plain.generate(PROMPT, MAX_TOKENS, make_sampler(1.0, 0.9, 21), set(), model=target)
+                     for t in s.tokens]
+    assert outs[1] == outs[4] == outs[16] == outs["plain"], outs
+    assert _run(target, draft, 4, sampler=make_sampler(1.0, 0.9, 22))[1] != outs[4]

@@ -98,3 +98,19 @@ def test_seeded_generation_is_reproducible(tiny_models):
     assert run_plain(11) != run_plain(12)
     assert run_draft(11) == run_draft(11)
     assert run_draft(11) != run_draft(12)
+
+
+def test_position_keyed_rows_do_not_depend_on_batching():
+    """`sample_rows` keys each row by its sequence position: one call of 6 rows, or 6 calls of
+    one, give the same tokens; another seed other tokens."""
+    from worker.sampling import sample_rows
+
+    mx.random.seed(3)
+    logits = mx.random.normal((6, 50)) * 3
+    s = make_sampler(1.0, 0.9, seed=5)
+    batched = sample_rows(s, logits, 40).tolist()
+    one_by_one = [sample_rows(s, logits[i: i + 1], 40 + i).item() for i in range(6)]
+    assert batched == one_by_one
+    assert sample_rows(make_sampler(1.0, 0.9, seed=5), logits[2:], 42).tolist() == batched[2:]
+    assert sample_rows(make_sampler(1.0, 0.9, seed=6), logits, 40).tolist() != batched
+    assert sample_rows(greedy, logits, 40).tolist() == mx.argmax(logits, axis=-1).tolist()

@@ -78,8 +78,9 @@ def make_sampler(temperature: float = 0.0, top_p: float = 1.0, seed: int | None 
     Returns:
         A `Sampler`: logits (N, V) float -> token ids (N,) uint32. A non-greedy sampler splits its
         key once per call and samples the N rows independently with the new subkey, so the same
-        seed and the same sequence of calls give the same tokens. It is not thread-safe: call it
-        from the engine thread only.
+        seed and the same sequence of calls give the same tokens; its `at(logits, position)`
+        keys each row by its sequence position instead (`sample_rows`, used where the number
+        of calls depends on timing). It is not thread-safe: call it from the engine thread only.
 
     Raises:
         InvalidRequest: see `validate_sampling`.
@@ -87,7 +88,8 @@ def make_sampler(temperature: float = 0.0, top_p: float = 1.0, seed: int | None 
     validate_sampling(temperature, top_p, seed)
     if temperature == 0:
         return greedy
-    key = mx.random.key(secrets.randbits(63) if seed is None else seed)
+    seed = secrets.randbits(63) if seed is None else seed
+    key = mx.random.key(seed)
     inv_temp = mx.array(1.0 / temperature, mx.float32)
     if top_p < 1.0:
         mass = mx.array(top_p, mx.float32)
@@ -100,7 +102,31 @@ def make_sampler(temperature: float = 0.0, top_p: float = 1.0, seed: int | None 
         key, subkey = mx.random.split(key)
         return draw(logits, subkey)
 
+    def sample_at(logits: mx.array, position: int) -> mx.array:
+        # Row i is the token at sequence position `position + i`, drawn with that position's own
+        # key: the same seed gives the same token there however the rows were batched.
+        return mx.concatenate([draw(logits[i: i + 1], position_key(seed, position + i))
+                               for i in range(logits.shape[0])])
+
+    sample.at = sample_at
     return sample
+
+
+def position_key(seed: int, position: int) -> mx.array:
+    """The random key of the token at sequence `position` of a request seeded with `seed`
+    (a uint64 mix of the two, as counter-based generators such as JAX's fold_in do)."""
+    return mx.random.key((seed + (position + 1) * 0x9E3779B97F4A7C15) % SEED_LIMIT)
+
+
+def sample_rows(sampler: Sampler, logits: mx.array, position: int) -> mx.array:
+    """`sampler` applied to rows that are consecutive sequence positions from `position`:
+    a `make_sampler` sampler keys each row by its position (`sample.at`), so a speculative
+    method whose block sizes vary from run to run (the adaptive policy, chosen from measured
+    times) still reproduces a seeded request's tokens; greedy and other samplers as they are.
+
+    logits: (N, V) float; returns (N,) uint32."""
+    at = getattr(sampler, "at", None)
+    return sampler(logits) if at is None else at(logits, position)
 
 
 def sampler_for(params: SamplingParams) -> Sampler:

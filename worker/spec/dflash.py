@@ -47,6 +47,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from worker.capture import HiddenCapture
 from worker.compiled_forward import compilable, shared_compiled_target
 from worker.models.dflash import PaddedKVCache, takes_additive_masks
+from worker.sampling import sample_rows
 from worker.spec.base import Sampler, Step, release_buffer_cache
 from worker.spec.cost_model import AdaptiveBlockPolicy
 from worker.spec.plain import CLEAR_CACHE_EVERY_TOKENS
@@ -199,7 +200,7 @@ def dflash_generate(
                 yield Step([])
         with mx.stream(stream):
             logits, taps = verify(prompt[None, -1:])
-            tok = sampler(logits[:, -1, :])
+            tok = sample_rows(sampler, logits[:, -1, :], n_seq)
             mx.eval(tok, taps)
         pending.append(taps)
         return Step(tok.tolist())
@@ -208,7 +209,7 @@ def dflash_generate(
         nonlocal pending, cycle_s
         t0 = time.perf_counter()
         logits, taps = verify(mx.array([[b]], dtype=mx.uint32))
-        tok = sampler(logits[0])
+        tok = sample_rows(sampler, logits[0], n_seq)
         mx.eval(tok, taps)
         verify_s = cycle_s = time.perf_counter() - t0
         pending.append(taps)
@@ -226,7 +227,7 @@ def dflash_generate(
             mx.eval(d)
         t1 = time.perf_counter()
         logits, taps = verify(mx.concatenate([mx.array([[b]], dtype=mx.uint32), d[None]], axis=1))
-        tok = sampler(logits[0])
+        tok = sample_rows(sampler, logits[0], n_seq)
         mx.eval(tok, d, taps)  # the one host sync of the cycle
         t2 = time.perf_counter()
         cycle_s = None if timed else t2 - t0 + prefetch_s

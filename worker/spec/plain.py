@@ -13,6 +13,7 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
+from worker.sampling import sample_rows
 from worker.spec.base import Sampler, Step, release_buffer_cache
 
 CLEAR_CACHE_EVERY_TOKENS = 256  # return freed buffers to the allocator this often, as mlx-lm does
@@ -122,11 +123,14 @@ def generate(
     if cache is None:
         cache = make_prompt_cache(model)
 
+    position = [len(prompt_tokens)]  # sequence position of the token the next step samples
+
     def _step(y: mx.array) -> mx.array:
         with mx.stream(stream):
             logits = forward(y[None], cache=cache)[:, -1, :]
-            y = sampler(logits)
+            y = sample_rows(sampler, logits, position[0])  # keyed as DFlash keys it
             mx.async_eval(y)
+        position[0] += 1
         return y
 
     y = yield from prefill_steps(model, cache, mx.array(prompt_tokens, mx.uint32),
