@@ -82,3 +82,15 @@ def test_model_info_names_a_shipped_draft_and_its_block(tiny_models, dflash_dir,
         assert engine.model.draft == "flashfleet/drafts/tiny" and engine.model.num_draft_tokens == 3
     with Engine(EngineConfig(model_path=tiny_models.llama, draft_path=dflash_dir, block_size=2)) as engine:
         assert engine.model.draft == "tiny-dflash" and engine.model.num_draft_tokens == 1
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_worker_log_says_how_verifies_run(tiny_models, dflash_dir, compiled, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="worker.engine.thread")
+    with Engine(EngineConfig(model_path=tiny_models.llama, draft_path=dflash_dir, warmup=False,
+                             compile_forward=compiled)):
+        pass
+    want = "one compiled graph per shape" if compiled else "op by op (--no-compile-forward)"
+    assert f"DFlash verifies: {want}" in caplog.text

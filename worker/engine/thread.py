@@ -22,6 +22,7 @@ from mlx_lm.utils import load_tokenizer
 
 from worker.config import EngineConfig
 from worker.detokenize import TextAssembler
+from worker.compiled_forward import compilable_model
 from worker.fusion import fuse_projections
 from worker.engine.modes import MODES, LoadedModels, Mode, draft_kind_of, resolve_mode
 from worker.models.dflash_checkpoint import DraftCheckpointError, load_dflash_draft
@@ -403,6 +404,11 @@ class Engine:
             log.info("fused %d projection groups (q/k/v, gate/up) into one matmul each", groups)
         models = LoadedModels(target, tokenizer, frozenset(tokenizer.eos_token_ids), draft,
                               self._draft_kind, draft_tokenizer=draft_tokenizer)
+        if self._draft_kind == "dflash":  # say whether --no-compile-forward / the model decided it
+            on = cfg.compile_forward and compilable_model(target)
+            log.info("DFlash verifies: %s", "one compiled graph per shape" if on else
+                     "op by op (" + ("--no-compile-forward" if not cfg.compile_forward
+                                     else "this architecture cannot be compiled") + ")")
         if cfg.warmup:
             self._warmup(models)
         return models
