@@ -74,16 +74,24 @@ def compilable_model(model: nn.Module) -> bool:
     Python (mlx-lm's `DynamicNTKScalingRoPE` compares it with the context limit). A model that
     still reads the offset in Python fails its first trace; `CompiledTarget` then runs it
     uncompiled."""
+    return _own_cache_if_compilable(model) is not None
+
+
+def _own_cache_if_compilable(model: nn.Module) -> Optional[list]:
+    """mlx-lm's prompt cache of the model when `compilable_model` holds, else None."""
     if any(isinstance(m, DynamicNTKScalingRoPE) for _, m in model.named_modules()):
-        return False
-    return all(type(c) is KVCache for c in make_prompt_cache(model)) and takes_additive_masks(model)
+        return None
+    own = make_prompt_cache(model)
+    return own if all(type(c) is KVCache for c in own) and takes_additive_masks(model) else None
 
 
 def compilable(model: nn.Module, cache: Sequence) -> bool:
     """`compilable_model(model)`, and this cache has a `PaddedKVCache` for each layer (the caches
     of `worker.spec.dflash.make_target_cache`)."""
-    return (bool(cache) and all(type(c) is PaddedKVCache for c in cache) and compilable_model(model)
-            and len(cache) == len(make_prompt_cache(model)))
+    if not cache or any(type(c) is not PaddedKVCache for c in cache):
+        return False
+    own = _own_cache_if_compilable(model)
+    return own is not None and len(own) == len(cache)
 
 
 class CompiledTarget:

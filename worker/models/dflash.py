@@ -127,17 +127,13 @@ class PaddedKVCache(KVCache):
     def update_and_fetch(self, keys, values):
         prev = self.offset
         end = prev + keys.shape[2]
-        size = 0 if self.keys is None else self.keys.shape[2]
-        if end > size:
+        if self.keys is None:
             B, H, _, Dk = keys.shape
-            grow = -(-end // self.step) * self.step - size
-            new_k = mx.zeros((B, H, grow, Dk), keys.dtype)
-            new_v = mx.zeros((B, H, grow, values.shape[3]), values.dtype)
-            if self.keys is None:
-                self.keys, self.values = new_k, new_v
-            else:
-                self.keys = mx.concatenate([self.keys, new_k], axis=2)
-                self.values = mx.concatenate([self.values, new_v], axis=2)
+            size = -(-end // self.step) * self.step
+            self.keys = mx.zeros((B, H, size, Dk), keys.dtype)
+            self.values = mx.zeros((B, H, size, values.shape[3]), values.dtype)
+        else:
+            self.reserve(keys.shape[2])
         self.keys[..., prev:end, :] = keys
         self.values[..., prev:end, :] = values
         self.offset = end
