@@ -220,7 +220,7 @@ def per_cycle_alone(target, draft, prompt: list[int], block: int, reps: int,
     one_tap = taps[:, -1:]
 
     def draft_fwd():  # injects one context position, as a cycle with one accepted token does
-        d = mx.argmax(draft(block_ids, one_tap, dc)[0], axis=-1)
+        d = draft.draft_tokens(draft(block_ids, one_tap, dc)[0])
         mx.eval(d)
         for c in dc:
             c.trim(1)

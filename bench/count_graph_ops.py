@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     finally:
         PaddedKVCache.additive = True
     graphs["step"] = counted(verify(block[:, :1], padded), padded, 1)
-    graphs["draft"] = counted([mx.argmax(draft(block, pending, draft_cache)[0], axis=-1)], draft_cache, 0)
+    graphs["draft"] = counted([draft.draft_tokens(draft(block, pending, draft_cache)[0])], draft_cache, 0)
     from worker.fusion import fuse_projections
 
     fused_groups = fuse_projections(model)  # last: it changes the model in place

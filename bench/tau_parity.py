@@ -65,7 +65,7 @@ def teacher_forced_accepts(draft, seq: list[int], taps: mx.array, anchor: int, w
         return 0
     block = [seq[anchor]] + [int(draft.mask_token_id)] * width
     logits = draft(mx.array([block], dtype=mx.uint32), taps[:, :anchor] if anchor else None, draft.make_cache())
-    guess = mx.argmax(logits[0], axis=-1).tolist()
+    guess = draft.draft_tokens(logits[0]).tolist()
     labels = seq[anchor + 1: anchor + 1 + width]
     n = 0
     while n < len(labels) and guess[n] == labels[n]:

@@ -999,6 +999,93 @@ def test_cli_train_init_from_continues_a_saved_draft(tmp_path, tiny_models):
                  "--init-from", str(first), "--mask-token-id", "7"]) == 2
 
 
+def test_cli_train_with_a_draft_vocabulary_saves_resumes_and_continues_it(tmp_path, tiny_models, capsys):
+    """--draft-vocab K: the saved draft proposes from the K most frequent answer tokens (the
+    card says how much of the data they cover), a resumed run keeps them, a resumed run asked
+    for another K is a one-line error, and --init-from carries them on unless told otherwise."""
+    from mlx_lm import load
+
+    from flashfleet.cli.draft_cmd import main
+    from worker.training.data import TokenDataset
+    from worker.training.defaults import choose_draft_vocab, label_token_counts
+
+    files = _write_prompts(tmp_path)
+    common = ["--target", str(tiny_models.llama), "--prompts", *map(str, files), "--max-new-tokens", "12",
+              "--batch-size", "4", "--anchors", "4", "--block-size", "4", "--heldout-per-corpus", "2",
+              "--heldout-fraction", "0.2", "--eval-max-new-tokens", "8", "--no-compile", "--quiet",
+              "--lr", "3e-3", "--log-every", "1"]
+    out, work = tmp_path / "draft", tmp_path / "work"
+    argv = ["train", *common, "--out", str(out), "--work-dir", str(work), "--steps", "30", "--draft-vocab", "40",
+            "--checkpoint-every", "10"]
+    assert main(argv) == 0
+    card = json.loads((out / "training_card.json").read_text())
+    curve = card["training"]["curve"]
+    assert curve[-1]["loss"] < curve[0]["loss"]  # it trains through the smaller head
+    vocab = card["draft"]["draft_vocab"]
+    assert vocab["size"] == 40 and 0 < vocab["coverage"] <= 1
+    assert "draft vocabulary: the 40 most frequent" in (out / "TRAINING.md").read_text()
+    printed = capsys.readouterr().out
+    assert "vocab: the draft proposes from 40 of" in printed, printed
+    target, tokenizer = load(str(tiny_models.llama))
+    draft = load_dflash_draft(out, target)
+    data = TokenDataset.load(work / "data" / "train.jsonl")
+    want, _ = choose_draft_vocab(label_token_counts(data.response_ids, draft.args.vocab_size), 40,
+                                        always=tokenizer.eos_token_ids)
+    assert draft.vocab.tolist() == want.tolist()
+    # (the card's coverage is over the training split, which the validation share leaves out of data)
+    assert set(tokenizer.eos_token_ids) <= set(draft.vocab.tolist())
+
+    assert main([*argv[:argv.index("--steps") + 1], "35", *argv[argv.index("--steps") + 2:]]) == 0  # resumed
+    card = json.loads((out / "training_card.json").read_text())
+    assert card["training"]["resumed_from_step"] == 30 and card["draft"]["draft_vocab"]["size"] == 40
+    assert load_dflash_draft(out, target).vocab.tolist() == want.tolist()
+    capsys.readouterr()
+    assert main([*argv[:argv.index("--draft-vocab") + 1], "20", *argv[argv.index("--draft-vocab") + 2:]]) == 2
+    assert "--draft-vocab 20 (the checkpoint has 40)" in capsys.readouterr().err
+
+    cont = tmp_path / "cont"  # --init-from keeps the vocabulary; --draft-vocab 0 lifts it
+    assert main(["train", *common, "--out", str(cont), "--steps", "1", "--no-resume", "--no-eval",
+                 "--work-dir", str(work), "--init-from", str(out)]) == 0
+    assert load_dflash_draft(cont, target).vocab.tolist() == want.tolist()
+    assert main(["train", *common, "--out", str(cont), "--steps", "1", "--no-resume", "--no-eval",
+                 "--work-dir", str(work), "--init-from", str(out), "--draft-vocab", "0"]) == 0
+    assert load_dflash_draft(cont, target).vocab is None
+
+
+def test_cli_vocab_gives_a_saved_draft_a_vocabulary_from_a_data_cache(tmp_path, tiny_models, capsys):
+    """`flashfleet draft vocab`: the same vocabulary `train --draft-vocab` would choose from the
+    same answers (.jsonl or .xz), the weights untouched; --size 0 lifts it; bad data exits 2."""
+    import lzma
+
+    from mlx_lm import load
+
+    from flashfleet.cli.draft_cmd import main
+    from worker.models.dflash_checkpoint import init_dflash_draft, save_dflash_draft
+    from worker.training.defaults import choose_draft_vocab, label_token_counts
+
+    target, tokenizer = load(str(tiny_models.llama))
+    src = tmp_path / "src"
+    save_dflash_draft(init_dflash_draft(target, num_layers=1, block_size=4, seed=2), src)
+    rows = [{"corpus": "c", "id": str(i), "prompt_ids": [1, 2], "response_ids": [5 + i % 7, 9, 9, 11 + i % 3]}
+            for i in range(30)]
+    data = tmp_path / "train.jsonl.xz"
+    with lzma.open(data, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    out = tmp_path / "out"
+    base = ["vocab", "--target", str(tiny_models.llama), "--draft", str(src), "--data", str(data)]
+    assert main([*base, "--size", "6", "--out", str(out)]) == 0
+    assert "covering" in capsys.readouterr().out
+    got = load_dflash_draft(out, target)
+    counts = label_token_counts([r["response_ids"] for r in rows], got.args.vocab_size)
+    assert got.vocab.tolist() == choose_draft_vocab(counts, 6, always=tokenizer.eos_token_ids)[0].tolist()
+    a, b = (dict(tree_flatten(load_dflash_draft(d, target).parameters())) for d in (src, out))
+    assert all(mx.array_equal(a[k], b[k]) for k in a)
+    assert main([*base[:-1], str(out / "model.safetensors"), "--size", "0", "--out", str(out)]) == 2
+    assert "not a data cache" in capsys.readouterr().err
+    assert main([*base, "--size", "0", "--out", str(out)]) == 0
+    assert load_dflash_draft(out, target).vocab is None
+
+
 @pytest.mark.parametrize("bad", [["--gen-samples", "0"], ["--gen-sample-temperature", "0"], ["--gen-top-p", "1.5"],
                                  ["--gen-temperature", "-1"], ["--gen-batch-size", "0"], ["--anchors", "0"],
                                  ["--batch-size", "0"], ["--steps", "-3"], ["--max-new-tokens", "0"],

@@ -15,7 +15,7 @@ the proxies are only installed for the duration of one target forward on that th
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -75,11 +75,36 @@ def target_embed_fn(model: nn.Module) -> Callable[[mx.array], mx.array]:
     return _embedding(model).__call__
 
 
-def target_head_fn(model: nn.Module) -> Callable[[mx.array], mx.array]:
-    """The target's LM head: hidden (..., D) -> logits (..., V). Tied embeddings use `as_linear`."""
-    if "lm_head" in model:
-        return model["lm_head"].__call__
-    return _embedding(model).as_linear
+def target_head_fn(model: nn.Module, rows: Optional[mx.array] = None) -> Callable[[mx.array], mx.array]:
+    """The target's LM head: hidden (..., D) -> logits (..., V). Tied embeddings use `as_linear`.
+
+    Args:
+        model: the mlx-lm target.
+        rows: optional (K,) int32 token ids, ascending: the head keeps only these rows, so it
+            returns (..., K) logits (a draft vocabulary, `worker.models.dflash.Model.set_vocab`).
+            The rows are copied once (bf16 head: K * D * 2 bytes; 4-bit: about a quarter).
+    """
+    head = model["lm_head"] if "lm_head" in model else _embedding(model)
+    if rows is not None:
+        head = _head_rows(head, rows)
+    return head.__call__ if "lm_head" in model else head.as_linear
+
+
+def _head_rows(head: nn.Module, rows: mx.array) -> nn.Module:
+    """A copy of `head` (Linear, QuantizedLinear, Embedding, QuantizedEmbedding) holding only the
+    given output rows: every array whose first axis is the vocabulary is gathered, the rest
+    (group size, bits, mode) is shared, so the copy computes what the full head computes on them."""
+    V = head["weight"].shape[0]
+    sub = type(head).__new__(type(head))
+    nn.Module.__init__(sub)
+    vars(sub).update({k: v for k, v in vars(head).items() if k not in ("_no_grad", "_training")})
+    for k, v in head.items():
+        sub[k] = v[rows] if isinstance(v, mx.array) and v.shape[0] == V else v
+    if hasattr(sub, "num_embeddings"):
+        sub.num_embeddings = int(rows.shape[0])
+    sub.freeze()
+    mx.eval(sub.parameters())
+    return sub
 
 
 class _Tap:

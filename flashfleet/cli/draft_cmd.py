@@ -2,13 +2,16 @@
 
     flashfleet draft train --target MODEL --prompts FILE... --out DRAFT_DIR [options]
     flashfleet draft eval  --target MODEL --draft DRAFT_DIR --prompts FILE... [options]
+    flashfleet draft vocab --target MODEL --draft DRAFT_DIR --data TRAIN_JSONL --size K --out DIR
 
 `train` lets the target answer the prompts (its chat template, batched), trains a DFlash draft
 with the paper's recipe (arXiv 2602.06036 §4.2; SpecForge's implementation), writes it in the
 published layout plus a training card, and reports the acceptance length tau on held-out prompts.
 Reruns reuse the cached data and resume from the last checkpoint. `eval` measures tau of an
 existing draft on prompt files (all of them, or only the held-out split the trainer would use).
-MLX is imported only when a command runs.
+`vocab` gives an existing draft (a published one too) a draft vocabulary: the K most frequent
+tokens of the target's answers in a data cache, as `train --draft-vocab K` does. MLX is imported
+only when a command runs.
 """
 from __future__ import annotations
 
@@ -162,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start from this saved draft (its shape and weights, dequantized if 4/8-bit) "
                         "instead of a random one: training continues across runs; a larger --draft-layers "
                         "or --intermediate-size grows it (new weights add nothing at the first step)")
+    g.add_argument("--draft-vocab", type=_at_least(0), default=None, metavar="K",
+                   help="the draft proposes from the K most frequent tokens of the training answers "
+                        "(EAGLE-3's reduced draft vocabulary: a smaller head to read and to train through; "
+                        "a token outside it is never drafted, the output stays the target's); 0: the whole "
+                        "head (default: an --init-from draft's own vocabulary, else the whole head)")
     g.add_argument("--quantize-bits", type=int, default=None, choices=(4, 8),
                    help="save the draft's linear layers MLX-quantized (default: unquantized, in --save-dtype; "
                    "the size budget counts quantized bytes; the shipped drafts use 4)")
@@ -220,6 +228,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-minutes", type=_minutes, default=None)
     e.add_argument("--json", action="store_true", help="print the result as JSON")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    v = commands.add_parser("vocab", help="give a draft a vocabulary: the K most frequent tokens of answers",
+                            formatter_class=_Help)
+    v.add_argument("--target", required=True, help="target model directory or fetched catalog name")
+    v.add_argument("--draft", required=True, help="DFlash draft directory")
+    v.add_argument("--data", required=True, nargs="+", metavar="TRAIN_JSONL",
+                   help="data caches of the target's answers (`train` writes WORK/data/train.jsonl; .xz read too)")
+    v.add_argument("--size", required=True, type=_at_least(0), metavar="K", help="tokens kept (0: the whole head)")
+    v.add_argument("--out", required=True, help="where the draft is written with its vocabulary (may be --draft)")
     return parser
 
 
@@ -290,6 +307,42 @@ def _eval(args) -> int:
     return 0
 
 
+def _vocab(args) -> int:
+    import lzma
+    from pathlib import Path
+
+    from worker.models.dflash_checkpoint import load_dflash_draft, save_dflash_draft
+    from worker.training.defaults import choose_draft_vocab, label_token_counts
+    from worker.training.train import load_target, resolve_dtype, resolve_target
+
+    target, tokenizer = load_target(resolve_target(args.target), resolve_dtype("auto"))
+    draft = load_dflash_draft(args.draft, target)
+    V = int(draft.args.vocab_size or target.args.vocab_size)
+    responses = []
+    for f in map(Path, args.data):
+        if not f.is_file():
+            raise FileNotFoundError(f"--data {f}: no such file (a data cache's train.jsonl)")
+        with (lzma.open(f, "rt", encoding="utf-8") if f.suffix == ".xz" else f.open(encoding="utf-8")) as lines:
+            try:
+                responses += [json.loads(line)["response_ids"] for line in lines if line.strip()]
+            except (json.JSONDecodeError, UnicodeDecodeError, lzma.LZMAError, KeyError, TypeError) as e:
+                from worker.training.data import DataError
+
+                raise DataError(f"--data {f}: not a data cache (rows with response_ids): {e}") from e
+    counts = label_token_counts(responses, V)
+    if args.size:
+        ids, coverage = choose_draft_vocab(counts, args.size, always=tokenizer.eos_token_ids)
+        draft.set_vocab(ids)
+    else:
+        draft.set_vocab(None)
+        coverage = 1.0
+    save_dflash_draft(draft, args.out)
+    kept = "the whole head" if not args.size else f"{draft.vocab.size} of {V} tokens"
+    print(f"{args.out}: the draft proposes from {kept}, covering {100 * coverage:.2f}% of "
+          f"{int(counts.sum())} answer tokens in {len(responses)} answers")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``flashfleet draft``; returns the process exit code.
 
@@ -312,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                       "drop --processes when you run mlx.launch yourself", file=sys.stderr)
                 return 2
             return _train_processes(args, list(sys.argv[1:] if argv is None else argv))
-        return _train(args) if args.command == "train" else _eval(args)
+        return {"train": _train, "eval": _eval, "vocab": _vocab}[args.command](args)
     except (FileNotFoundError, NotADirectoryError, DataError, DraftSizeError, TrainConfigError,
             DraftCheckpointError) as e:
         print(f"flashfleet draft: {e}", file=sys.stderr)

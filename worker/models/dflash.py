@@ -23,12 +23,12 @@ so a published z-lab checkpoint loads unchanged (see `worker/models/dflash_check
 from __future__ import annotations
 
 import os
-
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, create_attention_mask
@@ -197,6 +197,7 @@ class ModelArgs(BaseModelArgs):
     is_causal: Optional[bool] = None
     dflash_config: Dict[str, Any] = field(default_factory=dict)
     quantization: Optional[Dict[str, int]] = None  # {"group_size", "bits"}: mlx-lm's convention
+    draft_vocab_size: Optional[int] = None  # EAGLE-3's field: rows of the head the draft proposes from
     model_type: str = "qwen3"
     architectures: List[str] = field(default_factory=lambda: ["DFlashDraftModel"])
 
@@ -332,6 +333,14 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+@dataclass(frozen=True)
+class _VocabMaps:
+    """A draft vocabulary (a plain object, so MLX never takes its arrays for weights)."""
+
+    ids: mx.array  # (K,) int32 ascending target ids: draft index -> target id
+    t2d: mx.array  # (V,) int32: target id -> draft index, -1 outside the vocabulary
+
+
 class Model(nn.Module):
     """The DFlash draft. Call `bind(target)` before `__call__` (the loaders do it).
 
@@ -353,6 +362,8 @@ class Model(nn.Module):
         self.norm = nn.RMSNorm(D, eps=args.rms_norm_eps)
         self._embed = None  # plain attributes (bound methods), not child modules: never saved
         self._head = None
+        self._head_for = None  # rows -> head function, set by bind
+        self._vocab_maps: Optional[_VocabMaps] = None  # a draft vocabulary, or None (the whole head)
 
     @property
     def target_layer_ids(self) -> list[int]:
@@ -366,11 +377,66 @@ class Model(nn.Module):
     def block_size(self) -> int:
         return int(self.args.block_size)
 
+    @property
+    def vocab(self) -> Optional[mx.array]:
+        """The draft vocabulary: (K,) int32 ascending target ids, or None (the whole head)."""
+        return None if self._vocab_maps is None else self._vocab_maps.ids
+
     def bind(self, target: nn.Module) -> "Model":
-        """Borrows the target's token embedding and LM head (frozen; not copied, not saved)."""
+        """Borrows the target's token embedding and LM head (frozen; not copied, not saved).
+
+        With a draft vocabulary (`set_vocab`) only its rows of the head are kept (one copy)."""
         self._embed = target_embed_fn(target)
-        self._head = target_head_fn(target)
+        self._head_for = lambda rows: target_head_fn(target, rows)
+        self._head = self._head_for(self.vocab)
         return self
+
+    def set_vocab(self, token_ids) -> "Model":
+        """Restricts the draft's proposals to `token_ids` (a draft vocabulary), or lifts it (None).
+
+        EAGLE-3's reduced draft vocabulary (Li et al. 2025, "EAGLE-3", `draft_vocab_size`,
+        `d2t`): the draft scores only the K most frequent tokens of its training data, so its
+        head reads K instead of V rows per forward (on Qwen2.5 V = 151,936: the head is most of
+        a small draft's bytes) and training's cross-entropy spans K classes. A token outside it
+        can never be drafted; verification is unchanged, so the output stays the target's.
+
+        Args:
+            token_ids: K distinct target ids (any int sequence or array), or None.
+
+        Raises:
+            ValueError: empty, repeated, or outside [0, vocab_size) ids.
+        """
+        if token_ids is None:
+            self._vocab_maps = None
+            self.args.draft_vocab_size = None
+        else:
+            ids = np.unique(np.asarray(token_ids, dtype=np.int64).reshape(-1))
+            n = int(np.asarray(token_ids).size)
+            V = self.args.vocab_size
+            if n == 0 or ids.size != n:
+                raise ValueError(f"a draft vocabulary needs distinct token ids ({n} given, {ids.size} distinct)")
+            if ids[0] < 0 or (V is not None and ids[-1] >= V):
+                raise ValueError(f"draft vocabulary ids must lie in [0, {V}); got {ids[0]}..{ids[-1]}")
+            t2d = np.full(int(V if V is not None else ids[-1] + 1), -1, dtype=np.int32)
+            t2d[ids] = np.arange(ids.size, dtype=np.int32)
+            self._vocab_maps = _VocabMaps(mx.array(ids.astype(np.int32)), mx.array(t2d))
+            self.args.draft_vocab_size = int(ids.size)
+        if self._head_for is not None:
+            self._head = self._head_for(self.vocab)
+        return self
+
+    def draft_index(self, token_ids: mx.array) -> mx.array:
+        """Target ids -> positions in the draft's logits (int32, same shape); -1 for an id outside
+        the draft vocabulary. Identity (as int32) without one."""
+        if self._vocab_maps is None:
+            return token_ids.astype(mx.int32)
+        return self._vocab_maps.t2d[token_ids]
+
+    def draft_tokens(self, logits: mx.array) -> mx.array:
+        """The draft's proposals from its logits: argmax over the last axis, as target ids
+        (uint32, the logits' shape without the last axis)."""
+        best = mx.argmax(logits, axis=-1)
+        return best if self._vocab_maps is None else self._vocab_maps.ids[best].astype(mx.uint32)
 
     def make_cache(self) -> list[PaddedKVCache]:
         """One context-only cache per draft layer (trimmable, full context kept)."""
@@ -437,5 +503,6 @@ class Model(nn.Module):
     def __call__(
         self, inputs: mx.array, target_hidden: Optional[mx.array], cache: list[KVCache]
     ) -> mx.array:
-        """Draft logits for block positions 1..L-1: (B, L-1, V), through the target's head."""
+        """Draft logits for block positions 1..L-1: (B, L-1, V), through the target's head; V is
+        the draft vocabulary's size K when it has one (`draft_tokens` maps them to target ids)."""
         return self._head(self.hidden_states(inputs, target_hidden, cache)[:, 1:])

@@ -10,6 +10,9 @@ Layout of a draft directory (e.g. `z-lab/Qwen3-8B-DFlash-b16`):
 - Optional, flashfleet's small shipped drafts: `quantization: {"group_size", "bits"}` in config.json
   and MLX affine-quantized linear layers (`.weight` uint32 + `.scales` + `.biases`), the convention
   of mlx-lm's `convert -q`; `quantize_dflash_draft` makes them.
+- Optional, a draft vocabulary (`Model.set_vocab`): `draft_vocab_size: K` in config.json (EAGLE-3's
+  field name) and a `draft_vocab` tensor, (K,) int32 ascending target ids. A loader that does not
+  know them would run the draft over the whole head (the weights do not depend on the vocabulary).
 
 Loading validates the draft against the target at load time (hidden size, tapped layers in range,
 target depth, vocabulary, mask id) and raises `DraftMismatch` with the numbers on both sides, so a
@@ -24,6 +27,7 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path
 
 from worker.capture import target_hidden_size, target_layers, target_vocab_size, _embedding
@@ -31,6 +35,7 @@ from worker.models.dflash import Model, ModelArgs, default_target_layer_ids
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+VOCAB_TENSOR = "draft_vocab"
 
 
 class DraftCheckpointError(ValueError):
@@ -138,7 +143,21 @@ def load_dflash_draft(path: str | Path, target: nn.Module, *, dtype: Optional[mx
     weights: dict = {}
     for f in files:
         weights.update(mx.load(str(f)))
+    vocab = weights.pop(VOCAB_TENSOR, None)
+    if (vocab is None) != (args.draft_vocab_size is None):
+        raise DraftCheckpointError(
+            f"{path}: config.json draft_vocab_size is {args.draft_vocab_size} but the "
+            f"{VOCAB_TENSOR} tensor is {'missing' if vocab is None else 'present'}; both or neither")
     model = Model(args)
+    if vocab is not None:
+        if vocab.ndim != 1 or vocab.size != args.draft_vocab_size:
+            raise DraftCheckpointError(
+                f"{path}: {VOCAB_TENSOR} has shape {tuple(vocab.shape)}, config.json says "
+                f"draft_vocab_size {args.draft_vocab_size}")
+        try:
+            model.set_vocab(np.array(vocab))
+        except ValueError as e:
+            raise DraftMismatch(f"{path}: {e}") from e
     weights = model.sanitize(weights)
     if args.quantization:
         q = args.quantization
@@ -177,6 +196,8 @@ def save_dflash_draft(model: Model, path: str | Path) -> None:
     if len(dtypes) == 1:
         cfg["torch_dtype"] = {mx.bfloat16: "bfloat16", mx.float16: "float16", mx.float32: "float32"}.get(
             dtypes.pop(), None)
+    if model.vocab is not None:
+        weights[VOCAB_TENSOR] = model.vocab
     (path / CONFIG_FILE).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     mx.save_safetensors(str(path / WEIGHTS_FILE), weights, metadata={"format": "pt"})
 

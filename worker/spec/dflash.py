@@ -172,7 +172,7 @@ def dflash_generate(
     def launch_draft(b: int, bs: int, pending: list) -> mx.array:
         hidden = None if not pending else pending[0] if len(pending) == 1 else mx.concatenate(pending, axis=1)
         logits = draft(mx.array([[b] + masks[: bs - 1]], dtype=mx.uint32), hidden, dc)
-        return mx.argmax(logits[0], axis=-1)  # uint32
+        return draft.draft_tokens(logits[0])  # uint32 target ids
 
     n_seq = len(prompt_tokens)  # committed sequence length; the target cache holds n_seq - 1
     pending: list = []  # target taps not yet injected into the draft context

@@ -28,6 +28,12 @@ def _grown_text(grown_from) -> str:
             "(new weights add nothing at step 0)")
 
 
+def _vocab_text(vocab: dict, vocab_size: int) -> str:
+    """The card's draft-vocabulary line (`train._set_draft_vocab`)."""
+    share = (f", {100 * vocab['coverage']:.2f}% of the training answers' tokens" if "coverage" in vocab else "")
+    return f"- draft vocabulary: the {vocab['size']} most frequent of {vocab_size} tokens{share}"
+
+
 def render_card(card: dict) -> str:
     """TRAINING.md: the training card as a short human-readable page."""
     t, d, data, tr = card["target"], card["draft"], card["data"], card["training"]
@@ -46,6 +52,7 @@ def render_card(card: dict) -> str:
         + (f"linear layers {d['quantization']['bits']}-bit (groups of {d['quantization']['group_size']}, "
            f"{d['dtype']} scales)" if d.get("quantization") else d["dtype"]) + f", {d['file_mib']} MiB",
         f"- target fingerprint {t['fingerprint']} (hidden size {t['hidden_size']}, vocab {t['vocab_size']})",
+        *([_vocab_text(d["draft_vocab"], t["vocab_size"])] if d.get("draft_vocab") else []),
         "",
         "## Data",
         f"- prompt files: {', '.join(data['files'])} (at most {data['max_prompts_per_file']} per file)",

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from worker.capture import target_hidden_size, target_layers, target_vocab_size
 from worker.models.dflash import Model, default_target_layer_ids
@@ -220,3 +221,44 @@ def copy_target_layers(draft: Model, target) -> list[str]:
         copied += [f"layers.{i}.{k}" for k, _ in take]
     mx.eval(draft.parameters())
     return copied
+
+
+def label_token_counts(responses: Sequence[Sequence[int]], vocab_size: int, group=None) -> np.ndarray:
+    """How often each token id occurs in the training answers (the draft's labels), summed over
+    all ranks' shards so every rank chooses the same draft vocabulary: (vocab_size,) int64."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for r in responses:
+        ids = np.asarray(r, dtype=np.int64)
+        counts += np.bincount(ids[(ids >= 0) & (ids < vocab_size)], minlength=vocab_size)
+    if group is not None:
+        counts = np.array(mx.distributed.all_sum(mx.array(counts.astype(np.int32)), group=group)).astype(np.int64)
+    return counts
+
+
+def choose_draft_vocab(counts: np.ndarray, size: int, always: Sequence[int] = ()) -> tuple[np.ndarray, float]:
+    """The draft vocabulary: the `size` most frequent label tokens (ties by lower id), plus the
+    `always` ids (end-of-sequence tokens: an answer must be able to end inside a block).
+
+    EAGLE-3's recipe (Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large
+    Language Models via Training-Time Test", draft vocabulary of the 32 K most frequent tokens).
+
+    Args:
+        counts: (V,) int, `label_token_counts`.
+        size: K, 1 <= K; a K of V or more keeps every id.
+        always: ids kept whatever their count (they count towards K).
+
+    Returns:
+        (ids (K,) int64 ascending, the share of the counted tokens they cover in [0, 1]).
+
+    Raises:
+        ValueError: size < 1, or more `always` ids than size.
+    """
+    V = counts.shape[0]
+    always = sorted({int(i) for i in always if 0 <= int(i) < V})
+    if size < 1 or len(always) > size:
+        raise ValueError(f"a draft vocabulary of {size} tokens cannot hold the {len(always)} always kept")
+    order = np.lexsort((np.arange(V), -counts))  # by count descending, then id
+    rest = order[~np.isin(order, always)][: max(0, min(size, V) - len(always))]
+    ids = np.sort(np.concatenate([np.asarray(always, dtype=np.int64), rest.astype(np.int64)]))
+    total = counts.sum()
+    return ids, float(counts[ids].sum() / total) if total else 1.0

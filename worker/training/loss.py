@@ -59,22 +59,27 @@ def weighted_cross_entropy(logits: mx.array, labels: mx.array, weights: mx.array
 
     Args:
         logits: (..., V) any float dtype.
-        labels: (...) int.
+        labels: (...) int; a label < 0 (a token outside the draft vocabulary,
+            `Model.draft_index`) is left out, as if its weight were 0.
         weights: (...) float32, >= 0.
 
     Returns:
         Scalar float32 (0 when every weight is 0). Units: nats per (weighted) token.
     """
     x = logits.astype(mx.float32)
-    ce = mx.logsumexp(x, axis=-1) - mx.take_along_axis(x, labels[..., None], axis=-1)[..., 0]
-    return (ce * weights).sum() / mx.maximum(weights.sum(), 1e-6)
+    inside = labels >= 0
+    picked = mx.take_along_axis(x, mx.maximum(labels, 0)[..., None], axis=-1)[..., 0]
+    w = weights * inside
+    ce = mx.logsumexp(x, axis=-1) - picked
+    return (ce * w).sum() / mx.maximum(w.sum(), 1e-6)
 
 
 def acceptance_stats(logits: mx.array, labels: mx.array, weights: mx.array) -> tuple[mx.array, mx.array]:
     """Teacher-forced acceptance of the drafts, from one training batch (no decoding).
 
     A block position counts as accepted when the draft's argmax equals its label and every
-    earlier position of the block did too (DFlash accepts the longest matching prefix).
+    earlier position of the block did too (DFlash accepts the longest matching prefix). A label
+    < 0 (outside the draft vocabulary) is real but can never be matched, as in decoding.
 
     Args:
         logits: (..., B-1, V) draft logits.

@@ -53,7 +53,8 @@ from worker.models.dflash_checkpoint import (load_dflash_draft, quantize_dflash_
 from worker.training.card import render_card, tau_line
 from worker.training.data import (SYNTHETIC_CORPUS, DataSplit, TokenDataset, build_dataset, dataset_key, epoch_batches,
                                   length_buckets)
-from worker.training.defaults import DraftSpec, choose_draft_spec, make_draft
+from worker.training.defaults import (DraftSpec, choose_draft_spec, choose_draft_vocab, label_token_counts,
+                                      make_draft)
 from worker.training.distributed import agree_sum, broadcast_tree, leave_gpu_headroom, rank_of, size_of, world
 from worker.training.evaluate import evaluate_tau
 from worker.training.extra_data import extra_data_key
@@ -106,7 +107,10 @@ class TrainConfig:
         draft_layers / intermediate_size grows it, computing the same function at step 0,
         `grow.grow_weights`), init_layers ("target":
         a new draft's layers start as copies of the target's last layers, `copy_target_layers`;
-        "random"), quantize_bits
+        "random"), draft_vocab (K: the draft proposes from the K most frequent tokens of the
+        training answers, `defaults.choose_draft_vocab`, EAGLE-3's reduced draft vocabulary; 0:
+        from the whole head; None: an --init-from draft's own vocabulary, else the whole head),
+        quantize_bits
         (None: keep `save_dtype`; 4 or 8: the saved draft's linear layers are MLX-quantized with
         `quantize_group_size`, the size budget counts the quantized bytes, and the unquantized
         draft is kept in the work dir and evaluated too, so the card shows what it costs), compile,
@@ -173,6 +177,7 @@ class TrainConfig:
     save_dtype: str = "bfloat16"
     init_from: Optional[str] = None
     init_layers: str = "target"
+    draft_vocab: Optional[int] = None
     quantize_bits: Optional[int] = None
     quantize_group_size: int = 64
     compile: bool = True
@@ -432,8 +437,10 @@ class Trainer:
             n_taps * D): as `batch` returns them.
 
         Returns:
-            logits (Bsz*N, B-1, V) in the compute dtype (the target's frozen head), labels
-            (Bsz*N, B-1) int32 and weights (Bsz*N, B-1) float32 (`loss.block_targets`).
+            logits (Bsz*N, B-1, V) in the compute dtype (the target's frozen head; V = K with a
+            draft vocabulary), labels (Bsz*N, B-1) int32 as indices into those logits (-1 for a
+            token outside the draft vocabulary) and weights (Bsz*N, B-1) float32
+            (`loss.block_targets`).
         """
         draft = self.draft
         params = cast_tree(draft.parameters(), self.cdt)
@@ -441,6 +448,7 @@ class Trainer:
         h = block_hidden(draft, params, taps, blocks, anchors)  # (Bsz*N, B, D)
         logits = draft._head(h[:, 1:])
         labels, weights = block_targets(tokens, lengths, anchors, keep, self.B, self.gamma)
+        labels = draft.draft_index(labels)  # -1 outside a draft vocabulary: scored as a miss
         return logits, labels.reshape(-1, self.B - 1), weights.reshape(-1, self.B - 1)
 
     def _loss(self, tokens, lengths, anchors, keep, taps):
@@ -578,6 +586,8 @@ class Trainer:
         path.mkdir(parents=True, exist_ok=True)
         arrays = {f"param/{k}": v for k, v in tree_flatten(self.draft.parameters())}
         arrays.update({f"opt/{k}": v for k, v in tree_flatten(self.opt.state)})
+        if self.draft.vocab is not None:
+            arrays["vocab"] = self.draft.vocab
         mx.save_safetensors(str(path / "state.tmp.safetensors"), arrays)
         os.replace(path / "state.tmp.safetensors", path / "state.safetensors")
         meta = {"format": STATE_FORMAT, "step": self.step, "elapsed_s": self.elapsed_s, "startup_s": self.startup_s,
@@ -587,15 +597,17 @@ class Trainer:
         os.replace(path / "state.tmp.json", path / "state.json")
 
     def load_state(self, path: Path) -> dict:
-        """Restores what `save_state` wrote (before the first step). Returns the JSON metadata.
+        """Restores what `save_state` wrote (before the first step), the draft vocabulary
+        included. Returns the JSON metadata.
 
         Raises:
             TrainConfigError: the checkpoint's draft shape differs from this draft's.
         """
         meta = json.loads((path / "state.json").read_text())
+        arrays = mx.load(str(path / "state.safetensors"))
+        self.draft.set_vocab(None if "vocab" not in arrays else np.array(arrays["vocab"]))  # the checkpoint's
         if meta.get("draft_args") != _args_dict(self.draft.args):
             raise TrainConfigError(f"{path}: checkpoint is for another draft shape; start over with --no-resume")
-        arrays = mx.load(str(path / "state.safetensors"))
         self.draft.load_weights([(k[6:], v) for k, v in arrays.items() if k.startswith("param/")], strict=True)
         self.opt.state = tree_unflatten([(k[4:], v) for k, v in arrays.items() if k.startswith("opt/")])
         self.opt.init(self.draft.trainable_parameters())
@@ -770,16 +782,45 @@ def _used_ids(split: DataSplit, vocab_size: int, group=None) -> set[int]:
     return used
 
 
+def _set_draft_vocab(draft: Model, cfg: TrainConfig, split: DataSplit, init_vocab: Optional[mx.array],
+                     tokenizer, group, log: Callable[[str], None]) -> Optional[dict]:
+    """Gives the draft the vocabulary `cfg.draft_vocab` asks for (see `TrainConfig`) and logs it.
+
+    Returns:
+        {"size", "coverage"} (the share of the training answers' tokens inside it), or None for
+        the whole head.
+    """
+    V = int(draft.args.vocab_size)
+    if cfg.draft_vocab is None and init_vocab is not None:
+        ids = np.array(init_vocab)
+    elif cfg.draft_vocab:
+        ids = None
+    else:
+        draft.set_vocab(None)
+        return None
+    counts = label_token_counts(split.train.response_ids, V, group)
+    if ids is None:
+        ids, _ = choose_draft_vocab(counts, cfg.draft_vocab, always=getattr(tokenizer, "eos_token_ids", ()) or ())
+    draft.set_vocab(ids)
+    total = counts.sum()
+    coverage = float(counts[ids].sum() / total) if total else 1.0
+    log(f"vocab: the draft proposes from {ids.size} of {V} tokens"
+        + (f" (the --init-from draft's)" if cfg.draft_vocab is None else "")
+        + f", covering {100 * coverage:.2f}% of the training answers' tokens")
+    return {"size": int(ids.size), "coverage": round(coverage, 5)}
+
+
 def _file_mib(path: Path) -> float:
     return round(path.stat().st_size / 2**20, 2)
 
 
-def _init_checkpoint(cfg: TrainConfig, target) -> tuple[DraftSpec, DraftSpec, dict]:
+def _init_checkpoint(cfg: TrainConfig, target) -> tuple[DraftSpec, DraftSpec, dict, Optional[mx.array]]:
     """Shapes and float32 weights of the draft in `cfg.init_from` (dequantized if it is 4/8-bit).
 
     Returns:
         (the saved draft's shape, the shape to train: the saved one grown to an explicit larger
-        --draft-layers / --intermediate-size (`grow.grow_weights`), its weights).
+        --draft-layers / --intermediate-size (`grow.grow_weights`), its weights, its draft
+        vocabulary or None).
 
     Raises:
         TrainConfigError: the directory is not a draft for this target, or an explicit shape
@@ -796,7 +837,7 @@ def _init_checkpoint(cfg: TrainConfig, target) -> tuple[DraftSpec, DraftSpec, di
     a = init.args
     saved = DraftSpec(a.num_hidden_layers, a.block_size, list(a.dflash_config["target_layer_ids"]),
                       int(a.dflash_config["mask_token_id"]), a.intermediate_size)
-    return saved, _grown_init_shape(cfg, saved), dequantized_weights(init)
+    return saved, _grown_init_shape(cfg, saved), dequantized_weights(init), init.vocab
 
 
 def _clashes(asked: dict, bad: Callable[[object, object], bool], has: str, note: str = "") -> list[str]:
@@ -826,13 +867,16 @@ def _grown_init_shape(cfg: TrainConfig, saved: DraftSpec) -> DraftSpec:
                      saved.mask_token_id, cfg.intermediate_size or saved.intermediate_size)
 
 
-def _check_resumed_shape(cfg: TrainConfig, spec: DraftSpec, state_dir: Path) -> None:
-    """Raises TrainConfigError when an explicit --draft-layers / --intermediate-size differs from
+def _check_resumed_shape(cfg: TrainConfig, spec: DraftSpec, state_dir: Path, vocab_size: Optional[int]) -> None:
+    """Raises TrainConfigError when an explicit --draft-layers / --intermediate-size / --draft-vocab
+    (`vocab_size`: the checkpoint's draft vocabulary, None for the whole head) differs from
     the shape of the checkpoint being resumed (e.g. a new growth asked in an old work dir), which
     would otherwise train the old shape without a word."""
     clash = _clashes({"--draft-layers": (cfg.draft_layers, spec.num_layers),
                       "--intermediate-size": (cfg.intermediate_size, spec.intermediate_size)},
                      lambda want, have: want != have, "the checkpoint has")
+    clash += _clashes({"--draft-vocab": (cfg.draft_vocab, vocab_size or 0)},
+                      lambda want, have: want != have, "the checkpoint has")
     if clash:
         raise TrainConfigError(f"{state_dir}: resuming a checkpoint of another shape: " + ", ".join(clash)
                                + "; rerun with --no-resume (or another --work-dir) to start this shape")
@@ -1007,7 +1051,7 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
         log(f"data: {data_meta['train_sequences']} sequences, {data_meta['response_tokens']} response tokens "
             f"over {n_ranks} processes (each trains on its own)")
 
-    resumed, init_weights, saved_spec, grown_from = None, None, None, None
+    resumed, init_weights, saved_spec, grown_from, init_vocab = None, None, None, None, None
     if cfg.quantize_bits:
         bytes_per_param = quantized_bytes_per_param(cfg.quantize_bits, cfg.quantize_group_size,
                                                     DTYPES[cfg.save_dtype].size)
@@ -1020,10 +1064,10 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
         dc = args["dflash_config"]
         spec = DraftSpec(args["num_hidden_layers"], args["block_size"], dc["target_layer_ids"], dc["mask_token_id"],
                          args["intermediate_size"])
-        _check_resumed_shape(cfg, spec, state_dir)
+        _check_resumed_shape(cfg, spec, state_dir, args.get("draft_vocab_size"))
         grown_from = saved.get("grown_from")
     elif cfg.init_from:
-        saved_spec, spec, init_weights = _init_checkpoint(cfg, target)
+        saved_spec, spec, init_weights, init_vocab = _init_checkpoint(cfg, target)
         if spec != saved_spec:
             _check_grown_size(cfg, spec, target, bytes_per_param)
             grown_from = {"layers": saved_spec.num_layers, "intermediate_size": saved_spec.intermediate_size}
@@ -1049,6 +1093,9 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
             f", grown from {saved_spec.num_layers} layer(s), MLP {saved_spec.intermediate_size} to "
             f"{spec.num_layers}, MLP {spec.intermediate_size} (the same function at step 0)" if grown_from else ""))
     draft.update(broadcast_tree(draft.parameters(), group))
+    vocab_meta = None
+    if not resuming:  # a resumed run takes the checkpoint's (`load_state`)
+        vocab_meta = _set_draft_vocab(draft, cfg, split, init_vocab, tokenizer, group, log)
     n_params = spec.num_params(target)
     log(f"draft: {spec.num_layers} layer(s), taps {spec.target_layer_ids}, mask id {spec.mask_token_id}, "
         f"B={spec.block_size}, MLP {spec.intermediate_size}, {n_params / 1e6:.2f} M parameters "
@@ -1139,6 +1186,7 @@ def train_draft(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict:
                   "mask_token_id": spec.mask_token_id, "block_size": spec.block_size,
                   "intermediate_size": spec.intermediate_size, "parameters": n_params,
                   "dtype": cfg.save_dtype, "quantization": draft.args.quantization,
+                  "draft_vocab": vocab_meta if vocab_meta or draft.vocab is None else {"size": int(draft.vocab.size)},
                   "file_mib": _file_mib(out / "model.safetensors")},
         "data": {k: data_meta.get(k) for k in ("train_sequences", "heldout_prompts", "train_tokens", "response_tokens",
                                                 "ended_with_eos", "generation_s", "generation_tokens_per_s",
