@@ -27,8 +27,24 @@ vocab)
     --train-sequences 128 --train-steps 8 --json-out "$O/vocab.json" 2>&1 | tee "$O/vocab.txt" ;;
 dflash)
   V=/root/q15-vocab${K:-32768}
-  python3 -m flashfleet.cli.draft_cmd vocab --target $M --draft "$DRAFT" --data $DATA/train.jsonl.xz \
-    --size "${K:-32768}" --out $V 2>&1 | tee "$O/vocab_draft.txt"
+  # Not `python3 -m flashfleet.cli.draft_cmd vocab`: the flashfleet package imports the gRPC
+  # client, whose generated code needs a newer grpcio than the staged one (session 18).
+  python3 - "$M" "$DRAFT" "$DATA/train.jsonl.xz" "${K:-32768}" "$V" <<'PY' 2>&1 | tee "$O/vocab_draft.txt"
+import json, lzma, sys
+from pathlib import Path
+sys.path.insert(0, ".")
+from worker.models.dflash_checkpoint import load_dflash_draft, save_dflash_draft
+from worker.training.defaults import choose_draft_vocab, label_token_counts
+from worker.training.train import load_target, resolve_dtype
+m, d, data, k, out = sys.argv[1:]
+target, tok = load_target(Path(m), resolve_dtype("auto"))
+draft = load_dflash_draft(d, target)
+with lzma.open(data, "rt") as f:
+    answers = [json.loads(line)["response_ids"] for line in f]
+ids, coverage = choose_draft_vocab(label_token_counts(answers, draft.args.vocab_size), int(k), tok.eos_token_ids)
+save_dflash_draft(draft.set_vocab(ids), out)
+print(f"{out}: {ids.size} tokens, covering {100 * coverage:.2f}% of the answer tokens")
+PY
   timeout 480 python3 bench/bench_dflash.py --target $M --dflash-draft "$DRAFT" $V --max-tokens "${MAX_TOKENS:-128}" \
     --prompts "${PROMPTS:-4}" --rounds "${ROUNDS:-2}" --cases $C --fuse --compile --adaptive \
     --json-out "$O/dflash.json" 2>&1 | grep -v " done$" | tee "$O/dflash.txt"
