@@ -148,6 +148,12 @@ def test_vocabulary_round_trips_and_bad_checkpoints_fail_at_load(llama, tmp_path
         (d / "config.json").write_text(json.dumps({**cfg, **(cfg_change or {})}))
         with pytest.raises(err, match=msg):
             load_dflash_draft(d, target)
+    d = tmp_path / "no_vocab_size"  # a config without vocab_size: ids are checked against the target's table
+    d.mkdir()
+    mx.save_safetensors(str(d / "model.safetensors"), {**weights, "draft_vocab": mx.array(ids[:-1] + [300], dtype=mx.int32)})
+    (d / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "vocab_size"}))
+    with pytest.raises(DraftMismatch, match="256"):
+        load_dflash_draft(d, target)
     cfg.pop("draft_vocab_size")
     d = tmp_path / "tensor_only"
     d.mkdir()

@@ -148,6 +148,8 @@ def load_dflash_draft(path: str | Path, target: nn.Module, *, dtype: Optional[mx
         raise DraftCheckpointError(
             f"{path}: config.json draft_vocab_size is {args.draft_vocab_size} but the "
             f"{VOCAB_TENSOR} tensor is {'missing' if vocab is None else 'present'}; both or neither")
+    if vocab is not None and args.vocab_size is None:  # ids are checked against the target's table
+        args.vocab_size = target_vocab_size(target)
     model = Model(args)
     if vocab is not None:
         if vocab.ndim != 1 or vocab.size != args.draft_vocab_size:
