@@ -18,9 +18,8 @@ export PYTHONUNBUFFERED=1
 source .stage/join/join.sh
 [ -d /tmp/mlx ] || { [ -f /root/stage/mlx-kernels.tgz ] && tar xzf /root/stage/mlx-kernels.tgz -C /tmp; }
 for step in "${@:?steps: prep vocab dflash}"; do case $step in
-prep)
-  python3 bench/h200/convert.py Qwen2.5-Coder-1.5B-Instruct /root/stage/files/Qwen2.5-Coder-1.5B-Instruct.gguf $M
-  mkdir -p $C && tar xzf /root/stage/files/.stage-cases.tgz -C $C ;;
+prep)  # the same preparation as the compiled-forward benchmark's
+  OUT=$O bash bench/h200/bench_compiled.sh prep ;;
 vocab)
   timeout 420 python3 bench/bench_draft_vocab.py --target $M --draft "$DRAFT" --data $DATA/train.jsonl.xz \
     --heldout $DATA/heldout.jsonl --sizes ${SIZES:-0 65536 32768 16384} --per-corpus "${PER_CORPUS:-8}" \
