@@ -397,6 +397,9 @@ def main(argv=None) -> int:
     p.add_argument("--kv-bucket", type=int, default=None,
                    help="PaddedKVCache bucket in positions (default 256 or $FLASHFLEET_KV_BUCKET)")
     p.add_argument("--json-out", type=Path, default=None, help="also write the results as JSON")
+    p.add_argument("--only", nargs="+", default=[], metavar="TEXT",
+                   help="measure only the methods whose names contain one of these (plain mlx-lm, the "
+                        "baseline, always runs)")
     p.add_argument("--packages", nargs="+", choices=PACKAGES, default=[],
                    help="also run these registry DFlash packages (z-lab `dflash`, bstnxbt `dflash-mlx`) "
                         "on the first unquantized --dflash-draft (or the random draft)")
@@ -511,6 +514,14 @@ def main(argv=None) -> int:
                     dflash_generate(pr, M, greedy, eos, target=fused_target, draft=d, block_size=B,
                                     policy=make(), compile_target=True))
 
+    if args.only:
+        keep = {n for n in methods if n == "plain mlx-lm" or any(t in n for t in args.only)}
+        fixed_block = {n: v for n, v in fixed_block.items() if n in keep}
+        keep |= {v[2] for v in fixed_block.values()}  # the plain row each cycle-cost line divides by
+        methods = {n: fn for n, fn in methods.items() if n in keep}
+        if len(methods) == 1:
+            p.error(f"--only {' '.join(args.only)}: no method's name contains it")
+        print(f"methods: {', '.join(methods)}", flush=True)
     warm = prompts["code"][0][:32]
     # Compile/allocate once before timing, on the shortest and the longest timed prompt: on the
     # GPU a KV-cache bucket's first use compiles kernels, which would otherwise land in whichever

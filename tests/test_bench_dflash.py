@@ -83,3 +83,18 @@ def test_fused_rows_run_beside_the_unfused(tmp_path, tiny_models):
     assert bad.returncode == 2 and "--queue-taps: its rows run on the fused target" in bad.stderr
     bad = _run("--target", tiny_models.llama, "--dflash-random-layers", 1, "--compile")
     assert bad.returncode == 2 and "--compile: its rows run on the fused target" in bad.stderr
+
+
+def test_only_keeps_the_named_methods_and_the_plain_rows_they_divide_by(tiny_models):
+    base = ["--target", tiny_models.llama, "--dflash-random-layers", 1, "--block-size", 4, "--max-tokens", 10,
+            "--prompts", 1, "--max-prompt-tokens", 24, "--reps", 1, "--cases", CASES_DIR, "--dtype", "float32",
+            "--fuse", "--compile", "--adaptive"]
+    r = _run(*base, "--only", "random compiled", "adapt compiled")
+    assert r.returncode == 0, r.stderr
+    names = {line[6:35].strip() for line in r.stdout.splitlines() if line.startswith("code ")}
+    # the fixed-block compiled row's cycle-cost line divides by "ours plain compiled": kept too
+    assert names == {"plain mlx-lm", "ours dflash random compiled", "ours plain compiled",
+                     "random x1 adapt compiled"}, names
+    assert "ours dflash random compiled per cycle (B=4)" in r.stdout
+    bad = _run(*base, "--only", "no such method")
+    assert bad.returncode == 2 and "--only no such method: no method's name contains it" in bad.stderr
