@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # MLX's CUDA-graph settings against decode speed on the H200 (bench/bench_cuda_graphs.py;
-# bench/h200/README.md, "Session 19"). Steps, in order, as many as one device call fits:
+# bench/h200/README.md, "Session 20"). Steps, in order, as many as one device call fits:
 #
 #   OUT=$OUT bash bench/h200/bench_graphs.sh prep      join the pieces, convert the 1.5B GGUF, unpack the cases
 #   OUT=$OUT PASS=1 bash bench/h200/bench_graphs.sh graphs   every setting once (its own process each),
