@@ -29,8 +29,8 @@ class WorkerRecord:
         last_heartbeat_s: clock reading of the latest heartbeat.
         in_flight: streams the coordinator has open to it now (fresher than load).
         served_requests: requests routed to it that finished.
-        unreachable: a call to it failed UNAVAILABLE before its first message (the process is
-            gone, the host unreachable, or it is draining) since its last heartbeat; routing
+        unreachable: a call to it failed UNAVAILABLE (before or after its first message: the
+            process is gone, the host unreachable, or it is draining) since its last heartbeat; routing
             passes it over while another worker can take the request, instead of trying it
             first on every request until its lease runs out.
     """

@@ -153,6 +153,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 resp = await call.read()
         except grpc.aio.AioRpcError as e:
             outcome = OUTCOME_BY_CODE.get(e.code(), "error")
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                worker.unreachable = True  # died mid-stream: new requests go elsewhere first
             # Tokens may already be with the client: never replay on another worker.
             await context.abort(e.code(), f"worker {worker.worker_id} failed after {len(progress.token_ids)} "
                                 f"tokens (not retried: output was already streamed): {e.details()}")
@@ -284,7 +286,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 worker_id=w.worker_id, address=w.address, models=w.models,
                 active_sessions=w.busy, capacity=w.load.capacity,
                 kv_cache_bytes=w.load.kv_cache_bytes,
-                heartbeat_age_s=self.registry.heartbeat_age_s(w), served_requests=w.served_requests)
+                heartbeat_age_s=self.registry.heartbeat_age_s(w), served_requests=w.served_requests,
+                unreachable=w.unreachable)
             for w in sorted(self.registry.live(), key=lambda w: w.worker_id)]
         return coordinator_pb2.ClusterStatus(workers=workers, sessions=len(self.affinity))
 

@@ -85,7 +85,7 @@ class Client:
         self._channel.close()
 
     def generate(self, model: str, prompt: str | None = None, *,
-                 messages: Iterable[Mapping[str, str]] | None = None, max_tokens: int | None = 256,
+                 messages: Iterable[Mapping[str, str]] | None = None, max_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None,
                  seed: int | None = None, stop: str | Iterable[str] = (), session_id: str = "",
                  request_id: str = "", mode: str = "auto",
@@ -96,7 +96,8 @@ class Client:
             model: model name (see list_models()).
             prompt: raw prompt text; or messages: chat turns [{"role", "content"}], rendered with
                 the model's chat template. Exactly one of the two.
-            max_tokens: most tokens to generate (> 0); None = the worker's default.
+            max_tokens: most tokens to generate (> 0); None (default) = 256, capped by the
+                context the prompt leaves (`flashfleet.requests.WORKER_DEFAULT_MAX_TOKENS`).
             temperature: 0 or None = greedy; top_p in (0, 1]; seed makes sampling reproducible.
             stop: output ends before the first of these strings (one string, or several).
             session_id: requests of one session go to the same worker.

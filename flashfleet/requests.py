@@ -25,12 +25,20 @@ def _utf8(name: str, text: str) -> str:
     return text
 
 
+def _listed(values, name: str) -> list:
+    """`values` as a list; InvalidArgument when it is not iterable."""
+    try:
+        return list(values)
+    except TypeError:
+        raise InvalidArgument(f"{name} must be a list, got {type(values).__name__}") from None
+
+
 def build_request(
     model: str,
     prompt: str | None = None,
     *,
     messages: Iterable[Mapping[str, str]] | None = None,
-    max_tokens: int | None = 256,
+    max_tokens: int | None = None,
     temperature: float | None = None,
     top_p: float | None = None,
     seed: int | None = None,
@@ -42,12 +50,15 @@ def build_request(
     """Makes a GenerateRequest from keyword arguments.
 
     Exactly one of prompt (raw text) or messages (chat turns: dicts with "role" and "content")
-    must be given; `stop` is one stop string or several. Validation happens on the server (see
-    validate_request); this only converts.
+    must be given; `stop` is one stop string or several (None: none). max_tokens None: the
+    worker's default, `WORKER_DEFAULT_MAX_TOKENS` capped by the context the prompt leaves.
+    Validation of values happens on the server (see validate_request); this converts and checks
+    types.
 
     Raises:
-        InvalidArgument: both or neither of prompt/messages, a message that is not a mapping with
-            string role/content, text that is not valid Unicode (lone surrogates), a value out of
+        InvalidArgument: both or neither of prompt/messages, a model or prompt that is not a str,
+            messages that is not a list of mappings with string role/content, a stop that is not a
+            str or a list of them, text that is not valid Unicode (lone surrogates), a value out of
             its field's range (max_tokens beyond int32, seed outside [0, 2**64)), a request over
             4 MiB, or an unknown mode.
     """
@@ -70,17 +81,34 @@ def _build(model, prompt, messages, max_tokens, temperature, top_p, seed, stop, 
         raise InvalidArgument("give exactly one of prompt= (text) or messages= (chat turns)")
     if mode not in DECODE_MODES:
         raise InvalidArgument(f"unknown mode {mode!r}; use one of {sorted(DECODE_MODES)}")
+    if not isinstance(model, str):
+        raise InvalidArgument(f"model must be a str (a served model's name), got {type(model).__name__}")
+    if stop is None or isinstance(stop, str):
+        stops = [] if stop is None else [stop]
+    elif isinstance(stop, (bytes, Mapping)) or not hasattr(stop, "__iter__"):
+        stops = None
+    else:
+        stops = list(stop)
+    if stops is None or not all(isinstance(s, str) for s in stops):
+        raise InvalidArgument(f"stop must be a str or a list of str, got {stop!r}")
+    stops = [_utf8(f"stop[{i}]", s) for i, s in enumerate(stops)]
     req = common_pb2.GenerateRequest(
-        model=model, stop=[stop] if isinstance(stop, str) else list(stop), session_id=session_id,
+        model=model, stop=stops, session_id=session_id,
         request_id=request_id,
         mode=DECODE_MODES[mode])
     if max_tokens is not None:
         req.max_tokens = max_tokens
     if prompt is not None:
+        if not isinstance(prompt, str):
+            raise InvalidArgument(f"prompt must be a str, got {type(prompt).__name__}"
+                                  + (" (decode bytes first: prompt=data.decode())" if isinstance(prompt, bytes) else ""))
         req.prompt = _utf8("prompt", prompt)
     else:
+        if isinstance(messages, (str, bytes, Mapping)):
+            raise InvalidArgument("messages must be a list of chat turns "
+                                  "[{'role': 'user', 'content': '...'}], got a " + type(messages).__name__)
         turns = []
-        for i, m in enumerate(messages):
+        for i, m in enumerate(_listed(messages, "messages")):
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) \
                     or not isinstance(m.get("content"), str):
                 raise InvalidArgument(
@@ -118,13 +146,13 @@ def validate_request(req: common_pb2.GenerateRequest) -> None:
                 raise InvalidArgument(
                     f"messages[{i}].role is {m.role!r}; use one of {', '.join(CHAT_ROLES)}")
         if not any(m.content.strip() for m in req.messages.messages):
-            raise InvalidArgument("every chat message is empty")
+            raise InvalidArgument("the prompt is empty: every chat message's content is blank")
     if req.HasField("max_tokens") and req.max_tokens <= 0:
         raise InvalidArgument(f"max_tokens must be > 0, got {req.max_tokens}")
     if req.HasField("temperature") and not (req.temperature >= 0 and math.isfinite(req.temperature)):
-        raise InvalidArgument(f"temperature must be a finite number >= 0, got {req.temperature}")
+        raise InvalidArgument(f"temperature must be a finite number >= 0, got {req.temperature:.6g}")
     if req.HasField("top_p") and not (0 < req.top_p <= 1):
-        raise InvalidArgument(f"top_p must be in (0, 1], got {req.top_p}")
+        raise InvalidArgument(f"top_p must be in (0, 1], got {req.top_p:.6g}")
     if any(s == "" for s in req.stop):
         raise InvalidArgument("stop strings must not be empty")
     if req.mode not in DECODE_MODES.values():

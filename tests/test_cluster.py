@@ -171,6 +171,37 @@ def test_malformed_message_is_rejected_by_the_sdk_before_sending(cluster):
         client.complete("fake-model", messages=[{"role": "user"}])
 
 
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(prompt=b"hello"), "prompt must be a str, got bytes (decode bytes first"),
+    (dict(prompt=5), "prompt must be a str, got int"),
+    (dict(messages="hello"), "messages must be a list of chat turns"),
+    (dict(messages=7), "messages must be a list, got int"),
+    (dict(prompt="hi", stop=[1, 2]), "stop must be a str or a list of str, got [1, 2]"),
+    (dict(prompt="hi", stop=b"ab"), "stop must be a str or a list of str"),
+    (dict(prompt="hi", stop=5), "stop must be a str or a list of str, got 5"),
+    (dict(prompt="hi", stop=["\ud800"]), "stop[0] is not valid text"),
+])
+def test_wrong_types_are_invalid_argument_naming_the_field(kwargs, fragment):
+    """Checked in the SDK before anything is sent (no server needed): the message names the
+    field and what it must be, not protobuf's internals."""
+    from flashfleet.requests import build_request
+
+    with pytest.raises(InvalidArgument) as err:
+        build_request("fake-model", **kwargs)
+    assert fragment in err.value.details, err.value.details
+
+
+def test_no_stop_and_an_unset_max_tokens_fit_a_long_prompt(cluster):
+    """stop=None is no stop strings; max_tokens left unset (the SDK's default) is the worker's
+    default capped by the context the prompt leaves, so a prompt near the context still gets an
+    answer, where an explicit max_tokens too large is refused."""
+    with Client(cluster.address) as client:
+        done = client.complete("fake-model", prompt="x" * 4000, stop=None)  # context 4096
+        assert done.finish_reason == "length" and 0 < len(done.token_ids) <= 96
+        with pytest.raises(InvalidArgument):
+            client.complete("fake-model", prompt="x" * 4000, max_tokens=256)
+
+
 def test_unknown_model_is_not_found(cluster):
     with Client(cluster.address) as client:
         with pytest.raises(ModelNotFound) as err:
@@ -403,6 +434,43 @@ def test_a_vanished_worker_is_not_every_requests_first_try():
         assert not rec.unreachable
     finally:
         c.workers.remove(gone)
+        c.close()
+
+
+def test_a_worker_that_dies_mid_stream_is_marked_and_status_says_so(capsys):
+    """A worker gone after its first tokens: the client gets UNAVAILABLE naming it (the output
+    is not replayed), the worker is marked unreachable at once, so the next request goes to the
+    other worker without a failed try, and `flashfleet status` shows the mark."""
+    from flashfleet.cli.status import main as status_main
+    from flashfleet.errors import Unavailable
+
+    c = start_cluster({"w1": FakeEngine(token_delay_s=0.05), "w2": FakeEngine(token_delay_s=0.05)},
+                      lease_ttl_s=60.0)
+    gone = None
+    try:
+        retries = c.coordinator.metrics.retries.labels(model="fake-model")
+        with Client(c.address) as client:
+            stream = client.generate("fake-model", prompt="long", max_tokens=200)
+            assert next(stream).token_ids
+            serving = [w for w in c.workers if c.coordinator.registry.get(w.worker_id).in_flight == 1]
+            assert len(serving) == 1
+            gone = serving[0]
+            gone.stop_heartbeats()
+            c.loop.run(gone.server.stop(0))  # the process dies: no deregistration, the lease stays
+            with pytest.raises(Unavailable, match=f"worker {gone.worker_id} failed after"):
+                for _ in stream:
+                    pass
+            assert c.coordinator.registry.get(gone.worker_id).unreachable
+            before = retries._value.get()
+            other = client.complete("fake-model", prompt="next", max_tokens=2).worker_id
+            assert other != gone.worker_id
+            assert retries._value.get() == before  # no try on the dead worker first
+        assert status_main(["--address", c.address]) == 0
+        rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+        assert rows[gone.worker_id].endswith("unreachable") and rows[other].endswith("live")
+    finally:
+        if gone is not None:
+            c.workers.remove(gone)
         c.close()
 
 

@@ -190,7 +190,8 @@ def test_exception_in_one_session_does_not_stop_the_others(engine, prompt):
 @pytest.mark.parametrize("change, message", [
     ({"prompt_tokens": ()}, "prompt is empty"),
     ({"max_tokens": 0}, "max_tokens must be >= 1"),
-    ({"max_tokens": 600}, r"\+ max_tokens \(600\) = \d+ tokens exceeds the model's context of 512"),
+    ({"max_tokens": 600}, r"\+ max_tokens \(600\) = \d+ tokens exceeds the model's context of 512 tokens: "
+                          r"ask for max_tokens <= \d+, or leave it unset"),
     ({"prompt_tokens": (1, 99999)}, r"token ids must be in \[0, 512\)"),
     ({"mode": "turbo"}, "unknown mode 'turbo'"),
     ({"mode": "dflash"}, "mode 'dflash' needs a 'dflash' draft model"),

@@ -124,8 +124,9 @@ def test_up_keeps_serving_when_one_worker_dies(smollm_dir, tmp_path):
             break
     assert address, "cluster did not start"
     try:
-        pids = subprocess.run(["pgrep", "-f", "worker-id worker-2"], capture_output=True,
-                              text=True).stdout.split()
+        # only this cluster's worker (a child of this `up`): another cluster on the host stays up
+        pids = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "worker-id worker-2"],
+                              capture_output=True, text=True).stdout.split()
         assert pids
         for pid in pids:
             os.kill(int(pid), signal.SIGKILL)

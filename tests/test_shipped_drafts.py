@@ -397,3 +397,10 @@ def test_up_rejects_unknown_model_or_draft_before_starting_anything(capsys, tmp_
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("flashfleet up: --draft ")
     assert served_name(str(tmp_path)) == tmp_path.name and served_name("SmolLM2-135M-Instruct") == "SmolLM2-135M-Instruct"
+    # another capitalisation is served under the catalog spelling, the name clients default to
+    assert served_name("smollm2-135m-INSTRUCT") == "SmolLM2-135M-Instruct"
+    assert served_name("not-a-model") == "not-a-model"
+    for flag in ("--workers", "--capacity"):  # 0 is an error, not "the default"
+        with pytest.raises(SystemExit) as e:
+            main([flag, "0", "--port", "1"])
+        assert e.value.code == 2 and f"{flag} must be >= 1, got 0" in capsys.readouterr().err

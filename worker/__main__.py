@@ -121,13 +121,13 @@ def build_engine(a):
     Raises:
         FileNotFoundError: a model name that is not fetched or a directory that does not exist.
     """
-    from flashfleet.models import resolve_model
+    from flashfleet.models import resolve_model, served_model_name
     from worker.config import EngineConfig
     from worker.engine.thread import Engine
 
     model_dir = resolve_model(a.model)
     draft_dir = resolve_model(a.draft) if a.draft else None
-    name = a.model_name or (a.model if "/" not in a.model else model_dir.name)
+    name = a.model_name or served_model_name(a.model)
     config = EngineConfig(model_path=model_dir, model_name=name, draft_path=draft_dir,
                           num_draft_tokens=a.num_draft_tokens, capacity=a.capacity,
                           block_size=a.block_size, adaptive_block_size=a.adaptive_block_size,

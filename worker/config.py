@@ -26,7 +26,6 @@ class EngineConfig:
             False keeps the block size fixed (benchmarks of the raw cycle).
         num_draft_tokens: draft tokens proposed per speculative cycle (k), >= 1.
         capacity: most sessions admitted at once (running or queued), >= 1.
-        max_tokens_default: generation budget the servicer applies when a request leaves it unset.
         prefill_step_tokens: prompt tokens per prefill forward (chunked prefill), >= 1.
         max_context_tokens: context limit override in tokens; None takes the model's
             `max_position_embeddings` from config.json.
@@ -55,7 +54,6 @@ class EngineConfig:
     adaptive_block_size: bool = True
     num_draft_tokens: int = 3
     capacity: int = 4
-    max_tokens_default: int = 512
     prefill_step_tokens: int = 512
     max_context_tokens: int | None = None
     spec_timing_sync: bool = False
@@ -67,7 +65,7 @@ class EngineConfig:
         object.__setattr__(self, "model_path", Path(self.model_path))
         if self.draft_path is not None:
             object.__setattr__(self, "draft_path", Path(self.draft_path))
-        for name in ("num_draft_tokens", "capacity", "max_tokens_default", "prefill_step_tokens"):
+        for name in ("num_draft_tokens", "capacity", "prefill_step_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.draft_kind not in ("", "draft", "dflash", "uag"):

@@ -10,20 +10,22 @@ from flashfleet.errors import FlashfleetError
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="flashfleet generate", description=__doc__)
+    p = argparse.ArgumentParser(prog="flashfleet generate", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("prompt", help="the user's message (or raw text with --raw)")
     add_connection_args(p)
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
     p.add_argument("--raw", action="store_true", help="send the prompt as raw text, no chat template")
     p.add_argument("--system", default=None, help="system message")
-    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="most tokens to generate (default: 256, capped by the context the prompt leaves)")
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--session-id", default="")
     p.add_argument("--mode", default="auto", choices=["auto", "plain", "draft", "dflash", "uag"])
-    p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--timeout-s", type=float, default=600.0, help="deadline of the whole answer, seconds")
     a = p.parse_args(argv)
     from flashfleet.client import Client
 

@@ -23,14 +23,16 @@ def main(argv: list[str]) -> int:
     except (FlashfleetError, ConfigError) as e:
         print(f"flashfleet status: {e}", file=sys.stderr)
         return 1
-    head = ["worker", "address", "models", "draft", "sessions", "KV MiB", "served", "heartbeat"]
+    head = ["worker", "address", "models", "draft", "sessions", "KV MiB", "served", "heartbeat", "state"]
     rows = []
     for w in status.workers:
         drafts = ",".join(f"{Path(m.draft).name} ({DECODE_MODE_NAMES.get(m.draft_mode, m.draft_mode)})"
                           for m in w.models if m.draft) or "-"
         rows.append([w.worker_id, w.address, ",".join(m.name for m in w.models), drafts,
                      f"{w.active_sessions}/{w.capacity}", f"{w.kv_cache_bytes / 2**20:.1f}", str(w.served_requests),
-                     f"{w.heartbeat_age_s:.1f}s"])
+                     f"{w.heartbeat_age_s:.1f}s",
+                     # unreachable: a call failed UNAVAILABLE since its last heartbeat; routing passes it over
+                     "unreachable" if w.unreachable else "live"])
     # Columns as wide as their widest cell; text left-aligned, numbers right-aligned.
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     for r in [head, *rows]:

@@ -229,8 +229,10 @@ def check_shipped_drafts(cfg, workers: int, model: str | None, draft: str | None
 
 
 def served_name(model: str) -> str:
-    """The name a worker serves `model` under: a directory's name, else the catalog name."""
-    return Path(model).expanduser().name if Path(model).expanduser().is_dir() else model
+    """The name a worker serves `model` under (`flashfleet.models.served_model_name`)."""
+    from flashfleet.models import served_model_name
+
+    return served_model_name(model)
 
 
 def check_model_ref(flag: str, value: str | None) -> None:
@@ -270,6 +272,9 @@ def main(argv: list[str]) -> int:
                    help="coordinator /metrics port; worker i gets this + i")
     p.add_argument("--log-dir", default=None)
     a = p.parse_args(argv)
+    for flag in ("workers", "capacity"):  # 0 would otherwise mean "the default"
+        if getattr(a, flag) is not None and getattr(a, flag) < 1:
+            p.error(f"--{flag} must be >= 1, got {getattr(a, flag)}")
     from flashfleet.models.drafts import NoShippedDraftError
 
     if a.config:

@@ -8,7 +8,7 @@ Typical use::
     draft = shipped_draft_dir("SmolLM2-135M-Instruct")  # its shipped DFlash draft, or None
 """
 
-from .cache import ModelNotFetchedError, cache_root, is_complete, model_dir, resolve_model
+from .cache import ModelNotFetchedError, cache_root, is_complete, model_dir, resolve_model, served_model_name
 from .catalog import CATALOG, DEFAULT_MODEL, ModelSpec, UnknownModelError, WheelPart, get_spec, known_names
 from .drafts import NoShippedDraftError, resolve_draft_arg, shipped_draft_dir, shipped_drafts
 from .fetch import ChecksumError, FetchError, fetch_model
@@ -31,6 +31,7 @@ __all__ = [
     "model_dir",
     "resolve_draft_arg",
     "resolve_model",
+    "served_model_name",
     "shipped_draft_dir",
     "shipped_drafts",
 ]

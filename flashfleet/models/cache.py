@@ -28,6 +28,7 @@ __all__ = [
     "model_dir",
     "read_marker",
     "resolve_model",
+    "served_model_name",
 ]
 
 MARKER_NAME = "flashfleet-model.json"
@@ -93,6 +94,20 @@ def is_complete(directory: Path, spec: ModelSpec, dtype: str | None = None) -> b
     if dtype is not None and marker.get("dtype") != dtype:
         return False
     return all((Path(directory) / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json"))
+
+
+def served_model_name(name_or_path: str | os.PathLike) -> str:
+    """The name clients ask a worker for when it serves `name_or_path`: a directory's own name,
+    a catalog model's catalog spelling (``smollm2-135m-instruct`` -> ``SmolLM2-135M-Instruct``,
+    the name clients default to), else the text as given."""
+    text = os.fspath(name_or_path)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return path.resolve().name
+    try:
+        return get_spec(text).name
+    except UnknownModelError:
+        return text
 
 
 def resolve_model(name_or_path: str | os.PathLike) -> Path:

@@ -32,7 +32,7 @@ class GetClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "address", "models", "active_sessions", "capacity", "kv_cache_bytes", "heartbeat_age_s", "served_requests")
+    __slots__ = ("worker_id", "address", "models", "active_sessions", "capacity", "kv_cache_bytes", "heartbeat_age_s", "served_requests", "unreachable")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class WorkerStatus(_message.Message):
     KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
     SERVED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     models: _containers.RepeatedCompositeFieldContainer[_common_pb2.ModelInfo]
@@ -49,7 +50,8 @@ class WorkerStatus(_message.Message):
     kv_cache_bytes: int
     heartbeat_age_s: float
     served_requests: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[_common_pb2.ModelInfo, _Mapping]]] = ..., active_sessions: _Optional[int] = ..., capacity: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., served_requests: _Optional[int] = ...) -> None: ...
+    unreachable: bool
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[_common_pb2.ModelInfo, _Mapping]]] = ..., active_sessions: _Optional[int] = ..., capacity: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., served_requests: _Optional[int] = ..., unreachable: _Optional[bool] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("workers", "sessions")

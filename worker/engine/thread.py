@@ -348,7 +348,8 @@ class Engine:
         if n + r.max_tokens > ctx:
             raise InvalidRequest(
                 f"prompt ({n} tokens) + max_tokens ({r.max_tokens}) = {n + r.max_tokens} tokens "
-                f"exceeds the model's context of {ctx} tokens"
+                f"exceeds the model's context of {ctx} tokens: "
+                + (f"ask for max_tokens <= {ctx - n}, or leave it unset" if n < ctx else "shorten the prompt")
             )
         validate_sampling(r.sampling.temperature, r.sampling.top_p, r.sampling.seed)
         if any(not isinstance(s, str) or not s for s in r.stop):
