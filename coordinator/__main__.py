@@ -11,7 +11,8 @@ from flashfleet.cli import prog_name
 
 # Built-in defaults; a --config file's values come before them, command-line flags before both.
 DEFAULTS = {"host": "127.0.0.1", "port": 50051, "lease_ttl_s": 10.0, "heartbeat_interval_s": 2.0,
-            "route_attempts": 3, "log_level": "INFO", "migrate": True, "migrate_min_remaining_tokens": 64}
+            "route_attempts": 3, "max_queued": 64, "queue_timeout_s": 30.0, "log_level": "INFO", "migrate": True,
+            "migrate_min_remaining_tokens": 64}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -33,6 +34,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lease-ttl-s", type=float, default=None, help="default 10")
     p.add_argument("--heartbeat-interval-s", type=float, default=None, help="default 2")
     p.add_argument("--route-attempts", type=int, default=None, help="default 3")
+    p.add_argument("--max-queued", type=int, default=None, help="requests that may wait for a free "
+                   "worker slot while every worker serving their model is full (default 64; 0: refuse "
+                   "them at once with RESOURCE_EXHAUSTED)")
+    p.add_argument("--queue-timeout-s", type=float, default=None,
+                   help="longest wait for a slot, seconds (default 30)")
     p.add_argument("--no-migration", dest="migrate", action="store_const", const=False, default=None,
                    help="never move a running session to another worker (default: move one from a "
                    "worker running two or more to an idle one; coordinator/migration.py)")
@@ -57,6 +63,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("need --route-attempts >= 1 and --lease-ttl-s > --heartbeat-interval-s")
     if a.migrate_min_remaining_tokens < 1:
         p.error("--migrate-min-remaining-tokens must be >= 1")
+    if a.max_queued < 0 or not a.queue_timeout_s >= 0:
+        p.error("need --max-queued >= 0 and --queue-timeout-s >= 0")
     return a
 
 
@@ -73,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     from coordinator.server import serve
     config = CoordinatorConfig(host=a.host, port=a.port, lease_ttl_s=a.lease_ttl_s,
                                heartbeat_interval_s=a.heartbeat_interval_s,
-                               route_attempts=a.route_attempts,
+                               route_attempts=a.route_attempts, max_queued=a.max_queued,
+                               queue_timeout_s=a.queue_timeout_s,
                                migration=MigrationPolicy(enabled=a.migrate,
                                                          min_remaining_tokens=a.migrate_min_remaining_tokens))
     try:

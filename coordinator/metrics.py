@@ -35,6 +35,9 @@ class CoordinatorMetrics:
         self.retries = Counter(
             "flashfleet_coordinator_retries", "Requests re-routed to another worker before their "
             "first token.", ["model"], registry=registry)
+        self.queued = Gauge(
+            "flashfleet_coordinator_queued_requests", "Requests waiting for a free worker slot "
+            "(every worker serving their model is at capacity).", registry=registry)
         self.workers = Gauge(
             "flashfleet_coordinator_workers", "Workers with a live lease.", registry=registry)
         self.worker_up = Gauge(

@@ -86,7 +86,7 @@ async def start_coordinator(config: CoordinatorConfig,
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RejectUndecodable()])
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
     worker_pb2_grpc.add_RegistryServicer_to_server(
-        RegistryServicer(config, registry, pool), server)
+        RegistryServicer(config, registry, pool, servicer.admission), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(SERVICE_NAMES + (health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -21,6 +21,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 from coordinator.config import CoordinatorConfig
 from coordinator.migration import StreamProgress
 from coordinator.registry import Registry, UnknownLease, WorkerRecord
+from coordinator.admission import AdmissionQueue
 from coordinator.routing import AllBusy, NoWorker, PowerOfTwoRouter, SessionAffinity, route
 from flashfleet.errors import FlashfleetError
 from flashfleet.requests import validate_request
@@ -93,6 +94,21 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.router = router or PowerOfTwoRouter()
         self.affinity = affinity or SessionAffinity(config.session_ttl_s)
         self.metrics = metrics
+        self.admission = AdmissionQueue(config.max_queued, config.queue_timeout_s)
+        if metrics:
+            metrics.queued.set_function(lambda: self.admission.waiting)
+
+    def _has_room(self, request: common_pb2.GenerateRequest) -> bool:
+        """True when a reachable worker serving the request's model and mode has a free slot
+        (or none serves it, or all that do are unreachable: routing then says so or tries them)."""
+        serving = [w for w in self.registry.live() if w.serves(request.model, request.mode)]
+        reachable = [w for w in serving if not w.unreachable]
+        return not reachable or any(w.busy < w.capacity for w in reachable)
+
+    def _release(self, worker: WorkerRecord) -> None:
+        """Gives back the slot a stream held on `worker` and wakes requests waiting for one."""
+        worker.in_flight -= 1
+        self.admission.notify()
 
     async def Generate(self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         t0 = time.monotonic()
@@ -160,7 +176,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                                 f"tokens (not retried: output was already streamed): {e.details()}")
         finally:
             call.cancel()
-            worker.in_flight -= 1
+            self._release(worker)
             worker.served_requests += 1
             if outcome == "cancelled" and _deadline_passed(context):
                 outcome = "deadline"  # the client's deadline ended the call, not the client
@@ -192,7 +208,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                            "the worker ended the stream without a message")
         except BaseException as e:
-            dest.in_flight -= 1
+            self._release(dest)
             if call is not None:
                 call.cancel()
             if not isinstance(e, grpc.aio.AioRpcError):  # the client left, or the server stops
@@ -205,7 +221,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             progress.attempted()
             return None
         source_call.cancel()  # the client has exactly progress.token_ids: nothing lost, nothing repeated
-        source.in_flight -= 1  # served_requests counts the request once, on the worker that ends it
+        self._release(source)  # served_requests counts the request once, on the worker that ends it
         if source.in_flight == 0 and not any(w.address == source.address for w in self.registry.live()):
             await self.pool.drop(source.address)  # the source left while this stream ran
         self._migrated(request.model, "ok")
@@ -238,7 +254,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             with attempt:
                 if attempt.retry_state.attempt_number > 1 and self.metrics:
                     self.metrics.retries.labels(model=request.model).inc()
-                try:
+                if attempt.retry_state.attempt_number == 1:  # a full fleet: wait for a slot
+                    await self.admission.wait_for_room(lambda: self._has_room(request), request.model)
+                try:  # from here to the reservation below nothing awaits: the slot stays ours
                     worker = route(request.model, request.session_id, self.registry.live(), tried,
                                    self.router, self.affinity, request.mode)
                 except AllBusy:
@@ -256,7 +274,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 try:
                     first = await call.read()
                 except BaseException as e:
-                    worker.in_flight -= 1
+                    self._release(worker)
                     if not isinstance(e, grpc.aio.AioRpcError):
                         call.cancel()
                         raise
@@ -299,10 +317,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 class RegistryServicer(worker_pb2_grpc.RegistryServicer):
     """Internal API: workers register, heartbeat and deregister."""
 
-    def __init__(self, config: CoordinatorConfig, registry: Registry, pool: WorkerPool):
+    def __init__(self, config: CoordinatorConfig, registry: Registry, pool: WorkerPool,
+                 admission: AdmissionQueue | None = None):
         self.config = config
         self.registry = registry
         self.pool = pool
+        self.admission = admission  # woken on every registration and heartbeat: capacity may have grown
 
     async def Register(self, request, context):
         try:
@@ -311,6 +331,8 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         log.info("worker %s registered at %s serving %s", rec.worker_id, rec.address,
                  sorted(rec.model_names))
+        if self.admission:
+            self.admission.notify()
         return worker_pb2.RegisterResponse(lease_id=rec.lease_id,
                                            lease_ttl_s=self.config.lease_ttl_s,
                                            heartbeat_interval_s=self.config.heartbeat_interval_s)
@@ -320,6 +342,8 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
             self.registry.heartbeat(request.worker_id, request.lease_id, request.load)
         except UnknownLease as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        if self.admission:
+            self.admission.notify()
         return worker_pb2.HeartbeatResponse()
 
     async def Deregister(self, request, context):

@@ -58,6 +58,8 @@ class CoordinatorSection:
             when host is a wildcard).
         metrics_port: its Prometheus /metrics port (None = no endpoint).
         lease_ttl_s, heartbeat_interval_s, route_attempts: as in CoordinatorConfig.
+        max_queued, queue_timeout_s: requests that may wait for a free worker slot when the
+            fleet is full, and for how long (coordinator/admission.py).
         migrate, migrate_min_remaining_tokens: session migration on or off, and the budget a
             session must have left to be moved (coordinator/migration.py, MigrationPolicy).
     """
@@ -69,6 +71,8 @@ class CoordinatorSection:
     lease_ttl_s: float = 10.0
     heartbeat_interval_s: float = 2.0
     route_attempts: int = 3
+    max_queued: int = 64
+    queue_timeout_s: float = 30.0
     migrate: bool = True
     migrate_min_remaining_tokens: int = 64
 
@@ -255,7 +259,8 @@ class ClusterConfig:
         c = self.coordinator
         return {"host": c.host, "port": c.port, "metrics_port": c.metrics_port,
                 "lease_ttl_s": c.lease_ttl_s, "heartbeat_interval_s": c.heartbeat_interval_s,
-                "route_attempts": c.route_attempts, "migrate": c.migrate,
+                "route_attempts": c.route_attempts, "max_queued": c.max_queued,
+                "queue_timeout_s": c.queue_timeout_s, "migrate": c.migrate,
                 "migrate_min_remaining_tokens": c.migrate_min_remaining_tokens}
 
 
@@ -326,6 +331,8 @@ def _check(cfg: ClusterConfig) -> None:
                           "heartbeat_interval_s")
     if c.migrate_min_remaining_tokens < 1:
         raise ConfigError(f"{p}: [coordinator] migrate_min_remaining_tokens must be >= 1")
+    if c.max_queued < 0 or not c.queue_timeout_s >= 0:
+        raise ConfigError(f"{p}: [coordinator] needs max_queued >= 0 and queue_timeout_s >= 0")
     ports = [("[coordinator] port", c.port), ("[coordinator] metrics_port", c.metrics_port)]
     ports += [(f"worker {w.id!r} {k}", getattr(w, k)) for w in cfg.workers
               for k in ("port", "metrics_port")]

@@ -317,6 +317,11 @@ def coordinator() -> dict:
                  (quantile(0.95, "flashfleet_coordinator_queue_seconds"), "p95"),
                  (quantile(0.99, "flashfleet_coordinator_queue_seconds"), "p99")],
                 "Arrival to the first message from a worker, retries included."),
+             ts("Requests waiting for a slot", "short",
+                [("max(flashfleet_coordinator_queued_requests)", "waiting")],
+                "Requests queued because every worker serving their model is full (max_queued, "
+                "queue_timeout_s in [coordinator]); waiting most of the time means the fleet needs "
+                "more capacity."),
              ts("Retries", "reqps", [(rate("flashfleet_coordinator_retries_total", by="model"), "{{model}}")],
                 "Requests re-routed to another worker before their first token."),
              ts("Migrations by outcome", "short",

@@ -503,3 +503,97 @@ def test_a_deadline_before_the_first_token_is_counted():
         assert wait_until(lambda: routed("deadline") == 1)
     finally:
         c.close()
+
+
+def _hold(client, prompt="hold", max_tokens=1000):
+    """Opens a stream and reads its first chunk: the worker's slot stays taken until close()."""
+    stream = client.generate("fake-model", prompt=prompt, max_tokens=max_tokens)
+    next(stream)
+    return stream
+
+
+def test_a_burst_beyond_capacity_waits_for_slots_and_is_served():
+    """Six requests at once on one worker of capacity 2: the four that find it full wait in the
+    coordinator's queue (coordinator/admission.py) and are served as slots free up, in place of
+    RESOURCE_EXHAUSTED; their queue time says they waited, and the gauge returns to 0."""
+    c = start_cluster({"w1": FakeEngine(capacity=2, token_delay_s=0.05)})
+    try:
+        async def burst():
+            async with AsyncClient(c.address) as client:
+                return await asyncio.gather(*(client.complete("fake-model", prompt=f"p{i}", max_tokens=4)
+                                              for i in range(6)))
+        done = asyncio.run(asyncio.wait_for(burst(), 30))
+        assert [d.finish_reason for d in done] == ["length"] * 6
+        waited = sorted(d.stats.queue_s for d in done)
+        assert waited[-1] > 0.1 and waited[0] < 0.1  # the last ones waited for two requests' worth
+        assert c.coordinator.servicer.admission.waiting == 0
+        assert c.coordinator_registry.get_sample_value("flashfleet_coordinator_queued_requests") == 0
+    finally:
+        c.close()
+
+
+def test_the_queue_is_bounded_in_length_and_in_time():
+    """With the one slot held: the first waiter times out after queue_timeout_s, a second
+    waiter beyond max_queued is refused at once, both RESOURCE_EXHAUSTED saying why; a client
+    deadline shorter than the wait ends it as DEADLINE_EXCEEDED; nothing stays queued."""
+    c = start_cluster({"w1": FakeEngine(capacity=1, token_delay_s=0.05)}, max_queued=1, queue_timeout_s=0.5)
+    try:
+        with Client(c.address) as holder, Client(c.address) as client:
+            held = _hold(holder)
+            results = {}
+
+            def waiter():
+                t0 = time.monotonic()
+                try:
+                    client.complete("fake-model", prompt="w", max_tokens=2)
+                except Overloaded as e:
+                    results["waiter"] = (time.monotonic() - t0, e.details)
+
+            t = threading.Thread(target=waiter)
+            t.start()
+            assert wait_until(lambda: c.coordinator.servicer.admission.waiting == 1)
+            t0 = time.monotonic()
+            with pytest.raises(Overloaded, match="already wait \\(max_queued 1\\)"):
+                client.complete("fake-model", prompt="x", max_tokens=2)
+            assert time.monotonic() - t0 < 0.4  # refused at once, not after a wait
+            t.join(10)
+            waited, details = results["waiter"]
+            assert waited >= 0.45 and "stayed at capacity for 0.5 s" in details
+            with pytest.raises(DeadlineExceeded):
+                client.complete("fake-model", prompt="d", max_tokens=2, timeout_s=0.2)
+            assert wait_until(lambda: c.coordinator.servicer.admission.waiting == 0)
+            held.close()
+            assert client.complete("fake-model", prompt="after", max_tokens=2).finish_reason == "length"
+    finally:
+        c.close()
+
+
+def test_a_waiting_request_takes_the_slot_a_finished_stream_frees():
+    c = start_cluster({"w1": FakeEngine(capacity=1, token_delay_s=0.05)}, queue_timeout_s=20)
+    try:
+        with Client(c.address) as holder, Client(c.address) as client:
+            held = _hold(holder)
+            out = {}
+            t = threading.Thread(target=lambda: out.setdefault(
+                "done", client.complete("fake-model", prompt="w", max_tokens=2)))
+            t.start()
+            assert wait_until(lambda: c.coordinator.servicer.admission.waiting == 1)
+            time.sleep(0.3)
+            assert "done" not in out  # still waiting while the slot is held
+            held.close()  # the slot frees: the waiter is woken and served
+            t.join(10)
+            assert out["done"].finish_reason == "length" and out["done"].stats.queue_s >= 0.3
+    finally:
+        c.close()
+
+
+def test_max_queued_0_refuses_at_once_as_before():
+    c = start_cluster({"w1": FakeEngine(capacity=1, token_delay_s=0.05)}, max_queued=0)
+    try:
+        with Client(c.address) as holder, Client(c.address) as client:
+            held = _hold(holder)
+            with pytest.raises(Overloaded, match="max_queued 0"):
+                client.complete("fake-model", prompt="x", max_tokens=2)
+            held.close()
+    finally:
+        c.close()

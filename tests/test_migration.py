@@ -205,15 +205,22 @@ def test_coordinator_flags_and_cluster_config_set_the_policy(tmp_path):
     from flashfleet.config import ConfigError, load_cluster_config
 
     assert cli.parse_args([]).migrate is True and cli.parse_args([]).migrate_min_remaining_tokens == 64
+    assert cli.parse_args([]).max_queued == 64 and cli.parse_args([]).queue_timeout_s == 30.0
+    for bad in (["--max-queued", "-1"], ["--queue-timeout-s", "nan"]):
+        with pytest.raises(SystemExit) as e:
+            cli.parse_args(bad)
+        assert e.value.code == 2
     assert cli.parse_args(["--no-migration"]).migrate is False
     with pytest.raises(SystemExit) as e:
         cli.parse_args(["--migrate-min-remaining-tokens", "0"])
     assert e.value.code == 2
     toml = tmp_path / "c.toml"
-    toml.write_text('[coordinator]\nmigrate = false\nmigrate_min_remaining_tokens = 9\n'
+    toml.write_text('[coordinator]\nmigrate = false\nmigrate_min_remaining_tokens = 9\nmax_queued = 5\n'
+                    'queue_timeout_s = 2.5\n'
                     '[[models]]\nname = "SmolLM2-135M-Instruct"\n[[workers]]\nid = "a"\nmodel = "SmolLM2-135M-Instruct"\n')
     a = cli.parse_args(["--config", str(toml)])
     assert a.migrate is False and a.migrate_min_remaining_tokens == 9
+    assert a.max_queued == 5 and a.queue_timeout_s == 2.5
     toml.write_text(toml.read_text().replace("= 9", "= 0"))
     with pytest.raises(ConfigError, match="migrate_min_remaining_tokens"):
         load_cluster_config(toml)
