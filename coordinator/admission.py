@@ -60,9 +60,12 @@ class AdmissionQueue:
         Raises:
             AllBusy: the queue is full, or no slot freed within `timeout_s`.
         """
-        if has_room():
+        room = has_room()
+        if room and not self.waiting:
             return 0.0
-        if self.waiting >= self.max_queued:
+        # With others waiting, even a request that sees room takes its turn at the lock, so a
+        # slot a stream just freed goes to the waiters first and not to whoever arrives next.
+        if not room and self.waiting >= self.max_queued:
             raise AllBusy(f"every worker serving {what!r} is at capacity and {self.waiting} request(s) "
                           f"already wait (max_queued {self.max_queued}); retry later or add workers")
         loop = asyncio.get_running_loop()

@@ -358,13 +358,13 @@ def test_status_cli_shows_each_workers_draft(capsys):
     from flashfleet.cli.status import main as status_main
 
     drafted = FakeEngine()
-    drafted.model = replace(drafted.model, draft="/drafts/SmolLM2-135M-Instruct", draft_mode="dflash")
+    drafted.model = replace(drafted.model, draft="flashfleet/drafts/SmolLM2-135M-Instruct", draft_mode="dflash")
     c = start_cluster({"w1": drafted, "w2": FakeEngine()})
     try:
         assert status_main(["--address", c.address]) == 0
         lines = capsys.readouterr().out.splitlines()
         rows = {line.split()[0]: line for line in lines}
-        assert "SmolLM2-135M-Instruct (dflash)" in rows["w1"]
+        assert "flashfleet/drafts/SmolLM2-135M-Instruct (dflash)" in rows["w1"]  # shipped: not the target
         assert " - " in rows["w2"] and "dflash" not in rows["w2"]
         # every column lines up with its header, however wide the draft's name
         header = rows["worker"]

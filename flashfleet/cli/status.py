@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from flashfleet.cli._common import add_connection_args, credentials
 from flashfleet.config import ConfigError
@@ -26,7 +25,8 @@ def main(argv: list[str]) -> int:
     head = ["worker", "address", "models", "draft", "sessions", "KV MiB", "served", "heartbeat", "state"]
     rows = []
     for w in status.workers:
-        drafts = ",".join(f"{Path(m.draft).name} ({DECODE_MODE_NAMES.get(m.draft_mode, m.draft_mode)})"
+        # the worker's label: a directory's name, or flashfleet/drafts/NAME for a shipped draft
+        drafts = ",".join(f"{m.draft} ({DECODE_MODE_NAMES.get(m.draft_mode, m.draft_mode)})"
                           for m in w.models if m.draft) or "-"
         rows.append([w.worker_id, w.address, ",".join(m.name for m in w.models), drafts,
                      f"{w.active_sessions}/{w.capacity}", f"{w.kv_cache_bytes / 2**20:.1f}", str(w.served_requests),
