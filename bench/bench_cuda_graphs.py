@@ -13,6 +13,7 @@ speedups are against plain mlx-lm measured in that same process, under that same
 
     python bench/bench_cuda_graphs.py --target MODEL_DIR --dflash-draft DRAFT_DIR \\
         [--settings default ops100 ops200 nographs] [--passes 2] [--prompts 3] [--out-dir DIR]
+    python bench/bench_cuda_graphs.py --pool DIR [DIR ...]   # pool runs kept by --out-dir
 
 Columns: plain mlx-lm tok/s per corpus (code/en/pl); "ours plain fused" (the worker's plain path),
 "DFlash compiled" (fixed block) and "adapt compiled" (the worker's DFlash path: fused, compiled,
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -84,14 +86,55 @@ def summarize(record: dict) -> dict:
     return row
 
 
+def pool(dirs: list[Path]) -> int:
+    """Prints one row per setting over every run's JSON (graphs_*.json) in `dirs`: runs, the mean
+    (min-max) over runs of the plain step and the fixed-block cycle in ms and of the geometric
+    mean over corpora of the fixed-block and adaptive speedups, and tok/s of DFlash adaptive and
+    plain mlx-lm averaged over corpora and runs. Returns 1 when no JSON was found."""
+    import math
+    import statistics as st
+
+    runs: dict[str, list[tuple[dict, dict]]] = {}
+    for f in sorted(f for d in dirs for f in Path(d).glob("graphs_*.json")):
+        name = re.sub(r"_\d+$", "", f.stem.removeprefix("graphs_"))  # default_2 -> default
+        rec = json.loads(f.read_text())
+        runs.setdefault(name, []).append((rec, summarize(rec)))
+    if not runs:
+        print(f"--pool: no graphs_*.json in {', '.join(map(str, dirs))}")
+        return 1
+
+    def spread(xs) -> str:
+        return f"{st.mean(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
+
+    def gmean(xs) -> float:
+        return math.exp(st.mean(math.log(x) for x in xs))
+
+    def tps(recs, pick) -> float:
+        return st.mean(r["tps"] for rec in recs for r in rec["results"] if pick(r["method"]))
+
+    print("| setting | runs | plain step ms | cycle ms | fixed-block speedup, geomean of corpora "
+          "| adaptive speedup | DFlash adaptive tok/s | plain mlx-lm tok/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, rs in runs.items():
+        recs, rows = [r for r, _ in rs], [s for _, s in rs]
+        print(f"| {name} | {len(rs)} | {spread([s['cycle_ms'][3] for s in rows])} | "
+              f"{spread([s['cycle_ms'][0] for s in rows])} | {spread([gmean(s['fixed']) for s in rows])} | "
+              f"{spread([gmean(s['adapt']) for s in rows])} | "
+              f"{tps(recs, lambda m: 'adapt' in m and m.endswith(' compiled')):.1f} | "
+              f"{tps(recs, lambda m: m == 'plain mlx-lm'):.1f} |")
+    return 0
+
+
 def fmt(vals, spec: str) -> str:
     return "/".join("-" if v is None else format(v, spec) for v in vals)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", required=True, help="mlx-lm model directory")
-    p.add_argument("--dflash-draft", required=True, help="DFlash draft directory")
+    p.add_argument("--target", help="mlx-lm model directory")
+    p.add_argument("--dflash-draft", help="DFlash draft directory")
+    p.add_argument("--pool", nargs="+", type=Path, default=None, metavar="DIR",
+                   help="run nothing: pool the runs kept in these --out-dir directories, a row per setting")
     p.add_argument("--settings", nargs="+", default=["default", "ops100", "ops200", "nographs"],
                    choices=sorted(SETTINGS))
     p.add_argument("--passes", type=int, default=1, help="times the whole list of settings runs")
@@ -102,6 +145,10 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=int, default=240, help="seconds per run")
     p.add_argument("--out-dir", type=Path, default=None, help="keep each run's JSON and output here")
     args = p.parse_args(argv)
+    if args.pool:
+        return pool(args.pool)
+    if not (args.target and args.dflash_draft):
+        p.error("--target and --dflash-draft are required (or --pool DIR)")
     if args.passes < 1:
         p.error("--passes: at least 1")
     out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="cuda_graphs_"))

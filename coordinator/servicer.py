@@ -18,10 +18,10 @@ import uuid
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
+from coordinator.admission import AdmissionQueue
 from coordinator.config import CoordinatorConfig
 from coordinator.migration import StreamProgress
 from coordinator.registry import Registry, UnknownLease, WorkerRecord
-from coordinator.admission import AdmissionQueue
 from coordinator.routing import AllBusy, NoWorker, PowerOfTwoRouter, SessionAffinity, route
 from flashfleet.errors import FlashfleetError
 from flashfleet.requests import validate_request

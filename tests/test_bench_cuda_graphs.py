@@ -1,7 +1,8 @@
 """bench/bench_cuda_graphs.py on a tiny target with a random DFlash draft (MLX's CPU build, where
 the CUDA-graph variables change nothing): one table row per setting and pass, each with its own
 plain mlx-lm tok/s, speedups and the fixed-block cycle's costs; the child's environment carries
-the setting's variables; a failed run is one line and the exit status says no run succeeded."""
+the setting's variables; a failed run is one line and the exit status says no run succeeded; --pool makes a row per
+setting from the kept JSON."""
 import json
 
 from mlx_lm import load
@@ -30,6 +31,14 @@ def test_one_row_per_setting_and_pass(tmp_path, tiny_models):
     assert "MLX_USE_CUDA_GRAPHS=0" in rows[1] and "(MLX's own)" in rows[0]
     rec = json.loads((tmp_path / "runs" / "graphs_nographs_1.json").read_text())
     assert "--only" in rec["argv"] and {x["method"] for x in rec["results"]} >= {"plain mlx-lm", "ours plain fused"}
+
+    pooled = run_bench("bench_cuda_graphs.py", "--pool", tmp_path / "runs", timeout=120)
+    assert pooled.returncode == 0, pooled.stderr + pooled.stdout
+    prow = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]]
+            for line in pooled.stdout.splitlines() if line.startswith("| ") and not line.startswith("| setting")}
+    assert set(prow) == {"default", "nographs"} and all(cells[1] == "2" for cells in prow.values())
+    assert all(float(cells[6]) > 0 and float(cells[7]) > 0 for cells in prow.values())  # tok/s
+    assert run_bench("bench_cuda_graphs.py", "--pool", tmp_path / "bad", timeout=120).returncode == 1
 
     bad = run_bench("bench_cuda_graphs.py", "--target", tmp_path / "missing", "--dflash-draft", tmp_path / "draft",
                     "--settings", "default", "--out-dir", tmp_path / "bad", timeout=300)

@@ -512,6 +512,15 @@ def _hold(client, prompt="hold", max_tokens=1000):
     return stream
 
 
+def _queued(c, fn):
+    """Runs `fn` (a blocking request) in a thread; returns the thread once its request waits in
+    the coordinator's queue."""
+    t = threading.Thread(target=fn)
+    t.start()
+    assert wait_until(lambda: c.coordinator.servicer.admission.waiting == 1)
+    return t
+
+
 def test_a_burst_beyond_capacity_waits_for_slots_and_is_served():
     """Six requests at once on one worker of capacity 2: the four that find it full wait in the
     coordinator's queue (coordinator/admission.py) and are served as slots free up, in place of
@@ -549,9 +558,7 @@ def test_the_queue_is_bounded_in_length_and_in_time():
                 except Overloaded as e:
                     results["waiter"] = (time.monotonic() - t0, e.details)
 
-            t = threading.Thread(target=waiter)
-            t.start()
-            assert wait_until(lambda: c.coordinator.servicer.admission.waiting == 1)
+            t = _queued(c, waiter)
             t0 = time.monotonic()
             with pytest.raises(Overloaded, match="already wait \\(max_queued 1\\)"):
                 client.complete("fake-model", prompt="x", max_tokens=2)
@@ -574,10 +581,7 @@ def test_a_waiting_request_takes_the_slot_a_finished_stream_frees():
         with Client(c.address) as holder, Client(c.address) as client:
             held = _hold(holder)
             out = {}
-            t = threading.Thread(target=lambda: out.setdefault(
-                "done", client.complete("fake-model", prompt="w", max_tokens=2)))
-            t.start()
-            assert wait_until(lambda: c.coordinator.servicer.admission.waiting == 1)
+            t = _queued(c, lambda: out.setdefault("done", client.complete("fake-model", prompt="w", max_tokens=2)))
             time.sleep(0.3)
             assert "done" not in out  # still waiting while the slot is held
             held.close()  # the slot frees: the waiter is woken and served
