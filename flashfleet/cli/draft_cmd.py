@@ -308,11 +308,12 @@ def _eval(args) -> int:
 
 
 def _vocab(args) -> int:
-    import lzma
     from pathlib import Path
 
     from worker.models.dflash_checkpoint import load_dflash_draft, save_dflash_draft
+    from worker.training.data import DataError
     from worker.training.defaults import choose_draft_vocab, label_token_counts
+    from worker.training.extra_data import training_file_rows
     from worker.training.train import load_target, resolve_dtype, resolve_target
 
     target, tokenizer = load_target(resolve_target(args.target), resolve_dtype("auto"))
@@ -322,13 +323,10 @@ def _vocab(args) -> int:
     for f in map(Path, args.data):
         if not f.is_file():
             raise FileNotFoundError(f"--data {f}: no such file (a data cache's train.jsonl)")
-        with (lzma.open(f, "rt", encoding="utf-8") if f.suffix == ".xz" else f.open(encoding="utf-8")) as lines:
-            try:
-                responses += [json.loads(line)["response_ids"] for line in lines if line.strip()]
-            except (json.JSONDecodeError, UnicodeDecodeError, lzma.LZMAError, KeyError, TypeError) as e:
-                from worker.training.data import DataError
-
-                raise DataError(f"--data {f}: not a data cache (rows with response_ids): {e}") from e
+        try:
+            responses += [row["response_ids"] for row in training_file_rows(f, V)]
+        except DataError as e:
+            raise DataError(f"--data {f}: not a data cache (rows with response_ids): {e}") from None
     counts = label_token_counts(responses, V)
     if args.size:
         ids, coverage = choose_draft_vocab(counts, args.size, always=tokenizer.eos_token_ids)

@@ -97,8 +97,8 @@ def _int_list(v, vocab: Optional[int]) -> bool:
                                        and (vocab is None or t < vocab) for t in v)
 
 
-def _rows(path: Path, vocab: Optional[int] = None) -> Iterator[dict]:
-    """The rows of a training file, each checked (corpus and id strings, prompt_ids and
+def training_file_rows(path: Path, vocab: Optional[int] = None) -> Iterator[dict]:
+    """The rows of a training file (train.jsonl, or it as .xz or .gz: the suffix decides), each checked (corpus and id strings, prompt_ids and
     response_ids lists of token ids, below `vocab` when given); blank lines skipped.
 
     Raises:
@@ -136,7 +136,7 @@ def cache_rows(directory: str | Path, vocab: Optional[int] = None) -> Iterator[d
         DataError: not a directory, no train.jsonl[.xz|.gz] in it, or a bad row or cut file (the
             message names the file and line; its `--extra-data` prefix is the training flag's).
     """
-    return _rows(_train_file(Path(directory)), vocab)
+    return training_file_rows(_train_file(Path(directory)), vocab)
 
 
 def check_extra_data(dirs: Sequence[str | Path], target_fingerprint: str, *, read_rows: bool = False) -> list[dict]:
@@ -144,7 +144,7 @@ def check_extra_data(dirs: Sequence[str | Path], target_fingerprint: str, *, rea
     their meta.json contents, in order (`settings` a dict, `train_sequences` an int or None).
 
     Args:
-        read_rows: also read every training file through (`_rows`) and compare its sequence
+        read_rows: also read every training file through (`training_file_rows`) and compare its sequence
             count with meta.json's (what the --processes launcher does before starting ranks).
 
     Raises:
@@ -170,7 +170,7 @@ def check_extra_data(dirs: Sequence[str | Path], target_fingerprint: str, *, rea
             raise DataError(f"--extra-data {d}: written by another target (fingerprint {settings.get('target')}, "
                             f"this target {target_fingerprint}); a draft must learn its own target's answers")
         if read_rows:
-            _check_count(d, train, sum(1 for _ in _rows(train)), meta)
+            _check_count(d, train, sum(1 for _ in training_file_rows(train)), meta)
         out.append(meta)
     return out
 
@@ -231,7 +231,7 @@ def load_extra_data(
         was_greedy = not meta["settings"].get("temperature")
         src = dict(dir=str(d), read=0, heldout_dropped=0, repeats_dropped=0, superseded=0, reused_offered=0,
                    added=0)
-        for row in _rows(_train_file(d), vocab_size):
+        for row in training_file_rows(_train_file(d), vocab_size):
             src["read"] += 1
             pid, corpus = row["id"], row["corpus"]
             prompt, full = tuple(row["prompt_ids"]), row["response_ids"]
