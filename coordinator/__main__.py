@@ -4,15 +4,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import re
 import sys
 
-from coordinator.config import CoordinatorConfig
+from coordinator.config import CoordinatorConfig, settings_problems
 from flashfleet.cli import prog_name
 
 # Built-in defaults; a --config file's values come before them, command-line flags before both.
 DEFAULTS = {"host": "127.0.0.1", "port": 50051, "lease_ttl_s": 10.0, "heartbeat_interval_s": 2.0,
             "route_attempts": 3, "max_queued": 64, "queue_timeout_s": 30.0, "log_level": "INFO", "migrate": True,
-            "migrate_min_remaining_tokens": 64}
+            "migrate_min_remaining_tokens": 64, "shutdown_grace_s": 25.0}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -44,6 +45,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "worker running two or more to an idle one; coordinator/migration.py)")
     p.add_argument("--migrate-min-remaining-tokens", type=int, default=None,
                    help="tokens of max_tokens a session must have left to be moved (default 64)")
+    p.add_argument("--shutdown-grace-s", type=float, default=None,
+                   help="on SIGTERM, how long running streams may finish before they are cut, "
+                   "seconds (default 25: under the 30 s systemd and launchd allow a stop)")
     p.add_argument("--log-level", default=None)
     a = p.parse_args(argv)
     if a.config:
@@ -59,12 +63,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for key, value in DEFAULTS.items():
         if getattr(a, key) is None:
             setattr(a, key, value)
-    if a.route_attempts < 1 or a.lease_ttl_s <= a.heartbeat_interval_s:
-        p.error("need --route-attempts >= 1 and --lease-ttl-s > --heartbeat-interval-s")
-    if a.migrate_min_remaining_tokens < 1:
-        p.error("--migrate-min-remaining-tokens must be >= 1")
-    if a.max_queued < 0 or not a.queue_timeout_s >= 0:
-        p.error("need --max-queued >= 0 and --queue-timeout-s >= 0")
+    bad = settings_problems(a.lease_ttl_s, a.heartbeat_interval_s, a.route_attempts, a.max_queued,
+                            a.queue_timeout_s, a.migrate_min_remaining_tokens, a.shutdown_grace_s)
+    if bad:  # named as flags: a value from --config passes the file's own check first
+        p.error(re.sub(r"\b([a-z]+(?:_[a-z]+)+)\b", lambda m: "--" + m[1].replace("_", "-"), bad[0]))
     return a
 
 
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     config = CoordinatorConfig(host=a.host, port=a.port, lease_ttl_s=a.lease_ttl_s,
                                heartbeat_interval_s=a.heartbeat_interval_s,
                                route_attempts=a.route_attempts, max_queued=a.max_queued,
-                               queue_timeout_s=a.queue_timeout_s,
+                               queue_timeout_s=a.queue_timeout_s, shutdown_grace_s=a.shutdown_grace_s,
                                migration=MigrationPolicy(enabled=a.migrate,
                                                          min_remaining_tokens=a.migrate_min_remaining_tokens))
     try:

@@ -1,6 +1,7 @@
 """Coordinator tunables, with units in their names. Built once (CLI / cluster config), passed down."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from coordinator.migration import MigrationPolicy
@@ -35,3 +36,38 @@ class CoordinatorConfig:
     queue_timeout_s: float = 30.0
     shutdown_grace_s: float = 25.0
     migration: MigrationPolicy = field(default_factory=MigrationPolicy)
+
+
+def settings_problems(lease_ttl_s: float, heartbeat_interval_s: float, route_attempts: int,
+                      max_queued: int, queue_timeout_s: float, migrate_min_remaining_tokens: int,
+                      shutdown_grace_s: float) -> list[str]:
+    """What is wrong with a set of coordinator settings, one message per bad value, each naming
+    the setting (as in the cluster config; the CLI flag is the same name with dashes). Empty
+    when all are usable.
+
+    Why each bound: a heartbeat interval of 0 is a busy loop on every worker; a NaN or infinite
+    lease never expires, so a dead worker keeps getting requests; the lease must outlast at
+    least one heartbeat.
+    """
+    bad = []
+
+    def need(ok: bool, key: str, value, rule: str) -> None:
+        if not ok:
+            bad.append(f"{key} must be {rule}, got {value!r}")
+
+    need(math.isfinite(heartbeat_interval_s) and heartbeat_interval_s > 0, "heartbeat_interval_s",
+         heartbeat_interval_s, "a finite number of seconds > 0")
+    need(math.isfinite(lease_ttl_s) and lease_ttl_s > 0, "lease_ttl_s", lease_ttl_s,
+         "a finite number of seconds > 0")
+    if not bad and lease_ttl_s <= heartbeat_interval_s:
+        bad.append(f"lease_ttl_s ({lease_ttl_s!r}) must be longer than heartbeat_interval_s "
+                   f"({heartbeat_interval_s!r}): a lease shorter than a heartbeat expires while "
+                   "the worker is healthy")
+    need(route_attempts >= 1, "route_attempts", route_attempts, ">= 1")
+    need(max_queued >= 0, "max_queued", max_queued, ">= 0")
+    need(queue_timeout_s >= 0, "queue_timeout_s", queue_timeout_s, "a number of seconds >= 0")
+    need(migrate_min_remaining_tokens >= 1, "migrate_min_remaining_tokens",
+         migrate_min_remaining_tokens, ">= 1")
+    need(math.isfinite(shutdown_grace_s) and shutdown_grace_s >= 0, "shutdown_grace_s",
+         shutdown_grace_s, "a finite number of seconds >= 0")
+    return bad

@@ -39,11 +39,17 @@ OUTCOME_BY_CODE = {grpc.StatusCode.INVALID_ARGUMENT: "invalid",
                    grpc.StatusCode.CANCELLED: "cancelled"}
 
 
+# The server's copy of a deadline runs out later than the client's by the request's one-way
+# latency, so the cancel a client sends at its deadline can arrive while the server still sees a
+# few milliseconds left. A cancel this close to the deadline is counted as the deadline.
+DEADLINE_SLACK_S = 0.05
+
+
 def _deadline_passed(context) -> bool:
-    """Whether the call's deadline (if it has one) is over: a call that ends unfinished then ended
-    by DEADLINE_EXCEEDED, not by the client's cancel."""
+    """Whether the call's deadline (if it has one) is over, within DEADLINE_SLACK_S seconds: a
+    call that ends unfinished then ended by DEADLINE_EXCEEDED, not by the client's cancel."""
     remaining = context.time_remaining()
-    return remaining is not None and remaining <= 0
+    return remaining is not None and remaining <= DEADLINE_SLACK_S
 
 
 class WorkerPool:

@@ -36,6 +36,7 @@ server port and channel uses (flashfleet/transport.py): mutual TLS on every hop.
 from __future__ import annotations
 
 import dataclasses
+import math
 import socket
 import tomllib
 import typing
@@ -62,6 +63,8 @@ class CoordinatorSection:
             fleet is full, and for how long (coordinator/admission.py).
         migrate, migrate_min_remaining_tokens: session migration on or off, and the budget a
             session must have left to be moved (coordinator/migration.py, MigrationPolicy).
+        shutdown_grace_s: how long in-flight streams may finish on SIGTERM (as in
+            CoordinatorConfig).
     """
 
     host: str = "127.0.0.1"
@@ -75,6 +78,7 @@ class CoordinatorSection:
     queue_timeout_s: float = 30.0
     migrate: bool = True
     migrate_min_remaining_tokens: int = 64
+    shutdown_grace_s: float = 25.0
 
     @property
     def dial_address(self) -> str:
@@ -125,6 +129,9 @@ class WorkerEntry:
         chip: Apple chip, e.g. "M4 Pro" ("" = detect).
         peak_memory_bandwidth_gbs: overrides the chip table (GB/s).
         kv_cache_limit_bytes: KV budget shown and alerted on (None = derived from memory).
+        drain_timeout_s: on SIGTERM, how long in-flight requests may finish (seconds).
+        spec_timing_sync: time draft and verify apart for the metrics (one host sync per timed
+            cycle; worker --spec-timing-sync).
     """
 
     id: str
@@ -137,6 +144,8 @@ class WorkerEntry:
     chip: str = ""
     peak_memory_bandwidth_gbs: float | None = None
     kv_cache_limit_bytes: int | None = None
+    drain_timeout_s: float = 25.0
+    spec_timing_sync: bool = False
 
 
 @dataclass(frozen=True)
@@ -252,6 +261,7 @@ class ClusterConfig:
             "worker_id": entry.id, "metrics_port": entry.metrics_port, "chip": entry.chip or None,
             "peak_memory_bandwidth_gbs": entry.peak_memory_bandwidth_gbs,
             "kv_cache_limit_bytes": entry.kv_cache_limit_bytes,
+            "drain_timeout_s": entry.drain_timeout_s, "spec_timing_sync": entry.spec_timing_sync,
         }
 
     def coordinator_settings(self) -> dict[str, object]:
@@ -261,7 +271,8 @@ class ClusterConfig:
                 "lease_ttl_s": c.lease_ttl_s, "heartbeat_interval_s": c.heartbeat_interval_s,
                 "route_attempts": c.route_attempts, "max_queued": c.max_queued,
                 "queue_timeout_s": c.queue_timeout_s, "migrate": c.migrate,
-                "migrate_min_remaining_tokens": c.migrate_min_remaining_tokens}
+                "migrate_min_remaining_tokens": c.migrate_min_remaining_tokens,
+                "shutdown_grace_s": c.shutdown_grace_s}
 
 
 TOP_LEVEL = ("coordinator", "models", "worker", "workers", "tls")
@@ -323,16 +334,25 @@ def _check(cfg: ClusterConfig) -> None:
         cfg.model(w.model)
         if w.capacity < 1:
             raise ConfigError(f"{p}: worker {w.id!r}: capacity must be >= 1, got {w.capacity}")
+        for key in ("peak_memory_bandwidth_gbs", "kv_cache_limit_bytes"):
+            value = getattr(w, key)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{p}: worker {w.id!r}: {key} must be > 0, got {value}")
+        if not (math.isfinite(w.drain_timeout_s) and w.drain_timeout_s >= 0):
+            raise ConfigError(f"{p}: worker {w.id!r}: drain_timeout_s must be a finite number of "
+                              f"seconds >= 0, got {w.drain_timeout_s}")
     for m in cfg.models:
         if m.num_draft_tokens < 1:
             raise ConfigError(f"{p}: model {m.name!r}: num_draft_tokens must be >= 1")
-    if c.route_attempts < 1 or c.lease_ttl_s <= c.heartbeat_interval_s:
-        raise ConfigError(f"{p}: [coordinator] needs route_attempts >= 1 and lease_ttl_s > "
-                          "heartbeat_interval_s")
-    if c.migrate_min_remaining_tokens < 1:
-        raise ConfigError(f"{p}: [coordinator] migrate_min_remaining_tokens must be >= 1")
-    if c.max_queued < 0 or not c.queue_timeout_s >= 0:
-        raise ConfigError(f"{p}: [coordinator] needs max_queued >= 0 and queue_timeout_s >= 0")
+        if m.max_context_tokens is not None and m.max_context_tokens < 1:
+            raise ConfigError(f"{p}: model {m.name!r}: max_context_tokens must be >= 1, got "
+                              f"{m.max_context_tokens}")
+    from coordinator.config import settings_problems
+
+    bad = settings_problems(c.lease_ttl_s, c.heartbeat_interval_s, c.route_attempts, c.max_queued,
+                            c.queue_timeout_s, c.migrate_min_remaining_tokens, c.shutdown_grace_s)
+    if bad:
+        raise ConfigError(f"{p}: [coordinator] {bad[0]}")
     ports = [("[coordinator] port", c.port), ("[coordinator] metrics_port", c.metrics_port)]
     ports += [(f"worker {w.id!r} {k}", getattr(w, k)) for w in cfg.workers
               for k in ("port", "metrics_port")]

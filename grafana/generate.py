@@ -222,15 +222,19 @@ def speculative() -> dict:
                  (ratio("flashfleet_worker_spec_translate_seconds_total",
                         "flashfleet_worker_spec_cycles_total", by="method"),
                   "translate {{method}}")],
-                "Exact means from counters. Without spec_timing_sync drafting runs "
-                "asynchronously and its compute shows up as verify time. Translation time is "
+                "Exact means from counters. Draft time is measured only on workers started "
+                "with --spec-timing-sync (spec_timing_sync = true in cluster.toml; one extra "
+                "host sync per timed cycle). Without it drafting runs asynchronously, the draft "
+                "line stays at 0 and the verify line is the whole cycle. Translation time is "
                 "nonzero only for cross-tokenizer (uag) drafts."),
              ts("Per-request cycle time (p95)", "s",
                 [(quantile(0.95, "flashfleet_worker_spec_cycle_draft_seconds", by="method"),
                   "draft {{method}}"),
                  (quantile(0.95, "flashfleet_worker_spec_cycle_verify_seconds", by="method"),
                   "verify {{method}}")],
-                "Distribution of each request's mean cycle time (one observation per request)."),
+                "Distribution of each request's mean cycle time (one observation per request). "
+                "As above, draft is 0 and verify is the whole cycle unless the worker runs with "
+                "--spec-timing-sync."),
              ts("Decode tokens/s by method", "short",
                 [(hist_mean("flashfleet_worker_decode_tokens_per_second", by="model, method"),
                   "{{model}} {{method}}")], "Mean over requests of each request's decode speed."),
@@ -316,7 +320,10 @@ def coordinator() -> dict:
                 [(quantile(0.5, "flashfleet_coordinator_queue_seconds"), "p50"),
                  (quantile(0.95, "flashfleet_coordinator_queue_seconds"), "p95"),
                  (quantile(0.99, "flashfleet_coordinator_queue_seconds"), "p99")],
-                "Arrival to the first message from a worker, retries included."),
+                "Arrival until the call to the serving worker starts: the wait for a slot, "
+                "routing and earlier failed attempts; the worker's prefill is not included (see "
+                "TTFT on the worker dashboard). Requests refused after a full wait count as "
+                "outcome=overloaded under Routed requests, not here."),
              ts("Requests waiting for a slot", "short",
                 [("max(flashfleet_coordinator_queued_requests)", "waiting")],
                 "Requests queued because every worker serving their model is full (max_queued, "

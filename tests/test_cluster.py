@@ -601,3 +601,74 @@ def test_max_queued_0_refuses_at_once_as_before():
             held.close()
     finally:
         c.close()
+
+
+def test_every_deadline_expiry_is_counted_as_a_deadline():
+    # The client's deadline cancels the call a few ms before the server's copy of it runs out;
+    # those cancels are deadlines too, not client cancels (ten in a row, mid-stream and early).
+    engine = FakeEngine(token_delay_s=0.05)
+    c = start_cluster({"w1": engine})
+    try:
+        with Client(c.address) as client:
+            for i in range(10):
+                with pytest.raises(DeadlineExceeded):
+                    client.complete("fake-model", prompt=f"long {i}", max_tokens=1000,
+                                    timeout_s=0.1 + 0.03 * i)
+        counted = lambda: {o: (routed_count(c, o, "w1") or 0) + (routed_count(c, o, "") or 0)  # noqa: E731
+                           for o in ("deadline", "cancelled")}
+        assert wait_until(lambda: sum(counted().values()) == 10), counted()
+        assert counted() == {"deadline": 10, "cancelled": 0}
+    finally:
+        c.close()
+
+
+def test_deadline_passed_allows_for_the_clients_clock_running_ahead():
+    from coordinator.servicer import DEADLINE_SLACK_S, _deadline_passed
+
+    class Context:
+        def __init__(self, remaining):
+            self.remaining = remaining
+
+        def time_remaining(self):
+            return self.remaining
+
+    assert _deadline_passed(Context(0.0)) and _deadline_passed(Context(-1.0))
+    assert _deadline_passed(Context(DEADLINE_SLACK_S / 2))  # cancelled just before the server saw it
+    assert not _deadline_passed(Context(DEADLINE_SLACK_S * 2))  # the client cancelled early
+    assert not _deadline_passed(Context(None))  # no deadline at all
+
+
+def test_a_worker_keeps_trying_a_missing_coordinator_and_says_so(monkeypatch, caplog):
+    # Started before its coordinator, a worker warns (once a period, not once an attempt) and
+    # keeps trying for as long as it takes; it registers as soon as the coordinator is up.
+    import logging
+
+    import worker.server as worker_server
+    from coordinator.config import CoordinatorConfig
+    from coordinator.server import start_coordinator
+    from flashfleet.cli.up import free_port
+    from harness import LoopThread
+    from worker.server import start_worker
+
+    monkeypatch.setattr(worker_server, "UNREACHABLE_WARN_EVERY_S", 0.5)
+    caplog.set_level(logging.WARNING, logger="flashfleet.worker")
+    port = free_port()
+    loop = LoopThread()
+    w = loop.run(start_worker(FakeEngine(), "early", coordinator=f"127.0.0.1:{port}"))
+    coordinator = None
+    try:
+        assert wait_until(lambda: len([r for r in caplog.records if "cannot register" in r.message]) >= 2,
+                          timeout=8)
+        warnings = [r.message for r in caplog.records if "cannot register" in r.message]
+        assert f"127.0.0.1:{port}" in warnings[0] and "UNAVAILABLE" in warnings[0]
+        attempts_per_warning = 0.5 / 0.2  # the first retries come faster than the warnings
+        assert len(warnings) < 8 * attempts_per_warning
+        assert not w.registered.is_set() and not w._heartbeat_task.done()
+        coordinator = loop.run(start_coordinator(CoordinatorConfig(port=port)))
+        loop.run(asyncio.wait_for(w.registered.wait(), 10))
+        assert [r.worker_id for r in coordinator.registry.live()] == ["early"]
+    finally:
+        loop.run(w.stop(grace_s=0.5))
+        if coordinator is not None:
+            loop.run(coordinator.stop(grace_s=0.5))
+        loop.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import plistlib
+import re
 import shlex
 import shutil
 import socket
@@ -50,7 +51,10 @@ def console_script() -> str:
 @pytest.mark.skipif(shutil.which("promtool") is None,
                     reason="promtool is absent (Debian package `prometheus`; .ci/run installs it)")
 def test_promtool_accepts_the_shipped_config_and_rules():
-    for args in (["check", "config", "prometheus.yml"], ["check", "rules", "flashfleet-alerts.yml"]):
+    # The unit tests (flashfleet-alerts.test.yml): a healthy DFlash session (acceptance 9 %,
+    # tau 2.4) fires nothing; a wrong draft and an acceptance drop each fire their rule.
+    for args in (["check", "config", "prometheus.yml"], ["check", "rules", "flashfleet-alerts.yml"],
+                 ["test", "rules", "flashfleet-alerts.test.yml"]):
         proc = subprocess.run(["promtool", *args], cwd=DEPLOY / "prometheus", capture_output=True,
                               text=True, timeout=60)
         assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -66,6 +70,9 @@ def test_prometheus_targets_match_the_cluster_config():
     assert jobs["flashfleet-worker"] == [
         {"targets": [f"{w.advertise_host}:{w.metrics_port}"], "labels": {"worker": w.id}}
         for w in cfg.workers]
+
+
+MINIMAL = '[[models]]\nname = "m"\n\n[[workers]]\nid = "w1"\nmodel = "m"\n'
 
 
 # ----- launchd and systemd ---------------------------------------------------------------------
@@ -189,6 +196,53 @@ def test_flags_override_the_config_file():
         assert "TimeoutStopSec=30" in text
 
 
+def test_worker_drain_timeout_and_timing_sync_come_from_the_config_then_the_flag(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text(MINIMAL + "drain_timeout_s = 4.0\nspec_timing_sync = true\n")
+    a = worker_main.parse_args(["--config", str(path), "--worker-id", "w1"])
+    assert (a.drain_timeout_s, a.spec_timing_sync) == (4.0, True)
+    a = worker_main.parse_args(["--config", str(path), "--worker-id", "w1", "--drain-timeout", "9"])
+    assert a.drain_timeout_s == 9.0
+    a = worker_main.parse_args(["--model", "m"])
+    assert (a.drain_timeout_s, a.spec_timing_sync) == (25.0, False)
+    assert worker_main.parse_args(["--model", "m", "--spec-timing-sync"]).spec_timing_sync is True
+
+
+def test_worker_timing_flag_reaches_the_engine_config(monkeypatch):
+    import flashfleet.models as models
+    import worker.engine.thread as engine_thread
+
+    built = []
+    monkeypatch.setattr(engine_thread, "Engine", built.append)
+    monkeypatch.setattr(models, "resolve_model", lambda name: Path("/models") / name)
+    for flags, want in (([], False), (["--spec-timing-sync"], True)):
+        worker_main.build_engine(worker_main.parse_args(["--model", "m", *flags]))
+        assert built[-1].spec_timing_sync is want
+
+
+@pytest.mark.parametrize("text, message", [
+    (MINIMAL + "kv_cache_limit_bytes = -1\n", "worker 'w1': kv_cache_limit_bytes must be > 0, got -1"),
+    (MINIMAL + "peak_memory_bandwidth_gbs = nan\n", "worker 'w1': peak_memory_bandwidth_gbs must be > 0"),
+    (MINIMAL + "drain_timeout_s = -2\n", "worker 'w1': drain_timeout_s must be a finite number"),
+    ('[[models]]\nname = "m"\nmax_context_tokens = -5\n', "model 'm': max_context_tokens must be >= 1, got -5"),
+])
+def test_out_of_range_worker_and_model_values_name_the_file_and_key(tmp_path, text, message):
+    # Caught when the file is read, with its path, not as a flag error of the worker command.
+    path = tmp_path / "cluster.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(message)) as info:
+        load_cluster_config(path)
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("flags", [["--max-context-tokens", "-5"], ["--kv-cache-limit-bytes", "0"],
+                                   ["--peak-memory-bandwidth-gbs", "inf"], ["--drain-timeout", "nan"]])
+def test_out_of_range_worker_flags_are_errors(capsys, flags):
+    with pytest.raises(SystemExit):
+        worker_main.parse_args(["--model", "m", *flags])
+    assert flags[0] in capsys.readouterr().err
+
+
 def test_up_refuses_a_busy_port_before_starting_anything(tmp_path):
     """With a listener already on the port, `LocalCluster.start` says so and spawns nothing (the
     workers would otherwise register with the other process, and the cluster look ready)."""
@@ -214,13 +268,16 @@ def test_up_refuses_a_busy_port_before_starting_anything(tmp_path):
         assert port_is_free("::1", free6) and port_is_free("[::1]", free6)
 
 
-MINIMAL = '[[models]]\nname = "m"\n\n[[workers]]\nid = "w1"\nmodel = "m"\n'
-
-
 @pytest.mark.parametrize("text, message", [
     ("[coordinater]\nport = 1\n", "unknown top-level key 'coordinater'"),
     ("[coordinator]\nport = \"50051\"\n", r"\[coordinator\] port must be int, got '50051'"),
-    ("[coordinator]\nlease_ttl_s = 1\nheartbeat_interval_s = 2\n", "lease_ttl_s > heartbeat_interval_s"),
+    ("[coordinator]\nlease_ttl_s = 1\nheartbeat_interval_s = 2\n",
+     r"lease_ttl_s \(1.0\) must be longer than heartbeat_interval_s \(2.0\)"),
+    ("[coordinator]\nheartbeat_interval_s = 0\n", r"\[coordinator\] heartbeat_interval_s must be a "
+     "finite number of seconds > 0, got 0.0"),  # 0 would be a busy loop on every worker
+    ("[coordinator]\nlease_ttl_s = nan\n", "lease_ttl_s must be a finite number"),  # never expires
+    ("[coordinator]\nlease_ttl_s = inf\n", "lease_ttl_s must be a finite number"),
+    ("[coordinator]\nshutdown_grace_s = -1\n", "shutdown_grace_s must be a finite number of seconds >= 0"),
     (MINIMAL + "capcity = 3\n", r"\[\[workers\]\] #1: unknown key 'capcity'; expected one of id, model"),
     (MINIMAL + "capacity = 0\n", "capacity must be >= 1"),
     (MINIMAL + "capacity = true\n", "capacity must be int"),
@@ -239,6 +296,27 @@ def test_bad_config_is_a_clear_error(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message) as info:
         load_cluster_config(path)
     assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--heartbeat-interval-s", "0"], "--heartbeat-interval-s must be a finite number of seconds > 0"),
+    (["--lease-ttl-s", "nan"], "--lease-ttl-s must be a finite number of seconds > 0, got nan"),
+    (["--lease-ttl-s", "1", "--heartbeat-interval-s", "2"], "--lease-ttl-s (1.0) must be longer than"),
+    (["--shutdown-grace-s", "-1"], "--shutdown-grace-s must be a finite number of seconds >= 0"),
+    (["--route-attempts", "0"], "--route-attempts must be >= 1, got 0"),
+])
+def test_bad_coordinator_flags_are_named(capsys, flags, message):
+    with pytest.raises(SystemExit):
+        coordinator_main.parse_args(flags)
+    assert message in capsys.readouterr().err
+
+
+def test_coordinator_shutdown_grace_comes_from_the_config_then_the_flag(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[coordinator]\nshutdown_grace_s = 7.5\n")
+    assert coordinator_main.parse_args(["--config", str(path)]).shutdown_grace_s == 7.5
+    assert coordinator_main.parse_args(["--config", str(path), "--shutdown-grace-s", "3"]).shutdown_grace_s == 3
+    assert coordinator_main.parse_args([]).shutdown_grace_s == 25.0
 
 
 def test_missing_config_file(tmp_path):

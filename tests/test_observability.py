@@ -279,6 +279,7 @@ def test_every_dashboard_query_parses_and_returns_data(live):
 def test_every_alert_rule_parses_and_its_signal_returns_data(live):
     rules = alert_rules()
     assert {r["alert"] for r in rules} >= {"FlashfleetWorkerDown", "FlashfleetAcceptanceCollapse",
+                                          "FlashfleetAcceptanceLengthLow",
                                           "FlashfleetSpeculationSlowerThanPlain",
                                           "FlashfleetKVCacheNearLimit"}
     for rule in rules:
@@ -425,13 +426,20 @@ def test_decode_read_bytes_estimate():
     assert decode_read_bytes_per_token(m, GenerationStats(generated_tokens=1)) == 0
 
 
-def test_chip_table_and_detection_overrides():
+def test_chip_table_and_detection_overrides(caplog):
     assert normalize_chip("Apple M4 Pro") == "M4 Pro" and normalize_chip("m2  max") == "M2 Max"
     assert {f"M{g}{v}" for g in "1234" for v in ("", " Pro", " Max")} <= set(APPLE_PEAK_GBS)
     m = MachineInfo.detect(chip="Apple M2")
     assert m.chip == "M2" and m.peak_memory_bandwidth_bytes_per_s == 100e9 and m.memory_bytes > 0
-    assert MachineInfo.detect(chip="Intel Xeon").peak_memory_bandwidth_bytes_per_s is None
+    caplog.set_level("WARNING", logger="flashfleet.worker")
+    assert not caplog.records  # a known chip: no warning
+    assert MachineInfo.detect(chip="M9 Pro").peak_memory_bandwidth_bytes_per_s is None
+    assert "'M9 Pro' is not in the peak-bandwidth table" in caplog.text  # typo or newer chip: said
+    assert "--peak-memory-bandwidth-gbs" in caplog.text
+    caplog.clear()
     assert MachineInfo.detect(chip="M4", peak_gbs=410).peak_memory_bandwidth_bytes_per_s == 410e9
+    assert MachineInfo.detect(chip="M9 Pro", peak_gbs=410).peak_memory_bandwidth_bytes_per_s == 410e9
+    assert not caplog.records  # the peak was given: nothing missing
     with pytest.raises(ValueError):
         MachineInfo.detect(peak_gbs=0)
 

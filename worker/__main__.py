@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import signal
 import socket
@@ -23,7 +24,7 @@ from flashfleet.cli import INVOKED_AS, prog_name
 
 # Built-in defaults; a --config file's values come before them, command-line flags before both.
 DEFAULTS = {"model_name": "", "num_draft_tokens": 3, "capacity": 4, "host": "127.0.0.1",
-            "port": 0, "log_level": "INFO"}
+            "port": 0, "log_level": "INFO", "drain_timeout_s": 25.0, "spec_timing_sync": False}
 MODEL_SETTINGS = ("model", "model_name", "draft", "num_draft_tokens", "max_context_tokens")
 
 
@@ -78,9 +79,14 @@ def parse_args(argv):
                    help="peak memory bandwidth in GB/s (default: from the chip table)")
     p.add_argument("--kv-cache-limit-bytes", type=int, default=None, help="KV-cache budget "
                    "for metrics and alerts (default: 75%% of memory minus the weights)")
-    p.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, default=25.0,
+    p.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, default=None,
                    help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they "
                    "are cut off (default 25: under the 30 s systemd allows a stop)")
+    p.add_argument("--spec-timing-sync", dest="spec_timing_sync", action="store_const", const=True,
+                   default=None, help="time draft and verify apart (one extra host sync on every "
+                   "8th speculative cycle with the adaptive block size, on every cycle without it), "
+                   "so the draft-time metrics and dashboard panels are filled; off by default: "
+                   "drafting then runs asynchronously and its time is counted as verify time")
     p.add_argument("--log-level", default=None)
     a = p.parse_args(argv)
     if a.config:
@@ -107,11 +113,12 @@ def parse_args(argv):
     from flashfleet.models.drafts import resolve_draft_arg
 
     a.draft = resolve_draft_arg(a.draft, a.model, a.model_name)
-    if a.drain_timeout_s < 0:
-        p.error("--drain-timeout must be >= 0")
-    for key in ("peak_memory_bandwidth_gbs", "kv_cache_limit_bytes"):
-        if getattr(a, key) is not None and getattr(a, key) <= 0:
-            p.error(f"--{key.replace('_', '-')} must be > 0")
+    if not (math.isfinite(a.drain_timeout_s) and a.drain_timeout_s >= 0):
+        p.error(f"--drain-timeout must be a finite number of seconds >= 0, got {a.drain_timeout_s}")
+    for key in ("peak_memory_bandwidth_gbs", "kv_cache_limit_bytes", "max_context_tokens"):
+        value = getattr(a, key)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            p.error(f"--{key.replace('_', '-')} must be > 0, got {value}")
     return a
 
 
@@ -132,7 +139,7 @@ def build_engine(a):
                           num_draft_tokens=a.num_draft_tokens, capacity=a.capacity,
                           block_size=a.block_size, adaptive_block_size=a.adaptive_block_size,
                           max_context_tokens=a.max_context_tokens, fuse_projections=a.fuse_projections,
-                          compile_forward=a.compile_forward)
+                          compile_forward=a.compile_forward, spec_timing_sync=a.spec_timing_sync)
     return Engine(config)
 
 

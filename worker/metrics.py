@@ -33,6 +33,7 @@ Compare it with `..._peak_memory_bandwidth_bytes_per_second`, known for Apple ch
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -43,6 +44,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 
 from worker.engine.types import DoneEvent, EngineProtocol, GenerationStats, ModelDescription
+
+log = logging.getLogger("flashfleet.worker")
 
 # LLM buckets (research notes (b), after vLLM): a TTFT from 1 ms (tiny models) to minutes (long
 # prompts on a big model); inter-token gaps from 2 ms (small models on an M4 Pro) up.
@@ -171,6 +174,10 @@ class MachineInfo:
             raise ValueError(f"kv_cache_limit_bytes must be > 0, got {kv_cache_limit_bytes}")
         chip = normalize_chip(chip if chip is not None else detect_chip())
         gbs = peak_gbs if peak_gbs is not None else APPLE_PEAK_GBS.get(chip)
+        if gbs is None and chip:  # a typo or a chip newer than the table: say so, keep serving
+            log.warning("chip %r is not in the peak-bandwidth table (%s): the peak memory bandwidth "
+                        "metric stays absent; set --peak-memory-bandwidth-gbs "
+                        "(peak_memory_bandwidth_gbs in cluster.toml)", chip, ", ".join(APPLE_PEAK_GBS))
         return cls(chip=chip, peak_memory_bandwidth_bytes_per_s=gbs * 1e9 if gbs else None,
                    memory_bytes=physical_memory_bytes(), kv_cache_limit_bytes=kv_cache_limit_bytes)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential_jitter
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
 
 from flashfleet.bad_messages import RejectUndecodable
 from flashfleet.transport import SERVER_OPTIONS, add_port, aio_channel
@@ -22,6 +22,7 @@ from worker.servicer import WorkerServicer
 log = logging.getLogger("flashfleet.worker")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 REGISTER_TIMEOUT_S = 5.0
+UNREACHABLE_WARN_EVERY_S = 60.0  # while registration fails, the log says so this often
 
 
 @dataclass
@@ -102,19 +103,45 @@ async def start_worker(engine: EngineProtocol, worker_id: str, host: str = "127.
                             tls=tls)
     if coordinator:
         running._heartbeat_task = asyncio.get_running_loop().create_task(_keep_registered(running))
+        running._heartbeat_task.add_done_callback(_log_if_failed)
     return running
 
 
+def _log_if_failed(task: asyncio.Task) -> None:
+    """A registration task that dies leaves the worker serving no one: say so loudly."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("registration with the coordinator stopped; this worker gets no requests "
+                  "until it restarts", exc_info=task.exception())
+
+
+def _warn_while_unreachable(coordinator: str):
+    """tenacity before_sleep callback: warns at the first failed registration, then every
+    UNREACHABLE_WARN_EVERY_S seconds, with the gRPC status of the last attempt."""
+    last = [float("-inf")]
+
+    def before_sleep(state: RetryCallState) -> None:
+        if state.seconds_since_start - last[0] < UNREACHABLE_WARN_EVERY_S:
+            return
+        last[0] = state.seconds_since_start
+        e = state.outcome.exception()
+        log.warning("cannot register with the coordinator at %s (%s: %s) for %.0f s; retrying "
+                    "until it answers (check --coordinator and that it is running)", coordinator,
+                    e.code().name, e.details(), state.seconds_since_start)
+
+    return before_sleep
+
+
 async def _keep_registered(w: RunningWorker) -> None:
-    """Registers (retrying until the coordinator answers), then heartbeats; re-registers when the
-    coordinator answers NOT_FOUND (lease expired, coordinator restarted)."""
+    """Registers (retrying for as long as it takes, with a warning a minute while the
+    coordinator does not answer), then heartbeats; re-registers when a heartbeat fails
+    (lease expired, coordinator restarted or unreachable)."""
     async with aio_channel(w.coordinator, w.tls) as channel:
         stub = worker_pb2_grpc.RegistryStub(channel)
         while True:
             async for attempt in AsyncRetrying(
                     retry=retry_if_exception_type(grpc.aio.AioRpcError),
                     wait=wait_exponential_jitter(multiplier=0.2, max=5.0),
-                    stop=stop_after_delay(3600), reraise=True):
+                    before_sleep=_warn_while_unreachable(w.coordinator)):
                 with attempt:
                     resp = await stub.Register(worker_pb2.RegisterRequest(
                         worker_id=w.worker_id, address=w.advertise_address,
