@@ -484,8 +484,16 @@ id = "beta"
 capacity = 3
 ''')
     metrics = free_port()
-    with LocalCluster(port=free_port(), metrics_port=metrics, config=path, log_dir=tmp_path / "logs",
-                      workers=2) as cluster:
+    said = []
+    cluster = LocalCluster(port=free_port(), metrics_port=metrics, config=path, log_dir=tmp_path / "logs",
+                           workers=2)
+    cluster.start(progress=said.append)
+    try:
+        # Processes and logs carry the config's worker ids, as status and the metrics do.
+        assert sorted(cluster.procs) == ["alpha", "beta", "coordinator"]
+        assert {p.name for p in (tmp_path / "logs").glob("*.log")} == {"alpha.log", "beta.log",
+                                                                       "coordinator.log"}
+        assert "2 worker(s) loading tiny " in said[0]
         with Client(cluster.address) as client:
             status = client.cluster_status(timeout_s=10)
             assert {(w.worker_id, w.capacity) for w in status.workers} == {("alpha", 2), ("beta", 3)}
@@ -499,6 +507,31 @@ capacity = 3
             time.sleep(0.2)
             text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10).read().decode()
         assert "flashfleet_coordinator_workers 2.0" in text
+    finally:
+        cluster.stop()
+
+
+def test_up_names_every_model_of_the_config_and_ignores_the_working_directory(tmp_path, monkeypatch):
+    from flashfleet.cli import up
+
+    path = tmp_path / "cluster.toml"
+    path.write_text('[[models]]\nname = "a"\n[[models]]\nname = "b"\n'
+                    '[[workers]]\nid = "w-a"\nmodel = "a"\n[[workers]]\nid = "w-b"\nmodel = "b"\n')
+    spawned, said = [], []
+    monkeypatch.setattr(up.LocalCluster, "_wait_ready", lambda self, timeout_s, progress: None)
+    monkeypatch.setattr(up.subprocess, "Popen", lambda argv, **kw: spawned.append(argv))
+    up.LocalCluster(config=path, port=1, log_dir=tmp_path / "logs").start(progress=said.append)
+    monkeypatch.undo()  # subprocess.Popen is the real one again
+    assert "2 worker(s) loading a, b " in said[0]
+    # -P: a folder named `worker` where `flashfleet up` runs must not shadow the package.
+    assert sorted(tuple(argv[1:4]) for argv in spawned) == [("-P", "-m", "coordinator"),
+                                                            ("-P", "-m", "worker"), ("-P", "-m", "worker")]
+    shadow = tmp_path / "cwd"
+    (shadow / "worker").mkdir(parents=True)
+    (shadow / "worker" / "__main__.py").write_text("raise SystemExit('the shadowing folder ran')\n")
+    proc = subprocess.run([sys.executable, "-P", "-m", "worker", "--help"], cwd=shadow,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "--model" in proc.stdout, proc.stderr
 
 
 def test_grafana_provisioning_files():

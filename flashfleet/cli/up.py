@@ -80,9 +80,12 @@ class LocalCluster:
                                   f"{workers} requested")
             self.config, model = Path(config).resolve(), cfg.workers[0].model
             self.worker_ids = [w.id for w in cfg.workers[:workers]]
+            self.models = [w.model for w in cfg.workers[:workers]]
         if workers < 1:
             raise ValueError("workers must be >= 1")
         self.model, self.n_workers, self.host = model, workers, host
+        if self.config is None:
+            self.models = [model] * workers
         self.port = port or free_port(host)
         self.draft, self.capacity, self.metrics_port = draft, capacity, metrics_port
         self.worker_args = worker_args
@@ -103,7 +106,9 @@ class LocalCluster:
 
     def _spawn(self, name: str, args: list[str], env=None) -> None:
         log = open(self.log_dir / f"{name}.log", "wb")
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", *args], stdout=log,
+        # -P: the caller's working directory is not put first on the import path, so a folder
+        # named `worker` or `coordinator` where `flashfleet up` runs cannot shadow the package.
+        self.procs[name] = subprocess.Popen([sys.executable, "-P", "-m", *args], stdout=log,
                                             stderr=subprocess.STDOUT, env=env,
                                             start_new_session=True)
 
@@ -130,15 +135,18 @@ class LocalCluster:
             args = ["worker", *conf, "--coordinator", self.address, "--host", self.host,
                     "--port", "0", "--advertise-host", self.host,
                     "--metrics-port", str(self.metrics_port + 1 + i if self.metrics_port else 0)]
+            worker_id = self.worker_ids[i] if self.config else f"worker-{i + 1}"
             if self.config:  # model, draft and capacity come from the entry
-                args += ["--worker-id", self.worker_ids[i], *self.worker_args]
+                args += ["--worker-id", worker_id, *self.worker_args]
             else:
-                args += ["--model", self.model, "--worker-id", f"worker-{i + 1}",
+                args += ["--model", self.model, "--worker-id", worker_id,
                          "--capacity", str(self.capacity), *self.worker_args]
                 if self.draft:
                     args += ["--draft", self.draft]
-            self._spawn(f"worker-{i + 1}", args, env)
-        progress(f"coordinator {self.address}; {self.n_workers} worker(s) loading {self.model} "
+            # Named (and logged, LOG_DIR/ID.log) by worker id, as status and the metrics name it.
+            self._spawn(worker_id if worker_id != "coordinator" else "worker-coordinator", args, env)
+        models = ", ".join(dict.fromkeys(self.models))
+        progress(f"coordinator {self.address}; {self.n_workers} worker(s) loading {models} "
                  f"(logs in {self.log_dir})")
         self._wait_ready(timeout_s, progress)
 
