@@ -1047,8 +1047,12 @@ def test_cli_train_with_a_draft_vocabulary_saves_resumes_and_continues_it(tmp_pa
     assert main(["train", *common, "--out", str(cont), "--steps", "1", "--no-resume", "--no-eval",
                  "--work-dir", str(work), "--init-from", str(out)]) == 0
     assert load_dflash_draft(cont, target).vocab.tolist() == want.tolist()
-    assert main(["train", *common, "--out", str(cont), "--steps", "1", "--no-resume", "--no-eval",
-                 "--work-dir", str(work), "--init-from", str(out), "--draft-vocab", "0"]) == 0
+    again = ["train", *common, "--out", str(cont), "--steps", "1", "--no-resume", "--no-eval",
+             "--work-dir", str(work), "--init-from", str(out), "--draft-vocab", "0"]
+    capsys.readouterr()
+    assert main(again) == 2  # a fresh run never replaces a finished draft unasked
+    assert f"--out {cont} already holds a draft" in capsys.readouterr().err
+    assert main([*again, "--overwrite"]) == 0
     assert load_dflash_draft(cont, target).vocab is None
 
 
@@ -1259,3 +1263,80 @@ def test_training_card_says_how_synthetic_prompts_began():
     opened = render_card(card)
     assert "each begun with the first 4 words of a training prompt of code_requests, humaneval" in opened
     assert "tokens after the opening" in opened and "after the opening" not in bare
+
+
+def test_ctrl_c_stops_at_a_step_boundary_with_a_checkpoint_that_resumes(tmp_path):
+    """The first SIGINT during training lets the step in flight finish, saves the checkpoint and
+    raises TrainingInterrupted; resuming from it ends where an uninterrupted run ends."""
+    import signal
+
+    from worker.training.train import TrainingInterrupted
+
+    target = tiny_llama()
+    ds = _synthetic_dataset()
+    straight = _trainer(target, ds, steps=6)
+    straight.run(log=lambda _: None)
+
+    first = _trainer(target, ds, steps=6)
+    batch = first.batch
+    first.batch = lambda step: (signal.raise_signal(signal.SIGINT) if step == 3 else None, batch(step))[1]
+    with pytest.raises(TrainingInterrupted) as info:
+        first.run(checkpoint=lambda: first.save_state(tmp_path), log=lambda _: None)
+    saved = json.loads((tmp_path / "state.json").read_text())["step"]
+    assert info.value.saved and info.value.step == saved == first.step and 3 <= saved < 6
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+    resumed = _trainer(target, ds, steps=6)
+    resumed.load_state(tmp_path)
+    resumed.run(log=lambda _: None)
+    a, b = dict(tree_flatten(straight.draft.parameters())), dict(tree_flatten(resumed.draft.parameters()))
+    assert all(mx.array_equal(a[k], b[k]).item() for k in a)
+
+
+def test_cli_says_how_to_resume_after_ctrl_c(tmp_path, tiny_models, capsys, monkeypatch):
+    import worker.training.train as train_mod
+    from flashfleet.cli.draft_cmd import main
+
+    def interrupted(cfg):
+        raise train_mod.TrainingInterrupted(17, saved=True)
+
+    monkeypatch.setattr(train_mod, "train_draft", interrupted)
+    files = _write_prompts(tmp_path)
+    out = tmp_path / "d"
+    assert main(["train", "--target", str(tiny_models.llama), "--prompts", *map(str, files),
+                 "--out", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted at step 17" in err and f"{out}.work/resume" in err and "run the same command" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--target-layer-ids", "1", "999"], "--target-layer-ids [999] out of range: the target has"),
+    (["--target-layer-ids", "1", "1"], "repeats a layer"),
+    (["--mask-token-id", "10000000"], "--mask-token-id 10000000 out of range"),
+])
+def test_cli_train_checks_taps_and_mask_before_any_work(tmp_path, tiny_models, capsys, monkeypatch, flags,
+                                                        message):
+    import worker.training.train as train_mod
+    from flashfleet.cli.draft_cmd import main
+
+    monkeypatch.setattr(train_mod, "build_dataset", lambda *a, **k: pytest.fail("generation started"))
+    files = _write_prompts(tmp_path)
+    assert main(["train", "--target", str(tiny_models.llama), "--prompts", *map(str, files),
+                 "--out", str(tmp_path / "d"), *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lr", "-1"], "argument --lr: must be a number in (0, inf)"),
+    (["--heldout-fraction", "1.5"], "argument --heldout-fraction: must be a number in [0, 1)"),
+    (["--draft-layers", "0"], "argument --draft-layers: must be >= 1"),
+    (["--warmup", "nan"], "argument --warmup: must be a number in [0, 1)"),
+    (["--grad-clip", "-0.5"], "argument --grad-clip: must be a number in [0, inf)"),
+])
+def test_cli_train_rejects_out_of_range_numbers(capsys, flags, message):
+    from flashfleet.cli.draft_cmd import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--target", "t", "--prompts", "p", "--out", "o", *flags])
+    assert info.value.code == 2 and message in capsys.readouterr().err

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 __all__ = ["build_parser", "main"]
@@ -71,6 +72,20 @@ def _top_p(text: str) -> float:
     return v
 
 
+def _number(low: float, high: float = float("inf"), low_open: bool = False, high_open: bool = False):
+    """An argparse type: a finite float in the interval [low, high] (an end excluded when open)."""
+    def parse(text: str) -> float:
+        v = float(text)
+        ok = math.isfinite(v) and (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
+        if not ok:
+            ends = ("(" if low_open else "[") + f"{low:g}, " + (f"{high:g}" if math.isfinite(high) else "inf") \
+                + (")" if high_open or not math.isfinite(high) else "]")
+            raise argparse.ArgumentTypeError(f"must be a number in {ends}")
+        return v
+    parse.__name__ = "number"
+    return parse
+
+
 def _val_fraction(text: str) -> float:
     v = float(text)
     if not 0 <= v < 1:
@@ -91,14 +106,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "the file stem is the corpus name")
     t.add_argument("--out", required=True, help="output directory of the draft and its training card")
     t.add_argument("--work-dir", default=None, help="data cache and resumable state (default: OUT.work)")
+    t.add_argument("--overwrite", action="store_true",
+                   help="replace a draft already in --out (without it a new run refuses to; a run that "
+                        "continues --out's own checkpoint may always write there)")
     g = t.add_argument_group("draft shape (default: chosen from the target)")
-    g.add_argument("--draft-layers", type=int, default=None, help="draft depth (default: ~1 per 15 target layers)")
-    g.add_argument("--num-taps", type=int, default=5, help="tapped target layers, spread over layers 1..L-3")
-    g.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="explicit tapped layers")
-    g.add_argument("--mask-token-id", type=int, default=None, help="MASK id (default: an unused row)")
+    g.add_argument("--draft-layers", type=_at_least(1), default=None, help="draft depth (default: ~1 per 15 target layers)")
+    g.add_argument("--num-taps", type=_at_least(1), default=5, help="tapped target layers, spread over layers 1..L-3")
+    g.add_argument("--target-layer-ids", type=_at_least(0), nargs="+", default=None, help="explicit tapped layers")
+    g.add_argument("--mask-token-id", type=_at_least(0), default=None, help="MASK id (default: an unused row)")
     g.add_argument("--block-size", type=_at_least(2), default=16, help="B: tokens per block (last token + B-1 drafts)")
-    g.add_argument("--intermediate-size", type=int, default=None, help="draft MLP width (default: the target's)")
-    g.add_argument("--max-draft-mib", type=float, default=None,
+    g.add_argument("--intermediate-size", type=_at_least(1), default=None, help="draft MLP width (default: the target's)")
+    g.add_argument("--max-draft-mib", type=_number(0, low_open=True), default=None,
                    help="shrink the MLP, then the depth, until the saved draft fits this size")
     g = t.add_argument_group("data")
     g.add_argument("--max-prompts-per-file", type=_at_least(1), default=None,
@@ -106,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-prompt-tokens", type=_at_least(1), default=256, help="cap on a prompt's own tokens")
     g.add_argument("--max-new-tokens", type=_at_least(1), default=256, help="cap on the target's answer, tokens")
     g.add_argument("--heldout-per-corpus", type=_at_least(0), default=8, help="held-out prompts per corpus (cap)")
-    g.add_argument("--heldout-fraction", type=float, default=0.1, help="held-out share per corpus")
+    g.add_argument("--heldout-fraction", type=_number(0, 1, high_open=True), default=0.1,
+                   help="held-out share per corpus")
     g.add_argument("--gen-temperature", type=_temperature, default=0.0, help="the target's sampling (0: greedy)")
     g.add_argument("--gen-top-p", type=_top_p, default=1.0,
                    help="nucleus sampling of every sampled answer (with --gen-temperature > 0 or --gen-samples > 1)")
@@ -142,12 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = t.add_argument_group("training")
     g.add_argument("--batch-size", type=_at_least(1), default=16, help="sequences per step")
     g.add_argument("--anchors", type=_at_least(1), default=64, help="random anchors (blocks) per sequence per step")
-    g.add_argument("--gamma", type=float, default=None, help="loss decay (default: 7 for B=16, 5 for 10, 4 for 8)")
-    g.add_argument("--lr", type=float, default=6e-4)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--warmup", type=float, default=0.04, help="warmup fraction of the run")
-    g.add_argument("--min-lr-ratio", type=float, default=0.0, help="cosine floor, fraction of --lr")
-    g.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
+    g.add_argument("--gamma", type=_number(0, low_open=True), default=None, help="loss decay (default: 7 for B=16, 5 for 10, 4 for 8)")
+    g.add_argument("--lr", type=_number(0, low_open=True), default=6e-4, help="peak learning rate")
+    g.add_argument("--weight-decay", type=_number(0), default=0.01, help="AdamW weight decay")
+    g.add_argument("--warmup", type=_number(0, 1, high_open=True), default=0.04, help="warmup fraction of the run")
+    g.add_argument("--min-lr-ratio", type=_number(0, 1), default=0.0, help="cosine floor, fraction of --lr")
+    g.add_argument("--grad-clip", type=_number(0), default=1.0, help="global gradient-norm clip (0: off)")
     g.add_argument("--epochs", type=_minutes, default=6.0,
                    help="passes over the training sequences (with --gen-samples N there are N per prompt)")
     g.add_argument("--steps", type=_at_least(1), default=None, help="training steps (overrides --epochs)")
@@ -176,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quantize-group-size", type=int, default=64, choices=(32, 64, 128),
                    help="weights sharing one scale and bias (with --quantize-bits)")
     g.add_argument("--no-compile", dest="compile", action="store_false", help="do not mx.compile the step")
-    g.add_argument("--cache-taps-gib", type=float, default=8.0,
+    g.add_argument("--cache-taps-gib", type=_number(0), default=8.0,
                    help="GiB of memory for the target taps, computed once and kept: the length classes that "
                         "fit together are cached, the others' batches recompute them (0: every batch)")
     g.add_argument("--length-buckets", type=_at_least(1), default=4,
@@ -219,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only the held-out split `train` uses: give the same --heldout-* and "
                    "--max-prompts-per-file values as the training run, or training prompts can slip in")
     e.add_argument("--heldout-per-corpus", type=_at_least(0), default=8)
-    e.add_argument("--heldout-fraction", type=float, default=0.1)
+    e.add_argument("--heldout-fraction", type=_number(0, 1, high_open=True), default=0.1)
     e.add_argument("--max-prompts-per-file", type=_at_least(1), default=None)
     e.add_argument("--max-prompt-tokens", type=_at_least(1), default=256)
     e.add_argument("--max-new-tokens", type=_at_least(1), default=128)
@@ -352,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     from worker.models.dflash_checkpoint import DraftCheckpointError
     from worker.training.data import DataError
     from worker.training.defaults import DraftSizeError
-    from worker.training.train import TrainConfigError
+    from worker.training.train import TrainConfigError, TrainingInterrupted
 
     try:
         if args.command == "train" and args.processes > 1:
@@ -368,6 +387,17 @@ def main(argv: list[str] | None = None) -> int:
             DraftCheckpointError) as e:
         print(f"flashfleet draft: {e}", file=sys.stderr)
         return 2
+    except TrainingInterrupted as e:
+        work = args.work_dir or f"{args.out.rstrip('/')}.work"
+        where = f"a checkpoint is in {work}/resume; " if e.saved else ""
+        print(f"flashfleet draft: interrupted at step {e.step}; {where}run the same command again to "
+              "resume (--no-resume starts over)", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        hint = (" run the same command again: a finished data cache and the last checkpoint "
+                "(every --checkpoint-every steps) are reused" if args.command == "train" else "")
+        print(f"flashfleet draft: interrupted;{hint}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # `python -m flashfleet.cli.draft_cmd`, e.g. under mlx.launch

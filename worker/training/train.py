@@ -28,12 +28,15 @@ resumable training state (float32 weights + AdamW moments) go to `work_dir`.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
 import platform
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from functools import partial
@@ -68,6 +71,35 @@ STATE_FORMAT = 1
 
 class TrainConfigError(ValueError):
     """A checkpoint that does not belong to this run (another draft shape or other data)."""
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) during `Trainer.run`: the step in flight finished, a checkpoint was saved
+    (when the run has one), and training stopped; the same command resumes from `step`."""
+
+    def __init__(self, step: int, saved: bool):
+        super().__init__(f"interrupted at step {step}")
+        self.step, self.saved = step, saved
+
+
+@contextlib.contextmanager
+def _sigint_as_flag(flag: list):
+    """While active (main thread of a single process only), the first Ctrl-C sets flag[0] so the
+    training loop stops at a step boundary, where the state is consistent; a second one
+    interrupts at once as usual."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        flag[0] = True
+        signal.signal(signal.SIGINT, previous)  # the next Ctrl-C is the default KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
@@ -119,7 +151,9 @@ class TrainConfig:
         the dataset fits); the other classes' batches run the target; 0: always online, one
         target forward per batch), length_buckets (batches come from one of this many length
         classes and are padded to its width, not the dataset's; 1: off), checkpoint_every
-        (steps), resume, log_every (steps between loss-curve points).
+        (steps; Ctrl-C also saves one, at the end of the step in flight: `TrainingInterrupted`),
+        resume, overwrite (replace a draft already in `out` that this run does not continue),
+        log_every (steps between loss-curve points).
     Evaluation:
         eval (tau on the held-out prompts at the end), eval_max_new_tokens, eval_max_minutes,
         eval_untrained (also measure the untrained draft), eval_unquantized (with quantize_bits,
@@ -184,6 +218,7 @@ class TrainConfig:
     cache_taps_gib: float = 8.0
     length_buckets: int = 4
     checkpoint_every: int = 200
+    overwrite: bool = False
     resume: bool = True
     log_every: int = 10
     eval: bool = True
@@ -652,6 +687,7 @@ class Trainer:
         next_batch = prepare() if not self.done() else None
         t_prev = time.perf_counter()
         first = True
+        stop = [False]  # set by Ctrl-C (`_sigint_as_flag`): checked once per step
         warm = self._warm_classes  # length classes whose first step (traces, compiles) is done
 
         def retire(p):
@@ -691,8 +727,19 @@ class Trainer:
                 bar.total = min(self.total_steps, max(self.step, int(self.step + rate * (self.budget_s - self.elapsed_s))))
             bar.update(1)
 
-        try:
+        with contextlib.ExitStack() as guard:
+            if self.group is None:  # several ranks must stop together: there Ctrl-C stays as it is
+                guard.enter_context(_sigint_as_flag(stop))
+            guard.callback(bar.close)
             while next_batch is not None:
+                if stop[0]:
+                    if pending is not None:
+                        retire(pending)
+                        pending = None
+                    bar.close()
+                    if checkpoint:
+                        checkpoint()
+                    raise TrainingInterrupted(self.step, saved=checkpoint is not None)
                 (inputs, labels, epoch, c), lr = next_batch
                 if c not in warm and pending is not None:
                     # Steps are dispatched before the previous one is retired; a cold class's
@@ -732,8 +779,6 @@ class Trainer:
             if pending is not None:
                 retire(pending)
                 pending = None
-        finally:
-            bar.close()
         if checkpoint:
             checkpoint()
         if total["t"] > 0:
@@ -892,12 +937,37 @@ def _check_grown_size(cfg: TrainConfig, spec: DraftSpec, target, bytes_per_param
                                "raise the budget or ask for less")
 
 
+def _check_taps_and_mask(cfg: TrainConfig, target_path: Path) -> None:
+    """Explicit --target-layer-ids and --mask-token-id against the target's config.json, before
+    any weights load or the target answers a prompt (a tap past the last layer used to fail only
+    when the draft was built, after data generation)."""
+    if not (cfg.target_layer_ids or cfg.mask_token_id is not None):
+        return
+    try:
+        c = json.loads((target_path / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # the loader reports an unreadable config itself
+    c = {**c.get("text_config", {}), **c}
+    layers, vocab = c.get("num_hidden_layers"), c.get("vocab_size")
+    bad = [i for i in cfg.target_layer_ids or () if layers is not None and not 0 <= i < layers]
+    if bad:
+        raise TrainConfigError(f"--target-layer-ids {bad} out of range: the target has {layers} layers "
+                               f"(0..{layers - 1})")
+    if cfg.target_layer_ids and len(set(cfg.target_layer_ids)) != len(cfg.target_layer_ids):
+        raise TrainConfigError(f"--target-layer-ids {cfg.target_layer_ids} repeats a layer")
+    if cfg.mask_token_id is not None and vocab is not None and not 0 <= cfg.mask_token_id < vocab:
+        raise TrainConfigError(f"--mask-token-id {cfg.mask_token_id} out of range: the target's vocabulary "
+                               f"has {vocab} rows")
+
+
 def preflight(cfg: TrainConfig) -> None:
     """The input checks of `train_draft` that need no model weights, for the launcher of
     `flashfleet draft train --processes N`: run there once, a bad input is one message and exit 2
     instead of one traceback-free message per rank after every rank has loaded the target.
 
     Checks: the target resolves to a model directory; every prompt file exists and parses;
+    explicit taps and mask id fit the target's config.json; --out holds no draft unless this run
+    continues its checkpoint or `overwrite` is set;
     `--synthetic-prompts` inputs (`data.check_synthetic_inputs`, reading only the tokenizer);
     `--extra-data` directories (complete caches of this target: `extra_data.check_extra_data`);
     an --init-from directory is a DFlash draft whose shape agrees with explicit shape options.
@@ -913,6 +983,13 @@ def preflight(cfg: TrainConfig) -> None:
 
     path = resolve_target(cfg.target)
     read_prompt_files(cfg.prompts, cfg.max_prompts_per_file)
+    _check_taps_and_mask(cfg, path)
+    out = Path(cfg.out)
+    work = Path(cfg.work_dir) if cfg.work_dir else out.with_name(out.name + ".work")
+    if (out / "config.json").is_file() and not cfg.overwrite and not (
+            cfg.resume and (work / "resume" / "state.json").is_file()):
+        raise TrainConfigError(f"--out {out} already holds a draft and there is no checkpoint of it to "
+                               f"continue in {work}/resume: pass --overwrite to replace it, or another --out")
     if (cfg.synthetic_openings or cfg.synthetic_openings_from) and not cfg.synthetic_prompts:
         raise DataError("--synthetic-openings / --synthetic-openings-from shape the prompts the target writes: "
                         "give --synthetic-prompts N too")
