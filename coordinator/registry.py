@@ -91,6 +91,13 @@ class Registry:
         self._clock = clock
         self._on_remove = on_remove
         self._workers: dict[str, WorkerRecord] = {}
+        self.frozen = False
+
+    def freeze(self) -> None:
+        """Stops lease expiry for good: the coordinator is shutting down and refuses new RPCs,
+        heartbeats included, so a lease running out then says nothing about the worker (and
+        must not count as an expiry in the metrics and alerts)."""
+        self.frozen = True
 
     def register(self, req: worker_pb2.RegisterRequest) -> WorkerRecord:
         """Adds (or replaces) a worker and starts a new lease.
@@ -135,7 +142,9 @@ class Registry:
         return rec
 
     def expire(self) -> list[WorkerRecord]:
-        """Removes every worker whose lease ran out; returns them."""
+        """Removes every worker whose lease ran out; returns them (none once frozen)."""
+        if self.frozen:
+            return []
         now = self._clock()
         gone = [r for r in self._workers.values() if now - r.last_heartbeat_s > self.lease_ttl_s]
         for rec in gone:

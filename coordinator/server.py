@@ -49,6 +49,7 @@ class RunningCoordinator:
         """Flips health to NOT_SERVING, lets in-flight RPCs finish for grace_s, then closes."""
         await self.health.enter_graceful_shutdown()
         self._expiry_task.cancel()
+        self.registry.freeze()  # heartbeats are refused from here: no lease may expire for it
         await self.server.stop(grace_s)
         await self._pool.close()
 

@@ -672,3 +672,22 @@ def test_a_worker_keeps_trying_a_missing_coordinator_and_says_so(monkeypatch, ca
         if coordinator is not None:
             loop.run(coordinator.stop(grace_s=0.5))
         loop.close()
+
+
+def test_a_draining_coordinator_counts_no_lease_expiries():
+    # While the coordinator drains it refuses heartbeats; a stream that outlives the lease TTL
+    # must not turn every worker into a lease expiry (and a FlashfleetWorkerLeaseExpired alert).
+    engine = FakeEngine(token_delay_s=0.05)
+    c = start_cluster({"w1": engine}, lease_ttl_s=0.5, heartbeat_interval_s=0.1)
+    try:
+        client = Client(c.address)
+        stream = client.generate("fake-model", prompt="long", max_tokens=30)  # about 1.5 s
+        next(stream)
+        c.loop.run(c.coordinator.stop(grace_s=3.0))  # waits for the stream, past the 0.5 s TTL
+        assert sum(1 for _ in stream) > 0
+        assert c.coordinator.metrics.lease_expiries._value.get() == 0
+        client.close()
+    finally:
+        for w in c.workers:
+            c.loop.run(w.stop(grace_s=0.2))
+        c.loop.close()
