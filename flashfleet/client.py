@@ -70,6 +70,7 @@ class Client:
 
     def __init__(self, address: str, timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S,
                  credentials: grpc.ChannelCredentials | None = None):
+        self._secure = credentials is not None
         self._channel = (grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
                          if credentials else grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
@@ -119,7 +120,7 @@ class Client:
             for resp in call:
                 yield _to_chunk(resp)
         except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+            raise from_rpc_error(e, self._secure) from None
         finally:
             call.cancel()  # no-op when the stream ended; frees the worker when the caller stops early
 
@@ -136,7 +137,7 @@ class Client:
             return list(self._stub.ListModels(coordinator_pb2.ListModelsRequest(),
                                               timeout=timeout_s).models)
         except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+            raise from_rpc_error(e, self._secure) from None
 
     def cluster_status(self, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> coordinator_pb2.ClusterStatus:
         """Workers, their load and heartbeat age."""
@@ -144,7 +145,7 @@ class Client:
             return self._stub.GetClusterStatus(coordinator_pb2.GetClusterStatusRequest(),
                                                timeout=timeout_s)
         except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+            raise from_rpc_error(e, self._secure) from None
 
 
 class AsyncClient:
@@ -157,6 +158,7 @@ class AsyncClient:
 
     def __init__(self, address: str, timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S,
                  credentials: grpc.ChannelCredentials | None = None):
+        self._secure = credentials is not None
         self._channel = (grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
                          if credentials else
                          grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))
@@ -181,7 +183,7 @@ class AsyncClient:
             async for resp in call:
                 yield _to_chunk(resp)
         except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+            raise from_rpc_error(e, self._secure) from None
         finally:
             call.cancel()
 
@@ -193,7 +195,7 @@ class AsyncClient:
         try:
             resp = await self._stub.ListModels(coordinator_pb2.ListModelsRequest(), timeout=timeout_s)
         except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+            raise from_rpc_error(e, self._secure) from None
         return list(resp.models)
 
     async def cluster_status(self, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> coordinator_pb2.ClusterStatus:
@@ -201,4 +203,4 @@ class AsyncClient:
             return await self._stub.GetClusterStatus(coordinator_pb2.GetClusterStatusRequest(),
                                                      timeout=timeout_s)
         except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+            raise from_rpc_error(e, self._secure) from None

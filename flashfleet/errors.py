@@ -79,9 +79,29 @@ _BY_CODE: dict[grpc.StatusCode, type[FlashfleetError]] = {
 }
 
 
-def from_rpc_error(error: grpc.RpcError) -> FlashfleetError:
+def from_rpc_error(error: grpc.RpcError, secure: bool | None = None) -> FlashfleetError:
     """Converts a failed gRPC call into the matching SDK exception (INTERNAL and unknown codes
-    become FlashfleetError)."""
+    become FlashfleetError).
+
+    Args:
+        secure: whether the channel used TLS (None: unknown). A connection that fails the way a
+            TLS mismatch does gets a hint saying which side to fix: gRPC itself reports only a
+            closed socket or a failed handshake.
+    """
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = (error.details() if hasattr(error, "details") else None) or str(error)
+    if code == grpc.StatusCode.UNAVAILABLE and secure is not None:
+        details += _tls_hint(details, secure)
     return _BY_CODE.get(code, FlashfleetError)(details, code)
+
+
+def _tls_hint(details: str, secure: bool) -> str:
+    if "handshake failed" in details.lower():
+        return (" (TLS handshake failed: the server may not serve TLS, or its certificate is not signed "
+                "by the CA of this client's [tls] ca_file, or does not name the address dialled)")
+    if "socket closed" in details.lower():
+        return (" (the server closed the connection: it may require mutual TLS and a client "
+                "certificate signed by the cluster CA; check cert_file and key_file of [tls])" if secure
+                else " (the server closed the connection: if the cluster serves TLS, connect with its "
+                "[tls] files: --config cluster.toml on the CLI, Client(address, credentials=...) in Python)")
+    return ""

@@ -441,11 +441,18 @@ def test_whole_cluster_over_mutual_tls(tmp_path):
             done = client.complete("fake-model", prompt="secure", max_tokens=3)
         assert done.worker_id == "w1" and len(done.token_ids) == 3
         anonymous = grpc.ssl_channel_credentials(root_certificates=tls.read()[0])
+        # Each mismatch says which side to fix, not only gRPC's "Socket closed".
         with Client(f"localhost:{coord.port}", credentials=anonymous) as client:
-            with pytest.raises(Unavailable):
+            with pytest.raises(Unavailable, match="client certificate signed by the cluster CA"):
                 client.complete("fake-model", prompt="no client cert", max_tokens=1, timeout_s=5)
-        with Client(f"localhost:{coord.port}") as client, pytest.raises(Unavailable):
+        with Client(f"localhost:{coord.port}") as client, pytest.raises(
+                Unavailable, match=r"if the cluster serves TLS, connect with its \[tls\] files"):
             client.complete("fake-model", prompt="plaintext", max_tokens=1, timeout_s=5)
+        plain = loop.run(start_coordinator(CoordinatorConfig(host="localhost", port=0), CollectorRegistry()))
+        with Client(f"localhost:{plain.port}", credentials=tls.channel_credentials()) as client:
+            with pytest.raises(Unavailable, match="TLS handshake failed: the server may not serve TLS"):
+                client.list_models(timeout_s=5)
+        loop.run(plain.stop(grace_s=0.2))
         loop.run(worker.stop(grace_s=0.2))
         loop.run(coord.stop(grace_s=0.2))
     finally:
