@@ -22,6 +22,11 @@ class AdmissionQueue:
         timeout_s: longest wait of one request, seconds (the client's deadline may end it
             sooner: the gRPC call is then cancelled, and so is the wait).
 
+    One queue serves every model: `max_queued` bounds the coordinator's waiting requests in
+    all, so a burst for one model can fill it and a request for another model that finds its
+    own workers full is then refused too. A request whose model has a free slot never waits
+    behind another model's waiters (it takes the lock only to check, and the waiters release it).
+
     Call `notify()` whenever a slot may have freed: a stream ended, a worker registered or sent
     a heartbeat with a new capacity. It is cheap when nobody waits.
     """
