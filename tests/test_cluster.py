@@ -691,3 +691,22 @@ def test_a_draining_coordinator_counts_no_lease_expiries():
         for w in c.workers:
             c.loop.run(w.stop(grace_s=0.2))
         c.loop.close()
+
+
+def test_a_request_for_a_free_model_does_not_wait_behind_another_models_queue():
+    c = start_cluster({"w1": FakeEngine(capacity=1, token_delay_s=0.05),
+                       "w2": FakeEngine(name="other-model", capacity=1)}, queue_timeout_s=20)
+    try:
+        with Client(c.address) as holder, Client(c.address) as client, Client(c.address) as free:
+            held = _hold(holder)
+            out = {}
+            t = _queued(c, lambda: out.setdefault("done", client.complete("fake-model", prompt="w", max_tokens=2)))
+            t0 = time.monotonic()
+            done = free.complete("other-model", prompt="o", max_tokens=2)
+            assert done.worker_id == "w2" and done.stats.queue_s < 0.2 and time.monotonic() - t0 < 1.0
+            assert "done" not in out and c.coordinator.servicer.admission.waiting == 1  # still waits
+            held.close()
+            t.join(10)
+            assert out["done"].finish_reason == "length"
+    finally:
+        c.close()
