@@ -770,6 +770,30 @@ def test_defaults_from_the_target():
         choose_draft_spec(smol, tok, set(), max_draft_mib=1, draft_layers=2)
 
 
+def test_evaluate_tau_time_limit_starts_after_the_first_prompt(monkeypatch):
+    """The first prompt of a cold GPU is mostly kernel compiles: a limit shorter than it still
+    measures the prompts that fit after it, and a limit ends the run once passed."""
+    import time as _time
+
+    import worker.training.evaluate as evaluate
+
+    calls = []
+
+    def fake(target, draft, ids, max_new, eos, block_size):
+        _time.sleep(0.4 if not calls else 0.02)
+        calls.append(ids)
+        return {"cycles": 2, "accepted": 2, "tokens": 4}
+
+    monkeypatch.setattr(evaluate, "acceptance_on_prompt", fake)
+    prompts = [{"corpus": f"c{i % 3}", "prompt_ids": [i + 1, i + 2]} for i in range(9)]
+    draft = type("Draft", (), {"block_size": 4})()
+    res = evaluate.evaluate_tau(None, draft, prompts, 4, eos_ids=[], max_seconds=0.3, progress=False)
+    assert res["all"]["prompts"] == 9  # 0.4 s of "compiles" did not use up the 0.3 s
+    calls.clear()
+    res = evaluate.evaluate_tau(None, draft, prompts, 4, eos_ids=[], max_seconds=0.05, progress=False)
+    assert 2 <= res["all"]["prompts"] < 9
+
+
 def test_evaluate_tau_is_at_least_one():
     target = tiny_llama()
     draft = init_dflash_draft(target, num_layers=1, block_size=4, seed=1)
