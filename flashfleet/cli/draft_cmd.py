@@ -207,7 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = t.add_argument_group("evaluation")
     g.add_argument("--no-eval", dest="eval", action="store_false", help="skip tau on the held-out prompts")
     g.add_argument("--eval-max-new-tokens", type=_at_least(1), default=128)
-    g.add_argument("--eval-max-minutes", type=_minutes, default=None, help="time limit of each tau measurement, counted from the end of its first prompt (kernel compiles on a cold GPU)")
+    g.add_argument("--eval-max-minutes", type=_minutes, default=None,
+                   help="time limit of each tau measurement, counted from the end of its first prompt "
+                        "(kernel compiles on a cold GPU)")
     g.add_argument("--eval-untrained", action="store_true", help="also measure the untrained draft")
     g.add_argument("--no-eval-unquantized", dest="eval_unquantized", action="store_false",
                    help="with --quantize-bits, measure only the saved (quantized) draft, not the weights "
