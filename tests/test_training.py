@@ -1352,7 +1352,7 @@ def test_cli_train_checks_taps_and_mask_before_any_work(tmp_path, tiny_models, c
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--lr", "-1"], "argument --lr: must be a number in (0, inf)"),
+    (["--lr", "-1"], "argument --lr: must be a number in [0, inf)"),
     (["--heldout-fraction", "1.5"], "argument --heldout-fraction: must be a number in [0, 1)"),
     (["--draft-layers", "0"], "argument --draft-layers: must be >= 1"),
     (["--warmup", "nan"], "argument --warmup: must be a number in [0, 1)"),

@@ -162,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=_at_least(1), default=16, help="sequences per step")
     g.add_argument("--anchors", type=_at_least(1), default=64, help="random anchors (blocks) per sequence per step")
     g.add_argument("--gamma", type=_number(0, low_open=True), default=None, help="loss decay (default: 7 for B=16, 5 for 10, 4 for 8)")
-    g.add_argument("--lr", type=_number(0, low_open=True), default=6e-4, help="peak learning rate")
+    g.add_argument("--lr", type=_number(0), default=6e-4,
+                   help="peak learning rate (0: the weights stay as they start)")
     g.add_argument("--weight-decay", type=_number(0), default=0.01, help="AdamW weight decay")
     g.add_argument("--warmup", type=_number(0, 1, high_open=True), default=0.04, help="warmup fraction of the run")
     g.add_argument("--min-lr-ratio", type=_number(0, 1), default=0.0, help="cosine floor, fraction of --lr")
