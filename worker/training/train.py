@@ -152,7 +152,8 @@ class TrainConfig:
         target forward per batch), length_buckets (batches come from one of this many length
         classes and are padded to its width, not the dataset's; 1: off), checkpoint_every
         (steps; Ctrl-C also saves one, at the end of the step in flight: `TrainingInterrupted`),
-        resume, overwrite (replace a draft already in `out` that this run does not continue),
+        resume, overwrite (replace a draft already in `out` that this run does not continue;
+        resume=False implies it),
         log_every (steps between loss-curve points).
     Evaluation:
         eval (tau on the held-out prompts at the end), eval_max_new_tokens, eval_max_minutes,
@@ -986,10 +987,13 @@ def preflight(cfg: TrainConfig) -> None:
     _check_taps_and_mask(cfg, path)
     out = Path(cfg.out)
     work = Path(cfg.work_dir) if cfg.work_dir else out.with_name(out.name + ".work")
-    if (out / "config.json").is_file() and not cfg.overwrite and not (
-            cfg.resume and (work / "resume" / "state.json").is_file()):
+    # A plain rerun that finds a finished draft and no checkpoint to continue would quietly train
+    # a new one over it; --no-resume (start over) and --overwrite say that is meant.
+    if (out / "config.json").is_file() and cfg.resume and not cfg.overwrite \
+            and not (work / "resume" / "state.json").is_file():
         raise TrainConfigError(f"--out {out} already holds a draft and there is no checkpoint of it to "
-                               f"continue in {work}/resume: pass --overwrite to replace it, or another --out")
+                               f"continue in {work}/resume: pass --overwrite (or --no-resume) to replace "
+                               "it, or another --out")
     if (cfg.synthetic_openings or cfg.synthetic_openings_from) and not cfg.synthetic_prompts:
         raise DataError("--synthetic-openings / --synthetic-openings-from shape the prompts the target writes: "
                         "give --synthetic-prompts N too")
