@@ -27,6 +27,24 @@ def test_generated_stubs_are_current(tmp_path):
     assert not stale, f"stubs without a .proto: {stale}"
 
 
+def test_declared_grpcio_is_new_enough_for_the_stubs():
+    # The generated *_pb2_grpc.py raise at import under a grpcio older than the grpcio-tools that
+    # wrote them (seen on a machine with grpcio 1.84): the declared minimum must cover that.
+    import re
+    import tomllib
+
+    from packaging.version import Version
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    floor = {m["name"]: Version(m["v"]) for d in deps
+             if (m := re.fullmatch(r"(?P<name>grpcio[a-z-]*)(>=|==)(?P<v>[0-9.]+)", d))}
+    generated = re.search(r"GRPC_GENERATED_VERSION = '([0-9.]+)'",
+                          (ROOT / "flashfleet" / "v1" / "coordinator_pb2_grpc.py").read_text())
+    assert generated, "coordinator_pb2_grpc.py no longer states the grpcio it needs"
+    for name in ("grpcio", "grpcio-health-checking", "grpcio-reflection"):
+        assert floor[name] >= Version(generated[1]), f"pyproject.toml: {name} must be >= {generated[1]}"
+
+
 def test_package_is_versioned():
     from flashfleet.v1 import common_pb2
     assert common_pb2.DESCRIPTOR.package == "flashfleet.v1"
