@@ -71,6 +71,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m coordinator`: parses flags, then serves until SIGINT/SIGTERM.
+
+    Returns:
+        The exit status: 0 after a clean shutdown, 1 when the server could not start (e.g. the
+        port is in use), 2 for an invalid --config file (argparse exits with 2 itself for bad
+        flags or settings).
+    """
     from flashfleet.config import ConfigError
 
     try:

@@ -29,6 +29,9 @@ class AdmissionQueue:
 
     Call `notify()` whenever a slot may have freed: a stream ended, a worker registered or sent
     a heartbeat with a new capacity. It is cheap when nobody waits.
+
+    Raises:
+        ValueError: max_queued or timeout_s < 0.
     """
 
     def __init__(self, max_queued: int, timeout_s: float):

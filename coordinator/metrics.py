@@ -55,7 +55,7 @@ class CoordinatorMetrics:
         self._models: set[str] = set()
 
     def observe_queue(self, model: str, seconds: float) -> None:
-        """Records a routed request's queueing time (and creates its model's series)."""
+        """Records a routed request's queueing time in seconds (and creates its model's series)."""
         if model not in self._models:
             self._models.add(model)
             self.retries.labels(model=model)

@@ -104,16 +104,18 @@ class StreamProgress:
         self._next_check_s = 0.0
 
     def add(self, chunk: common_pb2.Chunk) -> None:
+        """Records a chunk forwarded to the client (its token ids and text)."""
         self.token_ids.extend(chunk.token_ids)
         if chunk.text:
             self._text.append(chunk.text)
 
     @property
     def text(self) -> str:
+        """All text forwarded to the client so far."""
         return "".join(self._text)
 
     def due(self, interval_s: float) -> bool:
-        """True at most once per interval_s (then the policy is asked)."""
+        """True at most once per `interval_s` seconds of the clock (then the policy is asked)."""
         now = self._clock()
         if now < self._next_check_s:
             return False
@@ -121,7 +123,9 @@ class StreamProgress:
         return True
 
     def resume_request(self, request: common_pb2.GenerateRequest) -> common_pb2.GenerateRequest:
-        """The request that continues this stream on another worker."""
+        """A copy of `request` that continues this stream on another worker: `resume_token_ids`
+        and `resume_text` set to everything delivered so far (the destination prefills prompt +
+        those tokens, see the module docstring)."""
         resumed = common_pb2.GenerateRequest()
         resumed.CopyFrom(request)
         del resumed.resume_token_ids[:]

@@ -57,6 +57,7 @@ class WorkerRecord:
 
     @property
     def capacity(self) -> int:
+        """Concurrent sessions the worker accepts, from its latest load report (at least 1)."""
         return max(self.load.capacity, 1)
 
     @property
@@ -68,6 +69,8 @@ class WorkerRecord:
 
     @property
     def utilisation(self) -> float:
+        """busy / capacity: the load `PowerOfTwoRouter` compares (may exceed 1 while the
+        worker's reported capacity is below the streams open to it)."""
         return self.busy / self.capacity
 
 
@@ -159,10 +162,12 @@ class Registry:
         return list(self._workers.values())
 
     def get(self, worker_id: str) -> WorkerRecord | None:
+        """The live worker `worker_id`, or None (expires stale leases first)."""
         self.expire()
         return self._workers.get(worker_id)
 
     def heartbeat_age_s(self, rec: WorkerRecord) -> float:
+        """Seconds since `rec`'s latest heartbeat (or registration), by the registry's clock."""
         return self._clock() - rec.last_heartbeat_s
 
     def _get_live(self, worker_id: str, lease_id: str) -> WorkerRecord:

@@ -70,7 +70,8 @@ class SessionAffinity:
         self._by_session: dict[str, tuple[str, float]] = {}
 
     def lookup(self, session_id: str) -> str | None:
-        """The worker id of a session, or None."""
+        """The worker id of a session, or None (empty id, unknown, or unused for over ttl_s,
+        which also drops it). A lookup does not refresh the ttl; `bind` does."""
         if not session_id:
             return None
         entry = self._by_session.get(session_id)
@@ -82,6 +83,7 @@ class SessionAffinity:
         return entry[0]
 
     def bind(self, session_id: str, worker_id: str) -> None:
+        """Binds a session to a worker and restarts its ttl_s; an empty session_id is ignored."""
         if session_id:
             self._by_session[session_id] = (worker_id, self._clock())
 

@@ -43,10 +43,12 @@ class RunningCoordinator:
 
     @property
     def address(self) -> str:
+        """"127.0.0.1:<port>": where a client on this host dials the coordinator."""
         return f"127.0.0.1:{self.port}"
 
     async def stop(self, grace_s: float = 5.0) -> None:
-        """Flips health to NOT_SERVING, lets in-flight RPCs finish for grace_s, then closes."""
+        """Flips health to NOT_SERVING, freezes lease expiry, lets in-flight RPCs finish for
+        `grace_s` seconds (then cancels them), and closes the worker channels."""
         await self.health.enter_graceful_shutdown()
         self._expiry_task.cancel()
         self.registry.freeze()  # heartbeats are refused from here: no lease may expire for it
@@ -59,12 +61,17 @@ async def start_coordinator(config: CoordinatorConfig,
                             tls=None) -> RunningCoordinator:
     """Starts the coordinator on config.host:config.port (0 = a free port).
 
+    Also starts the lease-expiry loop (every min(1, lease_ttl_s / 4) seconds), which updates
+    the worker gauges.
+
     Args:
+        metrics_registry: where the metrics are registered (default: a fresh CollectorRegistry).
         tls: flashfleet.config.TLSConfig to serve and dial workers over mutual TLS (None:
             plaintext).
 
     Raises:
         RuntimeError: the port could not be bound.
+        flashfleet.config.ConfigError: unreadable or non-PEM TLS files (`add_port`).
     """
     metrics = CoordinatorMetrics(metrics_registry or CollectorRegistry())
     pool = WorkerPool(tls)
@@ -112,7 +119,19 @@ async def start_coordinator(config: CoordinatorConfig,
 
 
 async def serve(config: CoordinatorConfig, metrics_port: int | None = None, tls=None) -> None:
-    """Runs the coordinator until SIGINT/SIGTERM, then shuts down gracefully."""
+    """Runs the coordinator until SIGINT/SIGTERM, then shuts down gracefully
+    (`RunningCoordinator.stop` with `config.shutdown_grace_s`).
+
+    Args:
+        config: the coordinator's settings.
+        metrics_port: port of the Prometheus /metrics endpoint (bound on config.host), or None.
+        tls: flashfleet.config.TLSConfig for mutual TLS, or None for plaintext.
+
+    Raises:
+        RuntimeError: the gRPC port could not be bound (see `start_coordinator`).
+        flashfleet.config.ConfigError: unreadable or non-PEM TLS files.
+        OSError: the metrics port could not be bound.
+    """
     registry = CollectorRegistry()
     running = await start_coordinator(config, registry, tls)
     if metrics_port is not None:

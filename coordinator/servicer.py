@@ -64,16 +64,19 @@ class WorkerPool:
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        """A Worker stub on the channel to `address` ("host:port"), opening the channel on first use."""
         if address not in self._channels:
             self._channels[address] = aio_channel(address, self._tls)
         return worker_pb2_grpc.WorkerStub(self._channels[address])
 
     async def drop(self, address: str) -> None:
+        """Closes the channel to `address` (cancelling its open calls); a no-op when none is open."""
         channel = self._channels.pop(address, None)
         if channel is not None:
             await channel.close()
 
     async def close(self) -> None:
+        """Closes every channel (coordinator shutdown)."""
         for address in list(self._channels):
             await self.drop(address)
 
@@ -117,6 +120,23 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.admission.notify()
 
     async def Generate(self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        """Routes a request to a worker and proxies its response stream (chunks, then one complete).
+
+        Waits in the admission queue while every worker serving the model is full, retries other
+        workers on UNAVAILABLE / RESOURCE_EXHAUSTED before the first message, and may migrate the
+        stream between chunks (`coordinator.migration`). The final stats get `queue_s` (seconds
+        from arrival until the serving worker's call was issued) and, after a migration, counts
+        as if one worker had served it (`StreamProgress.finish_stats`).
+
+        Aborts the call with:
+            INVALID_ARGUMENT: the request fails `validate_request`, or sets `resume_token_ids` /
+                `resume_text` (coordinator-only fields).
+            NOT_FOUND: no live worker serves the model (or none has a draft for the requested mode).
+            RESOURCE_EXHAUSTED: every eligible worker is full and the admission queue is full or
+                its `queue_timeout_s` ran out.
+            the worker's own status code: the last worker tried refused the request before its
+                first message, or a worker failed mid-stream (never retried once tokens were sent).
+        """
         t0 = time.monotonic()
         try:
             validate_request(request)
@@ -293,6 +313,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 return worker, call, first, queue_s
 
     async def ListModels(self, request, context):
+        """Models served by live workers, sorted by name, each with its worker ids and decode modes
+        (PLAIN always, plus each worker's draft mode; AUTO never listed)."""
         by_name: dict[str, coordinator_pb2.ServedModel] = {}
         modes: dict[str, set[int]] = {}
         for w in self.registry.live():
@@ -305,6 +327,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         return coordinator_pb2.ListModelsResponse(models=[by_name[k] for k in sorted(by_name)])
 
     async def GetClusterStatus(self, request, context):
+        """One `WorkerStatus` per live worker (sorted by id; `heartbeat_age_s` in seconds,
+        `active_sessions` the coordinator's open streams to it) and the number of sessions with a
+        live affinity entry."""
         workers = [
             coordinator_pb2.WorkerStatus(
                 worker_id=w.worker_id, address=w.address, models=w.models,
@@ -331,6 +356,11 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
         self.admission = admission  # woken on every registration and heartbeat: capacity may have grown
 
     async def Register(self, request, context):
+        """Registers (or re-registers) a worker and returns its new lease, the lease TTL and the
+        heartbeat interval (seconds).
+
+        Aborts the call with INVALID_ARGUMENT when worker_id, address or the model list is empty.
+        """
         try:
             rec = self.registry.register(request)
         except ValueError as e:
@@ -344,6 +374,11 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
                                            heartbeat_interval_s=self.config.heartbeat_interval_s)
 
     async def Heartbeat(self, request, context):
+        """Renews a worker's lease, records its load and clears its `unreachable` mark.
+
+        Aborts the call with NOT_FOUND when the lease is unknown or expired (the worker must
+        register again).
+        """
         try:
             self.registry.heartbeat(request.worker_id, request.lease_id, request.load)
         except UnknownLease as e:
@@ -353,6 +388,10 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
         return worker_pb2.HeartbeatResponse()
 
     async def Deregister(self, request, context):
+        """Removes a worker (clean shutdown); its channel closes now, or when its last open stream ends.
+
+        Aborts the call with NOT_FOUND when the lease is unknown or expired.
+        """
         try:
             rec = self.registry.deregister(request.worker_id, request.lease_id)
         except UnknownLease as e:

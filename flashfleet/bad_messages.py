@@ -43,6 +43,9 @@ class RejectUndecodable(grpc.aio.ServerInterceptor):
     """Turns a request that protobuf cannot parse into INVALID_ARGUMENT (unary-request methods)."""
 
     async def intercept_service(self, continuation, handler_call_details):
+        """The method's handler with a lenient deserializer: a request that fails to parse
+        reaches a wrapper that aborts the call with INVALID_ARGUMENT (naming the method and what
+        to fix). Streaming-request and synchronous handlers are returned unchanged."""
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_streaming or handler.request_deserializer is None:
             return handler

@@ -83,6 +83,7 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        """Closes the channel; calls still running on it are cancelled."""
         self._channel.close()
 
     def generate(self, model: str, prompt: str | None = None, *,
@@ -109,8 +110,15 @@ class Client:
             Chunk: text deltas; the last one carries finish_reason and stats.
 
         Raises:
-            FlashfleetError subclasses: InvalidArgument, ModelNotFound, Overloaded, Unavailable,
-            DeadlineExceeded, Cancelled.
+            InvalidArgument: arguments `build_request` rejects, or timeout_s <= 0 (raised at the
+                first iteration, before any RPC), or a request the server rejects.
+            ModelNotFound: no worker serves `model` (or none has a draft for `mode`).
+            Overloaded: every worker serving it is full and the coordinator's queue is full or
+                its wait timed out.
+            Unavailable: the coordinator or the worker is unreachable or draining.
+            DeadlineExceeded: `timeout_s` passed before the stream ended.
+            Cancelled: the call was cancelled.
+            FlashfleetError: any other status code (e.g. INTERNAL), with the server's message.
         """
         req = build_request(model, prompt, messages=messages, max_tokens=max_tokens,
                             temperature=temperature, top_p=top_p, seed=seed, stop=stop,
@@ -132,7 +140,14 @@ class Client:
         return _accumulate(self.generate(model, prompt, **kwargs))
 
     def list_models(self, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> list[coordinator_pb2.ServedModel]:
-        """Models the fleet serves, with the workers serving each."""
+        """Models the fleet serves, with the workers serving each and their decode modes.
+
+        Args:
+            timeout_s: deadline of the call, seconds.
+
+        Raises:
+            FlashfleetError subclasses, as for generate() (Unavailable, DeadlineExceeded, ...).
+        """
         try:
             return list(self._stub.ListModels(coordinator_pb2.ListModelsRequest(),
                                               timeout=timeout_s).models)
@@ -140,7 +155,14 @@ class Client:
             raise from_rpc_error(e, self._secure) from None
 
     def cluster_status(self, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> coordinator_pb2.ClusterStatus:
-        """Workers, their load and heartbeat age."""
+        """Workers, their load and heartbeat age (seconds), and the number of sessions.
+
+        Args:
+            timeout_s: deadline of the call, seconds.
+
+        Raises:
+            FlashfleetError subclasses, as for generate() (Unavailable, DeadlineExceeded, ...).
+        """
         try:
             return self._stub.GetClusterStatus(coordinator_pb2.GetClusterStatusRequest(),
                                                timeout=timeout_s)
@@ -172,11 +194,12 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
+        """Closes the channel; calls still running on it are cancelled."""
         await self._channel.close()
 
     async def generate(self, model: str, prompt: str | None = None, *,
                        timeout_s: float | None = None, **kwargs) -> AsyncIterator[Chunk]:
-        """Streams a generation; see Client.generate for arguments and errors."""
+        """Streams a generation; see Client.generate for arguments, chunks and errors."""
         req = build_request(model, prompt, **kwargs)
         call = self._stub.Generate(req, timeout=_deadline(timeout_s, self.timeout_s))
         try:
@@ -188,10 +211,11 @@ class AsyncClient:
             call.cancel()
 
     async def complete(self, model: str, prompt: str | None = None, **kwargs) -> Completion:
-        """Runs generate() to the end; see Client.complete."""
+        """Runs generate() to the end; see Client.complete (same arguments and errors)."""
         return _accumulate([c async for c in self.generate(model, prompt, **kwargs)])
 
     async def list_models(self, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> list[coordinator_pb2.ServedModel]:
+        """See Client.list_models."""
         try:
             resp = await self._stub.ListModels(coordinator_pb2.ListModelsRequest(), timeout=timeout_s)
         except grpc.RpcError as e:
@@ -199,6 +223,7 @@ class AsyncClient:
         return list(resp.models)
 
     async def cluster_status(self, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> coordinator_pb2.ClusterStatus:
+        """See Client.cluster_status."""
         try:
             return await self._stub.GetClusterStatus(coordinator_pb2.GetClusterStatusRequest(),
                                                      timeout=timeout_s)

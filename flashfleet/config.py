@@ -82,7 +82,8 @@ class CoordinatorSection:
 
     @property
     def dial_address(self) -> str:
-        """The address workers dial."""
+        """The "host:port" workers and clients dial: `address`, else host:port (127.0.0.1 for a
+        wildcard host)."""
         if self.address:
             return self.address
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
@@ -181,7 +182,11 @@ class TLSConfig:
 
     def server_credentials(self, require_client_auth: bool = True):
         """gRPC server credentials: this host's certificate; clients must present one signed by
-        the CA (mutual TLS) unless require_client_auth is False."""
+        the CA (mutual TLS) unless require_client_auth is False.
+
+        Raises:
+            ConfigError: as for `read`.
+        """
         import grpc
 
         ca, cert, key = self.read()
@@ -189,7 +194,11 @@ class TLSConfig:
                                            require_client_auth=require_client_auth)
 
     def channel_credentials(self):
-        """gRPC channel credentials: trust the cluster CA, present this host's certificate."""
+        """gRPC channel credentials: trust the cluster CA, present this host's certificate.
+
+        Raises:
+            ConfigError: as for `read`.
+        """
         import grpc
 
         ca, cert, key = self.read()
@@ -251,7 +260,11 @@ class ClusterConfig:
 
     def worker_settings(self, entry: WorkerEntry) -> dict[str, object]:
         """`python -m worker` settings of one entry, keyed like its command-line options
-        (argparse dest names); None values are left to the command's own defaults."""
+        (argparse dest names); None values are left to the command's own defaults.
+
+        Raises:
+            ConfigError: the entry's model has no `[[models]]` entry.
+        """
         m = self.model(entry.model)
         return {
             "model": m.source, "model_name": m.name, "draft": m.draft or None,

@@ -24,10 +24,25 @@ DECODE_MODE_NAMES = {v: k for k, v in DECODE_MODES.items()}
 class GenerationStats:
     """Statistics of one finished request, as measured by the worker (times in seconds).
 
-    acceptance_length is tau: mean tokens committed per speculative cycle, bonus token included.
-    migrations counts the times the coordinator moved the request to another worker mid-stream;
-    after one, the times and speculative counts are the last worker's, the token counts the
-    request's.
+    Attributes:
+        prompt_tokens, generated_tokens: token counts of the request.
+        ttft_s: time to first token (TTFT), from the worker receiving the request.
+        tokens_per_s: generated tokens per second over the decode phase (after the first token).
+        total_s: the whole request on the worker.
+        mode: the decoding method used: "plain", "draft", "dflash" or "uag".
+        cycles, drafted_tokens, accepted_tokens: speculative runs only (0 otherwise): draft +
+            verify cycles, draft tokens proposed to the target, and those the target accepted
+            (bonus tokens excluded).
+        acceptance_length: tau, mean tokens committed per speculative cycle, bonus token included.
+        draft_s, verify_s: time spent drafting and in the target's verify forwards.
+        accepted_per_position: element i = cycles whose draft token at block position i+1 was
+            accepted.
+        queue_s: time in the coordinator before the call to the serving worker started (routing
+            and earlier failed attempts; not the worker's prefill).
+        translate_s: cross-tokenizer (UAG) drafts only: time translating between vocabularies.
+        migrations: times the coordinator moved the request to another worker mid-stream; after
+            one, the times and speculative counts are the last worker's, the token counts the
+            request's.
     """
 
     prompt_tokens: int
@@ -54,6 +69,7 @@ class GenerationStats:
 
     @classmethod
     def from_proto(cls, s: common_pb2.GenerationStats) -> "GenerationStats":
+        """The SDK's copy of a `flashfleet.v1.GenerationStats` proto (field for field)."""
         return cls(
             prompt_tokens=s.prompt_tokens, generated_tokens=s.generated_tokens, ttft_s=s.ttft_s,
             tokens_per_s=s.tokens_per_s, total_s=s.total_s, mode=s.mode, cycles=s.cycles,

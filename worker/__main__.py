@@ -144,6 +144,14 @@ def build_engine(a):
 
 
 async def serve(a, engine) -> None:
+    """Serves `engine` with the parsed options `a` (metrics endpoint, gRPC server, registration)
+    until SIGINT/SIGTERM, then drains for up to `a.drain_timeout_s` seconds
+    (`RunningWorker.stop`, which also closes the engine).
+
+    Raises:
+        RuntimeError: the gRPC port could not be bound (`start_worker`).
+        OSError: the metrics port could not be bound.
+    """
     from prometheus_client import CollectorRegistry, start_http_server
 
     from worker.metrics import MachineInfo, WorkerMetrics
@@ -191,6 +199,13 @@ def _restart_with_openblas(argv: list[str] | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m worker`: parses flags, loads the engine, serves until SIGINT/SIGTERM.
+
+    Returns:
+        The exit status: 0 after a clean drain, 2 for a bad config, draft keyword, or a model
+        that cannot be found or loaded, 1 when the server could not start (e.g. the port is in
+        use); argparse exits with 2 itself for bad flags.
+    """
     from flashfleet.config import ConfigError
     from flashfleet.models.drafts import NoShippedDraftError
 

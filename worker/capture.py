@@ -41,7 +41,11 @@ def target_layers(model: nn.Module) -> list:
 
 
 def target_hidden_size(model: nn.Module) -> int:
-    """Hidden size D of an mlx-lm model (from `args.hidden_size`)."""
+    """Hidden size D of an mlx-lm model (from `args.hidden_size`).
+
+    Raises:
+        TypeError: the model has no `args.hidden_size`.
+    """
     args = getattr(model, "args", None)
     d = getattr(args, "hidden_size", None)
     if d is None:
@@ -60,7 +64,12 @@ def _embedding(model: nn.Module) -> nn.Module:
 
 
 def target_vocab_size(model: nn.Module) -> int:
-    """Rows of the target's embedding table (token ids the draft may embed)."""
+    """Rows of the target's embedding table (token ids the draft may embed): `args.vocab_size`,
+    else the embedding weight's first dimension.
+
+    Raises:
+        TypeError: neither is available (no `embed_tokens`).
+    """
     args = getattr(model, "args", None)
     v = getattr(args, "vocab_size", None)
     return int(v) if v is not None else int(_embedding(model).weight.shape[0])

@@ -34,12 +34,15 @@ def generation_request(request: common_pb2.GenerateRequest, prompt_tokens: list[
 
 
 def chunk_response(event: TokenEvent) -> common_pb2.GenerateResponse:
+    """A GenerateResponse carrying one Chunk (text and token ids) of a TokenEvent."""
     return common_pb2.GenerateResponse(
         request_id=event.request_id,
         chunk=common_pb2.Chunk(text=event.text, token_ids=event.token_ids))
 
 
 def stats_proto(s: GenerationStats) -> common_pb2.GenerationStats:
+    """The GenerationStats proto of engine stats (times stay seconds; tau is computed here
+    from the counts). queue_s and migrations are the coordinator's to fill in."""
     return common_pb2.GenerationStats(
         prompt_tokens=s.prompt_tokens, generated_tokens=s.generated_tokens, ttft_s=s.ttft_s,
         tokens_per_s=s.tokens_per_s, total_s=s.total_s, mode=s.mode, cycles=s.cycles,
@@ -50,6 +53,11 @@ def stats_proto(s: GenerationStats) -> common_pb2.GenerationStats:
 
 
 def complete_response(event: DoneEvent, worker_id: str) -> common_pb2.GenerateResponse:
+    """The final GenerateResponse of a request: finish reason, stats and the serving worker.
+
+    Raises:
+        KeyError: a finish_reason other than "stop", "length" or "cancelled".
+    """
     return common_pb2.GenerateResponse(
         request_id=event.request_id,
         complete=common_pb2.Complete(finish_reason=FINISH_REASON_PROTO[event.finish_reason],
@@ -57,11 +65,14 @@ def complete_response(event: DoneEvent, worker_id: str) -> common_pb2.GenerateRe
 
 
 def model_info(m: ModelDescription) -> common_pb2.ModelInfo:
+    """The ModelInfo a worker registers with: name, context limit, draft label and the draft's
+    decode mode (DECODE_MODE_AUTO when there is no draft)."""
     return common_pb2.ModelInfo(name=m.name, max_context_tokens=m.max_context_tokens,
                                 draft=m.draft, draft_mode=DECODE_MODES.get(m.draft_mode or "auto", 0))
 
 
 def load_proto(load: EngineLoad) -> worker_pb2.WorkerLoad:
+    """The WorkerLoad proto of a heartbeat or GetLoad (free_capacity clamped at 0)."""
     return worker_pb2.WorkerLoad(active_sessions=load.active_sessions, capacity=load.capacity,
                                  free_capacity=max(load.capacity - load.active_sessions, 0),
                                  kv_cache_bytes=load.kv_cache_bytes)

@@ -132,6 +132,7 @@ class TextAssembler:
 
     @property
     def stopped(self) -> bool:
+        """True once a stop string was found."""
         return self._stops.stopped
 
     def resume(self, token_ids: Sequence[int], delivered: str) -> str:

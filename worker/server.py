@@ -27,7 +27,13 @@ UNREACHABLE_WARN_EVERY_S = 60.0  # while registration fails, the log says so thi
 
 @dataclass
 class RunningWorker:
-    """A started worker: server, port, and its registration task."""
+    """A started worker: server, bound port, and its registration task.
+
+    Attributes:
+        advertise_address: "host:port" it registers under (the address the coordinator dials).
+        coordinator: "host:port" of the coordinator's Registry, or None when standalone.
+        registered: set while the worker holds a lease (cleared when a heartbeat fails).
+    """
 
     server: grpc.aio.Server
     port: int
@@ -42,7 +48,9 @@ class RunningWorker:
     registered: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def stop(self, grace_s: float = 5.0, close_engine: bool = True) -> None:
-        """NOT_SERVING -> deregister -> let in-flight RPCs finish -> stop the engine thread."""
+        """NOT_SERVING -> deregister -> let in-flight RPCs finish for `grace_s` seconds (then
+        cancel them) -> stop the engine thread (unless `close_engine` is False). A failed
+        deregistration is logged, not raised."""
         await self.health.enter_graceful_shutdown()
         if self._heartbeat_task:
             self._heartbeat_task.cancel()
@@ -81,10 +89,12 @@ async def start_worker(engine: EngineProtocol, worker_id: str, host: str = "127.
         host, port: where to listen (port 0 = a free port).
         coordinator: "host:port" of the coordinator's Registry, or None for a standalone worker.
         advertise_host: host the coordinator should dial (default: host).
+        metrics: optional WorkerMetrics for the servicer.
         tls: flashfleet.config.TLSConfig: serve, and dial the coordinator, over mutual TLS.
 
     Raises:
         RuntimeError: the port could not be bound.
+        flashfleet.config.ConfigError: unreadable or non-PEM TLS files.
     """
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RejectUndecodable()])
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine, worker_id, metrics), server)

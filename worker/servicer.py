@@ -45,6 +45,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.metrics = metrics
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
+        """Tokenizes the request, submits it to the engine and streams a Chunk per TokenEvent,
+        then one Complete (finish reason, stats, this worker's id).
+
+        Unset max_tokens becomes `WORKER_DEFAULT_MAX_TOKENS` capped by the context the prompt
+        leaves (at least 1). The request is aborted in the engine if the stream ends early.
+
+        Aborts the call with:
+            INVALID_ARGUMENT: `validate_request` fails, or the engine's `InvalidRequest`
+                (tokenization, context length, sampling parameters, mode, resume tokens).
+            NOT_FOUND: the request names a model this worker does not serve.
+            RESOURCE_EXHAUSTED: the engine is at capacity (`Overloaded`).
+            UNAVAILABLE: the engine is starting or shutting down (`Draining`).
+            INTERNAL: the request failed on the engine thread after admission (`ErrorEvent`).
+        """
         model = self.engine.model
         try:
             validate_request(request)
@@ -103,9 +117,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 self.engine.abort(request.request_id)
 
     async def Cancel(self, request, context):
+        """Aborts a running request by id; `cancelled` is False when the id is unknown here."""
         return worker_pb2.CancelResponse(cancelled=self.engine.abort(request.request_id))
 
     async def GetLoad(self, request, context):
+        """The engine's current load (sessions, capacity, free capacity, KV cache bytes)."""
         return convert.load_proto(self.engine.load())
 
     def _outcome(self, outcome: str) -> None:

@@ -35,6 +35,7 @@ def prog_name(name: str) -> str:
 
 
 def usage() -> str:
+    """The top-level help text: the usage line and one line per command in COMMANDS."""
     lines = ["usage: flashfleet COMMAND [ARGS...]", "", "commands:"]
     lines += [f"  {name:<12} {help_}" for name, (_, help_) in COMMANDS.items()]
     lines += ["", "flashfleet COMMAND --help shows a command's options."]

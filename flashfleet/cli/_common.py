@@ -5,6 +5,8 @@ import argparse
 
 
 def add_connection_args(p: argparse.ArgumentParser) -> None:
+    """Adds --address (coordinator "host:port") and --config (cluster file whose [tls] section,
+    if any, turns on mutual TLS; see `credentials`) to `p`."""
     p.add_argument("--address", default="127.0.0.1:50051", help="coordinator host:port")
     p.add_argument("--config", default=None, help="cluster config file: its [tls] section makes "
                    "the client use mutual TLS")

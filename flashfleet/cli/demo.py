@@ -25,6 +25,9 @@ def run_prompts(address: str, model: str, prompts: list[dict], max_tokens: int,
 
     Returns:
         One flashfleet.Completion per prompt, in order.
+
+    Raises:
+        RuntimeError: any prompt failed (after all of them finished); the message lists each.
     """
     from flashfleet.client import Client, _accumulate
 
@@ -57,6 +60,8 @@ def run_prompts(address: str, model: str, prompts: list[dict], max_tokens: int,
 
 
 def print_table(prompts: list[dict], results: list, out=sys.stdout) -> None:
+    """Writes one row per prompt to `out`: worker, prompt and generated tokens, TTFT (ms),
+    tokens/s and finish reason. `results` are `run_prompts`' Completions, in prompt order."""
     print(f"\n{'prompt':<30} {'worker':<10} {'prompt tok':>10} {'gen tok':>8} {'TTFT ms':>8} "
           f"{'tok/s':>7}  finish", file=out)
     for p, r in zip(prompts, results):
@@ -66,6 +71,11 @@ def print_table(prompts: list[dict], results: list, out=sys.stdout) -> None:
 
 
 def main(argv: list[str]) -> int:
+    """Runs the demo (fetching the model first when it is not cached).
+
+    Returns:
+        The exit status: 0, or 1 when the cluster failed to start or a prompt failed.
+    """
     p = argparse.ArgumentParser(prog="flashfleet demo", description=__doc__)
     p.add_argument("--model", default=DEFAULT_MODEL, help="model name or local directory")
     p.add_argument("--workers", type=int, default=2)

@@ -94,7 +94,7 @@ def _val_fraction(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``flashfleet draft`` (sub-commands ``train`` and ``eval``)."""
+    """The argument parser of ``flashfleet draft`` (sub-commands ``train``, ``eval`` and ``vocab``)."""
     parser = argparse.ArgumentParser(prog="flashfleet draft", description="Train and evaluate DFlash drafts.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -368,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
 
     Returns:
         0 on success, 2 on bad arguments or inputs (missing files, a draft that does not fit the
-        target, unusable data).
+        target, unusable data), 130 when interrupted (Ctrl-C; a train run can resume), or a
+        multi-process train's own status (1 when a rank failed).
     """
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     from worker.models.dflash_checkpoint import DraftCheckpointError

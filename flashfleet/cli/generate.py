@@ -10,6 +10,12 @@ from flashfleet.errors import FlashfleetError
 
 
 def main(argv: list[str]) -> int:
+    """Streams the answer to stdout, then one summary line (finish reason, worker, token
+    counts, TTFT in ms, tokens/s, and tau and acceptance rate for speculative modes) to stderr.
+
+    Returns:
+        The exit status: 0, 1 on an SDK or config error (printed to stderr), 130 on Ctrl-C.
+    """
     p = argparse.ArgumentParser(prog="flashfleet generate", description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("prompt", help="the user's message (or raw text with --raw)")

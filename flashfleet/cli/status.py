@@ -11,6 +11,12 @@ from flashfleet.types import DECODE_MODE_NAMES
 
 
 def main(argv: list[str]) -> int:
+    """Prints one row per worker (sessions / capacity, KV cache in MiB, requests served,
+    heartbeat age in seconds, live or unreachable) and the count of sessions with affinity.
+
+    Returns:
+        The exit status: 0, or 1 on an SDK or config error (printed to stderr).
+    """
     p = argparse.ArgumentParser(prog="flashfleet status", description=__doc__)
     add_connection_args(p)
     a = p.parse_args(argv)

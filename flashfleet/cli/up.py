@@ -53,6 +53,7 @@ class LocalCluster:
         model: model name (fetched with `flashfleet models fetch`) or a local model directory.
         workers: number of worker processes (>= 1).
         port: coordinator port (0 = a free one).
+        host: address every process binds and advertises (default 127.0.0.1).
         draft: optional draft model (name or directory) loaded beside the target on each worker;
             "dflash": the DFlash draft shipped for the model (each worker resolves it).
         capacity: sessions each worker admits at once.
@@ -64,6 +65,11 @@ class LocalCluster:
             (the first `workers` entries when `workers` is given); addresses stay local.
 
     Use as a context manager; stop() terminates every child (SIGTERM, then SIGKILL after 10 s).
+
+    Raises:
+        ValueError: workers < 1.
+        flashfleet.config.ConfigError: an invalid config file, or fewer [[workers]] entries
+            than `workers`.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, workers: int = 2, port: int = 0,
@@ -95,6 +101,7 @@ class LocalCluster:
 
     @property
     def address(self) -> str:
+        """The coordinator's "host:port"."""
         return f"{self.host}:{self.port}"
 
     def __enter__(self) -> "LocalCluster":
@@ -177,7 +184,8 @@ class LocalCluster:
         raise RuntimeError(f"workers not ready after {timeout_s:.0f} s; see logs in {self.log_dir}")
 
     def check_alive(self) -> None:
-        """Raises RuntimeError (with the log tail) if a child process has exited."""
+        """Raises RuntimeError (with the exit code and the last 2000 characters of its log) if a
+        child process has exited, after stopping every other child."""
         for name, proc in self.procs.items():
             if proc.poll() is not None:
                 tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-2000:]
@@ -264,6 +272,13 @@ def check_model_ref(flag: str, value: str | None) -> None:
 
 
 def main(argv: list[str]) -> int:
+    """Starts the cluster and keeps it up until SIGINT/SIGTERM, the coordinator exits, or
+    every worker has exited (a single worker's exit is reported and the others keep serving).
+
+    Returns:
+        The exit status: 0 after a signal, 1 when start-up failed or the cluster died, 2 for a
+        bad config, model or draft argument.
+    """
     p = argparse.ArgumentParser(prog="flashfleet up", description=__doc__)
     p.add_argument("--config", default=None, help="cluster config file (deploy/cluster.toml): "
                    "one local worker per [[workers]] entry, with its model, draft and capacity; "

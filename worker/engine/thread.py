@@ -113,7 +113,10 @@ class Engine:
     loaded and warm.
 
     Raises:
-        FileNotFoundError: a model directory or its config.json is missing.
+        FileNotFoundError: a model directory or its config.json is missing (or, from the
+            engine thread, its weights).
+        DraftCheckpointError: a DFlash draft checkpoint that cannot be loaded for this target
+            (`worker.models.dflash_checkpoint`).
         ValueError: the model's context length is unknown (set max_context_tokens).
         RuntimeError: loading or warm-up failed on the engine thread (the cause is chained), or
             took longer than load_timeout_s.

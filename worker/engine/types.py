@@ -71,7 +71,14 @@ class GenerationRequest:
 
 @dataclass
 class GenerationStats:
-    """Final statistics of one request (times in seconds)."""
+    """Final statistics of one request (times in seconds).
+
+    Fields as in `flashfleet.types.GenerationStats` (the GenerationStats proto): ttft_s from
+    `Engine.submit` accepting the request; tokens_per_s over the decode phase (tokens after the
+    first step); cycles / drafted_tokens / accepted_tokens count speculative cycles only
+    (accepted excludes the bonus token); accepted_per_position[i] = cycles whose draft token at
+    block position i+1 was accepted.
+    """
 
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -153,7 +160,9 @@ class EngineProtocol(Protocol):
     """What the servicer needs from an engine; tests substitute a fake."""
 
     @property
-    def model(self) -> ModelDescription: ...
+    def model(self) -> ModelDescription:
+        """The served model: name, context limit, draft."""
+        ...
 
     def encode_prompt(self, prompt: str | None, messages: list[dict] | None) -> list[int]:
         """Tokenizes raw text, or renders chat messages with the model's template.
@@ -174,7 +183,9 @@ class EngineProtocol(Protocol):
     def abort(self, request_id: str) -> bool:
         """Cancels a request; it ends with DoneEvent("cancelled"). False when it is unknown."""
 
-    def load(self) -> EngineLoad: ...
+    def load(self) -> EngineLoad:
+        """Current load (sessions, capacity, KV cache bytes); callable from any thread."""
+        ...
 
     def close(self) -> None:
         """Stops the engine thread after the running requests are cancelled, frees MLX memory."""

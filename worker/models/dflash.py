@@ -50,6 +50,9 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int = 5) -> list[
 
     Returns:
         Sorted 0-based layer ids.
+
+    Raises:
+        ValueError: num_target_layers or num_taps < 1.
     """
     L = int(num_target_layers)
     if L < 1 or num_taps < 1:
@@ -125,6 +128,13 @@ class PaddedKVCache(KVCache):
         self.additive_ok = additive_ok
 
     def update_and_fetch(self, keys, values):
+        """Writes keys (B, H, S, Dk) and values (B, H, S, Dv) at positions offset..offset+S-1.
+
+        Returns:
+            (keys, values) to attend over: the exact (B, H, offset+S, D*) slices when S == 1,
+            else the whole buffers (B, H, `key_length(S)`, D*), whose positions past offset+S
+            `make_mask` hides.
+        """
         prev = self.offset
         end = prev + keys.shape[2]
         if self.keys is None:
@@ -158,6 +168,15 @@ class PaddedKVCache(KVCache):
         return size if end <= size else -(-end // self.step) * self.step
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        """The attention mask of N new queries at positions offset..offset+N-1 (mlx-lm's
+        `make_mask` signature; call it before `update_and_fetch`).
+
+        Returns:
+            For N == 1 what mlx-lm's `create_attention_mask` gives (None, or a windowed
+            boolean array with `window_size`); for N > 1 an (N, key_length(N))
+            causal mask, optionally windowed, False/-inf on the padded tail: boolean, or
+            additive in the keys' dtype (see the class docstring).
+        """
         if N == 1:
             return create_attention_mask(N, self.offset, return_array, window_size)
         mask = create_causal_mask(N, self.offset, window_size=window_size)  # (N, offset + N)
@@ -225,19 +244,24 @@ class ModelArgs(BaseModelArgs):
         if "target_layer_ids" not in dc:
             if self.num_target_layers is None:
                 raise ValueError("config has neither dflash_config.target_layer_ids nor num_target_layers")
+            # Older z-lab configs: one tap per draft layer (ids moved into dflash_config later,
+            # /work/shared/research/dflash.md, "Tapped layers").
             dc["target_layer_ids"] = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
 
     @property
     def target_layer_ids(self) -> list[int]:
+        """0-based target layers whose outputs the draft is conditioned on (n_taps of them)."""
         return [int(i) for i in self.dflash_config["target_layer_ids"]]
 
     @property
     def mask_token_id(self) -> Optional[int]:
+        """Target token id filling the block's B-1 positions to draft (None when unset)."""
         m = self.dflash_config.get("mask_token_id")
         return None if m is None else int(m)
 
     @property
     def input_embedding_scale(self) -> float:
+        """Factor applied to the borrowed target embeddings of the block (1.0 by default)."""
         return float(self.dflash_config.get("input_embedding_scale", 1.0))
 
 
@@ -278,7 +302,8 @@ class Attention(nn.Module):
         return self.rope(k, offset=offset), v
 
     def extend(self, ctx: mx.array, cache: KVCache) -> None:
-        """Appends context K/V for ctx (B, S, D) to the cache without running the block."""
+        """Appends context K/V for ctx (B, S, D), the fused context feature, at positions
+        cache.offset..cache.offset+S-1 without running the block."""
         k, v = self._kv(ctx, cache.offset)
         cache.update_and_fetch(k, v)
 
@@ -319,6 +344,12 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm Qwen3-style layer: h = x + attn(norm(x), ctx), out = h + SwiGLU MLP(norm(h)).
+
+    Called as layer(x (B, L, D) block states, ctx (B, S, D) new context feature or None, cache,
+    mask); returns (B, L, D). The cache gains the ctx and block K/V (`Model` trims the block's).
+    """
+
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(args, layer_idx)
@@ -367,14 +398,17 @@ class Model(nn.Module):
 
     @property
     def target_layer_ids(self) -> list[int]:
+        """Tapped target layers (0-based), as in `ModelArgs.target_layer_ids`."""
         return self.args.target_layer_ids
 
     @property
     def mask_token_id(self) -> int:
+        """The MASK token id of the block's draft positions."""
         return self.args.mask_token_id
 
     @property
     def block_size(self) -> int:
+        """B, the trained block size: the last committed token + B-1 drafted tokens."""
         return int(self.args.block_size)
 
     @property

@@ -79,6 +79,9 @@ class CostModel:
             the decayed estimate (whose effective sample is about (1 + decay) / (1 - decay)
             cycles): z was tuned by simulation, not derived. The choice among block sizes uses
             `a` itself.
+
+    Raises:
+        ValueError: prior_acceptance, decay or cost_decay out of range.
     """
 
     def __init__(
@@ -151,6 +154,7 @@ class CostModel:
     # -- estimates -------------------------------------------------------------------------
     @property
     def acceptance_rate(self) -> float:
+        """a = S / (S + F): the decayed maximum-likelihood estimate of per-token acceptance."""
         total = self._succ + self._fail
         return self._succ / total if total > 0 else 0.0
 
@@ -192,7 +196,11 @@ class CostModel:
         return min(1.0, a + self.optimism * (a * (1.0 - a) / n) ** 0.5)
 
     def decide(self, candidates: Sequence[int]) -> Decision:
-        """Best block size among `candidates` (1 = plain); the largest one while nothing is measured."""
+        """Best block size among `candidates` (1 = plain); the largest one while nothing is measured.
+
+        B* maximizes R(B) at the estimated `a`; plain decoding wins when R(B*), evaluated at
+        `acceptance_bound()` when `optimism` is set, is below min_gain * R(1).
+        """
         a = self.acceptance_rate
         plain = self.throughput(1) if 1 in candidates else None
         best, best_r = None, None
@@ -263,6 +271,9 @@ class CostMemory:
 
     Args:
         decay: weight of the old mean, in [0, 1).
+
+    Raises:
+        ValueError: decay out of range.
     """
 
     def __init__(self, decay: float = 0.9):
@@ -327,6 +338,9 @@ class AdaptiveBlockPolicy:
             every cost this policy measures goes into it.
         context_tokens: the session's context when it starts (its prompt, tokens): which of the
             memory's context buckets seeds the costs.
+
+    Raises:
+        ValueError: max_block_size < 1.
 
     Usage:
         bs, timed = policy.next_block_size()

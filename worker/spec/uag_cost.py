@@ -42,6 +42,7 @@ class DecayedLine:
         self.count = 0
 
     def add(self, x: float, y: float) -> None:
+        """Adds the point (x, y) with weight 1, after decaying the older points by `decay`."""
         d = self.decay
         self.w = self.w * d + 1.0
         self.sx = self.sx * d + x
@@ -64,7 +65,15 @@ class DecayedLine:
 
 @dataclass(frozen=True)
 class UagDecision:
-    """Result of `UagCostModel.decide`: k (0 = plain decoding) and the estimates behind it."""
+    """Result of `UagCostModel.decide`: k (0 = plain decoding) and the estimates behind it.
+
+    Attributes:
+        k: draft tokens per round (0 = plain decoding).
+        tokens_per_s: expected R(k) of the best speculative k (None while unmeasured).
+        plain_tokens_per_s: expected R_plain = 1 / V(0) (None while unmeasured).
+        acceptance_rate: the `a` per proposed target token the decision used.
+        fertility: the f (target tokens per draft token) it used.
+    """
 
     k: int
     tokens_per_s: Optional[float]
@@ -81,6 +90,9 @@ class UagCostModel:
         prior_weight: pseudo-rounds behind the prior.
         decay: per-round decay of acceptance counts and of the cost fits, in (0, 1].
         min_gain: speculate only when R(k*) >= min_gain · R_plain.
+
+    Raises:
+        ValueError: prior_acceptance or decay out of range.
     """
 
     def __init__(self, prior_acceptance: float = 0.5, prior_weight: float = 2.0, decay: float = 0.9,
@@ -120,6 +132,7 @@ class UagCostModel:
     # -- estimates -------------------------------------------------------------------------
     @property
     def acceptance_rate(self) -> float:
+        """a = S / (S + F): the decayed estimate of acceptance per proposed target token."""
         total = self._succ + self._fail
         return self._succ / total if total > 0 else 0.0
 
@@ -152,7 +165,8 @@ class UagCostModel:
         return self.expected_tokens(self.fertility * k) / c if c else None
 
     def decide(self, candidates: Sequence[int]) -> UagDecision:
-        """The k of `candidates` (k >= 1) with the highest R(k), or 0 when plain decoding wins."""
+        """The k of `candidates` (k >= 1) with the highest R(k), or 0 when plain decoding wins
+        (R(k*) < min_gain · R_plain); the largest candidate while no k has measured costs."""
         plain = self.throughput(0)
         scored = [(self.throughput(k), k) for k in candidates if k > 0]
         scored = [(r, k) for r, k in scored if r is not None]
@@ -180,6 +194,9 @@ class UagPolicy:
         min_samples: measured rounds per explored setting.
         probe_every: plain rounds between probes.
 
+    Raises:
+        ValueError: max_k < 1.
+
     Usage:
         k = policy.next_k()          # 0 = plain step
         ... run the round ...
@@ -202,6 +219,9 @@ class UagPolicy:
         self.decision: Optional[UagDecision] = None
 
     def next_k(self) -> int:
+        """k for the next round (0 = a plain step): an exploration setting that still lacks
+        `min_samples` measured rounds, else the cost model's choice, or a probe at the best k
+        after `probe_every` plain rounds."""
         for k in self._explore:
             if self._counts.get(k, 0) < self.min_samples:
                 return k
@@ -213,6 +233,9 @@ class UagPolicy:
 
     def observe(self, k: int, proposed: int, accepted: int, draft_s: float, translate_s: float,
                 verify_s: float) -> None:
+        """Feeds one round: k draft tokens (0 for a plain step) that became `proposed` target
+        tokens, `accepted` of them kept, and its measured times in seconds (ignored for the
+        session's first round, the warm-up)."""
         first = self._rounds == 0
         self._rounds += 1
         self._plain_run = self._plain_run + 1 if k == 0 else 0
