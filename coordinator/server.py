@@ -10,7 +10,9 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
+
+from flashfleet.metrics_http import serve_metrics
 
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import CoordinatorMetrics
@@ -128,15 +130,15 @@ async def serve(config: CoordinatorConfig, metrics_port: int | None = None, tls=
         tls: flashfleet.config.TLSConfig for mutual TLS, or None for plaintext.
 
     Raises:
-        RuntimeError: the gRPC port could not be bound (see `start_coordinator`).
+        RuntimeError: the gRPC port or the metrics port could not be bound (see
+            `start_coordinator`, `flashfleet.metrics_http.serve_metrics`).
         flashfleet.config.ConfigError: unreadable or non-PEM TLS files.
-        OSError: the metrics port could not be bound.
     """
     registry = CollectorRegistry()
-    running = await start_coordinator(config, registry, tls)
-    if metrics_port is not None:
-        start_http_server(metrics_port, addr=config.host, registry=registry)
+    if metrics_port is not None:  # before the gRPC port: a failure here leaves nothing to stop
+        serve_metrics(metrics_port, config.host, registry)
         log.info("metrics on http://%s:%d/metrics", config.host, metrics_port)
+    running = await start_coordinator(config, registry, tls)
     log.info("coordinator listening on %s:%d", config.host, running.port)
     print(f"coordinator ready on {config.host}:{running.port}", flush=True)
     stop = asyncio.Event()

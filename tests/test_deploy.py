@@ -268,6 +268,60 @@ def test_up_refuses_a_busy_port_before_starting_anything(tmp_path):
         assert port_is_free("::1", free6) and port_is_free("[::1]", free6)
 
 
+def test_up_stops_when_asked_during_start_up(tiny_models, tmp_path):
+    """Ctrl-C while the workers load (`should_stop` true) stops every child at once and raises
+    StartupCancelled, instead of waiting for the cluster to be ready or for the timeout."""
+    from flashfleet.cli.up import LocalCluster, StartupCancelled
+
+    cluster = LocalCluster(model=str(tiny_models.llama), workers=1, log_dir=tmp_path)
+    children, polls = [], []
+
+    def should_stop() -> bool:
+        polls.append(time.monotonic())
+        children.extend(cluster.procs.values())
+        return len(polls) >= 2
+
+    started = time.monotonic()
+    with pytest.raises(StartupCancelled, match="before the cluster was ready"):
+        cluster.start(timeout_s=120, should_stop=should_stop)
+    assert time.monotonic() - started < 30 and cluster.procs == {}
+    assert len({id(c) for c in children}) == 2 and all(c.poll() is not None for c in children)
+
+
+def test_up_refuses_a_config_without_workers(tmp_path, capsys):
+    from flashfleet.cli.up import LocalCluster
+    from flashfleet.cli.up import main as up_main
+
+    path = tmp_path / "coordinator-only.toml"
+    path.write_text("[coordinator]\nport = 50051\n")
+    with pytest.raises(ConfigError, match=r"has no \[\[workers\]\] entries"):
+        LocalCluster(config=path, workers=0)
+    assert up_main(["--config", str(path)]) == 2
+    assert "has no [[workers]] entries" in capsys.readouterr().err
+
+
+def test_a_busy_metrics_port_is_a_one_line_error(tiny_models, capsys):
+    """Coordinator and worker alike: exit 1 and a line naming --metrics-port, no traceback, and
+    the coordinator's gRPC port is not left bound."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        from flashfleet.cli.up import free_port
+
+        grpc_port = free_port()
+        assert coordinator_main.main(["--port", str(grpc_port), "--metrics-port", str(port)]) == 1
+        err = capsys.readouterr().err
+        assert f"cannot serve metrics on 127.0.0.1:{port}" in err and "--metrics-port" in err
+        assert "Traceback" not in err
+        with socket.socket() as probe:  # nothing was left listening on the gRPC port
+            probe.bind(("127.0.0.1", grpc_port))
+        assert worker_main.main(["--model", str(tiny_models.llama), "--port", "0",
+                                 "--metrics-port", str(port), "--coordinator", "127.0.0.1:1"]) == 1
+        err = capsys.readouterr().err
+        assert f"cannot serve metrics on 127.0.0.1:{port}" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("text, message", [
     ("[coordinater]\nport = 1\n", "unknown top-level key 'coordinater'"),
     ("[coordinator]\nport = \"50051\"\n", r"\[coordinator\] port must be int, got '50051'"),

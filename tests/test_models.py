@@ -275,6 +275,21 @@ def test_unpermute_inverts_llama_cpp_permute():
         np.testing.assert_array_equal(unpermute_qk(permute_qk(bias, n_head), n_head), bias)
 
 
+def test_bfloat16_storage_rounds_to_nearest_even_and_keeps_nan_and_inf():
+    import mlx.core as mx
+
+    from flashfleet.models.safetensors_stream import to_dtype_array
+
+    x = np.array([1.0, -2.5, 3.14159, 1e-30, 65504.0, np.inf, -np.inf, 1 + 2**-8, 1 + 3 * 2**-8],
+                 dtype=np.float32)
+    want = np.array(mx.array(x).astype(mx.bfloat16).view(mx.uint16))  # MLX's own rounding
+    assert to_dtype_array(x, "bfloat16").tolist() == want.tolist()
+    # NaNs whose mantissa would carry into the exponent and sign when rounded stay NaN.
+    nans = np.array([0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000, 0x7F800001], dtype=np.uint32).view(np.float32)
+    bits = to_dtype_array(nans, "bfloat16").astype(np.uint32) << 16
+    assert np.isnan(bits.view(np.float32)).all()
+
+
 def test_tensor_names():
     assert hf_tensor_name("blk.3.attn_q.weight", "llama") == "model.layers.3.self_attn.q_proj.weight"
     assert hf_tensor_name("blk.0.ffn_norm.weight", "qwen2") == "model.layers.0.post_attention_layernorm.weight"

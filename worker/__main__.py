@@ -149,10 +149,12 @@ async def serve(a, engine) -> None:
     (`RunningWorker.stop`, which also closes the engine).
 
     Raises:
-        RuntimeError: the gRPC port could not be bound (`start_worker`).
-        OSError: the metrics port could not be bound.
+        RuntimeError: the gRPC port or the metrics port could not be bound (`start_worker`,
+            `flashfleet.metrics_http.serve_metrics`).
     """
-    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client import CollectorRegistry
+
+    from flashfleet.metrics_http import serve_metrics
 
     from worker.metrics import MachineInfo, WorkerMetrics
     from worker.server import start_worker
@@ -163,7 +165,7 @@ async def serve(a, engine) -> None:
     if getattr(a, "load_seconds", None) is not None:
         metrics.model_load_seconds.labels(model=engine.model.name).set(a.load_seconds)
     if a.metrics_port:
-        start_http_server(a.metrics_port, addr=a.host, registry=registry)
+        serve_metrics(a.metrics_port, a.host, registry)
     running = await start_worker(engine, a.worker_id, a.host, a.port, a.coordinator,
                                  a.advertise_host, metrics, getattr(a, "tls", None))
     m = engine.model

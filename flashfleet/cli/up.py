@@ -68,8 +68,8 @@ class LocalCluster:
 
     Raises:
         ValueError: workers < 1.
-        flashfleet.config.ConfigError: an invalid config file, or fewer [[workers]] entries
-            than `workers`.
+        flashfleet.config.ConfigError: an invalid config file, one with no [[workers]]
+            entries, or fewer entries than `workers`.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, workers: int = 2, port: int = 0,
@@ -81,6 +81,9 @@ class LocalCluster:
             from flashfleet.config import ConfigError, load_cluster_config
 
             cfg = load_cluster_config(config)
+            if not cfg.workers:  # a coordinator host's file: nothing for `up` to start
+                raise ConfigError(f"{config} has no [[workers]] entries: `flashfleet up --config` "
+                                  "starts one local worker per entry")
             if workers > len(cfg.workers):
                 raise ConfigError(f"{config} has {len(cfg.workers)} [[workers]] entries, "
                                   f"{workers} requested")
@@ -119,10 +122,17 @@ class LocalCluster:
                                             stderr=subprocess.STDOUT, env=env,
                                             start_new_session=True)
 
-    def start(self, timeout_s: float = 600.0, progress=print) -> None:
+    def start(self, timeout_s: float = 600.0, progress=print, should_stop=lambda: False) -> None:
         """Starts every process and waits until all workers have registered.
 
+        Args:
+            timeout_s: how long the workers have to load their models and register (seconds).
+            progress: called with each progress line (str).
+            should_stop: polled while waiting (every 0.3 s or so): True stops every child and
+                raises `StartupCancelled` (how `flashfleet up` honours Ctrl-C during start-up).
+
         Raises:
+            StartupCancelled: should_stop() became True before the cluster was ready.
             RuntimeError: the coordinator's address is in use (nothing is started then), a
                 process exited during start-up (its log's tail is in the message), or the workers
                 were not all registered within timeout_s.
@@ -155,9 +165,9 @@ class LocalCluster:
         models = ", ".join(dict.fromkeys(self.models))
         progress(f"coordinator {self.address}; {self.n_workers} worker(s) loading {models} "
                  f"(logs in {self.log_dir})")
-        self._wait_ready(timeout_s, progress)
+        self._wait_ready(timeout_s, progress, should_stop)
 
-    def _wait_ready(self, timeout_s: float, progress) -> None:
+    def _wait_ready(self, timeout_s: float, progress, should_stop) -> None:
         from flashfleet.client import Client
         from flashfleet.errors import FlashfleetError
 
@@ -166,6 +176,9 @@ class LocalCluster:
 
         with Client(self.address, credentials=credentials(self.config)) as client:
             while time.monotonic() < deadline:
+                if should_stop():
+                    self.stop()
+                    raise StartupCancelled("stopped before the cluster was ready")
                 self.check_alive()
                 try:
                     status = client.cluster_status(timeout_s=2)
@@ -217,6 +230,11 @@ class LocalCluster:
                     proc.kill()
                     proc.wait()
         self.procs.clear()
+
+
+class StartupCancelled(RuntimeError):
+    """`LocalCluster.start` was asked to stop (Ctrl-C) before every worker had registered; every
+    child process has been stopped."""
 
 
 def check_shipped_drafts(cfg, workers: int, model: str | None, draft: str | None) -> None:
@@ -335,7 +353,10 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        cluster.start(progress=lambda m: print(m, flush=True))
+        cluster.start(progress=lambda m: print(m, flush=True), should_stop=lambda: stop["now"])
+    except StartupCancelled as e:
+        print(f"flashfleet up: {e}", file=sys.stderr)
+        return 0
     except RuntimeError as e:
         print(f"flashfleet up: {e}", file=sys.stderr)
         return 1

@@ -43,6 +43,11 @@ def to_dtype_array(array: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "bfloat16":
         bits = array.view(np.uint32)
         rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+        # Rounding a NaN's mantissa can carry into the sign and exponent (0x7FFFFFFF -> -0.0):
+        # keep a NaN a (quiet) NaN instead.
+        nan = np.isnan(array)
+        if nan.any():
+            rounded = np.where(nan, (bits >> np.uint32(16)) | np.uint32(0x0040), rounded)
         return rounded.astype("<u2")
     raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
 
