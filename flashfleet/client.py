@@ -3,11 +3,14 @@
 Both speak flashfleet.v1.Coordinator, put an explicit deadline on every call, stream typed
 dataclasses (flashfleet.types; list_models and cluster_status return the response protos, whose
 fields are documented in protos/flashfleet/v1/coordinator.proto) and raise typed exceptions (flashfleet.errors) that keep the gRPC
-status code and the server's message. Breaking out of a `generate` loop cancels the RPC, which
+status code and the server's message. A `generate` generator that is closed early (a `for` loop
+left while it held the only reference, or `.close()` / `await .aclose()`) cancels the RPC, which
 frees the worker.
 """
 from __future__ import annotations
 
+import asyncio
+import numbers
 from typing import AsyncIterator, Iterable, Iterator, Mapping
 
 import grpc
@@ -22,17 +25,25 @@ DEFAULT_GENERATE_TIMEOUT_S = 600.0
 DEFAULT_CONTROL_TIMEOUT_S = 10.0
 
 
+# gRPC's deadline arithmetic overflows far below float's range (1e12 s ends a call at once).
+MAX_TIMEOUT_S = 1e8  # about three years
+
+
 def _deadline(timeout_s: float | None, default_s: float) -> float:
     """The call's deadline in seconds: timeout_s, or the client's default when None.
 
     Raises:
-        InvalidArgument: timeout_s <= 0.
+        InvalidArgument: timeout_s is not a number of seconds in (0, MAX_TIMEOUT_S] (nan, 0,
+            negative, inf, or so large that gRPC would end the call at once).
     """
     if timeout_s is None:
         return default_s
-    if not timeout_s > 0:
-        raise InvalidArgument(f"timeout_s must be > 0 seconds, got {timeout_s}")
-    return timeout_s
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real):
+        raise InvalidArgument(f"timeout_s must be a number of seconds, got {timeout_s!r}")
+    if not 0 < timeout_s <= MAX_TIMEOUT_S:
+        raise InvalidArgument(f"timeout_s must be > 0 and at most {MAX_TIMEOUT_S:.0e} seconds, "
+                              f"got {timeout_s}")
+    return float(timeout_s)
 
 
 def _to_chunk(resp: common_pb2.GenerateResponse) -> Chunk:
@@ -74,7 +85,7 @@ class Client:
         self._channel = (grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
                          if credentials else grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
-        self.timeout_s = timeout_s
+        self.timeout_s = _deadline(timeout_s, DEFAULT_GENERATE_TIMEOUT_S)
 
     def __enter__(self) -> "Client":
         return self
@@ -150,7 +161,7 @@ class Client:
         """
         try:
             return list(self._stub.ListModels(coordinator_pb2.ListModelsRequest(),
-                                              timeout=timeout_s).models)
+                                              timeout=_deadline(timeout_s, timeout_s)).models)
         except grpc.RpcError as e:
             raise from_rpc_error(e, self._secure) from None
 
@@ -165,7 +176,7 @@ class Client:
         """
         try:
             return self._stub.GetClusterStatus(coordinator_pb2.GetClusterStatusRequest(),
-                                               timeout=timeout_s)
+                                               timeout=_deadline(timeout_s, timeout_s))
         except grpc.RpcError as e:
             raise from_rpc_error(e, self._secure) from None
 
@@ -180,12 +191,26 @@ class AsyncClient:
 
     def __init__(self, address: str, timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S,
                  credentials: grpc.ChannelCredentials | None = None):
+        self._address, self._credentials = address, credentials
         self._secure = credentials is not None
-        self._channel = (grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
-                         if credentials else
-                         grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))
-        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
-        self.timeout_s = timeout_s
+        self.timeout_s = _deadline(timeout_s, DEFAULT_GENERATE_TIMEOUT_S)
+        # Made on first use, inside the event loop that runs the calls: a grpc.aio channel
+        # belongs to the loop it was made in, and a client may be built before asyncio.run().
+        self._channel: grpc.aio.Channel | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def _stub(self) -> coordinator_pb2_grpc.CoordinatorStub:
+        loop = asyncio.get_running_loop()
+        if self._channel is None:
+            self._channel = (grpc.aio.secure_channel(self._address, self._credentials, options=CHANNEL_OPTIONS)
+                             if self._credentials else
+                             grpc.aio.insecure_channel(self._address, options=CHANNEL_OPTIONS))
+            self._stub_cache, self._loop = coordinator_pb2_grpc.CoordinatorStub(self._channel), loop
+        elif loop is not self._loop:
+            raise RuntimeError("this AsyncClient is bound to the event loop of its first call; make "
+                               "one AsyncClient per event loop (e.g. inside each asyncio.run)")
+        return self._stub_cache
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -194,8 +219,11 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        """Closes the channel; calls still running on it are cancelled."""
-        await self._channel.close()
+        """Closes the channel; calls still running on it are cancelled. The client can be used
+        again afterwards (a new channel is made on the next call)."""
+        if self._channel is not None:
+            channel, self._channel = self._channel, None
+            await channel.close()
 
     async def generate(self, model: str, prompt: str | None = None, *,
                        timeout_s: float | None = None, **kwargs) -> AsyncIterator[Chunk]:
@@ -217,7 +245,8 @@ class AsyncClient:
     async def list_models(self, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> list[coordinator_pb2.ServedModel]:
         """See Client.list_models."""
         try:
-            resp = await self._stub.ListModels(coordinator_pb2.ListModelsRequest(), timeout=timeout_s)
+            resp = await self._stub.ListModels(coordinator_pb2.ListModelsRequest(),
+                                               timeout=_deadline(timeout_s, timeout_s))
         except grpc.RpcError as e:
             raise from_rpc_error(e, self._secure) from None
         return list(resp.models)
@@ -226,6 +255,6 @@ class AsyncClient:
         """See Client.cluster_status."""
         try:
             return await self._stub.GetClusterStatus(coordinator_pb2.GetClusterStatusRequest(),
-                                                     timeout=timeout_s)
+                                                     timeout=_deadline(timeout_s, timeout_s))
         except grpc.RpcError as e:
             raise from_rpc_error(e, self._secure) from None

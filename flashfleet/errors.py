@@ -96,10 +96,17 @@ def from_rpc_error(error: grpc.RpcError, secure: bool | None = None) -> Flashfle
 
 
 def _tls_hint(details: str, secure: bool) -> str:
-    if "handshake failed" in details.lower():
+    text = details.lower()
+    if "hostname verification" in text:
+        return (" (TLS: the server's certificate does not name the host dialled: dial a name its "
+                "certificate carries (subjectAltName, e.g. localhost), or reissue it for this one)")
+    if "handshake failed" in text:
         return (" (TLS handshake failed: the server may not serve TLS, or its certificate is not signed "
                 "by the CA of this client's [tls] ca_file, or does not name the address dialled)")
-    if "socket closed" in details.lower():
+    # Only gRPC's own report of a connection that closed before any call ran: a server's message
+    # that quotes one (the coordinator relaying a worker lost mid-stream) is not a TLS problem.
+    if "socket closed" in text and (text.startswith("socket closed") or
+                                    text.startswith("failed to connect to all addresses")):
         return (" (the server closed the connection: it may require mutual TLS and a client "
                 "certificate signed by the cluster CA; check cert_file and key_file of [tls])" if secure
                 else " (the server closed the connection: if the cluster serves TLS, connect with its "

@@ -262,6 +262,46 @@ def test_async_client(cluster):
     assert models[0].info.name == "fake-model"
 
 
+def test_async_client_made_before_the_loop_runs(cluster):
+    """A client built at import time works in asyncio.run; a second loop gets a clear error, and
+    after close() the client works in a new loop."""
+    client = AsyncClient(cluster.address)
+
+    async def one():
+        return (await client.complete("fake-model", prompt="z", max_tokens=2)).text
+
+    assert asyncio.run(one())
+    with pytest.raises(RuntimeError, match="one AsyncClient per event loop"):
+        asyncio.run(one())
+
+    async def closed_then_again():
+        await client.close()
+
+    asyncio.run(closed_then_again())
+    assert asyncio.run(one())
+
+
+def test_tls_hints_only_where_tls_can_be_the_cause():
+    from flashfleet.errors import from_rpc_error
+
+    class Failed(grpc.RpcError):
+        def __init__(self, details):
+            self._details = details
+
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self):
+            return self._details
+
+    assert "if the cluster serves TLS" in from_rpc_error(Failed("Socket closed"), False).details
+    # The coordinator relaying a worker lost mid-stream: a working connection, no TLS hint.
+    relayed = "worker w1 failed after 5 tokens (UNAVAILABLE): Stream removed (Socket closed)"
+    assert from_rpc_error(Failed(relayed), False).details == relayed
+    wrong_name = from_rpc_error(Failed("Hostname Verification Check failed."), True).details
+    assert "does not name the host dialled" in wrong_name
+
+
 def test_worker_health_and_reflection(cluster):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     for address in (cluster.address, cluster.workers[0].advertise_address):
@@ -313,6 +353,10 @@ def test_deregistered_worker_is_marked_down_and_forgets_sessions():
     (dict(messages=[{"role": "user", "content": "x\udfff"}]), "messages[0].content"),
     (dict(prompt="a " * 2_500_000), "4 MiB"),
     (dict(prompt="hi", timeout_s=0), "timeout_s"),
+    (dict(prompt="hi", timeout_s=float("nan")), "timeout_s"),
+    (dict(prompt="hi", timeout_s=float("inf")), "timeout_s"),  # gRPC would end it at once
+    (dict(prompt="hi", timeout_s=1e12), "at most"),
+    (dict(prompt="hi", timeout_s="5"), "number of seconds"),
 ])
 def test_sdk_rejects_values_it_cannot_send(cluster, kwargs, fragment):
     with Client(cluster.address) as client:
@@ -339,7 +383,7 @@ def test_worker_shutdown_mid_stream_ends_the_clients_stream_promptly():
             fut.result(10)
         c.workers.clear()
         assert elapsed < 10, f"client waited {elapsed:.1f} s"
-        assert "worker w1 failed after" in err.value.details
+        assert "worker w1 failed after" in err.value.details and "TLS" not in err.value.details
     finally:
         c.close()
 
