@@ -9,6 +9,7 @@ import sys
 
 from coordinator.config import CoordinatorConfig, settings_problems
 from flashfleet.cli import prog_name
+from flashfleet.config import tcp_port
 
 # Built-in defaults; a --config file's values come before them, command-line flags before both.
 DEFAULTS = {"host": "127.0.0.1", "port": 50051, "lease_ttl_s": 10.0, "heartbeat_interval_s": 2.0,
@@ -28,9 +29,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "deploy/cluster.toml); flags override its values")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; 0.0.0.0 "
                    "for a LAN)")
-    p.add_argument("--port", type=int, default=None, help="gRPC port (default 50051; 0 = any "
+    p.add_argument("--port", type=tcp_port, default=None, help="gRPC port (default 50051; 0 = any "
                    "free port)")
-    p.add_argument("--metrics-port", type=int, default=None,
+    p.add_argument("--metrics-port", type=tcp_port, default=None,
                    help="Prometheus /metrics port (omit or 0: no endpoint)")
     p.add_argument("--lease-ttl-s", type=float, default=None, help="default 10")
     p.add_argument("--heartbeat-interval-s", type=float, default=None, help="default 2")

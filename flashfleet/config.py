@@ -374,6 +374,27 @@ def _check(cfg: ClusterConfig) -> None:
             raise ConfigError(f"{p}: {label} = {port} is not a TCP port")
 
 
+def tcp_port(text: str) -> int:
+    """argparse `type=` for port flags: the same range a config file's ports must keep.
+
+    Returns:
+        The port, 0..65535 (0: any free port; for a metrics port, off).
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, or outside 0..65535 (gRPC and the metrics
+            server would otherwise wrap it around or fail with a traceback).
+    """
+    import argparse
+
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (0..65535)")
+    return port
+
+
 def _build(cls, table, path: Path, where: str):
     """Builds dataclass `cls` from a TOML table, checking keys and value types."""
     if not isinstance(table, dict):

@@ -243,6 +243,22 @@ def test_out_of_range_worker_flags_are_errors(capsys, flags):
     assert flags[0] in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag, value", [("--port", "99999"), ("--port", "-1"), ("--metrics-port", "70000"),
+                                         ("--port", "abc")])
+def test_port_flags_outside_the_tcp_range_are_errors(capsys, flag, value):
+    """gRPC wraps an out-of-range port around (99999 bound 34463) and the metrics server fails
+    with a traceback: every port flag is checked as a config file's ports are."""
+    from flashfleet.cli.up import main as up_main
+
+    for parse in (coordinator_main.parse_args, lambda argv: worker_main.parse_args(["--model", "m", *argv]),
+                  up_main):
+        with pytest.raises(SystemExit) as exit_:
+            parse([flag, value])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument {flag}:" in err and ("is not a TCP port" in err or "is not a port number" in err)
+
+
 def test_up_refuses_a_busy_port_before_starting_anything(tmp_path):
     """With a listener already on the port, `LocalCluster.start` says so and spawns nothing (the
     workers would otherwise register with the other process, and the cluster look ready)."""

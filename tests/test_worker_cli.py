@@ -114,3 +114,30 @@ def test_a_worker_started_by_hand_restarts_itself_with_openblas(monkeypatch):
     monkeypatch.setattr(blas, "openblas_env", lambda: None)  # nothing to preload: no restart
     monkeypatch.setattr(sys, "argv", ["/usr/bin/flashfleet", "worker"])
     assert cli.main(["--model", missing]) == 2 and len(calls) == 1
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--model", "nope"], "neither a local model directory nor a catalog model"),
+    (["--workers", "0"], "--workers must be >= 1"),
+    (["--max-tokens", "0"], "--max-tokens must be >= 1"),
+])
+def test_demo_refuses_bad_arguments_before_fetching_or_starting(argv, fragment, capsys, monkeypatch):
+    import flashfleet.cli.demo as demo
+    import flashfleet.models as models
+
+    monkeypatch.setattr(models, "fetch_model", lambda *a, **k: pytest.fail("fetched"))
+    monkeypatch.setattr(demo, "LocalCluster", lambda *a, **k: pytest.fail("started a cluster"))
+    try:
+        code = demo.main(argv)
+    except SystemExit as e:  # argparse's own error exit
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "Traceback" not in err
+
+
+def test_demo_with_a_directory_that_is_not_a_model(tmp_path, capsys):
+    from flashfleet.cli.demo import main as demo_main
+
+    assert demo_main(["--model", str(tmp_path)]) == 2
+    assert "not a model directory" in capsys.readouterr().err

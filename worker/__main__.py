@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from flashfleet.cli import INVOKED_AS, prog_name
+from flashfleet.config import tcp_port
 
 # Built-in defaults; a --config file's values come before them, command-line flags before both.
 DEFAULTS = {"model_name": "", "num_draft_tokens": 3, "capacity": 4, "host": "127.0.0.1",
@@ -68,10 +69,10 @@ def parse_args(argv):
     p.add_argument("--max-context-tokens", type=int, default=None)
     p.add_argument("--coordinator", default=None, help="coordinator host:port (omit: standalone)")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="gRPC port (default 0 = any free port)")
+    p.add_argument("--port", type=tcp_port, default=None, help="gRPC port (default 0 = any free port)")
     p.add_argument("--advertise-host", default=None, help="host the coordinator dials")
     p.add_argument("--worker-id", default=None, help="id in the fleet (default: hostname)")
-    p.add_argument("--metrics-port", type=int, default=None,
+    p.add_argument("--metrics-port", type=tcp_port, default=None,
                    help="Prometheus /metrics port (omit or 0: no endpoint)")
     p.add_argument("--chip", default=None, help="Apple chip for the peak-bandwidth table, e.g. "
                    "'M4 Pro' (default: detected on macOS)")

@@ -9,8 +9,9 @@ import sys
 import threading
 import time
 from importlib import resources
+from pathlib import Path
 
-from flashfleet.cli.up import DEFAULT_MODEL, LocalCluster
+from flashfleet.cli.up import DEFAULT_MODEL, LocalCluster, check_model_ref
 
 
 def load_prompts() -> list[dict]:
@@ -74,20 +75,33 @@ def main(argv: list[str]) -> int:
     """Runs the demo (fetching the model first when it is not cached).
 
     Returns:
-        The exit status: 0, or 1 when the cluster failed to start or a prompt failed.
+        The exit status: 0, 1 when the cluster failed to start or a prompt failed, 2 for a
+        model that is neither a catalog name nor a model directory, or one that cannot be
+        fetched (argparse exits with 2 itself for bad flags).
     """
-    p = argparse.ArgumentParser(prog="flashfleet demo", description=__doc__)
+    p = argparse.ArgumentParser(prog="flashfleet demo", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=DEFAULT_MODEL, help="model name or local directory")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--workers", type=int, default=2, help="local workers to start")
+    p.add_argument("--max-tokens", type=int, default=96, help="tokens to generate per prompt")
     a = p.parse_args(argv)
-    from flashfleet.models import resolve_model, fetch_model
+    for flag in ("workers", "max_tokens"):  # before any process starts
+        if getattr(a, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")
+    from flashfleet.models import fetch_model, resolve_model
 
     try:
-        resolve_model(a.model)
-    except FileNotFoundError:
-        print(f"fetching {a.model} (once; cached for later runs)...", flush=True)
-        fetch_model(a.model)
+        check_model_ref("--model", a.model)
+        try:
+            resolve_model(a.model)
+        except FileNotFoundError:
+            if Path(a.model).expanduser().is_dir():  # a directory, not a catalog name: nothing to fetch
+                raise
+            print(f"fetching {a.model} (once; cached for later runs)...", flush=True)
+            fetch_model(a.model)
+    except (OSError, ValueError, RuntimeError) as e:
+        print(f"flashfleet demo: {e}", file=sys.stderr)
+        return 2
     prompts = load_prompts()
     t0 = time.monotonic()
     try:

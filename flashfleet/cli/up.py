@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from flashfleet.blas import openblas_env
+from flashfleet.config import tcp_port
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -306,10 +307,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--draft", default=None, help="draft model (name or directory) for speculative "
                    "decoding; 'dflash': the DFlash draft shipped for the model (flashfleet models list)")
     p.add_argument("--workers", type=int, default=None, help="default 2, or every config entry")
-    p.add_argument("--port", type=int, default=None, help="coordinator port (default 50051)")
+    p.add_argument("--port", type=tcp_port, default=None, help="coordinator port (default 50051)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--capacity", type=int, default=None, help="sessions per worker (default 4)")
-    p.add_argument("--metrics-port", type=int, default=None,
+    p.add_argument("--metrics-port", type=tcp_port, default=None,
                    help="coordinator /metrics port; worker i gets this + i")
     p.add_argument("--log-dir", default=None)
     a = p.parse_args(argv)
