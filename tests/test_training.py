@@ -1023,6 +1023,21 @@ def test_cli_train_init_from_continues_a_saved_draft(tmp_path, tiny_models):
                  "--init-from", str(first), "--mask-token-id", "7"]) == 2
 
 
+def test_cli_train_init_from_another_targets_draft_fails_before_any_work(tmp_path, tiny_models, capsys,
+                                                                         monkeypatch):
+    """A draft made for another target (here the shipped 0.5B one: hidden 896 against 64) is refused
+    by the preflight, before the target generates data (it used to fail after)."""
+    from flashfleet.cli.draft_cmd import main
+    import worker.training.train as train_mod
+
+    monkeypatch.setattr(train_mod, "train_draft", lambda *a, **k: pytest.fail("training started"))
+    shipped = Path(__file__).resolve().parents[1] / "flashfleet" / "drafts" / "Qwen2.5-Coder-0.5B-Instruct"
+    files = _write_prompts(tmp_path)
+    assert main(["train", "--target", str(tiny_models.llama), "--prompts", *map(str, files),
+                 "--out", str(tmp_path / "d"), "--init-from", str(shipped), "--quiet"]) == 2
+    assert "draft hidden_size 896 != target hidden size 64" in capsys.readouterr().err
+
+
 def test_cli_train_with_a_draft_vocabulary_saves_resumes_and_continues_it(tmp_path, tiny_models, capsys):
     """--draft-vocab K: the saved draft proposes from the K most frequent answer tokens (the
     card says how much of the data they cover), a resumed run keeps them, a resumed run asked

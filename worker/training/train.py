@@ -938,18 +938,41 @@ def _check_grown_size(cfg: TrainConfig, spec: DraftSpec, target, bytes_per_param
                                "raise the budget or ask for less")
 
 
+def _target_config(target_path: Path) -> dict:
+    """The target's config.json (a multimodal one's text_config merged in), or {} when it cannot
+    be read (the loader reports that itself)."""
+    try:
+        c = json.loads((target_path / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {**c.get("text_config", {}), **c} if isinstance(c, dict) else {}
+
+
+def _check_init_against_target(cfg: TrainConfig, draft_config: dict, target_path: Path) -> None:
+    """An --init-from draft made for another target (hidden size, a tap past its last layer, a
+    mask id outside its vocabulary) fails before the target answers any prompt, as `draft eval`
+    does, instead of after data generation."""
+    t = _target_config(target_path)
+    hidden, layers, vocab = (t.get(k) for k in ("hidden_size", "num_hidden_layers", "vocab_size"))
+    d = draft_config["dflash_config"]
+    if hidden is not None and int(draft_config["hidden_size"]) != hidden:
+        raise TrainConfigError(f"--init-from {cfg.init_from}: draft hidden_size {draft_config['hidden_size']} "
+                               f"!= target hidden size {hidden}: that draft belongs to another target")
+    bad = [i for i in d["target_layer_ids"] if layers is not None and not 0 <= int(i) < layers]
+    if bad:
+        raise TrainConfigError(f"--init-from {cfg.init_from}: taps {bad} are past the target's {layers} layers")
+    if vocab is not None and not 0 <= int(d["mask_token_id"]) < vocab:
+        raise TrainConfigError(f"--init-from {cfg.init_from}: mask_token_id {d['mask_token_id']} is outside "
+                               f"the target's vocabulary ({vocab} rows)")
+
+
 def _check_taps_and_mask(cfg: TrainConfig, target_path: Path) -> None:
     """Explicit --target-layer-ids and --mask-token-id against the target's config.json, before
     any weights load or the target answers a prompt (a tap past the last layer used to fail only
     when the draft was built, after data generation)."""
     if not (cfg.target_layer_ids or cfg.mask_token_id is not None):
         return
-    try:
-        c = json.loads((target_path / "config.json").read_text())
-    except (OSError, ValueError):
-        return  # the loader reports an unreadable config itself
-    c = {**c.get("text_config", {}), **c}
-    layers, vocab = c.get("num_hidden_layers"), c.get("vocab_size")
+    layers, vocab = (_target_config(target_path).get(k) for k in ("num_hidden_layers", "vocab_size"))
     bad = [i for i in cfg.target_layer_ids or () if layers is not None and not 0 <= i < layers]
     if bad:
         raise TrainConfigError(f"--target-layer-ids {bad} out of range: the target has {layers} layers "
@@ -971,7 +994,8 @@ def preflight(cfg: TrainConfig) -> None:
     continues its checkpoint or `overwrite` is set;
     `--synthetic-prompts` inputs (`data.check_synthetic_inputs`, reading only the tokenizer);
     `--extra-data` directories (complete caches of this target: `extra_data.check_extra_data`);
-    an --init-from directory is a DFlash draft whose shape agrees with explicit shape options.
+    an --init-from directory is a DFlash draft made for this target (hidden size, taps, mask id
+    against its config.json) whose shape agrees with explicit shape options.
     Checkpoint compatibility is still checked by the ranks (it needs the data key).
 
     Raises:
@@ -1016,10 +1040,12 @@ def preflight(cfg: TrainConfig) -> None:
             d = c["dflash_config"]
             spec = DraftSpec(int(c["num_hidden_layers"]), int(c.get("block_size", cfg.block_size)),
                              list(d["target_layer_ids"]), int(d["mask_token_id"]), int(c["intermediate_size"]))
+            int(c["hidden_size"])
         except DraftCheckpointError as e:
             raise TrainConfigError(f"--init-from: {e}") from e
         except (KeyError, TypeError, ValueError) as e:
             raise TrainConfigError(f"--init-from {cfg.init_from}: not a DFlash draft config ({e!r} missing or bad)") from e
+        _check_init_against_target(cfg, c, path)
         _grown_init_shape(cfg, spec)
 
 
