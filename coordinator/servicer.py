@@ -246,6 +246,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             self._migrated(request.model, "aborted")
             progress.attempted()
             return None
+        try:  # said first, so the source counts the request as migrated, not cancelled by its client
+            await self.pool.stub(source.address).Cancel(
+                worker_pb2.CancelRequest(request_id=request.request_id, reason="migrated"), timeout=1.0)
+        except grpc.aio.AioRpcError as e:
+            log.info("cancel of %s on %s before its move: %s (the stream is dropped anyway)",
+                     request.request_id, source.worker_id, e.code().name)
         source_call.cancel()  # the client has exactly progress.token_ids: nothing lost, nothing repeated
         self._release(source)  # served_requests counts the request once, on the worker that ends it
         if source.in_flight == 0 and not any(w.address == source.address for w in self.registry.live()):

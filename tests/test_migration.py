@@ -144,6 +144,11 @@ def test_a_shared_session_moves_to_the_idle_worker_without_losing_a_token(two_wo
     assert results[stayed].worker_id == src.worker_id and results[stayed].stats.migrations == 0
     m = cluster.coordinator.metrics.migrations
     assert m.labels(model="tiny-llama", outcome="ok")._value.get() == 1
+    # The source worker counts the moved request as migrated, not as cancelled by a client.
+    src_metrics = cluster.worker_metrics[[w.worker_id for w in cluster.workers].index(src.worker_id)]
+    outcomes = {o: src_metrics.requests.labels(model="tiny-llama", outcome=o)._value.get()
+                for o in ("migrated", "cancelled")}
+    assert outcomes == {"migrated": 1, "cancelled": 0}, outcomes
     assert all(w.in_flight == 0 for w in cluster.coordinator.registry.live())  # every slot released
     assert sum(w.served_requests for w in cluster.coordinator.registry.live()) == 2  # each request once
 

@@ -9,6 +9,7 @@ error) aborts its request in `finally`, which frees the engine's slot and KV cac
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 
@@ -22,6 +23,7 @@ from worker.engine.types import (DoneEvent, Draining, EngineProtocol, ErrorEvent
                                  Overloaded, TokenEvent)
 
 log = logging.getLogger("flashfleet.worker")
+MIGRATED = "migrated"  # CancelRequest.reason of a stream the coordinator moved to another worker
 
 ENGINE_ERROR_CODES = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
@@ -43,6 +45,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.engine = engine
         self.worker_id = worker_id
         self.metrics = metrics
+        # Request ids the coordinator cancelled to move them elsewhere (Cancel reason "migrated").
+        self._migrated: set[str] = set()
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
         """Tokenizes the request, submits it to the engine and streams a Chunk per TokenEvent,
@@ -78,6 +82,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if metrics is not None and isinstance(event, DoneEvent):
                 # Recorded here, not in the handler: a request whose client left still ends with
                 # DoneEvent("cancelled") and its tokens count.
+                moved = event.request_id in self._migrated
+                self._migrated.discard(event.request_id)
+                if moved and event.finish_reason == "cancelled":
+                    event = dataclasses.replace(event, finish_reason="migrated")
                 metrics.observe_request(model.name, event)
             try:
                 loop.call_soon_threadsafe(events.put_nowait, event)
@@ -117,8 +125,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 self.engine.abort(request.request_id)
 
     async def Cancel(self, request, context):
-        """Aborts a running request by id; `cancelled` is False when the id is unknown here."""
-        return worker_pb2.CancelResponse(cancelled=self.engine.abort(request.request_id))
+        """Aborts a running request by id; `cancelled` is False when the id is unknown here.
+        reason "migrated" (the coordinator, before it drops a moved stream) counts the request's
+        end as outcome "migrated" rather than "cancelled"."""
+        if request.reason == MIGRATED:
+            self._migrated.add(request.request_id)
+        cancelled = self.engine.abort(request.request_id)
+        if not cancelled:
+            self._migrated.discard(request.request_id)
+        return worker_pb2.CancelResponse(cancelled=cancelled)
 
     async def GetLoad(self, request, context):
         """The engine's current load (sessions, capacity, free capacity, KV cache bytes)."""

@@ -68,10 +68,12 @@ class DeregisterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class CancelRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "reason")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    reason: str
+    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class CancelResponse(_message.Message):
     __slots__ = ("cancelled",)
