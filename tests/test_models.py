@@ -290,6 +290,17 @@ def test_bfloat16_storage_rounds_to_nearest_even_and_keeps_nan_and_inf():
     assert np.isnan(bits.view(np.float32)).all()
 
 
+def test_unknown_names_get_the_closest_catalog_name():
+    from flashfleet.models.catalog import close_match_hint
+
+    assert close_match_hint("smollm2") == " (did you mean 'SmolLM2-135M-Instruct'?)"
+    assert close_match_hint("SmolLM2-135M-Instrct") == " (did you mean 'SmolLM2-135M-Instruct'?)"
+    assert "'Qwen2.5-Coder-0.5B-Instruct', 'Qwen2.5-Coder-1.5B-Instruct'" in close_match_hint("qwen2.5-coder")
+    assert close_match_hint("mistral-7b-v0.3") == ""
+    with pytest.raises(UnknownModelError, match=r"unknown model 'smollm2' \(did you mean 'SmolLM2-135M-Instruct'"):
+        get_spec("smollm2")
+
+
 def test_tensor_names():
     assert hf_tensor_name("blk.3.attn_q.weight", "llama") == "model.layers.3.self_attn.q_proj.weight"
     assert hf_tensor_name("blk.0.ffn_norm.weight", "qwen2") == "model.layers.0.post_attention_layernorm.weight"

@@ -1038,6 +1038,28 @@ def test_cli_train_init_from_another_targets_draft_fails_before_any_work(tmp_pat
     assert "draft hidden_size 896 != target hidden size 64" in capsys.readouterr().err
 
 
+def test_cli_eval_takes_the_dflash_keyword(tmp_path, tiny_models, capsys, monkeypatch):
+    """`draft eval --draft dflash` evaluates the draft shipped for --target, as `worker` and `up`
+    resolve it; a target without one is a one-line error before it loads."""
+    from mlx_lm import load
+
+    import flashfleet.models.drafts as drafts
+    from flashfleet.cli.draft_cmd import main
+    from worker.models.dflash_checkpoint import save_dflash_draft
+
+    files = _write_prompts(tmp_path)
+    common = ["eval", "--target", str(tiny_models.llama), "--draft", "dflash", "--prompts", str(files[0]),
+              "--max-new-tokens", "4", "--max-prompts-per-file", "1", "--quiet", "--json"]
+    assert main(common) == 2
+    assert "no DFlash draft ships for model" in capsys.readouterr().err
+    target, _ = load(str(tiny_models.llama))
+    shipped = tmp_path / "shipped"
+    save_dflash_draft(init_dflash_draft(target, num_layers=1, block_size=4, seed=1, dtype=mx.float32), shipped)
+    monkeypatch.setattr(drafts, "shipped_draft_dir", lambda model: shipped)
+    assert main(common) == 0
+    assert json.loads(capsys.readouterr().out)["all"]["prompts"] == 1
+
+
 def test_cli_train_with_a_draft_vocabulary_saves_resumes_and_continues_it(tmp_path, tiny_models, capsys):
     """--draft-vocab K: the saved draft proposes from the K most frequent answer tokens (the
     card says how much of the data they cover), a resumed run keeps them, a resumed run asked

@@ -47,6 +47,17 @@ def test_draft_directory_without_weights_is_a_clear_error(tmp_path, tiny_models)
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
+@pytest.mark.parametrize("text, fragment", [("{bad", "is not valid JSON"), ("[1, 2]", "must hold a JSON object")])
+def test_a_malformed_draft_config_names_the_file(tmp_path, tiny_models, text, fragment):
+    draft = tmp_path / "broken-draft"
+    draft.mkdir()
+    (draft / "config.json").write_text(text)
+    proc = subprocess.run([sys.executable, "-m", "worker", "--model", str(tiny_models.llama), "--draft", str(draft),
+                           "--port", "0"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert f"{draft / 'config.json'} {fragment}" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_fuse_projections_flag_reaches_the_engine_config(tiny_models, monkeypatch):
     import worker.__main__ as cli
     import worker.engine.thread as thread

@@ -170,7 +170,8 @@ async def serve(a, engine) -> None:
     running = await start_worker(engine, a.worker_id, a.host, a.port, a.coordinator,
                                  a.advertise_host, metrics, getattr(a, "tls", None))
     m = engine.model
-    draft = f" with {m.draft_mode} draft {m.draft}" if m.draft else ""
+    kinds = {"draft": "draft model", "dflash": "DFlash draft", "uag": "cross-tokenizer draft"}
+    draft = f" with {kinds.get(m.draft_mode, m.draft_mode + ' draft')} {m.draft}" if m.draft else ""
     print(f"worker {a.worker_id} serving {m.name}{draft} on {running.advertise_address}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

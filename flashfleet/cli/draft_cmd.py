@@ -235,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = commands.add_parser("eval", help="acceptance length tau of a draft on prompt files",
                             formatter_class=_Help)
     e.add_argument("--target", required=True, help="target model directory or fetched catalog name")
-    e.add_argument("--draft", required=True, help="DFlash draft directory")
+    e.add_argument("--draft", required=True,
+                   help="DFlash draft directory, or 'dflash': the draft shipped for --target")
     e.add_argument("--prompts", required=True, nargs="+", metavar="FILE")
     e.add_argument("--heldout-only", action="store_true",
                    help="only the held-out split `train` uses: give the same --heldout-* and "
@@ -254,7 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     v = commands.add_parser("vocab", help="give a draft a vocabulary: the K most frequent tokens of answers",
                             formatter_class=_Help)
     v.add_argument("--target", required=True, help="target model directory or fetched catalog name")
-    v.add_argument("--draft", required=True, help="DFlash draft directory")
+    v.add_argument("--draft", required=True,
+                   help="DFlash draft directory, or 'dflash': the draft shipped for --target")
     v.add_argument("--data", required=True, nargs="+", metavar="TRAIN_JSONL",
                    help="data caches of the target's answers (`train` writes WORK/data/train.jsonl; .xz read too)")
     v.add_argument("--size", required=True, type=_at_least(0), metavar="K", help="tokens kept (0: the whole head)")
@@ -306,9 +308,12 @@ def _eval(args) -> int:
     from worker.training.evaluate import evaluate_tau
     from worker.training.train import load_target, resolve_dtype, resolve_target
 
+    from flashfleet.models.drafts import resolve_draft_arg
+
+    draft_dir = resolve_draft_arg(args.draft, args.target)  # before the target loads
     dtype = resolve_dtype(args.dtype)
     target, tokenizer = load_target(resolve_target(args.target), dtype)
-    draft = load_dflash_draft(args.draft, target, dtype=dtype)
+    draft = load_dflash_draft(draft_dir, target, dtype=dtype)
     prompts = read_prompt_files(args.prompts, args.max_prompts_per_file)
     if args.heldout_only:
         prompts = split_heldout(prompts, args.heldout_per_corpus, args.heldout_fraction)[1]
@@ -338,8 +343,11 @@ def _vocab(args) -> int:
     from worker.training.extra_data import training_file_rows
     from worker.training.train import load_target, resolve_dtype, resolve_target
 
+    from flashfleet.models.drafts import resolve_draft_arg
+
+    draft_dir = resolve_draft_arg(args.draft, args.target)
     target, tokenizer = load_target(resolve_target(args.target), resolve_dtype("auto"))
-    draft = load_dflash_draft(args.draft, target)
+    draft = load_dflash_draft(draft_dir, target)
     V = int(draft.args.vocab_size or target.args.vocab_size)
     responses = []
     for f in map(Path, args.data):
@@ -372,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         multi-process train's own status (1 when a rank failed).
     """
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    from flashfleet.models.drafts import NoShippedDraftError
     from worker.models.dflash_checkpoint import DraftCheckpointError
     from worker.training.data import DataError
     from worker.training.defaults import DraftSizeError
@@ -388,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             return _train_processes(args, list(sys.argv[1:] if argv is None else argv))
         return {"train": _train, "eval": _eval, "vocab": _vocab}[args.command](args)
     except (FileNotFoundError, NotADirectoryError, DataError, DraftSizeError, TrainConfigError,
-            DraftCheckpointError) as e:
+            DraftCheckpointError, NoShippedDraftError) as e:
         print(f"flashfleet draft: {e}", file=sys.stderr)
         return 2
     except TrainingInterrupted as e:

@@ -20,17 +20,25 @@ def main(argv: list[str]) -> int:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("prompt", help="the user's message (or raw text with --raw)")
     add_connection_args(p)
-    p.add_argument("--model", default="SmolLM2-135M-Instruct")
+    # "%(default).0s" prints nothing: it stops the formatter adding "(default: None)" to flags
+    # whose unset value the help text explains.
+    p.add_argument("--model", default="SmolLM2-135M-Instruct", help="served model name (flashfleet status)")
     p.add_argument("--raw", action="store_true", help="send the prompt as raw text, no chat template")
-    p.add_argument("--system", default=None, help="system message")
+    p.add_argument("--system", default=None, help="system message%(default).0s")
     p.add_argument("--max-tokens", type=int, default=None,
-                   help="most tokens to generate (default: 256, capped by the context the prompt leaves)")
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[])
-    p.add_argument("--session-id", default="")
-    p.add_argument("--mode", default="auto", choices=["auto", "plain", "draft", "dflash", "uag"])
+                   help="most tokens to generate (unset: 256, capped by the context the prompt leaves)%(default).0s")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature (0 or unset: greedy, the target's own output)%(default).0s")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling: keep the smallest set of tokens whose probability reaches this, "
+                        "in (0, 1] (unset: 1)%(default).0s")
+    p.add_argument("--seed", type=int, default=None,
+                   help="makes sampling reproducible (unset: a fresh random seed)%(default).0s")
+    p.add_argument("--stop", action="append", default=[],
+                   help="end the answer before this string (repeat for several)%(default).0s")
+    p.add_argument("--session-id", default="", help="requests of one session go to the same worker")
+    p.add_argument("--mode", default="auto", choices=["auto", "plain", "draft", "dflash", "uag"],
+                   help="decoding mode: auto uses the worker's draft, plain none")
     p.add_argument("--timeout-s", type=float, default=600.0, help="deadline of the whole answer, seconds")
     a = p.parse_args(argv)
     from flashfleet.client import Client

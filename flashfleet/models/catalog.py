@@ -152,11 +152,19 @@ def known_names() -> list[str]:
 
 
 def close_match_hint(name: str) -> str:
-    """`" (did you mean 'X'?)"` for the catalog name closest to a misspelt `name`, else ""."""
+    """`" (did you mean 'X'?)"` for the catalog name closest to a misspelt or shortened `name`
+    (case ignored; a unique prefix such as "smollm2" counts), else ""."""
     import difflib
 
-    close = difflib.get_close_matches(name, list(CATALOG), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    lowered = {n.lower(): n for n in CATALOG}
+    key = name.strip().lower()
+    starts = [n for low, n in lowered.items() if key and low.startswith(key)]
+    if len(starts) == 1:
+        return f" (did you mean {starts[0]!r}?)"
+    if starts:
+        return f" (did you mean one of {', '.join(map(repr, starts))}?)"
+    close = difflib.get_close_matches(key, list(lowered), n=1)
+    return f" (did you mean {lowered[close[0]]!r}?)" if close else ""
 
 
 def get_spec(name: str) -> ModelSpec:
@@ -177,4 +185,5 @@ def get_spec(name: str) -> ModelSpec:
     folded = {known.lower(): known for known in CATALOG}
     if name.lower() in folded:
         return CATALOG[folded[name.lower()]]
-    raise UnknownModelError(f"unknown model {name!r}; known models: {', '.join(known_names())}")
+    raise UnknownModelError(f"unknown model {name!r}{close_match_hint(name)}; known models: "
+                            f"{', '.join(known_names())}")

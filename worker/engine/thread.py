@@ -541,13 +541,24 @@ def _safe_emit(emit: EmitFn, event: Any) -> None:
 
 
 def _read_model_config(path: Path, what: str) -> dict:
-    """Reads `path/config.json`, raising FileNotFoundError with a clear message when absent."""
+    """Reads `path/config.json`.
+
+    Raises:
+        FileNotFoundError: the directory or its config.json is missing.
+        ValueError: config.json is not a JSON object (the message names the file).
+    """
     if not path.is_dir():
         raise FileNotFoundError(f"{what} directory {path} does not exist")
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{what} directory {path} has no config.json (not an mlx-lm model directory)")
-    return json.loads(cfg_file.read_text())
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{what} {cfg_file} is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{what} {cfg_file} must hold a JSON object, got {type(cfg).__name__}")
+    return cfg
 
 
 def _check_messages(messages: Any) -> None:
