@@ -595,7 +595,7 @@ def test_up_names_every_model_of_the_config_and_ignores_the_working_directory(tm
     path.write_text('[[models]]\nname = "a"\n[[models]]\nname = "b"\n'
                     '[[workers]]\nid = "w-a"\nmodel = "a"\n[[workers]]\nid = "w-b"\nmodel = "b"\n')
     spawned, said = [], []
-    monkeypatch.setattr(up.LocalCluster, "_wait_ready", lambda self, timeout_s, progress: None)
+    monkeypatch.setattr(up.LocalCluster, "_wait_ready", lambda self, timeout_s, progress, should_stop: None)
     monkeypatch.setattr(up.subprocess, "Popen", lambda argv, **kw: spawned.append(argv))
     up.LocalCluster(config=path, port=1, log_dir=tmp_path / "logs").start(progress=said.append)
     monkeypatch.undo()  # subprocess.Popen is the real one again

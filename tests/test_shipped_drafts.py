@@ -245,7 +245,7 @@ def test_up_passes_the_keyword_to_each_worker(drafts, tmp_path, monkeypatch):
 
     spawned = []
     monkeypatch.setattr(up.LocalCluster, "_spawn", lambda self, name, args, env=None: spawned.append(args))
-    monkeypatch.setattr(up.LocalCluster, "_wait_ready", lambda self, timeout_s, progress: None)
+    monkeypatch.setattr(up.LocalCluster, "_wait_ready", lambda self, timeout_s, progress, should_stop: None)
     up.LocalCluster(SMOL, workers=2, port=1, draft="dflash", log_dir=tmp_path).start(progress=lambda m: None)
     workers = [args for args in spawned if args[0] == "worker"]
     assert len(workers) == 2
