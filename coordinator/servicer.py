@@ -252,6 +252,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         except grpc.aio.AioRpcError as e:
             log.info("cancel of %s on %s before its move: %s (the stream is dropped anyway)",
                      request.request_id, source.worker_id, e.code().name)
+        except BaseException:  # the client left meanwhile: the destination's call goes too
+            self._release(dest)
+            call.cancel()
+            raise
         source_call.cancel()  # the client has exactly progress.token_ids: nothing lost, nothing repeated
         self._release(source)  # served_requests counts the request once, on the worker that ends it
         if source.in_flight == 0 and not any(w.address == source.address for w in self.registry.live()):

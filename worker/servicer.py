@@ -24,6 +24,8 @@ from worker.engine.types import (DoneEvent, Draining, EngineProtocol, ErrorEvent
 
 log = logging.getLogger("flashfleet.worker")
 MIGRATED = "migrated"  # CancelRequest.reason of a stream the coordinator moved to another worker
+MOVED_WAIT_S = 10.0  # how long a moved stream's handler waits for the coordinator's cancel
+_MOVED = object()  # queued instead of the DoneEvent of a request cancelled for a migration
 
 ENGINE_ERROR_CODES = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
@@ -79,14 +81,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         metrics = self.metrics
 
         def emit(event) -> None:  # engine thread
-            if metrics is not None and isinstance(event, DoneEvent):
-                # Recorded here, not in the handler: a request whose client left still ends with
-                # DoneEvent("cancelled") and its tokens count.
+            if isinstance(event, DoneEvent):
                 moved = event.request_id in self._migrated
-                self._migrated.discard(event.request_id)
-                if moved and event.finish_reason == "cancelled":
-                    event = dataclasses.replace(event, finish_reason="migrated")
-                metrics.observe_request(model.name, event)
+                self._migrated.discard(event.request_id)  # with or without metrics: no id is kept
+                if metrics is not None:
+                    # Recorded here, not in the handler: a request whose client left still ends
+                    # with DoneEvent("cancelled") and its tokens count.
+                    metrics.observe_request(model.name, dataclasses.replace(event, finish_reason="migrated")
+                                            if moved and event.finish_reason == "cancelled" else event)
+                if moved:  # the coordinator drops this stream now: write nothing more on it
+                    event = _MOVED
             try:
                 loop.call_soon_threadsafe(events.put_nowait, event)
             except RuntimeError:  # loop closed during shutdown: nobody is listening
@@ -107,6 +111,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             while True:
                 event = await events.get()
+                if event is _MOVED:
+                    # A final message or status raced with the coordinator's cancel of the call
+                    # (grpc logs an ExecuteBatchError then); wait for that cancel instead.
+                    finished = True
+                    await asyncio.sleep(MOVED_WAIT_S)
+                    return
                 if isinstance(event, TokenEvent):
                     yield convert.chunk_response(event)
                 elif isinstance(event, DoneEvent):
