@@ -370,8 +370,13 @@ def _check(cfg: ClusterConfig) -> None:
     ports += [(f"worker {w.id!r} {k}", getattr(w, k)) for w in cfg.workers
               for k in ("port", "metrics_port")]
     for label, port in ports:
-        if port is not None and not 0 <= port <= 65535:
+        if port is not None and not is_tcp_port(port):
             raise ConfigError(f"{p}: {label} = {port} is not a TCP port")
+
+
+def is_tcp_port(port: int) -> bool:
+    """Whether `port` is 0..65535 (0: any free port; for a metrics port, off)."""
+    return 0 <= port <= 65535
 
 
 def tcp_port(text: str) -> int:
@@ -390,7 +395,7 @@ def tcp_port(text: str) -> int:
         port = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= port <= 65535:
+    if not is_tcp_port(port):
         raise argparse.ArgumentTypeError(f"{port} is not a TCP port (0..65535)")
     return port
 
