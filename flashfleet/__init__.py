@@ -6,20 +6,42 @@ This package is the light client side (SDK + CLI); it never imports MLX.
     with Client("localhost:50051") as client:
         for chunk in client.generate("SmolLM2-135M-Instruct", prompt="Hello"):
             print(chunk.text, end="")
-"""
-from flashfleet.errors import (
-    Cancelled,
-    DeadlineExceeded,
-    FlashfleetError,
-    InvalidArgument,
-    ModelNotFound,
-    Overloaded,
-    Unavailable,
-)
-from flashfleet.types import Chunk, Completion, GenerationStats
-from flashfleet.client import AsyncClient, Client
 
-__all__ = [
-    "AsyncClient", "Client", "Chunk", "Completion", "GenerationStats", "FlashfleetError",
-    "InvalidArgument", "ModelNotFound", "Overloaded", "Unavailable", "DeadlineExceeded", "Cancelled",
-]
+The SDK's names load on first use (PEP 562), so ``flashfleet.models`` and ``flashfleet draft``
+(training on a GPU machine) do not import grpcio and its generated stubs.
+"""
+from __future__ import annotations
+
+import importlib
+
+# name -> module that defines it
+_EXPORTS = {
+    "AsyncClient": "flashfleet.client",
+    "Client": "flashfleet.client",
+    "Chunk": "flashfleet.types",
+    "Completion": "flashfleet.types",
+    "GenerationStats": "flashfleet.types",
+    "FlashfleetError": "flashfleet.errors",
+    "InvalidArgument": "flashfleet.errors",
+    "ModelNotFound": "flashfleet.errors",
+    "Overloaded": "flashfleet.errors",
+    "Unavailable": "flashfleet.errors",
+    "DeadlineExceeded": "flashfleet.errors",
+    "Cancelled": "flashfleet.errors",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    """Load an SDK name on first access; raises AttributeError for any other name."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'flashfleet' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

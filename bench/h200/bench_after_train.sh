@@ -2,7 +2,9 @@
 # On a two-GPU machine, while rank 0 of a data-parallel training job evaluates tau, GPU 1 is free:
 # this waits for the job's log to show the saved draft, then benchmarks it on that GPU against
 # plain decoding (and the drafts in EXTRA_DRAFTS) with bench/bench_dflash.py (with --fuse: ours
-# again on a target with fused projections, worker/fusion.py; FUSE=0 leaves it out). Output:
+# again on a target with fused projections, worker/fusion.py; FUSE=0 leaves it out; with --compile,
+# COMPILE=0 leaves it out: the fused rows again through the compiled forward, and "adapt compiled",
+# the worker's default path; ONLY="A B" passes --only A B). Output:
 # RES/bench/dflash_q15.txt and .json. Meant to run detached (start.sh BENCH_AFTER=1, which on a
 # one-GPU machine sets BENCH_GPU=0 WAIT_FOR="JOB DONE": the benchmark then waits for the whole job,
 # so it does not share the GPU with the evaluation).
@@ -34,7 +36,8 @@ drafts=("$DRAFT"); for d in ${EXTRA_DRAFTS:-}; do [ -f "$d/config.json" ] && dra
 echo "+ bench on GPU $BENCH_GPU from $(date -u +%T)" > "$O/dflash_q15.txt"
 CUDA_VISIBLE_DEVICES=$BENCH_GPU PYTHONUNBUFFERED=1 timeout "${BENCH_S:-420}" python3 bench/bench_dflash.py \
   --target "$TARGET" --dflash-draft "${drafts[@]}" --max-tokens "${MAX_TOKENS:-128}" --prompts "${PROMPTS:-2}" \
-  --cases "${CASES:-/root/cases}" --rounds "${ROUNDS:-1}" --json-out "$O/dflash_q15.json" --adaptive ${POLICY:+--policy $POLICY} $( [ "${FUSE:-1}" = 1 ] && echo --fuse ) 2>&1 | grep -v " done$" >> "$O/dflash_q15.txt"
+  --cases "${CASES:-/root/cases}" --rounds "${ROUNDS:-1}" --json-out "$O/dflash_q15.json" --adaptive ${POLICY:+--policy $POLICY} $( [ "${FUSE:-1}" = 1 ] && echo --fuse ) \
+  $( [ "${FUSE:-1}" = 1 ] && [ "${COMPILE:-1}" = 1 ] && echo --compile ) ${ONLY:+--only $ONLY} 2>&1 | grep -v " done$" >> "$O/dflash_q15.txt"
 rc=${PIPESTATUS[0]}
 # What a verify's masks and taps cost, side by side (forward_queue.txt; FORWARD_QUEUE=0 skips it):
 # the cycle's verify runs over the padded cache with an additive mask; padded-bool is the boolean
