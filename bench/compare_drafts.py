@@ -1,7 +1,8 @@
 """Two drafts' held-out tau side by side, with how sure the difference is (the shipping decision).
 
 Reads two training cards (`training_card.json`, as `flashfleet draft train` writes them; the
-"trained" evaluation of each) of drafts for one target, evaluated on the same held-out prompts,
+"trained" evaluation of each), or the output of `flashfleet draft eval --json` (one evaluation), of
+drafts for one target, evaluated on the same held-out prompts,
 and prints, for all prompts and for the chosen corpora together: each draft's pooled tau with its
 95% bootstrap interval over prompts, and, where both cards hold per-prompt results (cards written
 since 2026-12-02), the paired difference new - old with its interval
@@ -25,9 +26,11 @@ CODE = ("code_requests", "code_tasks", "humaneval")
 
 def _eval(path: str) -> dict:
     card = json.loads(Path(path).read_text())
+    if "per_corpus" in card:  # `draft eval --json`: the evaluation itself
+        return card
     ev = (card.get("eval") or {}).get("trained")
     if not ev:
-        raise ValueError(f"{path}: no 'trained' evaluation in the card")
+        raise ValueError(f"{path}: no 'trained' evaluation in the card (nor a `draft eval --json` result)")
     return ev
 
 

@@ -40,3 +40,17 @@ def test_compare_paired_and_unpaired(tmp_path):
     (tmp_path / "none.json").write_text("{}")
     bad = run_bench("compare_drafts.py", a, tmp_path / "none.json")
     assert bad.returncode == 2 and "no 'trained' evaluation" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_an_eval_json_compares_like_a_card(tmp_path):
+    """`flashfleet draft eval --json` prints the evaluation itself (no card around it): it pairs
+    with a card's, so a shipped draft measured again by hand compares with a new card."""
+    old = [{"corpus": "humaneval", "key": f"h{i}", "cycles": 10, "accepted": 5} for i in range(3)]
+    new = [dict(r, accepted=8) for r in old]
+    card = _card(tmp_path / "new.json", new)
+    bare = tmp_path / "old_eval.json"
+    bare.write_text(json.dumps(json.loads(_card(tmp_path / "old.json", old).read_text())["eval"]["trained"]))
+    out = run_bench("compare_drafts.py", card, bare, "--corpora", "humaneval")
+    assert out.returncode == 0, out.stderr
+    row = next(line for line in out.stdout.splitlines() if line.startswith("| humaneval"))
+    assert "+0.300" in row and "3 shared" in row

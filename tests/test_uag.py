@@ -104,7 +104,10 @@ class ScriptedLM:
             gen = self.v.to_bytes(cache[0].fed[self.prompt_len:])
             nxt = self.miss_id
             if self.text.startswith(gen) and len(gen) < len(self.text) and not miss:
-                out = encode_continuation(self.v, gen or b"\n", self.text[len(gen):])
+                # One context rule for every step ("\n" + the text so far): with only the text, a
+                # SentencePiece dummy prefix can merge the first token with the next ("d" +
+                # "ef" -> "▁def" after a "d" chosen behind "\n"), and the script stalls.
+                out = encode_continuation(self.v, b"\n" + gen, self.text[len(gen):])
                 nxt = out.ids[0] if out.ids else self.miss_id
             logits[0, i, nxt] = 1.0
         return logits

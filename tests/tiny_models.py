@@ -6,7 +6,7 @@ downloading anything: the machines have no model hub. Each model is a real mlx-l
 greedy decoding is deterministic and a forward costs about a millisecond on a CPU.
 
 The tokenizers are trained here with the `tokenizers` library on the project's real text
-(`shared/cases/`, a built-in paragraph when that folder is absent):
+(`shared/cases/` or `$FLASHFLEET_TEST_CASES`, a built-in paragraph when neither exists):
   - `build_bpe_tokenizer`: byte-level BPE (GPT-2 / Qwen style) with ChatML special tokens and a
     ChatML chat template; every model directory uses it.
   - `build_spm_tokenizer`: SentencePiece-style BPE (Metaspace "▁" + <0xNN> byte fallback, the
@@ -18,7 +18,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-CASES_DIR = Path(__file__).parents[2] / "shared" / "cases"
+import os
+
+# The real prompts beside this checkout; FLASHFLEET_TEST_CASES points elsewhere (a copy of the
+# folder on a machine where the checkout travels alone, such as the lent GPU: /root/cases).
+CASES_DIR = Path(os.environ.get("FLASHFLEET_TEST_CASES") or Path(__file__).parents[2] / "shared" / "cases")
 TRAIN_FILES = ("fortunes_pl.jsonl", "dataset_build_pl.jsonl", "enwiki_en.jsonl", "humaneval.jsonl")
 TRAIN_ROWS_PER_FILE = 300
 
