@@ -128,14 +128,15 @@ def read_prompts(tokenizer, n: int, max_prompt_tokens: int, cases: Path, prompt_
     return out
 
 
-def run_steps(gen) -> tuple[list[int], list[tuple[float, int]]]:
-    """Drains a Step generator; returns (tokens, [(time at the end of the cycle, tokens)])."""
+def run_steps(gen) -> tuple[list[int], list[tuple[float, int, int]]]:
+    """Drains a Step generator; returns (tokens, [(time at the end of the cycle, tokens, block
+    size)]), the block size being drafted + 1 (1 for a plain step)."""
     tokens, cycles = [], []
     for s in gen:
         if not s.tokens:  # a prefill chunk (worker.spec.plain.prefill_steps)
             continue
         tokens.extend(s.tokens)
-        cycles.append((time.perf_counter(), len(s.tokens)))
+        cycles.append((time.perf_counter(), len(s.tokens), s.drafted + 1))
     return tokens, cycles
 
 
@@ -168,9 +169,14 @@ class AggregatedRuns(dict):
         for key, rounds in runs.items():
             toks, cyc = sum(r["toks"] for r in rounds), sum(r["cycles"] for r in rounds)
             worst = min(rounds, key=lambda r: r["same"])
+            blocks: dict[int, int] = {}
+            for r in rounds:
+                for b, n in r.get("blocks", {}).items():
+                    blocks[b] = blocks.get(b, 0) + n
             self[key] = dict(tps=statistics.median(r["tps"] for r in rounds), tau=toks / cyc if cyc else 0.0,
                              cycles=cyc, secs=sum(r["secs"] for r in rounds), same=worst["same"],
-                             n=worst["n"], diffs=worst["diffs"], rounds_tps=[r["tps"] for r in rounds])
+                             n=worst["n"], diffs=worst["diffs"], rounds_tps=[r["tps"] for r in rounds],
+                             blocks=dict(sorted(blocks.items(), reverse=True)))
 
     def ratios(self, name: str, corpus: str) -> list[float]:
         """Each round's tok/s over plain mlx-lm's in the same round. A method measured in fewer
@@ -180,11 +186,22 @@ class AggregatedRuns(dict):
         return [r["tps"] / b["tps"] if b["tps"] else 0.0 for r, b in zip(mine, base[len(base) - len(mine):])]
 
 
-def steady_rate(cycles: list[tuple[float, int]]) -> tuple[float, int, float]:
-    """(tokens after the first cycle, number of those cycles, seconds they took)."""
+def steady_rate(cycles: list[tuple]) -> tuple[float, int, float]:
+    """(tokens after the first cycle, number of those cycles, seconds they took); a cycle is
+    (end time, tokens[, block size])."""
     if len(cycles) < 2:
         return 0, 0, 0.0
-    return sum(n for _, n in cycles[1:]), len(cycles) - 1, cycles[-1][0] - cycles[0][0]
+    return sum(c[1] for c in cycles[1:]), len(cycles) - 1, cycles[-1][0] - cycles[0][0]
+
+
+def block_histogram(cycles: list[tuple]) -> dict[int, int]:
+    """Cycles per block size, over the same cycles as `steady_rate` (the first left out); empty
+    for methods whose cycles carry no block size."""
+    out: dict[int, int] = {}
+    for c in cycles[1:]:
+        if len(c) > 2:
+            out[c[2]] = out.get(c[2], 0) + 1
+    return out
 
 
 def first_diff(a: list[int], b: list[int]) -> int | None:
@@ -537,11 +554,13 @@ def main(argv=None) -> int:
     bases = {}  # corpus -> plain mlx-lm's outputs (first round)
 
     def measure(name, fn, corpus, rows):
-        toks, secs, cyc, same, diffs = 0, 0.0, 0, 0, []
+        toks, secs, cyc, same, diffs, blocks = 0, 0.0, 0, 0, [], {}
         for i, pr in enumerate(rows):
             out, cycles = fn(pr)
             n, c, s = steady_rate(cycles)
             toks, cyc, secs = toks + n, cyc + c, secs + s
+            for b, k in block_histogram(cycles).items():
+                blocks[b] = blocks.get(b, 0) + k
             if name == "plain mlx-lm" and len(bases.get(corpus, [])) < len(rows):
                 bases.setdefault(corpus, []).append(out)
             elif name != "plain mlx-lm":
@@ -550,7 +569,8 @@ def main(argv=None) -> int:
                 if d is not None:
                     diffs.append(d)
         runs.setdefault((name, corpus), []).append(dict(tps=toks / secs if secs else 0.0, toks=toks, cycles=cyc,
-                                                        secs=secs, same=same, n=len(rows), diffs=diffs))
+                                                        secs=secs, same=same, n=len(rows), diffs=diffs,
+                                                        blocks=blocks))
         print(f"  {corpus:5s} {name:28s} done", file=sys.stderr, flush=True)
 
     # The first round keeps the listed order (plain mlx-lm first: its outputs are the reference);
@@ -648,6 +668,16 @@ def main(argv=None) -> int:
             rng = "" if args.rounds == 1 else f" {'-':>11s}" if name == "plain mlx-lm" else \
                 f" {min(ratios):5.2f}-{max(ratios):4.2f}x"
             print(f"{corpus:6s} {name:28s} {r['tps']:8.2f} {r['tau']:6.2f} {r['speedup']:7.2f}x{rng}  {same}")
+
+    # What the cost model chose (methods whose block size varies): cycles per block size, 1 = a
+    # plain step; a block shrinks near max_tokens in every method, so fixed ones are left out.
+    for corpus in prompts:
+        for name in methods:
+            b = results[name, corpus]["blocks"]
+            if ("adapt" in name or " pol " in name) and b:
+                total = sum(b.values())
+                sizes = ", ".join(f"{k}: {v}" for k, v in b.items())
+                print(f"blocks {corpus:5s} {name:28s} cycles per block size {sizes} (plain {b.get(1, 0) / total:.0%})")
 
     for name, r in packages.items():
         if r["skipped"]:

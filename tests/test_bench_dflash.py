@@ -40,6 +40,14 @@ def test_rounds_table_and_json(tmp_path, tiny_models):
         assert res["speedup_range"] == pytest.approx([min(paired), max(paired)])
         if method != "plain mlx-lm":  # greedy DFlash and our plain loop reproduce plain greedy output
             assert res["same"] == res["n"] == 1, res
+        # Cycles per block size cover every counted cycle of our methods (B = 4, shrinking near
+        # max_tokens; 1 = a plain step); mlx-lm's cycles carry none.
+        blocks = {int(k): v for k, v in res["blocks"].items()}
+        if method == "plain mlx-lm":
+            assert blocks == {}
+        else:
+            assert sum(blocks.values()) == res["cycles"] and set(blocks) <= {1, 2, 3, 4}, res
+            assert (set(blocks) == {1}) == (method == "ours plain")
 
     bad = _run(*base, "--rounds", 0)
     assert bad.returncode == 2 and "--rounds: at least 1" in bad.stderr and "Traceback" not in bad.stderr
@@ -53,6 +61,8 @@ def test_policy_variants_run_side_by_side(tiny_models):
     names = {line[6:35].strip() for line in r.stdout.splitlines() if line.startswith("code ")}
     assert {"ours dflash random x1", "ours dflash random  adaptive", "random x1 pol 0.95:8",
             "random x1 pol 0.9:8:0:1.5"} <= names, names
+    chosen = [line for line in r.stdout.splitlines() if line.startswith("blocks code ")]
+    assert len(chosen) == 3 and all("cycles per block size" in line and "(plain " in line for line in chosen)
     for line in r.stdout.splitlines():  # lossless under every policy
         if line.startswith("code ") and ("dflash" in line or " pol " in line):
             assert line.rstrip().endswith("1/1"), line
