@@ -91,6 +91,13 @@ def _retryable(exc: BaseException) -> bool:
     return isinstance(exc, _WorkerFailed) and exc.error.code() in RETRYABLE
 
 
+def _full(exc: BaseException | None) -> bool:
+    """A worker refused for capacity: its sessions outnumber this coordinator's streams to it
+    (a cancelled stream's session ends at the worker's next engine turn, not when the coordinator
+    drops the call), so it is full for now, not failed."""
+    return isinstance(exc, _WorkerFailed) and exc.error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     """Public API: routes Generate to a worker and proxies its stream; lists models and status."""
 
@@ -275,14 +282,28 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         """Opens a worker stream and reads its first message, retrying other workers on
         UNAVAILABLE / RESOURCE_EXHAUSTED (bounded attempts, exponential backoff with jitter).
 
+        A worker that answers RESOURCE_EXHAUSTED is full for now, not failed: the next attempt
+        prefers other workers, then tries it again, and such refusals are retried (with the same
+        backoff) until `queue_timeout_s` from the request's arrival, as a request waiting in the
+        admission queue would (with `max_queued` 0, no request waits: `route_attempts` bounds them).
+
         Returns:
             (worker, call, first response, queue_s); the worker's in_flight count includes this
             request; queue_s is the time from t0 until the call to the serving worker was issued
             (routing and earlier failed attempts; the worker's prefill is not included).
         """
         cfg = self.config
+        full_wait_s = cfg.queue_timeout_s if cfg.max_queued > 0 else 0.0
+        bounded = stop_after_attempt(cfg.route_attempts)
+
+        def stop(state) -> bool:
+            if _full(state.outcome.exception()) and time.monotonic() - t0 < full_wait_s:
+                return False
+            return bounded(state)
+
+        refused: set[str] = set()  # workers that said "full": tried again once the others are
         retrying = AsyncRetrying(
-            stop=stop_after_attempt(cfg.route_attempts),
+            stop=stop,
             wait=wait_exponential_jitter(multiplier=cfg.retry_initial_wait_s, max=cfg.retry_max_wait_s),
             retry=retry_if_exception(_retryable), reraise=True)
         last_failure: _WorkerFailed | None = None
@@ -293,8 +314,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 if attempt.retry_state.attempt_number == 1:  # a full fleet: wait for a slot
                     await self.admission.wait_for_room(lambda: self._has_room(request), request.model)
                 try:  # from here to the reservation below nothing awaits: the slot stays ours
-                    worker = route(request.model, request.session_id, self.registry.live(), tried,
-                                   self.router, self.affinity, request.mode)
+                    try:
+                        worker = route(request.model, request.session_id, self.registry.live(), tried | refused,
+                                       self.router, self.affinity, request.mode)
+                    except AllBusy:
+                        if not refused:
+                            raise
+                        worker = route(request.model, request.session_id, self.registry.live(), tried,
+                                       self.router, self.affinity, request.mode)
                 except AllBusy:
                     if last_failure is not None:  # report why the tried workers failed
                         raise last_failure from None
@@ -319,6 +346,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     if e.code() == grpc.StatusCode.UNAVAILABLE:
                         worker.unreachable = True  # until its next heartbeat (coordinator/registry.py)
                     last_failure = _WorkerFailed(worker, e)
+                    if _full(last_failure):
+                        tried.discard(worker.worker_id)
+                        refused.add(worker.worker_id)
                     raise last_failure from None
                 return worker, call, first, queue_s
 

@@ -19,14 +19,17 @@ class FakeEngine:
         capacity: concurrent requests admitted; more raise Overloaded.
         token_delay_s: pause between tokens (to hold sessions open in load tests).
         refuse: raise this error class from submit() (to test retries).
+        abort_delay_s: a cancelled request keeps its slot this long (a real engine frees it at
+            its next turn, after the caller's call has ended).
     """
 
     def __init__(self, name="fake-model", capacity=4, token_delay_s=0.0, refuse=None,
-                 max_context_tokens=4096):
+                 max_context_tokens=4096, abort_delay_s=0.0):
         self.model = ModelDescription(name=name, max_context_tokens=max_context_tokens)
         self.capacity = capacity
         self.token_delay_s = token_delay_s
         self.refuse = refuse
+        self.abort_delay_s = abort_delay_s
         self.active: dict[str, threading.Event] = {}
         self.submitted: list = []
         self.aborted: list[str] = []
@@ -68,6 +71,8 @@ class FakeEngine:
             tok = (base + i) % 100
             emit(TokenEvent(request.request_id, (tok,), f"<{tok}>"))
             n += 1
+        if reason == "cancelled" and self.abort_delay_s:
+            time.sleep(self.abort_delay_s)
         with self._lock:
             self.active.pop(request.request_id, None)
         stats = GenerationStats(prompt_tokens=len(request.prompt_tokens) + len(request.resume_tokens), generated_tokens=n,

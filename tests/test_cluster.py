@@ -635,6 +635,38 @@ def test_a_waiting_request_takes_the_slot_a_finished_stream_frees():
         c.close()
 
 
+def test_a_worker_still_freeing_a_cancelled_slot_is_waited_for_not_reported_full():
+    # The coordinator frees its slot when the holder's call ends; the worker frees it only when
+    # its engine has ended the session (here 3 s later, longer than route_attempts' backoff of at
+    # most 2 x 1 s). Its RESOURCE_EXHAUSTED meanwhile means "full for now": the waiter is served.
+    c = start_cluster({"w1": FakeEngine(capacity=1, token_delay_s=0.05, abort_delay_s=3.0)}, queue_timeout_s=20)
+    try:
+        with Client(c.address) as holder, Client(c.address) as client:
+            held = _hold(holder)
+            out = {}
+            t = _queued(c, lambda: out.setdefault("done", client.complete("fake-model", prompt="w", max_tokens=2)))
+            held.close()
+            t.join(15)
+            assert out["done"].finish_reason == "length" and out["done"].stats.queue_s >= 2.5
+    finally:
+        c.close()
+
+
+def test_a_full_worker_is_refused_after_route_attempts_when_nothing_may_wait():
+    c = start_cluster({"w1": FakeEngine(capacity=1, token_delay_s=0.05, abort_delay_s=5.0)}, max_queued=0)
+    try:
+        with Client(c.address) as holder, Client(c.address) as client:
+            held = _hold(holder)
+            held.close()
+            assert wait_until(lambda: all(w.in_flight == 0 for w in c.coordinator.servicer.registry.live()))
+            t0 = time.monotonic()
+            with pytest.raises(Overloaded, match="capacity 1 reached"):
+                client.complete("fake-model", prompt="x", max_tokens=2)
+            assert time.monotonic() - t0 < 4.0  # route_attempts' backoff only (<= 1 s a wait), no waiting
+    finally:
+        c.close()
+
+
 def test_max_queued_0_refuses_at_once_as_before():
     c = start_cluster({"w1": FakeEngine(capacity=1, token_delay_s=0.05)}, max_queued=0)
     try:
