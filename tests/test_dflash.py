@@ -31,7 +31,7 @@ from worker.models.dflash_checkpoint import (
 from worker.sampling import greedy, make_sampler
 from worker.spec import plain
 from worker.spec.cost_model import AdaptiveBlockPolicy
-from worker.spec.dflash import dflash_generate, make_target_cache
+from worker.spec.dflash import cycle_shapes_seen, dflash_generate, make_target_cache
 
 VOCAB = 256
 PROMPT = [3, 17, 42, 99, 7, 250, 31, 64, 12, 5, 77]
@@ -234,7 +234,8 @@ def test_adaptive_policy_keeps_greedy_output(pair):
 def test_policy_costs_come_from_cycles_run_as_usual(pair):
     """The cost model sees plain steps and speculative cycles with their draft queued ahead; a
     cycle timed apart for the metrics (an extra sync, no draft queued) runs slower than those
-    and must not be fed (on the H200 it made the policy prefer plain decoding at tau 2.3)."""
+    and must not be fed (on the H200 it made the policy prefer plain decoding at tau 2.3), nor
+    is the first cycle of a (block size, buffer lengths) shape in the process (its compiles)."""
     target, draft, ref = pair
     seen = []
 
@@ -251,9 +252,15 @@ def test_policy_costs_come_from_cycles_run_as_usual(pair):
             super().observe(block_size, drafted, accepted, seconds, context_tokens)
 
     contexts = []
+    cycle_shapes_seen(target).clear()  # a fresh process: every shape's first cycle compiles
+    _run(target, draft, 16, policy=Scripted(16))
+    first = list(seen)
+    seen.clear()
+    contexts.clear()
     policy = Scripted(16)
-    steps, out = _run(target, draft, 16, policy=policy)
+    steps, out = _run(target, draft, 16, policy=policy)  # the same shapes again: all built
     assert_greedy_equal(out, ref, target)
+    assert any(sec is None for bs, timed, sec in first if bs == 1 or not timed)  # first of a shape: not fed
     # Each cycle's context is the target's KV cache when it ran: the prompt, then what was committed.
     committed = [len(s.tokens) for s in steps]
     assert contexts == [len(PROMPT) + sum(committed[:i]) - 1 for i in range(1, len(contexts) + 1)]
@@ -582,3 +589,33 @@ def test_seeded_output_does_not_depend_on_the_block_schedule(pair):
                      for t in s.tokens]
     assert outs[1] == outs[4] == outs[16] == outs["plain"], outs
     assert _run(target, draft, 4, sampler=make_sampler(1.0, 0.9, 22))[1] != outs[4]
+
+
+def test_policy_skips_the_first_cycle_of_each_shape_in_the_process(pair):
+    """Each (block size, target buffer, draft buffer) shape's first cycle in the process is not fed
+    to the policy (a new compiled trace, new kernels on CUDA), whichever session runs it; a shape
+    seen before is fed, in this session or a later one."""
+    target, draft, ref = pair
+    shapes = cycle_shapes_seen(target)
+    shapes.clear()
+    tc = make_target_cache(target)
+    seen = []
+
+    class Recording(AdaptiveBlockPolicy):
+        def observe(self, block_size, drafted, accepted, seconds, context_tokens=0):
+            seen.append(((block_size, tc[0].keys.shape[2]), seconds))
+            super().observe(block_size, drafted, accepted, seconds, context_tokens)
+
+    steps, out = _run(target, draft, 16, policy=Recording(16, time_every=0), target_cache=tc)
+    assert_greedy_equal(out, ref, target)
+    firsts = {}
+    for key, sec in seen:
+        firsts.setdefault(key, sec)
+    assert all(sec is None for sec in firsts.values())  # every shape's first cycle: not fed
+    assert any(sec is not None for _, sec in seen)  # repeats are
+    assert {(bs, n) for bs, n, _ in shapes} >= set(firsts)
+    seen.clear()
+    tc = make_target_cache(target)
+    _run(target, draft, 16, policy=Recording(16, time_every=0), target_cache=tc)  # a later session
+    again = [sec for key, sec in seen if key in firsts]
+    assert again and sum(sec is not None for sec in again) > len(again) // 2

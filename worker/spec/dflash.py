@@ -82,6 +82,19 @@ def make_target_cache(target: nn.Module) -> list:
     return cache
 
 
+def cycle_shapes_seen(target) -> set:
+    """(block size, target KV buffer length, draft context buffer length) of every cycle this
+    process has run on `target` under a cost policy (kept on the model object). A shape's first
+    cycle traces a new compiled graph and, on CUDA, compiles its kernels (one attention kernel
+    alone took ~65 ms on the H200, a usual cycle ~10 ms), so `dflash_generate` does not feed its
+    time to the policy."""
+    store = target.__dict__.get("_flashfleet_cycle_shapes")
+    if store is None:
+        store = set()
+        object.__setattr__(target, "_flashfleet_cycle_shapes", store)
+    return store
+
+
 def dflash_generate(
     prompt_tokens: list[int],
     max_tokens: int,
@@ -184,6 +197,11 @@ def dflash_generate(
         # A cycle that grows a cache buffer (a new 256-position bucket) compiles new attention
         # kernels on CUDA (~65 ms): not a cost the policy should plan with.
         return tuple(c.keys.shape[2] if getattr(c, "keys", None) is not None else 0 for c in (tc[0], dc[0]))
+
+    # So does the first cycle of a block size at a buffer length in this process, without growing
+    # anything (another size grew the buffer): a new compiled trace and its kernels. Kept on the
+    # target, so the worker's sessions share what has been built.
+    seen_shapes = cycle_shapes_seen(target) if policy is not None else None
 
     def prefill():
         # All but the last prompt token in chunks (as plain decoding does, for identical numerics),
@@ -292,8 +310,11 @@ def dflash_generate(
             sizes = buffer_sizes() if policy is not None else None
             with mx.stream(stream):
                 step = plain_step(b) if bs == 1 else spec_cycle(b, bs, timed)
-            if policy is not None and (cleared or buffer_sizes() != sizes):
-                cycle_s = None  # a kernel compile or a device sync inside it: not a usual cycle
+            if policy is not None:
+                shape = (bs, *buffer_sizes())
+                if cleared or shape[1:] != sizes or shape not in seen_shapes:
+                    cycle_s = None  # a kernel compile or a device sync inside it: not a usual cycle
+                seen_shapes.add(shape)
     finally:
         # Roll back to the committed sequence: the target keeps n_seq - 1 positions, the draft at
         # most that many (an interrupted cycle may have left rejected or block positions).
