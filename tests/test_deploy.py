@@ -632,3 +632,54 @@ def test_a_closed_pipe_ends_the_cli_quietly():
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1, err.decode()
     assert b"Traceback" not in err and b"BrokenPipeError" not in err
+
+
+class _Child:
+    """A child process stand-in: exits `exits_after_s` after SIGTERM, records how it was stopped."""
+
+    def __init__(self, exits_after_s: float):
+        self.exits_after_s, self.signals, self.killed, self.waits = exits_after_s, [], False, []
+        self.returncode = None
+
+    def poll(self):
+        return self.returncode
+
+    def send_signal(self, sig):
+        self.signals.append(sig)
+
+    def wait(self, timeout=None):
+        self.waits.append(timeout)
+        if self.killed or (timeout is not None and timeout >= self.exits_after_s):
+            self.returncode = -9 if self.killed else 0
+            return self.returncode
+        raise subprocess.TimeoutExpired("child", timeout)
+
+    def kill(self):
+        self.killed = True
+
+
+def test_up_stop_gives_streams_the_workers_drain_time(tmp_path):
+    # Ctrl-C of `up` used to SIGKILL workers 10 s after SIGTERM while they drain for up to 25 s,
+    # cutting answers still streaming; now each group gets its drain time (+5 s) before SIGKILL.
+    import signal
+
+    from flashfleet.cli.up import LocalCluster
+
+    cluster = LocalCluster(workers=1, log_dir=tmp_path)
+    assert cluster.drain_s == (30.0, 30.0)
+    slow_worker, coordinator = _Child(exits_after_s=20.0), _Child(exits_after_s=0.0)
+    cluster.procs = {"worker-1": slow_worker, "coordinator": coordinator}
+    cluster.stop()
+    assert slow_worker.signals == [signal.SIGTERM] and not slow_worker.killed and slow_worker.returncode == 0
+    assert coordinator.signals == [signal.SIGTERM] and cluster.procs == {}
+    hung = _Child(exits_after_s=1e9)
+    cluster.procs = {"worker-1": hung}
+    cluster.stop(grace_s=0.2)  # an explicit grace still bounds the wait
+    assert hung.killed
+    # The drain time follows the worker flag, and a config file's keys.
+    assert LocalCluster(workers=1, log_dir=tmp_path, worker_args=("--drain-timeout", "3")).drain_s[0] == 8.0
+    path = tmp_path / "c.toml"
+    path.write_text((Path(__file__).parents[1] / "deploy" / "cluster.toml").read_text()
+                    .replace("drain_timeout_s = 25.0", "drain_timeout_s = 40.0")
+                    .replace("shutdown_grace_s = 25.0", "shutdown_grace_s = 12.0"))
+    assert LocalCluster(config=path, workers=1, log_dir=tmp_path).drain_s == (45.0, 17.0)

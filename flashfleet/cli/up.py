@@ -65,7 +65,9 @@ class LocalCluster:
             becomes a local worker process reading its model, draft and capacity from the file
             (the first `workers` entries when `workers` is given); addresses stay local.
 
-    Use as a context manager; stop() terminates every child (SIGTERM, then SIGKILL after 10 s).
+    Use as a context manager; stop() terminates every child: SIGTERM, then SIGKILL once a group
+    has had its drain time (`drain_s`: the workers' drain timeout, the coordinator's shutdown
+    grace, each plus 5 s), so answers still streaming finish as a worker stopped by hand would.
 
     Raises:
         ValueError: workers < 1.
@@ -90,7 +92,15 @@ class LocalCluster:
                                   f"{workers} requested")
             self.config, model = Path(config).resolve(), cfg.workers[0].model
             self.worker_ids = [w.id for w in cfg.workers[:workers]]
+            worker_drain = max(w.drain_timeout_s for w in cfg.workers[:workers])
+            coordinator_grace = cfg.coordinator.shutdown_grace_s
             self.models = [w.model for w in cfg.workers[:workers]]
+        else:
+            worker_drain = coordinator_grace = 25.0  # the processes' defaults
+        if "--drain-timeout" in worker_args[:-1]:  # a flag overrides the file
+            worker_drain = float(worker_args[list(worker_args).index("--drain-timeout") + 1])
+        # seconds each group may take to stop before SIGKILL: (workers, coordinator)
+        self.drain_s = (worker_drain + 5.0, coordinator_grace + 5.0)
         if workers < 1:
             raise ValueError("workers must be >= 1")
         self.model, self.n_workers, self.host = model, workers, host
@@ -214,20 +224,28 @@ class LocalCluster:
         return [(n, code, (self.log_dir / f"{n}.log").read_text(errors="replace")[-2000:])
                 for n, code in gone]
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float | None = None) -> None:
         """Stops the workers first (SIGTERM: they deregister and finish in-flight streams),
-        then the coordinator; SIGKILL whatever is left after grace_s per group."""
+        then the coordinator; SIGKILL whatever is left of a group after grace_s (default
+        `drain_s`, per group), or at once on a second Ctrl-C."""
         workers = [p for n, p in self.procs.items() if n != "coordinator"]
         coordinator = [p for n, p in self.procs.items() if n == "coordinator"]
-        for group in (workers, coordinator):
-            for proc in group:
+        graces = (grace_s, grace_s) if grace_s is not None else self.drain_s
+        try:
+            for group, grace in zip((workers, coordinator), graces):
+                for proc in group:
+                    if proc.poll() is None:
+                        proc.send_signal(signal.SIGTERM)
+                deadline = time.monotonic() + grace
+                for proc in group:
+                    try:
+                        proc.wait(max(deadline - time.monotonic(), 0.1))
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait()
+        except KeyboardInterrupt:  # asked twice: no more waiting
+            for proc in workers + coordinator:
                 if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + grace_s
-            for proc in group:
-                try:
-                    proc.wait(max(deadline - time.monotonic(), 0.1))
-                except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
         self.procs.clear()
@@ -379,6 +397,7 @@ def main(argv: list[str]) -> int:
         print(f"flashfleet up: {e}", file=sys.stderr)
         return 1
     finally:
-        print("stopping cluster...", flush=True)
+        print(f"stopping cluster (answers still streaming get up to {cluster.drain_s[0]:.0f} s; "
+              "Ctrl-C again stops at once)...", flush=True)
         cluster.stop()
     return 0
