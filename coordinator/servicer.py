@@ -25,7 +25,7 @@ from coordinator.registry import Registry, UnknownLease, WorkerRecord
 from coordinator.routing import AllBusy, NoWorker, PowerOfTwoRouter, SessionAffinity, route
 from flashfleet.errors import FlashfleetError
 from flashfleet.requests import validate_request
-from flashfleet.transport import aio_channel
+from flashfleet.transport import WORKER_CHANNEL_OPTIONS, aio_channel
 from flashfleet.v1 import (common_pb2, coordinator_pb2, coordinator_pb2_grpc, worker_pb2,
                            worker_pb2_grpc)
 
@@ -66,7 +66,7 @@ class WorkerPool:
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         """A Worker stub on the channel to `address` ("host:port"), opening the channel on first use."""
         if address not in self._channels:
-            self._channels[address] = aio_channel(address, self._tls)
+            self._channels[address] = aio_channel(address, self._tls, WORKER_CHANNEL_OPTIONS)
         return worker_pb2_grpc.WorkerStub(self._channels[address])
 
     async def drop(self, address: str) -> None:

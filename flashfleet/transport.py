@@ -11,26 +11,38 @@ from typing import Sequence
 import grpc
 
 KEEPALIVE_TIME_MS = 30_000  # every channel pings an idle or silent connection this often
+# The coordinator's channels to workers ping faster: a worker that hangs or loses power (no TCP
+# reset) is then found within about 10 s, as its lease expires, not after 40-60 s; its streams
+# end with UNAVAILABLE and requests not yet answered go to another worker.
+WORKER_KEEPALIVE_TIME_MS = 5_000
+WORKER_KEEPALIVE_TIMEOUT_MS = 5_000
 
 
-def channel_options(keepalive_time_ms: int = KEEPALIVE_TIME_MS) -> list[tuple[str, int]]:
-    """Options of every flashfleet channel: keepalive pings every `keepalive_time_ms`, also on a
-    stream that sends nothing for a while (a long prefill), so a dead peer is found in seconds."""
+def channel_options(keepalive_time_ms: int = KEEPALIVE_TIME_MS,
+                    keepalive_timeout_ms: int = 10_000) -> list[tuple[str, int]]:
+    """Options of every flashfleet channel: keepalive pings every `keepalive_time_ms` (a peer that
+    does not answer one within `keepalive_timeout_ms` is dead), also on a stream that sends
+    nothing for a while (a long prefill), so a dead peer is found in seconds."""
     return [("grpc.keepalive_time_ms", keepalive_time_ms),
-            ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", keepalive_timeout_ms),
+            # grpc 1.85 times a keepalive ping out by this one (default 60 s), not the option
+            # above: a hung peer was found 65 s after it stopped with 5 s pings (measured,
+            # tests/test_transport.py), 10 s with both set.
+            ("grpc.http2.ping_timeout_ms", keepalive_timeout_ms),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0)]
 
 
-def server_options(min_ping_interval_ms: int = KEEPALIVE_TIME_MS // 3) -> list[tuple[str, int]]:
+def server_options(min_ping_interval_ms: int = WORKER_KEEPALIVE_TIME_MS // 2) -> list[tuple[str, int]]:
     """Options of every flashfleet server.
 
     grpc sets SO_REUSEPORT by default, which lets a second coordinator or worker bind a port in
     use and silently split the traffic: off, so binding a busy port fails. grpc servers also
     accept a ping without data only every 5 minutes by default and answer a third early one
     with GOAWAY "too_many_pings", which killed a stream whose prompt took minutes to prefill
-    (the channels ping every 30 s): the server here accepts pings `min_ping_interval_ms` apart,
-    below the channels' interval, with or without calls (gRPC keepalive guide, doc/keepalive.md).
+    (the channels ping every 30 s, the coordinator's to workers every 5 s): the server here
+    accepts pings `min_ping_interval_ms` apart, below the channels' intervals, with or without
+    calls (gRPC keepalive guide, doc/keepalive.md).
     """
     return [("grpc.so_reuseport", 0),
             ("grpc.keepalive_permit_without_calls", 1),
@@ -41,6 +53,8 @@ def server_options(min_ping_interval_ms: int = KEEPALIVE_TIME_MS // 3) -> list[t
 
 
 CHANNEL_OPTIONS: list[tuple[str, int]] = channel_options()
+WORKER_CHANNEL_OPTIONS: list[tuple[str, int]] = channel_options(WORKER_KEEPALIVE_TIME_MS,
+                                                                WORKER_KEEPALIVE_TIMEOUT_MS)
 SERVER_OPTIONS: list[tuple[str, int]] = server_options()
 
 
