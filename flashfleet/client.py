@@ -29,6 +29,13 @@ DEFAULT_CONTROL_TIMEOUT_S = 10.0
 MAX_TIMEOUT_S = 1e8  # about three years
 
 
+def _check_address(address) -> None:
+    """Raises TypeError for an address that is not a "host:port" string (e.g. a bare port number)."""
+    if not isinstance(address, str):
+        raise TypeError(f"address must be a 'host:port' string, e.g. '127.0.0.1:50051', "
+                        f"got {type(address).__name__} {address!r}")
+
+
 def _deadline(timeout_s: float | None, default_s: float) -> float:
     """The call's deadline in seconds: timeout_s, or the client's default when None.
 
@@ -76,16 +83,32 @@ class Client:
         credentials: grpc.ssl_channel_credentials(...) for a cluster that serves TLS
             (flashfleet.config.TLSConfig.channel_credentials()), or None for plaintext.
 
-    Use as a context manager, or call close().
+    Use as a context manager, or call close() (a later call opens a new channel).
+
+    Raises:
+        TypeError: address is not a str.
+        InvalidArgument: timeout_s is not a number of seconds in (0, 1e8].
     """
 
     def __init__(self, address: str, timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S,
                  credentials: grpc.ChannelCredentials | None = None):
+        _check_address(address)
+        self._address, self._credentials = address, credentials
         self._secure = credentials is not None
-        self._channel = (grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
-                         if credentials else grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
-        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        self._channel: grpc.Channel | None = None
+        self._open()
         self.timeout_s = _deadline(timeout_s, DEFAULT_GENERATE_TIMEOUT_S)
+
+    def _open(self) -> None:
+        self._channel = (grpc.secure_channel(self._address, self._credentials, options=CHANNEL_OPTIONS)
+                         if self._credentials else grpc.insecure_channel(self._address, options=CHANNEL_OPTIONS))
+        self._stub_cache = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+
+    @property
+    def _stub(self) -> coordinator_pb2_grpc.CoordinatorStub:
+        if self._channel is None:  # closed: a call after close() opens a new channel
+            self._open()
+        return self._stub_cache
 
     def __enter__(self) -> "Client":
         return self
@@ -94,8 +117,11 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        """Closes the channel; calls still running on it are cancelled."""
-        self._channel.close()
+        """Closes the channel; calls still running on it are cancelled. The client can be used
+        again afterwards (a new channel is made on the next call)."""
+        if self._channel is not None:
+            channel, self._channel = self._channel, None
+            channel.close()
 
     def generate(self, model: str, prompt: str | None = None, *,
                  messages: Iterable[Mapping[str, str]] | None = None, max_tokens: int | None = None,
@@ -161,7 +187,7 @@ class Client:
         """
         try:
             return list(self._stub.ListModels(coordinator_pb2.ListModelsRequest(),
-                                              timeout=_deadline(timeout_s, timeout_s)).models)
+                                              timeout=_deadline(timeout_s, DEFAULT_CONTROL_TIMEOUT_S)).models)
         except grpc.RpcError as e:
             raise from_rpc_error(e, self._secure) from None
 
@@ -176,7 +202,7 @@ class Client:
         """
         try:
             return self._stub.GetClusterStatus(coordinator_pb2.GetClusterStatusRequest(),
-                                               timeout=_deadline(timeout_s, timeout_s))
+                                               timeout=_deadline(timeout_s, DEFAULT_CONTROL_TIMEOUT_S))
         except grpc.RpcError as e:
             raise from_rpc_error(e, self._secure) from None
 
@@ -191,6 +217,7 @@ class AsyncClient:
 
     def __init__(self, address: str, timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S,
                  credentials: grpc.ChannelCredentials | None = None):
+        _check_address(address)
         self._address, self._credentials = address, credentials
         self._secure = credentials is not None
         self.timeout_s = _deadline(timeout_s, DEFAULT_GENERATE_TIMEOUT_S)
@@ -246,7 +273,7 @@ class AsyncClient:
         """See Client.list_models."""
         try:
             resp = await self._stub.ListModels(coordinator_pb2.ListModelsRequest(),
-                                               timeout=_deadline(timeout_s, timeout_s))
+                                               timeout=_deadline(timeout_s, DEFAULT_CONTROL_TIMEOUT_S))
         except grpc.RpcError as e:
             raise from_rpc_error(e, self._secure) from None
         return list(resp.models)
@@ -255,6 +282,6 @@ class AsyncClient:
         """See Client.cluster_status."""
         try:
             return await self._stub.GetClusterStatus(coordinator_pb2.GetClusterStatusRequest(),
-                                                     timeout=_deadline(timeout_s, timeout_s))
+                                                     timeout=_deadline(timeout_s, DEFAULT_CONTROL_TIMEOUT_S))
         except grpc.RpcError as e:
             raise from_rpc_error(e, self._secure) from None

@@ -58,7 +58,7 @@ def build_request(
     Raises:
         InvalidArgument: both or neither of prompt/messages, a model or prompt that is not a str,
             messages that is not a list of mappings with string role/content, a stop that is not a
-            str or a list of them, text that is not valid Unicode (lone surrogates), a value out of
+            str or a list of them, a session_id or request_id that is not a str, text that is not valid Unicode (lone surrogates), a value out of
             its field's range (max_tokens beyond int32, seed outside [0, 2**64)), a request over
             4 MiB, or an unknown mode.
     """
@@ -79,10 +79,13 @@ def _build(model, prompt, messages, max_tokens, temperature, top_p, seed, stop, 
            request_id, mode) -> common_pb2.GenerateRequest:
     if (prompt is None) == (messages is None):
         raise InvalidArgument("give exactly one of prompt= (text) or messages= (chat turns)")
-    if mode not in DECODE_MODES:
+    if not isinstance(mode, str) or mode not in DECODE_MODES:
         raise InvalidArgument(f"unknown mode {mode!r}; use one of {sorted(DECODE_MODES)}")
     if not isinstance(model, str):
         raise InvalidArgument(f"model must be a str (a served model's name), got {type(model).__name__}")
+    for name, value in (("session_id", session_id), ("request_id", request_id)):
+        if not isinstance(value, str):
+            raise InvalidArgument(f"{name} must be a str, got {type(value).__name__}")
     if stop is None or isinstance(stop, str):
         stops = [] if stop is None else [stop]
     elif isinstance(stop, (bytes, Mapping)) or not hasattr(stop, "__iter__"):

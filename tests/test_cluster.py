@@ -357,12 +357,36 @@ def test_deregistered_worker_is_marked_down_and_forgets_sessions():
     (dict(prompt="hi", timeout_s=float("inf")), "timeout_s"),  # gRPC would end it at once
     (dict(prompt="hi", timeout_s=1e12), "at most"),
     (dict(prompt="hi", timeout_s="5"), "number of seconds"),
+    (dict(prompt="hi", session_id=5), "session_id must be a str"),  # not blamed on max_tokens
+    (dict(prompt="hi", request_id=5), "request_id must be a str"),
+    (dict(prompt="hi", mode=[]), "unknown mode []"),  # was "unhashable type: 'list'"
 ])
 def test_sdk_rejects_values_it_cannot_send(cluster, kwargs, fragment):
     with Client(cluster.address) as client:
         with pytest.raises(InvalidArgument) as err:
             client.complete("fake-model", **kwargs)
         assert fragment in err.value.details
+
+
+def test_a_closed_client_works_again_and_control_calls_keep_a_deadline(cluster, monkeypatch):
+    client = Client(cluster.address)
+    assert client.complete("fake-model", prompt="a", max_tokens=2).finish_reason == "length"
+    client.close()
+    client.close()  # twice is fine
+    # A call after close() opens a new channel (it raised a bare "Channel closed!" ValueError).
+    assert client.complete("fake-model", prompt="a", max_tokens=2).finish_reason == "length"
+    assert [m.info.name for m in client.list_models()] == ["fake-model"]
+    # timeout_s=None on a control call means the default deadline, not none at all.
+    seen = []
+    real = client._stub.ListModels
+    monkeypatch.setattr(client._stub, "ListModels", lambda req, timeout=None: seen.append(timeout) or real(req, timeout=timeout))
+    client.list_models(timeout_s=None)
+    assert seen == [pytest.approx(10.0)]
+    client.close()
+    with pytest.raises(TypeError, match="address must be a 'host:port' string"):
+        Client(5)
+    with pytest.raises(TypeError, match="address must be a 'host:port' string"):
+        AsyncClient(50051)
 
 
 def test_worker_shutdown_mid_stream_ends_the_clients_stream_promptly():
