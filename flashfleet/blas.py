@@ -11,6 +11,7 @@ more.
 from __future__ import annotations
 
 import os
+import platform
 import sys
 from pathlib import Path
 from typing import Mapping, Optional
@@ -30,3 +31,17 @@ def openblas_env(env: Mapping[str, str] | None = None, library: str = OPENBLAS) 
     env["LD_PRELOAD"] = library
     env.setdefault("OPENBLAS_NUM_THREADS", "1")
     return env
+
+
+def openblas_hint(env: Mapping[str, str] | None = None, library: str = OPENBLAS) -> Optional[str]:
+    """A one-line hint when a Linux x86_64 CPU worker would run without OpenBLAS (the library is
+    not installed, nothing else preloaded, `FLASHFLEET_OPENBLAS` not "0"), else None. Without it
+    MLX's CPU wheel uses its reference BLAS: a prompt's prefill runs at about the speed of
+    decoding (a new user's `flashfleet demo` took 20-30 s to the first token of a 40-token prompt)."""
+    env = os.environ if env is None else env
+    if not sys.platform.startswith("linux") or platform.machine() != "x86_64" or env.get(OFF_SWITCH) == "0" \
+            or "LD_PRELOAD" in env or Path(library).exists():
+        return None
+    return (f"OpenBLAS not found ({library}): CPU workers use MLX's reference BLAS and run several "
+            "times slower; install it with `apt-get install libopenblas0-pthread` "
+            f"({OFF_SWITCH}=0 silences this)")

@@ -99,7 +99,12 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Completion:
-    """A whole generation: text, its token ids, why it ended and its statistics."""
+    """A whole generation: text, its token ids, why it ended and its statistics.
+
+    With finish_reason "stop", `text` ends before the stop string, while `token_ids` keep every
+    token the model generated, up to and including the one in which the stop string ended (a
+    token may hold a stop string's end and more): decode `text`, not `token_ids`, for the answer.
+    """
 
     request_id: str
     text: str

@@ -683,3 +683,19 @@ def test_up_stop_gives_streams_the_workers_drain_time(tmp_path):
                     .replace("drain_timeout_s = 25.0", "drain_timeout_s = 40.0")
                     .replace("shutdown_grace_s = 25.0", "shutdown_grace_s = 12.0"))
     assert LocalCluster(config=path, workers=1, log_dir=tmp_path).drain_s == (45.0, 17.0)
+
+
+def test_openblas_hint_only_where_it_applies(tmp_path, monkeypatch):
+    import flashfleet.blas as blas
+
+    monkeypatch.setattr(blas.sys, "platform", "linux")
+    monkeypatch.setattr(blas.platform, "machine", lambda: "x86_64")
+    missing, present = str(tmp_path / "none.so"), tmp_path / "lib.so"
+    present.write_bytes(b"")
+    hint = blas.openblas_hint({}, missing)
+    assert hint and "apt-get install libopenblas0-pthread" in hint and "FLASHFLEET_OPENBLAS=0" in hint
+    assert blas.openblas_hint({}, str(present)) is None  # installed
+    assert blas.openblas_hint({"FLASHFLEET_OPENBLAS": "0"}, missing) is None  # silenced
+    assert blas.openblas_hint({"LD_PRELOAD": "/x.so"}, missing) is None  # the user preloads another
+    monkeypatch.setattr(blas.platform, "machine", lambda: "arm64")
+    assert blas.openblas_hint({}, missing) is None  # a Mac or another layout: no such path

@@ -202,6 +202,18 @@ def _restart_with_openblas(argv: list[str] | None) -> None:
         os.execve(sys.executable, list(sys.orig_argv), env)
 
 
+def _warn_without_openblas() -> None:
+    """Logs `flashfleet.blas.openblas_hint` when MLX computes on the CPU (a GPU needs no BLAS)."""
+    from flashfleet.blas import openblas_hint
+
+    hint = openblas_hint()
+    if hint is not None:
+        import mlx.core as mx
+
+        if mx.default_device() == mx.cpu:
+            logging.getLogger("flashfleet.worker").warning("%s", hint)
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m worker`: parses flags, loads the engine, serves until SIGINT/SIGTERM.
 
@@ -221,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"worker: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _warn_without_openblas()
     try:
         started = time.perf_counter()
         engine = build_engine(a)

@@ -103,6 +103,10 @@ def main(argv: list[str]) -> int:
         print(f"flashfleet demo: {e}", file=sys.stderr)
         return 2
     prompts = load_prompts()
+    from flashfleet.blas import openblas_hint
+
+    if (hint := openblas_hint()) is not None:  # demo workers run on the CPU here unless MLX has CUDA
+        print(f"flashfleet demo: note: {hint}", file=sys.stderr)
     t0 = time.monotonic()
     try:
         with LocalCluster(a.model, workers=a.workers) as cluster:
