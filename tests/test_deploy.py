@@ -699,3 +699,22 @@ def test_openblas_hint_only_where_it_applies(tmp_path, monkeypatch):
     assert blas.openblas_hint({"LD_PRELOAD": "/x.so"}, missing) is None  # the user preloads another
     monkeypatch.setattr(blas.platform, "machine", lambda: "arm64")
     assert blas.openblas_hint({}, missing) is None  # a Mac or another layout: no such path
+
+
+def test_up_passes_on_a_workers_bad_model_status(tmp_path, capsys):
+    # A worker refusing its model exits 2 (as documented); `up` said 1.
+    from flashfleet.cli.up import free_port
+    from flashfleet.cli.up import main as up_main
+
+    import signal
+
+    not_a_model = tmp_path / "empty"
+    not_a_model.mkdir()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}  # up installs its own
+    try:
+        assert up_main(["--model", str(not_a_model), "--workers", "1", "--port", str(free_port()),
+                        "--log-dir", str(tmp_path / "logs")]) == 2
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert "not a model directory" in capsys.readouterr().err

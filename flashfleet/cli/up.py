@@ -213,8 +213,9 @@ class LocalCluster:
         for name, proc in self.procs.items():
             if proc.poll() is not None:
                 tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-2000:]
+                code = proc.returncode
                 self.stop()
-                raise RuntimeError(f"{name} exited with code {proc.returncode}:\n{tail}")
+                raise ChildExited(f"{name} exited with code {code}:\n{tail}", code)
 
     def reap(self) -> list[tuple[str, int, str]]:
         """Forgets children that have exited; returns (name, exit code, log tail) of each."""
@@ -249,6 +250,15 @@ class LocalCluster:
                     proc.kill()
                     proc.wait()
         self.procs.clear()
+
+
+class ChildExited(RuntimeError):
+    """A child process exited (`LocalCluster.check_alive`); `code` is its exit status (2: it was
+    given a bad config or model, which `flashfleet up` passes on as its own status)."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
 
 
 class StartupCancelled(RuntimeError):
@@ -378,7 +388,7 @@ def main(argv: list[str]) -> int:
         return 0
     except RuntimeError as e:
         print(f"flashfleet up: {e}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(e, ChildExited) and e.code == 2 else 1  # a bad model or config: as the worker says
     print(f"cluster ready: coordinator at {cluster.address}\n"
           f"  try: flashfleet generate --address {cluster.address} --model {served_name(cluster.model)} "
           f"\"What is a GPU?\"\nCtrl-C stops everything.", flush=True)
