@@ -1058,6 +1058,13 @@ def test_cli_eval_takes_the_dflash_keyword(tmp_path, tiny_models, capsys, monkey
     monkeypatch.setattr(drafts, "shipped_draft_dir", lambda model: shipped)
     assert main(common) == 0
     assert json.loads(capsys.readouterr().out)["all"]["prompts"] == 1
+    # A catalog model's name is a target or a classic draft, never a DFlash draft: said so, not
+    # "does not exist".
+    for cmd in (common, ["vocab", "--target", str(tiny_models.llama), "--draft", "dflash", "--out",
+                         str(tmp_path / "v"), "--size", "8", "--data", str(files[0])]):
+        bad = [a if a != "dflash" else "SmolLM2-135M-Instruct" for a in cmd]
+        assert main(bad) == 2
+        assert "SmolLM2-135M-Instruct is a catalog model, not a DFlash draft" in capsys.readouterr().err
 
 
 def test_cli_train_with_a_draft_vocabulary_saves_resumes_and_continues_it(tmp_path, tiny_models, capsys):

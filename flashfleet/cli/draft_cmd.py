@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
 
 __all__ = ["build_parser", "main"]
 
@@ -302,6 +303,19 @@ def _train(args) -> int:
     return 0
 
 
+def _draft_dir(draft: str) -> str:
+    """`draft` unless it names a catalog model rather than a directory: a fetched model is a target
+    or a classic draft, never a DFlash draft, so say that instead of "does not exist"."""
+    from flashfleet.models.catalog import CATALOG
+    from worker.models.dflash_checkpoint import DraftCheckpointError
+
+    if not Path(draft).expanduser().exists() and any(draft.lower() == k.lower() for k in CATALOG):
+        raise DraftCheckpointError(
+            f"--draft {draft} is a catalog model, not a DFlash draft: give a DFlash draft directory "
+            "(config.json with dflash_config), or 'dflash' for the draft shipped for --target")
+    return draft
+
+
 def _eval(args) -> int:
     from worker.models.dflash_checkpoint import load_dflash_draft
     from worker.training.data import DataError, encode_prompt, read_prompt_files, split_heldout
@@ -310,7 +324,7 @@ def _eval(args) -> int:
 
     from flashfleet.models.drafts import resolve_draft_arg
 
-    draft_dir = resolve_draft_arg(args.draft, args.target)  # before the target loads
+    draft_dir = _draft_dir(resolve_draft_arg(args.draft, args.target))  # before the target loads
     dtype = resolve_dtype(args.dtype)
     target, tokenizer = load_target(resolve_target(args.target), dtype)
     draft = load_dflash_draft(draft_dir, target, dtype=dtype)
@@ -345,7 +359,7 @@ def _vocab(args) -> int:
 
     from flashfleet.models.drafts import resolve_draft_arg
 
-    draft_dir = resolve_draft_arg(args.draft, args.target)
+    draft_dir = _draft_dir(resolve_draft_arg(args.draft, args.target))
     target, tokenizer = load_target(resolve_target(args.target), resolve_dtype("auto"))
     draft = load_dflash_draft(draft_dir, target)
     V = int(draft.args.vocab_size or target.args.vocab_size)
