@@ -71,6 +71,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -169,10 +170,7 @@ class AggregatedRuns(dict):
         for key, rounds in runs.items():
             toks, cyc = sum(r["toks"] for r in rounds), sum(r["cycles"] for r in rounds)
             worst = min(rounds, key=lambda r: r["same"])
-            blocks: dict[int, int] = {}
-            for r in rounds:
-                for b, n in r.get("blocks", {}).items():
-                    blocks[b] = blocks.get(b, 0) + n
+            blocks = sum((Counter(r["blocks"]) for r in rounds), Counter())
             self[key] = dict(tps=statistics.median(r["tps"] for r in rounds), tau=toks / cyc if cyc else 0.0,
                              cycles=cyc, secs=sum(r["secs"] for r in rounds), same=worst["same"],
                              n=worst["n"], diffs=worst["diffs"], rounds_tps=[r["tps"] for r in rounds],
@@ -194,14 +192,10 @@ def steady_rate(cycles: list[tuple]) -> tuple[float, int, float]:
     return sum(c[1] for c in cycles[1:]), len(cycles) - 1, cycles[-1][0] - cycles[0][0]
 
 
-def block_histogram(cycles: list[tuple]) -> dict[int, int]:
+def block_histogram(cycles: list[tuple]) -> Counter:
     """Cycles per block size, over the same cycles as `steady_rate` (the first left out); empty
     for methods whose cycles carry no block size."""
-    out: dict[int, int] = {}
-    for c in cycles[1:]:
-        if len(c) > 2:
-            out[c[2]] = out.get(c[2], 0) + 1
-    return out
+    return Counter(c[2] for c in cycles[1:] if len(c) > 2)
 
 
 def first_diff(a: list[int], b: list[int]) -> int | None:
@@ -554,13 +548,12 @@ def main(argv=None) -> int:
     bases = {}  # corpus -> plain mlx-lm's outputs (first round)
 
     def measure(name, fn, corpus, rows):
-        toks, secs, cyc, same, diffs, blocks = 0, 0.0, 0, 0, [], {}
+        toks, secs, cyc, same, diffs, blocks = 0, 0.0, 0, 0, [], Counter()
         for i, pr in enumerate(rows):
             out, cycles = fn(pr)
             n, c, s = steady_rate(cycles)
             toks, cyc, secs = toks + n, cyc + c, secs + s
-            for b, k in block_histogram(cycles).items():
-                blocks[b] = blocks.get(b, 0) + k
+            blocks += block_histogram(cycles)
             if name == "plain mlx-lm" and len(bases.get(corpus, [])) < len(rows):
                 bases.setdefault(corpus, []).append(out)
             elif name != "plain mlx-lm":

@@ -306,10 +306,10 @@ def _train(args) -> int:
 def _draft_dir(draft: str) -> str:
     """`draft` unless it names a catalog model rather than a directory: a fetched model is a target
     or a classic draft, never a DFlash draft, so say that instead of "does not exist"."""
-    from flashfleet.models.catalog import CATALOG
+    from flashfleet.models.catalog import is_catalog_name
     from worker.models.dflash_checkpoint import DraftCheckpointError
 
-    if not Path(draft).expanduser().exists() and any(draft.lower() == k.lower() for k in CATALOG):
+    if not Path(draft).expanduser().exists() and is_catalog_name(draft):
         raise DraftCheckpointError(
             f"--draft {draft} is a catalog model, not a DFlash draft: give a DFlash draft directory "
             "(config.json with dflash_config), or 'dflash' for the draft shipped for --target")

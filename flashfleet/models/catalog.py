@@ -167,6 +167,11 @@ def close_match_hint(name: str) -> str:
     return f" (did you mean {lowered[close[0]]!r}?)" if close else ""
 
 
+def is_catalog_name(name: str) -> bool:
+    """Whether `name` is a catalog model's name, case ignored (as `get_spec` accepts it)."""
+    return name.lower() in {known.lower() for known in CATALOG}
+
+
 def get_spec(name: str) -> ModelSpec:
     """Look a model up by catalog name.
 

@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 
 from .cache import read_marker
-from .catalog import CATALOG, UnknownModelError, close_match_hint, get_spec, known_names
+from .catalog import CATALOG, UnknownModelError, close_match_hint, get_spec, is_catalog_name, known_names
 
 __all__ = [
     "DFLASH_KEYWORD",
@@ -154,7 +154,7 @@ def resolve_draft_arg(draft: str | None, model: str | os.PathLike, *aliases: str
                 return str(found)
     have = ", ".join(shipped_drafts()) or "none yet"
     name = os.fspath(model)
-    if not Path(name).is_dir() and not any(name.lower() == k.lower() for k in CATALOG):
+    if not Path(name).is_dir() and not is_catalog_name(name):
         raise NoShippedDraftError(
             f"unknown model {name!r}{close_match_hint(name)}"
             + f"; catalog models: {', '.join(CATALOG)}; models with a shipped DFlash draft: {have}"
