@@ -58,8 +58,8 @@ def build_request(
     Raises:
         InvalidArgument: both or neither of prompt/messages, a model or prompt that is not a str,
             messages that is not a list of mappings with string role/content, a stop that is not a
-            str or a list of them, a session_id or request_id that is not a str, text that is not valid Unicode (lone surrogates), a value out of
-            its field's range (max_tokens beyond int32, seed outside [0, 2**64)), a request over
+            str or a list of them, a session_id or request_id that is not a str, text that is not
+            valid Unicode (lone surrogates), a value out of its field's range (max_tokens beyond int32, seed outside [0, 2**64)), a request over
             4 MiB, or an unknown mode.
     """
     try:

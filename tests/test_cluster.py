@@ -379,7 +379,8 @@ def test_a_closed_client_works_again_and_control_calls_keep_a_deadline(cluster, 
     # timeout_s=None on a control call means the default deadline, not none at all.
     seen = []
     real = client._stub.ListModels
-    monkeypatch.setattr(client._stub, "ListModels", lambda req, timeout=None: seen.append(timeout) or real(req, timeout=timeout))
+    monkeypatch.setattr(client._stub, "ListModels",
+                        lambda req, timeout=None: seen.append(timeout) or real(req, timeout=timeout))
     client.list_models(timeout_s=None)
     assert seen == [pytest.approx(10.0)]
     client.close()
