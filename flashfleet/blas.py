@@ -37,7 +37,8 @@ def openblas_hint(env: Mapping[str, str] | None = None, library: str = OPENBLAS)
     """A one-line hint when a Linux x86_64 CPU worker would run without OpenBLAS (the library is
     not installed, nothing else preloaded, `FLASHFLEET_OPENBLAS` not "0"), else None. Without it
     MLX's CPU wheel uses its reference BLAS: a prompt's prefill runs at about the speed of
-    decoding (a new user's `flashfleet demo` took 20-30 s to the first token of a 40-token prompt)."""
+    decoding (a reviewer's `flashfleet demo` on a 2-core CPU without it, 2026-12-04: 20-31 s to the
+    first token, about 85 ms a prompt token)."""
     env = os.environ if env is None else env
     if not sys.platform.startswith("linux") or platform.machine() != "x86_64" or env.get(OFF_SWITCH) == "0" \
             or "LD_PRELOAD" in env or Path(library).exists():
