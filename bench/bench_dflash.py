@@ -18,6 +18,9 @@ Methods (each one skipped when its inputs are missing):
                    and plain step one compiled graph: worker/compiled_forward.py); ours plain
                    compiled; with --adaptive also "adapt compiled" (the cost model, compiled)
                                                                                  needs --fuse --compile
+  ... compiled+draft  each compiled method again with the draft's forward compiled as well
+                   (`compile_draft`: worker/compiled_draft.py); with --adaptive "adapt comp+draft"
+                                                                   needs --fuse --compile --compile-draft
   z-lab dflash     dflash.model_mlx.stream_generate (registry package `dflash` 0.1.0, z-lab)
                                                         --packages zlab, and a DFlash draft
   dflash-mlx       dflash_mlx.runtime.stream_dflash_generate, fixed block (verify_mode "dflash";
@@ -80,6 +83,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm import load, stream_generate  # noqa: E402
 
 from worker.capture import HiddenCapture  # noqa: E402
+from worker.compiled_draft import shared_compiled_draft  # noqa: E402
 from worker.compiled_forward import shared_compiled_target  # noqa: E402
 from worker.models.dflash import PaddedKVCache  # noqa: E402
 from worker.models.dflash_checkpoint import (  # noqa: E402
@@ -214,10 +218,11 @@ def time_alone(fn, reps: int) -> float:
 
 
 def per_cycle_alone(target, draft, prompt: list[int], block: int, reps: int,
-                    compiled: bool = False) -> tuple[float, float]:
+                    compiled: bool = False, compiled_draft: bool = False) -> tuple[float, float]:
     """Seconds of one draft forward and one verify forward (block tokens), each alone (block 1:
     no draft, 0.0, and the verify is a plain decoding step); `compiled`: the verify through the
-    target's shared `CompiledTarget`, as `dflash_generate(compile_target=True)` runs it."""
+    target's shared `CompiledTarget`, as `dflash_generate(compile_target=True)` runs it;
+    `compiled_draft`: the draft through its shared `CompiledDraft` (`compile_draft=True`)."""
     tc = make_target_cache(target)
     cap = HiddenCapture(target, draft.target_layer_ids)
     with cap:
@@ -230,8 +235,10 @@ def per_cycle_alone(target, draft, prompt: list[int], block: int, reps: int,
     x = mx.array([(prompt * block)[-block:]], dtype=mx.uint32)
     one_tap = taps[:, -1:]
 
+    dfwd = shared_compiled_draft(draft) if compiled_draft else None
+
     def draft_fwd():  # injects one context position, as a cycle with one accepted token does
-        d = draft.draft_tokens(draft(block_ids, one_tap, dc)[0])
+        d = dfwd(block_ids, one_tap, dc) if dfwd is not None else draft.draft_tokens(draft(block_ids, one_tap, dc)[0])
         mx.eval(d)
         for c in dc:
             c.trim(1)
@@ -385,6 +392,9 @@ def main(argv=None) -> int:
                    help="with --fuse: also the fused DFlash methods with the verify's taps queued as built")
     p.add_argument("--compile", action="store_true",
                    help="with --fuse: also the fused DFlash methods with every verify one compiled graph")
+    p.add_argument("--compile-draft", action="store_true",
+                   help="with --fuse --compile: also each compiled DFlash method (and adapt compiled) with the "
+                        "draft's forward compiled too (worker/compiled_draft.py)")
     p.add_argument("--adaptive", action="store_true",
                    help="also run each DFlash draft with the worker's cost model (AdaptiveBlockPolicy)")
     p.add_argument("--dflash-random-layers", type=int, default=0,
@@ -475,12 +485,12 @@ def main(argv=None) -> int:
         methods[name] = lambda pr, d=d: run_steps(dflash_generate(
             pr, M, greedy, eos, target=target, draft=d, block_size=args.block_size or d.block_size))
     # fixed-block DFlash method -> (draft, the target its verify runs, the plain row of that target)
-    fixed_block = {name: (d, target, "ours plain", False) for name, d in dflash.items()}
+    fixed_block = {name: (d, target, "ours plain", False, False) for name, d in dflash.items()}
     if fused_target is not None:
         methods["ours plain fused"] = lambda pr: run_steps(plain.generate(pr, M, greedy, eos, model=fused_target))
         for name, d in list(dflash.items()):  # the draft borrows the first copy's embedding and head: same weights
             fname = f"{name[:22].strip()} fused"
-            fixed_block[fname] = (d, fused_target, "ours plain fused", False)
+            fixed_block[fname] = (d, fused_target, "ours plain fused", False, False)
             methods[fname] = lambda pr, d=d: run_steps(dflash_generate(
                 pr, M, greedy, eos, target=fused_target, draft=d, block_size=args.block_size or d.block_size))
             if args.queue_taps:
@@ -497,10 +507,18 @@ def main(argv=None) -> int:
                 cname = f"{name[:19].strip()} compiled"
                 if cname in methods:
                     cname = f"{name[:16].strip()} {len(methods)} compiled"
-                fixed_block[cname] = (d, fused_target, "ours plain compiled", True)
+                fixed_block[cname] = (d, fused_target, "ours plain compiled", True, False)
                 methods[cname] = lambda pr, d=d: run_steps(dflash_generate(
                     pr, M, greedy, eos, target=fused_target, draft=d, block_size=args.block_size or d.block_size,
                     compile_target=True))
+            if args.compile and args.compile_draft:
+                cname = f"{name[:15].strip()} compiled+draft"
+                if cname in methods:
+                    cname = f"{name[:12].strip()} {len(methods)} compiled+draft"
+                fixed_block[cname] = (d, fused_target, "ours plain compiled", True, True)
+                methods[cname] = lambda pr, d=d: run_steps(dflash_generate(
+                    pr, M, greedy, eos, target=fused_target, draft=d, block_size=args.block_size or d.block_size,
+                    compile_target=True, compile_draft=True))
     if args.adaptive or args.policy:  # the cost model picks each block size
         from worker.spec.cost_model import AdaptiveBlockPolicy, CostMemory
 
@@ -524,6 +542,11 @@ def main(argv=None) -> int:
                 methods[f"{short} adapt compiled"] = lambda pr, d=d, B=B, make=make: run_steps(
                     dflash_generate(pr, M, greedy, eos, target=fused_target, draft=d, block_size=B,
                                     policy=make(), compile_target=True))
+                if args.compile_draft:
+                    make_d = policy_maker(None, B)
+                    methods[f"{short} adapt comp+draft"] = lambda pr, d=d, B=B, make=make_d: run_steps(
+                        dflash_generate(pr, M, greedy, eos, target=fused_target, draft=d, block_size=B,
+                                        policy=make(), compile_target=True, compile_draft=True))
 
     if args.only:
         keep = {n for n in methods if n == "plain mlx-lm" or any(t in n for t in args.only)}
@@ -579,12 +602,12 @@ def main(argv=None) -> int:
     # Our DFlash drafts' cycle cost alone: measured here, before any package is imported (printed
     # after the table).
     cycle_cost, cycle_lines = {}, []
-    for name, (d, verify_model, plain_name, compiled) in fixed_block.items():
+    for name, (d, verify_model, plain_name, compiled, compiled_draft) in fixed_block.items():
         B = args.block_size or d.block_size
         cyc = sum(results[name, c]["cycles"] for c in prompts)
         secs = sum(results[name, c]["secs"] for c in prompts)
         per_cycle = secs / cyc if cyc else float("nan")
-        d_s, v_s = per_cycle_alone(verify_model, d, prompts["code"][0], B, args.reps, compiled)
+        d_s, v_s = per_cycle_alone(verify_model, d, prompts["code"][0], B, args.reps, compiled, compiled_draft)
         plain_step = statistics.mean(
             results[plain_name, c]["secs"] / max(1, results[plain_name, c]["cycles"]) for c in prompts)
         cycle_cost[name] = dict(per_cycle_s=per_cycle, draft_s=d_s, verify_s=v_s, plain_step_s=plain_step)

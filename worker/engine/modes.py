@@ -85,7 +85,8 @@ def start_dflash(m: LoadedModels, cfg: EngineConfig, req: GenerationRequest, sam
         list(req.prompt_tokens), req.max_tokens, sampler, m.eos_ids, target=m.target,
         draft=m.draft, block_size=cfg.block_size, policy=policy, target_cache=cache,
         draft_cache=draft_cache, prefill_step_tokens=cfg.prefill_step_tokens,
-        time_every=1 if cfg.spec_timing_sync else 0, compile_target=cfg.compile_forward)
+        time_every=1 if cfg.spec_timing_sync else 0, compile_target=cfg.compile_forward,
+        compile_draft=cfg.compile_forward)
     return steps, cache + draft_cache
 
 

@@ -295,11 +295,25 @@ class Attention(nn.Module):
         self.window = args.sliding_window if sliding else None
         self.causal = sliding if args.is_causal is None else bool(args.is_causal)
 
-    def _kv(self, x: mx.array, offset: int):
+    def _kv_unroped(self, x: mx.array):
         B, L, _ = x.shape
         k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return k, v
+
+    def _kv(self, x: mx.array, offset: int):
+        k, v = self._kv_unroped(x)
         return self.rope(k, offset=offset), v
+
+    def _queries(self, x: mx.array, offset) -> mx.array:
+        B, L, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        return self.rope(q, offset=offset)
+
+    def _attend(self, q: mx.array, keys: mx.array, values: mx.array, mask) -> mx.array:
+        B, _, L, _ = q.shape
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
     def extend(self, ctx: mx.array, cache: KVCache) -> None:
         """Appends context K/V for ctx (B, S, D), the fused context feature, at positions
@@ -316,22 +330,44 @@ class Attention(nn.Module):
         # One projection over [new context; block]: their positions are contiguous (T .. T+S+L-1).
         kv_in = x if S == 0 else mx.concatenate([ctx, x], axis=1)
         k, v = self._kv(kv_in, T)
-        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
-        q = self.rope(q, offset=T + S)
+        q = self._queries(x, T + S)
         # The block K/V are written after the context and trimmed off by the caller (Model),
         # which avoids concatenating the whole cached context with the block in every layer.
         keys, values = cache.update_and_fetch(k, v)
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self._attend(q, keys, values, mask)
+
+    def padded(self, x: mx.array, ctx: mx.array, keys: mx.array, values: mx.array,
+               T: mx.array, S: mx.array, mask: mx.array):
+        """`__call__` with array offsets and a context padded to a fixed length, for a compiled
+        forward (`worker.compiled_draft`): every shape is fixed, only T and S vary.
+
+        Args:
+            x: (B, L, D) normalised block states.
+            ctx: (B, P, D) context feature whose rows S..P-1 are padding.
+            keys, values: (B, H_kv, N, head_dim) cache buffers; T context positions written.
+            T, S: int32 scalar arrays (cached context positions; real rows of ctx).
+            mask: (L, N) additive mask hiding keys at T+S+L and beyond.
+
+        Returns:
+            (out (B, L, D), keys, values): the buffers with the context at T..T+S-1 and the block
+            at T+S..T+S+L-1. The block's rows overwrite the padding's (written first, at T+S..
+            T+P-1); padding past T+S+L stays, beyond the mask, as a trimmed block does.
+        """
+        P = ctx.shape[1]
+        k, v = self._kv_unroped(mx.concatenate([ctx, x], axis=1))
+        for rows, at in ((slice(None, P), T), (slice(P, None), T + S)):
+            keys = mx.slice_update(keys, self.rope(k[:, :, rows], offset=at), at, axes=(2,))
+            values = mx.slice_update(values, v[:, :, rows], at, axes=(2,))
+        return self._attend(self._queries(x, T + S), keys, values, mask), keys, values
 
     def make_mask(self, L: int, n_valid: int, n_keys: int,
                   dtype: Optional[mx.Dtype] = None) -> Optional[mx.array]:
         """(L, n_keys) mask for L block queries ending at position n_valid - 1; keys at n_valid
         and beyond are padding. Boolean, or additive in `dtype` (`additive_mask`); None when
         everything is visible."""
-        if not (self.window or self.causal or n_keys > n_valid):
+        if isinstance(n_valid, int) and not (self.window or self.causal or n_keys > n_valid):
             return None
-        qpos = mx.arange(n_valid - L, n_valid)[:, None]
+        qpos = (n_valid - L + mx.arange(L))[:, None]  # n_valid: an int, or an array in a trace
         kpos = mx.arange(n_keys)[None]
         visible = kpos < n_valid
         if self.causal:
@@ -362,6 +398,14 @@ class DecoderLayer(nn.Module):
     ) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), ctx, cache, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def padded(self, x: mx.array, ctx: mx.array, keys: mx.array, values: mx.array,
+               T: mx.array, S: mx.array, mask: mx.array):
+        """`__call__` on cache buffers with array offsets (`Attention.padded`); returns
+        (out (B, L, D), keys, values)."""
+        a, keys, values = self.self_attn.padded(self.input_layernorm(x), ctx, keys, values, T, S, mask)
+        h = x + a
+        return h + self.mlp(self.post_attention_layernorm(h)), keys, values
 
 
 @dataclass(frozen=True)
@@ -420,6 +464,10 @@ class Model(nn.Module):
         """Borrows the target's token embedding and LM head (frozen; not copied, not saved).
 
         With a draft vocabulary (`set_vocab`) only its rows of the head are kept (one copy)."""
+        if self.__dict__.get("_bound_target") is target:
+            return self  # every session binds; the compiled draft's traces stay valid
+        self.__dict__.pop("_flashfleet_compiled_draft", None)  # its traces hold the old head
+        object.__setattr__(self, "_bound_target", target)  # not a child module: never saved
         self._embed = target_embed_fn(target)
         self._head_for = lambda rows: target_head_fn(target, rows)
         self._head = self._head_for(self.vocab)
@@ -457,6 +505,7 @@ class Model(nn.Module):
             self.args.draft_vocab_size = int(ids.size)
         if self._head_for is not None:
             self._head = self._head_for(self.vocab)
+        self.__dict__.pop("_flashfleet_compiled_draft", None)  # its traces hold the old head
         return self
 
     def draft_index(self, token_ids: mx.array) -> mx.array:
@@ -511,28 +560,59 @@ class Model(nn.Module):
         Returns:
             (B, L, D) after the final norm.
         """
-        if self._embed is None:
-            raise RuntimeError("DFlash draft is not bound to a target; call bind(target)")
-        h = self._embed(inputs)
-        scale = self.args.input_embedding_scale
-        if scale != 1.0:
-            h = h * scale
+        h = self._block_embeddings(inputs)
         ctx = None if target_hidden is None else self.context(target_hidden)
         L = inputs.shape[1]
         n_new = L + (0 if ctx is None else ctx.shape[1])
         n_valid = cache[0].offset + n_new
         n_keys = cache[0].key_length(n_new) if isinstance(cache[0], PaddedKVCache) else n_valid
-        masks: dict = {}  # one mask per (window, causal) kind, shared by the layers
-        for layer, c in zip(self.layers, cache):
-            a = layer.self_attn
-            kind = (a.window, a.causal)
-            if kind not in masks:
-                dtype = h.dtype if PaddedKVCache.additive else None
-                masks[kind] = a.make_mask(L, n_valid, n_keys, dtype)
-            h = layer(h, ctx, c, masks[kind])
+        for layer, c, mask in zip(self.layers, cache, self._layer_masks(L, n_valid, n_keys, h.dtype)):
+            h = layer(h, ctx, c, mask)
         for c in cache:  # drop the block's K/V: only context positions stay cached
             c.trim(L)
         return self.norm(h)
+
+    def _block_embeddings(self, inputs: mx.array) -> mx.array:
+        if self._embed is None:
+            raise RuntimeError("DFlash draft is not bound to a target; call bind(target)")
+        h = self._embed(inputs)
+        scale = self.args.input_embedding_scale
+        return h * scale if scale != 1.0 else h
+
+    def _layer_masks(self, L: int, n_valid, n_keys: int, dtype: mx.Dtype) -> list:
+        """Each layer's block mask; one per (window, causal) kind, shared by the layers."""
+        masks: dict = {}
+        for layer in self.layers:
+            a = layer.self_attn
+            kind = (a.window, a.causal)
+            if kind not in masks:
+                masks[kind] = a.make_mask(L, n_valid, n_keys, dtype if PaddedKVCache.additive else None)
+        return [masks[(layer.self_attn.window, layer.self_attn.causal)] for layer in self.layers]
+
+    def padded_draft(self, inputs: mx.array, target_hidden: mx.array, T: mx.array, S: mx.array,
+                     keys: list, values: list):
+        """The block forward and the draft's proposals as a pure function of fixed shapes, for
+        `worker.compiled_draft.CompiledDraft` (which keeps the caches' offsets).
+
+        Args:
+            inputs: (1, L) uint32 block ids [last committed token, MASK x (L-1)].
+            target_hidden: (1, P, n_taps * D) taps whose rows S..P-1 are padding (any values).
+            T: int32 scalar array, context positions already cached.
+            S: int32 scalar array, 0 <= S <= P, real rows of target_hidden.
+            keys, values: per layer (1, H_kv, N, head_dim) buffers, N >= T + P + L.
+
+        Returns:
+            (tokens (L-1,) uint32 target ids, keys, values): the buffers hold the new context at
+            T..T+S-1 (and block rows past it, beyond the context a later call sees).
+        """
+        h = self._block_embeddings(inputs)
+        ctx = self.context(target_hidden)
+        L = inputs.shape[1]
+        masks = self._layer_masks(L, T + S + L, keys[0].shape[2], h.dtype)
+        keys, values = list(keys), list(values)
+        for i, (layer, mask) in enumerate(zip(self.layers, masks)):
+            h, keys[i], values[i] = layer.padded(h, ctx, keys[i], values[i], T, S, mask)
+        return self.draft_tokens(self._head(self.norm(h)[:, 1:])[0]), keys, values
 
     def __call__(
         self, inputs: mx.array, target_hidden: Optional[mx.array], cache: list[KVCache]

@@ -45,8 +45,9 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from worker.capture import HiddenCapture
+from worker.compiled_draft import shared_compiled_draft
 from worker.compiled_forward import compilable, shared_compiled_target
-from worker.models.dflash import PaddedKVCache, takes_additive_masks
+from worker.models.dflash import Model as DFlashDraft, PaddedKVCache, takes_additive_masks
 from worker.sampling import sample_rows
 from worker.spec.base import Sampler, Step, release_buffer_cache
 from worker.spec.cost_model import AdaptiveBlockPolicy
@@ -111,6 +112,7 @@ def dflash_generate(
     prefill_step_tokens: int = 512,
     queue_taps: bool = False,
     compile_target: bool = False,
+    compile_draft: bool = False,
     stream=generation_stream,
 ) -> Iterator[Step]:
     """Decodes with a DFlash draft; yields one `Step` for the first token, then one per cycle.
@@ -143,6 +145,9 @@ def dflash_generate(
             (`worker.compiled_forward.CompiledTarget`, shared by the target's sessions) where
             `compilable` allows it; the prefill's chunks stay uncompiled (their lengths vary).
             `queue_taps` does not apply to compiled forwards (a trace cannot queue).
+        compile_draft: run each cycle's draft forward and proposal as one compiled graph
+            (`worker.compiled_draft.CompiledDraft`, shared by the draft's sessions) when `draft`
+            is a `worker.models.dflash.Model`; the same proposals.
         stream: MLX stream to run on; entered around each piece of work, never across a
             `yield`, so several generators can interleave on one thread.
 
@@ -182,10 +187,14 @@ def dflash_generate(
             logits = target(x, cache=tc)
         return logits, cap.hidden()
 
+    compiled_draft = shared_compiled_draft(draft) if compile_draft and isinstance(draft, DFlashDraft) else None
+
     def launch_draft(b: int, bs: int, pending: list) -> mx.array:
         hidden = None if not pending else pending[0] if len(pending) == 1 else mx.concatenate(pending, axis=1)
-        logits = draft(mx.array([[b] + masks[: bs - 1]], dtype=mx.uint32), hidden, dc)
-        return draft.draft_tokens(logits[0])  # uint32 target ids
+        block = mx.array([[b] + masks[: bs - 1]], dtype=mx.uint32)
+        if compiled_draft is not None:
+            return compiled_draft(block, hidden, dc)
+        return draft.draft_tokens(draft(block, hidden, dc)[0])  # uint32 target ids
 
     n_seq = len(prompt_tokens)  # committed sequence length; the target cache holds n_seq - 1
     pending: list = []  # target taps not yet injected into the draft context

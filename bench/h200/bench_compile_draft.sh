@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The compiled DFlash draft (worker/compiled_draft.py) against the eager one on the H200, and the
+# engine's tests on CUDA (bench/h200/README.md, "Session 25"). Steps, in order, one device call
+# each or several together:
+#
+#   OUT=$OUT bash bench/h200/bench_compile_draft.sh prep      join the pieces, convert the 1.5B
+#                                                             GGUF, unpack the cases
+#   OUT=$OUT bash bench/h200/bench_compile_draft.sh tests     the engine's tests (carry .stage/pydeps)
+#   OUT=$OUT PROCS=2 FIRST=1 bash bench/h200/bench_compile_draft.sh dflash
+#       PROCS processes of bench_dflash.py --fuse --compile --compile-draft --adaptive (the rows
+#       with "compiled" or "comp+draft" in their name), numbered from FIRST: OUT/dflash_pK.txt
+#       and the JSONs in OUT/runs_FIRST.tgz, then the MLX kernel cache to OUT.
+# Env: DRAFT (default /root/drafts/Qwen2.5-Coder-1.5B-Instruct, else the shipped one), PROMPTS (4),
+# ROUNDS (2), MAX_TOKENS (128). One process per run: the spread between processes on this
+# machine is +-20% (session 20), so a gap counts only when it holds in every process.
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd); cd "$ROOT"
+O=${OUT:?set OUT}; M=/root/models/Qwen2.5-Coder-1.5B-Instruct; C=/root/cases
+DRAFT=${DRAFT:-/root/drafts/Qwen2.5-Coder-1.5B-Instruct}
+[ -d "$DRAFT" ] || DRAFT=$ROOT/flashfleet/drafts/Qwen2.5-Coder-1.5B-Instruct
+export PYTHONUNBUFFERED=1
+source .stage/join/join.sh 2>/dev/null || export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+[ -d /tmp/mlx ] || { [ -f /root/stage/mlx-kernels.tgz ] && tar xzf /root/stage/mlx-kernels.tgz -C /tmp; }
+for step in "${@:?steps: prep tests dflash}"; do case $step in
+prep)
+  [ -d $M ] || python3 bench/h200/convert.py Qwen2.5-Coder-1.5B-Instruct /root/stage/files/Qwen2.5-Coder-1.5B-Instruct.gguf $M
+  mkdir -p $C && tar xzf /root/stage/files/.stage-cases.tgz -C $C && ls $M $C ;;
+tests)
+  [ -d /tmp/pydeps/grpc ] || python3 -m pip install -q --no-index --no-deps --target /tmp/pydeps .stage/pydeps/*.whl
+  FLASHFLEET_TEST_CASES=$C PYTHONPATH=$PYTHONPATH:/tmp/pydeps timeout 420 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_dflash.py tests/test_spec_draft.py tests/test_sampling.py tests/test_fusion.py \
+    tests/test_compiled_forward.py tests/test_compiled_draft.py tests/test_engine_dflash.py tests/test_engine.py \
+    tests/test_draft_vocab.py tests/test_grow.py tests/test_cost_model.py tests/test_uag.py tests/test_translation.py \
+    2>&1 | tail -40 | tee "$O/tests.txt" ;;
+dflash)
+  mkdir -p "$O/work"
+  first=${FIRST:-1}
+  for k in $(seq "$first" $((first + ${PROCS:-2} - 1))); do
+    mkdir -p "$O/work/p$k"
+    timeout 280 python3 bench/bench_dflash.py --target $M --dflash-draft "$DRAFT" --max-tokens "${MAX_TOKENS:-128}" \
+      --prompts "${PROMPTS:-4}" --rounds "${ROUNDS:-2}" --cases $C --fuse --compile --compile-draft --adaptive \
+      --only compiled comp+draft --json-out "$O/work/p$k/dflash.json" 2>&1 | grep -v " done$" | tee "$O/dflash_p$k.txt"
+  done
+  (cd "$O/work" && tar czf "$O/runs_$first.tgz" .) && rm -rf "$O/work"
+  ls -d /tmp/mlx/*/ptx >/dev/null 2>&1 && (cd /tmp && tar czf "$O/mlx-kernels.tgz" --exclude='*.cu' mlx/*/ptx) ;;
+*) echo "bench_compile_draft: unknown step $step"; exit 2 ;;
+esac; done
+ls -la "$O"

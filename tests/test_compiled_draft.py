@@ -1,0 +1,132 @@
+"""The compiled DFlash draft (worker/compiled_draft.py): the same proposals and the same cached
+context as the eager draft for every number of new context positions, and DFlash decoding through
+it still equal to plain greedy decoding, token for token, at low and at full acceptance."""
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from tests.test_dflash import PROMPT, TARGETS, _run, assert_greedy_equal
+from worker.compiled_draft import CompiledDraft, shared_compiled_draft
+from worker.models.dflash import PaddedKVCache
+from worker.models.dflash_checkpoint import init_dflash_draft
+from worker.sampling import greedy
+from worker.spec import plain
+
+MAX_TOKENS = 37
+
+
+def _draft_and_taps(name: str, n: int, seed: int = 7):
+    target = TARGETS[name]()
+    draft = init_dflash_draft(target, num_layers=2, block_size=16, seed=seed)
+    width = len(draft.target_layer_ids) * draft.args.hidden_size
+    taps = mx.random.normal((1, n, width), key=mx.random.key(seed))
+    return target, draft, taps
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_proposals_and_cache_equal_eager(name, monkeypatch):
+    """Calls with 0, 1, 5, 16 and 3 new context positions at block lengths 16, 4 and 2, one of
+    them growing the buffer into a new bucket: the compiled draft proposes what the eager one
+    does and leaves the same context K/V at the same offset."""
+    monkeypatch.setattr(PaddedKVCache, "step", 32)  # small buckets: the calls cross one
+    target, draft, taps = _draft_and_taps(name, 60)
+    eager_cache, compiled_cache = draft.make_cache(), draft.make_cache()
+    for c in (eager_cache, compiled_cache):
+        draft.extend_context(taps[:, :12], c)
+    fwd = CompiledDraft(draft)
+    at = 12
+    for S, L in ((0, 16), (1, 16), (5, 4), (16, 16), (3, 2)):
+        block = mx.array([[7 + S] + [int(draft.mask_token_id)] * (L - 1)], dtype=mx.uint32)
+        new = taps[:, at: at + S] if S else None
+        want = draft.draft_tokens(draft(block, new, eager_cache)[0])
+        got = fwd(block, new, compiled_cache)
+        at += S
+        assert got.shape == want.shape == (L - 1,) and got.dtype == want.dtype
+        assert got.tolist() == want.tolist()
+        for e, c in zip(eager_cache, compiled_cache):
+            assert c.offset == e.offset == at
+            assert mx.abs(c.keys[..., :at, :] - e.keys[..., :at, :]).max().item() < 1e-4
+            assert mx.abs(c.values[..., :at, :] - e.values[..., :at, :]).max().item() < 1e-4
+    assert compiled_cache[0].keys.shape[2] == 64  # 12 + 16 rows of padding + a block: past 32
+    assert not fwd.broken
+
+
+def test_more_pending_taps_than_a_block_run_eagerly():
+    """More new context positions than the padded rows (after plain steps): eager, same result."""
+    target, draft, taps = _draft_and_taps("qwen2", 40)
+    eager_cache, compiled_cache = draft.make_cache(), draft.make_cache()
+    for c in (eager_cache, compiled_cache):
+        draft.extend_context(taps[:, :4], c)
+    fwd = CompiledDraft(draft)
+    block = mx.array([[3] + [int(draft.mask_token_id)] * 15], dtype=mx.uint32)
+    want = draft.draft_tokens(draft(block, taps[:, 4:24], eager_cache)[0])
+    got = fwd(block, taps[:, 4:24], compiled_cache)
+    assert got.tolist() == want.tolist() and compiled_cache[0].offset == eager_cache[0].offset == 24
+
+
+def test_first_call_without_a_cache_runs_eagerly():
+    """An empty draft cache (a one-token prompt: nothing prefilled) has no buffer to trace over."""
+    target, draft, taps = _draft_and_taps("llama", 1)
+    cache = draft.make_cache()
+    block = mx.array([[3] + [int(draft.mask_token_id)] * 15], dtype=mx.uint32)
+    tokens = CompiledDraft(draft)(block, taps, cache)
+    assert tokens.shape == (15,) and cache[0].offset == 1
+
+
+def test_caches_at_different_offsets_are_a_clear_error():
+    target, draft, taps = _draft_and_taps("llama", 8)
+    cache = draft.make_cache()
+    draft.extend_context(taps, cache)
+    cache[1].trim(2)
+    with pytest.raises(ValueError, match="different offsets"):
+        CompiledDraft(draft)(mx.array([[1, 2]], dtype=mx.uint32), None, cache)
+
+
+def test_sessions_share_one_compiled_draft_until_the_head_changes():
+    """Traces are kept on the draft; binding the same target again keeps them, a new draft
+    vocabulary (a new head) drops them."""
+    target, draft, _ = _draft_and_taps("qwen3", 1)
+    first = shared_compiled_draft(draft)
+    draft.bind(target)
+    assert shared_compiled_draft(draft) is first
+    draft.set_vocab(list(range(64)))
+    assert shared_compiled_draft(draft) is not first
+
+
+class _OracleProposals:
+    """Wraps a CompiledDraft: the compiled forward runs (its cache grows as in a real run), then
+    its proposals are replaced by the target's greedy continuation `ref`, so every block is
+    accepted in full and the next call injects a whole block of taps."""
+
+    def __init__(self, fwd: CompiledDraft, prompt_len: int, ref: list[int]):
+        self.fwd, self.prompt_len, self.ref, self.calls = fwd, prompt_len, ref, 0
+
+    def __call__(self, block, taps, cache):
+        got = self.fwd(block, taps, cache)
+        self.calls += 1
+        g = cache[0].offset - self.prompt_len
+        return mx.array((self.ref + [0] * 32)[g + 1: g + block.shape[1]], dtype=mx.uint32)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("bs", [2, 4, 16])
+def test_dflash_through_compiled_draft_equals_plain_greedy(name, bs, monkeypatch):
+    """Random draft (acceptance near 0): the same tokens and verdicts as the eager draft. Oracle
+    proposals through the compiled forward (acceptance 1, a whole block of new context each
+    call): plain greedy's tokens. Both with the compiled verify, as the worker runs them."""
+    target = TARGETS[name]()
+    draft = init_dflash_draft(target, num_layers=2, block_size=16, seed=7)
+    ref = [t for s in plain.generate(PROMPT, MAX_TOKENS, greedy, set(), model=target) for t in s.tokens]
+    steps, out = _run(target, draft, bs, compile_target=True)
+    c_steps, c_out = _run(target, draft, bs, compile_target=True, compile_draft=True)
+    assert c_out == out
+    assert [(s.drafted, s.accepted) for s in c_steps] == [(s.drafted, s.accepted) for s in steps]
+    assert_greedy_equal(c_out, ref, target)
+
+    oracle = _OracleProposals(shared_compiled_draft(draft), len(PROMPT), ref)
+    monkeypatch.setattr("worker.spec.dflash.shared_compiled_draft", lambda d: oracle)
+    o_steps, o_out = _run(target, draft, bs, compile_target=True, compile_draft=True)
+    assert oracle.calls == len(o_steps) - 1 and not oracle.fwd.broken
+    assert all(s.accepted == s.drafted for s in o_steps[1:-1])
+    assert_greedy_equal(o_out, ref, target)

@@ -1,0 +1,101 @@
+"""The DFlash draft's block forward as one compiled MLX graph, reused for every cycle of a shape.
+
+Why: on the H200 a DFlash cycle is bound by per-operation overhead, not bandwidth, and the draft
+(2.15 ms of a 10.55 ms cycle in session 24) builds its graph in Python every cycle; the target's
+verify already runs compiled (`worker.compiled_forward`). An `mx.compile`d function is traced once
+per input shape and replayed from C++, with chains of elementwise operations fused.
+
+What varies between cycles and would retrace every cycle: the new context positions S (the taps
+of the tokens the last verify kept, 1..B) and the cache offset T. Here the taps are padded to a
+fixed P rows (the draft's trained block size) and T and S are int32 scalar arrays
+(`Model.padded_draft`): the new context's K/V are written at T (padding included), then the
+block's at T+S over the padding, and the mask shows keys below T+S+L only. So a trace depends on
+(block length L, buffer length) alone, like the target's. Calls it cannot run that way (no cache
+yet, more than P pending taps, a buffer past `max_positions`, a draft that is not a
+`worker.models.dflash.Model`) run the eager forward: the same values.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional, Sequence
+
+import mlx.core as mx
+
+from worker.models.dflash import Model, PaddedKVCache
+
+log = logging.getLogger(__name__)
+
+
+class CompiledDraft:
+    """Runs a DFlash draft's block forward and proposal (argmax) as a compiled graph.
+
+    Usage, on the draft's `make_cache()` caches:
+
+        fwd = shared_compiled_draft(draft)              # once per draft (shared by sessions)
+        tokens = fwd(block_ids, taps, cache)            # block_ids (1, L) uint32
+        # tokens (L-1,) uint32 target ids; taps (1, S, n_taps * D) or None
+
+    Each call appends the S context positions to the caches (offset += S), as
+    `Model.__call__` followed by `draft_tokens` does, and returns the same proposals.
+
+    Args:
+        draft: a bound `worker.models.dflash.Model`.
+        max_positions: the longest cache buffer run compiled (default 8192, or
+            `FLASHFLEET_COMPILE_MAX_POSITIONS`): MLX keeps every trace, so buffers past it run
+            eagerly and the traces stay bounded (block lengths x max_positions / 256 buckets).
+
+    Raises (on call):
+        ValueError: the caches disagree on their offsets.
+    """
+
+    def __init__(self, draft: Model, max_positions: Optional[int] = None):
+        self.draft = draft
+        self.pad = int(draft.block_size)
+        self.taps_width = len(draft.target_layer_ids) * int(draft.args.hidden_size)
+        self.max_positions = int(max_positions if max_positions is not None
+                                 else os.environ.get("FLASHFLEET_COMPILE_MAX_POSITIONS", "8192"))
+        self._fn = mx.compile(draft.padded_draft)
+        self.broken = False  # a trace failed: every call runs eagerly
+
+    def _eager(self, block_ids: mx.array, taps: Optional[mx.array], cache) -> mx.array:
+        return self.draft.draft_tokens(self.draft(block_ids, taps, cache)[0])
+
+    def __call__(self, block_ids: mx.array, taps: Optional[mx.array],
+                 cache: Sequence[PaddedKVCache]) -> mx.array:
+        T = cache[0].offset
+        if any(c.offset != T for c in cache):
+            raise ValueError(f"draft caches at different offsets {sorted({c.offset for c in cache})}")
+        S = 0 if taps is None else taps.shape[1]
+        L = block_ids.shape[1]
+        if self.broken or S > self.pad or any(c.keys is None for c in cache):
+            return self._eager(block_ids, taps, cache)
+        for c in cache:
+            c.reserve(self.pad + L)
+        if cache[0].keys.shape[2] > self.max_positions:
+            return self._eager(block_ids, taps, cache)
+        if taps is None:
+            taps = mx.zeros((1, self.pad, self.taps_width), cache[0].keys.dtype)
+        elif S < self.pad:
+            taps = mx.pad(taps, [(0, 0), (0, self.pad - S), (0, 0)])
+        try:
+            tokens, keys, values = self._fn(block_ids, taps, mx.array(T, dtype=mx.int32),
+                                            mx.array(S, dtype=mx.int32),
+                                            [c.keys for c in cache], [c.values for c in cache])
+        except (ValueError, RuntimeError, TypeError) as e:
+            log.warning("compiled draft forward failed to trace (%s); running it eagerly", e)
+            self.broken = True
+            return self._eager(block_ids, taps[:, :S] if S else None, cache)
+        for c, k, v in zip(cache, keys, values):
+            c.keys, c.values, c.offset = k, v, T + S
+        return tokens
+
+
+def shared_compiled_draft(draft: Model) -> CompiledDraft:
+    """The `CompiledDraft` of this draft, made once and kept on it, so sessions share its traces
+    (each costs a graph build and, on CUDA, kernel compiles)."""
+    fwd = draft.__dict__.get("_flashfleet_compiled_draft")
+    if fwd is None:
+        fwd = CompiledDraft(draft)
+        object.__setattr__(draft, "_flashfleet_compiled_draft", fwd)
+    return fwd
