@@ -94,3 +94,30 @@ def test_worker_log_says_how_verifies_run(tiny_models, dflash_dir, compiled, cap
         pass
     want = "one compiled graph per shape" if compiled else "op by op (--no-compile-forward)"
     assert f"DFlash verifies: {want}" in caplog.text
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_the_draft_is_compiled_where_it_pays(tiny_models, dflash_dir, gpu, monkeypatch, caplog):
+    """On a GPU (`compiled_draft_pays`) the engine drafts through the shared compiled draft, on
+    the CPU op by op; both equal plain greedy, and the log says which."""
+    import logging
+
+    import worker.engine.modes as modes
+    import worker.engine.thread as thread
+    import worker.spec.dflash as dflash
+
+    monkeypatch.setattr(modes, "compiled_draft_pays", lambda: gpu)
+    monkeypatch.setattr(thread, "compiled_draft_pays", lambda: gpu)
+    made = []
+    real = dflash.shared_compiled_draft
+    monkeypatch.setattr(dflash, "shared_compiled_draft", lambda d: made.append(real(d)) or made[-1])
+    caplog.set_level(logging.INFO, logger="worker.engine.thread")
+    with Engine(EngineConfig(model_path=tiny_models.llama, draft_path=dflash_dir, warmup=False,
+                             adaptive_block_size=False)) as engine:
+        prompt = tuple(engine.encode_prompt("Speculation pays when", None))
+        plain, _ = run_request(engine, GenerationRequest("p", prompt, 23, mode="plain"))
+        spec, done = run_request(engine, GenerationRequest("d", prompt, 23, mode="dflash"))
+        assert spec == plain and done.stats.cycles > 0
+        assert bool(made) == gpu and not any(f.broken for f in made)
+    want = "one compiled graph per shape" if gpu else "op by op (not on a CPU)"
+    assert f"DFlash drafts: {want}" in caplog.text

@@ -63,9 +63,9 @@ def parse_args(argv):
                    help="keep mlx-lm's layers as loaded (default: one matmul for each layer's q/k/v "
                    "and one for its gate/up: the same outputs to float rounding, fewer GPU kernels)")
     p.add_argument("--no-compile-forward", dest="compile_forward", action="store_false",
-                   help="run DFlash verifies and drafts op by op (default: the target's forward and "
-                   "the draft's block forward as one compiled MLX graph per shape, where the "
-                   "architecture allows it)")
+                   help="run DFlash verifies and drafts op by op (default: the target's forward, and "
+                   "on a GPU the draft's block forward, as one compiled MLX graph per shape, where "
+                   "the architecture allows it)")
     p.add_argument("--capacity", type=int, default=None, help="sessions admitted at once (default 4)")
     p.add_argument("--max-context-tokens", type=int, default=None)
     p.add_argument("--coordinator", default=None, help="coordinator host:port (omit: standalone)")

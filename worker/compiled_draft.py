@@ -91,6 +91,14 @@ class CompiledDraft:
         return tokens
 
 
+def compiled_draft_pays() -> bool:
+    """Whether the worker compiles the draft by default on this device: on a GPU, yes (the H200:
+    a DFlash cycle 2.5-5.2% shorter in each of 4 processes, docs/benchmarks.md "The draft's
+    forward compiled"); on the CPU, no: there the padded context rows are real arithmetic (the
+    SmolLM2 draft's forward took 169 ms compiled against 138 ms eager, float32, 2 cores)."""
+    return mx.default_device().type == mx.gpu
+
+
 def shared_compiled_draft(draft: Model) -> CompiledDraft:
     """The `CompiledDraft` of this draft, made once and kept on it, so sessions share its traces
     (each costs a graph build and, on CUDA, kernel compiles)."""

@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator, Mapping
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from worker.compiled_draft import compiled_draft_pays
 from worker.config import EngineConfig
 from worker.engine.types import GenerationRequest, InvalidRequest
 from worker.spec import draft_model, plain
@@ -86,7 +87,7 @@ def start_dflash(m: LoadedModels, cfg: EngineConfig, req: GenerationRequest, sam
         draft=m.draft, block_size=cfg.block_size, policy=policy, target_cache=cache,
         draft_cache=draft_cache, prefill_step_tokens=cfg.prefill_step_tokens,
         time_every=1 if cfg.spec_timing_sync else 0, compile_target=cfg.compile_forward,
-        compile_draft=cfg.compile_forward)
+        compile_draft=cfg.compile_forward and compiled_draft_pays())
     return steps, cache + draft_cache
 
 

@@ -22,6 +22,7 @@ from mlx_lm.utils import load_tokenizer
 
 from worker.config import EngineConfig
 from worker.detokenize import TextAssembler
+from worker.compiled_draft import compiled_draft_pays
 from worker.compiled_forward import compilable_model
 from worker.fusion import fuse_projections
 from worker.engine.modes import MODES, LoadedModels, Mode, draft_kind_of, resolve_mode
@@ -413,6 +414,9 @@ class Engine:
             log.info("DFlash verifies: %s", "one compiled graph per shape" if on else
                      "op by op (" + ("--no-compile-forward" if not cfg.compile_forward
                                      else "this architecture cannot be compiled") + ")")
+            drafts_on = cfg.compile_forward and compiled_draft_pays()
+            log.info("DFlash drafts: %s", "one compiled graph per shape" if drafts_on else "op by op ("
+                     + ("--no-compile-forward" if not cfg.compile_forward else "not on a CPU") + ")")
         if cfg.warmup:
             self._warmup(models)
         return models
