@@ -431,6 +431,8 @@ def main(argv=None) -> int:
         p.error("--queue-taps: its rows run on the fused target; add --fuse")
     if args.compile and not args.fuse:
         p.error("--compile: its rows run on the fused target; add --fuse")
+    if args.compile_draft and not args.compile:
+        p.error("--compile-draft: its rows compile the verify as well; add --fuse --compile")
     from bench.bench_block_policy import policy_from_spec
 
     for spec in args.policy:
@@ -503,22 +505,16 @@ def main(argv=None) -> int:
             if args.compile and "ours plain compiled" not in methods:
                 methods["ours plain compiled"] = lambda pr: run_steps(plain.generate(
                     pr, M, greedy, eos, model=fused_target, compile_target=True))
-            if args.compile:
-                cname = f"{name[:19].strip()} compiled"
+            # compiled verify; with --compile-draft also the draft compiled (the worker's GPU path)
+            for suffix, cd in ([("compiled", False)] if args.compile else []) + (
+                    [("compiled+draft", True)] if args.compile and args.compile_draft else []):
+                cname = f"{name[:28 - len(suffix) - 1].strip()} {suffix}"
                 if cname in methods:
-                    cname = f"{name[:16].strip()} {len(methods)} compiled"
-                fixed_block[cname] = (d, fused_target, "ours plain compiled", True, False)
-                methods[cname] = lambda pr, d=d: run_steps(dflash_generate(
+                    cname = f"{name[:25 - len(suffix) - 1].strip()} {len(methods)} {suffix}"
+                fixed_block[cname] = (d, fused_target, "ours plain compiled", True, cd)
+                methods[cname] = lambda pr, d=d, cd=cd: run_steps(dflash_generate(
                     pr, M, greedy, eos, target=fused_target, draft=d, block_size=args.block_size or d.block_size,
-                    compile_target=True))
-            if args.compile and args.compile_draft:
-                cname = f"{name[:15].strip()} compiled+draft"
-                if cname in methods:
-                    cname = f"{name[:12].strip()} {len(methods)} compiled+draft"
-                fixed_block[cname] = (d, fused_target, "ours plain compiled", True, True)
-                methods[cname] = lambda pr, d=d: run_steps(dflash_generate(
-                    pr, M, greedy, eos, target=fused_target, draft=d, block_size=args.block_size or d.block_size,
-                    compile_target=True, compile_draft=True))
+                    compile_target=True, compile_draft=cd))
     if args.adaptive or args.policy:  # the cost model picks each block size
         from worker.spec.cost_model import AdaptiveBlockPolicy, CostMemory
 

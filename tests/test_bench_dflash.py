@@ -74,25 +74,28 @@ def test_policy_variants_run_side_by_side(tiny_models):
 def test_fused_rows_run_beside_the_unfused(tmp_path, tiny_models):
     r = _run("--target", tiny_models.llama, "--dflash-random-layers", 1, "--block-size", 4, "--max-tokens", 10,
              "--prompts", 1, "--max-prompt-tokens", 24, "--reps", 1, "--cases", CASES_DIR, "--dtype", "float32",
-             "--fuse", "--queue-taps", "--compile", "--json-out", tmp_path / "f.json")
+             "--fuse", "--queue-taps", "--compile", "--compile-draft", "--json-out", tmp_path / "f.json")
     assert r.returncode == 0, r.stderr
     groups = int(r.stdout.split("fused: ", 1)[1].split()[0])
     assert groups > 0
     rows = {line[6:35].strip(): line for line in r.stdout.splitlines() if line.startswith("code ")}
     names = ("ours plain fused", "ours dflash random x1 fused", "ours dflash random queued",
-             "ours plain compiled", "ours dflash random compiled")
+             "ours plain compiled", "ours dflash random compiled", "ours dflash r compiled+draft")
     assert set(names) <= set(rows), rows
     for name in names:
         # fused decoding, with the verify's taps queued as built, and compiled, is still lossless
         assert rows[name].rstrip().endswith("1/1"), rows[name]
     assert "ours dflash random x1 fused per cycle (B=4)" in r.stdout
     assert "ours dflash random compiled per cycle (B=4)" in r.stdout
+    assert "ours dflash r compiled+draft per cycle (B=4)" in r.stdout
     costs = json.loads((tmp_path / "f.json").read_text())["cycle_cost"]
     assert costs["ours dflash random x1 fused"]["verify_s"] > 0
     bad = _run("--target", tiny_models.llama, "--dflash-random-layers", 1, "--queue-taps")
     assert bad.returncode == 2 and "--queue-taps: its rows run on the fused target" in bad.stderr
     bad = _run("--target", tiny_models.llama, "--dflash-random-layers", 1, "--compile")
     assert bad.returncode == 2 and "--compile: its rows run on the fused target" in bad.stderr
+    bad = _run("--target", tiny_models.llama, "--dflash-random-layers", 1, "--fuse", "--compile-draft")
+    assert bad.returncode == 2 and "--compile-draft: its rows compile the verify as well" in bad.stderr
 
 
 def test_only_keeps_the_named_methods_and_the_plain_rows_they_divide_by(tiny_models):
