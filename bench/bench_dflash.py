@@ -18,6 +18,8 @@ Methods (each one skipped when its inputs are missing):
                    and plain step one compiled graph: worker/compiled_forward.py); ours plain
                    compiled; with --adaptive also "adapt compiled" (the cost model, compiled)
                                                                                  needs --fuse --compile
+  ... rowsK        each DFlash method verifying K candidate blocks per cycle (`branches`), compiled,
+                   fixed block and with --adaptive the cost model        needs --compile-draft --branches K
   ... compiled+draft  each compiled method again with the draft's forward compiled as well
                    (`compile_draft`: worker/compiled_draft.py); with --adaptive "adapt comp+draft"
                                                                    needs --fuse --compile --compile-draft
@@ -392,6 +394,10 @@ def main(argv=None) -> int:
                    help="with --fuse: also the fused DFlash methods with the verify's taps queued as built")
     p.add_argument("--compile", action="store_true",
                    help="with --fuse: also the fused DFlash methods with every verify one compiled graph")
+    p.add_argument("--branches", type=int, nargs="*", default=[], metavar="K",
+                   help="with --fuse --compile --compile-draft: also each DFlash method verifying K candidate "
+                        "blocks per cycle (`dflash_generate(branches=K)`), fixed block and, with --adaptive, "
+                        "the cost model ('rowsK' rows)")
     p.add_argument("--compile-draft", action="store_true",
                    help="with --fuse --compile: also each compiled DFlash method (and adapt compiled) with the "
                         "draft's forward compiled too (worker/compiled_draft.py)")
@@ -433,6 +439,8 @@ def main(argv=None) -> int:
         p.error("--compile: its rows run on the fused target; add --fuse")
     if args.compile_draft and not args.compile:
         p.error("--compile-draft: its rows compile the verify as well; add --fuse --compile")
+    if args.branches and (not args.compile_draft or min(args.branches) < 2):
+        p.error("--branches: K >= 2, with --fuse --compile --compile-draft (candidate rows run compiled)")
     from bench.bench_block_policy import policy_from_spec
 
     for spec in args.policy:
@@ -515,6 +523,10 @@ def main(argv=None) -> int:
                 methods[cname] = lambda pr, d=d, cd=cd: run_steps(dflash_generate(
                     pr, M, greedy, eos, target=fused_target, draft=d, block_size=args.block_size or d.block_size,
                     compile_target=True, compile_draft=cd))
+            for K in args.branches:  # K candidate blocks per verify (not in the cycle-cost lines)
+                methods[f"{name[:19].strip()} rows{K}"] = lambda pr, d=d, K=K: run_steps(dflash_generate(
+                    pr, M, greedy, eos, target=fused_target, draft=d, block_size=args.block_size or d.block_size,
+                    compile_target=True, compile_draft=True, branches=K))
     if args.adaptive or args.policy:  # the cost model picks each block size
         from worker.spec.cost_model import AdaptiveBlockPolicy, CostMemory
 
@@ -543,6 +555,11 @@ def main(argv=None) -> int:
                     methods[f"{short} adapt comp+draft"] = lambda pr, d=d, B=B, make=make_d: run_steps(
                         dflash_generate(pr, M, greedy, eos, target=fused_target, draft=d, block_size=B,
                                         policy=make(), compile_target=True, compile_draft=True))
+                for K in args.branches:  # candidate rows, on the worker's GPU path
+                    make_b = policy_maker(None, B)
+                    methods[f"{short} adapt rows{K}"] = lambda pr, d=d, B=B, make=make_b, K=K: run_steps(
+                        dflash_generate(pr, M, greedy, eos, target=fused_target, draft=d, block_size=B,
+                                        policy=make(), compile_target=True, compile_draft=True, branches=K))
 
     if args.only:
         keep = {n for n in methods if n == "plain mlx-lm" or any(t in n for t in args.only)}

@@ -39,11 +39,13 @@ def test_proposals_and_cache_equal_eager(name, monkeypatch):
     for S, L in ((0, 16), (1, 16), (5, 4), (16, 16), (3, 2)):
         block = mx.array([[7 + S] + [int(draft.mask_token_id)] * (L - 1)], dtype=mx.uint32)
         new = taps[:, at: at + S] if S else None
-        want = draft.draft_tokens(draft(block, new, eager_cache)[0])
-        got = fwd(block, new, compiled_cache)
+        rows = min(3, L)  # candidate blocks too (`Model.propose`)
+        want = draft.propose(draft(block, new, eager_cache)[0], block[0, :1], rows)
+        got = fwd(block, new, compiled_cache, rows)
         at += S
-        assert got.shape == want.shape == (L - 1,) and got.dtype == want.dtype
+        assert got.shape == want.shape == (rows, L) and got.dtype == want.dtype == mx.uint32
         assert got.tolist() == want.tolist()
+        assert all(r[0] == 7 + S for r in got.tolist())
         for e, c in zip(eager_cache, compiled_cache):
             assert c.offset == e.offset == at
             assert mx.abs(c.keys[..., :at, :] - e.keys[..., :at, :]).max().item() < 1e-4
@@ -60,7 +62,7 @@ def test_more_pending_taps_than_a_block_run_eagerly():
         draft.extend_context(taps[:, :4], c)
     fwd = CompiledDraft(draft)
     block = mx.array([[3] + [int(draft.mask_token_id)] * 15], dtype=mx.uint32)
-    want = draft.draft_tokens(draft(block, taps[:, 4:24], eager_cache)[0])
+    want = draft.propose(draft(block, taps[:, 4:24], eager_cache)[0], block[0, :1])
     got = fwd(block, taps[:, 4:24], compiled_cache)
     assert got.tolist() == want.tolist() and compiled_cache[0].offset == eager_cache[0].offset == 24
 
@@ -70,8 +72,8 @@ def test_first_call_without_a_cache_runs_eagerly():
     target, draft, taps = _draft_and_taps("llama", 1)
     cache = draft.make_cache()
     block = mx.array([[3] + [int(draft.mask_token_id)] * 15], dtype=mx.uint32)
-    tokens = CompiledDraft(draft)(block, taps, cache)
-    assert tokens.shape == (15,) and cache[0].offset == 1
+    blocks = CompiledDraft(draft)(block, taps, cache)
+    assert blocks.shape == (1, 16) and cache[0].offset == 1
 
 
 def test_caches_at_different_offsets_are_a_clear_error():
@@ -102,11 +104,12 @@ class _OracleProposals:
     def __init__(self, fwd: CompiledDraft, prompt_len: int, ref: list[int]):
         self.fwd, self.prompt_len, self.ref, self.calls = fwd, prompt_len, ref, 0
 
-    def __call__(self, block, taps, cache):
-        got = self.fwd(block, taps, cache)
+    def __call__(self, block, taps, cache, rows=1):
+        got = self.fwd(block, taps, cache, rows)
         self.calls += 1
         g = cache[0].offset - self.prompt_len
-        return mx.array((self.ref + [0] * 32)[g + 1: g + block.shape[1]], dtype=mx.uint32)
+        right = block[0, :1].tolist() + (self.ref + [0] * 32)[g + 1: g + block.shape[1]]
+        return mx.array([right] * got.shape[0], dtype=mx.uint32)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])

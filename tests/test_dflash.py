@@ -592,7 +592,7 @@ def test_seeded_output_does_not_depend_on_the_block_schedule(pair):
 
 
 def test_policy_skips_the_first_cycle_of_each_shape_in_the_process(pair):
-    """Each (block size, target buffer, draft buffer) shape's first cycle in the process is not fed
+    """Each (block size, target buffer, draft buffer, candidate rows) shape's first cycle in the process is not fed
     to the policy (a new compiled trace, new kernels on CUDA), whichever session runs it; a shape
     seen before is fed, in this session or a later one."""
     target, draft, ref = pair
@@ -613,7 +613,7 @@ def test_policy_skips_the_first_cycle_of_each_shape_in_the_process(pair):
         firsts.setdefault(key, sec)
     assert all(sec is None for sec in firsts.values())  # every shape's first cycle: not fed
     assert any(sec is not None for _, sec in seen)  # repeats are
-    assert {(bs, n) for bs, n, _ in shapes} >= set(firsts)
+    assert {(bs, n) for bs, n, _, _ in shapes} >= set(firsts)
     seen.clear()
     tc = make_target_cache(target)
     _run(target, draft, 16, policy=Recording(16, time_every=0), target_cache=tc)  # a later session

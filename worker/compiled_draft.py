@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+from functools import partial
 from typing import Optional, Sequence
 
 import mlx.core as mx
@@ -28,16 +29,16 @@ log = logging.getLogger(__name__)
 
 
 class CompiledDraft:
-    """Runs a DFlash draft's block forward and proposal (argmax) as a compiled graph.
+    """Runs a DFlash draft's block forward and its proposal (`Model.propose`) as a compiled graph.
 
     Usage, on the draft's `make_cache()` caches:
 
         fwd = shared_compiled_draft(draft)              # once per draft (shared by sessions)
-        tokens = fwd(block_ids, taps, cache)            # block_ids (1, L) uint32
-        # tokens (L-1,) uint32 target ids; taps (1, S, n_taps * D) or None
+        blocks = fwd(block_ids, taps, cache)            # block_ids (1, L) uint32
+        # blocks (branches, L) uint32 target ids, [first token, drafts]; taps (1, S, n_taps * D) or None
 
     Each call appends the S context positions to the caches (offset += S), as
-    `Model.__call__` followed by `draft_tokens` does, and returns the same proposals.
+    `Model.__call__` followed by `Model.propose` does, and returns the same blocks.
 
     Args:
         draft: a bound `worker.models.dflash.Model`.
@@ -55,40 +56,42 @@ class CompiledDraft:
         self.taps_width = len(draft.target_layer_ids) * int(draft.args.hidden_size)
         self.max_positions = int(max_positions if max_positions is not None
                                  else os.environ.get("FLASHFLEET_COMPILE_MAX_POSITIONS", "8192"))
-        self._fn = mx.compile(draft.padded_draft)
+        self._fns = {}  # branches -> the compiled forward proposing that many blocks
         self.broken = False  # a trace failed: every call runs eagerly
 
-    def _eager(self, block_ids: mx.array, taps: Optional[mx.array], cache) -> mx.array:
-        return self.draft.draft_tokens(self.draft(block_ids, taps, cache)[0])
+    def _eager(self, block_ids: mx.array, taps: Optional[mx.array], cache, branches: int) -> mx.array:
+        return self.draft.propose(self.draft(block_ids, taps, cache)[0], block_ids[0, :1], branches)
 
     def __call__(self, block_ids: mx.array, taps: Optional[mx.array],
-                 cache: Sequence[PaddedKVCache]) -> mx.array:
+                 cache: Sequence[PaddedKVCache], branches: int = 1) -> mx.array:
         T = cache[0].offset
         if any(c.offset != T for c in cache):
             raise ValueError(f"draft caches at different offsets {sorted({c.offset for c in cache})}")
         S = 0 if taps is None else taps.shape[1]
         L = block_ids.shape[1]
         if self.broken or S > self.pad or any(c.keys is None for c in cache):
-            return self._eager(block_ids, taps, cache)
+            return self._eager(block_ids, taps, cache, branches)
         for c in cache:
             c.reserve(self.pad + L)
         if cache[0].keys.shape[2] > self.max_positions:
-            return self._eager(block_ids, taps, cache)
+            return self._eager(block_ids, taps, cache, branches)
         if taps is None:
             taps = mx.zeros((1, self.pad, self.taps_width), cache[0].keys.dtype)
         elif S < self.pad:
             taps = mx.pad(taps, [(0, 0), (0, self.pad - S), (0, 0)])
+        fn = self._fns.get(branches)
+        if fn is None:
+            fn = self._fns[branches] = mx.compile(partial(self.draft.padded_draft, branches=branches))
         try:
-            tokens, keys, values = self._fn(block_ids, taps, mx.array(T, dtype=mx.int32),
-                                            mx.array(S, dtype=mx.int32),
-                                            [c.keys for c in cache], [c.values for c in cache])
+            blocks, keys, values = fn(block_ids, taps, mx.array(T, dtype=mx.int32), mx.array(S, dtype=mx.int32),
+                                      [c.keys for c in cache], [c.values for c in cache])
         except (ValueError, RuntimeError, TypeError) as e:
             log.warning("compiled draft forward failed to trace (%s); running it eagerly", e)
             self.broken = True
-            return self._eager(block_ids, taps[:, :S] if S else None, cache)
+            return self._eager(block_ids, taps[:, :S] if S else None, cache, branches)
         for c, k, v in zip(cache, keys, values):
             c.keys, c.values, c.offset = k, v, T + S
-        return tokens
+        return blocks
 
 
 def compiled_draft_pays() -> bool:

@@ -100,8 +100,14 @@ class CompiledTarget:
     Usage, on the caches of `worker.spec.dflash.make_target_cache`:
 
         fwd = CompiledTarget(target, capture)       # once per session (or per worker)
-        logits, taps = fwd(tokens, cache)            # tokens (1, L) uint32
-        # logits (1, L, V) in the model's dtype; taps (1, L, n_taps * D) or None
+        logits, taps = fwd(tokens, cache)            # tokens (K, L) uint32
+        # logits (K, L, V) in the model's dtype; taps (K, L, n_taps * D) or None
+        fwd.choose_row(cache, i)                     # K > 1: keep candidate row i's keys
+
+    With K > 1 the rows are candidate blocks at the same positions (a batched DFlash verify,
+    `worker.models.dflash.Model.propose`): each attends over the cached prefix and its own
+    tokens. Until the next forward the caches' buffers are views of K-row buffers (K times the
+    KV memory), so callers keep K > 1 to short buffers.
 
     Each call writes the L positions into the caches' buffers and advances their offsets, as
     the uncompiled forward would; the buffers grow by whole `PaddedKVCache.step` buckets first
@@ -120,7 +126,8 @@ class CompiledTarget:
     Raises (on call):
         ValueError: a cache is empty (prefill uncompiled first: a prompt's chunk lengths vary,
             and the buffers' shape and dtype come from the first forward) or the caches
-            disagree on their offsets (a forward must see one sequence).
+            disagree on their offsets (a forward must see one sequence); K > 1 rows where
+            the forward cannot run compiled (`branches_fit` says so beforehand).
     """
 
     def __init__(self, model: nn.Module, capture: Optional[HiddenCapture] = None,
@@ -139,6 +146,10 @@ class CompiledTarget:
         return logits, self.capture.hidden()
 
     def _forward(self, tokens: mx.array, offset: mx.array, keys: list, values: list):
+        K = tokens.shape[0]  # candidate rows at the same positions: each attends over its own copy
+        if K > 1:
+            keys = [mx.broadcast_to(k, (K, *k.shape[1:])) for k in keys]
+            values = [mx.broadcast_to(v, (K, *v.shape[1:])) for v in values]
         caches = [_OffsetCache(k, v, offset) for k, v in zip(keys, values)]
         if self.capture is None:
             logits, taps = self.model(tokens, cache=caches), None
@@ -161,7 +172,10 @@ class CompiledTarget:
         L = tokens.shape[1]
         for c in cache:
             c.reserve(L)
+        K = tokens.shape[0]
         if self.broken or cache[0].keys.shape[2] > self.max_positions:
+            if K > 1:
+                raise ValueError("candidate rows need the compiled forward (see `branches_fit`)")
             return self._eager(tokens, cache)
         try:
             logits, taps, keys, values = self._fn(tokens, mx.array(offset, dtype=mx.int32),
@@ -173,10 +187,26 @@ class CompiledTarget:
             log.warning("compiled forward of %s failed to trace (%s); running it uncompiled",
                         type(self.model).__name__, e)
             self.broken = True
+            if K > 1:
+                raise ValueError("candidate rows need the compiled forward") from e
             return self._eager(tokens, cache)
+        self._rows = (keys, values) if K > 1 else None
         for c, k, v in zip(cache, keys, values):
-            c.keys, c.values, c.offset = k, v, offset + L
+            # K rows: the caches hold row 0's buffers (a view) until `choose_row` picks another
+            c.keys, c.values, c.offset = (k, v, offset + L) if K == 1 else (k[:1], v[:1], offset + L)
         return logits, taps
+
+    def branches_fit(self, cache: Sequence[PaddedKVCache], n: int) -> bool:
+        """Whether a forward of candidate rows with n tokens each would run compiled here (the
+        only way rows run): not broken, and the buffer after it within `max_positions`."""
+        return not self.broken and cache[0].keys is not None and cache[0].key_length(n) <= self.max_positions
+
+    def choose_row(self, cache: Sequence[PaddedKVCache], row: int) -> None:
+        """After a forward of K candidate rows, keeps row `row`'s keys and values in the caches
+        (views of that forward's K-row buffers; row 0 is kept unless this is called)."""
+        if row:
+            for c, k, v in zip(cache, *self._rows):
+                c.keys, c.values = k[row: row + 1], v[row: row + 1]
 
 
 def shared_compiled_target(model: nn.Module, layer_ids: Optional[Sequence[int]]) -> CompiledTarget:

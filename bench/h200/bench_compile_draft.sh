@@ -14,6 +14,8 @@
 #       bench_batched_verify.py (K candidate blocks in one verify: its cost, contexts 256 and 1024)
 #       and bench_branch_gain.py (what they would add to tau: PROMPTS held-out prompts per corpus,
 #       GAIN_TOKENS tokens, default 8 and 256)
+# Env for dflash: ONLY (the --only names, default "compiled comp+draft"), BRANCHES (e.g. "4 8": the
+# candidate-row methods too, bench_dflash.py --branches), BENCH_TIMEOUT (seconds a process, 280).
 # Env: DRAFT (default /root/drafts/Qwen2.5-Coder-1.5B-Instruct, else the shipped one), PROMPTS (4),
 # ROUNDS (2), MAX_TOKENS (128). One process per run: the spread between processes on this
 # machine is +-20% (session 20), so a gap counts only when it holds in every process.
@@ -41,9 +43,10 @@ dflash)
   first=${FIRST:-1}
   for k in $(seq "$first" $((first + ${PROCS:-2} - 1))); do
     mkdir -p "$O/work/p$k"
-    timeout 280 python3 bench/bench_dflash.py --target $M --dflash-draft "$DRAFT" --max-tokens "${MAX_TOKENS:-128}" \
+    timeout "${BENCH_TIMEOUT:-280}" python3 bench/bench_dflash.py --target $M --dflash-draft "$DRAFT" --max-tokens "${MAX_TOKENS:-128}" \
       --prompts "${PROMPTS:-4}" --rounds "${ROUNDS:-2}" --cases $C --fuse --compile --compile-draft --adaptive \
-      --only compiled comp+draft --json-out "$O/work/p$k/dflash.json" 2>&1 | grep -v " done$" | tee "$O/dflash_p$k.txt"
+      ${BRANCHES:+--branches $BRANCHES} --only ${ONLY:-compiled comp+draft} --json-out "$O/work/p$k/dflash.json" \
+      2>&1 | grep -v " done$" | tee "$O/dflash_p$k.txt"
   done
   (cd "$O/work" && tar czf "$O/runs_$first.tgz" .) && rm -rf "$O/work"
   ls -d /tmp/mlx/*/ptx >/dev/null 2>&1 && (cd /tmp && tar czf "$O/mlx-kernels.tgz" --exclude='*.cu' mlx/*/ptx) ;;

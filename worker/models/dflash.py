@@ -521,6 +521,32 @@ class Model(nn.Module):
         best = mx.argmax(logits, axis=-1)
         return best if self._vocab_maps is None else self._vocab_maps.ids[best].astype(mx.uint32)
 
+    def propose(self, logits: mx.array, first: mx.array, branches: int = 1) -> mx.array:
+        """The blocks a verify checks: (branches, L) uint32 target ids, each [first, drafts...].
+
+        Row 0 is the draft's block (its first choice at every position, `draft_tokens`). Row r
+        (1 <= r < branches) is row 0 with the draft's second choice at drafted position r, so a
+        verify of all rows at once (one batched target forward: on a launch-bound GPU it costs
+        about what one row does, bench/bench_batched_verify.py) accepts past a first choice
+        that was wrong there. Candidate blocks as in Medusa's tree of top-k continuations (Cai et
+        al. 2024), with one row per position, the set that bench/bench_branch_gain.py measured to
+        add the most tau per row ("each").
+
+        Args:
+            logits: (L-1, V) draft logits of the drafted positions (V: the draft vocabulary's
+                size when it has one).
+            first: (1,) uint32, the block's first token (the last committed one).
+            branches: rows, 1 <= branches <= L.
+        """
+        top1 = self.draft_tokens(logits)
+        if branches == 1:
+            return mx.concatenate([first, top1])[None]
+        second = self.draft_tokens(mx.where(mx.arange(logits.shape[-1]) == mx.argmax(logits, axis=-1)[:, None],
+                                            -mx.inf, logits))
+        swap = mx.arange(top1.shape[0])[None, :] == mx.arange(branches)[:, None] - 1  # row r: position r-1
+        rows = mx.where(swap, second[None], top1[None])
+        return mx.concatenate([mx.broadcast_to(first[None], (branches, 1)), rows], axis=1)
+
     def make_cache(self) -> list[PaddedKVCache]:
         """One context-only cache per draft layer (trimmable, full context kept)."""
         return [PaddedKVCache() for _ in self.layers]
@@ -590,7 +616,7 @@ class Model(nn.Module):
         return [masks[(layer.self_attn.window, layer.self_attn.causal)] for layer in self.layers]
 
     def padded_draft(self, inputs: mx.array, target_hidden: mx.array, T: mx.array, S: mx.array,
-                     keys: list, values: list):
+                     keys: list, values: list, branches: int = 1):
         """The block forward and the draft's proposals as a pure function of fixed shapes, for
         `worker.compiled_draft.CompiledDraft` (which keeps the caches' offsets).
 
@@ -601,9 +627,12 @@ class Model(nn.Module):
             S: int32 scalar array, 0 <= S <= P, real rows of target_hidden.
             keys, values: per layer (1, H_kv, N, head_dim) buffers, N >= T + P + L.
 
+            branches: candidate blocks to propose (`propose`).
+
         Returns:
-            (tokens (L-1,) uint32 target ids, keys, values): the buffers hold the new context at
-            T..T+S-1 (and block rows past it, beyond the context a later call sees).
+            (blocks (branches, L) uint32 target ids, as `propose` gives them, keys, values): the
+            buffers hold the new context at T..T+S-1 (and block rows past it, beyond the
+            context a later call sees).
         """
         h = self._block_embeddings(inputs)
         ctx = self.context(target_hidden)
@@ -612,7 +641,7 @@ class Model(nn.Module):
         keys, values = list(keys), list(values)
         for i, (layer, mask) in enumerate(zip(self.layers, masks)):
             h, keys[i], values[i] = layer.padded(h, ctx, keys[i], values[i], T, S, mask)
-        return self.draft_tokens(self._head(self.norm(h)[:, 1:])[0]), keys, values
+        return self.propose(self._head(self.norm(h)[:, 1:])[0], inputs[0, :1], branches), keys, values
 
     def __call__(
         self, inputs: mx.array, target_hidden: Optional[mx.array], cache: list[KVCache]

@@ -48,7 +48,7 @@ from worker.capture import HiddenCapture
 from worker.compiled_draft import shared_compiled_draft
 from worker.compiled_forward import compilable, shared_compiled_target
 from worker.models.dflash import Model as DFlashDraft, PaddedKVCache, takes_additive_masks
-from worker.sampling import sample_rows
+from worker.sampling import greedy, sample_rows
 from worker.spec.base import Sampler, Step, release_buffer_cache
 from worker.spec.cost_model import AdaptiveBlockPolicy
 from worker.spec.plain import CLEAR_CACHE_EVERY_TOKENS
@@ -84,8 +84,8 @@ def make_target_cache(target: nn.Module) -> list:
 
 
 def cycle_shapes_seen(target) -> set:
-    """(block size, target KV buffer length, draft context buffer length) of every cycle this
-    process has run on `target` under a cost policy (kept on the model object). A shape's first
+    """(block size, target KV buffer length, draft context buffer length, candidate rows) of
+    every cycle this process has run on `target` under a cost policy (kept on the model object). A shape's first
     cycle traces a new compiled graph and, on CUDA, compiles its kernels (one attention kernel
     alone took ~65 ms on the H200, a usual cycle ~10 ms), so `dflash_generate` does not feed its
     time to the policy."""
@@ -94,6 +94,22 @@ def cycle_shapes_seen(target) -> set:
         store = set()
         object.__setattr__(target, "_flashfleet_cycle_shapes", store)
     return store
+
+
+def best_row(blocks: list[list[int]], chosen: list[list[int]]) -> tuple[int, int, list[int]]:
+    """The verdict of a verify of candidate rows: (row, accepted drafts, that row's target tokens).
+
+    blocks: per row [first token, d_1 .. d_{L-1}]; chosen: per row the target's tokens after each
+    of that row's positions (L of them). A row accepts d_1..d_j while d_i equals the target's
+    choice after d_{i-1}; the row accepted furthest wins, the lowest such row on a tie."""
+    best = (-1, 0)
+    for r, (blk, tl) in enumerate(zip(blocks, chosen)):
+        j = 0
+        while j < len(blk) - 1 and blk[j + 1] == tl[j]:
+            j += 1
+        if j > best[0]:
+            best = (j, r)
+    return best[1], best[0], chosen[best[1]]
 
 
 def dflash_generate(
@@ -113,6 +129,8 @@ def dflash_generate(
     queue_taps: bool = False,
     compile_target: bool = False,
     compile_draft: bool = False,
+    branches: int = 1,
+    branch_max_positions: int = 2048,
     stream=generation_stream,
 ) -> Iterator[Step]:
     """Decodes with a DFlash draft; yields one `Step` for the first token, then one per cycle.
@@ -124,8 +142,8 @@ def dflash_generate(
         eos_ids: generation ends after the first of these (tokens after it are dropped).
         target: an mlx-lm model with a `layers` list.
         draft: a `worker.models.dflash.Model` (bound to `target` here), or an object with the
-            same `__call__`, `extend_context`, `make_cache`, `bind`, `target_layer_ids`,
-            `mask_token_id` and `block_size`.
+            same `__call__`, `propose`, `extend_context`, `make_cache`, `bind`,
+            `target_layer_ids`, `mask_token_id` and `block_size`.
         block_size: B, tokens per block (last token + B-1 drafts); default the draft's. 1 means
             plain decoding through the same loop.
         policy: optional adaptive block-size policy (`AdaptiveBlockPolicy`); it picks each
@@ -148,6 +166,15 @@ def dflash_generate(
         compile_draft: run each cycle's draft forward and proposal as one compiled graph
             (`worker.compiled_draft.CompiledDraft`, shared by the draft's sessions) when `draft`
             is a `worker.models.dflash.Model`; the same proposals.
+        branches: verify up to this many candidate blocks per cycle in one batched target
+            forward (`Model.propose`: the draft's block, and copies of it with its second choice
+            at one position each); the cycle keeps the row accepted furthest. Only with the
+            compiled verify and the greedy sampler, and while the target's buffer stays within
+            `branch_max_positions` (the rows' buffers hold that many positions each until the
+            next cycle); otherwise one block. The output is unchanged (every committed token is
+            the target's greedy choice after its own prefix); tau rises where second choices
+            are right.
+        branch_max_positions: see `branches`.
         stream: MLX stream to run on; entered around each piece of work, never across a
             `yield`, so several generators can interleave on one thread.
 
@@ -188,19 +215,30 @@ def dflash_generate(
         return logits, cap.hidden()
 
     compiled_draft = shared_compiled_draft(draft) if compile_draft and isinstance(draft, DFlashDraft) else None
+    # Candidate rows need the compiled verify and greedy decoding (a row's tokens are the
+    # target's argmax after that row's own prefix; sampled rows would need shared draws).
+    max_rows = max(1, int(branches)) if compiled is not None and sampler is greedy else 1
+
+    def rows_for(bs: int) -> int:
+        if max_rows == 1 or bs < 2 or tc[0].offset + bs > branch_max_positions:
+            return 1
+        return min(max_rows, bs) if compiled.branches_fit(tc, bs) else 1
 
     def launch_draft(b: int, bs: int, pending: list) -> mx.array:
+        """Queues the draft; returns the candidate blocks to verify, (rows, bs) uint32 target ids."""
         hidden = None if not pending else pending[0] if len(pending) == 1 else mx.concatenate(pending, axis=1)
         block = mx.array([[b] + masks[: bs - 1]], dtype=mx.uint32)
+        rows = rows_for(bs)
         if compiled_draft is not None:
-            return compiled_draft(block, hidden, dc)
-        return draft.draft_tokens(draft(block, hidden, dc)[0])  # uint32 target ids
+            return compiled_draft(block, hidden, dc, rows)
+        return draft.propose(draft(block, hidden, dc)[0], block[0, :1], rows)
 
     n_seq = len(prompt_tokens)  # committed sequence length; the target cache holds n_seq - 1
     pending: list = []  # target taps not yet injected into the draft context
     next_d = None  # the next cycle's draft tokens, queued before the previous Step is yielded
     cycle_s = None  # wall time of the last cycle as it normally runs (None: not comparable)
     prefetch_s = 0.0  # host time spent queueing the next cycle's draft before the yield
+    rows_run = 1  # candidate rows the last cycle verified (a new count is a new compiled shape)
 
     def buffer_sizes() -> tuple:
         # A cycle that grows a cache buffer (a new 256-position bucket) compiles new attention
@@ -233,7 +271,8 @@ def dflash_generate(
         return Step(tok.tolist())
 
     def plain_step(b: int) -> Step:
-        nonlocal pending, cycle_s
+        nonlocal pending, cycle_s, rows_run
+        rows_run = 1
         t0 = time.perf_counter()
         logits, taps = verify(mx.array([[b]], dtype=mx.uint32))
         tok = sample_rows(sampler, logits[0], n_seq)
@@ -246,26 +285,27 @@ def dflash_generate(
         return Step(tok.tolist(), verify_s=verify_s)
 
     def spec_cycle(b: int, bs: int, timed: bool) -> Step:
-        nonlocal pending, next_d, cycle_s
+        nonlocal pending, next_d, cycle_s, rows_run
         t0 = time.perf_counter()
-        d = next_d if next_d is not None else launch_draft(b, bs, pending)
+        blocks = next_d if next_d is not None else launch_draft(b, bs, pending)
         next_d, pending = None, []
         if timed:
-            mx.eval(d)
+            mx.eval(blocks)
         t1 = time.perf_counter()
-        logits, taps = verify(mx.concatenate([mx.array([[b]], dtype=mx.uint32), d[None]], axis=1))
-        tok = sample_rows(sampler, logits[0], n_seq)
-        mx.eval(tok, d, taps)  # the one host sync of the cycle
+        logits, taps = verify(blocks)
+        rows = rows_run = blocks.shape[0]
+        tok = sample_rows(sampler, logits[0], n_seq) if rows == 1 else greedy(logits)
+        mx.eval(tok, blocks, taps)  # the one host sync of the cycle
         t2 = time.perf_counter()
         cycle_s = None if timed else t2 - t0 + prefetch_s
-        dl, tl = d.tolist(), tok.tolist()
+        chosen = tok.tolist()
+        i, j, tl = best_row(blocks.tolist(), [chosen] if rows == 1 else chosen)
         k = bs - 1
-        j = 0
-        while j < k and dl[j] == tl[j]:
-            j += 1
+        if i:
+            compiled.choose_row(tc, i)
         for c in tc:  # drop the rejected drafts d[j:]; keep b and d[:j]
             c.trim(k - j)
-        pending = [taps[:, : j + 1]]
+        pending = [taps[i: i + 1, : j + 1]]
         if timed:
             return Step(tl[: j + 1], k, j, t1 - t0, t2 - t1)
         return Step(tl[: j + 1], k, j)
@@ -320,8 +360,8 @@ def dflash_generate(
             with mx.stream(stream):
                 step = plain_step(b) if bs == 1 else spec_cycle(b, bs, timed)
             if policy is not None:
-                shape = (bs, *buffer_sizes())
-                if cleared or shape[1:] != sizes or shape not in seen_shapes:
+                shape = (bs, *buffer_sizes(), rows_run)
+                if cleared or shape[1:3] != sizes or shape not in seen_shapes:
                     cycle_s = None  # a kernel compile or a device sync inside it: not a usual cycle
                 seen_shapes.add(shape)
     finally:

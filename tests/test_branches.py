@@ -1,0 +1,140 @@
+"""Candidate blocks verified together (`dflash_generate(branches=K)`): the draft's block and copies
+with its second choice at one position each, one batched compiled verify, the row accepted
+furthest kept. The output stays plain greedy's token for token, the caches keep only the chosen
+row, and a second choice that is right turns a rejected position into accepted ones."""
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from tests.test_dflash import PROMPT, TARGETS, _run, assert_greedy_equal
+from worker.models.dflash_checkpoint import init_dflash_draft
+from worker.sampling import greedy, make_sampler
+from worker.spec import plain
+from worker.spec.dflash import best_row, dflash_generate, make_target_cache
+
+MAX_TOKENS = 37
+ARCHS = ("llama", "qwen2", "qwen3")
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def pair(request):
+    target = TARGETS[request.param]()
+    draft = init_dflash_draft(target, num_layers=2, block_size=16, seed=7)
+    ref = [t for s in plain.generate(PROMPT, MAX_TOKENS, greedy, set(), model=target) for t in s.tokens]
+    return target, draft, ref
+
+
+def test_best_row():
+    blocks = [[5, 1, 2, 3], [5, 9, 2, 3], [5, 1, 7, 3]]
+    # the target's choices after each position of each row
+    assert best_row(blocks, [[1, 2, 4, 0], [1, 2, 3, 0], [1, 7, 3, 8]]) == (2, 3, [1, 7, 3, 8])
+    assert best_row(blocks, [[1, 8, 0, 0], [1, 8, 0, 0], [1, 8, 0, 0]]) == (0, 1, [1, 8, 0, 0])  # tie: row 0
+    assert best_row(blocks, [[0, 0, 0, 0], [9, 2, 3, 4], [0, 0, 0, 0]]) == (1, 3, [9, 2, 3, 4])
+    assert best_row([[5, 1]], [[2, 6]]) == (0, 0, [2, 6])
+
+
+def test_propose_rows(pair):
+    """Row 0 the first choices; row r the second choice at drafted position r-1; every row starts
+    with the block's first token; with a draft vocabulary, target ids."""
+    target, draft, _ = pair
+    logits = mx.random.normal((15, draft.args.vocab_size), key=mx.random.key(3))
+    first = mx.array([42], dtype=mx.uint32)
+    order = mx.argsort(-logits, axis=-1)
+    top1, top2 = order[:, 0].tolist(), order[:, 1].tolist()
+    rows = draft.propose(logits, first, 4)
+    assert rows.shape == (4, 16) and rows.dtype == mx.uint32
+    want = [[42] + top1] + [[42] + top1[:r - 1] + [top2[r - 1]] + top1[r:] for r in (1, 2, 3)]
+    assert rows.tolist() == want
+    assert draft.propose(logits, first).tolist() == [want[0]]
+    vocab = sorted(set(top1 + top2 + list(range(50))))
+    draft.set_vocab(vocab)
+    try:
+        sub = logits[:, mx.array(vocab)]
+        assert draft.propose(sub, first, 2).tolist() == want[:2]
+    finally:
+        draft.set_vocab(None)
+
+
+@pytest.mark.parametrize("bs", [2, 4, 16])
+@pytest.mark.parametrize("compile_draft", [False, True])
+def test_random_draft_with_branches_equals_plain_greedy(pair, bs, compile_draft):
+    target, draft, ref = pair
+    steps, out = _run(target, draft, bs, compile_target=True, compile_draft=compile_draft, branches=4)
+    assert_greedy_equal(out, ref, target)
+    assert all(0 <= s.accepted <= s.drafted for s in steps)
+
+
+class SecondChoiceOracle:
+    """A real draft whose logits rank the target's greedy continuation `ref` second at the first
+    drafted position (a wrong token first) and first everywhere else: one block alone is
+    rejected at its first draft every cycle; the candidate row with the second choice there is
+    right throughout."""
+
+    def __init__(self, draft, prompt_len: int, ref: list[int]):
+        self.draft, self.prompt_len, self.ref = draft, prompt_len, ref
+
+    def __getattr__(self, name):
+        return getattr(self.draft, name)
+
+    def __call__(self, inputs, target_hidden, cache):
+        logits = self.draft(inputs, target_hidden, cache)
+        g = cache[0].offset - self.prompt_len
+        want = (self.ref + [0] * 32)[g + 1: g + inputs.shape[1]]
+        V = logits.shape[-1]
+        wrong = (want[0] + 1) % V
+        bonus = mx.zeros((len(want), V))
+        bonus = bonus + 1e4 * (mx.arange(V)[None] == mx.array(want)[:, None])
+        bonus[0, wrong] = 2e4
+        return logits + bonus[None].astype(logits.dtype)
+
+
+@pytest.mark.parametrize("bs", [4, 16])
+def test_a_right_second_choice_wins_and_the_caches_keep_its_row(pair, bs):
+    target, draft, ref = pair
+    oracle = SecondChoiceOracle(draft, len(PROMPT), ref)
+    tc, dc = make_target_cache(target), draft.make_cache()
+    gen = dflash_generate(PROMPT, MAX_TOKENS, greedy, (), target=target, draft=oracle, block_size=bs,
+                          target_cache=tc, draft_cache=dc, compile_target=True, branches=2)
+    out, steps = [], []
+    for s in gen:
+        out += s.tokens
+        steps.append(s)
+        assert tc[0].offset == len(PROMPT) + len(out) - 1  # the target keeps committed - 1
+        assert tc[0].keys.shape[0] == 1  # one row's buffers, whichever row won
+    assert_greedy_equal(out, ref, target)
+    full = steps[1:-1]  # the prefill's token first; the last cycle may be cut at max_tokens
+    assert full and all(s.accepted == s.drafted for s in full)  # row 1 right throughout
+    # one block alone: the wrong first choice is rejected every cycle
+    dc1 = draft.make_cache()
+    one, one_out = _run(target, oracle, bs, compile_target=True, branches=1, draft_cache=dc1)
+    assert one_out == out and all(s.accepted == 0 for s in one[1:])
+    # the draft's context holds the chosen row's taps: the same as one block at a time gives
+    n = min(dc[0].offset, dc1[0].offset)
+    assert n >= len(PROMPT) + len(out) - 2 * bs
+    for a, b in zip(dc, dc1):
+        assert mx.abs(a.keys[..., :n, :] - b.keys[..., :n, :]).max().item() < 1e-3
+
+
+def test_rows_fall_back_to_one_block(pair, monkeypatch):
+    """Sampled requests, an uncompiled verify and buffers past branch_max_positions verify one
+    block: the same output as without branches."""
+    target, draft, ref = pair
+    import worker.compiled_forward as cf
+
+    calls = []
+    real = cf.CompiledTarget.__call__
+    monkeypatch.setattr(cf.CompiledTarget, "__call__", lambda self, x, c: calls.append(x.shape[0]) or real(self, x, c))
+    sampler = make_sampler(1.0, 0.9, 5)
+    _, sampled = _run(target, draft, 16, sampler=sampler, compile_target=True, branches=4)
+    assert sampled == _run(target, draft, 16, sampler=make_sampler(1.0, 0.9, 5), compile_target=True)[1]
+    assert calls and set(calls) == {1}
+    calls.clear()
+    _, out = _run(target, draft, 16, compile_target=True, branches=4, branch_max_positions=len(PROMPT) + 8)
+    assert_greedy_equal(out, ref, target)
+    assert calls and set(calls) == {1}
+    _, out = _run(target, draft, 16, compile_target=False, branches=4)
+    assert_greedy_equal(out, ref, target)
+    calls.clear()
+    _run(target, draft, 16, compile_target=True, branches=4)
+    assert 4 in calls
