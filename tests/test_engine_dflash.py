@@ -24,12 +24,13 @@ def dflash_dir(tiny_models, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("adaptive,compiled", [(False, True), (True, True), (False, False)])
-def test_engine_detects_dflash_and_matches_plain(tiny_models, dflash_dir, adaptive, compiled):
-    """The default engine verifies through the compiled target forward; off, op by op: both
-    equal plain greedy."""
+@pytest.mark.parametrize("adaptive,compiled,branches", [(False, True, 1), (True, True, 1), (False, False, 1),
+                                                       (False, True, 3), (True, True, 3)])
+def test_engine_detects_dflash_and_matches_plain(tiny_models, dflash_dir, adaptive, compiled, branches):
+    """The default engine verifies through the compiled target forward; off, op by op; with
+    candidate blocks (`branches`), several rows at once: all equal plain greedy."""
     cfg = EngineConfig(model_path=tiny_models.llama, draft_path=dflash_dir,
-                       adaptive_block_size=adaptive, compile_forward=compiled)
+                       adaptive_block_size=adaptive, compile_forward=compiled, branches=branches)
     with Engine(cfg) as engine:
         assert engine.model.draft_mode == "dflash"
         prompt = tuple(engine.encode_prompt("Speculation pays when", None))

@@ -70,6 +70,11 @@ def test_fuse_projections_flag_reaches_the_engine_config(tiny_models, monkeypatc
     for argv, want in (([], True), (["--no-compile-forward"], False)):
         cli.build_engine(cli.parse_args(["--model", str(tiny_models.llama), *argv]))
         assert seen[-1].compile_forward is want
+    for argv, want in (([], 1), (["--branches", "4"], 4)):
+        cli.build_engine(cli.parse_args(["--model", str(tiny_models.llama), *argv]))
+        assert seen[-1].branches == want
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--model", str(tiny_models.llama), "--branches", "0"])
 
 
 def test_openblas_preload_applies_only_where_it_should(tmp_path, monkeypatch):

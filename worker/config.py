@@ -46,6 +46,13 @@ class EngineConfig:
             uncompiled; plain mode never compiles (no gain measured). On a GPU the DFlash
             draft's block forward is compiled too (worker/compiled_draft.py; cycles 2.5-5.2%
             shorter on the H200; on the CPU it measured slower, so not there). On by default.
+        branches: DFlash verifies up to this many candidate blocks per cycle in one batched
+            target forward (`worker.spec.dflash.dflash_generate`'s `branches`: the draft's block
+            and copies with its second choice at one position each; greedy requests, compiled
+            verifies, contexts up to 2,048 positions). 1 (the default) verifies the draft's block
+            alone. On the H200 4-8 rows raised tau by 14-17% at a 16-25% longer cycle
+            (docs/benchmarks.md, "Candidate blocks"), so it stays opt-in; the rows' KV buffers
+            cost up to K times a session's KV memory until its next cycle.
     """
 
     model_path: Path
@@ -62,12 +69,13 @@ class EngineConfig:
     warmup: bool = True
     fuse_projections: bool = True
     compile_forward: bool = True
+    branches: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_path", Path(self.model_path))
         if self.draft_path is not None:
             object.__setattr__(self, "draft_path", Path(self.draft_path))
-        for name in ("num_draft_tokens", "capacity", "prefill_step_tokens"):
+        for name in ("num_draft_tokens", "capacity", "prefill_step_tokens", "branches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.draft_kind not in ("", "draft", "dflash", "uag"):

@@ -87,7 +87,7 @@ def start_dflash(m: LoadedModels, cfg: EngineConfig, req: GenerationRequest, sam
         draft=m.draft, block_size=cfg.block_size, policy=policy, target_cache=cache,
         draft_cache=draft_cache, prefill_step_tokens=cfg.prefill_step_tokens,
         time_every=1 if cfg.spec_timing_sync else 0, compile_target=cfg.compile_forward,
-        compile_draft=cfg.compile_forward and compiled_draft_pays())
+        compile_draft=cfg.compile_forward and compiled_draft_pays(), branches=cfg.branches)
     return steps, cache + draft_cache
 
 
