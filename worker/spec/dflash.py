@@ -85,10 +85,10 @@ def make_target_cache(target: nn.Module) -> list:
 
 def cycle_shapes_seen(target) -> set:
     """(block size, target KV buffer length, draft context buffer length, candidate rows) of
-    every cycle this process has run on `target` under a cost policy (kept on the model object). A shape's first
-    cycle traces a new compiled graph and, on CUDA, compiles its kernels (one attention kernel
-    alone took ~65 ms on the H200, a usual cycle ~10 ms), so `dflash_generate` does not feed its
-    time to the policy."""
+    every cycle this process has run on `target` under a cost policy (kept on the model
+    object). A shape's first cycle traces a new compiled graph and, on CUDA, compiles its kernels
+    (one attention kernel alone took ~65 ms on the H200, a usual cycle ~10 ms), so
+    `dflash_generate` does not feed its time to the policy."""
     store = target.__dict__.get("_flashfleet_cycle_shapes")
     if store is None:
         store = set()
