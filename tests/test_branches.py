@@ -7,22 +7,11 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from tests.test_dflash import PROMPT, TARGETS, _run, assert_greedy_equal
-from worker.models.dflash_checkpoint import init_dflash_draft
+# `pair`: (target, random 2-layer draft, plain greedy's MAX_TOKENS tokens) for llama, qwen2, qwen3
+from tests.test_compiled_forward import MAX_TOKENS, pair  # noqa: F401
+from tests.test_dflash import PROMPT, _run, assert_greedy_equal
 from worker.sampling import greedy, make_sampler
-from worker.spec import plain
 from worker.spec.dflash import best_row, dflash_generate, make_target_cache
-
-MAX_TOKENS = 37
-ARCHS = ("llama", "qwen2", "qwen3")
-
-
-@pytest.fixture(scope="module", params=ARCHS)
-def pair(request):
-    target = TARGETS[request.param]()
-    draft = init_dflash_draft(target, num_layers=2, block_size=16, seed=7)
-    ref = [t for s in plain.generate(PROMPT, MAX_TOKENS, greedy, set(), model=target) for t in s.tokens]
-    return target, draft, ref
 
 
 def test_best_row():
