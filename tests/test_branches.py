@@ -127,3 +127,63 @@ def test_rows_fall_back_to_one_block(pair, monkeypatch):
     calls.clear()
     _run(target, draft, 16, compile_target=True, branches=4)
     assert 4 in calls
+
+
+def test_the_rows_memory_is_counted_and_let_go(pair):
+    """Between cycles a session's caches are views of K-row buffers: `nbytes` counts all K rows;
+    the shared compiled forward keeps no rows after a cycle has chosen one."""
+    target, draft, ref = pair
+    from worker.compiled_forward import shared_compiled_target
+
+    tc = make_target_cache(target)
+    fwd = shared_compiled_target(target, draft.target_layer_ids)
+    held = []
+    for s in dflash_generate(PROMPT, MAX_TOKENS, greedy, (), target=target, draft=draft, block_size=4,
+                             target_cache=tc, compile_target=True, branches=3):
+        c = tc[0]
+        held.append(c.rows_held)
+        assert c.nbytes == (c.keys.nbytes + c.values.nbytes) * c.rows_held
+        assert fwd._rows is None  # chosen, so the shared forward holds no K-row buffers
+    assert 3 in held
+
+
+def test_the_row_limit_counts_the_buffer_not_the_offset(pair, monkeypatch):
+    """With a 4096-position KV bucket a buffer is past a 2048-position limit from the first
+    cycle: one block a verify."""
+    target, draft, ref = pair
+    import worker.compiled_forward as cf
+    from worker.models.dflash import PaddedKVCache
+
+    monkeypatch.setattr(PaddedKVCache, "step", 4096)
+    calls = []
+    real = cf.CompiledTarget.__call__
+    monkeypatch.setattr(cf.CompiledTarget, "__call__", lambda self, x, c: calls.append(x.shape[0]) or real(self, x, c))
+    _, out = _run(target, draft, 16, compile_target=True, branches=4, branch_max_positions=2048)
+    assert_greedy_equal(out, ref, target)
+    assert calls and set(calls) == {1}
+
+
+def test_rows_that_fail_to_trace_fall_back_to_one_block(pair, monkeypatch):
+    """A trace of candidate rows that fails ends rows for the shared forward, not the request,
+    and not one-row compiled verifies."""
+    target, draft, ref = pair
+    import worker.compiled_forward as cf
+    from worker.compiled_forward import shared_compiled_target
+
+    fwd = shared_compiled_target(target, draft.target_layer_ids)
+    real_fn = fwd._fn
+
+    def failing(tokens, *a):
+        if tokens.shape[0] > 1:
+            raise RuntimeError("no trace for rows here")
+        return real_fn(tokens, *a)
+
+    monkeypatch.setattr(fwd, "_fn", failing)
+    monkeypatch.setattr(fwd, "rows_broken", False)
+    calls = []
+    real = cf.CompiledTarget.__call__
+    monkeypatch.setattr(cf.CompiledTarget, "__call__", lambda self, x, c: calls.append(x.shape[0]) or real(self, x, c))
+    _, out = _run(target, draft, 16, compile_target=True, branches=4)
+    assert_greedy_equal(out, ref, target)
+    assert fwd.rows_broken and not fwd.broken
+    assert calls.count(4) == 1 and calls[-1] == 1  # one failed try, then one row a verify

@@ -133,3 +133,18 @@ def test_dflash_through_compiled_draft_equals_plain_greedy(name, bs, monkeypatch
     assert oracle.calls == len(o_steps) - 1 and not oracle.fwd.broken
     assert all(s.accepted == s.drafted for s in o_steps[1:-1])
     assert_greedy_equal(o_out, ref, target)
+
+
+def test_new_weights_drop_the_compiled_draft():
+    """`update` (loading weights) and `update_modules` (quantizing) drop the shared compiled
+    draft, whose traces hold the old weights."""
+    import mlx.nn as nn
+
+    target, draft, _ = _draft_and_taps("llama", 1)
+    first = shared_compiled_draft(draft)
+    draft.update(draft.parameters())
+    second = shared_compiled_draft(draft)
+    assert second is not first
+    nn.quantize(draft, group_size=32, bits=8, class_predicate=lambda p, m: isinstance(m, nn.Linear)
+                and m.weight.shape[-1] % 32 == 0)
+    assert shared_compiled_draft(draft) is not second

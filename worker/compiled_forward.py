@@ -137,6 +137,8 @@ class CompiledTarget:
                                  else os.environ.get("FLASHFLEET_COMPILE_MAX_POSITIONS", "8192"))
         self._fn = mx.compile(self._forward)
         self.broken = False  # a trace failed: every call runs uncompiled
+        self.rows_broken = False  # a trace of candidate rows failed: one row a verify from now on
+        self._rows = None  # the last forward's K-row buffers, until `choose_row`
 
     def _eager(self, tokens: mx.array, cache: Sequence[PaddedKVCache]):
         if self.capture is None:
@@ -173,7 +175,7 @@ class CompiledTarget:
         for c in cache:
             c.reserve(L)
         K = tokens.shape[0]
-        if self.broken or cache[0].keys.shape[2] > self.max_positions:
+        if self.broken or (K > 1 and self.rows_broken) or cache[0].keys.shape[2] > self.max_positions:
             if K > 1:
                 raise ValueError("candidate rows need the compiled forward (see `branches_fit`)")
             return self._eager(tokens, cache)
@@ -183,30 +185,41 @@ class CompiledTarget:
         except (ValueError, RuntimeError, TypeError) as e:
             # A model whose code reads the offset in Python (evaluates an array inside the
             # trace): nothing was written (reserve only grew the buffers), so run it op by op
-            # from now on.
-            log.warning("compiled forward of %s failed to trace (%s); running it uncompiled",
-                        type(self.model).__name__, e)
-            self.broken = True
+            # from now on; a failed trace of candidate rows only stops rows (one row may trace).
+            log.warning("compiled forward of %s failed to trace %s (%s); running %s", type(self.model).__name__,
+                        f"{K} candidate rows" if K > 1 else "", e,
+                        "one row a verify" if K > 1 else "it uncompiled")
             if K > 1:
-                raise ValueError("candidate rows need the compiled forward") from e
+                self.rows_broken = True
+                raise ValueError("candidate rows failed to trace") from e
+            self.broken = True
             return self._eager(tokens, cache)
         self._rows = (keys, values) if K > 1 else None
         for c, k, v in zip(cache, keys, values):
             # K rows: the caches hold row 0's buffers (a view) until `choose_row` picks another
             c.keys, c.values, c.offset = (k, v, offset + L) if K == 1 else (k[:1], v[:1], offset + L)
+            c.rows_held = K
         return logits, taps
 
     def branches_fit(self, cache: Sequence[PaddedKVCache], n: int) -> bool:
         """Whether a forward of candidate rows with n tokens each would run compiled here (the
         only way rows run): not broken, and the buffer after it within `max_positions`."""
-        return not self.broken and cache[0].keys is not None and cache[0].key_length(n) <= self.max_positions
+        return (not self.broken and not self.rows_broken and cache[0].keys is not None
+                and cache[0].key_length(n) <= self.max_positions)
 
     def choose_row(self, cache: Sequence[PaddedKVCache], row: int) -> None:
         """After a forward of K candidate rows, keeps row `row`'s keys and values in the caches
-        (views of that forward's K-row buffers; row 0 is kept unless this is called)."""
+        (views of that forward's K-row buffers; row 0 is kept unless this is called) and lets go
+        of the K-row buffers (they stay alive only as long as the caches' views do).
+
+        Raises:
+            ValueError: no forward of candidate rows since the last call."""
+        if self._rows is None:
+            raise ValueError("choose_row: no forward of candidate rows to choose from")
         if row:
             for c, k, v in zip(cache, *self._rows):
                 c.keys, c.values = k[row: row + 1], v[row: row + 1]
+        self._rows = None
 
 
 def shared_compiled_target(model: nn.Module, layer_ids: Optional[Sequence[int]]) -> CompiledTarget:

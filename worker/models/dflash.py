@@ -120,6 +120,12 @@ class PaddedKVCache(KVCache):
     step = int(os.environ.get("FLASHFLEET_KV_BUCKET", "256"))
     additive = True  # False: boolean masks, as before (bench/bench_forward_queue.py compares both)
     additive_ok = False  # also for caches made without __init__ (mlx-lm's `from_state`)
+    rows_held = 1  # the buffers are a row of a verify's K candidate-row buffers (CompiledTarget)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the buffers keep allocated: a row view of K candidate rows holds all K."""
+        return (0 if self.keys is None else self.keys.nbytes + self.values.nbytes) * self.rows_held
 
     def __init__(self, additive_ok: bool = False):
         """additive_ok: the model reading this cache's masks takes additive ones (it hands them
@@ -147,6 +153,7 @@ class PaddedKVCache(KVCache):
         self.keys[..., prev:end, :] = keys
         self.values[..., prev:end, :] = values
         self.offset = end
+        self.rows_held = 1  # new buffers of their own
         if keys.shape[2] == 1:
             return self.keys[..., :end, :], self.values[..., :end, :]
         return self.keys, self.values
@@ -160,6 +167,7 @@ class PaddedKVCache(KVCache):
             self.keys = mx.concatenate([self.keys, mx.zeros((B, H, grow, Dk), self.keys.dtype)], axis=2)
             self.values = mx.concatenate(
                 [self.values, mx.zeros((B, H, grow, self.values.shape[3]), self.values.dtype)], axis=2)
+            self.rows_held = 1
 
     def key_length(self, n: int) -> int:
         """Keys an update of n > 1 positions will return (the buffer length after it)."""
@@ -459,6 +467,16 @@ class Model(nn.Module):
     def vocab(self) -> Optional[mx.array]:
         """The draft vocabulary: (K,) int32 ascending target ids, or None (the whole head)."""
         return None if self._vocab_maps is None else self._vocab_maps.ids
+
+    def update(self, parameters: dict, strict: bool = True) -> "Model":
+        """`nn.Module.update`; new weights also drop the compiled draft (its traces hold the old)."""
+        self.__dict__.pop("_flashfleet_compiled_draft", None)
+        return super().update(parameters, strict=strict)
+
+    def update_modules(self, modules: dict, strict: bool = True) -> "Model":
+        """`nn.Module.update_modules` (quantization swaps layers); drops the compiled draft too."""
+        self.__dict__.pop("_flashfleet_compiled_draft", None)
+        return super().update_modules(modules, strict=strict)
 
     def bind(self, target: nn.Module) -> "Model":
         """Borrows the target's token embedding and LM head (frozen; not copied, not saved).

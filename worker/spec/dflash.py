@@ -169,9 +169,9 @@ def dflash_generate(
         branches: verify up to this many candidate blocks per cycle in one batched target
             forward (`Model.propose`: the draft's block, and copies of it with its second choice
             at one position each); the cycle keeps the row accepted furthest. Only with the
-            compiled verify and the greedy sampler, and while the target's buffer stays within
-            `branch_max_positions` (the rows' buffers hold that many positions each until the
-            next cycle); otherwise one block. The output is unchanged (every committed token is
+            compiled verify and the greedy sampler, and while the target's KV buffer stays within
+            `branch_max_positions` (the session's caches then hold views of K-row buffers of that
+            length until its next cycle, counted in their `nbytes`); otherwise one block. The output is unchanged (every committed token is
             the target's greedy choice after its own prefix); tau rises where second choices
             are right.
         branch_max_positions: see `branches`.
@@ -220,7 +220,7 @@ def dflash_generate(
     max_rows = max(1, int(branches)) if compiled is not None and sampler is greedy else 1
 
     def rows_for(bs: int) -> int:
-        if max_rows == 1 or bs < 2 or tc[0].offset + bs > branch_max_positions:
+        if max_rows == 1 or bs < 2 or tc[0].keys is None or tc[0].key_length(bs) > branch_max_positions:
             return 1
         return min(max_rows, bs) if compiled.branches_fit(tc, bs) else 1
 
@@ -292,7 +292,14 @@ def dflash_generate(
         if timed:
             mx.eval(blocks)
         t1 = time.perf_counter()
-        logits, taps = verify(blocks)
+        if blocks.shape[0] > 1:
+            try:
+                logits, taps = verify(blocks)
+            except ValueError:  # the rows could not run compiled after all: the draft's block alone
+                blocks = blocks[:1]
+                logits, taps = verify(blocks)
+        else:
+            logits, taps = verify(blocks)
         rows = rows_run = blocks.shape[0]
         tok = sample_rows(sampler, logits[0], n_seq) if rows == 1 else greedy(logits)
         mx.eval(tok, blocks, taps)  # the one host sync of the cycle
@@ -301,7 +308,7 @@ def dflash_generate(
         chosen = tok.tolist()
         i, j, tl = best_row(blocks.tolist(), [chosen] if rows == 1 else chosen)
         k = bs - 1
-        if i:
+        if rows > 1:
             compiled.choose_row(tc, i)
         for c in tc:  # drop the rejected drafts d[j:]; keep b and d[:j]
             c.trim(k - j)
