@@ -52,7 +52,8 @@ class EngineConfig:
             verifies, contexts up to 2,048 positions). 1 (the default) verifies the draft's block
             alone. On the H200 4-8 rows raised tau by 14-17% at a 16-25% longer cycle
             (docs/benchmarks.md, "Candidate blocks"), so it stays opt-in; the rows' KV buffers
-            cost up to K times a session's KV memory until its next cycle.
+            cost up to K times a session's KV memory until its next cycle (counted in the
+            KV-cache metrics).
     """
 
     model_path: Path
