@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-from worker.models.dflash import Model, PaddedKVCache
+from worker.models.dflash import COMPILED_DRAFT_ATTR, Model, PaddedKVCache
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +105,8 @@ def compiled_draft_pays() -> bool:
 def shared_compiled_draft(draft: Model) -> CompiledDraft:
     """The `CompiledDraft` of this draft, made once and kept on it, so sessions share its traces
     (each costs a graph build and, on CUDA, kernel compiles)."""
-    fwd = draft.__dict__.get("_flashfleet_compiled_draft")
+    fwd = draft.__dict__.get(COMPILED_DRAFT_ATTR)
     if fwd is None:
         fwd = CompiledDraft(draft)
-        object.__setattr__(draft, "_flashfleet_compiled_draft", fwd)
+        object.__setattr__(draft, COMPILED_DRAFT_ATTR, fwd)
     return fwd

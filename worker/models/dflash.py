@@ -416,6 +416,9 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h)), keys, values
 
 
+COMPILED_DRAFT_ATTR = "_flashfleet_compiled_draft"  # where a draft keeps its shared CompiledDraft
+
+
 @dataclass(frozen=True)
 class _VocabMaps:
     """A draft vocabulary (a plain object, so MLX never takes its arrays for weights)."""
@@ -468,14 +471,19 @@ class Model(nn.Module):
         """The draft vocabulary: (K,) int32 ascending target ids, or None (the whole head)."""
         return None if self._vocab_maps is None else self._vocab_maps.ids
 
+    def _drop_compiled_draft(self) -> None:
+        # `worker.compiled_draft.shared_compiled_draft` keeps it here; its traces hold the
+        # weights and head they were traced with.
+        self.__dict__.pop(COMPILED_DRAFT_ATTR, None)
+
     def update(self, parameters: dict, strict: bool = True) -> "Model":
         """`nn.Module.update`; new weights also drop the compiled draft (its traces hold the old)."""
-        self.__dict__.pop("_flashfleet_compiled_draft", None)
+        self._drop_compiled_draft()
         return super().update(parameters, strict=strict)
 
     def update_modules(self, modules: dict, strict: bool = True) -> "Model":
         """`nn.Module.update_modules` (quantization swaps layers); drops the compiled draft too."""
-        self.__dict__.pop("_flashfleet_compiled_draft", None)
+        self._drop_compiled_draft()
         return super().update_modules(modules, strict=strict)
 
     def bind(self, target: nn.Module) -> "Model":
@@ -484,7 +492,7 @@ class Model(nn.Module):
         With a draft vocabulary (`set_vocab`) only its rows of the head are kept (one copy)."""
         if self.__dict__.get("_bound_target") is target:
             return self  # every session binds; the compiled draft's traces stay valid
-        self.__dict__.pop("_flashfleet_compiled_draft", None)  # its traces hold the old head
+        self._drop_compiled_draft()
         object.__setattr__(self, "_bound_target", target)  # not a child module: never saved
         self._embed = target_embed_fn(target)
         self._head_for = lambda rows: target_head_fn(target, rows)
@@ -523,7 +531,7 @@ class Model(nn.Module):
             self.args.draft_vocab_size = int(ids.size)
         if self._head_for is not None:
             self._head = self._head_for(self.vocab)
-        self.__dict__.pop("_flashfleet_compiled_draft", None)  # its traces hold the old head
+        self._drop_compiled_draft()
         return self
 
     def draft_index(self, token_ids: mx.array) -> mx.array:

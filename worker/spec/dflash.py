@@ -292,13 +292,12 @@ def dflash_generate(
         if timed:
             mx.eval(blocks)
         t1 = time.perf_counter()
-        if blocks.shape[0] > 1:
-            try:
-                logits, taps = verify(blocks)
-            except ValueError:  # the rows could not run compiled after all: the draft's block alone
-                blocks = blocks[:1]
-                logits, taps = verify(blocks)
-        else:
+        try:
+            logits, taps = verify(blocks)
+        except ValueError:  # candidate rows could not run compiled after all: the draft's block alone
+            if blocks.shape[0] == 1:
+                raise
+            blocks = blocks[:1]
             logits, taps = verify(blocks)
         rows = rows_run = blocks.shape[0]
         tok = sample_rows(sampler, logits[0], n_seq) if rows == 1 else greedy(logits)
