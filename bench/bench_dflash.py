@@ -418,6 +418,10 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=1,
                    help="measure every method this many times, in a rotated order each round; tok/s is the "
                         "median, the speedup the median of each round's ratio (with its range)")
+    p.add_argument("--warm-all", action="store_true",
+                   help="warm up on every timed prompt (an untimed round), not only the shortest and the longest: "
+                        "every compiled shape the timed rounds meet is then traced and its kernels built, as in a "
+                        "worker that has served such requests before")
     p.add_argument("--cases", type=Path, default=CASES)
     p.add_argument("--prompt-set", choices=("heldout", "first"), default="heldout")
     p.add_argument("--raw", action="store_true", help="raw prompt text instead of the chat template")
@@ -573,9 +577,10 @@ def main(argv=None) -> int:
     # Compile/allocate once before timing, on the shortest and the longest timed prompt: on the
     # GPU a KV-cache bucket's first use compiles kernels, which would otherwise land in whichever
     # method reaches it first. Buckets only prompts in between reach (long prompts with a small
-    # --kv-bucket) are not warmed.
+    # --kv-bucket), and shapes met only at other prompts' ends (a block shrunk near max_tokens, a
+    # cost-model choice, its candidate rows) are not warmed unless --warm-all.
     timed = [pr for rows in prompts.values() for pr in rows]
-    warm_set = [min(timed, key=len), max(timed, key=len)]
+    warm_set = timed if args.warm_all else [min(timed, key=len), max(timed, key=len)]
     for fn in methods.values():
         for pr in warm_set:
             fn(pr)

@@ -1,0 +1,192 @@
+"""Where a DFlash cycle's time goes, piece by piece, with one candidate block and with K rows.
+
+`dflash_generate(branches=K)` verifies K candidate blocks in one forward; on the H200 that forward
+costs about what one block's does (bench/bench_batched_verify.py), yet a K-row cycle ran 14-25%
+longer end to end (docs/benchmarks.md, "Candidate blocks"). This script runs the cycle of
+`worker/spec/dflash.py` (compiled draft, compiled verify, greedy, real target and draft, a real
+prompt) for `--cycles` cycles per row count, two ways:
+
+- `pipelined`: as the engine runs it (the next draft queued with `mx.async_eval`, the verify
+  built while the device drafts, one host sync a cycle); gives the cycle's wall time and the
+  host time of each piece between the syncs;
+- `split`: a sync after every piece, so each piece's time is its own (host building + device
+  work + the wait): draft, verify (the target's choice included), read-back, and the host's
+  verdict (`best_row`, `choose_row`, trims).
+
+Each (mode, rows) runs once untimed first over the same prompt and cycles (greedy, so the same
+shapes: every trace and kernel compile happens there), then `--rounds` timed runs; the table
+gives medians over cycles of the median round. `rows 8 keep0` verifies 8 rows but always keeps
+row 0 (the one-block outcome; isolates what keeping another row's cache views costs).
+
+    python bench/bench_cycle_pieces.py --target MODEL --dflash-draft DRAFT [--rows 1 4 8]
+        [--cycles 48] [--rounds 3] [--cases ../shared/cases] [--corpus code] [--json-out F]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PIECES = ("draft_build", "draft_wait", "verify_build", "verify_wait", "readback", "verdict")
+
+
+def run_cycles(target, draft, prompt: list[int], rows: int, cycles: int, split: bool, keep0: bool) -> dict:
+    """Prefills `prompt`, then runs `cycles` DFlash cycles at block size B with `rows` candidate
+    rows. Returns per-cycle lists: `cycle` (s, wall, pipelined mode), one list per piece (s), and
+    `tokens` (committed per cycle). Raises RuntimeError if the compiled paths are unavailable."""
+    import mlx.core as mx
+
+    from worker.capture import HiddenCapture
+    from worker.compiled_draft import shared_compiled_draft
+    from worker.compiled_forward import compilable, shared_compiled_target
+    from worker.sampling import greedy
+    from worker.spec.dflash import best_row, make_target_cache
+
+    B = draft.block_size
+    tc, dc = make_target_cache(target), draft.make_cache()
+    if not compilable(target, tc):
+        raise RuntimeError("the target's verify cannot be compiled (compilable() is False)")
+    fwd, dfwd = shared_compiled_target(target, draft.target_layer_ids), shared_compiled_draft(draft)
+    cap = HiddenCapture(target, draft.target_layer_ids)
+    x = mx.array([prompt], dtype=mx.uint32)
+    with cap:
+        target(x[:, :-1], cache=tc)
+    draft.extend_context(cap.hidden(), dc)
+    with cap:
+        logits = target(x[:, -1:], cache=tc)
+    pending, b = cap.hidden(), int(mx.argmax(logits[0, -1]).item())
+    mx.eval(pending, [c.state for c in tc], [c.state for c in dc])
+    masks = [draft.mask_token_id] * (B - 1)
+    out = {k: [] for k in ("cycle", "tokens", *PIECES)}
+    now = time.perf_counter
+
+    def launch(b, pending):
+        return dfwd(mx.array([[b] + masks], dtype=mx.uint32), pending, dc, rows)
+
+    next_blocks = None
+    for _ in range(cycles):
+        t = {}
+        t0 = now()
+        if split:
+            blocks = launch(b, pending)
+            t["draft_build"] = now() - t0
+            t1 = now()
+            mx.eval(blocks)
+            t["draft_wait"] = now() - t1
+        else:
+            blocks = next_blocks if next_blocks is not None else launch(b, pending)
+            t["draft_build"] = 0.0 if next_blocks is not None else now() - t0
+            t["draft_wait"] = 0.0
+        t1 = now()
+        logits, taps = fwd(blocks, tc)
+        tok = greedy(logits[0]) if rows == 1 else greedy(logits)
+        t["verify_build"] = now() - t1
+        t2 = now()
+        mx.eval(tok, blocks, taps)
+        t["verify_wait"] = now() - t2
+        t3 = now()
+        chosen, blk = tok.tolist(), blocks.tolist()
+        t["readback"] = now() - t3
+        t4 = now()
+        i, j, tl = best_row(blk, [chosen] if rows == 1 else chosen)
+        if keep0:
+            i, j, tl = best_row(blk[:1], chosen[:1])
+        if rows > 1:
+            fwd.choose_row(tc, i)
+        for c in tc:
+            c.trim(B - 1 - j)
+        pending, b = taps[i: i + 1, : j + 1], tl[j]
+        t["verdict"] = now() - t4
+        if not split:  # the engine queues the next draft before it yields the Step
+            t5 = now()
+            next_blocks = launch(b, pending)
+            mx.async_eval(next_blocks)
+            t["draft_build"] += now() - t5
+        t["cycle"] = now() - t0
+        for k, v in t.items():
+            out[k].append(v)
+        out["tokens"].append(j + 1)
+    if next_blocks is not None:
+        mx.eval(next_blocks)
+    return out
+
+
+def main(argv=None) -> int:
+    import mlx.core as mx
+
+    from bench.bench_dflash import CORPORA, load_model, read_prompts
+    from worker.fusion import fuse_projections
+    from worker.models.dflash_checkpoint import DraftCheckpointError, DraftMismatch, load_dflash_draft
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--dflash-draft", required=True)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8], help="candidate rows per verify")
+    ap.add_argument("--cycles", type=int, default=48, help="cycles per run (the first 2 are not counted)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cases", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "cases")
+    ap.add_argument("--corpus", default="code", choices=sorted(CORPORA))
+    ap.add_argument("--contexts", type=int, nargs="+", default=[0],
+                    help="context lengths to run at: 0 = the prompt as it is; N = other prompts of the corpus "
+                         "put before it until it has at least N tokens (a longer KV cache)")
+    ap.add_argument("--modes", nargs="+", default=["pipelined", "split"], choices=["pipelined", "split"])
+    ap.add_argument("--json-out", type=Path)
+    a = ap.parse_args(argv)
+    if min(a.rows) < 1 or a.cycles < 3 or a.rounds < 1:
+        ap.error("--rows >= 1, --cycles >= 3, --rounds >= 1")
+
+    target, tokenizer = load_model(a.target, False, getattr(mx, a.dtype))
+    fused = fuse_projections(target)
+    try:
+        draft = load_dflash_draft(a.dflash_draft, target)
+    except (DraftCheckpointError, DraftMismatch) as e:
+        print(f"bench_cycle_pieces: {e}", file=sys.stderr)
+        return 2
+    if max(a.rows) > draft.block_size:
+        ap.error(f"--rows: at most the block size {draft.block_size}")
+    corpus = read_prompts(tokenizer, 64, 1024, a.cases, prompt_set="first")[a.corpus]
+    variants = [(r, False) for r in a.rows] + ([(max(a.rows), True)] if max(a.rows) > 1 else [])
+    rows_out = []
+    for context, mode, (rows, keep0) in ((c, m, v) for c in a.contexts for m in a.modes for v in variants):
+        prompt = list(corpus[0])
+        for other in corpus[1:]:
+            if len(prompt) >= context:
+                break
+            prompt = other + prompt
+        name = f"{rows}{' keep0' if keep0 else ''}"
+        run = lambda: run_cycles(target, draft, prompt, rows, a.cycles, mode == "split", keep0)  # noqa: E731
+        run()  # every trace and kernel compile of these shapes
+        rounds = [run() for _ in range(a.rounds)]
+        per_round = [statistics.median(r["cycle"][2:]) for r in rounds]
+        r = rounds[sorted(range(len(rounds)), key=per_round.__getitem__)[len(rounds) // 2]]  # the median round
+        med = {k: statistics.median(v[2:]) * 1e3 for k, v in r.items() if k != "tokens"}
+        tau = statistics.mean(r["tokens"][2:])
+        rows_out.append(dict(context=len(prompt), mode=mode, rows=name, tau=tau, ms=med,
+                             tok_per_s=tau / med["cycle"] * 1e3, cycle_range_ms=[min(per_round) * 1e3, max(per_round) * 1e3]))
+        print(f"  context {len(prompt)} {mode} rows {name}: cycle {med['cycle']:.2f} ms, tau {tau:.2f}",
+              file=sys.stderr, flush=True)
+    print(f"target {a.target} {a.dtype}, fused groups {fused}; draft {a.dflash_draft} (B={draft.block_size}); "
+          f"{a.corpus} prompts; {a.cycles} cycles, median of {a.rounds} round(s); "
+          f"device {mx.default_device()}; mlx {mx.__version__}")
+    print(f"{'context':>7s} {'mode':9s} {'rows':>8s} {'cycle ms':>9s} " + " ".join(f"{p:>12s}" for p in PIECES)
+          + f" {'tau':>5s} {'tok/s':>7s} {'rounds ms':>12s}")
+    for r in rows_out:
+        lo, hi = r["cycle_range_ms"]
+        print(f"{r['context']:7d} {r['mode']:9s} {r['rows']:>8s} {r['ms']['cycle']:9.2f} "
+              + " ".join(f"{r['ms'][p]:12.2f}" for p in PIECES)
+              + f" {r['tau']:5.2f} {r['tok_per_s']:7.1f} {f'{lo:.2f}-{hi:.2f}':>12s}")
+    if a.json_out:
+        a.json_out.write_text(json.dumps(dict(argv=sys.argv[1:] if argv is None else list(argv),
+                                              device=str(mx.default_device()), mlx=mx.__version__,
+                                              rows=rows_out), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
