@@ -13,9 +13,10 @@ prompt) for `--cycles` cycles per row count, two ways:
   work + the wait): draft, verify (the target's choice included), read-back, and the host's
   verdict (`best_row`, `choose_row`, trims).
 
-Each (mode, rows) runs once untimed first over the same prompt and cycles (greedy, so the same
-shapes: every trace and kernel compile happens there), then `--rounds` timed runs; the table
-gives medians over cycles of the median round. `rows 8 keep0` verifies 8 rows but always keeps
+Every (mode, rows) cell runs once untimed first over the same prompt and cycles (greedy, so the
+same shapes: every trace and kernel compile happens there), then `--rounds` timed rounds, each
+running every cell once in a rotated order (the machine drifts within a process); the table
+gives medians over cycles of each cell's median round. `rows 8 keep0` verifies 8 rows but always keeps
 row 0 (the one-block outcome; isolates what keeping another row's cache views costs).
 
     python bench/bench_cycle_pieces.py --target MODEL --dflash-draft DRAFT [--rows 1 4 8]
@@ -153,24 +154,32 @@ def main(argv=None) -> int:
     corpus = read_prompts(tokenizer, 64, 1024, a.cases, prompt_set="first")[a.corpus]
     variants = [(r, False) for r in a.rows] + ([(max(a.rows), True)] if max(a.rows) > 1 else [])
     rows_out = []
-    for context, mode, (rows, keep0) in ((c, m, v) for c in a.contexts for m in a.modes for v in variants):
+    for context in a.contexts:
         prompt = list(corpus[0])
         for other in corpus[1:]:
             if len(prompt) >= context:
                 break
             prompt = other + prompt
-        name = f"{rows}{' keep0' if keep0 else ''}"
-        run = lambda: run_cycles(target, draft, prompt, rows, a.cycles, mode == "split", keep0)  # noqa: E731
-        run()  # every trace and kernel compile of these shapes
-        rounds = [run() for _ in range(a.rounds)]
-        per_round = [statistics.median(r["cycle"][2:]) for r in rounds]
-        r = rounds[sorted(range(len(rounds)), key=per_round.__getitem__)[len(rounds) // 2]]  # the median round
-        med = {k: statistics.median(v[2:]) * 1e3 for k, v in r.items() if k != "tokens"}
-        tau = statistics.mean(r["tokens"][2:])
-        rows_out.append(dict(context=len(prompt), mode=mode, rows=name, tau=tau, ms=med,
-                             tok_per_s=tau / med["cycle"] * 1e3, cycle_range_ms=[min(per_round) * 1e3, max(per_round) * 1e3]))
-        print(f"  context {len(prompt)} {mode} rows {name}: cycle {med['cycle']:.2f} ms, tau {tau:.2f}",
-              file=sys.stderr, flush=True)
+        cells = [(m, rows, keep0) for m in a.modes for rows, keep0 in variants]
+        runs = {c: [] for c in cells}
+        for r in range(-1, a.rounds):  # round -1: every trace and kernel compile of these shapes
+            # Every cell once per round, the order rotated: the machine drifts within a process
+            # (session 26: the same cell's rounds spread 7.3-11.0 ms when run back to back).
+            for mode, rows, keep0 in cells[r % len(cells):] + cells[:r % len(cells)]:
+                out = run_cycles(target, draft, prompt, rows, a.cycles, mode == "split", keep0)
+                if r >= 0:
+                    runs[mode, rows, keep0].append(out)
+        for (mode, rows, keep0), rounds in runs.items():
+            name = f"{rows}{' keep0' if keep0 else ''}"
+            per_round = [statistics.median(r["cycle"][2:]) for r in rounds]
+            r = rounds[sorted(range(len(rounds)), key=per_round.__getitem__)[len(rounds) // 2]]  # the median round
+            med = {k: statistics.median(v[2:]) * 1e3 for k, v in r.items() if k != "tokens"}
+            tau = statistics.mean(r["tokens"][2:])
+            rows_out.append(dict(context=len(prompt), mode=mode, rows=name, tau=tau, ms=med,
+                                 tok_per_s=tau / med["cycle"] * 1e3,
+                                 cycle_range_ms=[min(per_round) * 1e3, max(per_round) * 1e3]))
+            print(f"  context {len(prompt)} {mode} rows {name}: cycle {med['cycle']:.2f} ms, tau {tau:.2f}",
+                  file=sys.stderr, flush=True)
     print(f"target {a.target} {a.dtype}, fused groups {fused}; draft {a.dflash_draft} (B={draft.block_size}); "
           f"{a.corpus} prompts; {a.cycles} cycles, median of {a.rounds} round(s); "
           f"device {mx.default_device()}; mlx {mx.__version__}")
