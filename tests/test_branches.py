@@ -187,3 +187,35 @@ def test_rows_that_fail_to_trace_fall_back_to_one_block(pair, monkeypatch):
     assert_greedy_equal(out, ref, target)
     assert fwd.rows_broken and not fwd.broken
     assert calls.count(4) == 1 and calls[-1] == 1  # one failed try, then one row a verify
+
+
+def test_default_branches_are_four_on_a_gpu_one_on_the_cpu(monkeypatch):
+    from worker.spec import dflash
+
+    assert dflash.default_branches() == (4 if mx.default_device().type == mx.gpu else 1)
+    monkeypatch.setattr(dflash.mx, "default_device", lambda: mx.Device(mx.gpu))
+    assert dflash.default_branches() == dflash.DEFAULT_GPU_BRANCHES == 4
+    monkeypatch.setattr(dflash.mx, "default_device", lambda: mx.Device(mx.cpu))
+    assert dflash.default_branches() == 1
+
+
+@pytest.mark.parametrize("configured,want", [(None, 3), (1, 1), (2, 2)])
+def test_the_engine_passes_the_default_rows_unless_configured(monkeypatch, tmp_path, configured, want):
+    """`EngineConfig.branches` None means `default_branches()`; a number is used as given."""
+    from types import SimpleNamespace
+
+    from worker.config import EngineConfig
+    from worker.engine import modes
+
+    seen = {}
+    monkeypatch.setattr(modes, "default_branches", lambda: 3)
+    monkeypatch.setattr(modes, "dflash_generate", lambda *a, **kw: seen.update(kw) or iter(()))
+    monkeypatch.setattr(modes, "make_target_cache", lambda target: [])
+    draft = SimpleNamespace(make_cache=lambda: [], block_size=16)
+    m = SimpleNamespace(target=None, draft=draft, eos_ids=frozenset(), cost_memory=None)
+    req = SimpleNamespace(prompt_tokens=[1, 2], max_tokens=4)
+    cfg = EngineConfig(model_path=tmp_path, adaptive_block_size=False, branches=configured)
+    modes.start_dflash(m, cfg, req, greedy)
+    assert seen["branches"] == want
+    with pytest.raises(ValueError, match="branches"):
+        EngineConfig(model_path=tmp_path, branches=0)

@@ -66,9 +66,9 @@ def parse_args(argv):
                    help="run DFlash verifies and drafts op by op (default: the target's forward, and "
                    "on a GPU the draft's block forward, as one compiled MLX graph per shape, where "
                    "the architecture allows it)")
-    p.add_argument("--branches", type=int, default=1, metavar="K",
+    p.add_argument("--branches", type=int, default=None, metavar="K",
                    help="DFlash: verify up to K candidate blocks per cycle in one batched forward "
-                   "(greedy requests; default 1: the draft's block alone; opt-in, see docs/benchmarks.md)")
+                   "(greedy requests; default 4 on a GPU, 1 on the CPU; 1 = the draft's block alone)")
     p.add_argument("--capacity", type=int, default=None, help="sessions admitted at once (default 4)")
     p.add_argument("--max-context-tokens", type=int, default=None)
     p.add_argument("--coordinator", default=None, help="coordinator host:port (omit: standalone)")
@@ -120,7 +120,7 @@ def parse_args(argv):
     a.draft = resolve_draft_arg(a.draft, a.model, a.model_name)
     if not (math.isfinite(a.drain_timeout_s) and a.drain_timeout_s >= 0):
         p.error(f"--drain-timeout must be a finite number of seconds >= 0, got {a.drain_timeout_s}")
-    if a.branches < 1:
+    if a.branches is not None and a.branches < 1:
         p.error(f"--branches must be >= 1, got {a.branches}")
     for key in ("peak_memory_bandwidth_gbs", "kv_cache_limit_bytes", "max_context_tokens"):
         value = getattr(a, key)

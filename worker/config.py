@@ -49,11 +49,12 @@ class EngineConfig:
         branches: DFlash verifies up to this many candidate blocks per cycle in one batched
             target forward (`worker.spec.dflash.dflash_generate`'s `branches`: the draft's block
             and copies with its second choice at one position each; greedy requests, compiled
-            verifies, contexts up to 2,048 positions). 1 (the default) verifies the draft's block
-            alone. On the H200 4-8 rows raised tau by 14-17% at a 16-25% longer cycle
-            (docs/benchmarks.md, "Candidate blocks"), so it stays opt-in; the rows' KV buffers
-            cost up to K times a session's KV memory until its next cycle (counted in the
-            KV-cache metrics).
+            verifies, contexts up to 2,048 positions). None (the default) = `default_branches()`:
+            4 on a GPU, 1 on the CPU (where each row is real arithmetic). On the H200, warm, 4
+            rows raised tau 10-17% and the speed over plain mlx-lm in 11 of 12 (process, corpus)
+            pairs (docs/benchmarks.md, "Candidate blocks, warm"). 1 verifies the draft's block
+            alone. The rows' KV buffers cost up to K times a session's KV memory until its next
+            cycle (counted in the KV-cache metrics).
     """
 
     model_path: Path
@@ -70,14 +71,14 @@ class EngineConfig:
     warmup: bool = True
     fuse_projections: bool = True
     compile_forward: bool = True
-    branches: int = 1
+    branches: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_path", Path(self.model_path))
         if self.draft_path is not None:
             object.__setattr__(self, "draft_path", Path(self.draft_path))
         for name in ("num_draft_tokens", "capacity", "prefill_step_tokens", "branches"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.draft_kind not in ("", "draft", "dflash", "uag"):
             raise ValueError("EngineConfig.draft_kind must be '', 'draft', 'dflash' or 'uag', "

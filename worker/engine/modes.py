@@ -19,7 +19,7 @@ from worker.engine.types import GenerationRequest, InvalidRequest
 from worker.spec import draft_model, plain
 from worker.spec.cost_model import AdaptiveBlockPolicy, CostMemory
 from worker.spec.cross_tokenizer import start_uag
-from worker.spec.dflash import dflash_generate, make_target_cache
+from worker.spec.dflash import default_branches, dflash_generate, make_target_cache
 from worker.spec.base import Sampler, Step
 
 
@@ -87,7 +87,8 @@ def start_dflash(m: LoadedModels, cfg: EngineConfig, req: GenerationRequest, sam
         draft=m.draft, block_size=cfg.block_size, policy=policy, target_cache=cache,
         draft_cache=draft_cache, prefill_step_tokens=cfg.prefill_step_tokens,
         time_every=1 if cfg.spec_timing_sync else 0, compile_target=cfg.compile_forward,
-        compile_draft=cfg.compile_forward and compiled_draft_pays(), branches=cfg.branches)
+        compile_draft=cfg.compile_forward and compiled_draft_pays(),
+        branches=default_branches() if cfg.branches is None else cfg.branches)
     return steps, cache + draft_cache
 
 

@@ -23,6 +23,7 @@ from mlx_lm.utils import load_tokenizer
 from worker.config import EngineConfig
 from worker.detokenize import TextAssembler
 from worker.compiled_draft import compiled_draft_pays
+from worker.spec.dflash import default_branches
 from worker.compiled_forward import compilable_model
 from worker.fusion import fuse_projections
 from worker.engine.modes import MODES, LoadedModels, Mode, draft_kind_of, resolve_mode
@@ -417,6 +418,9 @@ class Engine:
             drafts_on = cfg.compile_forward and compiled_draft_pays()
             log.info("DFlash drafts: %s", "one compiled graph per shape" if drafts_on else "op by op ("
                      + ("--no-compile-forward" if not cfg.compile_forward else "not on a CPU") + ")")
+            rows = default_branches() if cfg.branches is None else cfg.branches
+            log.info("DFlash candidate blocks per verify: %d%s", rows,
+                     "" if rows == 1 else " (greedy requests, compiled verifies, up to 2,048 positions)")
         if cfg.warmup:
             self._warmup(models)
         return models
