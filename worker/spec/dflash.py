@@ -104,9 +104,10 @@ def default_branches() -> int:
 
     On a GPU, `DEFAULT_GPU_BRANCHES` (4): on the H200 a small target's verify is bound by
     per-operation overhead, so 4 rows of 16 tokens cost 9-12% more cycle time than one
-    (bench/bench_cycle_pieces.py, rounds interleaved) and add 10-17% to tau; with every shape
-    warm, DFlash with 4 rows ran ahead of one row in 11 of 12 (process, corpus) pairs at 256
-    tokens (code 2.20-2.28x plain mlx-lm against 2.01-2.12x). 8 rows cost 10-21% more. On the
+    (bench/bench_cycle_pieces.py, rounds interleaved) and add 11-17% to tau; with every shape
+    warm, DFlash with 4 rows ran ahead of one row in 10 and level in 1 of 12 comparisons at 256
+    tokens (2 processes x 3 corpora x fixed block / cost model; code 2.20-2.28x plain mlx-lm
+    against 2.01-2.12x). 8 rows cost 10-21% more. On the
     CPU every row is real arithmetic (a 2-row cycle of the SmolLM2 target took 1.4x one row's),
     so 1."""
     return DEFAULT_GPU_BRANCHES if mx.default_device().type == mx.gpu else 1
