@@ -37,9 +37,24 @@ PIECES = ("draft_build", "draft_wait", "verify_build", "verify_wait", "readback"
 
 
 def run_cycles(target, draft, prompt: list[int], rows: int, cycles: int, split: bool, keep0: bool) -> dict:
-    """Prefills `prompt`, then runs `cycles` DFlash cycles at block size B with `rows` candidate
-    rows. Returns per-cycle lists: `cycle` (s, wall, pipelined mode), one list per piece (s), and
-    `tokens` (committed per cycle). Raises RuntimeError if the compiled paths are unavailable."""
+    """Prefills `prompt` (one uncompiled forward), then runs `cycles` DFlash cycles at the draft's
+    block size B, greedy, as `worker.spec.dflash.dflash_generate`'s `spec_cycle` does (no EOS
+    stop, the default stream, no `rows_for` fallback).
+
+    Args:
+        target: a fused mlx-lm model that `compilable` accepts; draft: a bound DFlash `Model`.
+        prompt: token ids (>= 2). rows: candidate blocks per verify (1..B).
+        cycles: cycles to run. split: a host sync after every piece (else the engine's one).
+        keep0: keep row 0 whatever the verdict (the one-block outcome, K rows verified).
+
+    Returns:
+        per-cycle lists: `cycle` and one per piece in `PIECES` (seconds, host wall time) and
+        `tokens` (committed per cycle, bonus included).
+
+    Raises:
+        RuntimeError: the target's verify cannot be compiled. ValueError: K rows that cannot
+        run compiled (`CompiledTarget`); the compiled draft falls back to eager by itself.
+    """
     import mlx.core as mx
 
     from worker.capture import HiddenCapture
@@ -130,7 +145,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8], help="candidate rows per verify")
     ap.add_argument("--cycles", type=int, default=48, help="cycles per run (the first 2 are not counted)")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds (odd: a median round exists)")
     ap.add_argument("--cases", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "cases")
     ap.add_argument("--corpus", default="code", choices=sorted(CORPORA))
     ap.add_argument("--contexts", type=int, nargs="+", default=[0],
@@ -139,8 +154,8 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", nargs="+", default=["pipelined", "split"], choices=["pipelined", "split"])
     ap.add_argument("--json-out", type=Path)
     a = ap.parse_args(argv)
-    if min(a.rows) < 1 or a.cycles < 3 or a.rounds < 1:
-        ap.error("--rows >= 1, --cycles >= 3, --rounds >= 1")
+    if min(a.rows) < 1 or a.cycles < 3 or a.rounds < 1 or a.rounds % 2 == 0:
+        ap.error("--rows >= 1, --cycles >= 3, --rounds odd and >= 1")
 
     target, tokenizer = load_model(a.target, False, getattr(mx, a.dtype))
     fused = fuse_projections(target)

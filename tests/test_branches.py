@@ -189,13 +189,13 @@ def test_rows_that_fail_to_trace_fall_back_to_one_block(pair, monkeypatch):
     assert calls.count(4) == 1 and calls[-1] == 1  # one failed try, then one row a verify
 
 
-def test_default_branches_are_four_on_a_gpu_one_on_the_cpu(monkeypatch):
+def test_default_branches_are_four_on_cuda_one_elsewhere(monkeypatch):
     from worker.spec import dflash
 
-    assert dflash.default_branches() == (4 if mx.default_device().type == mx.gpu else 1)
-    monkeypatch.setattr(dflash.mx, "default_device", lambda: mx.Device(mx.gpu))
-    assert dflash.default_branches() == dflash.DEFAULT_GPU_BRANCHES == 4
-    monkeypatch.setattr(dflash.mx, "default_device", lambda: mx.Device(mx.cpu))
+    assert dflash.default_branches() == (4 if mx.cuda.is_available() else 1)
+    monkeypatch.setattr(dflash.mx.cuda, "is_available", lambda: True)
+    assert dflash.default_branches() == dflash.DEFAULT_CUDA_BRANCHES == 4
+    monkeypatch.setattr(dflash.mx.cuda, "is_available", lambda: False)
     assert dflash.default_branches() == 1
 
 

@@ -95,6 +95,19 @@ def test_worker_log_says_how_verifies_run(tiny_models, dflash_dir, compiled, cap
         pass
     want = "one compiled graph per shape" if compiled else "op by op (--no-compile-forward)"
     assert f"DFlash verifies: {want}" in caplog.text
+    # rows run only with the compiled verify (the default count: 4 on CUDA, else 1)
+    from worker.spec.dflash import default_branches
+
+    d = default_branches()
+    want = ("1" if d == 1 else f"{d} (greedy requests, up to 2,048 positions)") if compiled \
+        else "1 (rows need the compiled verify)"
+    assert f"DFlash candidate blocks per verify: {want}" in caplog.text
+    caplog.clear()
+    with Engine(EngineConfig(model_path=tiny_models.llama, draft_path=dflash_dir, warmup=False,
+                             compile_forward=compiled, branches=3)):
+        pass
+    want = "3 (greedy requests, up to 2,048 positions)" if compiled else "1 (rows need the compiled verify)"
+    assert f"DFlash candidate blocks per verify: {want}" in caplog.text
 
 
 @pytest.mark.parametrize("gpu", [True, False])

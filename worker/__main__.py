@@ -68,7 +68,7 @@ def parse_args(argv):
                    "the architecture allows it)")
     p.add_argument("--branches", type=int, default=None, metavar="K",
                    help="DFlash: verify up to K candidate blocks per cycle in one batched forward "
-                   "(greedy requests; default 4 on a GPU, 1 on the CPU; 1 = the draft's block alone)")
+                   "(greedy requests; default 4 on CUDA, 1 on the CPU and Metal; 1 = the draft's block alone)")
     p.add_argument("--capacity", type=int, default=None, help="sessions admitted at once (default 4)")
     p.add_argument("--max-context-tokens", type=int, default=None)
     p.add_argument("--coordinator", default=None, help="coordinator host:port (omit: standalone)")

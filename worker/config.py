@@ -50,9 +50,9 @@ class EngineConfig:
             target forward (`worker.spec.dflash.dflash_generate`'s `branches`: the draft's block
             and copies with its second choice at one position each; greedy requests, compiled
             verifies, contexts up to 2,048 positions). None (the default) = `default_branches()`:
-            4 on a GPU, 1 on the CPU (where each row is real arithmetic). On the H200, warm, 4
-            rows raised tau 11-17% and were ahead of one block in 10 and level in 1 of 12
-            comparisons (docs/benchmarks.md, "Candidate blocks, warm"). 1 verifies the draft's block
+            4 on CUDA, 1 elsewhere (the CPU computes every row; no Apple GPU measured yet). On
+            the H200, warm, 4 rows raised tau 11-17% and were ahead of one block in 10 of 12
+            comparisons (3 outside the rounds' spread) (docs/benchmarks.md, "Candidate blocks, warm"). 1 verifies the draft's block
             alone. The rows' KV buffers cost up to K times a session's KV memory until its next
             cycle (counted in the KV-cache metrics).
     """

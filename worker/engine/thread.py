@@ -418,9 +418,10 @@ class Engine:
             drafts_on = cfg.compile_forward and compiled_draft_pays()
             log.info("DFlash drafts: %s", "one compiled graph per shape" if drafts_on else "op by op ("
                      + ("--no-compile-forward" if not cfg.compile_forward else "not on a CPU") + ")")
-            rows = default_branches() if cfg.branches is None else cfg.branches
+            rows = (default_branches() if cfg.branches is None else cfg.branches) if on else 1
             log.info("DFlash candidate blocks per verify: %d%s", rows,
-                     "" if rows == 1 else " (greedy requests, compiled verifies, up to 2,048 positions)")
+                     " (greedy requests, up to 2,048 positions)" if rows > 1 else
+                     "" if on else " (rows need the compiled verify)")
         if cfg.warmup:
             self._warmup(models)
         return models

@@ -96,21 +96,23 @@ def cycle_shapes_seen(target) -> set:
     return store
 
 
-DEFAULT_GPU_BRANCHES = 4  # candidate rows per verify on a GPU (docs/benchmarks.md, "Candidate blocks, warm")
+DEFAULT_CUDA_BRANCHES = 4  # candidate rows per verify on CUDA (docs/benchmarks.md, "Candidate blocks, warm")
 
 
 def default_branches() -> int:
     """Candidate blocks per verify a worker uses unless told (`EngineConfig.branches` None).
 
-    On a GPU, `DEFAULT_GPU_BRANCHES` (4): on the H200 a small target's verify is bound by
-    per-operation overhead, so 4 rows of 16 tokens cost 9-12% more cycle time than one
-    (bench/bench_cycle_pieces.py, rounds interleaved) and add 11-17% to tau; with every shape
-    warm, DFlash with 4 rows ran ahead of one row in 10 and level in 1 of 12 comparisons at 256
-    tokens (2 processes x 3 corpora x fixed block / cost model; code 2.20-2.28x plain mlx-lm
-    against 2.01-2.12x). 8 rows cost 10-21% more. On the
-    CPU every row is real arithmetic (a 2-row cycle of the SmolLM2 target took 1.4x one row's),
-    so 1."""
-    return DEFAULT_GPU_BRANCHES if mx.default_device().type == mx.gpu else 1
+    Returns:
+        `DEFAULT_CUDA_BRANCHES` (4) where MLX runs on CUDA, else 1. Measured on the H200 only: a
+        small target's verify there is bound by per-operation overhead, so 4 rows of 16 tokens
+        cost 9-12% more cycle time than one (bench/bench_cycle_pieces.py, rounds interleaved)
+        and add 11-17% to tau; with every shape warm, DFlash with 4 rows ran ahead of one row
+        in 10 of 12 comparisons at 256 tokens (3 of them outside the rounds' spread; code
+        2.20-2.28x plain mlx-lm against 2.01-2.12x). On the CPU a K-row verify computes K
+        times the tokens, and no Apple GPU has been measured, so both keep one block
+        (`flashfleet worker --branches K` sets it).
+    """
+    return DEFAULT_CUDA_BRANCHES if mx.cuda.is_available() else 1
 
 
 def best_row(blocks: list[list[int]], chosen: list[list[int]]) -> tuple[int, int, list[int]]:
