@@ -16,7 +16,8 @@ prompt) for `--cycles` cycles per row count, two ways:
 Every (mode, rows) cell runs once untimed first over the same prompt and cycles (greedy, so the
 same shapes: every trace and kernel compile happens there), then `--rounds` timed rounds, each
 running every cell once in a rotated order (the machine drifts within a process); the table
-gives medians over cycles of each cell's median round. `rows 8 keep0` verifies 8 rows but always keeps
+gives medians over cycles of each cell's median round, and each cell's cycle over the one-row
+cell's of the same round (paired, so the drift cancels): the median ratio and its range. `rows 8 keep0` verifies 8 rows but always keeps
 row 0 (the one-block outcome; isolates what keeping another row's cache views costs).
 
     python bench/bench_cycle_pieces.py --target MODEL --dflash-draft DRAFT [--rows 1 4 8]
@@ -190,21 +191,28 @@ def main(argv=None) -> int:
             r = rounds[sorted(range(len(rounds)), key=per_round.__getitem__)[len(rounds) // 2]]  # the median round
             med = {k: statistics.median(v[2:]) * 1e3 for k, v in r.items() if k != "tokens"}
             tau = statistics.mean(r["tokens"][2:])
+            # Paired with the same round's one-row cell of this mode: the drift cancels out.
+            base = runs.get((mode, 1, False))
+            ratios = sorted(t / statistics.median(one["cycle"][2:]) for t, one in zip(per_round, base)) if base else []
             rows_out.append(dict(context=len(prompt), mode=mode, rows=name, tau=tau, ms=med,
                                  tok_per_s=tau / med["cycle"] * 1e3,
-                                 cycle_range_ms=[min(per_round) * 1e3, max(per_round) * 1e3]))
+                                 cycle_range_ms=[min(per_round) * 1e3, max(per_round) * 1e3],
+                                 x_one_row=ratios[len(ratios) // 2] if ratios else None,
+                                 x_one_row_range=[ratios[0], ratios[-1]] if ratios else None))
             print(f"  context {len(prompt)} {mode} rows {name}: cycle {med['cycle']:.2f} ms, tau {tau:.2f}",
                   file=sys.stderr, flush=True)
     print(f"target {a.target} {a.dtype}, fused groups {fused}; draft {a.dflash_draft} (B={draft.block_size}); "
           f"{a.corpus} prompts; {a.cycles} cycles, median of {a.rounds} round(s); "
           f"device {mx.default_device()}; mlx {mx.__version__}")
     print(f"{'context':>7s} {'mode':9s} {'rows':>8s} {'cycle ms':>9s} " + " ".join(f"{p:>12s}" for p in PIECES)
-          + f" {'tau':>5s} {'tok/s':>7s} {'rounds ms':>12s}")
+          + f" {'tau':>5s} {'tok/s':>7s} {'rounds ms':>12s} {'x 1 row (range)':>18s}")
     for r in rows_out:
         lo, hi = r["cycle_range_ms"]
         print(f"{r['context']:7d} {r['mode']:9s} {r['rows']:>8s} {r['ms']['cycle']:9.2f} "
               + " ".join(f"{r['ms'][p]:12.2f}" for p in PIECES)
-              + f" {r['tau']:5.2f} {r['tok_per_s']:7.1f} {f'{lo:.2f}-{hi:.2f}':>12s}")
+              + f" {r['tau']:5.2f} {r['tok_per_s']:7.1f} {f'{lo:.2f}-{hi:.2f}':>12s}"
+              + (f" {r['x_one_row']:6.3f} ({r['x_one_row_range'][0]:.2f}-{r['x_one_row_range'][1]:.2f})"
+                 if r["x_one_row"] is not None else ""))
     if a.json_out:
         a.json_out.write_text(json.dumps(dict(argv=sys.argv[1:] if argv is None else list(argv),
                                               device=str(mx.default_device()), mlx=mx.__version__,
