@@ -17,8 +17,9 @@ Every (mode, rows) cell runs once untimed first over the same prompt and cycles 
 same shapes: every trace and kernel compile happens there), then `--rounds` timed rounds, each
 running every cell once in a rotated order (the machine drifts within a process); the table
 gives medians over cycles of each cell's median round, and each cell's cycle over the one-row
-cell's of the same round (paired, so the drift cancels): the median ratio and its range. `rows 8 keep0` verifies 8 rows but always keeps
-row 0 (the one-block outcome; isolates what keeping another row's cache views costs).
+cell's of the same round (paired, so the drift cancels): the median ratio and its range.
+`rows 8 keep0` verifies 8 rows but always keeps row 0 (the one-block outcome; isolates what
+keeping another row's cache views costs).
 
     python bench/bench_cycle_pieces.py --target MODEL --dflash-draft DRAFT [--rows 1 4 8]
         [--cycles 48] [--rounds 3] [--cases ../shared/cases] [--corpus code] [--json-out F]

@@ -52,9 +52,9 @@ class EngineConfig:
             verifies, contexts up to 2,048 positions). None (the default) = `default_branches()`:
             4 on CUDA, 1 elsewhere (the CPU computes every row; no Apple GPU measured yet). On
             the H200, warm, 4 rows raised tau 11-17% and were ahead of one block in 10 of 12
-            comparisons (3 outside the rounds' spread) (docs/benchmarks.md, "Candidate blocks, warm"). 1 verifies the draft's block
-            alone. The rows' KV buffers cost up to K times a session's KV memory until its next
-            cycle (counted in the KV-cache metrics).
+            comparisons, 3 outside the rounds' spread (docs/benchmarks.md, "Candidate blocks,
+            warm"). 1 verifies the draft's block alone. The rows' KV buffers cost up to K times
+            a session's KV memory until its next cycle (counted in the KV-cache metrics).
     """
 
     model_path: Path

@@ -74,6 +74,12 @@ def start_plain(m: LoadedModels, cfg: EngineConfig, req: GenerationRequest, samp
     return steps, cache
 
 
+def candidate_rows(cfg: EngineConfig) -> int:
+    """Candidate blocks per DFlash verify under `cfg`: `cfg.branches`, or the device's default
+    (`default_branches`) when it is None."""
+    return default_branches() if cfg.branches is None else cfg.branches
+
+
 def start_dflash(m: LoadedModels, cfg: EngineConfig, req: GenerationRequest, sampler: Sampler):
     """DFlash block-diffusion speculative decoding (`worker.spec.dflash`)."""
     cache, draft_cache = make_target_cache(m.target), m.draft.make_cache()
@@ -88,7 +94,7 @@ def start_dflash(m: LoadedModels, cfg: EngineConfig, req: GenerationRequest, sam
         draft_cache=draft_cache, prefill_step_tokens=cfg.prefill_step_tokens,
         time_every=1 if cfg.spec_timing_sync else 0, compile_target=cfg.compile_forward,
         compile_draft=cfg.compile_forward and compiled_draft_pays(),
-        branches=default_branches() if cfg.branches is None else cfg.branches)
+        branches=candidate_rows(cfg))
     return steps, cache + draft_cache
 
 

@@ -23,10 +23,9 @@ from mlx_lm.utils import load_tokenizer
 from worker.config import EngineConfig
 from worker.detokenize import TextAssembler
 from worker.compiled_draft import compiled_draft_pays
-from worker.spec.dflash import default_branches
 from worker.compiled_forward import compilable_model
 from worker.fusion import fuse_projections
-from worker.engine.modes import MODES, LoadedModels, Mode, draft_kind_of, resolve_mode
+from worker.engine.modes import MODES, LoadedModels, Mode, candidate_rows, draft_kind_of, resolve_mode
 from worker.models.dflash_checkpoint import DraftCheckpointError, load_dflash_draft
 from worker.engine.session import Session, new_stats
 from worker.engine.types import (
@@ -418,7 +417,7 @@ class Engine:
             drafts_on = cfg.compile_forward and compiled_draft_pays()
             log.info("DFlash drafts: %s", "one compiled graph per shape" if drafts_on else "op by op ("
                      + ("--no-compile-forward" if not cfg.compile_forward else "not on a CPU") + ")")
-            rows = (default_branches() if cfg.branches is None else cfg.branches) if on else 1
+            rows = candidate_rows(cfg) if on else 1
             log.info("DFlash candidate blocks per verify: %d%s", rows,
                      " (greedy requests, up to 2,048 positions)" if rows > 1 else
                      "" if on else " (rows need the compiled verify)")

@@ -190,9 +190,9 @@ def dflash_generate(
             at one position each); the cycle keeps the row accepted furthest. Only with the
             compiled verify and the greedy sampler, and while the target's KV buffer stays within
             `branch_max_positions` (the session's caches then hold views of K-row buffers of that
-            length until its next cycle, counted in their `nbytes`); otherwise one block. The output is unchanged (every committed token is
-            the target's greedy choice after its own prefix); tau rises where second choices
-            are right.
+            length until its next cycle, counted in their `nbytes`); otherwise one block. The
+            output is unchanged (every committed token is the target's greedy choice after its
+            own prefix); tau rises where second choices are right.
         branch_max_positions: see `branches`.
         stream: MLX stream to run on; entered around each piece of work, never across a
             `yield`, so several generators can interleave on one thread.
