@@ -4,25 +4,30 @@
 costs about what one block's does (bench/bench_batched_verify.py), yet a K-row cycle ran 14-25%
 longer end to end (docs/benchmarks.md, "Candidate blocks"). This script runs the cycle of
 `worker/spec/dflash.py` (compiled draft, compiled verify, greedy, real target and draft, a real
-prompt) for `--cycles` cycles per row count, two ways:
+prompt) for `--cycles` cycles per row count, three ways:
 
-- `pipelined`: as the engine runs it (the next draft queued with `mx.async_eval`, the verify
-  built while the device drafts, one host sync a cycle); gives the cycle's wall time and the
-  host time of each piece between the syncs;
+- `overlap`: as the engine runs it since session 27 (`overlap_draft`): the verdict is computed on
+  the device and the next draft queued right behind the verify, before the read-back, so the
+  device drafts while the host reads back, trims and builds the next verify;
+- `pipelined`: as the engine ran it before (the next draft launched after the read-back and
+  queued with `mx.async_eval`, the verify built while the device drafts, one host sync a
+  cycle); gives the cycle's wall time and the host time of each piece between the syncs;
 - `split`: a sync after every piece, so each piece's time is its own (host building + device
   work + the wait): draft, verify (the target's choice included), read-back, and the host's
-  verdict (`best_row`, `choose_row`, trims).
+  part of the verdict (`choose_row`, trims).
 
 Every (mode, rows) cell runs once untimed first over the same prompt and cycles (greedy, so the
 same shapes: every trace and kernel compile happens there), then `--rounds` timed rounds, each
 running every cell once in a rotated order (the machine drifts within a process); the table
 gives medians over cycles of each cell's median round, and each cell's cycle over the one-row
-cell's of the same round (paired, so the drift cancels): the median ratio and its range.
+`pipelined` cell's of the same round (`split`: its own one-row cell's; paired, so the drift
+cancels): the median ratio and its range.
 `rows 8 keep0` verifies 8 rows but always keeps row 0 (the one-block outcome; isolates what
 keeping another row's cache views costs).
 
     python bench/bench_cycle_pieces.py --target MODEL --dflash-draft DRAFT [--rows 1 4 8]
-        [--cycles 48] [--rounds 3] [--cases ../shared/cases] [--corpus code] [--json-out F]
+        [--cycles 48] [--rounds 3] [--modes overlap pipelined split] [--cases ../shared/cases]
+        [--corpus code] [--json-out F]
 """
 from __future__ import annotations
 
@@ -38,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 PIECES = ("draft_build", "draft_wait", "verify_build", "verify_wait", "readback", "verdict")
 
 
-def run_cycles(target, draft, prompt: list[int], rows: int, cycles: int, split: bool, keep0: bool) -> dict:
+def run_cycles(target, draft, prompt: list[int], rows: int, cycles: int, mode: str, keep0: bool) -> dict:
     """Prefills `prompt` (one uncompiled forward), then runs `cycles` DFlash cycles at the draft's
     block size B, greedy, as `worker.spec.dflash.dflash_generate`'s `spec_cycle` does (no EOS
     stop, the default stream, no `rows_for` fallback).
@@ -46,7 +51,7 @@ def run_cycles(target, draft, prompt: list[int], rows: int, cycles: int, split: 
     Args:
         target: a fused mlx-lm model that `compilable` accepts; draft: a bound DFlash `Model`.
         prompt: token ids (>= 2). rows: candidate blocks per verify (1..B).
-        cycles: cycles to run. split: a host sync after every piece (else the engine's one).
+        cycles: cycles to run. mode: "overlap", "pipelined" or "split" (the module docstring).
         keep0: keep row 0 whatever the verdict (the one-block outcome, K rows verified).
 
     Returns:
@@ -63,7 +68,7 @@ def run_cycles(target, draft, prompt: list[int], rows: int, cycles: int, split: 
     from worker.compiled_draft import shared_compiled_draft
     from worker.compiled_forward import compilable, shared_compiled_target
     from worker.sampling import greedy
-    from worker.spec.dflash import best_row, make_target_cache
+    from worker.spec.dflash import make_target_cache, verdict
 
     B = draft.block_size
     tc, dc = make_target_cache(target), draft.make_cache()
@@ -86,6 +91,7 @@ def run_cycles(target, draft, prompt: list[int], rows: int, cycles: int, split: 
     def launch(b, pending):
         return dfwd(mx.array([[b] + masks], dtype=mx.uint32), pending, dc, rows)
 
+    split, overlap = mode == "split", mode == "overlap"
     next_blocks = None
     for _ in range(cycles):
         t = {}
@@ -102,32 +108,40 @@ def run_cycles(target, draft, prompt: list[int], rows: int, cycles: int, split: 
             t["draft_wait"] = 0.0
         t1 = now()
         logits, taps = fwd(blocks, tc)
-        tok = greedy(logits[0]) if rows == 1 else greedy(logits)
+        tok = greedy(logits[0])[None] if rows == 1 else greedy(logits)
+        v = verdict(blocks[:1], tok[:1]) if keep0 else verdict(blocks, tok)
         t["verify_build"] = now() - t1
+        if overlap:  # the next draft queued behind the verify, from the verdict on the device
+            t5 = now()
+            mx.async_eval(v, tok, taps)
+            next_blocks = dfwd.queue(v[2:3], mx.take(taps, v[:1], axis=0), v[1] + 1, B, dc, rows)
+            mx.async_eval(next_blocks)
+            t["draft_build"] += now() - t5
         t2 = now()
-        mx.eval(tok, blocks, taps)
+        mx.eval(v, tok, taps)
         t["verify_wait"] = now() - t2
         t3 = now()
-        chosen, blk = tok.tolist(), blocks.tolist()
+        (i, j, b), _ = v.tolist(), tok.tolist()  # the engine reads the tokens too
         t["readback"] = now() - t3
         t4 = now()
-        i, j, tl = best_row(blk, [chosen] if rows == 1 else chosen)
-        if keep0:
-            i, j, tl = best_row(blk[:1], chosen[:1])
         if rows > 1:
             fwd.choose_row(tc, i)
         for c in tc:
             c.trim(B - 1 - j)
-        pending, b = taps[i: i + 1, : j + 1], tl[j]
+        if overlap:
+            for c in dc:
+                c.offset += j + 1
+        else:
+            pending = taps[i: i + 1, : j + 1]
         t["verdict"] = now() - t4
-        if not split:  # the engine queues the next draft before it yields the Step
+        if mode == "pipelined":  # the engine before session 27: the next draft after the read-back
             t5 = now()
             next_blocks = launch(b, pending)
             mx.async_eval(next_blocks)
             t["draft_build"] += now() - t5
         t["cycle"] = now() - t0
-        for k, v in t.items():
-            out[k].append(v)
+        for k, val in t.items():
+            out[k].append(val)
         out["tokens"].append(j + 1)
     if next_blocks is not None:
         mx.eval(next_blocks)
@@ -153,7 +167,8 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", type=int, nargs="+", default=[0],
                     help="context lengths to run at: 0 = the prompt as it is; N = other prompts of the corpus "
                          "put before it until it has at least N tokens (a longer KV cache)")
-    ap.add_argument("--modes", nargs="+", default=["pipelined", "split"], choices=["pipelined", "split"])
+    ap.add_argument("--modes", nargs="+", default=["overlap", "pipelined", "split"],
+                    choices=["overlap", "pipelined", "split"])
     ap.add_argument("--json-out", type=Path)
     a = ap.parse_args(argv)
     if min(a.rows) < 1 or a.cycles < 3 or a.rounds < 1 or a.rounds % 2 == 0:
@@ -183,7 +198,7 @@ def main(argv=None) -> int:
             # Every cell once per round, the order rotated: the machine drifts within a process
             # (session 26: the same cell's rounds spread 7.3-11.0 ms when run back to back).
             for mode, rows, keep0 in cells[r % len(cells):] + cells[:r % len(cells)]:
-                out = run_cycles(target, draft, prompt, rows, a.cycles, mode == "split", keep0)
+                out = run_cycles(target, draft, prompt, rows, a.cycles, mode, keep0)
                 if r >= 0:
                     runs[mode, rows, keep0].append(out)
         for (mode, rows, keep0), rounds in runs.items():
@@ -192,8 +207,8 @@ def main(argv=None) -> int:
             r = rounds[sorted(range(len(rounds)), key=per_round.__getitem__)[len(rounds) // 2]]  # the median round
             med = {k: statistics.median(v[2:]) * 1e3 for k, v in r.items() if k != "tokens"}
             tau = statistics.mean(r["tokens"][2:])
-            # Paired with the same round's one-row cell of this mode: the drift cancels out.
-            base = runs.get((mode, 1, False))
+            # Paired with the same round's one-row pipelined cell (split: its own): the drift cancels out.
+            base = runs.get((mode if mode == "split" else "pipelined", 1, False)) or runs.get((mode, 1, False))
             ratios = sorted(t / statistics.median(one["cycle"][2:]) for t, one in zip(per_round, base)) if base else []
             rows_out.append(dict(context=len(prompt), mode=mode, rows=name, tau=tau, ms=med,
                                  tok_per_s=tau / med["cycle"] * 1e3,

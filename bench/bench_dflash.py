@@ -23,6 +23,9 @@ Methods (each one skipped when its inputs are missing):
   ... compiled+draft  each compiled method again with the draft's forward compiled as well
                    (`compile_draft`: worker/compiled_draft.py); with --adaptive "adapt comp+draft"
                                                                    needs --fuse --compile --compile-draft
+  ... ser          each method with the compiled draft (compiled+draft, adapt comp+draft, rowsK)
+                   again in the serial order, `overlap_draft=False`: the next draft launched after
+                   the verdict is read back, as before session 27            needs --serial too
   z-lab dflash     dflash.model_mlx.stream_generate (registry package `dflash` 0.1.0, z-lab)
                                                         --packages zlab, and a DFlash draft
   dflash-mlx       dflash_mlx.runtime.stream_dflash_generate, fixed block (verify_mode "dflash";
@@ -401,6 +404,9 @@ def main(argv=None) -> int:
     p.add_argument("--compile-draft", action="store_true",
                    help="with --fuse --compile: also each compiled DFlash method (and adapt compiled) with the "
                         "draft's forward compiled too (worker/compiled_draft.py)")
+    p.add_argument("--serial", action="store_true",
+                   help="with --compile-draft: also each method with the compiled draft in the serial order "
+                        "(`overlap_draft=False`: the next draft launched after the read-back; ' ser' rows)")
     p.add_argument("--adaptive", action="store_true",
                    help="also run each DFlash draft with the worker's cost model (AdaptiveBlockPolicy)")
     p.add_argument("--dflash-random-layers", type=int, default=0,
@@ -445,6 +451,9 @@ def main(argv=None) -> int:
         p.error("--compile-draft: its rows compile the verify as well; add --fuse --compile")
     if args.branches and (not args.compile_draft or min(args.branches) < 2):
         p.error("--branches: K >= 2, with --fuse --compile --compile-draft (candidate rows run compiled)")
+    if args.serial and not args.compile_draft:
+        p.error("--serial: the serial order is an alternative for the compiled draft; add --fuse --compile --compile-draft")
+    overlaps = (True, False) if args.serial else (True,)  # overlap_draft of the compiled draft's methods
     from bench.bench_block_policy import policy_from_spec
 
     for spec in args.policy:
@@ -524,13 +533,17 @@ def main(argv=None) -> int:
                 if cname in methods:
                     cname = f"{name[:25 - len(suffix) - 1].strip()} {len(methods)} {suffix}"
                 fixed_block[cname] = (d, fused_target, "ours plain compiled", True, cd)
-                methods[cname] = lambda pr, d=d, cd=cd: run_steps(dflash_generate(
-                    pr, M, greedy, eos, target=fused_target, draft=d, block_size=args.block_size or d.block_size,
-                    compile_target=True, compile_draft=cd))
+                for ov in overlaps if cd else (True,):
+                    methods[cname if ov else f"{cname[:24].strip()} ser"] = lambda pr, d=d, cd=cd, ov=ov: run_steps(
+                        dflash_generate(pr, M, greedy, eos, target=fused_target, draft=d,
+                                        block_size=args.block_size or d.block_size, compile_target=True,
+                                        compile_draft=cd, overlap_draft=ov))
             for K in args.branches:  # K candidate blocks per verify (not in the cycle-cost lines)
-                methods[f"{name[:19].strip()} rows{K}"] = lambda pr, d=d, K=K: run_steps(dflash_generate(
-                    pr, M, greedy, eos, target=fused_target, draft=d, block_size=args.block_size or d.block_size,
-                    compile_target=True, compile_draft=True, branches=K))
+                for ov in overlaps:
+                    methods[f"{name[:19].strip()} rows{K}{'' if ov else ' ser'}"] = lambda pr, d=d, K=K, ov=ov: run_steps(
+                        dflash_generate(pr, M, greedy, eos, target=fused_target, draft=d,
+                                        block_size=args.block_size or d.block_size, compile_target=True,
+                                        compile_draft=True, branches=K, overlap_draft=ov))
     if args.adaptive or args.policy:  # the cost model picks each block size
         from worker.spec.cost_model import AdaptiveBlockPolicy, CostMemory
 
@@ -554,16 +567,18 @@ def main(argv=None) -> int:
                 methods[f"{short} adapt compiled"] = lambda pr, d=d, B=B, make=make: run_steps(
                     dflash_generate(pr, M, greedy, eos, target=fused_target, draft=d, block_size=B,
                                     policy=make(), compile_target=True))
-                if args.compile_draft:
+                for ov in overlaps if args.compile_draft else ():
                     make_d = policy_maker(None, B)
-                    methods[f"{short} adapt comp+draft"] = lambda pr, d=d, B=B, make=make_d: run_steps(
-                        dflash_generate(pr, M, greedy, eos, target=fused_target, draft=d, block_size=B,
-                                        policy=make(), compile_target=True, compile_draft=True))
-                for K in args.branches:  # candidate rows, on the worker's GPU path
+                    methods[f"{short} adapt comp+draft{'' if ov else ' ser'}"] = lambda pr, d=d, B=B, make=make_d, ov=ov: (
+                        run_steps(dflash_generate(pr, M, greedy, eos, target=fused_target, draft=d, block_size=B,
+                                                  policy=make(), compile_target=True, compile_draft=True,
+                                                  overlap_draft=ov)))
+                for K, ov in ((K, ov) for K in args.branches for ov in overlaps):  # rows, the worker's GPU path
                     make_b = policy_maker(None, B)
-                    methods[f"{short} adapt rows{K}"] = lambda pr, d=d, B=B, make=make_b, K=K: run_steps(
-                        dflash_generate(pr, M, greedy, eos, target=fused_target, draft=d, block_size=B,
-                                        policy=make(), compile_target=True, compile_draft=True, branches=K))
+                    methods[f"{short} adapt rows{K}{'' if ov else ' ser'}"] = lambda pr, d=d, B=B, make=make_b, K=K, ov=ov: (
+                        run_steps(dflash_generate(pr, M, greedy, eos, target=fused_target, draft=d, block_size=B,
+                                                  policy=make(), compile_target=True, compile_draft=True,
+                                                  branches=K, overlap_draft=ov)))
 
     if args.only:
         keep = {n for n in methods if n == "plain mlx-lm" or any(t in n for t in args.only)}

@@ -74,13 +74,15 @@ def test_policy_variants_run_side_by_side(tiny_models):
 def test_fused_rows_run_beside_the_unfused(tmp_path, tiny_models):
     r = _run("--target", tiny_models.llama, "--dflash-random-layers", 1, "--block-size", 4, "--max-tokens", 10,
              "--prompts", 1, "--max-prompt-tokens", 24, "--reps", 1, "--cases", CASES_DIR, "--dtype", "float32",
-             "--fuse", "--queue-taps", "--compile", "--compile-draft", "--json-out", tmp_path / "f.json")
+             "--fuse", "--queue-taps", "--compile", "--compile-draft", "--serial", "--branches", 2,
+             "--json-out", tmp_path / "f.json")
     assert r.returncode == 0, r.stderr
     groups = int(r.stdout.split("fused: ", 1)[1].split()[0])
     assert groups > 0
     rows = {line[6:35].strip(): line for line in r.stdout.splitlines() if line.startswith("code ")}
     names = ("ours plain fused", "ours dflash random x1 fused", "ours dflash random queued",
-             "ours plain compiled", "ours dflash random compiled", "ours dflash r compiled+draft")
+             "ours plain compiled", "ours dflash random compiled", "ours dflash r compiled+draft",
+             "ours dflash r compiled+d ser", "ours dflash random rows2", "ours dflash random rows2 ser")
     assert set(names) <= set(rows), rows
     for name in names:
         # fused decoding, with the verify's taps queued as built, and compiled, is still lossless
@@ -96,6 +98,8 @@ def test_fused_rows_run_beside_the_unfused(tmp_path, tiny_models):
     assert bad.returncode == 2 and "--compile: its rows run on the fused target" in bad.stderr
     bad = _run("--target", tiny_models.llama, "--dflash-random-layers", 1, "--fuse", "--compile-draft")
     assert bad.returncode == 2 and "--compile-draft: its rows compile the verify as well" in bad.stderr
+    bad = _run("--target", tiny_models.llama, "--dflash-random-layers", 1, "--fuse", "--compile", "--serial")
+    assert bad.returncode == 2 and "--serial: the serial order is an alternative for the compiled draft" in bad.stderr
 
 
 def test_only_keeps_the_named_methods_and_the_plain_rows_they_divide_by(tiny_models):

@@ -11,16 +11,23 @@ import pytest
 from tests.test_compiled_forward import MAX_TOKENS, pair  # noqa: F401
 from tests.test_dflash import PROMPT, _run, assert_greedy_equal
 from worker.sampling import greedy, make_sampler
-from worker.spec.dflash import best_row, dflash_generate, make_target_cache
+from worker.spec.dflash import dflash_generate, make_target_cache, verdict
 
 
-def test_best_row():
+def _verdict(blocks, chosen):
+    return verdict(mx.array(blocks, dtype=mx.uint32), mx.array(chosen, dtype=mx.uint32)).tolist()
+
+
+def test_verdict():
+    """[row, accepted, bonus], on the device: the row accepted furthest, the lowest on a tie."""
     blocks = [[5, 1, 2, 3], [5, 9, 2, 3], [5, 1, 7, 3]]
     # the target's choices after each position of each row
-    assert best_row(blocks, [[1, 2, 4, 0], [1, 2, 3, 0], [1, 7, 3, 8]]) == (2, 3, [1, 7, 3, 8])
-    assert best_row(blocks, [[1, 8, 0, 0], [1, 8, 0, 0], [1, 8, 0, 0]]) == (0, 1, [1, 8, 0, 0])  # tie: row 0
-    assert best_row(blocks, [[0, 0, 0, 0], [9, 2, 3, 4], [0, 0, 0, 0]]) == (1, 3, [9, 2, 3, 4])
-    assert best_row([[5, 1]], [[2, 6]]) == (0, 0, [2, 6])
+    assert _verdict(blocks, [[1, 2, 4, 0], [1, 2, 3, 0], [1, 7, 3, 8]]) == [2, 3, 8]
+    assert _verdict(blocks, [[1, 8, 0, 0], [1, 8, 0, 0], [1, 8, 0, 0]]) == [0, 1, 8]  # tie: row 0
+    assert _verdict(blocks, [[0, 0, 0, 0], [9, 2, 3, 4], [0, 0, 0, 0]]) == [1, 3, 4]
+    assert _verdict(blocks, [[4, 4, 4, 4], [4, 4, 4, 4], [4, 4, 4, 4]]) == [0, 0, 4]  # none accepted
+    assert _verdict([[5, 1]], [[2, 6]]) == [0, 0, 2]
+    assert _verdict([[5, 1, 2]], [[1, 2, 7]]) == [0, 2, 7]  # all accepted: the bonus is the last
 
 
 def test_propose_rows(pair):

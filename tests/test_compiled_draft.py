@@ -102,14 +102,25 @@ class _OracleProposals:
     accepted in full and the next call injects a whole block of taps."""
 
     def __init__(self, fwd: CompiledDraft, prompt_len: int, ref: list[int]):
-        self.fwd, self.prompt_len, self.ref, self.calls = fwd, prompt_len, ref, 0
+        self.fwd, self.prompt_len, self.ref, self.calls, self.queued = fwd, prompt_len, ref, 0, 0
 
     def __call__(self, block, taps, cache, rows=1):
         got = self.fwd(block, taps, cache, rows)
         self.calls += 1
         g = cache[0].offset - self.prompt_len
-        right = block[0, :1].tolist() + (self.ref + [0] * 32)[g + 1: g + block.shape[1]]
-        return mx.array([right] * got.shape[0], dtype=mx.uint32)
+        return self._right(block[0, :1].tolist(), g, block.shape[1], got.shape[0])
+
+    def queue(self, first, taps, n_new, L, cache, rows=1):
+        got = self.fwd.queue(first, taps, n_new, L, cache, rows)
+        if got is None:
+            return None
+        self.calls += 1
+        self.queued += 1
+        g = cache[0].offset + n_new.item() - self.prompt_len  # the caller advances the offset later
+        return self._right(first.tolist(), g, L, got.shape[0])
+
+    def _right(self, first: list, g: int, L: int, rows: int) -> mx.array:
+        return mx.array([first + (self.ref + [0] * 32)[g + 1: g + L]] * rows, dtype=mx.uint32)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
@@ -131,6 +142,7 @@ def test_dflash_through_compiled_draft_equals_plain_greedy(name, bs, monkeypatch
     monkeypatch.setattr("worker.spec.dflash.shared_compiled_draft", lambda d: oracle)
     o_steps, o_out = _run(target, draft, bs, compile_target=True, compile_draft=True)
     assert oracle.calls == len(o_steps) - 1 and not oracle.fwd.broken
+    assert oracle.queued >= oracle.calls - 3  # all but the first and those near max_tokens queued early
     assert all(s.accepted == s.drafted for s in o_steps[1:-1])
     assert_greedy_equal(o_out, ref, target)
 

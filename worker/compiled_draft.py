@@ -64,33 +64,83 @@ class CompiledDraft:
 
     def __call__(self, block_ids: mx.array, taps: Optional[mx.array],
                  cache: Sequence[PaddedKVCache], branches: int = 1) -> mx.array:
-        T = cache[0].offset
-        if any(c.offset != T for c in cache):
-            raise ValueError(f"draft caches at different offsets {sorted({c.offset for c in cache})}")
+        T = self._offset(cache)
         S = 0 if taps is None else taps.shape[1]
         L = block_ids.shape[1]
         if self.broken or S > self.pad or any(c.keys is None for c in cache):
             return self._eager(block_ids, taps, cache, branches)
-        for c in cache:
-            c.reserve(self.pad + L)
-        if cache[0].keys.shape[2] > self.max_positions:
+        if not self._fits(cache, L):
             return self._eager(block_ids, taps, cache, branches)
         if taps is None:
             taps = mx.zeros((1, self.pad, self.taps_width), cache[0].keys.dtype)
-        elif S < self.pad:
-            taps = mx.pad(taps, [(0, 0), (0, self.pad - S), (0, 0)])
+        blocks = self._run(block_ids, taps, mx.array(S, dtype=mx.int32), cache, branches)
+        if blocks is None:
+            return self._eager(block_ids, taps[:, :S] if S else None, cache, branches)
+        for c in cache:
+            c.offset = T + S
+        return blocks
+
+    def queue(self, first: mx.array, taps: mx.array, n_new: mx.array, L: int,
+              cache: Sequence[PaddedKVCache], branches: int = 1) -> Optional[mx.array]:
+        """The next cycle's draft, built before the host knows how many verified positions the
+        target keeps: the verdict is still on the device, so the draft can be queued right
+        behind the verify (`worker.spec.dflash`, "overlap").
+
+        Args:
+            first: (1,) integer array, the block's first token (the verify's bonus token).
+            taps: (1, n, n_taps * D) taps of the verified positions, n <= the draft's block size;
+                rows from `n_new` on are not context (any values).
+            n_new: int32 scalar array, 1 <= n_new <= n: the positions the target keeps.
+            L: block length (first token + L-1 masks).
+            cache: the draft's caches (holding context already).
+            branches: candidate blocks to propose (`Model.propose`).
+
+        Returns:
+            (branches, L) uint32 blocks, as `__call__` would give them for `taps[:, :n_new]`; the
+            caches' buffers then hold that context, but their offsets stay: the caller adds the
+            kept count to every cache's `offset` once it has read it. None when the call cannot
+            run compiled (no cache yet, too many taps, a buffer past `max_positions`, a failed
+            trace): nothing was written, draft after the read-back instead.
+        """
+        self._offset(cache)
+        if self.broken or taps.shape[1] > self.pad or any(c.keys is None for c in cache):
+            return None
+        if not self._fits(cache, L):
+            return None
+        block_ids = mx.concatenate([first.reshape(1, 1).astype(mx.uint32),
+                                    mx.full((1, L - 1), int(self.draft.mask_token_id), mx.uint32)], axis=1)
+        return self._run(block_ids, taps, n_new, cache, branches)
+
+    def _offset(self, cache: Sequence[PaddedKVCache]) -> int:
+        T = cache[0].offset
+        if any(c.offset != T for c in cache):
+            raise ValueError(f"draft caches at different offsets {sorted({c.offset for c in cache})}")
+        return T
+
+    def _fits(self, cache: Sequence[PaddedKVCache], L: int) -> bool:
+        """Grows the buffers for a padded call of block length L; whether they stay compiled."""
+        for c in cache:
+            c.reserve(self.pad + L)
+        return cache[0].keys.shape[2] <= self.max_positions
+
+    def _run(self, block_ids: mx.array, taps: mx.array, S: mx.array, cache: Sequence[PaddedKVCache],
+             branches: int) -> Optional[mx.array]:
+        """The compiled forward on taps padded to `pad` rows (S real); writes the caches' buffers,
+        not their offsets. None (and `broken` set) when it fails to trace."""
+        if taps.shape[1] < self.pad:
+            taps = mx.pad(taps, [(0, 0), (0, self.pad - taps.shape[1]), (0, 0)])
         fn = self._fns.get(branches)
         if fn is None:
             fn = self._fns[branches] = mx.compile(partial(self.draft.padded_draft, branches=branches))
         try:
-            blocks, keys, values = fn(block_ids, taps, mx.array(T, dtype=mx.int32), mx.array(S, dtype=mx.int32),
+            blocks, keys, values = fn(block_ids, taps, mx.array(cache[0].offset, dtype=mx.int32), S,
                                       [c.keys for c in cache], [c.values for c in cache])
         except (ValueError, RuntimeError, TypeError) as e:
             log.warning("compiled draft forward failed to trace (%s); running it eagerly", e)
             self.broken = True
-            return self._eager(block_ids, taps[:, :S] if S else None, cache, branches)
+            return None
         for c, k, v in zip(cache, keys, values):
-            c.keys, c.values, c.offset = k, v, T + S
+            c.keys, c.values = k, v
         return blocks
 
 

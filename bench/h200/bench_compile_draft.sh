@@ -11,14 +11,16 @@
 #       with "compiled" or "comp+draft" in their name), numbered from FIRST: OUT/dflash_pK.txt
 #       and the JSONs in OUT/runs_FIRST.tgz, then the MLX kernel cache to OUT.
 #   OUT=$OUT bash bench/h200/bench_compile_draft.sh pieces
-#       bench_cycle_pieces.py: a cycle's pieces timed apart, 1 / 4 / 8 candidate rows (session 26)
+#       bench_cycle_pieces.py: a cycle's pieces timed apart (ROWS, default "1 4 8"; MODES, default
+#       "overlap pipelined split"; PIECE_ROUNDS, default 3; session 26, modes since session 27)
 #   OUT=$OUT bash bench/h200/bench_compile_draft.sh batched gain
 #       bench_batched_verify.py (K candidate blocks in one verify: its cost, contexts 256 and 1024)
 #       and bench_branch_gain.py (what they would add to tau: PROMPTS held-out prompts per corpus,
 #       GAIN_TOKENS tokens, default 8 and 256)
 # Env for dflash: ONLY (the --only names, default "compiled comp+draft"), BRANCHES (e.g. "4 8": the
 # candidate-row methods too, bench_dflash.py --branches), BENCH_TIMEOUT (seconds a process, 280),
-# WARM_ALL=1 (bench_dflash.py --warm-all: an untimed round over every prompt first).
+# WARM_ALL=1 (bench_dflash.py --warm-all: an untimed round over every prompt first), SERIAL=1
+# (bench_dflash.py --serial: each compiled-draft method in the serial order too, " ser" rows).
 # Env: DRAFT (default /root/drafts/Qwen2.5-Coder-1.5B-Instruct, else the shipped one), PROMPTS (4),
 # ROUNDS (2), MAX_TOKENS (128). One process per run: the spread between processes on this
 # machine is +-20% (session 20), so a gap counts only when it holds in every process.
@@ -40,6 +42,7 @@ tests)
     tests/test_dflash.py tests/test_spec_draft.py tests/test_sampling.py tests/test_fusion.py \
     tests/test_compiled_forward.py tests/test_compiled_draft.py tests/test_engine_dflash.py tests/test_engine.py \
     tests/test_draft_vocab.py tests/test_grow.py tests/test_cost_model.py tests/test_uag.py tests/test_translation.py \
+    tests/test_branches.py tests/test_overlap_draft.py tests/test_bench_cycle_pieces.py \
     2>&1 | tail -40 | tee "$O/tests.txt" ;;
 dflash)
   mkdir -p "$O/work"
@@ -48,14 +51,15 @@ dflash)
     mkdir -p "$O/work/p$k"
     timeout "${BENCH_TIMEOUT:-280}" python3 bench/bench_dflash.py --target $M --dflash-draft "$DRAFT" --max-tokens "${MAX_TOKENS:-128}" \
       --prompts "${PROMPTS:-4}" --rounds "${ROUNDS:-2}" --cases $C --fuse --compile --compile-draft --adaptive \
-      ${BRANCHES:+--branches $BRANCHES} ${WARM_ALL:+--warm-all} --only ${ONLY:-compiled comp+draft} --json-out "$O/work/p$k/dflash.json" \
+      ${BRANCHES:+--branches $BRANCHES} ${WARM_ALL:+--warm-all} ${SERIAL:+--serial} --only ${ONLY:-compiled comp+draft} --json-out "$O/work/p$k/dflash.json" \
       2>&1 | grep -v " done$" | tee "$O/dflash_p$k.txt"
   done
   (cd "$O/work" && tar czf "$O/runs_$first.tgz" .) && rm -rf "$O/work"
   ls -d /tmp/mlx/*/ptx >/dev/null 2>&1 && (cd /tmp && tar czf "$O/mlx-kernels.tgz" --exclude='*.cu' mlx/*/ptx) ;;
 pieces)
-  timeout 300 python3 bench/bench_cycle_pieces.py --target $M --dflash-draft "$DRAFT" --cases $C --rows 1 4 8 \
-    --cycles "${CYCLES:-48}" --rounds 3 --contexts 0 1024 --json-out "$O/pieces.json" 2>&1 | tee "$O/pieces.txt" ;;
+  timeout 300 python3 bench/bench_cycle_pieces.py --target $M --dflash-draft "$DRAFT" --cases $C --rows ${ROWS:-1 4 8} \
+    --modes ${MODES:-overlap pipelined split} --cycles "${CYCLES:-48}" --rounds "${PIECE_ROUNDS:-3}" --contexts 0 1024 \
+    --json-out "$O/pieces.json" 2>&1 | tee "$O/pieces.txt" ;;
 batched)
   timeout 240 python3 bench/bench_batched_verify.py --target $M --ks 1 2 4 8 --block 16 --contexts 256 1024 \
     --reps 20 --rounds 3 --json-out "$O/batched.json" 2>&1 | tee "$O/batched.txt" ;;

@@ -115,20 +115,25 @@ def default_branches() -> int:
     return DEFAULT_CUDA_BRANCHES if mx.cuda.is_available() else 1
 
 
-def best_row(blocks: list[list[int]], chosen: list[list[int]]) -> tuple[int, int, list[int]]:
-    """The verdict of a verify of candidate rows: (row, accepted drafts, that row's target tokens).
+def verdict(blocks: mx.array, chosen: mx.array) -> mx.array:
+    """The verdict of a verify of candidate rows, computed on the device (no host sync).
 
-    blocks: per row [first token, d_1 .. d_{L-1}]; chosen: per row the target's tokens after each
-    of that row's positions (L of them). A row accepts d_1..d_j while d_i equals the target's
-    choice after d_{i-1}; the row accepted furthest wins, the lowest such row on a tie."""
-    best = (-1, 0)
-    for r, (blk, tl) in enumerate(zip(blocks, chosen)):
-        j = 0
-        while j < len(blk) - 1 and blk[j + 1] == tl[j]:
-            j += 1
-        if j > best[0]:
-            best = (j, r)
-    return best[1], best[0], chosen[best[1]]
+    Args:
+        blocks: (K, L) integer candidate blocks, per row [first token, d_1 .. d_{L-1}].
+        chosen: (K, L) integer, per row the target's token after each of that row's positions.
+
+    Returns:
+        (3,) int32 [row, accepted, bonus]: row r accepts d_1..d_j while d_i equals the target's
+        choice after d_{i-1}; the row accepted furthest wins, the lowest such row on a tie (the
+        draft's own block, row 0, unless another row got further); bonus = chosen[row, j], the
+        target's token after the last accepted draft. On the device so that the next cycle's
+        draft can be queued behind the verify before the host reads anything (`overlap_draft`).
+    """
+    L = blocks.shape[1]
+    accepted = mx.cumprod((blocks[:, 1:] == chosen[:, :-1]).astype(mx.int32), axis=1).sum(axis=1)
+    row = mx.argmax(accepted).astype(mx.int32)
+    j = accepted[row]
+    return mx.stack([row, j, chosen.reshape(-1)[row * L + j].astype(mx.int32)])
 
 
 def dflash_generate(
@@ -150,6 +155,7 @@ def dflash_generate(
     compile_draft: bool = False,
     branches: int = 1,
     branch_max_positions: int = 2048,
+    overlap_draft: bool = True,
     stream=generation_stream,
 ) -> Iterator[Step]:
     """Decodes with a DFlash draft; yields one `Step` for the first token, then one per cycle.
@@ -194,6 +200,14 @@ def dflash_generate(
             output is unchanged (every committed token is the target's greedy choice after its
             own prefix); tau rises where second choices are right.
         branch_max_positions: see `branches`.
+        overlap_draft: with the compiled draft, queue the next cycle's draft on the device right
+            behind the verify, before the host reads the verdict (`verdict` on the device gives
+            its first token and how many of the verified taps become context;
+            `CompiledDraft.queue`): the device drafts while the host reads back, trims and
+            builds the next verify, instead of idling while the host launches the draft. The
+            next cycle's block size is then chosen one cycle earlier (the policy has not seen
+            this cycle yet; near max_tokens it assumes one token from this cycle). Untimed
+            cycles only; the same tokens either way.
         stream: MLX stream to run on; entered around each piece of work, never across a
             `yield`, so several generators can interleave on one thread.
 
@@ -303,6 +317,29 @@ def dflash_generate(
             pending = []
         return Step(tok.tolist(), verify_s=verify_s)
 
+    early = compiled_draft is not None and overlap_draft
+    planned = None  # (block size, timed) of the next cycle, chosen inside this one (overlap)
+
+    def plan(index: int, n_gen_after: int) -> tuple[int, bool]:
+        """(block size, timed) of cycle `index`, with n_gen_after tokens generated before it."""
+        if policy is not None:
+            bs, timed = policy.next_block_size()
+        else:
+            bs, timed = B, time_every > 0 and index % time_every == 0
+        # The block shrinks near max_tokens, to a power of two: on CUDA each new block length
+        # compiles new attention kernels, and a few extra verified positions cost nothing
+        # there; tokens past max_tokens are cut by the loop.
+        return min(bs, _next_pow2(max_tokens - n_gen_after)), timed
+
+    def queue_next(v: mx.array, taps: mx.array, bs: int) -> None:
+        """Plans the next cycle and queues its draft behind this verify (overlap_draft)."""
+        nonlocal planned, next_d
+        if n_gen + bs >= max_tokens:  # this cycle may end the generation: no draft to waste
+            return
+        planned = bs, timed = plan(cycle + 1, n_gen + 1)
+        if bs > 1 and not timed:
+            next_d = compiled_draft.queue(v[2:3], mx.take(taps, v[:1], axis=0), v[1] + 1, bs, dc, rows_for(bs))
+
     def spec_cycle(b: int, bs: int, timed: bool) -> Step:
         nonlocal pending, next_d, cycle_s, rows_run
         t0 = time.perf_counter()
@@ -319,18 +356,28 @@ def dflash_generate(
             blocks = blocks[:1]
             logits, taps = verify(blocks)
         rows = rows_run = blocks.shape[0]
-        tok = sample_rows(sampler, logits[0], n_seq) if rows == 1 else greedy(logits)
-        mx.eval(tok, blocks, taps)  # the one host sync of the cycle
+        tok = sample_rows(sampler, logits[0], n_seq)[None] if rows == 1 else greedy(logits)
+        v = verdict(blocks, tok)
+        if early and not timed:
+            mx.async_eval(v, tok, taps)  # the verify starts while the next draft is built
+            queue_next(v, taps, bs)
+            if next_d is not None:
+                mx.async_eval(next_d)
+        mx.eval(v, tok, taps)  # the one host sync of the cycle
         t2 = time.perf_counter()
         cycle_s = None if timed else t2 - t0 + prefetch_s
-        chosen = tok.tolist()
-        i, j, tl = best_row(blocks.tolist(), [chosen] if rows == 1 else chosen)
+        i, j, _ = v.tolist()
+        tl = tok.tolist()[i]
         k = bs - 1
         if rows > 1:
             compiled.choose_row(tc, i)
         for c in tc:  # drop the rejected drafts d[j:]; keep b and d[:j]
             c.trim(k - j)
-        pending = [taps[i: i + 1, : j + 1]]
+        if next_d is not None:  # the queued draft took the kept positions' taps as context
+            for c in dc:
+                c.offset += j + 1
+        else:
+            pending = [taps[i: i + 1, : j + 1]]
         if timed:
             return Step(tl[: j + 1], k, j, t1 - t0, t2 - t1)
         return Step(tl[: j + 1], k, j)
@@ -360,17 +407,19 @@ def dflash_generate(
                 policy.observe(bs, step.drafted, step.accepted, cycle_s, context)
             cycle += 1
             done = stop or n_gen >= max_tokens
-            if not done:
-                if policy is not None:
-                    bs, timed = policy.next_block_size()
+            if done:
+                next_d = None  # a draft queued for a cycle that will not run
+            else:
+                if next_d is not None:  # queued inside the last cycle (overlap_draft)
+                    bs, timed = next_d.shape[1], False
+                elif planned is not None:
+                    bs, timed = planned
+                    bs = min(bs, _next_pow2(max_tokens - n_gen))
                 else:
-                    bs, timed = B, time_every > 0 and cycle % time_every == 0
-                # The block shrinks near max_tokens, to a power of two: on CUDA each new block
-                # length compiles new attention kernels, and a few extra verified positions cost
-                # nothing there; tokens past max_tokens are cut below.
-                bs = min(bs, _next_pow2(max_tokens - n_gen))
+                    bs, timed = plan(cycle, n_gen)
+                planned = None
                 prefetch_s = 0.0
-                if bs > 1 and not timed:  # the device drafts while the caller handles the Step
+                if bs > 1 and not timed and next_d is None:  # the device drafts while the caller handles the Step
                     t_pre = time.perf_counter()
                     with mx.stream(stream):
                         prefetch(b, bs)
