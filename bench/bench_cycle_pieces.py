@@ -9,9 +9,15 @@ prompt) for `--cycles` cycles per row count, three ways:
 - `overlap`: as the engine runs it since session 27 (`overlap_draft`): the verdict is computed on
   the device and the next draft queued right behind the verify, before the read-back, so the
   device drafts while the host reads back, trims and builds the next verify;
+- `overlap1`: the same work, one submission: the next draft's graph is built before anything is
+  handed to the device, then verify and draft go in one `mx.async_eval` (`submit` is then the
+  whole hand-over; in `overlap` it is the verify's alone);
 - `pipelined`: as the engine ran it before (the next draft launched after the read-back and
   queued with `mx.async_eval`, the verify built while the device drafts, one host sync a
   cycle); gives the cycle's wall time and the host time of each piece between the syncs;
+- `engine` / `engine_serial`: `dflash_generate` itself (fixed block, compiled verify and draft,
+  `branches` = rows) with `overlap_draft` on / off; only the cycle (one Step to the next) is
+  timed, the pieces read 0;
 - `split`: a sync after every piece, so each piece's time is its own (host building + device
   work + the wait): draft, verify (the target's choice included), read-back, and the host's
   part of the verdict (`choose_row`, trims).
@@ -40,7 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-PIECES = ("draft_build", "draft_wait", "verify_build", "verify_wait", "readback", "verdict")
+PIECES = ("draft_build", "draft_wait", "verify_build", "submit", "verify_wait", "readback", "verdict")
 
 
 def run_cycles(target, draft, prompt: list[int], rows: int, cycles: int, mode: str, keep0: bool) -> dict:
@@ -91,7 +97,9 @@ def run_cycles(target, draft, prompt: list[int], rows: int, cycles: int, mode: s
     def launch(b, pending):
         return dfwd(mx.array([[b] + masks], dtype=mx.uint32), pending, dc, rows)
 
-    split, overlap = mode == "split", mode == "overlap"
+    if mode.startswith("engine"):
+        return engine_cycles(target, draft, prompt, rows, cycles, overlap=mode == "engine")
+    split, overlap = mode == "split", mode in ("overlap", "overlap1")
     next_blocks = None
     for _ in range(cycles):
         t = {}
@@ -111,12 +119,18 @@ def run_cycles(target, draft, prompt: list[int], rows: int, cycles: int, mode: s
         tok = greedy(logits[0])[None] if rows == 1 else greedy(logits)
         v = verdict(blocks[:1], tok[:1]) if keep0 else verdict(blocks, tok)
         t["verify_build"] = now() - t1
+        t["submit"] = 0.0
         if overlap:  # the next draft queued behind the verify, from the verdict on the device
             t5 = now()
-            mx.async_eval(v, tok, taps)
+            if mode == "overlap":
+                mx.async_eval(v, tok, taps)
+                t["submit"] = now() - t5
+            t6 = now()
             next_blocks = dfwd.queue(v[2:3], mx.take(taps, v[:1], axis=0), v[1] + 1, B, dc, rows)
-            mx.async_eval(next_blocks)
-            t["draft_build"] += now() - t5
+            t["draft_build"] += now() - t6
+            t7 = now()
+            mx.async_eval(v, tok, taps, next_blocks) if mode == "overlap1" else mx.async_eval(next_blocks)
+            t["submit"] += now() - t7
         t2 = now()
         mx.eval(v, tok, taps)
         t["verify_wait"] = now() - t2
@@ -148,6 +162,32 @@ def run_cycles(target, draft, prompt: list[int], rows: int, cycles: int, mode: s
     return out
 
 
+def engine_cycles(target, draft, prompt: list[int], rows: int, cycles: int, overlap: bool) -> dict:
+    """`cycles` cycles of `dflash_generate` (greedy, no EOS, the draft's block size, compiled
+    verify and draft, `branches=rows`, `overlap_draft=overlap`), timed Step to Step; the result
+    as `run_cycles` gives it, with every piece 0."""
+    import time
+
+    from worker.sampling import greedy
+    from worker.spec.dflash import dflash_generate
+
+    gen = dflash_generate(prompt, cycles * draft.block_size + 1, greedy, (), target=target, draft=draft,
+                          compile_target=True, compile_draft=True, branches=rows, overlap_draft=overlap)
+    out = {k: [] for k in ("cycle", "tokens", *PIECES)}
+    next(gen)  # the prefill's token
+    t = time.perf_counter()
+    for _ in range(cycles):
+        step = next(gen)
+        now = time.perf_counter()
+        out["cycle"].append(now - t)
+        out["tokens"].append(len(step.tokens))
+        for p in PIECES:
+            out[p].append(0.0)
+        t = now
+    gen.close()
+    return out
+
+
 def main(argv=None) -> int:
     import mlx.core as mx
 
@@ -168,7 +208,9 @@ def main(argv=None) -> int:
                     help="context lengths to run at: 0 = the prompt as it is; N = other prompts of the corpus "
                          "put before it until it has at least N tokens (a longer KV cache)")
     ap.add_argument("--modes", nargs="+", default=["overlap", "pipelined", "split"],
-                    choices=["overlap", "pipelined", "split"])
+                    choices=["overlap", "overlap1", "pipelined", "engine", "engine_serial", "split"])
+    ap.add_argument("--no-keep0", dest="keep0", action="store_false",
+                    help="leave out the 'rows K keep0' cells")
     ap.add_argument("--json-out", type=Path)
     a = ap.parse_args(argv)
     if min(a.rows) < 1 or a.cycles < 3 or a.rounds < 1 or a.rounds % 2 == 0:
@@ -184,7 +226,7 @@ def main(argv=None) -> int:
     if max(a.rows) > draft.block_size:
         ap.error(f"--rows: at most the block size {draft.block_size}")
     corpus = read_prompts(tokenizer, 64, 1024, a.cases, prompt_set="first")[a.corpus]
-    variants = [(r, False) for r in a.rows] + ([(max(a.rows), True)] if max(a.rows) > 1 else [])
+    variants = [(r, False) for r in a.rows] + ([(max(a.rows), True)] if max(a.rows) > 1 and a.keep0 else [])
     rows_out = []
     for context in a.contexts:
         prompt = list(corpus[0])
@@ -192,7 +234,8 @@ def main(argv=None) -> int:
             if len(prompt) >= context:
                 break
             prompt = other + prompt
-        cells = [(m, rows, keep0) for m in a.modes for rows, keep0 in variants]
+        cells = [(m, rows, keep0) for m in a.modes for rows, keep0 in variants
+                 if not (keep0 and m.startswith("engine"))]
         runs = {c: [] for c in cells}
         for r in range(-1, a.rounds):  # round -1: every trace and kernel compile of these shapes
             # Every cell once per round, the order rotated: the machine drifts within a process

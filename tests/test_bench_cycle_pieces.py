@@ -1,5 +1,5 @@
-"""bench/bench_cycle_pieces.py's cycle on a tiny target: the three orders (overlap, pipelined,
-split) and every row count run the same verdicts, and every piece is timed."""
+"""bench/bench_cycle_pieces.py's cycle on a tiny target: the four orders (overlap, overlap1,
+pipelined, split) and every row count run the same verdicts, and every piece is timed."""
 import sys
 from pathlib import Path
 
@@ -18,7 +18,10 @@ def test_every_order_runs_the_same_cycles(name):
     draft = init_dflash_draft(target, num_layers=2, block_size=8, seed=7)
     draft.bind(target)
     runs = {(mode, rows, keep0): run_cycles(target, draft, PROMPT, rows, 12, mode, keep0)
-            for mode in ("overlap", "pipelined", "split") for rows, keep0 in ((1, False), (3, False), (3, True))}
+            for mode in ("overlap", "overlap1", "pipelined", "split") for rows, keep0 in ((1, False), (3, False), (3, True))}
+    for mode in ("engine", "engine_serial"):
+        for rows in (1, 3):
+            runs[mode, rows, False] = run_cycles(target, draft, PROMPT, rows, 12, mode, False)
     for (mode, rows, keep0), out in runs.items():
         assert len(out["cycle"]) == len(out["tokens"]) == 12
         assert all(len(out[p]) == 12 for p in PIECES)

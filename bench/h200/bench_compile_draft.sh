@@ -12,7 +12,8 @@
 #       and the JSONs in OUT/runs_FIRST.tgz, then the MLX kernel cache to OUT.
 #   OUT=$OUT bash bench/h200/bench_compile_draft.sh pieces
 #       bench_cycle_pieces.py: a cycle's pieces timed apart (ROWS, default "1 4 8"; MODES, default
-#       "overlap pipelined split"; PIECE_ROUNDS, default 3; session 26, modes since session 27)
+#       "overlap pipelined split"; PIECE_ROUNDS, default 3; NO_KEEP0=1 leaves out "K keep0";
+#       session 26, modes since session 27)
 #   OUT=$OUT bash bench/h200/bench_compile_draft.sh batched gain
 #       bench_batched_verify.py (K candidate blocks in one verify: its cost, contexts 256 and 1024)
 #       and bench_branch_gain.py (what they would add to tau: PROMPTS held-out prompts per corpus,
@@ -58,7 +59,7 @@ dflash)
   ls -d /tmp/mlx/*/ptx >/dev/null 2>&1 && (cd /tmp && tar czf "$O/mlx-kernels.tgz" --exclude='*.cu' mlx/*/ptx) ;;
 pieces)
   timeout 300 python3 bench/bench_cycle_pieces.py --target $M --dflash-draft "$DRAFT" --cases $C --rows ${ROWS:-1 4 8} \
-    --modes ${MODES:-overlap pipelined split} --cycles "${CYCLES:-48}" --rounds "${PIECE_ROUNDS:-3}" --contexts 0 1024 \
+    --modes ${MODES:-overlap pipelined split} ${NO_KEEP0:+--no-keep0} --cycles "${CYCLES:-48}" --rounds "${PIECE_ROUNDS:-3}" --contexts 0 1024 \
     --json-out "$O/pieces.json" 2>&1 | tee "$O/pieces.txt" ;;
 batched)
   timeout 240 python3 bench/bench_batched_verify.py --target $M --ks 1 2 4 8 --block 16 --contexts 256 1024 \
