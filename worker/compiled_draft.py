@@ -10,7 +10,9 @@ of the tokens the last verify kept, 1..B) and the cache offset T. Here the taps 
 fixed P rows (the draft's trained block size) and T and S are int32 scalar arrays
 (`Model.padded_draft`): the new context's K/V are written at T (padding included), then the
 block's at T+S over the padding, and the mask shows keys below T+S+L only. So a trace depends on
-(block length L, buffer length) alone, like the target's. Calls it cannot run that way (no cache
+(block length L, buffer length) alone, like the target's. Because S is an array, the next
+cycle's draft can be queued before the host knows S (`CompiledDraft.queue`: S, the first token
+and the taps still on the device, computed from the verify's verdict). Calls it cannot run that way (no cache
 yet, more than P pending taps, a buffer past `max_positions`, a draft that is not a
 `worker.models.dflash.Model`) run the eager forward: the same values.
 """

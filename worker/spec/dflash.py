@@ -25,7 +25,10 @@ is highest at the mode, and drafting uses none of the sampler's random state.
 
 Speed (note §3.4): one host sync per cycle (the accept read-back); the next cycle's draft is
 queued with `mx.async_eval` before the Step is yielded, so the device drafts while the host
-handles the Step. Block K/V of the draft are written into its cache buffer and trimmed (O(1))
+handles the Step. With the compiled draft it is queued earlier still (`overlap_draft`): the
+verdict is computed on the device (`verdict`), and the draft whose first token is the bonus and
+whose new context is the chosen row's first j+1 taps goes in right behind the verify, before the
+read-back; the host learns j afterwards and only moves offsets. Block K/V of the draft are written into its cache buffer and trimmed (O(1))
 instead of being concatenated with the context in every layer. Both caches are `PaddedKVCache`s:
 multi-token attention keeps one key length per 256 positions, because MLX's CUDA backend compiles
 that kernel for every new length (H200: ~65 ms each; a DFlash cycle fell from 116 ms to 13 ms with
