@@ -4,7 +4,7 @@
 costs about what one block's does (bench/bench_batched_verify.py), yet a K-row cycle ran 14-25%
 longer end to end (docs/benchmarks.md, "Candidate blocks"). This script runs the cycle of
 `worker/spec/dflash.py` (compiled draft, compiled verify, greedy, real target and draft, a real
-prompt) for `--cycles` cycles per row count, three ways:
+prompt) for `--cycles` cycles per row count, in these orders (`--modes`):
 
 - `overlap`: as the engine runs it since session 27 (`overlap_draft`): the verdict is computed on
   the device and the next draft queued right behind the verify, before the read-back, so the
@@ -57,7 +57,8 @@ def run_cycles(target, draft, prompt: list[int], rows: int, cycles: int, mode: s
     Args:
         target: a fused mlx-lm model that `compilable` accepts; draft: a bound DFlash `Model`.
         prompt: token ids (>= 2). rows: candidate blocks per verify (1..B).
-        cycles: cycles to run. mode: "overlap", "pipelined" or "split" (the module docstring).
+        cycles: cycles to run. mode: "overlap", "overlap1", "pipelined", "engine",
+            "engine_serial" or "split" (the module docstring).
         keep0: keep row 0 whatever the verdict (the one-block outcome, K rows verified).
 
     Returns:
@@ -68,6 +69,8 @@ def run_cycles(target, draft, prompt: list[int], rows: int, cycles: int, mode: s
         RuntimeError: the target's verify cannot be compiled. ValueError: K rows that cannot
         run compiled (`CompiledTarget`); the compiled draft falls back to eager by itself.
     """
+    if mode.startswith("engine"):
+        return engine_cycles(target, draft, prompt, rows, cycles, overlap=mode == "engine")
     import mlx.core as mx
 
     from worker.capture import HiddenCapture
@@ -97,8 +100,6 @@ def run_cycles(target, draft, prompt: list[int], rows: int, cycles: int, mode: s
     def launch(b, pending):
         return dfwd(mx.array([[b] + masks], dtype=mx.uint32), pending, dc, rows)
 
-    if mode.startswith("engine"):
-        return engine_cycles(target, draft, prompt, rows, cycles, overlap=mode == "engine")
     split, overlap = mode == "split", mode in ("overlap", "overlap1")
     next_blocks = None
     for _ in range(cycles):
@@ -129,7 +130,9 @@ def run_cycles(target, draft, prompt: list[int], rows: int, cycles: int, mode: s
             next_blocks = dfwd.queue(v[2:3], mx.take(taps, v[:1], axis=0), v[1] + 1, B, dc, rows)
             t["draft_build"] += now() - t6
             t7 = now()
-            mx.async_eval(v, tok, taps, next_blocks) if mode == "overlap1" else mx.async_eval(next_blocks)
+            hand_over = ([v, tok, taps] if mode == "overlap1" else []) + ([] if next_blocks is None else [next_blocks])
+            if hand_over:
+                mx.async_eval(*hand_over)
             t["submit"] += now() - t7
         t2 = now()
         mx.eval(v, tok, taps)
@@ -142,10 +145,10 @@ def run_cycles(target, draft, prompt: list[int], rows: int, cycles: int, mode: s
             fwd.choose_row(tc, i)
         for c in tc:
             c.trim(B - 1 - j)
-        if overlap:
+        if overlap and next_blocks is not None:
             for c in dc:
                 c.offset += j + 1
-        else:
+        else:  # the serial orders, or a draft `queue` could not run compiled: draft after the read-back
             pending = taps[i: i + 1, : j + 1]
         t["verdict"] = now() - t4
         if mode == "pipelined":  # the engine before session 27: the next draft after the read-back

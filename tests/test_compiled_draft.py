@@ -54,6 +54,41 @@ def test_proposals_and_cache_equal_eager(name, monkeypatch):
     assert not fwd.broken
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_queue_equals_a_call_with_the_kept_taps(name, monkeypatch):
+    """`queue` with the first token, S and the taps still arrays (rows past S garbage): the
+    blocks and the cached context `__call__` gives for the first S taps, offsets left to the
+    caller; once it adds S the caches match. Across a bucket, at block lengths 16, 8 and 4."""
+    monkeypatch.setattr(PaddedKVCache, "step", 32)
+    target, draft, taps = _draft_and_taps(name, 80)
+    called, queued = draft.make_cache(), draft.make_cache()
+    for c in (called, queued):
+        draft.extend_context(taps[:, :10], c)
+    fwd = CompiledDraft(draft)
+    at = 10
+    for n, S, L, rows in ((16, 16, 16, 1), (16, 5, 8, 3), (8, 1, 4, 2), (16, 9, 16, 4)):
+        new = taps[:, at: at + n] + 0  # positions S..n-1 are not context (another verify's rejects)
+        first = mx.array([40 + S], dtype=mx.uint32)
+        block = mx.concatenate([first[None], mx.full((1, L - 1), int(draft.mask_token_id), mx.uint32)], axis=1)
+        want = fwd(block, new[:, :S], called, rows)
+        got = fwd.queue(first, new, mx.array(S, dtype=mx.int32), L, queued, rows)
+        assert {c.offset for c in queued} == {at}  # the caller moves the offsets
+        for c in queued:
+            c.offset += S
+        at += S
+        assert got.tolist() == want.tolist()
+        for a, b in zip(called, queued):
+            assert a.offset == b.offset == at
+            assert mx.abs(a.keys[..., :at, :] - b.keys[..., :at, :]).max().item() < 1e-5
+            assert mx.abs(a.values[..., :at, :] - b.values[..., :at, :]).max().item() < 1e-5
+    assert queued[0].keys.shape[2] > 32 and not fwd.broken
+    # what it cannot run compiled it leaves to the caller: a block longer than the draft's
+    assert fwd.queue(first, mx.zeros((1, 17, taps.shape[-1])), mx.array(1, dtype=mx.int32), 4, queued) is None
+    fwd.max_positions = 8
+    assert fwd.queue(first, new, mx.array(1, dtype=mx.int32), 4, queued) is None
+    assert {c.offset for c in queued} == {at}
+
+
 def test_more_pending_taps_than_a_block_run_eagerly():
     """More new context positions than the padded rows (after plain steps): eager, same result."""
     target, draft, taps = _draft_and_taps("qwen2", 40)

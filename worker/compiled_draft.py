@@ -12,9 +12,9 @@ fixed P rows (the draft's trained block size) and T and S are int32 scalar array
 block's at T+S over the padding, and the mask shows keys below T+S+L only. So a trace depends on
 (block length L, buffer length) alone, like the target's. Because S is an array, the next
 cycle's draft can be queued before the host knows S (`CompiledDraft.queue`: S, the first token
-and the taps still on the device, computed from the verify's verdict). Calls it cannot run that way (no cache
-yet, more than P pending taps, a buffer past `max_positions`, a draft that is not a
-`worker.models.dflash.Model`) run the eager forward: the same values.
+and the taps still on the device, computed from the verify's verdict). Calls it cannot run that
+way (no cache yet, more than P pending taps, a buffer past `max_positions`, a draft that is not
+a `worker.models.dflash.Model`) run the eager forward: the same values.
 """
 from __future__ import annotations
 
@@ -101,8 +101,12 @@ class CompiledDraft:
             (branches, L) uint32 blocks, as `__call__` would give them for `taps[:, :n_new]`; the
             caches' buffers then hold that context, but their offsets stay: the caller adds the
             kept count to every cache's `offset` once it has read it. None when the call cannot
-            run compiled (no cache yet, too many taps, a buffer past `max_positions`, a failed
-            trace): nothing was written, draft after the read-back instead.
+            run compiled (no cache yet, a block longer than the draft's, a buffer past
+            `max_positions`, a failed trace): no context was written (the buffers may have grown
+            by a bucket), so draft after the read-back instead.
+
+        Raises:
+            ValueError: the caches disagree on their offsets.
         """
         self._offset(cache)
         if self.broken or taps.shape[1] > self.pad or any(c.keys is None for c in cache):
@@ -138,7 +142,7 @@ class CompiledDraft:
             blocks, keys, values = fn(block_ids, taps, mx.array(cache[0].offset, dtype=mx.int32), S,
                                       [c.keys for c in cache], [c.values for c in cache])
         except (ValueError, RuntimeError, TypeError) as e:
-            log.warning("compiled draft forward failed to trace (%s); running it eagerly", e)
+            log.warning("compiled draft forward failed to trace (%s); drafting eagerly from now on", e)
             self.broken = True
             return None
         for c, k, v in zip(cache, keys, values):

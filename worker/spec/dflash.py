@@ -28,8 +28,9 @@ queued with `mx.async_eval` before the Step is yielded, so the device drafts whi
 handles the Step. With the compiled draft it is queued earlier still (`overlap_draft`): the
 verdict is computed on the device (`verdict`), and the draft whose first token is the bonus and
 whose new context is the chosen row's first j+1 taps goes in right behind the verify, before the
-read-back; the host learns j afterwards and only moves offsets. Block K/V of the draft are written into its cache buffer and trimmed (O(1))
-instead of being concatenated with the context in every layer. Both caches are `PaddedKVCache`s:
+read-back; the host learns j afterwards and only moves offsets. Block K/V of the draft are
+written into its cache buffer and trimmed (O(1)) instead of being concatenated with the context
+in every layer. Both caches are `PaddedKVCache`s:
 multi-token attention keeps one key length per 256 positions, because MLX's CUDA backend compiles
 that kernel for every new length (H200: ~65 ms each; a DFlash cycle fell from 116 ms to 13 ms with
 draft 1.9 ms + verify 7.1 ms measured alone). Timing a cycle's draft and verify apart costs a
@@ -207,10 +208,14 @@ def dflash_generate(
             behind the verify, before the host reads the verdict (`verdict` on the device gives
             its first token and how many of the verified taps become context;
             `CompiledDraft.queue`): the device drafts while the host reads back, trims and
-            builds the next verify, instead of idling while the host launches the draft. The
-            next cycle's block size is then chosen one cycle earlier (the policy has not seen
-            this cycle yet; near max_tokens it assumes one token from this cycle). Untimed
-            cycles only; the same tokens either way.
+            builds the next verify, instead of idling while the host launches the draft.
+            Untimed cycles only. The next cycle's block size and row count are then chosen
+            before this cycle's verdict is known: the policy has not seen this cycle yet, near
+            max_tokens the block assumes one token from it, and near `branch_max_positions`
+            rows are counted from the untrimmed cache (one row up to bs-1 positions sooner).
+            So the block schedule can differ from the serial order's (False); every committed
+            token is still the target's own choice, though in bf16 another schedule can
+            resolve a near-tie differently, as any change of block size can.
         stream: MLX stream to run on; entered around each piece of work, never across a
             `yield`, so several generators can interleave on one thread.
 
@@ -340,7 +345,7 @@ def dflash_generate(
         if n_gen + bs >= max_tokens:  # this cycle may end the generation: no draft to waste
             return
         planned = bs, timed = plan(cycle + 1, n_gen + 1)
-        if bs > 1 and not timed:
+        if bs > 1 and not timed:  # rows from the untrimmed cache: never more than the serial order's
             next_d = compiled_draft.queue(v[2:3], mx.take(taps, v[:1], axis=0), v[1] + 1, bs, dc, rows_for(bs))
 
     def spec_cycle(b: int, bs: int, timed: bool) -> Step:
