@@ -133,5 +133,6 @@ def test_the_draft_is_compiled_where_it_pays(tiny_models, dflash_dir, gpu, monke
         spec, done = run_request(engine, GenerationRequest("d", prompt, 23, mode="dflash"))
         assert spec == plain and done.stats.cycles > 0
         assert bool(made) == gpu and not any(f.broken for f in made)
-    want = "one compiled graph per shape" if gpu else "op by op (not on a CPU)"
+    want = ("one compiled graph per shape, each queued behind the verify before its verdict is read" if gpu
+            else "op by op (not on a CPU)")
     assert f"DFlash drafts: {want}" in caplog.text

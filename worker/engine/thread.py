@@ -415,7 +415,8 @@ class Engine:
                      "op by op (" + ("--no-compile-forward" if not cfg.compile_forward
                                      else "this architecture cannot be compiled") + ")")
             drafts_on = cfg.compile_forward and compiled_draft_pays()
-            log.info("DFlash drafts: %s", "one compiled graph per shape" if drafts_on else "op by op ("
+            log.info("DFlash drafts: %s", "one compiled graph per shape, each queued behind the verify before "
+                     "its verdict is read" if drafts_on else "op by op ("
                      + ("--no-compile-forward" if not cfg.compile_forward else "not on a CPU") + ")")
             rows = candidate_rows(cfg) if on else 1
             log.info("DFlash candidate blocks per verify: %d%s", rows,
