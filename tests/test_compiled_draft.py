@@ -24,16 +24,22 @@ def _draft_and_taps(name: str, n: int, seed: int = 7):
     return target, draft, taps
 
 
+def _two_caches(name: str, n: int, context: int):
+    """(draft, taps (1, n, width), two draft caches each holding the first `context` taps)."""
+    _, draft, taps = _draft_and_taps(name, n)
+    caches = draft.make_cache(), draft.make_cache()
+    for c in caches:
+        draft.extend_context(taps[:, :context], c)
+    return draft, taps, *caches
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_proposals_and_cache_equal_eager(name, monkeypatch):
     """Calls with 0, 1, 5, 16 and 3 new context positions at block lengths 16, 4 and 2, one of
     them growing the buffer into a new bucket: the compiled draft proposes what the eager one
     does and leaves the same context K/V at the same offset."""
     monkeypatch.setattr(PaddedKVCache, "step", 32)  # small buckets: the calls cross one
-    target, draft, taps = _draft_and_taps(name, 60)
-    eager_cache, compiled_cache = draft.make_cache(), draft.make_cache()
-    for c in (eager_cache, compiled_cache):
-        draft.extend_context(taps[:, :12], c)
+    draft, taps, eager_cache, compiled_cache = _two_caches(name, 60, 12)
     fwd = CompiledDraft(draft)
     at = 12
     for S, L in ((0, 16), (1, 16), (5, 4), (16, 16), (3, 2)):
@@ -60,10 +66,7 @@ def test_queue_equals_a_call_with_the_kept_taps(name, monkeypatch):
     blocks and the cached context `__call__` gives for the first S taps, offsets left to the
     caller; once it adds S the caches match. Across a bucket, at block lengths 16, 8 and 4."""
     monkeypatch.setattr(PaddedKVCache, "step", 32)
-    target, draft, taps = _draft_and_taps(name, 80)
-    called, queued = draft.make_cache(), draft.make_cache()
-    for c in (called, queued):
-        draft.extend_context(taps[:, :10], c)
+    draft, taps, called, queued = _two_caches(name, 80, 10)
     fwd = CompiledDraft(draft)
     at = 10
     for n, S, L, rows in ((16, 16, 16, 1), (16, 5, 8, 3), (8, 1, 4, 2), (16, 9, 16, 4)):
