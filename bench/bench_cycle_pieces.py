@@ -169,8 +169,6 @@ def engine_cycles(target, draft, prompt: list[int], rows: int, cycles: int, over
     """`cycles` cycles of `dflash_generate` (greedy, no EOS, the draft's block size, compiled
     verify and draft, `branches=rows`, `overlap_draft=overlap`), timed Step to Step; the result
     as `run_cycles` gives it, with every piece 0."""
-    import time
-
     from worker.sampling import greedy
     from worker.spec.dflash import dflash_generate
 

@@ -339,10 +339,10 @@ def dflash_generate(
         # there; tokens past max_tokens are cut by the loop.
         return min(bs, _next_pow2(max_tokens - n_gen_after)), timed
 
-    def queue_next(v: mx.array, taps: mx.array, bs: int) -> None:
+    def queue_next(v: mx.array, taps: mx.array, this_bs: int) -> None:
         """Plans the next cycle and queues its draft behind this verify (overlap_draft)."""
         nonlocal planned, next_d
-        if n_gen + bs >= max_tokens:  # this cycle may end the generation: no draft to waste
+        if n_gen + this_bs >= max_tokens:  # this cycle may end the generation: no draft to waste
             return
         planned = bs, timed = plan(cycle + 1, n_gen + 1)
         if bs > 1 and not timed:  # rows from the untrimmed cache: never more than the serial order's
