@@ -23,6 +23,11 @@ Methods (each one skipped when its inputs are missing):
   ... compiled+draft  each compiled method again with the draft's forward compiled as well
                    (`compile_draft`: worker/compiled_draft.py); with --adaptive "adapt comp+draft"
                                                                    needs --fuse --compile --compile-draft
+  ... sg           each compiled-draft method (compiled+draft, adapt comp+draft, rowsK, adapt rowsK)
+                   again on a third copy of the
+                   target (and a second copy of each draft) whose linear layers of a few rows run
+                   `worker.small_gemm` (one kernel node a call instead of cuBLAS; CUDA only)
+                                                        needs --compile-draft --small-gemm
   ... ser          each method with the compiled draft (compiled+draft, adapt comp+draft, rowsK)
                    again in the serial order, `overlap_draft=False`: the next draft launched after
                    the verdict is read back, as before session 27            needs --serial too
@@ -407,6 +412,9 @@ def main(argv=None) -> int:
     p.add_argument("--serial", action="store_true",
                    help="with --compile-draft: also each method with the compiled draft in the serial order "
                         "(`overlap_draft=False`: the next draft launched after the read-back; ' ser' rows)")
+    p.add_argument("--small-gemm", action="store_true",
+                   help="with --compile-draft: also each compiled-draft method on copies of the target and drafts "
+                        "whose linears run worker.small_gemm (CUDA only; ' sg' rows)")
     p.add_argument("--adaptive", action="store_true",
                    help="also run each DFlash draft with the worker's cost model (AdaptiveBlockPolicy)")
     p.add_argument("--dflash-random-layers", type=int, default=0,
@@ -453,6 +461,8 @@ def main(argv=None) -> int:
         p.error("--branches: K >= 2, with --fuse --compile --compile-draft (candidate rows run compiled)")
     if args.serial and not args.compile_draft:
         p.error("--serial: the serial order is an alternative for the compiled draft; add --fuse --compile --compile-draft")
+    if args.small_gemm and not args.compile_draft:
+        p.error("--small-gemm: its rows are the compiled-draft methods; add --fuse --compile --compile-draft")
     overlaps = (True, False) if args.serial else (True,)  # overlap_draft of the compiled draft's methods
     from bench.bench_block_policy import policy_from_spec
 
@@ -475,6 +485,18 @@ def main(argv=None) -> int:
             fused_target.update(target.parameters())
         groups = fuse_projections(fused_target)
         print(f"fused: {groups} projection groups of the target's copy", flush=True)
+    sg_target = None
+    if args.small_gemm:  # a third copy: the other rows keep cuBLAS's matmuls
+        from worker.fusion import fuse_projections
+        from worker.small_gemm import available, use_small_gemm
+
+        if not available():
+            p.error("--small-gemm: needs MLX's CUDA backend (and FLASHFLEET_SMALL_GEMM not 0)")
+        sg_target = load_model(args.target, args.random_weights, dtype, tokenizer=False)[0]
+        if args.random_weights:
+            sg_target.update(target.parameters())
+        fuse_projections(sg_target)
+        print(f"small gemm: {use_small_gemm(sg_target)} linears of the target's third copy", flush=True)
     draft_lm = load_model(args.draft, args.random_weights, dtype)[0] if args.draft else None
     if args.kv_bucket:
         PaddedKVCache.step = args.kv_bucket
@@ -487,6 +509,11 @@ def main(argv=None) -> int:
         random_draft = dflash[f"ours dflash random x{args.dflash_random_layers}"] = init_dflash_draft(
             target, num_layers=args.dflash_random_layers, block_size=args.block_size or 16,
             tokenizer_vocab_size=len(tokenizer.vocab))
+    sg_drafts = {}  # method name -> the draft's copy for the sg target, its linears on small_gemm
+    if sg_target is not None:
+        for (name, d), path in zip(dflash.items(), args.dflash_draft):
+            sd = sg_drafts[name] = load_dflash_draft(path, sg_target, dtype=dtype)
+            use_small_gemm(sd)
     eos = set(tokenizer.eos_token_ids)
     prompts = read_prompts(tokenizer, args.prompts, args.max_prompt_tokens, args.cases, args.prompt_set,
                            chat=not args.raw)
@@ -538,12 +565,21 @@ def main(argv=None) -> int:
                         dflash_generate(pr, M, greedy, eos, target=fused_target, draft=d,
                                         block_size=args.block_size or d.block_size, compile_target=True,
                                         compile_draft=cd, overlap_draft=ov))
+                if cd and name in sg_drafts:  # one row, on small_gemm's linears
+                    methods[f"{cname[:25].strip()} sg"] = lambda pr, d=sg_drafts[name]: run_steps(dflash_generate(
+                        pr, M, greedy, eos, target=sg_target, draft=d, block_size=args.block_size or d.block_size,
+                        compile_target=True, compile_draft=True))
             for K in args.branches:  # K candidate blocks per verify (not in the cycle-cost lines)
                 for ov in overlaps:
                     methods[f"{name[:19].strip()} rows{K}{'' if ov else ' ser'}"] = lambda pr, d=d, K=K, ov=ov: run_steps(
                         dflash_generate(pr, M, greedy, eos, target=fused_target, draft=d,
                                         block_size=args.block_size or d.block_size, compile_target=True,
                                         compile_draft=True, branches=K, overlap_draft=ov))
+                if name in sg_drafts:
+                    methods[f"{name[:19].strip()} rows{K} sg"] = lambda pr, d=sg_drafts[name], K=K: run_steps(
+                        dflash_generate(pr, M, greedy, eos, target=sg_target, draft=d,
+                                        block_size=args.block_size or d.block_size, compile_target=True,
+                                        compile_draft=True, branches=K))
     if args.adaptive or args.policy:  # the cost model picks each block size
         from worker.spec.cost_model import AdaptiveBlockPolicy, CostMemory
 
@@ -573,12 +609,23 @@ def main(argv=None) -> int:
                         run_steps(dflash_generate(pr, M, greedy, eos, target=fused_target, draft=d, block_size=B,
                                                   policy=make(), compile_target=True, compile_draft=True,
                                                   overlap_draft=ov)))
+                if args.compile_draft and name in sg_drafts:
+                    make_s1 = policy_maker(None, B)
+                    methods[f"{short} adapt comp+draft sg"] = lambda pr, d=sg_drafts[name], B=B, make=make_s1: (
+                        run_steps(dflash_generate(pr, M, greedy, eos, target=sg_target, draft=d, block_size=B,
+                                                  policy=make(), compile_target=True, compile_draft=True)))
                 for K, ov in ((K, ov) for K in args.branches for ov in overlaps):  # rows, the worker's GPU path
                     make_b = policy_maker(None, B)
                     methods[f"{short} adapt rows{K}{'' if ov else ' ser'}"] = lambda pr, d=d, B=B, make=make_b, K=K, ov=ov: (
                         run_steps(dflash_generate(pr, M, greedy, eos, target=fused_target, draft=d, block_size=B,
                                                   policy=make(), compile_target=True, compile_draft=True,
                                                   branches=K, overlap_draft=ov)))
+                for K in args.branches if name in sg_drafts else ():  # the same on small_gemm's linears
+                    make_s = policy_maker(None, B)
+                    methods[f"{short} adapt rows{K} sg"] = lambda pr, d=sg_drafts[name], B=B, make=make_s, K=K: (
+                        run_steps(dflash_generate(pr, M, greedy, eos, target=sg_target, draft=d, block_size=B,
+                                                  policy=make(), compile_target=True, compile_draft=True,
+                                                  branches=K)))
 
     if args.only:
         keep = {n for n in methods if n == "plain mlx-lm" or any(t in n for t in args.only)}

@@ -115,3 +115,15 @@ def test_only_keeps_the_named_methods_and_the_plain_rows_they_divide_by(tiny_mod
     assert "ours dflash random compiled per cycle (B=4)" in r.stdout
     bad = _run(*base, "--only", "no such method")
     assert bad.returncode == 2 and "--only no such method: no method's name contains it" in bad.stderr
+
+
+def test_small_gemm_rows_need_the_compiled_draft_and_cuda(tiny_models):
+    import mlx.core as mx
+
+    base = ["--target", tiny_models.llama, "--dflash-random-layers", 1, "--cases", CASES_DIR, "--small-gemm"]
+    bad = _run(*base)
+    assert bad.returncode == 2 and "--small-gemm: its rows are the compiled-draft methods" in bad.stderr
+    if not mx.cuda.is_available():
+        bad = _run(*base, "--fuse", "--compile", "--compile-draft")
+        assert bad.returncode == 2 and "--small-gemm: needs MLX's CUDA backend" in bad.stderr
+        assert "Traceback" not in bad.stderr

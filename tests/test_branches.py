@@ -196,26 +196,29 @@ def test_rows_that_fail_to_trace_fall_back_to_one_block(pair, monkeypatch):
     assert calls.count(4) == 1 and calls[-1] == 1  # one failed try, then one row a verify
 
 
-def test_default_branches_are_four_on_cuda_one_elsewhere(monkeypatch):
+def test_default_branches_are_four_on_cuda_one_with_small_gemm_or_elsewhere(monkeypatch):
     from worker.spec import dflash
 
     assert dflash.default_branches() == (4 if mx.cuda.is_available() else 1)
     monkeypatch.setattr(dflash.mx.cuda, "is_available", lambda: True)
     assert dflash.default_branches() == dflash.DEFAULT_CUDA_BRANCHES == 4
+    assert dflash.default_branches(small_gemm=True) == dflash.SMALL_GEMM_CUDA_BRANCHES == 1
     monkeypatch.setattr(dflash.mx.cuda, "is_available", lambda: False)
-    assert dflash.default_branches() == 1
+    assert dflash.default_branches() == dflash.default_branches(small_gemm=True) == 1
 
 
-@pytest.mark.parametrize("configured,want", [(None, 3), (1, 1), (2, 2)])
-def test_the_engine_passes_the_default_rows_unless_configured(monkeypatch, tmp_path, configured, want):
-    """`EngineConfig.branches` None means `default_branches()`; a number is used as given."""
+@pytest.mark.parametrize("configured,swapped,want", [(None, False, 3), (None, True, 5), (1, True, 1), (2, False, 2)])
+def test_the_engine_passes_the_default_rows_unless_configured(monkeypatch, tmp_path, configured, swapped, want):
+    """`EngineConfig.branches` None means `default_branches()`, told whether the target's linears
+    run small_gemm; a number is used as given."""
     from types import SimpleNamespace
 
     from worker.config import EngineConfig
     from worker.engine import modes
 
     seen = {}
-    monkeypatch.setattr(modes, "default_branches", lambda: 3)
+    monkeypatch.setattr(modes, "default_branches", lambda small_gemm=False: 5 if small_gemm else 3)
+    monkeypatch.setattr(modes, "uses_small_gemm", lambda target: swapped)
     monkeypatch.setattr(modes, "dflash_generate", lambda *a, **kw: seen.update(kw) or iter(()))
     monkeypatch.setattr(modes, "make_target_cache", lambda target: [])
     draft = SimpleNamespace(make_cache=lambda: [], block_size=16)

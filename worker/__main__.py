@@ -62,6 +62,9 @@ def parse_args(argv):
     p.add_argument("--no-fuse-projections", dest="fuse_projections", action="store_false",
                    help="keep mlx-lm's layers as loaded (default: one matmul for each layer's q/k/v "
                    "and one for its gate/up: the same outputs to float rounding, fewer GPU kernels)")
+    p.add_argument("--no-small-gemm", dest="small_gemm", action="store_false",
+                   help="CUDA only: keep cuBLAS for linear layers of a few rows (default: one tensor-core "
+                   "kernel a call, worker/small_gemm.py; the same outputs to rounding, less host time)")
     p.add_argument("--no-compile-forward", dest="compile_forward", action="store_false",
                    help="run DFlash verifies and drafts op by op (default: the target's forward, and "
                    "on a GPU the draft's block forward, as one compiled MLX graph per shape, where "
@@ -147,7 +150,7 @@ def build_engine(a):
                           block_size=a.block_size, adaptive_block_size=a.adaptive_block_size,
                           max_context_tokens=a.max_context_tokens, fuse_projections=a.fuse_projections,
                           compile_forward=a.compile_forward, spec_timing_sync=a.spec_timing_sync,
-                          branches=a.branches)
+                          branches=a.branches, small_gemm=a.small_gemm)
     return Engine(config)
 
 

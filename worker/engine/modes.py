@@ -19,6 +19,7 @@ from worker.engine.types import GenerationRequest, InvalidRequest
 from worker.spec import draft_model, plain
 from worker.spec.cost_model import AdaptiveBlockPolicy, CostMemory
 from worker.spec.cross_tokenizer import start_uag
+from worker.small_gemm import uses_small_gemm
 from worker.spec.dflash import default_branches, dflash_generate, make_target_cache
 from worker.spec.base import Sampler, Step
 
@@ -74,10 +75,13 @@ def start_plain(m: LoadedModels, cfg: EngineConfig, req: GenerationRequest, samp
     return steps, cache
 
 
-def candidate_rows(cfg: EngineConfig) -> int:
-    """Candidate blocks per DFlash verify under `cfg`: `cfg.branches`, or the device's default
-    (`default_branches`) when it is None."""
-    return default_branches() if cfg.branches is None else cfg.branches
+def candidate_rows(cfg: EngineConfig, target) -> int:
+    """Candidate blocks per DFlash verify of `target` under `cfg`: `cfg.branches`, or the
+    device's default (`default_branches`, which depends on whether the target's linears run
+    `worker.small_gemm`) when it is None."""
+    if cfg.branches is not None:
+        return cfg.branches
+    return default_branches(small_gemm=uses_small_gemm(target))
 
 
 def start_dflash(m: LoadedModels, cfg: EngineConfig, req: GenerationRequest, sampler: Sampler):
@@ -94,7 +98,7 @@ def start_dflash(m: LoadedModels, cfg: EngineConfig, req: GenerationRequest, sam
         draft_cache=draft_cache, prefill_step_tokens=cfg.prefill_step_tokens,
         time_every=1 if cfg.spec_timing_sync else 0, compile_target=cfg.compile_forward,
         compile_draft=cfg.compile_forward and compiled_draft_pays(),
-        branches=candidate_rows(cfg))
+        branches=candidate_rows(cfg, m.target))
     return steps, cache + draft_cache
 
 

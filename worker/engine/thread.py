@@ -25,6 +25,7 @@ from worker.detokenize import TextAssembler
 from worker.compiled_draft import compiled_draft_pays
 from worker.compiled_forward import compilable_model
 from worker.fusion import fuse_projections
+from worker import small_gemm
 from worker.engine.modes import MODES, LoadedModels, Mode, candidate_rows, draft_kind_of, resolve_mode
 from worker.models.dflash_checkpoint import DraftCheckpointError, load_dflash_draft
 from worker.engine.session import Session, new_stats
@@ -407,6 +408,10 @@ class Engine:
             if draft is not None and self._draft_kind != "dflash":
                 groups += fuse_projections(draft)
             log.info("fused %d projection groups (q/k/v, gate/up) into one matmul each", groups)
+        if cfg.small_gemm and small_gemm.available():  # after fusion: the fused linears too
+            swapped = sum(small_gemm.use_small_gemm(m) for m in (target, draft) if m is not None)
+            log.info("small gemm: %d linear layers run calls of up to %d rows as one CUDA kernel each",
+                     swapped, small_gemm.MAX_ROWS)
         models = LoadedModels(target, tokenizer, frozenset(tokenizer.eos_token_ids), draft,
                               self._draft_kind, draft_tokenizer=draft_tokenizer)
         if self._draft_kind == "dflash":  # say whether --no-compile-forward / the model decided it
@@ -418,7 +423,7 @@ class Engine:
             log.info("DFlash drafts: %s", "one compiled graph per shape, each queued behind the verify before "
                      "its verdict is read" if drafts_on else "op by op ("
                      + ("--no-compile-forward" if not cfg.compile_forward else "not on a CPU") + ")")
-            rows = candidate_rows(cfg) if on else 1
+            rows = candidate_rows(cfg, target) if on else 1
             log.info("DFlash candidate blocks per verify: %d%s", rows,
                      " (greedy requests, up to 2,048 positions)" if rows > 1 else
                      "" if on else " (rows need the compiled verify)")

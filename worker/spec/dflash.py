@@ -100,23 +100,32 @@ def cycle_shapes_seen(target) -> set:
     return store
 
 
-DEFAULT_CUDA_BRANCHES = 4  # candidate rows per verify on CUDA (docs/benchmarks.md, "Candidate blocks, warm")
+DEFAULT_CUDA_BRANCHES = 4  # candidate rows per verify on CUDA with cuBLAS's matmuls ("Candidate blocks, warm")
+SMALL_GEMM_CUDA_BRANCHES = 1  # ... with worker.small_gemm's ("Small matmuls in one kernel")
 
 
-def default_branches() -> int:
+def default_branches(small_gemm: bool = False) -> int:
     """Candidate blocks per verify a worker uses unless told (`EngineConfig.branches` None).
 
+    Args:
+        small_gemm: whether the target's linears run `worker.small_gemm` (the worker's default on
+            CUDA).
+
     Returns:
-        `DEFAULT_CUDA_BRANCHES` (4) where MLX runs on CUDA, else 1. Measured on the H200 only: a
-        small target's verify there is bound by per-operation overhead, so 4 rows of 16 tokens
-        cost 9-12% more cycle time than one (bench/bench_cycle_pieces.py, rounds interleaved)
-        and add 11-17% to tau; with every shape warm, DFlash with 4 rows ran ahead of one row
-        in 10 of 12 comparisons at 256 tokens (3 of them outside the rounds' spread; code
-        2.20-2.28x plain mlx-lm against 2.01-2.12x). On the CPU a K-row verify computes K
-        times the tokens, and no Apple GPU has been measured, so both keep one block
-        (`flashfleet worker --branches K` sets it).
+        On CUDA: `SMALL_GEMM_CUDA_BRANCHES` (1) with small_gemm, else `DEFAULT_CUDA_BRANCHES` (4);
+        elsewhere 1. Measured on the H200 only. With cuBLAS a small target's verify is bound by
+        per-operation overhead, so 4 rows of 16 tokens cost 9-12% more cycle time than one and
+        add 11-17% to tau (ahead of one block in 10 of 12 comparisons, session 26). With
+        small_gemm a one-row verify got 29% cheaper (on 2 of 3 machines) and 4 rows less so
+        (their 64-row MLP matmuls stay on cuBLAS, `small_gemm.pays`): under the cost model one
+        row ran ahead of 4 rows in 5 of 6 comparisons and ahead of 4 rows on cuBLAS in 6 of 6
+        (session 28, docs/benchmarks.md). On the CPU a K-row verify computes K times the
+        tokens, and no Apple GPU has been measured, so both keep one block (`flashfleet worker
+        --branches K` sets it).
     """
-    return DEFAULT_CUDA_BRANCHES if mx.cuda.is_available() else 1
+    if not mx.cuda.is_available():
+        return 1
+    return SMALL_GEMM_CUDA_BRANCHES if small_gemm else DEFAULT_CUDA_BRANCHES
 
 
 def verdict(blocks: mx.array, chosen: mx.array) -> mx.array:
