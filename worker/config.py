@@ -50,17 +50,18 @@ class EngineConfig:
             target forward (`worker.spec.dflash.dflash_generate`'s `branches`: the draft's block
             and copies with its second choice at one position each; greedy requests, compiled
             verifies, contexts up to 2,048 positions). None (the default) = `default_branches()`:
-            4 on CUDA, 1 elsewhere (the CPU computes every row; no Apple GPU measured yet). On
-            the H200, warm, 4 rows raised tau 11-17% and were ahead of one block in 10 of 12
-            comparisons, 3 outside the rounds' spread (docs/benchmarks.md, "Candidate blocks,
-            warm"). 1 verifies the draft's block alone. The rows' KV buffers cost up to K times
+            on CUDA 1 with `small_gemm`, 4 without it; 1 elsewhere (the CPU computes every row;
+            no Apple GPU measured yet). On the H200 with cuBLAS, warm, 4 rows raised tau 11-17%
+            and were ahead of one block in 10 of 12 comparisons, 3 outside the rounds' spread
+            (docs/benchmarks.md, "Candidate blocks, warm"). 1 verifies the draft's block alone. The rows' KV buffers cost up to K times
             a session's KV memory until its next cycle (counted in the KV-cache metrics).
         small_gemm: on MLX's CUDA backend, the models' linear layers run their calls of 1-64
-            rows (a verify's K x 16 tokens, a biased one-token projection) as one JIT-compiled
+            rows (a verify's tokens, a biased one-token projection) as one JIT-compiled
             tensor-core kernel each instead of cuBLASLt (worker/small_gemm.py): on the H200 a
-            16-token verify of the 1.5B target took 29% less time and DFlash on code rose from
-            2.15x to 2.48x plain mlx-lm (docs/benchmarks.md, "Small matmuls in one kernel").
-            Equal to cuBLAS's result up to rounding. Ignored elsewhere (CPU, Metal). On by default.
+            16-token verify of the 1.5B target took 29% less time on two of three machines (4%
+            on the third), and with it one candidate row became the CUDA default
+            (`default_branches`; docs/benchmarks.md, "Small matmuls in one kernel"). Equal to
+            cuBLAS's result up to rounding. Ignored elsewhere (CPU, Metal). On by default.
     """
 
     model_path: Path

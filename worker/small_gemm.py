@@ -188,8 +188,9 @@ def pays(rows: int, N: int, K: int) -> bool:
     Measured on the H200 (docs/benchmarks.md, "Small matmuls in one kernel"): at 16 rows the
     kernel's device time per call is within a few microseconds of cuBLAS's on every layer shape
     of the 1.5B target, and it saves host time on each; at 64 rows it is as fast on q/k/v and o
-    (3.1 M and 2.4 M elements) but 1.8x cuBLAS's on the MLP's 27.5 M gate/up (x, re-read from L2
-    by every block, dominates), which on a machine with a fast host made a 4-row verify slower."""
+    (3.1 M and 2.4 M elements) but 1.8-1.9x cuBLAS's on the MLP's 27.5 M gate/up (x, re-read from
+    L2 by every block, dominates) and 1.1-1.3x on its 13.8 M down, which on a machine with a fast
+    host made a 4-row verify slower."""
     return rows <= ALL_SHAPES_ROWS or N * K <= BIG_WEIGHT
 
 
