@@ -492,6 +492,8 @@ def main(argv=None) -> int:
 
         if not available():
             p.error("--small-gemm: needs MLX's CUDA backend (and FLASHFLEET_SMALL_GEMM not 0)")
+        if not args.dflash_draft:
+            p.error("--small-gemm: its rows need a --dflash-draft directory (a copy of the draft is loaded)")
         sg_target = load_model(args.target, args.random_weights, dtype, tokenizer=False)[0]
         if args.random_weights:
             sg_target.update(target.parameters())

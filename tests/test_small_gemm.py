@@ -74,8 +74,10 @@ def test_swap_keeps_the_arrays_and_routes_rows_and_biased_calls(monkeypatch, tin
     weight = fused.weight
     n_layers = len(model.model.layers)
     swapped = sg.use_small_gemm(model)
-    # q/k/v fused, o, gate/up fused, down per layer; the class changed in place, the arrays kept
-    assert swapped == 4 * n_layers + (0 if model.args.tie_word_embeddings else 1)
+    # q/k/v fused, o, gate/up fused, down per layer (and an untied head whose rows the kernel
+    # can take); the class changed in place, the arrays kept
+    head = 0 if model.args.tie_word_embeddings else int(model.lm_head.weight.shape[0] % 8 == 0)
+    assert swapped == 4 * n_layers + head
     assert type(fused) is sg.SmallGemmLinear and fused.weight is weight
     assert sg.use_small_gemm(model) == 0  # a second call finds no plain nn.Linear left
     assert sg.uses_small_gemm(model) and not sg.uses_small_gemm(ref)
@@ -106,8 +108,9 @@ def test_fp32_and_many_rows_fall_back_to_the_linear(monkeypatch):
 
 @cuda
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
-@pytest.mark.parametrize("N,K,bias", [(2048, 1536, True), (1536, 8960, False), (8, 64, True), (40, 576, False)])
-@pytest.mark.parametrize("rows", [1, 3, 16, 17, 64])
+@pytest.mark.parametrize("N,K,bias", [(2048, 1536, True), (1536, 8960, False), (8, 64, True), (40, 576, False),
+                                      (4096, 128, True)])  # n_tiles 2, 2, 1, 1, 4
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40, 64])  # m16 tiles 1, 1, 1, 2, 3, 4
 def test_kernel_matches_a_float32_reference(dtype, N, K, bias, rows):
     mx.random.seed(rows + N)
     x = mx.random.normal((rows, K)).astype(dtype)
@@ -134,6 +137,16 @@ def test_kernel_keeps_leading_axes_and_ignores_other_rows():
     # rows are independent: row 5 alone equals row 5 of the batch
     one = sg.small_gemm(x.reshape(64, 128)[5:6], w)
     assert mx.array_equal(one[0], got.reshape(64, 24)[5]).item()
+
+
+@cuda
+def test_a_view_at_an_odd_offset_is_read_right():
+    big = mx.random.normal((1, 3 + 128)).astype(mx.bfloat16)
+    x = big[:, 3:]  # one row: MLX may pass it uncopied, 6 bytes past a 16-byte boundary
+    w = (mx.random.normal((16, 128)) * 0.1).astype(mx.bfloat16)
+    ref = x.astype(mx.float32) @ w.astype(mx.float32).T
+    got = sg.small_gemm(x, w)
+    assert (mx.abs(got.astype(mx.float32) - ref).max() / mx.abs(ref).max()).item() < 1e-2
 
 
 @cuda
@@ -180,7 +193,19 @@ def test_pays_keeps_big_weights_on_cublas_above_sixteen_rows(monkeypatch):
     assert calls == [(16, False)]
 
 
-def test_the_worker_swaps_its_linears_and_says_so(monkeypatch, tiny_models, caplog):
+def _bf16_copy(src, dst):
+    """A copy of a model directory with its floating weights in bf16 (the worker's GPU dtype)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        weights = mx.load(str(f))
+        mx.save_safetensors(str(f), {k: v.astype(mx.bfloat16) if mx.issubdtype(v.dtype, mx.floating) else v
+                                     for k, v in weights.items()})
+    return dst
+
+
+def test_the_worker_swaps_its_linears_and_says_so(monkeypatch, tiny_models, caplog, tmp_path):
     import logging
 
     from worker.config import EngineConfig
@@ -188,15 +213,82 @@ def test_the_worker_swaps_its_linears_and_says_so(monkeypatch, tiny_models, capl
 
     _recording(monkeypatch)
     caplog.set_level(logging.INFO, logger="worker.engine.thread")
-    with Engine(EngineConfig(model_path=tiny_models.llama, warmup=False)):
+    bf16 = _bf16_copy(tiny_models.llama, tmp_path / "llama-bf16")
+    with Engine(EngineConfig(model_path=bf16, warmup=False)):
         pass
     assert "linear layers run calls of up to 64 rows as one CUDA kernel each" in caplog.text
     swapped = int(caplog.text.split("small gemm: ", 1)[1].split()[0])
     assert swapped >= 8  # 2 layers x (q/k/v fused, o, gate/up fused, down), after fusion
     caplog.clear()
-    with Engine(EngineConfig(model_path=tiny_models.llama, warmup=False, small_gemm=False)):
+    with Engine(EngineConfig(model_path=tiny_models.llama, warmup=False)):  # float32: nothing to take
+        pass
+    assert "small gemm: no linear layer it can take" in caplog.text
+    caplog.clear()
+    with Engine(EngineConfig(model_path=bf16, warmup=False, small_gemm=False)):
         pass
     assert "small gemm: " not in caplog.text
+
+
+def test_takes_only_unquantized_half_precision_linears_of_aligned_shapes():
+    lin = nn.Linear(128, 16)
+    assert not sg.takes(lin)  # float32
+    lin.set_dtype(mx.bfloat16)
+    assert sg.takes(lin)
+    assert not sg.takes(nn.QuantizedLinear(128, 16))
+    odd = nn.Linear(128, 12)
+    odd.set_dtype(mx.float16)
+    assert not sg.takes(odd)  # N % 8
+    short = nn.Linear(96, 16)
+    short.set_dtype(mx.float16)
+    assert not sg.takes(short)  # K % 64
+    assert not sg.takes(nn.Embedding(16, 128))
+
+
+def test_available_needs_cuda_sm80_and_no_opt_out(monkeypatch):
+    monkeypatch.setattr(sg.mx.cuda, "is_available", lambda: True)
+    for info, want in (({"compute_capability_major": 9}, True), ({"compute_capability_major": 7}, False),
+                       ({"architecture": "sm_90"}, True), ({"architecture": "sm_75"}, False), ({}, True)):
+        monkeypatch.setattr(sg.mx, "device_info", lambda info=info: info)
+        assert sg.available() is want, info
+    monkeypatch.setenv("FLASHFLEET_SMALL_GEMM", "0")
+    assert not sg.available()
+    monkeypatch.setattr(sg.mx.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("FLASHFLEET_SMALL_GEMM")
+    assert not sg.available()
+
+
+def test_n_tiles_widens_blocks_only_while_enough_blocks_remain():
+    assert sg.n_tiles(17920) == 4 and sg.n_tiles(151936) == 4  # gate/up, a head: many blocks
+    assert sg.n_tiles(2048) == 2 and sg.n_tiles(1536) == 2  # 64 and 96 blocks of 16 columns
+    assert sg.n_tiles(1024) == 1 and sg.n_tiles(40) == 1 and sg.n_tiles(8) == 1
+    assert sg.n_tiles(3080) == 1  # 3080 % 32 != 0 and 3080 % 16 != 0
+
+
+def test_fusing_after_the_swap_still_fuses(monkeypatch, tiny_models, tmp_path):
+    from mlx_lm import load
+
+    _recording(monkeypatch)
+    model, _ = load(str(_bf16_copy(tiny_models.llama, tmp_path / "bf16")))
+    assert sg.use_small_gemm(model) > 0
+    assert fuse_projections(model) > 0
+    assert type(model.model.layers[0].self_attn.qkv_proj_fused) is sg.SmallGemmLinear
+
+
+def test_the_default_rows_follow_the_targets_linears(monkeypatch, tiny_models, tmp_path):
+    from mlx_lm import load
+
+    from worker.config import EngineConfig
+    from worker.engine.modes import candidate_rows
+    from worker.spec import dflash
+
+    _recording(monkeypatch)
+    monkeypatch.setattr(dflash.mx.cuda, "is_available", lambda: True)  # CUDA's defaults
+    model, _ = load(str(_bf16_copy(tiny_models.llama, tmp_path / "bf16")))
+    cfg = EngineConfig(model_path=tmp_path)
+    assert candidate_rows(cfg, model) == dflash.DEFAULT_CUDA_BRANCHES == 4  # cuBLAS: 4 rows
+    sg.use_small_gemm(model)
+    assert candidate_rows(cfg, model) == dflash.SMALL_GEMM_CUDA_BRANCHES == 1
+    assert candidate_rows(EngineConfig(model_path=tmp_path, branches=3), model) == 3
 
 
 def test_the_benchmark_prints_its_three_tables(monkeypatch, tiny_models, capsys, tmp_path):

@@ -63,15 +63,18 @@ def parse_args(argv):
                    help="keep mlx-lm's layers as loaded (default: one matmul for each layer's q/k/v "
                    "and one for its gate/up: the same outputs to float rounding, fewer GPU kernels)")
     p.add_argument("--no-small-gemm", dest="small_gemm", action="store_false",
-                   help="CUDA only: keep cuBLAS for linear layers of a few rows (default: one tensor-core "
-                   "kernel a call, worker/small_gemm.py; the same outputs to rounding, less host time)")
+                   help="CUDA only: keep cuBLAS for linear layers of a few rows, and with it 4 DFlash "
+                   "candidate blocks per verify unless --branches says otherwise (default: one tensor-core "
+                   "kernel a call, worker/small_gemm.py, and one block; the same outputs to rounding, less "
+                   "host time; FLASHFLEET_SMALL_GEMM=0 in the environment turns it off too)")
     p.add_argument("--no-compile-forward", dest="compile_forward", action="store_false",
                    help="run DFlash verifies and drafts op by op (default: the target's forward, and "
                    "on a GPU the draft's block forward, as one compiled MLX graph per shape, where "
                    "the architecture allows it)")
     p.add_argument("--branches", type=int, default=None, metavar="K",
                    help="DFlash: verify up to K candidate blocks per cycle in one batched forward "
-                   "(greedy requests; default 4 on CUDA, 1 on the CPU and Metal; 1 = the draft's block alone)")
+                   "(greedy requests; default on CUDA 1, or 4 with --no-small-gemm; 1 on the CPU and Metal; "
+                   "1 = the draft's block alone)")
     p.add_argument("--capacity", type=int, default=None, help="sessions admitted at once (default 4)")
     p.add_argument("--max-context-tokens", type=int, default=None)
     p.add_argument("--coordinator", default=None, help="coordinator host:port (omit: standalone)")

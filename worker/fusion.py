@@ -29,6 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from worker.capture import target_layers
+from worker.small_gemm import SmallGemmLinear
 
 GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj"), "qkv_proj_fused"),
           ("mlp", ("gate_proj", "up_proj"), "gate_up_proj_fused"))
@@ -72,8 +73,10 @@ class _Part:
 
 
 def _signature(m) -> tuple | None:
-    """What must agree for two projections to share a matmul (None: not a plain linear)."""
-    if type(m) is nn.Linear:
+    """What must agree for two projections to share a matmul (None: not a plain linear; a
+    `SmallGemmLinear` counts as one, so fusing after `use_small_gemm` still fuses, and the fused
+    copy keeps the class)."""
+    if type(m) in (nn.Linear, SmallGemmLinear):
         return ("linear", m.weight.shape[1], m.weight.dtype, "bias" in m)
     if type(m) is nn.QuantizedLinear:
         return ("quantized", m.weight.shape[1], m.weight.dtype, m.group_size, m.bits,

@@ -5,31 +5,33 @@ Why: on the lent H200 a 1.5B target's verify is bound by the host, not the GPU (
 backend runs a matmul of one row as its own GEMV kernel (one graph node), but every matmul of
 2 or more rows, and every biased one, through cuBLASLt: per call it builds the descriptors,
 asks for a heuristic and records the call by stream capture into a child graph
-(mlx/backend/cuda/gemms/cublas_gemm.cpp, matmul.cpp). Timed alone on the H200, such a linear
-costs 28-53 us a call against 7-9 us for a plain kernel like RMSNorm or RoPE (fifteenth session,
-`bench_layer_ops.py`), and a 16-token verify has 112 of them in a 28-layer target, the draft
-another 5 a layer: that is where a verify's extra cost over a one-token step comes from.
+(mlx/backend/cuda/gemms/cublas_gemm.cpp, matmul.cpp). A 16-token verify of a 28-layer target
+makes 112 such calls (an unquantized DFlash draft 7 more a layer). With this module a 16-token
+verify of the 1.5B target took 29% less time on two of three H200 machines, 4% on the third
+(docs/benchmarks.md, "Small matmuls in one kernel").
 
 `small_gemm(x, w, bias)` computes y = x @ w.T (+ bias) for x of at most `MAX_ROWS` rows with one
 JIT-compiled kernel (`mx.fast.cuda_kernel`) that MLX launches as an ordinary kernel node: tensor
-cores through `mma.sync.m16n8k16` (bf16 or fp16 in, fp32 accumulate, as cuBLAS), weights
-streamed once with 16-byte loads. Every block of 4 warps computes 8, 16 or 32 output columns
-(`n_tiles`); each warp
-takes every fourth 64-wide chunk of K and the block adds the four partial sums in shared memory. Within each
-64-wide chunk of K the kernel assigns k to fragment slots in its own order, the same for x and w,
-so that every thread loads 16 consecutive elements of a row; a dot product does not depend on
-the order of its terms except by rounding, and the sum of each chunk's 16 products runs in fp32.
+cores through `mma.sync.m16n8k16` (bf16 or fp16 in, fp32 accumulate, as cuBLAS; sm_80 or later),
+weights streamed once with 16-byte loads (x too, where it is 16-byte aligned). Every block of 4
+warps computes 8, 16 or 32 output columns (`n_tiles`); each warp takes every fourth 64-wide
+chunk of K and the block adds the four partial sums in shared memory. Within each 64-wide chunk
+of K the kernel assigns k to fragment slots in its own order, the same for x and w, so that
+every thread loads 16 consecutive elements of a row; a dot product does not depend on the order
+of its terms except by rounding, and the sum of each chunk's 16 products runs in fp32.
 
-`use_small_gemm(model)` swaps the model's `nn.Linear` layers (fused ones included) for
-`SmallGemmLinear`, which calls `small_gemm` where it applies (CUDA, bf16/fp16, rows <= MAX_ROWS,
-K % 64 == 0, N % 8 == 0) and `nn.Linear`'s own matmul otherwise; on the CPU or Metal it changes
-nothing (`available()` is False there, and the worker does not call it). No model code is copied:
-the model's layers call their linears as before.
+`use_small_gemm(model)` turns the model's linears that the kernel can take (`takes`: unquantized
+bf16/fp16, K % 64 == 0, N % 8 == 0; fused ones included) into `SmallGemmLinear`, which calls
+`small_gemm` where it `applies` (rows <= MAX_ROWS) and `pays` (more than 16 rows only on small
+weights) and `nn.Linear`'s own matmul otherwise; on the CPU or Metal it changes nothing
+(`available()` is False there). No model code is copied: the model's layers call their linears
+as before.
 
 Not thread-safe beyond MLX's own rules: the worker runs all MLX work on its engine thread.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Optional
 
@@ -44,6 +46,18 @@ MIN_BLOCKS = 96  # blocks `n_tiles` keeps at least (the H200 has 132 SMs)
 K_CHUNK = 64  # k per warp per loop step (16 consecutive elements a thread); K must be a multiple
 
 _HEADER = r"""
+// 16 consecutive 16-bit elements at p into 8 registers (the lower address in the lower half):
+// two 16-byte loads where p is 16-byte aligned, else 2-byte ones (x can be a view at any offset).
+__device__ __forceinline__ void small_gemm_load16(const void* p, bool aligned, uint32_t* r) {
+  if (aligned) {
+    const uint4 u = reinterpret_cast<const uint4*>(p)[0], v = reinterpret_cast<const uint4*>(p)[1];
+    r[0] = u.x; r[1] = u.y; r[2] = u.z; r[3] = u.w; r[4] = v.x; r[5] = v.y; r[6] = v.z; r[7] = v.w;
+  } else {
+    const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) r[i] = (uint32_t)h[2 * i] | ((uint32_t)h[2 * i + 1] << 16);
+  }
+}
 __device__ __forceinline__ void small_gemm_mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
 #if defined(SMALL_GEMM_F16)
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
@@ -73,7 +87,7 @@ _SOURCE = r"""
     #pragma unroll
     for (int j = 0; j < NT; ++j) { acc[t][j][0] = acc[t][j][1] = acc[t][j][2] = acc[t][j][3] = 0.f; }
   }
-  const uint4 zero = make_uint4(0, 0, 0, 0);
+  const bool x_aligned = (reinterpret_cast<size_t>(x) & 15) == 0;  // K % 64 keeps every row's loads alike
   #pragma unroll 2
   for (int kc = warp * 64; kc < K; kc += 64 * WARPS_) {
     uint32_t wr[NT][8];
@@ -87,12 +101,9 @@ _SOURCE = r"""
     #pragma unroll
     for (int t = 0; t < MT; ++t) {
       const int r0 = t * 16 + g, r1 = r0 + 8;
-      const uint4* x0 = reinterpret_cast<const uint4*>(x + (size_t)r0 * K + k0 + kc);
-      const uint4* x1 = reinterpret_cast<const uint4*>(x + (size_t)r1 * K + k0 + kc);
-      const uint4 a00 = r0 < M ? x0[0] : zero, a01 = r0 < M ? x0[1] : zero;
-      const uint4 a10 = r1 < M ? x1[0] : zero, a11 = r1 < M ? x1[1] : zero;
-      const uint32_t ar0[8] = {a00.x, a00.y, a00.z, a00.w, a01.x, a01.y, a01.z, a01.w};
-      const uint32_t ar1[8] = {a10.x, a10.y, a10.z, a10.w, a11.x, a11.y, a11.z, a11.w};
+      uint32_t ar0[8] = {0, 0, 0, 0, 0, 0, 0, 0}, ar1[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      if (r0 < M) small_gemm_load16(x + (size_t)r0 * K + k0 + kc, x_aligned, ar0);
+      if (r1 < M) small_gemm_load16(x + (size_t)r1 * K + k0 + kc, x_aligned, ar1);
       #pragma unroll
       for (int s = 0; s < 4; ++s) {
         const uint32_t a[4] = {ar0[2 * s], ar1[2 * s], ar0[2 * s + 1], ar1[2 * s + 1]};
@@ -158,17 +169,34 @@ _kernels: dict = {}
 def _kernel(half: bool, bias: bool):
     key = (half, bias)
     if key not in _kernels:
+        header = _defines(half, bias) + _HEADER
+        # MLX caches compiled kernels on disk by name (and template values) only: a name that
+        # carries the code's hash never picks up a kernel compiled from an older version.
+        digest = hashlib.sha256((header + _SOURCE).encode()).hexdigest()[:12]
         _kernels[key] = mx.fast.cuda_kernel(
-            name=f"flashfleet_small_gemm_{'f16' if half else 'bf16'}{'_bias' if bias else ''}",
+            name=f"flashfleet_small_gemm_{'f16' if half else 'bf16'}{'_bias' if bias else ''}_{digest}",
             input_names=["x", "w", "b"] if bias else ["x", "w"], output_names=["y"],
-            source=_SOURCE, header=_defines(half, bias) + _HEADER)
+            source=_SOURCE, header=header)
     return _kernels[key]
 
 
 def available() -> bool:
-    """Whether `small_gemm` can run here: MLX's CUDA backend, and not turned off with
+    """Whether `small_gemm` can run here: MLX's CUDA backend on a GPU of compute capability 8.0
+    or later (`mma.sync.m16n8k16` with bf16 needs sm_80: not a T4 or other Turing card; a GPU
+    whose capability MLX does not report is assumed able), and not turned off with
     FLASHFLEET_SMALL_GEMM=0."""
-    return mx.cuda.is_available() and os.environ.get("FLASHFLEET_SMALL_GEMM", "1") != "0"
+    if not mx.cuda.is_available() or os.environ.get("FLASHFLEET_SMALL_GEMM", "1") == "0":
+        return False
+    major = _compute_capability_major()
+    return major is None or major >= 8
+
+
+def _compute_capability_major() -> Optional[int]:
+    info = mx.device_info()
+    if "compute_capability_major" in info:
+        return int(info["compute_capability_major"])
+    arch = str(info.get("architecture", ""))  # "sm_90"
+    return int(arch[3:-1]) if arch.startswith("sm_") and arch[3:].isdigit() and len(arch) > 4 else None
 
 
 def applies(x: mx.array, weight: mx.array) -> bool:
@@ -256,11 +284,23 @@ class SmallGemmLinear(nn.Linear):
         return super().__call__(x)
 
 
+def takes(linear: nn.Module) -> bool:
+    """Whether `small_gemm` can ever take calls of this module: a plain `nn.Linear` (not
+    quantized) with a bf16 or fp16 (N, K) weight, K % 64 == 0 and N % 8 == 0."""
+    if type(linear) is not nn.Linear:
+        return False
+    w = linear.weight
+    return (w.dtype in (mx.bfloat16, mx.float16) and w.shape[1] % K_CHUNK == 0 and w.shape[0] % 8 == 0
+            and ("bias" not in linear or linear.bias.dtype == w.dtype))
+
+
 def use_small_gemm(model: nn.Module) -> int:
-    """Turns every plain `nn.Linear` under `model` into a `SmallGemmLinear`, in place: the
-    instance's class changes, its arrays stay, so every reference to it (a fused projection's
-    `worker.fusion._Fused.linear` included) calls the new `__call__`. Quantized linears and an
-    `nn.Embedding`'s tied head are left alone.
+    """Turns every linear under `model` that `takes` accepts into a `SmallGemmLinear`, in place:
+    the instance's class changes, its arrays stay, so every reference to it (a fused projection's
+    `worker.fusion._Fused.linear` included) calls the new `__call__`. Quantized linears, float32
+    ones, odd shapes and an `nn.Embedding`'s tied head are left alone. Call it after
+    `worker.fusion.fuse_projections` and after any change of dtype (a linear cast later keeps the
+    class; calls it no longer `applies` to run `nn.Linear`'s own).
 
     Returns:
         How many linears changed (0 where `available()` is False: nothing changes).
@@ -269,7 +309,7 @@ def use_small_gemm(model: nn.Module) -> int:
         return 0
     swapped = 0
     for _, module in model.named_modules():
-        if type(module) is nn.Linear:
+        if takes(module):
             module.__class__ = SmallGemmLinear
             swapped += 1
     return swapped

@@ -410,8 +410,12 @@ class Engine:
             log.info("fused %d projection groups (q/k/v, gate/up) into one matmul each", groups)
         if cfg.small_gemm and small_gemm.available():  # after fusion: the fused linears too
             swapped = sum(small_gemm.use_small_gemm(m) for m in (target, draft) if m is not None)
-            log.info("small gemm: %d linear layers run calls of up to %d rows as one CUDA kernel each",
-                     swapped, small_gemm.MAX_ROWS)
+            if swapped:
+                log.info("small gemm: %d linear layers run calls of up to %d rows as one CUDA kernel each",
+                         swapped, small_gemm.MAX_ROWS)
+            else:
+                log.info("small gemm: no linear layer it can take (it needs unquantized bf16/fp16 weights); "
+                         "cuBLAS runs them")
         models = LoadedModels(target, tokenizer, frozenset(tokenizer.eos_token_ids), draft,
                               self._draft_kind, draft_tokenizer=draft_tokenizer)
         if self._draft_kind == "dflash":  # say whether --no-compile-forward / the model decided it

@@ -118,8 +118,8 @@ def default_branches(small_gemm: bool = False) -> int:
         add 11-17% to tau (ahead of one block in 10 of 12 comparisons, session 26). With
         small_gemm a one-row verify got 29% cheaper (on 2 of 3 machines) and 4 rows less so
         (their 64-row MLP matmuls stay on cuBLAS, `small_gemm.pays`): under the cost model one
-        row ran ahead of 4 rows in 5 of 6 comparisons and ahead of 4 rows on cuBLAS in 6 of 6
-        (session 28, docs/benchmarks.md). On the CPU a K-row verify computes K times the
+        row ran ahead of 4 rows on cuBLAS in 6 of 6 comparisons (median speedup; 4 of 6 by
+        tok/s) and of 4 rows on the small kernel in 2 of 3 (session 28, docs/benchmarks.md). On the CPU a K-row verify computes K times the
         tokens, and no Apple GPU has been measured, so both keep one block (`flashfleet worker
         --branches K` sets it).
     """
