@@ -286,8 +286,10 @@ def test_the_default_rows_follow_the_targets_linears(monkeypatch, tiny_models, t
     model, _ = load(str(_bf16_copy(tiny_models.llama, tmp_path / "bf16")))
     cfg = EngineConfig(model_path=tmp_path)
     assert candidate_rows(cfg, model) == dflash.DEFAULT_CUDA_BRANCHES == 4  # cuBLAS: 4 rows
-    sg.use_small_gemm(model)
+    sg.use_small_gemm(model)  # after an answer was kept: the swap makes it look again
     assert candidate_rows(cfg, model) == dflash.SMALL_GEMM_CUDA_BRANCHES == 1
+    monkeypatch.setattr(type(model), "named_modules", lambda self: pytest.fail("walked the modules again"))
+    assert candidate_rows(cfg, model) == 1  # the kept answer
     assert candidate_rows(EngineConfig(model_path=tmp_path, branches=3), model) == 3
 
 
