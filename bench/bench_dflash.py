@@ -28,6 +28,9 @@ Methods (each one skipped when its inputs are missing):
                    target (and a second copy of each draft) whose linear layers of a few rows run
                    `worker.small_gemm` (one kernel node a call instead of cuBLAS; CUDA only)
                                                         needs --compile-draft --small-gemm
+  ... sg a         each ' sg' row again with the attention of its compiled forwards on
+                   `worker.small_attention` (one kernel a layer instead of cuDNN's SDPA)
+                                                        needs --small-gemm --small-attention
   ... ser          each method with the compiled draft (compiled+draft, adapt comp+draft, rowsK)
                    again in the serial order, `overlap_draft=False`: the next draft launched after
                    the verdict is read back, as before session 27            needs --serial too
@@ -415,6 +418,9 @@ def main(argv=None) -> int:
     p.add_argument("--small-gemm", action="store_true",
                    help="with --compile-draft: also each compiled-draft method on copies of the target and drafts "
                         "whose linears run worker.small_gemm (CUDA only; ' sg' rows)")
+    p.add_argument("--small-attention", action="store_true",
+                   help="with --small-gemm: also each ' sg' row with its compiled forwards attending through "
+                        "worker.small_attention (' sg a' rows)")
     p.add_argument("--adaptive", action="store_true",
                    help="also run each DFlash draft with the worker's cost model (AdaptiveBlockPolicy)")
     p.add_argument("--dflash-random-layers", type=int, default=0,
@@ -461,6 +467,8 @@ def main(argv=None) -> int:
         p.error("--branches: K >= 2, with --fuse --compile --compile-draft (candidate rows run compiled)")
     if args.serial and not args.compile_draft:
         p.error("--serial: the serial order is an alternative for the compiled draft; add --fuse --compile --compile-draft")
+    if args.small_attention and not args.small_gemm:
+        p.error("--small-attention: its rows are the ' sg' rows again; add --small-gemm")
     if args.small_gemm and not args.compile_draft:
         p.error("--small-gemm: its rows are the compiled-draft methods; add --fuse --compile --compile-draft")
     overlaps = (True, False) if args.serial else (True,)  # overlap_draft of the compiled draft's methods
@@ -628,6 +636,22 @@ def main(argv=None) -> int:
                         run_steps(dflash_generate(pr, M, greedy, eos, target=sg_target, draft=d, block_size=B,
                                                   policy=make(), compile_target=True, compile_draft=True,
                                                   branches=K)))
+    if args.small_attention:  # every ' sg' row again with worker.small_attention on
+        from worker.small_attention import use_small_attention
+
+        def with_attention(fn):
+            def run(pr):
+                marked = [sg_target, *sg_drafts.values()]
+                for m in marked:
+                    use_small_attention(m)
+                try:
+                    return fn(pr)
+                finally:
+                    for m in marked:
+                        use_small_attention(m, False)
+            return run
+        for n in [n for n in methods if n.endswith(" sg")]:
+            methods[f"{n} a"] = with_attention(methods[n])
 
     if args.only:
         keep = {n for n in methods if n == "plain mlx-lm" or any(t in n for t in args.only)}

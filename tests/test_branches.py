@@ -178,14 +178,14 @@ def test_rows_that_fail_to_trace_fall_back_to_one_block(pair, monkeypatch):
     from worker.compiled_forward import shared_compiled_target
 
     fwd = shared_compiled_target(target, draft.target_layer_ids)
-    real_fn = fwd._fn
+    real_fn = fwd._fns[False]
 
     def failing(tokens, *a):
         if tokens.shape[0] > 1:
             raise RuntimeError("no trace for rows here")
         return real_fn(tokens, *a)
 
-    monkeypatch.setattr(fwd, "_fn", failing)
+    monkeypatch.setitem(fwd._fns, False, failing)
     monkeypatch.setattr(fwd, "rows_broken", False)
     calls = []
     real = cf.CompiledTarget.__call__

@@ -122,8 +122,8 @@ def test_buffers_past_max_positions_run_uncompiled(monkeypatch):
     eager_cache, cache = _prefilled(target, 20), _prefilled(target, 20)
     fwd = CompiledTarget(target, max_positions=32)
     calls = []
-    traced = fwd._fn
-    fwd._fn = lambda *a: calls.append(a[0].shape) or traced(*a)
+    traced = fwd._fns[False]
+    fwd._fns[False] = lambda *a: calls.append(a[0].shape) or traced(*a)
     for tokens in ([[5]], [list(range(30, 46))], [[9]]):  # 21 fits 32; 37 and 38 need 64
         x = mx.array(tokens, dtype=mx.uint32)
         want = target(x, cache=eager_cache)

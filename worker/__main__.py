@@ -67,6 +67,10 @@ def parse_args(argv):
                    "candidate blocks per verify unless --branches says otherwise (default: one tensor-core "
                    "kernel a call, worker/small_gemm.py, and one block; the same outputs to rounding, less "
                    "host time; FLASHFLEET_SMALL_GEMM=0 in the environment turns it off too)")
+    p.add_argument("--no-small-attention", dest="small_attention", action="store_false",
+                   help="CUDA only: keep cuDNN's attention in compiled verifies and drafts (default: one "
+                   "kernel a layer, worker/small_attention.py; the same outputs to rounding, less host "
+                   "time; FLASHFLEET_SMALL_ATTENTION=0 in the environment turns it off too)")
     p.add_argument("--no-compile-forward", dest="compile_forward", action="store_false",
                    help="run DFlash verifies and drafts op by op (default: the target's forward, and "
                    "on a GPU the draft's block forward, as one compiled MLX graph per shape, where "
@@ -153,7 +157,8 @@ def build_engine(a):
                           block_size=a.block_size, adaptive_block_size=a.adaptive_block_size,
                           max_context_tokens=a.max_context_tokens, fuse_projections=a.fuse_projections,
                           compile_forward=a.compile_forward, spec_timing_sync=a.spec_timing_sync,
-                          branches=a.branches, small_gemm=a.small_gemm)
+                          branches=a.branches, small_gemm=a.small_gemm,
+                          small_attention=a.small_attention)
     return Engine(config)
 
 

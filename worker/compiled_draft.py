@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 
 from worker.models.dflash import COMPILED_DRAFT_ATTR, Model, PaddedKVCache
+from worker.small_attention import patched_sdpa, uses_small_attention
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class CompiledDraft:
         self.taps_width = len(draft.target_layer_ids) * int(draft.args.hidden_size)
         self.max_positions = int(max_positions if max_positions is not None
                                  else os.environ.get("FLASHFLEET_COMPILE_MAX_POSITIONS", "8192"))
-        self._fns = {}  # branches -> the compiled forward proposing that many blocks
+        self._fns = {}  # (branches, small attention) -> the compiled forward proposing that many blocks
         self.broken = False  # a trace failed: every call runs eagerly
 
     def _eager(self, block_ids: mx.array, taps: Optional[mx.array], cache, branches: int) -> mx.array:
@@ -135,12 +136,14 @@ class CompiledDraft:
         not their offsets. None (and `broken` set) when it fails to trace."""
         if taps.shape[1] < self.pad:
             taps = mx.pad(taps, [(0, 0), (0, self.pad - taps.shape[1]), (0, 0)])
-        fn = self._fns.get(branches)
+        attn = uses_small_attention(self.draft)  # a trace per attention path (it records kernels)
+        fn = self._fns.get((branches, attn))
         if fn is None:
-            fn = self._fns[branches] = mx.compile(partial(self.draft.padded_draft, branches=branches))
+            fn = self._fns[branches, attn] = mx.compile(partial(self.draft.padded_draft, branches=branches))
         try:
-            blocks, keys, values = fn(block_ids, taps, mx.array(cache[0].offset, dtype=mx.int32), S,
-                                      [c.keys for c in cache], [c.values for c in cache])
+            with patched_sdpa(attn):
+                blocks, keys, values = fn(block_ids, taps, mx.array(cache[0].offset, dtype=mx.int32), S,
+                                          [c.keys for c in cache], [c.values for c in cache])
         except (ValueError, RuntimeError, TypeError) as e:
             log.warning("compiled draft forward failed to trace (%s); drafting eagerly from now on", e)
             self.broken = True

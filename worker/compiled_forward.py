@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+from functools import partial
 from typing import Optional, Sequence
 
 import mlx.core as mx
@@ -39,6 +40,7 @@ from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE
 
 from worker.capture import HiddenCapture
 from worker.models.dflash import PaddedKVCache, additive_mask, takes_additive_masks
+from worker.small_attention import patched_sdpa, uses_small_attention
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +137,9 @@ class CompiledTarget:
         self.model, self.capture = model, capture
         self.max_positions = int(max_positions if max_positions is not None
                                  else os.environ.get("FLASHFLEET_COMPILE_MAX_POSITIONS", "8192"))
-        self._fn = mx.compile(self._forward)
+        # one compiled forward per attention path (`worker.small_attention`): a trace records
+        # the kernels it ran, so the two must not share one
+        self._fns = {False: mx.compile(self._forward), True: mx.compile(partial(self._forward))}
         self.broken = False  # a trace failed: every call runs uncompiled
         self.rows_broken = False  # a trace of candidate rows failed: one row a verify from now on
         self._rows = None  # the last forward's K-row buffers, until `choose_row`
@@ -179,9 +183,11 @@ class CompiledTarget:
             if K > 1:
                 raise ValueError("candidate rows need the compiled forward (see `branches_fit`)")
             return self._eager(tokens, cache)
+        attn = uses_small_attention(self.model)
         try:
-            logits, taps, keys, values = self._fn(tokens, mx.array(offset, dtype=mx.int32),
-                                                  [c.keys for c in cache], [c.values for c in cache])
+            with patched_sdpa(attn):
+                logits, taps, keys, values = self._fns[attn](tokens, mx.array(offset, dtype=mx.int32),
+                                                             [c.keys for c in cache], [c.values for c in cache])
         except (ValueError, RuntimeError, TypeError) as e:
             # A model whose code reads the offset in Python (evaluates an array inside the
             # trace): nothing was written (reserve only grew the buffers), so run it op by op

@@ -62,6 +62,11 @@ class EngineConfig:
             on the third), and with it one candidate row became the CUDA default
             (`default_branches`; docs/benchmarks.md, "Small matmuls in one kernel"). Equal to
             cuBLAS's result up to rounding. Ignored elsewhere (CPU, Metal). On by default.
+        small_attention: on MLX's CUDA backend, the compiled verifies and DFlash drafts attend
+            with one JIT-compiled kernel a layer (worker/small_attention.py) instead of cuDNN's
+            SDPA, whose every call adds a cuDNN-built CUDA graph; equal to it up to rounding.
+            Calls of more than 64 queries (prefill), float32 models and other devices keep
+            MLX's own attention. On by default.
     """
 
     model_path: Path
@@ -80,6 +85,7 @@ class EngineConfig:
     compile_forward: bool = True
     branches: int | None = None
     small_gemm: bool = True
+    small_attention: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_path", Path(self.model_path))

@@ -19,9 +19,14 @@
 #       and bench_branch_gain.py (what they would add to tau: PROMPTS held-out prompts per corpus,
 #       GAIN_TOKENS tokens, default 8 and 256)
 #   OUT=$OUT bash bench/h200/bench_compile_draft.sh gemm
-#       bench_small_gemm.py: worker/small_gemm.py against cuBLAS (error, per call, forwards; session 28)
+#       bench_small_gemm.py: worker/small_gemm.py against cuBLAS (error, per call, forwards; session 28);
+#       with SMALL_ATTN=1 the forwards on a third copy with worker/small_attention.py too
+#   OUT=$OUT bash bench/h200/bench_compile_draft.sh attn
+#       bench_small_attention.py: worker/small_attention.py against MLX's attention (error, per
+#       call; session 29)
 # Env for dflash: SMALL_GEMM=1 (bench_dflash.py --small-gemm: the compiled-draft and candidate-row
-# methods again with their linears on worker.small_gemm, " sg" rows), ONLY (the --only names, default "compiled comp+draft"), BRANCHES (e.g. "4 8": the
+# methods again with their linears on worker.small_gemm, " sg" rows), SMALL_ATTN=1 (with SMALL_GEMM:
+# --small-attention, every " sg" row again with worker.small_attention, " sg a" rows), ONLY (the --only names, default "compiled comp+draft"), BRANCHES (e.g. "4 8": the
 # candidate-row methods too, bench_dflash.py --branches), BENCH_TIMEOUT (seconds a process, 280),
 # WARM_ALL=1 (bench_dflash.py --warm-all: an untimed round over every prompt first), SERIAL=1
 # (bench_dflash.py --serial: each compiled-draft method in the serial order too, " ser" rows).
@@ -36,7 +41,7 @@ DRAFT=${DRAFT:-/root/drafts/Qwen2.5-Coder-1.5B-Instruct}
 export PYTHONUNBUFFERED=1
 source .stage/join/join.sh 2>/dev/null || export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 [ -d /tmp/mlx ] || { [ -f /root/stage/mlx-kernels.tgz ] && tar xzf /root/stage/mlx-kernels.tgz -C /tmp; }
-for step in "${@:?steps: prep tests dflash pieces gemm batched gain}"; do case $step in
+for step in "${@:?steps: prep tests dflash pieces gemm attn batched gain}"; do case $step in
 prep)
   [ -d $M ] || python3 bench/h200/convert.py Qwen2.5-Coder-1.5B-Instruct /root/stage/files/Qwen2.5-Coder-1.5B-Instruct.gguf $M
   mkdir -p $C && tar xzf /root/stage/files/.stage-cases.tgz -C $C && ls $M $C ;;
@@ -46,7 +51,7 @@ tests)
     tests/test_dflash.py tests/test_spec_draft.py tests/test_sampling.py tests/test_fusion.py \
     tests/test_compiled_forward.py tests/test_compiled_draft.py tests/test_engine_dflash.py tests/test_engine.py \
     tests/test_draft_vocab.py tests/test_grow.py tests/test_cost_model.py tests/test_uag.py tests/test_translation.py \
-    tests/test_branches.py tests/test_overlap_draft.py tests/test_bench_cycle_pieces.py tests/test_small_gemm.py \
+    tests/test_branches.py tests/test_overlap_draft.py tests/test_bench_cycle_pieces.py tests/test_small_gemm.py tests/test_small_attention.py \
     2>&1 | tail -40 | tee "$O/tests.txt" ;;
 dflash)
   mkdir -p "$O/work"
@@ -55,7 +60,7 @@ dflash)
     mkdir -p "$O/work/p$k"
     timeout "${BENCH_TIMEOUT:-280}" python3 bench/bench_dflash.py --target $M --dflash-draft "$DRAFT" --max-tokens "${MAX_TOKENS:-128}" \
       --prompts "${PROMPTS:-4}" --rounds "${ROUNDS:-2}" --cases $C --fuse --compile --compile-draft --adaptive \
-      ${BRANCHES:+--branches $BRANCHES} ${WARM_ALL:+--warm-all} ${SERIAL:+--serial} ${SMALL_GEMM:+--small-gemm} --only ${ONLY:-compiled comp+draft} --json-out "$O/work/p$k/dflash.json" \
+      ${BRANCHES:+--branches $BRANCHES} ${WARM_ALL:+--warm-all} ${SERIAL:+--serial} ${SMALL_GEMM:+--small-gemm} ${SMALL_ATTN:+--small-attention} --only ${ONLY:-compiled comp+draft} --json-out "$O/work/p$k/dflash.json" \
       2>&1 | grep -v " done$" | tee "$O/dflash_p$k.txt"
   done
   (cd "$O/work" && tar czf "$O/runs_$first.tgz" .) && rm -rf "$O/work"
@@ -66,7 +71,9 @@ pieces)
     --json-out "$O/pieces.json" 2>&1 | tee "$O/pieces.txt" ;;
 gemm)
   timeout 300 python3 bench/bench_small_gemm.py --target $M --context 256 --reps "${GEMM_REPS:-30}" --rounds "${GEMM_ROUNDS:-5}" ${GEMM_SKIP:+--skip $GEMM_SKIP} \
-    --json-out "$O/gemm.json" 2>&1 | tee "$O/gemm.txt" ;;
+    ${SMALL_ATTN:+--attention} --json-out "$O/gemm.json" 2>&1 | tee "$O/gemm.txt" ;;
+attn)
+  timeout 200 python3 bench/bench_small_attention.py --rounds "${GEMM_ROUNDS:-5}" --json-out "$O/attn.json" 2>&1 | tee "$O/attn.txt" ;;
 batched)
   timeout 240 python3 bench/bench_batched_verify.py --target $M --ks 1 2 4 8 --block 16 --contexts 256 1024 \
     --reps 20 --rounds 3 --json-out "$O/batched.json" 2>&1 | tee "$O/batched.txt" ;;

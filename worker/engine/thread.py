@@ -25,7 +25,7 @@ from worker.detokenize import TextAssembler
 from worker.compiled_draft import compiled_draft_pays
 from worker.compiled_forward import compilable_model
 from worker.fusion import fuse_projections
-from worker import small_gemm
+from worker import small_attention, small_gemm
 from worker.engine.modes import MODES, LoadedModels, Mode, candidate_rows, draft_kind_of, resolve_mode
 from worker.models.dflash_checkpoint import DraftCheckpointError, load_dflash_draft
 from worker.engine.session import Session, new_stats
@@ -416,6 +416,12 @@ class Engine:
             else:
                 log.info("small gemm: no linear layer it can take (it needs unquantized bf16/fp16 weights); "
                          "cuBLAS runs them")
+        if cfg.small_attention and small_attention.available():
+            for m in (target, draft):
+                if m is not None:
+                    small_attention.use_small_attention(m)
+            log.info("small attention: compiled verifies and drafts attend with one CUDA kernel a layer "
+                     "(calls of up to %d queries, bf16/fp16)", small_attention.MAX_QUERIES)
         models = LoadedModels(target, tokenizer, frozenset(tokenizer.eos_token_ids), draft,
                               self._draft_kind, draft_tokenizer=draft_tokenizer)
         if self._draft_kind == "dflash":  # say whether --no-compile-forward / the model decided it

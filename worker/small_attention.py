@@ -1,0 +1,354 @@
+"""Attention of a few queries over a KV cache on CUDA as one plain kernel launch, without cuDNN.
+
+Why: MLX's CUDA backend runs `mx.fast.scaled_dot_product_attention` with an array mask and more
+than one query (a DFlash verify: 16 tokens a row; the draft's block) through cuDNN's SDPA: per
+call it looks up an execution plan, populates a CUDA graph through cuDNN's frontend and adds it to
+MLX's graph as a child graph (mlx/backend/cuda/scaled_dot_product_attention.cpp). On the lent
+H200 a 1.5B target's verify is bound by the host's time per graph node (docs/benchmarks.md,
+"Small matmuls in one kernel"); `worker.small_gemm` took the cuBLAS calls out of it, this takes
+the 28 attention calls (plus the draft's).
+
+`small_attention(q, k, v, scale, mask)` is one JIT-compiled kernel (`mx.fast.cuda_kernel`) that
+MLX launches as an ordinary kernel node. One block of 256 threads per (row, KV head, query):
+it computes the query's scores for every query head sharing that KV head (grouped-query
+attention: K and V are read once for the group), in chunks of keys with the online softmax of
+Milakov & Gimelshein 2018 ("Online normalizer calculation for softmax"; as FlashAttention,
+Dao et al. 2022), all in fp32, and writes the output in (B, L, H, D) order, so that the model's
+transpose back to (B, L, H * D) is free. No tensor cores: at 16-64 queries and the contexts a
+worker's sessions reach the kernel is bound by reading K and V, which it reads once per
+(row, KV head, query) from L2.
+
+`patched_sdpa()` is a context manager that routes `mx.fast.scaled_dot_product_attention` to
+`attention` (this kernel where it `applies`, MLX's own otherwise) while a compiled forward is
+traced or run, so mlx-lm's models use it without a line of their code copied.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import struct
+from typing import Optional
+
+import mlx.core as mx
+
+from worker.small_gemm import _compute_capability_major
+
+THREADS = 256
+MAX_GROUP = 16  # query heads per KV head the kernel takes (shared memory: G x CHUNK scores)
+SCORE_FLOATS = 8192  # fp32 scores a block keeps in shared memory (32 KiB): CHUNK = this / G
+HEAD_DIMS = (64, 128, 256)  # THREADS split into (D / 2)-wide groups of keys (32 spills registers)
+MAX_QUERIES = 64  # a block per query: longer calls (prefill) keep cuDNN's flash kernels
+
+_HEADER = r"""
+#define SA_NEG_INF __int_as_float(0xff800000)
+// 8 consecutive elements (stride sd) at p as floats: one 16-byte load where allowed.
+template <typename T>
+__device__ __forceinline__ void small_attn_load8(const T* p, long long sd, bool vec, float* f) {
+  if (vec) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const T* h = reinterpret_cast<const T*>(&u);
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(h[i]);
+  } else {
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(p[i * sd]);
+  }
+}
+// Every thread of the block gets the block-wide max (or sum) of v[0..G-1].
+template <int G, bool MAX>
+__device__ __forceinline__ void small_attn_reduce(float* v, float (*red)[G], int lane, int warp) {
+  #pragma unroll
+  for (int g = 0; g < G; ++g) {
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      const float o = __shfl_xor_sync(0xffffffffu, v[g], off);
+      v[g] = MAX ? fmaxf(v[g], o) : v[g] + o;
+    }
+  }
+  if (lane == 0) {
+    #pragma unroll
+    for (int g = 0; g < G; ++g) red[warp][g] = v[g];
+  }
+  __syncthreads();
+  #pragma unroll
+  for (int g = 0; g < G; ++g) {
+    float r = red[0][g];
+    #pragma unroll
+    for (int w = 1; w < 8; ++w) r = MAX ? fmaxf(r, red[w][g]) : r + red[w][g];
+    v[g] = r;
+  }
+  __syncthreads();
+}
+"""
+
+# The body (MLX writes the signature: q, k, v[, mask] then y, with shapes and strides as used).
+# Template constants: T (dtype), D (head dim), G (query heads per KV head), C (keys a chunk),
+# SCALE_BITS (the softmax scale's float bits). Block = (row b, KV head hk, query l).
+_SOURCE = r"""
+  const int L = q_shape[2], HKV = k_shape[1], S = k_shape[2];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int l = blockIdx.x % L, hk = (blockIdx.x / L) % HKV, b = blockIdx.x / (L * HKV);
+  constexpr int NKG = 256 / (D / 2);  // key groups of the P.V step (each thread: 2 dims of D)
+  __shared__ float qs[G][D];
+  __shared__ float sc[G][C];
+  __shared__ float red[8][G];
+  const float scale = __int_as_float(SCALE_BITS);
+  for (int i = tid; i < G * D; i += 256) {
+    const int g = i / D, d = i % D;
+    qs[g][d] = static_cast<float>(q[b * q_strides[0] + (hk * G + g) * q_strides[1] + l * q_strides[2]
+                                    + d * q_strides[3]]) * scale;
+  }
+  const T* kb = k + b * k_strides[0] + hk * k_strides[1];
+  const T* vb = v + b * v_strides[0] + hk * v_strides[1];
+  const bool k_vec = k_strides[3] == 1 && (k_strides[2] & 7) == 0 && (reinterpret_cast<size_t>(kb) & 15) == 0;
+  const int dp = tid % (D / 2), kg = tid / (D / 2);
+  float m_run[G], l_run[G], acc[G][2];
+  #pragma unroll
+  for (int g = 0; g < G; ++g) { m_run[g] = SA_NEG_INF; l_run[g] = 0.f; acc[g][0] = acc[g][1] = 0.f; }
+  __syncthreads();
+  for (int c0 = 0; c0 < S; c0 += C) {
+    const int n = min(C, S - c0);
+    float cm[G];
+    #pragma unroll
+    for (int g = 0; g < G; ++g) cm[g] = SA_NEG_INF;
+    for (int jj = tid; jj < n; jj += 256) {
+      const T* kp = kb + (long long)(c0 + jj) * k_strides[2];
+      float s[G];
+      #pragma unroll
+      for (int g = 0; g < G; ++g) s[g] = 0.f;
+      #pragma unroll 4
+      for (int d0 = 0; d0 < D; d0 += 8) {
+        float kf[8];
+        small_attn_load8(kp + d0 * k_strides[3], k_strides[3], k_vec, kf);
+        #pragma unroll
+        for (int g = 0; g < G; ++g) {
+          #pragma unroll
+          for (int i = 0; i < 8; ++i) s[g] += qs[g][d0 + i] * kf[i];
+        }
+      }
+      #pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const float x = s[g] + MASK_AT(g, c0 + jj);
+        sc[g][jj] = x;
+        cm[g] = fmaxf(cm[g], x);
+      }
+    }
+    small_attn_reduce<G, true>(cm, red, lane, warp);
+    float corr[G], cs[G];
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const float m_new = fmaxf(m_run[g], cm[g]);
+      corr[g] = m_run[g] == SA_NEG_INF ? 0.f : expf(m_run[g] - m_new);
+      m_run[g] = m_new;
+      cs[g] = 0.f;
+    }
+    for (int jj = tid; jj < n; jj += 256) {
+      #pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const float p = m_run[g] == SA_NEG_INF ? 0.f : expf(sc[g][jj] - m_run[g]);
+        sc[g][jj] = p;
+        cs[g] += p;
+      }
+    }
+    small_attn_reduce<G, false>(cs, red, lane, warp);  // its barrier also publishes sc
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+      l_run[g] = l_run[g] * corr[g] + cs[g];
+      acc[g][0] *= corr[g];
+      acc[g][1] *= corr[g];
+    }
+    for (int jj = kg; jj < n; jj += NKG) {
+      const T* vp = vb + (long long)(c0 + jj) * v_strides[2] + 2 * dp * v_strides[3];
+      const float v0 = static_cast<float>(vp[0]), v1 = static_cast<float>(vp[v_strides[3]]);
+      #pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const float p = sc[g][jj];
+        acc[g][0] += p * v0;
+        acc[g][1] += p * v1;
+      }
+    }
+    __syncthreads();  // the next chunk overwrites sc
+  }
+  // Sum the key groups' partial outputs (sc is free now: (NKG - 1) * G * D <= G * C floats).
+  float* part = &sc[0][0];
+  if (kg > 0) {
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+      part[((kg - 1) * G + g) * D + 2 * dp] = acc[g][0];
+      part[((kg - 1) * G + g) * D + 2 * dp + 1] = acc[g][1];
+    }
+  }
+  __syncthreads();
+  if (kg == 0) {
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float o0 = acc[g][0], o1 = acc[g][1];
+      for (int r = 0; r < NKG - 1; ++r) {
+        o0 += part[(r * G + g) * D + 2 * dp];
+        o1 += part[(r * G + g) * D + 2 * dp + 1];
+      }
+      const float inv = l_run[g] > 0.f ? 1.f / l_run[g] : 0.f;
+      T* yp = y + (((long long)b * L + l) * (HKV * G) + hk * G + g) * D + 2 * dp;
+      yp[0] = static_cast<T>(o0 * inv);
+      yp[1] = static_cast<T>(o1 * inv);
+    }
+  }
+"""
+
+
+def _defines(masked: bool) -> str:
+    # The mask (broadcast to (B, H, L, S) by the caller, so strides say where each value is).
+    at = ("static_cast<float>(mask[b * mask_strides[0] + (hk * G + (g)) * mask_strides[1] "
+          "+ l * mask_strides[2] + (long long)(j) * mask_strides[3]])" if masked else "0.f")
+    return f"#define MASK_AT(g, j) ({at})\n"
+
+
+_kernels: dict = {}
+
+
+def _kernel(masked: bool):
+    if masked not in _kernels:
+        header = _defines(masked) + _HEADER
+        # MLX caches compiled kernels on disk by name (and template values) only.
+        digest = hashlib.sha256((header + _SOURCE).encode()).hexdigest()[:12]
+        _kernels[masked] = mx.fast.cuda_kernel(
+            name=f"flashfleet_small_attention{'_mask' if masked else ''}_{digest}",
+            input_names=["q", "k", "v", "mask"] if masked else ["q", "k", "v"], output_names=["y"],
+            source=_SOURCE, header=header, ensure_row_contiguous=False)
+    return _kernels[masked]
+
+
+def available() -> bool:
+    """Whether `small_attention` can run here: MLX's CUDA backend (any GPU MLX supports: no
+    tensor-core instruction is used, but sm_80 or later is asked, as for `small_gemm`, so one
+    check covers the worker's CUDA paths), not turned off with FLASHFLEET_SMALL_ATTENTION=0."""
+    if not mx.cuda.is_available() or os.environ.get("FLASHFLEET_SMALL_ATTENTION", "1") == "0":
+        return False
+    major = _compute_capability_major()
+    return major is None or major >= 8
+
+
+def chunk(group: int) -> int:
+    """Keys a block scores at a time for `group` query heads per KV head: as many as fit
+    SCORE_FLOATS fp32 scores, a multiple of 32."""
+    return SCORE_FLOATS // group // 32 * 32
+
+
+def fits(group: int, head_dim: int) -> bool:
+    """Whether a block's shared memory (the group's queries, a chunk of scores, the reductions)
+    stays within the 48 KiB a kernel gets without asking, and the chunk can hold the key
+    groups' partial outputs at the end."""
+    nkg = THREADS // (head_dim // 2)
+    c = chunk(group)
+    return 4 * (group * head_dim + group * c + 8 * group) <= 48 * 1024 and (nkg - 1) * head_dim <= c
+
+
+def applies(q: mx.array, k: mx.array, v: mx.array, mask=None, sinks=None) -> bool:
+    """Whether `small_attention(q, k, v, scale, mask)` handles these inputs (else MLX's own):
+    q (B, H, L, D) with L <= MAX_QUERIES, k and v (B or 1, H_kv, S, D) of q's dtype (bf16 or fp16), H a multiple of
+    H_kv with at most MAX_GROUP query heads per KV head, D in HEAD_DIMS, no attention sinks, and
+    the mask None or an array (not "causal", not boolean) that broadcasts to (B, H, L, S)."""
+    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape or sinks is not None:
+        return False
+    if q.dtype not in (mx.bfloat16, mx.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    B, H, L, D = q.shape
+    Bk, Hkv, S, Dk = k.shape
+    if L > MAX_QUERIES or Dk != D or D not in HEAD_DIMS or Bk not in (1, B) or H % Hkv or H // Hkv > MAX_GROUP or S < 1:
+        return False
+    if not fits(H // Hkv, D):
+        return False
+    if mask is None:
+        return True
+    if not isinstance(mask, mx.array) or mask.dtype == mx.bool_ or not mx.issubdtype(mask.dtype, mx.floating):
+        return False
+    if mask.ndim > 4:
+        return False
+    target = (B, H, L, S)[4 - mask.ndim:]
+    return all(m in (1, t) for m, t in zip(mask.shape, target))
+
+
+def small_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
+                    mask: Optional[mx.array] = None) -> mx.array:
+    """softmax(q k^T * scale + mask) v per head as one CUDA kernel (fp32 scores and sums).
+
+    Args:
+        q: (B, H, L, D) bf16 or fp16, any strides (a transposed projection as mlx-lm makes it).
+        k, v: (B or 1, H_kv, S, D), q's dtype; query head h reads KV head h // (H / H_kv).
+        scale: the scores' factor (usually D ** -0.5).
+        mask: optional additive array broadcastable to (B, H, L, S) (0 to attend, -inf not to);
+            a query that may attend to no key gets zeros.
+
+    Returns:
+        (B, H, L, D) in q's dtype: a transposed view of a (B, L, H, D) array, so that
+        `.transpose(0, 2, 1, 3).reshape(B, L, H * D)` needs no copy. Equal to MLX's
+        `mx.fast.scaled_dot_product_attention` up to rounding (tests/test_small_attention.py).
+
+    Raises:
+        ValueError: inputs `applies` rejects. (MLX raises if the default device is not a GPU.)
+    """
+    if not applies(q, k, v, mask):
+        raise ValueError(f"small_attention: q {q.shape} {q.dtype}, k {k.shape}, v {v.shape}, mask "
+                         f"{None if mask is None else (mask.shape, mask.dtype)} not taken (see `applies`)")
+    B, H, L, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    inputs = [q, k, v]
+    template = [("T", q.dtype), ("D", D), ("G", H // Hkv), ("C", chunk(H // Hkv)),
+                ("SCALE_BITS", struct.unpack("<i", struct.pack("<f", float(scale)))[0])]
+    if k.shape[0] != B:  # one cache for every row: the kernel reads row b at stride 0
+        inputs = [q, mx.broadcast_to(k, (B, *k.shape[1:])), mx.broadcast_to(v, (B, *v.shape[1:]))]
+    if mask is not None:
+        inputs.append(mx.broadcast_to(mask, (B, H, L, S)))
+    (y,) = _kernel(mask is not None)(inputs=inputs, template=template, grid=(B * Hkv * L * THREADS, 1, 1),
+                                     threadgroup=(THREADS, 1, 1), output_shapes=[(B, L, H, D)],
+                                     output_dtypes=[q.dtype])
+    return y.transpose(0, 2, 1, 3)
+
+
+_mlx_sdpa = mx.fast.scaled_dot_product_attention
+
+
+def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=None, sinks=None,
+              **kwargs) -> mx.array:
+    """`mx.fast.scaled_dot_product_attention`'s signature: `small_attention` where it `applies`
+    and is `available`, MLX's own otherwise (CPU, Metal, float32, "causal" or boolean masks,
+    sinks, shapes it does not take)."""
+    if not kwargs and available() and applies(q, k, v, mask, sinks):
+        return small_attention(q, k, v, scale, mask)
+    return _mlx_sdpa(q, k, v, scale=scale, mask=mask, sinks=sinks, **kwargs)
+
+
+@contextlib.contextmanager
+def patched_sdpa(enabled: bool = True):
+    """Within it, `mx.fast.scaled_dot_product_attention` is `attention` (for the code that looks
+    it up at call time: mlx-lm's models, through `mlx_lm.models.base`). Used around compiled
+    forwards: a trace records the kernel, later replays need no Python. Not thread-safe: the
+    worker runs all MLX work on its engine thread. `enabled=False` changes nothing."""
+    if not enabled:
+        yield
+        return
+    saved = mx.fast.scaled_dot_product_attention
+    mx.fast.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        mx.fast.scaled_dot_product_attention = saved
+
+
+_MARK = "_flashfleet_small_attention"
+
+
+def use_small_attention(model, on: bool = True) -> bool:
+    """Marks `model` (a target or a DFlash draft) so that its compiled forwards
+    (`worker.compiled_forward.CompiledTarget`, `worker.compiled_draft.CompiledDraft`) trace and
+    run under `patched_sdpa`; each keeps a separate trace for either state, so the mark can be
+    changed between calls. Returns whether the mark is on (never where `available()` is False)."""
+    on = bool(on) and available()
+    object.__setattr__(model, _MARK, on)
+    return on
+
+
+def uses_small_attention(model) -> bool:
+    """Whether `use_small_attention` marked this model on."""
+    return bool(model.__dict__.get(_MARK, False))
