@@ -47,7 +47,7 @@ prep)
   mkdir -p $C && tar xzf /root/stage/files/.stage-cases.tgz -C $C && ls $M $C ;;
 tests)
   [ -d /tmp/pydeps/grpc ] || python3 -m pip install -q --no-index --no-deps --target /tmp/pydeps .stage/pydeps/*.whl
-  FLASHFLEET_TEST_CASES=$C PYTHONPATH=$PYTHONPATH:/tmp/pydeps timeout 420 python3 -m pytest -q -p no:cacheprovider \
+  FLASHFLEET_TEST_CASES=$C PYTHONPATH=$PYTHONPATH:/tmp/pydeps timeout 560 python3 -m pytest -q -p no:cacheprovider \
     tests/test_dflash.py tests/test_spec_draft.py tests/test_sampling.py tests/test_fusion.py \
     tests/test_compiled_forward.py tests/test_compiled_draft.py tests/test_engine_dflash.py tests/test_engine.py \
     tests/test_draft_vocab.py tests/test_grow.py tests/test_cost_model.py tests/test_uag.py tests/test_translation.py \
