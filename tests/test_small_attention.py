@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 import worker.small_attention as sa

@@ -19,7 +19,7 @@ worker's sessions reach the kernel is bound by reading K and V, which it reads o
 (row, KV head, query) from L2.
 
 Measured on the H200 (docs/benchmarks.md, "Attention in one kernel"): as exact as MLX's own
-against a float32 reference, 5-8 us less host time a call, but more device time (42.6 against
+against a float32 reference, 5-23 us less host time a call, but more device time (42.6 against
 33.4 us at 272 keys; a one-row verify has only 32 blocks and each thread's P.V loop waits on a
 load an iteration), so a 16-token verify of the 1.5B target took 4.96 against 4.52 ms on a
 machine whose device bounds it. Off by default (`EngineConfig.small_attention`).
@@ -32,13 +32,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import struct
 from typing import Optional
 
 import mlx.core as mx
 
-from worker.small_gemm import _compute_capability_major
+from worker.small_gemm import cuda_sm80
 
 THREADS = 256
 MAX_GROUP = 16  # query heads per KV head the kernel takes (shared memory: G x CHUNK scores)
@@ -230,10 +229,7 @@ def available() -> bool:
     """Whether `small_attention` can run here: MLX's CUDA backend (any GPU MLX supports: no
     tensor-core instruction is used, but sm_80 or later is asked, as for `small_gemm`, so one
     check covers the worker's CUDA paths), not turned off with FLASHFLEET_SMALL_ATTENTION=0."""
-    if not mx.cuda.is_available() or os.environ.get("FLASHFLEET_SMALL_ATTENTION", "1") == "0":
-        return False
-    major = _compute_capability_major()
-    return major is None or major >= 8
+    return cuda_sm80("FLASHFLEET_SMALL_ATTENTION")
 
 
 def chunk(group: int) -> int:

@@ -185,7 +185,14 @@ def available() -> bool:
     or later (`mma.sync.m16n8k16` with bf16 needs sm_80: not a T4 or other Turing card; a GPU
     whose capability MLX does not report is assumed able), and not turned off with
     FLASHFLEET_SMALL_GEMM=0."""
-    if not mx.cuda.is_available() or os.environ.get("FLASHFLEET_SMALL_GEMM", "1") == "0":
+    return cuda_sm80("FLASHFLEET_SMALL_GEMM")
+
+
+def cuda_sm80(opt_out: str) -> bool:
+    """MLX's CUDA backend on a GPU of compute capability 8.0 or later (or one whose capability
+    MLX does not report), and the environment variable `opt_out` not "0": where this module's
+    and `worker.small_attention`'s kernels may run."""
+    if not mx.cuda.is_available() or os.environ.get(opt_out, "1") == "0":
         return False
     major = _compute_capability_major()
     return major is None or major >= 8
