@@ -94,7 +94,9 @@ _SOURCE = r"""
   const int L = q_shape[2], HKV = k_shape[1], S = k_shape[2];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int l = blockIdx.x % L, hk = (blockIdx.x / L) % HKV, b = blockIdx.x / (L * HKV);
-  constexpr int NKG = 256 / (D / 2);  // key groups of the P.V step (each thread: 2 dims of D)
+  constexpr int TPR = D / 8;  // P.V: threads a V row (8 dims each: one 16-byte load)
+  constexpr int NKG = 256 / TPR;  // P.V: key groups, each thread's keys kg, kg + NKG, ...
+  constexpr int UNROLL = 8;  // P.V: V rows a thread has in flight (the loop waits on loads)
   __shared__ float qs[G][D];
   __shared__ float sc[G][C];
   __shared__ float red[8][G];
@@ -107,10 +109,15 @@ _SOURCE = r"""
   const T* kb = k + b * k_strides[0] + hk * k_strides[1];
   const T* vb = v + b * v_strides[0] + hk * v_strides[1];
   const bool k_vec = k_strides[3] == 1 && (k_strides[2] & 7) == 0 && (reinterpret_cast<size_t>(kb) & 15) == 0;
-  const int dp = tid % (D / 2), kg = tid / (D / 2);
-  float m_run[G], l_run[G], acc[G][2];
+  const bool v_vec = v_strides[3] == 1 && (v_strides[2] & 7) == 0 && (reinterpret_cast<size_t>(vb) & 15) == 0;
+  const int ds = tid % TPR, kg = tid / TPR;
+  float m_run[G], l_run[G], acc[G][8];
   #pragma unroll
-  for (int g = 0; g < G; ++g) { m_run[g] = SA_NEG_INF; l_run[g] = 0.f; acc[g][0] = acc[g][1] = 0.f; }
+  for (int g = 0; g < G; ++g) {
+    m_run[g] = SA_NEG_INF; l_run[g] = 0.f;
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
+  }
   __syncthreads();
   for (int c0 = 0; c0 < S; c0 += C) {
     const int n = min(C, S - c0);
@@ -160,43 +167,86 @@ _SOURCE = r"""
     #pragma unroll
     for (int g = 0; g < G; ++g) {
       l_run[g] = l_run[g] * corr[g] + cs[g];
-      acc[g][0] *= corr[g];
-      acc[g][1] *= corr[g];
+      #pragma unroll
+      for (int i = 0; i < 8; ++i) acc[g][i] *= corr[g];
     }
-    for (int jj = kg; jj < n; jj += NKG) {
-      const T* vp = vb + (long long)(c0 + jj) * v_strides[2] + 2 * dp * v_strides[3];
-      const float v0 = static_cast<float>(vp[0]), v1 = static_cast<float>(vp[v_strides[3]]);
+    const T* vrow = vb + ds * 8 * v_strides[3];
+    int jj = kg;
+    for (; jj + (UNROLL - 1) * NKG < n; jj += UNROLL * NKG) {
+      float vf[UNROLL][8];
+      #pragma unroll
+      for (int u = 0; u < UNROLL; ++u)
+        small_attn_load8(vrow + (long long)(c0 + jj + u * NKG) * v_strides[2], v_strides[3], v_vec, vf[u]);
+      #pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        #pragma unroll
+        for (int g = 0; g < G; ++g) {
+          const float p = sc[g][jj + u * NKG];
+          #pragma unroll
+          for (int i = 0; i < 8; ++i) acc[g][i] += p * vf[u][i];
+        }
+      }
+    }
+    for (; jj < n; jj += NKG) {
+      float vf[8];
+      small_attn_load8(vrow + (long long)(c0 + jj) * v_strides[2], v_strides[3], v_vec, vf);
       #pragma unroll
       for (int g = 0; g < G; ++g) {
         const float p = sc[g][jj];
-        acc[g][0] += p * v0;
-        acc[g][1] += p * v1;
+        #pragma unroll
+        for (int i = 0; i < 8; ++i) acc[g][i] += p * vf[i];
       }
     }
     __syncthreads();  // the next chunk overwrites sc
   }
-  // Sum the key groups' partial outputs (sc is free now: (NKG - 1) * G * D <= G * C floats).
-  float* part = &sc[0][0];
-  if (kg > 0) {
+  // Sum the key groups' partial outputs: within a warp by shuffles (its lanes hold 32 / TPR
+  // groups), then the 8 warps' sums through sc (free now) in two rounds of at most 4 * G * D
+  // floats (<= G * C): warps 4-7 into 0-3, then 1-3 into 0.
+  #pragma unroll
+  for (int off = TPR; off < 32; off <<= 1) {
     #pragma unroll
     for (int g = 0; g < G; ++g) {
-      part[((kg - 1) * G + g) * D + 2 * dp] = acc[g][0];
-      part[((kg - 1) * G + g) * D + 2 * dp + 1] = acc[g][1];
+      #pragma unroll
+      for (int i = 0; i < 8; ++i) acc[g][i] += __shfl_xor_sync(0xffffffffu, acc[g][i], off);
+    }
+  }
+  float* part = &sc[0][0];
+  if (warp >= 4 && lane < TPR) {
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+      #pragma unroll
+      for (int i = 0; i < 8; ++i) part[((warp - 4) * G + g) * D + ds * 8 + i] = acc[g][i];
     }
   }
   __syncthreads();
-  if (kg == 0) {
+  if (warp < 4 && lane < TPR) {
     #pragma unroll
     for (int g = 0; g < G; ++g) {
-      float o0 = acc[g][0], o1 = acc[g][1];
-      for (int r = 0; r < NKG - 1; ++r) {
-        o0 += part[(r * G + g) * D + 2 * dp];
-        o1 += part[(r * G + g) * D + 2 * dp + 1];
-      }
+      #pragma unroll
+      for (int i = 0; i < 8; ++i) acc[g][i] += part[(warp * G + g) * D + ds * 8 + i];
+    }
+  }
+  __syncthreads();
+  if (warp > 0 && warp < 4 && lane < TPR) {
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+      #pragma unroll
+      for (int i = 0; i < 8; ++i) part[((warp - 1) * G + g) * D + ds * 8 + i] = acc[g][i];
+    }
+  }
+  __syncthreads();
+  if (warp == 0 && lane < TPR) {
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
       const float inv = l_run[g] > 0.f ? 1.f / l_run[g] : 0.f;
-      T* yp = y + (((long long)b * L + l) * (HKV * G) + hk * G + g) * D + 2 * dp;
-      yp[0] = static_cast<T>(o0 * inv);
-      yp[1] = static_cast<T>(o1 * inv);
+      T* yp = y + (((long long)b * L + l) * (HKV * G) + hk * G + g) * D + ds * 8;
+      #pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        float o = acc[g][i];
+        #pragma unroll
+        for (int w = 0; w < 3; ++w) o += part[(w * G + g) * D + ds * 8 + i];
+        yp[i] = static_cast<T>(o * inv);
+      }
     }
   }
 """
@@ -241,10 +291,9 @@ def chunk(group: int) -> int:
 def fits(group: int, head_dim: int) -> bool:
     """Whether a block's shared memory (the group's queries, a chunk of scores, the reductions)
     stays within the 48 KiB a kernel gets without asking, and the chunk can hold the key
-    groups' partial outputs at the end."""
-    nkg = THREADS // (head_dim // 2)
+    warps' partial outputs at the end."""
     c = chunk(group)
-    return 4 * (group * head_dim + group * c + 8 * group) <= 48 * 1024 and (nkg - 1) * head_dim <= c
+    return 4 * (group * head_dim + group * c + 8 * group) <= 48 * 1024 and 4 * head_dim <= c
 
 
 def applies(q: mx.array, k: mx.array, v: mx.array, mask=None, sinks=None) -> bool:
