@@ -187,11 +187,11 @@ def test_the_worker_marks_its_models_and_says_so(monkeypatch, tiny_models, caplo
     _recording(monkeypatch)
     caplog.set_level(logging.INFO, logger="worker.engine.thread")
     bf16 = _bf16_copy(tiny_models.llama, tmp_path / "llama-bf16")
-    with Engine(EngineConfig(model_path=bf16, warmup=False, small_attention=True)):
+    with Engine(EngineConfig(model_path=bf16, warmup=False)):  # on by default
         pass
     assert "small attention: compiled verifies and drafts attend with one CUDA kernel" in caplog.text
     caplog.clear()
-    with Engine(EngineConfig(model_path=bf16, warmup=False)):  # off by default (slower on the device)
+    with Engine(EngineConfig(model_path=bf16, warmup=False, small_attention=False)):
         pass
     assert "small attention" not in caplog.text
 

@@ -73,7 +73,7 @@ def test_fuse_projections_flag_reaches_the_engine_config(tiny_models, monkeypatc
     for argv, want in (([], True), (["--no-small-gemm"], False)):
         cli.build_engine(cli.parse_args(["--model", str(tiny_models.llama), *argv]))
         assert seen[-1].small_gemm is want
-    for argv, want in (([], False), (["--small-attention"], True)):
+    for argv, want in (([], True), (["--no-small-attention"], False)):
         cli.build_engine(cli.parse_args(["--model", str(tiny_models.llama), *argv]))
         assert seen[-1].small_attention is want
     for argv, want in (([], None), (["--branches", "4"], 4), (["--branches", "1"], 1)):

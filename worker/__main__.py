@@ -67,11 +67,10 @@ def parse_args(argv):
                    "candidate blocks per verify unless --branches says otherwise (default: one tensor-core "
                    "kernel a call, worker/small_gemm.py, and one block; the same outputs to rounding, less "
                    "host time; FLASHFLEET_SMALL_GEMM=0 in the environment turns it off too)")
-    p.add_argument("--small-attention", action="store_true",
-                   help="CUDA only, experimental: compiled verifies and drafts attend with one kernel a "
-                   "layer (worker/small_attention.py) instead of cuDNN's; the same outputs to rounding, "
-                   "less host time but more device time (a 16-token verify of the 1.5B target took 10%% "
-                   "longer on the H200: docs/benchmarks.md, \"Attention in one kernel\"). Default: off")
+    p.add_argument("--no-small-attention", dest="small_attention", action="store_false",
+                   help="CUDA only: keep cuDNN's attention in compiled verifies and drafts (default: one "
+                   "kernel a layer, worker/small_attention.py; the same outputs to rounding, less host "
+                   "time; FLASHFLEET_SMALL_ATTENTION=0 in the environment turns it off too)")
     p.add_argument("--no-compile-forward", dest="compile_forward", action="store_false",
                    help="run DFlash verifies and drafts op by op (default: the target's forward, and "
                    "on a GPU the draft's block forward, as one compiled MLX graph per shape, where "

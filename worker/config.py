@@ -66,9 +66,11 @@ class EngineConfig:
             with one JIT-compiled kernel a layer (worker/small_attention.py) instead of cuDNN's
             SDPA, whose every call adds a cuDNN-built CUDA graph; equal to it up to rounding.
             Calls of more than 64 queries (prefill), float32 models and other devices keep
-            MLX's own attention. Off by default: on the H200 it saved 0.42 ms of host time a
-            16-token verify of the 1.5B target but cost more on the device (4.96 against 4.52
-            ms; docs/benchmarks.md, "Attention in one kernel").
+            MLX's own attention. On the H200 (docs/benchmarks.md, "Attention in one kernel"):
+            a 16-token verify of the 1.5B target 14% shorter than with `small_gemm` alone, and
+            end to end under the cost model code 3.46x plain mlx-lm against 2.93x (one
+            process; its first version, slower on the device, lost on a fast-host machine).
+            On by default.
     """
 
     model_path: Path
@@ -87,7 +89,7 @@ class EngineConfig:
     compile_forward: bool = True
     branches: int | None = None
     small_gemm: bool = True
-    small_attention: bool = False
+    small_attention: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_path", Path(self.model_path))

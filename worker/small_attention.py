@@ -19,10 +19,11 @@ worker's sessions reach the kernel is bound by reading K and V, which it reads o
 (row, KV head, query) from L2.
 
 Measured on the H200 (docs/benchmarks.md, "Attention in one kernel"): as exact as MLX's own
-against a float32 reference, 5-23 us less host time a call, but more device time (42.6 against
-33.4 us at 272 keys; a one-row verify has only 32 blocks and each thread's P.V loop waits on a
-load an iteration), so a 16-token verify of the 1.5B target took 4.96 against 4.52 ms on a
-machine whose device bounds it. Off by default (`EngineConfig.small_attention`).
+against a float32 reference; 8-36 us less host time a call; after the P.V step kept eight V rows
+in flight a thread, calls finish as soon as cuDNN's up to about 1,000 keys (slower at 4,112), and
+a 16-token verify of the 1.5B target took 14% less time than with `small_gemm` alone (the first
+version, slower on the device, had made it 10% longer on a fast-host machine). On by default
+(`EngineConfig.small_attention`).
 
 `patched_sdpa()` is a context manager that routes `mx.fast.scaled_dot_product_attention` to
 `attention` (this kernel where it `applies`, MLX's own otherwise) while a compiled forward is
