@@ -13,11 +13,11 @@ from worker.fusion import fuse_projections
 cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="small_attention runs on MLX's CUDA backend only")
 
 
-def _qkv(B=1, L=16, S=40, H=12, Hkv=2, D=128, dtype=mx.bfloat16, seed=0):
+def _qkv(B=1, L=16, S=40, H=12, Hkv=2, D=128, dtype=mx.bfloat16, seed=0, kv_rows=1):
     mx.random.seed(seed)
     q = mx.random.normal((B, L, H, D)).astype(dtype).transpose(0, 2, 1, 3)  # as mlx-lm makes it
-    k = mx.random.normal((1, Hkv, S, D)).astype(dtype)
-    v = mx.random.normal((1, Hkv, S, D)).astype(dtype)
+    k = mx.random.normal((kv_rows, Hkv, S, D)).astype(dtype)
+    v = mx.random.normal((kv_rows, Hkv, S, D)).astype(dtype)
     return q, k, v
 
 
@@ -46,6 +46,8 @@ def test_applies_to_few_queries_of_half_precision_with_additive_or_no_mask():
     assert sa.applies(q, k, v, mx.zeros((1, 12, 16, 40), mx.bfloat16))
     assert not sa.applies(q, k, v, "causal")  # mlx-lm's prefill: cuDNN's flash kernels
     assert not sa.applies(q, k, v, _mask(16, 40) == 0)  # boolean
+    assert not sa.applies(q, k, v, _mask(16, 40, mx.float32))  # not q's dtype (MLX refuses it too)
+    assert not sa.applies(*_qkv(L=0))
     assert not sa.applies(q, k, v, _mask(16, 39))  # does not broadcast to S keys
     assert not sa.applies(q, k, v, mx.zeros((3, 12, 16, 40), mx.bfloat16))  # 3 rows, q has 1
     assert not sa.applies(q, k, v, sinks=mx.zeros((12,)))
@@ -189,7 +191,7 @@ def test_the_worker_marks_its_models_and_says_so(monkeypatch, tiny_models, caplo
     bf16 = _bf16_copy(tiny_models.llama, tmp_path / "llama-bf16")
     with Engine(EngineConfig(model_path=bf16, warmup=False)):  # on by default
         pass
-    assert "small attention: compiled verifies and drafts attend with one CUDA kernel" in caplog.text
+    assert "small attention: compiled verifies, steps and drafts attend with one CUDA kernel" in caplog.text
     caplog.clear()
     with Engine(EngineConfig(model_path=bf16, warmup=False, small_attention=False)):
         pass
@@ -214,6 +216,7 @@ CASES = [  # (rows, queries, keys, query heads, KV heads, head dim, mask)
     (1, 16, 272, 12, 2, 128, "tail"), (1, 16, 3000, 12, 2, 128, "tail"),  # 3 chunks of 1,344 keys
     (4, 16, 1040, 12, 2, 128, "tail"), (1, 1, 300, 12, 2, 128, "tail"), (1, 64, 700, 14, 2, 64, "tail"),
     (2, 16, 500, 8, 8, 64, None), (1, 16, 600, 16, 1, 128, "rows"), (3, 8, 333, 8, 1, 256, "tail"),
+    (3, 16, 2900, 12, 2, 128, "rows"),  # own K/V and visible length per row; row 2's first chunk hidden
 ]
 
 
@@ -221,13 +224,15 @@ CASES = [  # (rows, queries, keys, query heads, KV heads, head dim, mask)
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("B,L,S,H,Hkv,D,mask_kind", CASES)
 def test_kernel_matches_a_float32_reference(dtype, B, L, S, H, Hkv, D, mask_kind):
-    q, k, v = _qkv(B, L, S, H, Hkv, D, dtype)
+    q, k, v = _qkv(B, L, S, H, Hkv, D, dtype, kv_rows=B if mask_kind == "rows" else 1)
     mask = None
     if mask_kind == "tail":
         mask = _mask(L, S, dtype)
-    elif mask_kind == "rows":  # another visible length per row, (B, 1, L, S)
-        lim = mx.array([S - 1 - 37 * b for b in range(B)])[:, None, None, None]
-        mask = mx.where(mx.arange(S)[None, None, None, :] <= lim, 0.0, float("-inf")).astype(dtype)
+    elif mask_kind == "rows":  # (B, 1, L, S): per row and query another visible range
+        hi = (mx.array([S - L - 37 * b for b in range(B)])[:, None] + mx.arange(L)[None, :])[:, None, :, None]
+        lo = mx.array([1400 if b == 2 else 0 for b in range(B)])[:, None, None, None]  # past chunk 1
+        j = mx.arange(S)[None, None, None, :]
+        mask = mx.where((j >= lo) & (j <= hi), 0.0, float("-inf")).astype(dtype)
     scale = D ** -0.5
     ref = _reference(q, k, v, scale, mask)
     got = sa.small_attention(q, k, v, scale, mask)

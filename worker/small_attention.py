@@ -43,7 +43,7 @@ from worker.small_gemm import cuda_sm80
 THREADS = 256
 MAX_GROUP = 16  # query heads per KV head the kernel takes (shared memory: G x CHUNK scores)
 SCORE_FLOATS = 8192  # fp32 scores a block keeps in shared memory (32 KiB): CHUNK = this / G
-HEAD_DIMS = (64, 128, 256)  # THREADS split into (D / 2)-wide groups of keys (32 spills registers)
+HEAD_DIMS = (64, 128, 256)  # P.V: D / 8 threads a V row must divide a warp or fill it
 MAX_QUERIES = 64  # a block per query: longer calls (prefill) keep cuDNN's flash kernels
 
 _HEADER = r"""
@@ -301,20 +301,22 @@ def applies(q: mx.array, k: mx.array, v: mx.array, mask=None, sinks=None) -> boo
     """Whether `small_attention(q, k, v, scale, mask)` handles these inputs (else MLX's own):
     q (B, H, L, D) with L <= MAX_QUERIES, k and v (B or 1, H_kv, S, D) of q's dtype (bf16 or fp16), H a multiple of
     H_kv with at most MAX_GROUP query heads per KV head, D in HEAD_DIMS, no attention sinks, and
-    the mask None or an array (not "causal", not boolean) that broadcasts to (B, H, L, S)."""
+    the mask None or an array of q's dtype (not "causal", not boolean) that broadcasts to
+    (B, H, L, S)."""
     if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape or sinks is not None:
         return False
     if q.dtype not in (mx.bfloat16, mx.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
     B, H, L, D = q.shape
     Bk, Hkv, S, Dk = k.shape
-    if L > MAX_QUERIES or Dk != D or D not in HEAD_DIMS or Bk not in (1, B) or H % Hkv or H // Hkv > MAX_GROUP or S < 1:
+    if not 1 <= L <= MAX_QUERIES or B < 1 or Dk != D or D not in HEAD_DIMS or Bk not in (1, B) or H % Hkv or H // Hkv > MAX_GROUP or S < 1:
         return False
     if not fits(H // Hkv, D):
         return False
     if mask is None:
         return True
-    if not isinstance(mask, mx.array) or mask.dtype == mx.bool_ or not mx.issubdtype(mask.dtype, mx.floating):
+    # the mask's dtype is not part of the compiled kernel's name: q's only (as MLX asks too)
+    if not isinstance(mask, mx.array) or mask.dtype != q.dtype:
         return False
     if mask.ndim > 4:
         return False

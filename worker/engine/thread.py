@@ -420,7 +420,7 @@ class Engine:
             for m in (target, draft):
                 if m is not None:
                     small_attention.use_small_attention(m)
-            log.info("small attention: compiled verifies and drafts attend with one CUDA kernel a layer "
+            log.info("small attention: compiled verifies, steps and drafts attend with one CUDA kernel a layer "
                      "(calls of up to %d queries, bf16/fp16)", small_attention.MAX_QUERIES)
         models = LoadedModels(target, tokenizer, frozenset(tokenizer.eos_token_ids), draft,
                               self._draft_kind, draft_tokenizer=draft_tokenizer)
