@@ -8,7 +8,9 @@ Two tables (CUDA only; docs/benchmarks.md, "Attention in one kernel"):
    of MLX's own deviation or under 2e-3.
 2. per call: a compiled chain of `--calls` dependent attention calls (each output is the next
    query, as a forward's layers depend on each other), host = time until `mx.async_eval`
-   returned, total = until the results were ready, both per call, median of `--rounds`.
+   returned, total = until the results were ready, both per call, median of `--rounds`; for
+   MLX's attention, `small_attention` in one block a query (`n_splits=1`) and as the worker
+   calls it (long contexts' keys split over blocks and merged: `splits` column).
 
     python3 bench/bench_small_attention.py [--calls 28] [--rounds 5] [--json-out F]
 
@@ -28,9 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # (rows, queries, keys, query heads, KV heads, head dim): the 1.5B target's verify (12/2 heads,
 # 128) at 1 and 4 rows and three contexts, a one-token step, 64 queries, and the 0.5B's 14/2 x 64
-CASES = [(1, 16, 272, 12, 2, 128), (1, 16, 1040, 12, 2, 128), (1, 16, 4112, 12, 2, 128),
-         (4, 16, 1040, 12, 2, 128), (1, 1, 1040, 12, 2, 128), (1, 64, 1040, 12, 2, 128),
-         (1, 16, 1040, 14, 2, 64)]
+CASES = [(1, 16, 272, 12, 2, 128), (1, 16, 1040, 12, 2, 128), (1, 16, 2064, 12, 2, 128),
+         (1, 16, 4112, 12, 2, 128), (1, 16, 8208, 12, 2, 128), (4, 16, 1040, 12, 2, 128),
+         (4, 16, 4112, 12, 2, 128), (1, 1, 1040, 12, 2, 128), (1, 1, 4112, 12, 2, 128),
+         (1, 64, 1040, 12, 2, 128), (1, 16, 1040, 14, 2, 64)]
 
 
 def _inputs(mx, B, L, S, H, Hkv, D, dtype):
@@ -71,7 +74,7 @@ def error_rows(cases, dtypes) -> list[dict]:
 def per_call_rows(cases, calls: int, rounds: int) -> list[dict]:
     import mlx.core as mx
 
-    from worker.small_attention import small_attention
+    from worker.small_attention import small_attention, splits
 
     out = []
     for B, L, S, H, Hkv, D in cases:
@@ -84,14 +87,15 @@ def per_call_rows(cases, calls: int, rounds: int) -> list[dict]:
                 x = mx.fast.scaled_dot_product_attention(x, kb, vb, scale=scale, mask=mask)
             return x
 
-        def chain_small(x):
+        def chain_small(x, n_splits=None):
             for _ in range(calls):
-                x = small_attention(x, k, v, scale, mask)
+                x = small_attention(x, k, v, scale, mask, n_splits=n_splits)
             return x
-        fns = {"mlx": mx.compile(chain_mlx), "small": mx.compile(chain_small)}
+        fns = {"mlx": mx.compile(chain_mlx), "one": mx.compile(lambda x: chain_small(x, 1)),
+               "split": mx.compile(chain_small)}
         times = {n: ([], []) for n in fns}
         for r in range(rounds + 1):  # round 0 warms up (traces, kernel compiles)
-            for name in (fns if r % 2 else list(fns)[::-1]):
+            for name in (list(fns) if r % 2 else list(fns)[::-1]):
                 t0 = time.perf_counter()
                 y = fns[name](q)
                 mx.async_eval(y)
@@ -101,7 +105,7 @@ def per_call_rows(cases, calls: int, rounds: int) -> list[dict]:
                 if r:
                     times[name][0].append((t1 - t0) / calls * 1e6)
                     times[name][1].append((t2 - t0) / calls * 1e6)
-        out.append(dict(rows=B, queries=L, keys=S, heads=H, kv_heads=Hkv, head_dim=D,
+        out.append(dict(rows=B, queries=L, keys=S, heads=H, kv_heads=Hkv, head_dim=D, splits=splits(B * Hkv * L, S),
                         **{f"{n}_{w}_us": statistics.median(times[n][i]) for n in fns
                            for i, w in enumerate(("host", "total"))}))
     return out
@@ -140,11 +144,12 @@ def main(argv=None) -> int:
         rows = result["per_call"] = per_call_rows(CASES, a.calls, a.rounds)
         print(f"\nper call (a compiled chain of {a.calls} dependent calls, bf16, median of {a.rounds}): us")
         print(f"{'rows':>4} {'L':>3} {'keys':>5} {'heads':>7} {'D':>4} {'mlx host':>9} {'total':>7} "
-              f"{'small host':>10} {'total':>7}")
+              f"{'one host':>9} {'total':>7} {'splits':>6} {'host':>6} {'total':>7}")
         for r in rows:
             print(f"{r['rows']:>4} {r['queries']:>3} {r['keys']:>5} {r['heads']:>3}/{r['kv_heads']:<3} "
                   f"{r['head_dim']:>4} {r['mlx_host_us']:9.1f} {r['mlx_total_us']:7.1f} "
-                  f"{r['small_host_us']:10.1f} {r['small_total_us']:7.1f}")
+                  f"{r['one_host_us']:9.1f} {r['one_total_us']:7.1f} {r['splits']:>6} "
+                  f"{r['split_host_us']:6.1f} {r['split_total_us']:7.1f}")
     if a.json_out:
         a.json_out.write_text(json.dumps(result, indent=1))
     return 0

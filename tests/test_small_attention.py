@@ -76,6 +76,20 @@ def test_bad_inputs_are_a_value_error_before_any_kernel():
     q, k, v = _qkv(dtype=mx.float32)
     with pytest.raises(ValueError, match="not taken"):
         sa.small_attention(q, k, v, 0.1)
+    with pytest.raises(ValueError, match="n_splits must be >= 1"):
+        sa.small_attention(*_qkv(), 0.1, n_splits=0)
+
+
+def test_long_contexts_split_their_keys_within_one_wave_of_blocks():
+    assert sa.splits(32, 272) == 1 and sa.splits(32, 2 * sa.SPLIT_KEYS - 1) == 1  # short: one kernel
+    assert sa.splits(sa.SPLIT_BLOCKS, 100_000) == 1  # the blocks fill the GPU already
+    for blocks in (1, 2, 16, 32, 64, 96):
+        for keys in (1024, 1040, 2064, 4112, 32_768):
+            n = sa.splits(blocks, keys)
+            assert n >= 1 and keys // n >= sa.SPLIT_KEYS
+            assert n == 1 or blocks * n <= sa.SPLIT_BLOCKS
+            assert n >= sa.splits(blocks, keys - 512)  # more keys never fewer splits
+    assert sa.splits(32, 4112) == 4 and sa.splits(2, 32_768) == 64  # a verify at 4K; one token at 32K
 
 
 def test_attention_is_mlx_own_where_the_kernel_cannot_run():
@@ -212,7 +226,16 @@ def test_the_benchmarks_refuse_to_run_without_cuda(capsys):
     assert "add --small-gemm" in capsys.readouterr().err
 
 
-CASES = [  # (rows, queries, keys, query heads, KV heads, head dim, mask)
+def _rows_mask(B, L, S, dtype):
+    """(B, 1, L, S): per row and query another visible range; row 2 sees no key before 1,400
+    (its whole first chunk of scores, and its first key splits, hidden)."""
+    hi = (mx.array([S - L - 37 * b for b in range(B)])[:, None] + mx.arange(L)[None, :])[:, None, :, None]
+    lo = mx.array([1400 if b == 2 else 0 for b in range(B)])[:, None, None, None]
+    j = mx.arange(S)[None, None, None, :]
+    return mx.where((j >= lo) & (j <= hi), 0.0, float("-inf")).astype(dtype)
+
+
+CASES = [  # (rows, queries, keys, query heads, KV heads, head dim, mask); 3,000 keys: split in 4
     (1, 16, 272, 12, 2, 128, "tail"), (1, 16, 3000, 12, 2, 128, "tail"),  # 3 chunks of 1,344 keys
     (4, 16, 1040, 12, 2, 128, "tail"), (1, 1, 300, 12, 2, 128, "tail"), (1, 64, 700, 14, 2, 64, "tail"),
     (2, 16, 500, 8, 8, 64, None), (1, 16, 600, 16, 1, 128, "rows"), (3, 8, 333, 8, 1, 256, "tail"),
@@ -228,11 +251,8 @@ def test_kernel_matches_a_float32_reference(dtype, B, L, S, H, Hkv, D, mask_kind
     mask = None
     if mask_kind == "tail":
         mask = _mask(L, S, dtype)
-    elif mask_kind == "rows":  # (B, 1, L, S): per row and query another visible range
-        hi = (mx.array([S - L - 37 * b for b in range(B)])[:, None] + mx.arange(L)[None, :])[:, None, :, None]
-        lo = mx.array([1400 if b == 2 else 0 for b in range(B)])[:, None, None, None]  # past chunk 1
-        j = mx.arange(S)[None, None, None, :]
-        mask = mx.where((j >= lo) & (j <= hi), 0.0, float("-inf")).astype(dtype)
+    elif mask_kind == "rows":
+        mask = _rows_mask(B, L, S, dtype)
     scale = D ** -0.5
     ref = _reference(q, k, v, scale, mask)
     got = sa.small_attention(q, k, v, scale, mask)
@@ -243,6 +263,36 @@ def test_kernel_matches_a_float32_reference(dtype, B, L, S, H, Hkv, D, mask_kind
     e_ours = mx.abs(got.astype(mx.float32) - ref).max().item() / top
     e_lib = mx.abs(lib.astype(mx.float32) - ref).max().item() / top
     assert e_ours <= max(1.5 * e_lib, 4e-3), (e_ours, e_lib)
+
+
+@cuda
+@pytest.mark.parametrize("B,L,S,H,Hkv,D,mask_kind,n_splits", [
+    (1, 16, 272, 12, 2, 128, "tail", 3), (1, 4, 5, 4, 2, 64, "tail", 4),  # 5 keys in 4: the last split empty
+    (3, 16, 2900, 12, 2, 128, "rows", 6),  # row 2: its first 3 splits see no key
+    (2, 16, 1100, 8, 8, 64, None, 2), (1, 1, 2100, 12, 2, 128, "tail", 9)])
+def test_keys_split_over_blocks_match_one_block_and_the_reference(B, L, S, H, Hkv, D, mask_kind, n_splits):
+    q, k, v = _qkv(B, L, S, H, Hkv, D, kv_rows=B if mask_kind == "rows" else 1)
+    mask = {"tail": lambda: _mask(L, S), "rows": lambda: _rows_mask(B, L, S, mx.bfloat16),
+            None: lambda: None}[mask_kind]()
+    scale = D ** -0.5
+    ref = _reference(q, k, v, scale, mask)
+    one = sa.small_attention(q, k, v, scale, mask, n_splits=1).astype(mx.float32)
+    split = sa.small_attention(q, k, v, scale, mask, n_splits=n_splits)
+    assert split.shape == (B, H, L, D) and split.dtype == mx.bfloat16
+    top = mx.abs(ref).max().item()
+    e_split = mx.abs(split.astype(mx.float32) - ref).max().item() / top
+    e_one = mx.abs(one - ref).max().item() / top
+    assert e_split <= max(1.5 * e_one, 4e-3), (e_split, e_one)
+
+
+@cuda
+def test_a_query_that_sees_no_key_gets_zeros_split_or_not():
+    q, k, v = _qkv(1, 4, 1200, 4, 2, 64)
+    mask = mx.zeros((4, 1200), mx.bfloat16)
+    mask[2] = float("-inf")
+    for n in (1, 3):
+        got = sa.small_attention(q, k, v, 0.125, mask, n_splits=n)
+        assert mx.all(got[:, :, 2] == 0).item() and not mx.any(mx.isnan(got)).item()
 
 
 @cuda

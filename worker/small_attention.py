@@ -45,6 +45,11 @@ MAX_GROUP = 16  # query heads per KV head the kernel takes (shared memory: G x C
 SCORE_FLOATS = 8192  # fp32 scores a block keeps in shared memory (32 KiB): CHUNK = this / G
 HEAD_DIMS = (64, 128, 256)  # P.V: D / 8 threads a V row must divide a warp or fill it
 MAX_QUERIES = 64  # a block per query: longer calls (prefill) keep cuDNN's flash kernels
+# Long contexts: a block's keys are read one after another, so with few blocks (a verify: 32) a
+# long context leaves most SMs idle; from 2 x SPLIT_KEYS keys on, the keys are split over blocks
+# (at least SPLIT_KEYS each) up to SPLIT_BLOCKS blocks in all, and a second kernel merges them.
+SPLIT_KEYS = 512
+SPLIT_BLOCKS = 132  # one wave: an H200's 132 SMs, one block each (~170 registers a thread)
 
 _HEADER = r"""
 #define SA_NEG_INF __int_as_float(0xff800000)
@@ -88,13 +93,17 @@ __device__ __forceinline__ void small_attn_reduce(float* v, float (*red)[G], int
 }
 """
 
-# The body (MLX writes the signature: q, k, v[, mask] then y, with shapes and strides as used).
-# Template constants: T (dtype), D (head dim), G (query heads per KV head), C (keys a chunk),
-# SCALE_BITS (the softmax scale's float bits). Block = (row b, KV head hk, query l).
+# The body (MLX writes the signature: q, k, v[, mask] then y, or po and pm when the keys are
+# split, with shapes and strides as used). Template constants: T (dtype), D (head dim), G (query
+# heads per KV head), C (keys a chunk), NS (key splits), SCALE_BITS (the softmax scale's float
+# bits). Block = (row b, KV head hk, query l, key split sp): split sp scores keys
+# [sp * ceil(S / NS), ...) of S.
 _SOURCE = r"""
   const int L = q_shape[2], HKV = k_shape[1], S = k_shape[2];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int l = blockIdx.x % L, hk = (blockIdx.x / L) % HKV, b = blockIdx.x / (L * HKV);
+  const int sp = blockIdx.x % NS, blk = blockIdx.x / NS;
+  const int l = blk % L, hk = (blk / L) % HKV, b = blk / (L * HKV);
+  const int per = (S + NS - 1) / NS, k_lo = min(S, sp * per), k_hi = min(S, k_lo + per);
   constexpr int TPR = D / 8;  // P.V: threads a V row (8 dims each: one 16-byte load)
   constexpr int NKG = 256 / TPR;  // P.V: key groups, each thread's keys kg, kg + NKG, ...
   constexpr int UNROLL = 8;  // P.V: V rows a thread has in flight (the loop waits on loads)
@@ -120,8 +129,8 @@ _SOURCE = r"""
     for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
   }
   __syncthreads();
-  for (int c0 = 0; c0 < S; c0 += C) {
-    const int n = min(C, S - c0);
+  for (int c0 = k_lo; c0 < k_hi; c0 += C) {
+    const int n = min(C, k_hi - c0);
     float cm[G];
     #pragma unroll
     for (int g = 0; g < G; ++g) cm[g] = SA_NEG_INF;
@@ -239,41 +248,86 @@ _SOURCE = r"""
   if (warp == 0 && lane < TPR) {
     #pragma unroll
     for (int g = 0; g < G; ++g) {
-      const float inv = l_run[g] > 0.f ? 1.f / l_run[g] : 0.f;
-      T* yp = y + (((long long)b * L + l) * (HKV * G) + hk * G + g) * D + ds * 8;
+      const long long r = ((long long)b * L + l) * (HKV * G) + hk * G + g;  // output row (b, l, h)
+      WRITE_ROW
       #pragma unroll
       for (int i = 0; i < 8; ++i) {
         float o = acc[g][i];
         #pragma unroll
         for (int w = 0; w < 3; ++w) o += part[(w * G + g) * D + ds * 8 + i];
-        yp[i] = static_cast<T>(o * inv);
+        WRITE_AT(i, o);
       }
     }
   }
 """
 
+# One block (single split): the normalised output straight into y (B, L, H, D).
+_WRITE_ONE = ("const float inv = l_run[g] > 0.f ? 1.f / l_run[g] : 0.f;\n"
+              "      T* yp = y + r * D + ds * 8;", "yp[i] = static_cast<T>(o * inv)")
+# Split keys: the split's unnormalised sum into po (B, L, H, NS, D) fp32, its running max and
+# softmax denominator into pm (B, L, H, NS, 2) fp32; _COMBINE merges the splits.
+_WRITE_SPLIT = ("float* op = po + (r * NS + sp) * D + ds * 8;\n"
+                "      if (ds == 0) { pm[(r * NS + sp) * 2] = m_run[g]; pm[(r * NS + sp) * 2 + 1] = l_run[g]; }",
+                "op[i] = o")
 
-def _source(masked: bool) -> str:
+# Flash-decoding's merge (Dao et al. 2023, "Flash-Decoding for long-context inference"): a block
+# of D threads per output row r = (b, l, h); weights exp(m_s - max m) rescale each split's sum
+# and denominator; a row no split saw a key of gets zeros, as with one block.
+_COMBINE = r"""
+  const long long r = blockIdx.x;
+  const int d = threadIdx.x;
+  float m = SA_NEG_INF;
+  for (int s = 0; s < NS; ++s) m = fmaxf(m, pm[(r * NS + s) * 2]);
+  float num = 0.f, den = 0.f;
+  if (m != SA_NEG_INF) {
+    for (int s = 0; s < NS; ++s) {
+      const float ms = pm[(r * NS + s) * 2];
+      const float w = ms == SA_NEG_INF ? 0.f : expf(ms - m);
+      num += w * po[(r * NS + s) * D + d];
+      den += w * pm[(r * NS + s) * 2 + 1];
+    }
+  }
+  y[r * D + d] = static_cast<T>(den > 0.f ? num / den : 0.f);
+"""
+
+
+def _source(masked: bool, split: bool) -> str:
     # The mask (broadcast to (B, H, L, S) by the caller, so strides say where each value is),
     # written out in the body: MLX passes `mask_strides` only if the body names it.
     at = ("static_cast<float>(mask[b * mask_strides[0] + (hk * G + g) * mask_strides[1] "
           "+ l * mask_strides[2] + (long long)(c0 + jj) * mask_strides[3]])" if masked else "0.f")
-    return _SOURCE.replace("MASK_AT(g, c0 + jj)", at)
+    row, write = _WRITE_SPLIT if split else _WRITE_ONE
+    return (_SOURCE.replace("MASK_AT(g, c0 + jj)", at).replace("WRITE_ROW", row)
+            .replace("WRITE_AT(i, o)", write))
 
 
 _kernels: dict = {}
 
 
-def _kernel(masked: bool):
-    if masked not in _kernels:
-        header, source = _HEADER, _source(masked)
-        # MLX caches compiled kernels on disk by name (and template values) only.
-        digest = hashlib.sha256((header + source).encode()).hexdigest()[:12]
-        _kernels[masked] = mx.fast.cuda_kernel(
-            name=f"flashfleet_small_attention{'_mask' if masked else ''}_{digest}",
-            input_names=["q", "k", "v", "mask"] if masked else ["q", "k", "v"], output_names=["y"],
-            source=source, header=header, ensure_row_contiguous=False)
-    return _kernels[masked]
+def _named_kernel(kind: str, header: str, source: str, **kwargs):
+    # MLX caches compiled kernels on disk by name (and template values) only: the name carries
+    # a digest of the code.
+    digest = hashlib.sha256((header + source).encode()).hexdigest()[:12]
+    return mx.fast.cuda_kernel(name=f"flashfleet_small_attention_{kind}_{digest}", source=source,
+                               header=header, **kwargs)
+
+
+def _kernel(masked: bool, split: bool):
+    key = (masked, split)
+    if key not in _kernels:
+        kind = ("mask" if masked else "nomask") + ("_split" if split else "")
+        _kernels[key] = _named_kernel(
+            kind, _HEADER, _source(masked, split),
+            input_names=["q", "k", "v", "mask"] if masked else ["q", "k", "v"],
+            output_names=["po", "pm"] if split else ["y"], ensure_row_contiguous=False)
+    return _kernels[key]
+
+
+def _combine_kernel():
+    if "combine" not in _kernels:
+        _kernels["combine"] = _named_kernel("combine", _HEADER, _COMBINE, input_names=["po", "pm"],
+                                            output_names=["y"], ensure_row_contiguous=True)
+    return _kernels["combine"]
 
 
 def available() -> bool:
@@ -295,6 +349,15 @@ def fits(group: int, head_dim: int) -> bool:
     warps' partial outputs at the end."""
     c = chunk(group)
     return 4 * (group * head_dim + group * c + 8 * group) <= 48 * 1024 and 4 * head_dim <= c
+
+
+def splits(blocks: int, keys: int) -> int:
+    """Key splits for `blocks` (row, KV head, query) blocks over `keys` keys: 1 (one kernel)
+    below 2 x SPLIT_KEYS keys; else the most that keep blocks x splits within SPLIT_BLOCKS (one
+    wave) and each split at least SPLIT_KEYS keys."""
+    if keys < 2 * SPLIT_KEYS:
+        return 1
+    return max(1, min(keys // SPLIT_KEYS, SPLIT_BLOCKS // max(1, blocks)))
 
 
 def applies(q: mx.array, k: mx.array, v: mx.array, mask=None, sinks=None) -> bool:
@@ -325,8 +388,9 @@ def applies(q: mx.array, k: mx.array, v: mx.array, mask=None, sinks=None) -> boo
 
 
 def small_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
-                    mask: Optional[mx.array] = None) -> mx.array:
-    """softmax(q k^T * scale + mask) v per head as one CUDA kernel (fp32 scores and sums).
+                    mask: Optional[mx.array] = None, n_splits: Optional[int] = None) -> mx.array:
+    """softmax(q k^T * scale + mask) v per head as one CUDA kernel (fp32 scores and sums), or at
+    long contexts two: the keys split over blocks, then merged (flash-decoding).
 
     Args:
         q: (B, H, L, D) bf16 or fp16, any strides (a transposed projection as mlx-lm makes it).
@@ -334,6 +398,7 @@ def small_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
         scale: the scores' factor (usually D ** -0.5).
         mask: optional additive array broadcastable to (B, H, L, S) (0 to attend, -inf not to);
             a query that may attend to no key gets zeros.
+        n_splits: key splits (None: `splits(B * H_kv * L, S)`; 1: one kernel, no merge).
 
     Returns:
         (B, H, L, D) in q's dtype: a transposed view of a (B, L, H, D) array, so that
@@ -341,23 +406,35 @@ def small_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
         `mx.fast.scaled_dot_product_attention` up to rounding (tests/test_small_attention.py).
 
     Raises:
-        ValueError: inputs `applies` rejects. (MLX raises if the default device is not a GPU.)
+        ValueError: inputs `applies` rejects, or n_splits < 1. (MLX raises if the default
+            device is not a GPU.)
     """
     if not applies(q, k, v, mask):
         raise ValueError(f"small_attention: q {q.shape} {q.dtype}, k {k.shape}, v {v.shape}, mask "
                          f"{None if mask is None else (mask.shape, mask.dtype)} not taken (see `applies`)")
     B, H, L, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
+    ns = splits(B * Hkv * L, S) if n_splits is None else int(n_splits)
+    if ns < 1:
+        raise ValueError(f"small_attention: n_splits must be >= 1, got {n_splits}")
     inputs = [q, k, v]
-    template = [("T", q.dtype), ("D", D), ("G", H // Hkv), ("C", chunk(H // Hkv)),
+    template = [("T", q.dtype), ("D", D), ("G", H // Hkv), ("C", chunk(H // Hkv)), ("NS", ns),
                 ("SCALE_BITS", struct.unpack("<i", struct.pack("<f", float(scale)))[0])]
     if k.shape[0] != B:  # one cache for every row: the kernel reads row b at stride 0
         inputs = [q, mx.broadcast_to(k, (B, *k.shape[1:])), mx.broadcast_to(v, (B, *v.shape[1:]))]
     if mask is not None:
         inputs.append(mx.broadcast_to(mask, (B, H, L, S)))
-    (y,) = _kernel(mask is not None)(inputs=inputs, template=template, grid=(B * Hkv * L * THREADS, 1, 1),
-                                     threadgroup=(THREADS, 1, 1), output_shapes=[(B, L, H, D)],
-                                     output_dtypes=[q.dtype])
+    launch = dict(grid=(B * Hkv * L * ns * THREADS, 1, 1), threadgroup=(THREADS, 1, 1))
+    if ns == 1:
+        (y,) = _kernel(mask is not None, False)(inputs=inputs, template=template, output_shapes=[(B, L, H, D)],
+                                                output_dtypes=[q.dtype], **launch)
+    else:
+        po, pm = _kernel(mask is not None, True)(inputs=inputs, template=template,
+                                                 output_shapes=[(B, L, H, ns, D), (B, L, H, ns, 2)],
+                                                 output_dtypes=[mx.float32, mx.float32], **launch)
+        (y,) = _combine_kernel()(inputs=[po, pm], template=[("T", q.dtype), ("D", D), ("NS", ns)],
+                                 grid=(B * L * H * D, 1, 1), threadgroup=(D, 1, 1),
+                                 output_shapes=[(B, L, H, D)], output_dtypes=[q.dtype])
     return y.transpose(0, 2, 1, 3)
 
 
