@@ -4,13 +4,15 @@ Two tables (CUDA only; docs/benchmarks.md, "Attention in one kernel"):
 1. error: the largest deviation from a float32 reference (the same formula in float32 on the
    same inputs), over the reference's largest magnitude, for MLX's
    `mx.fast.scaled_dot_product_attention` (cuDNN for masked calls of 2+ queries) and for
-   `small_attention`, per (dtype, rows, queries, keys, heads); `ok` when ours is within 1.5x
-   of MLX's own deviation or under 2e-3.
+   `small_attention` with its keys split as `splits` proposes (one block a query below 1,024
+   keys), per (dtype, rows, queries, keys, heads); `ok` when ours is within 1.5x of MLX's own
+   deviation or under 2e-3.
 2. per call: a compiled chain of `--calls` dependent attention calls (each output is the next
    query, as a forward's layers depend on each other), host = time until `mx.async_eval`
    returned, total = until the results were ready, both per call, median of `--rounds`; for
-   MLX's attention, `small_attention` in one block a query (`n_splits=1`) and as the worker
-   calls it (long contexts' keys split over blocks and merged: `splits` column).
+   MLX's attention, `small_attention` in one block a query (`n_splits=1`, the worker's path)
+   and with long contexts' keys split over blocks and merged (`splits` column: the policy
+   `worker.small_attention.splits` proposes).
 
     python3 bench/bench_small_attention.py [--calls 28] [--rounds 5] [--json-out F]
 
@@ -48,7 +50,7 @@ def _inputs(mx, B, L, S, H, Hkv, D, dtype):
 def error_rows(cases, dtypes) -> list[dict]:
     import mlx.core as mx
 
-    from worker.small_attention import small_attention
+    from worker.small_attention import small_attention, splits
 
     out = []
     for dt in dtypes:
@@ -62,7 +64,7 @@ def error_rows(cases, dtypes) -> list[dict]:
             kb = mx.broadcast_to(k, (B, Hkv, S, D))
             vb = mx.broadcast_to(v, (B, Hkv, S, D))
             lib = mx.fast.scaled_dot_product_attention(q, kb, vb, scale=scale, mask=mask)
-            ours = small_attention(q, k, v, scale, mask)
+            ours = small_attention(q, k, v, scale, mask, n_splits=splits(B * Hkv * L, S))
             top = mx.abs(ref).max().item()
             e_lib = (mx.abs(lib.astype(mx.float32) - ref).max().item()) / top
             e_ours = (mx.abs(ours.astype(mx.float32) - ref).max().item()) / top
@@ -87,12 +89,12 @@ def per_call_rows(cases, calls: int, rounds: int) -> list[dict]:
                 x = mx.fast.scaled_dot_product_attention(x, kb, vb, scale=scale, mask=mask)
             return x
 
-        def chain_small(x, n_splits=None):
+        def chain_small(x, n_splits):
             for _ in range(calls):
                 x = small_attention(x, k, v, scale, mask, n_splits=n_splits)
             return x
         fns = {"mlx": mx.compile(chain_mlx), "one": mx.compile(lambda x: chain_small(x, 1)),
-               "split": mx.compile(chain_small)}
+               "split": mx.compile(lambda x: chain_small(x, splits(B * Hkv * L, S)))}
         times = {n: ([], []) for n in fns}
         for r in range(rounds + 1):  # round 0 warms up (traces, kernel compiles)
             for name in (list(fns) if r % 2 else list(fns)[::-1]):

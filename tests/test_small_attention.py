@@ -100,6 +100,18 @@ def test_attention_is_mlx_own_where_the_kernel_cannot_run():
     assert mx.array_equal(got, want)
 
 
+def test_attention_splits_long_contexts_only_when_switched_on(monkeypatch):
+    calls = []
+    monkeypatch.setattr(sa, "available", lambda: True)
+    monkeypatch.setattr(sa, "small_attention", lambda q, k, v, scale, mask, n_splits: calls.append(n_splits))
+    q, k, v = _qkv(S=4112)
+    sa.attention(q, k, v, scale=0.1, mask=None)
+    monkeypatch.setattr(sa, "SPLIT_LONG_CONTEXTS", True)
+    sa.attention(q, k, v, scale=0.1, mask=None)
+    sa.attention(*_qkv(S=272), scale=0.1, mask=None)
+    assert calls == [1, sa.splits(32, 4112), 1] and calls[1] > 1
+
+
 def test_available_needs_cuda_sm80_and_no_opt_out(monkeypatch):
     monkeypatch.setattr(sa.mx.cuda, "is_available", lambda: True)
     monkeypatch.setattr(sa.mx, "device_info", lambda: {"compute_capability_major": 9})
@@ -132,8 +144,8 @@ def _recording(monkeypatch):
     the kernel's layout (a transposed (B, L, H, D) array); records each call's (rows, queries)."""
     calls = []
 
-    def fake(q, k, v, scale, mask=None):
-        assert sa.applies(q, k, v, mask)
+    def fake(q, k, v, scale, mask=None, n_splits=1):
+        assert sa.applies(q, k, v, mask) and n_splits == 1
         calls.append((q.shape[0], q.shape[2]))
         return _reference(q, k, v, scale, mask).astype(q.dtype).transpose(0, 2, 1, 3).reshape(
             q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(0, 2, 1, 3)

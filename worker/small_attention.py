@@ -25,6 +25,12 @@ a 16-token verify of the 1.5B target took 14% less time than with `small_gemm` a
 version, slower on the device, had made it 10% longer on a fast-host machine). On by default
 (`EngineConfig.small_attention`).
 
+Long contexts (`n_splits` > 1): one block reads its keys one after another, so a verify's 32
+blocks leave most of the GPU idle at thousands of keys; split, each block scores a range of the
+keys and writes its unnormalised output, running max and denominator in fp32, and a second
+kernel merges the splits (flash-decoding: Dao et al. 2023). `splits` proposes how many; the
+worker's path uses it only with SPLIT_LONG_CONTEXTS (off until timed: exact on the H200 so far).
+
 `patched_sdpa()` is a context manager that routes `mx.fast.scaled_dot_product_attention` to
 `attention` (this kernel where it `applies`, MLX's own otherwise) while a compiled forward is
 traced or run, so mlx-lm's models use it without a line of their code copied.
@@ -50,6 +56,9 @@ MAX_QUERIES = 64  # a block per query: longer calls (prefill) keep cuDNN's flash
 # (at least SPLIT_KEYS each) up to SPLIT_BLOCKS blocks in all, and a second kernel merges them.
 SPLIT_KEYS = 512
 SPLIT_BLOCKS = 132  # one wave: an H200's 132 SMs, one block each (~170 registers a thread)
+# Whether `attention` (the worker's path) splits long contexts' keys: off until the split is
+# timed on the GPU; exact there (docs/benchmarks.md, "Attention at long contexts").
+SPLIT_LONG_CONTEXTS = False
 
 _HEADER = r"""
 #define SA_NEG_INF __int_as_float(0xff800000)
@@ -388,7 +397,7 @@ def applies(q: mx.array, k: mx.array, v: mx.array, mask=None, sinks=None) -> boo
 
 
 def small_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
-                    mask: Optional[mx.array] = None, n_splits: Optional[int] = None) -> mx.array:
+                    mask: Optional[mx.array] = None, n_splits: int = 1) -> mx.array:
     """softmax(q k^T * scale + mask) v per head as one CUDA kernel (fp32 scores and sums), or at
     long contexts two: the keys split over blocks, then merged (flash-decoding).
 
@@ -398,7 +407,8 @@ def small_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
         scale: the scores' factor (usually D ** -0.5).
         mask: optional additive array broadcastable to (B, H, L, S) (0 to attend, -inf not to);
             a query that may attend to no key gets zeros.
-        n_splits: key splits (None: `splits(B * H_kv * L, S)`; 1: one kernel, no merge).
+        n_splits: key splits over blocks (1: one kernel, no merge; `splits(B * H_kv * L, S)`
+            is the policy proposed for long contexts).
 
     Returns:
         (B, H, L, D) in q's dtype: a transposed view of a (B, L, H, D) array, so that
@@ -414,7 +424,7 @@ def small_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
                          f"{None if mask is None else (mask.shape, mask.dtype)} not taken (see `applies`)")
     B, H, L, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    ns = splits(B * Hkv * L, S) if n_splits is None else int(n_splits)
+    ns = int(n_splits)
     if ns < 1:
         raise ValueError(f"small_attention: n_splits must be >= 1, got {n_splits}")
     inputs = [q, k, v]
@@ -444,10 +454,12 @@ _mlx_sdpa = mx.fast.scaled_dot_product_attention
 def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=None, sinks=None,
               **kwargs) -> mx.array:
     """`mx.fast.scaled_dot_product_attention`'s signature: `small_attention` where it `applies`
-    and is `available`, MLX's own otherwise (CPU, Metal, float32, "causal" or boolean masks,
-    sinks, shapes it does not take)."""
+    and is `available` (keys split over blocks by `splits` only with SPLIT_LONG_CONTEXTS), MLX's
+    own otherwise (CPU, Metal, float32, "causal" or boolean masks, sinks, shapes it does not
+    take)."""
     if not kwargs and available() and applies(q, k, v, mask, sinks):
-        return small_attention(q, k, v, scale, mask)
+        n = splits(q.shape[0] * k.shape[1] * q.shape[2], k.shape[2]) if SPLIT_LONG_CONTEXTS else 1
+        return small_attention(q, k, v, scale, mask, n_splits=n)
     return _mlx_sdpa(q, k, v, scale=scale, mask=mask, sinks=sinks, **kwargs)
 
 
