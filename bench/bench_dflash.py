@@ -64,8 +64,9 @@ over the rounds); otherwise
 the first differing position is shown (batched verify can flip near-ties, note §3.3).
 
 Then, for DFlash, the per-cycle time of the runs is compared with a draft forward and a verify
-forward measured alone (each timed over repeated calls at the first prompt's context); the issue
-asks for per-cycle time within 1.3x of their sum.
+forward measured alone (each timed over repeated calls at the first prompt's context; for the
+fixed-block ' sg' and ' sg a' rows on their own copies, the latter with the small-attention mark
+on); the issue asks for per-cycle time within 1.3x of their sum.
 
 Runs on MLX's CPU build and its CUDA build (no Metal-only calls). On CUDA, MLX compiles its
 multi-query attention kernel for every new key length (~65 ms each on the H200, cuDNN on or
@@ -81,6 +82,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -576,6 +578,7 @@ def main(argv=None) -> int:
                                         block_size=args.block_size or d.block_size, compile_target=True,
                                         compile_draft=cd, overlap_draft=ov))
                 if cd and name in sg_drafts:  # one row, on small_gemm's linears
+                    fixed_block[f"{cname[:25].strip()} sg"] = (sg_drafts[name], sg_target, "plain mlx-lm", True, True)
                     methods[f"{cname[:25].strip()} sg"] = lambda pr, d=sg_drafts[name]: run_steps(dflash_generate(
                         pr, M, greedy, eos, target=sg_target, draft=d, block_size=args.block_size or d.block_size,
                         compile_target=True, compile_draft=True))
@@ -636,22 +639,31 @@ def main(argv=None) -> int:
                         run_steps(dflash_generate(pr, M, greedy, eos, target=sg_target, draft=d, block_size=B,
                                                   policy=make(), compile_target=True, compile_draft=True,
                                                   branches=K)))
+    attention_rows = set()  # the ' sg a' rows: run (and their cycle's parts timed) with the mark on
     if args.small_attention:  # every ' sg' row again with worker.small_attention on
         from worker.small_attention import use_small_attention
 
+        @contextlib.contextmanager
+        def attention_on():
+            marked = [sg_target, *sg_drafts.values()]
+            for m in marked:
+                use_small_attention(m)
+            try:
+                yield
+            finally:
+                for m in marked:
+                    use_small_attention(m, False)
+
         def with_attention(fn):
             def run(pr):
-                marked = [sg_target, *sg_drafts.values()]
-                for m in marked:
-                    use_small_attention(m)
-                try:
+                with attention_on():
                     return fn(pr)
-                finally:
-                    for m in marked:
-                        use_small_attention(m, False)
             return run
         for n in [n for n in methods if n.endswith(" sg")]:
             methods[f"{n} a"] = with_attention(methods[n])
+            if n in fixed_block:
+                fixed_block[f"{n} a"] = fixed_block[n]
+                attention_rows.add(f"{n} a")
 
     if args.only:
         keep = {n for n in methods if n == "plain mlx-lm" or any(t in n for t in args.only)}
@@ -713,7 +725,8 @@ def main(argv=None) -> int:
         cyc = sum(results[name, c]["cycles"] for c in prompts)
         secs = sum(results[name, c]["secs"] for c in prompts)
         per_cycle = secs / cyc if cyc else float("nan")
-        d_s, v_s = per_cycle_alone(verify_model, d, prompts["code"][0], B, args.reps, compiled, compiled_draft)
+        with attention_on() if name in attention_rows else contextlib.nullcontext():
+            d_s, v_s = per_cycle_alone(verify_model, d, prompts["code"][0], B, args.reps, compiled, compiled_draft)
         plain_step = statistics.mean(
             results[plain_name, c]["secs"] / max(1, results[plain_name, c]["cycles"]) for c in prompts)
         cycle_cost[name] = dict(per_cycle_s=per_cycle, draft_s=d_s, verify_s=v_s, plain_step_s=plain_step)

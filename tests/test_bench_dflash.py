@@ -5,6 +5,7 @@ line (exit 2)."""
 import json
 import statistics
 
+import mlx.core as mx
 import pytest
 
 from tiny_models import CASES_DIR
@@ -127,3 +128,51 @@ def test_small_gemm_rows_need_the_compiled_draft_and_cuda(tiny_models):
         bad = _run(*base, "--fuse", "--compile", "--compile-draft")
         assert bad.returncode == 2 and "--small-gemm: needs MLX's CUDA backend" in bad.stderr
         assert "Traceback" not in bad.stderr
+
+
+def test_small_kernel_rows_time_their_cycle_parts_as_they_run(tmp_path, tiny_models, monkeypatch, capsys):
+    """On the CPU, with small_gemm left out and the attention kernel replaced by MLX's own (taking
+    the tiny model's head dim): the ' sg' and ' sg a' fixed-block rows get cycle-cost lines, and
+    the ' sg a' line's parts are timed with the mark on (the kernel is called while they are)."""
+    from mlx_lm import load
+
+    import bench.bench_dflash as bd
+    import worker.small_attention as sa
+    import worker.small_gemm as sg
+    from worker.models.dflash_checkpoint import init_dflash_draft, save_dflash_draft
+
+    target, _ = load(str(tiny_models.llama))
+    save_dflash_draft(init_dflash_draft(target, num_layers=1, block_size=4), tmp_path / "draft")
+    monkeypatch.setattr(sg, "available", lambda: True)
+    monkeypatch.setattr(sg, "use_small_gemm", lambda model: 0)
+    monkeypatch.setattr(sa, "available", lambda: True)
+    monkeypatch.setattr(sa, "applies", lambda *a, **kw: True)
+    calls = []
+    timing = {"on": False}
+    real_alone = bd.per_cycle_alone
+
+    def kernel(q, k, v, scale, mask=None, n_splits=1):
+        calls.append(timing["on"])
+        B, H = q.shape[:2]
+        rep = H // k.shape[1]
+        k, v = (mx.repeat(mx.broadcast_to(a, (B, *a.shape[1:])), rep, axis=1) for a in (k, v))
+        return sa._mlx_sdpa(q, k, v, scale=scale, mask=mask)
+
+    def alone(*a, **kw):
+        timing["on"] = True
+        try:
+            return real_alone(*a, **kw)
+        finally:
+            timing["on"] = False
+    monkeypatch.setattr(sa, "small_attention", kernel)
+    monkeypatch.setattr(bd, "per_cycle_alone", alone)
+    rc = bd.main(["--target", str(tiny_models.llama), "--dflash-draft", str(tmp_path / "draft"), "--max-tokens", "8",
+                  "--prompts", "1", "--max-prompt-tokens", "24", "--reps", "1", "--cases", str(CASES_DIR),
+                  "--dtype", "float32", "--fuse", "--compile", "--compile-draft", "--small-gemm",
+                  "--small-attention", "--only", "sg"])
+    out = capsys.readouterr().out
+    assert rc in (0, None), out
+    lines = [line for line in out.splitlines() if " per cycle (B=4)" in line]
+    assert any(" sg per cycle" in line for line in lines) and any(" sg a per cycle" in line for line in lines), out
+    assert all("ratio" in line for line in lines)
+    assert True in calls  # the ' sg a' line's parts ran through the (replaced) kernel
