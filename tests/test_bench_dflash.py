@@ -147,7 +147,7 @@ def test_small_kernel_rows_time_their_cycle_parts_as_they_run(tmp_path, tiny_mod
     monkeypatch.setattr(sg, "use_small_gemm", lambda model: 0)
     monkeypatch.setattr(sa, "available", lambda: True)
     monkeypatch.setattr(sa, "applies", lambda *a, **kw: True)
-    calls = []
+    calls, marks = [], []
     timing = {"on": False}
     real_alone = bd.per_cycle_alone
 
@@ -159,6 +159,7 @@ def test_small_kernel_rows_time_their_cycle_parts_as_they_run(tmp_path, tiny_mod
         return sa._mlx_sdpa(q, k, v, scale=scale, mask=mask)
 
     def alone(*a, **kw):
+        marks.append(sa.uses_small_attention(a[0]))  # the verify's model while its parts are timed
         timing["on"] = True
         try:
             return real_alone(*a, **kw)
@@ -176,3 +177,4 @@ def test_small_kernel_rows_time_their_cycle_parts_as_they_run(tmp_path, tiny_mod
     assert any(" sg per cycle" in line for line in lines) and any(" sg a per cycle" in line for line in lines), out
     assert all("ratio" in line for line in lines)
     assert True in calls  # the ' sg a' line's parts ran through the (replaced) kernel
+    assert sorted(marks) == [False, True]  # the ' sg' line's parts without the mark, ' sg a''s with it

@@ -29,7 +29,8 @@ Long contexts (`n_splits` > 1): one block reads its keys one after another, so a
 blocks leave most of the GPU idle at thousands of keys; split, each block scores a range of the
 keys and writes its unnormalised output, running max and denominator in fp32, and a second
 kernel merges the splits (flash-decoding: Dao et al. 2023). `splits` proposes how many; the
-worker's path uses it only with SPLIT_LONG_CONTEXTS (off until timed: exact on the H200 so far).
+worker's path uses it only with SPLIT_LONG_CONTEXTS (off until timed; on the H200 so far as
+exact as MLX's own in the benchmark's error table, its tests with empty splits not yet run there).
 
 `patched_sdpa()` is a context manager that routes `mx.fast.scaled_dot_product_attention` to
 `attention` (this kernel where it `applies`, MLX's own otherwise) while a compiled forward is
@@ -57,7 +58,8 @@ MAX_QUERIES = 64  # a block per query: longer calls (prefill) keep cuDNN's flash
 SPLIT_KEYS = 512
 SPLIT_BLOCKS = 132  # one wave: an H200's 132 SMs, one block each (~170 registers a thread)
 # Whether `attention` (the worker's path) splits long contexts' keys: off until the split is
-# timed on the GPU; exact there (docs/benchmarks.md, "Attention at long contexts").
+# timed on the GPU (docs/benchmarks.md, "The 2.5x goal across processes; attention at long
+# contexts").
 SPLIT_LONG_CONTEXTS = False
 
 _HEADER = r"""
@@ -362,11 +364,14 @@ def fits(group: int, head_dim: int) -> bool:
 
 def splits(blocks: int, keys: int) -> int:
     """Key splits for `blocks` (row, KV head, query) blocks over `keys` keys: 1 (one kernel)
-    below 2 x SPLIT_KEYS keys; else the most that keep blocks x splits within SPLIT_BLOCKS (one
-    wave) and each split at least SPLIT_KEYS keys."""
+    below 2 x SPLIT_KEYS keys; else the largest power of two that keeps blocks x splits within
+    SPLIT_BLOCKS (one wave) and each split at least SPLIT_KEYS keys (powers of two: the split
+    count is a template constant, so a growing context compiles a few kernels, not one per
+    512 keys)."""
     if keys < 2 * SPLIT_KEYS:
         return 1
-    return max(1, min(keys // SPLIT_KEYS, SPLIT_BLOCKS // max(1, blocks)))
+    n = max(1, min(keys // SPLIT_KEYS, SPLIT_BLOCKS // max(1, blocks)))
+    return 1 << (n.bit_length() - 1)
 
 
 def applies(q: mx.array, k: mx.array, v: mx.array, mask=None, sinks=None) -> bool:

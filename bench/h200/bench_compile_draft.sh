@@ -73,7 +73,7 @@ gemm)
   timeout 300 python3 bench/bench_small_gemm.py --target $M --context 256 --reps "${GEMM_REPS:-30}" --rounds "${GEMM_ROUNDS:-5}" ${GEMM_SKIP:+--skip $GEMM_SKIP} \
     ${SMALL_ATTN:+--attention} --json-out "$O/gemm.json" 2>&1 | tee "$O/gemm.txt" ;;
 attn)
-  timeout 200 python3 bench/bench_small_attention.py --rounds "${GEMM_ROUNDS:-5}" --json-out "$O/attn.json" 2>&1 | tee "$O/attn.txt" ;;
+  timeout 400 python3 bench/bench_small_attention.py --rounds "${GEMM_ROUNDS:-5}" --json-out "$O/attn.json" 2>&1 | tee "$O/attn.txt" ;;
 batched)
   timeout 240 python3 bench/bench_batched_verify.py --target $M --ks 1 2 4 8 --block 16 --contexts 256 1024 \
     --reps 20 --rounds 3 --json-out "$O/batched.json" 2>&1 | tee "$O/batched.txt" ;;
