@@ -10,10 +10,12 @@ Three tables, one process, the two paths side by side:
 3. forward: the target's forward compiled as the worker's verify runs it (fused projections,
    offset as an array, padded buffers broadcast to K rows, argmax per row) on two copies of the
    target, one with its linears on small_gemm; K rows x L tokens over a --context prefix; synced
-   ms per forward and the host's hand-over ms, median of --rounds interleaved rounds of --reps.
+   ms per forward and the host's hand-over ms, median of --rounds interleaved rounds of --reps;
+   --attention adds a copy whose attention runs worker.small_attention ("attn"), --split one
+   more whose long contexts' keys are split over blocks ("split"; e.g. --context 4096).
 
     python bench/bench_small_gemm.py --target MODEL_OR_CONFIG_DIR [--random-weights] \
-        [--context 256] [--reps 30] [--rounds 5] [--calls 56] [--json-out F]
+        [--context 256] [--reps 30] [--rounds 5] [--calls 56] [--attention] [--split] [--json-out F]
 
 Needs MLX's CUDA backend (exits 2 with one line elsewhere).
 """
@@ -90,23 +92,24 @@ def per_call_rows(shapes, rows_list, calls: int, reps: int) -> list[dict]:
 
 
 def forward_rows(path: str, random_weights: bool, context: int, shapes, reps: int, rounds: int,
-                 attention: bool = False) -> list[dict]:
+                 attention: bool = False, split: bool = False) -> list[dict]:
     """Synced and hand-over ms per compiled forward on two target copies (cuBLAS, small_gemm), and
-    with `attention` a third (small_gemm and worker.small_attention)."""
+    with `attention` a third (small_gemm and worker.small_attention), with `split` a fourth
+    (the same, long contexts' keys split over blocks: `small_attention.splits`)."""
     import mlx.core as mx
     import numpy as np
 
     from bench.bench_dflash import load_model
     from worker.compiled_forward import _OffsetCache
     from worker.fusion import fuse_projections
-    from worker.small_attention import patched_sdpa
+    from worker.small_attention import patched_sdpa, split_long_contexts
     from worker.small_gemm import use_small_gemm
     from worker.spec.dflash import make_target_cache
 
     rng = np.random.default_rng(0)
     prompt = mx.array([rng.integers(0, 1000, context).tolist()], dtype=mx.uint32)
     setups, weights = {}, None
-    names = ("cublas", "small", "attn") if attention else ("cublas", "small")
+    names = ("cublas", "small") + (("attn",) if attention else ()) + (("split",) if split else ())
     for name in names:
         model = load_model(path, random_weights, mx.bfloat16, tokenizer=False)[0]
         if random_weights:  # the same random weights in both copies
@@ -138,7 +141,8 @@ def forward_rows(path: str, random_weights: bool, context: int, shapes, reps: in
             outs = {}
             for name in (names if r % 2 else names[::-1]):
                 _, fwd, keys, values = setups[name]
-                with patched_sdpa(name == "attn"):  # traced under it: replays keep its kernels
+                # traced under them: replays keep their kernels
+                with patched_sdpa(name in ("attn", "split")), split_long_contexts(name == "split"):
                     outs[name] = fwd(x, offset, keys, values)[0]
                     mx.eval(outs[name])
                     t_host = t_all = 0.0
@@ -180,6 +184,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", nargs="*", default=[], choices=["error", "call", "forward"])
     ap.add_argument("--attention", action="store_true",
                     help="the forward table on a third copy too: small_gemm and worker.small_attention ('attn')")
+    ap.add_argument("--split", action="store_true",
+                    help="the forward table on one more copy: as 'attn', long contexts' keys split over blocks ('split')")
     ap.add_argument("--json-out", type=Path)
     a = ap.parse_args(argv)
     if not available():
@@ -214,7 +220,7 @@ def main(argv=None) -> int:
     if "forward" not in a.skip:
         shapes = [(1, 1), (1, 16), (4, 16)]
         rows = result["forward"] = forward_rows(a.target, a.random_weights, a.context, shapes, a.reps, a.rounds,
-                                                  attention=a.attention)
+                                                  attention=a.attention, split=a.split)
         print(f"\nforward (compiled, context {a.context}, median of {a.rounds} rounds of {a.reps}): ms")
         print(f"{'rows':>4} {'tokens':>6} {'path':>7} {'ms':>7} {'host ms':>8} {'x cublas':>9} {'range':>13} argmax agree")
         for r in rows:

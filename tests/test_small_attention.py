@@ -339,3 +339,28 @@ def test_compiled_verify_with_small_attention_matches_cudnn():
     a, b = outs
     assert (mx.abs(a - b).max() / mx.abs(a).max()).item() < 2e-2
     assert (mx.argmax(a, -1) == mx.argmax(b, -1)).astype(mx.float32).mean().item() > 0.95
+
+
+def test_the_verify_benchmark_times_a_split_copy_traced_with_splits_on(monkeypatch, tiny_models):
+    """bench_small_gemm.forward_rows with --attention --split on the CPU (the kernel replaced by
+    MLX's own, any shape taken, 3 splits proposed): the 'attn' copy's trace calls the kernel with
+    one block, the 'split' copy's with the proposed splits, and SPLIT_LONG_CONTEXTS is restored."""
+    from bench.bench_small_gemm import forward_rows
+
+    seen = []
+
+    def kernel(q, k, v, scale, mask=None, n_splits=1):
+        seen.append(n_splits)
+        B, H = q.shape[:2]
+        k, v = (mx.repeat(mx.broadcast_to(a, (B, *a.shape[1:])), H // k.shape[1], axis=1) for a in (k, v))
+        return sa._mlx_sdpa(q, k, v, scale=scale, mask=mask)
+    monkeypatch.setattr(sa, "available", lambda: True)
+    monkeypatch.setattr(sa, "applies", lambda *a, **kw: True)
+    monkeypatch.setattr(sa, "splits", lambda blocks, keys: 3)
+    monkeypatch.setattr(sa, "small_attention", kernel)
+    rows = forward_rows(str(tiny_models.llama), False, 8, [(1, 4)], reps=1, rounds=1, attention=True, split=True)
+    assert [r["path"] for r in rows] == ["cublas", "small", "attn", "split"]
+    assert set(seen) == {1, 3} and sa.SPLIT_LONG_CONTEXTS is False
+    with sa.split_long_contexts():
+        assert sa.SPLIT_LONG_CONTEXTS is True
+    assert sa.SPLIT_LONG_CONTEXTS is False

@@ -485,6 +485,19 @@ def patched_sdpa(enabled: bool = True):
         mx.fast.scaled_dot_product_attention = saved
 
 
+@contextlib.contextmanager
+def split_long_contexts(on: bool = True):
+    """Within it `attention` splits long contexts' keys (`splits`) or not, whatever
+    SPLIT_LONG_CONTEXTS says outside it: for benchmarks that time both before the default
+    changes. A compiled forward keeps what its trace saw. Not thread-safe (as `patched_sdpa`)."""
+    global SPLIT_LONG_CONTEXTS
+    saved, SPLIT_LONG_CONTEXTS = SPLIT_LONG_CONTEXTS, bool(on)
+    try:
+        yield
+    finally:
+        SPLIT_LONG_CONTEXTS = saved
+
+
 _MARK = "_flashfleet_small_attention"
 
 

@@ -23,7 +23,11 @@
 #       with SMALL_ATTN=1 the forwards on a third copy with worker/small_attention.py too
 #   OUT=$OUT bash bench/h200/bench_compile_draft.sh attn
 #       bench_small_attention.py: worker/small_attention.py against MLX's attention (error, per
-#       call; session 29)
+#       call, one block a query against key splits; sessions 29-30)
+#   OUT=$OUT bash bench/h200/bench_compile_draft.sh long
+#       bench_small_gemm.py --attention --split on the 1.5B's shape with random weights (no model
+#       needed) at LONG_CONTEXT keys (4096): the verify with cuDNN's attention, one block a query,
+#       key splits (session 30)
 # Env for dflash: SMALL_GEMM=1 (bench_dflash.py --small-gemm: the compiled-draft and candidate-row
 # methods again with their linears on worker.small_gemm, " sg" rows), SMALL_ATTN=1 (with SMALL_GEMM:
 # --small-attention, every " sg" row again with worker.small_attention, " sg a" rows), ONLY (the --only names, default "compiled comp+draft"), BRANCHES (e.g. "4 8": the
@@ -41,7 +45,7 @@ DRAFT=${DRAFT:-/root/drafts/Qwen2.5-Coder-1.5B-Instruct}
 export PYTHONUNBUFFERED=1
 source .stage/join/join.sh 2>/dev/null || export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 [ -d /tmp/mlx ] || { [ -f /root/stage/mlx-kernels.tgz ] && tar xzf /root/stage/mlx-kernels.tgz -C /tmp; }
-for step in "${@:?steps: prep tests dflash pieces gemm attn batched gain}"; do case $step in
+for step in "${@:?steps: prep tests dflash pieces gemm attn long batched gain}"; do case $step in
 prep)
   [ -d $M ] || python3 bench/h200/convert.py Qwen2.5-Coder-1.5B-Instruct /root/stage/files/Qwen2.5-Coder-1.5B-Instruct.gguf $M
   mkdir -p $C && tar xzf /root/stage/files/.stage-cases.tgz -C $C && ls $M $C ;;
@@ -74,6 +78,10 @@ gemm)
     ${SMALL_ATTN:+--attention} --json-out "$O/gemm.json" 2>&1 | tee "$O/gemm.txt" ;;
 attn)
   timeout 400 python3 bench/bench_small_attention.py --rounds "${GEMM_ROUNDS:-5}" --json-out "$O/attn.json" 2>&1 | tee "$O/attn.txt" ;;
+long)
+  timeout 300 python3 bench/bench_small_gemm.py --target bench/configs/Qwen2.5-Coder-1.5B-Instruct --random-weights \
+    --context "${LONG_CONTEXT:-4096}" --reps "${GEMM_REPS:-20}" --rounds "${GEMM_ROUNDS:-3}" --skip error call \
+    --attention --split --json-out "$O/long.json" 2>&1 | tee "$O/long.txt" ;;
 batched)
   timeout 240 python3 bench/bench_batched_verify.py --target $M --ks 1 2 4 8 --block 16 --contexts 256 1024 \
     --reps 20 --rounds 3 --json-out "$O/batched.json" 2>&1 | tee "$O/batched.txt" ;;
