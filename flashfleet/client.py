@@ -10,6 +10,7 @@ frees the worker.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import numbers
 from typing import AsyncIterator, Iterable, Iterator, Mapping
 
@@ -72,6 +73,14 @@ def _accumulate(chunks: Iterable[Chunk]) -> Completion:
     return Completion(request_id=last.request_id if last else "", text="".join(text),
                       token_ids=ids, finish_reason=last.finish_reason or "" if last else "",
                       stats=last.stats if last else None, worker_id=last.worker_id if last else "")
+
+
+def _check_keywords(method: str, kwargs: Mapping) -> None:
+    """TypeError naming `method` (not the generate() it forwards to) for an unknown keyword."""
+    unknown = sorted(set(kwargs) - _GENERATE_KEYWORDS)
+    if unknown:
+        raise TypeError(f"{method}() got unexpected keyword argument(s) {', '.join(unknown)}; "
+                        f"it takes generate()'s: {', '.join(sorted(_GENERATE_KEYWORDS))}")
 
 
 class Client:
@@ -172,8 +181,10 @@ class Client:
     def complete(self, model: str, prompt: str | None = None, **kwargs) -> Completion:
         """Runs generate() to the end and returns the whole text, token ids and stats.
 
-        Takes the same arguments and raises the same errors as generate().
+        Takes the same arguments and raises the same errors as generate() (TypeError, naming
+        complete(), for a keyword generate() does not take).
         """
+        _check_keywords("complete", kwargs)
         return _accumulate(self.generate(model, prompt, **kwargs))
 
     def list_models(self, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> list[coordinator_pb2.ServedModel]:
@@ -205,6 +216,10 @@ class Client:
                                                timeout=_deadline(timeout_s, DEFAULT_CONTROL_TIMEOUT_S))
         except grpc.RpcError as e:
             raise from_rpc_error(e, self._secure) from None
+
+
+# The keywords complete() forwards to generate().
+_GENERATE_KEYWORDS = frozenset(inspect.signature(Client.generate).parameters) - {"self", "model", "prompt"}
 
 
 class AsyncClient:
@@ -267,6 +282,7 @@ class AsyncClient:
 
     async def complete(self, model: str, prompt: str | None = None, **kwargs) -> Completion:
         """Runs generate() to the end; see Client.complete (same arguments and errors)."""
+        _check_keywords("complete", kwargs)
         return _accumulate([c async for c in self.generate(model, prompt, **kwargs)])
 
     async def list_models(self, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> list[coordinator_pb2.ServedModel]:

@@ -100,7 +100,7 @@ def _build(model, prompt, messages, max_tokens, temperature, top_p, seed, stop, 
         request_id=request_id,
         mode=DECODE_MODES[mode])
     if max_tokens is not None:
-        req.max_tokens = max_tokens
+        _set_number(req, "max_tokens", max_tokens, "must be an int that fits int32 (and > 0)")
     if prompt is not None:
         if not isinstance(prompt, str):
             raise InvalidArgument(f"prompt must be a str, got {type(prompt).__name__}"
@@ -120,12 +120,21 @@ def _build(model, prompt, messages, max_tokens, temperature, top_p, seed, stop, 
                                                 content=_utf8(f"messages[{i}].content", m["content"])))
         req.messages.CopyFrom(common_pb2.ChatMessages(messages=turns))
     if temperature is not None:
-        req.temperature = temperature
+        _set_number(req, "temperature", temperature, "must be a number (0 = greedy)")
     if top_p is not None:
-        req.top_p = top_p
+        _set_number(req, "top_p", top_p, "must be a number in (0, 1]")
     if seed is not None:
-        req.seed = seed
+        _set_number(req, "seed", seed, "must be an int in [0, 2**64)")
     return req
+
+
+def _set_number(req, name: str, value, rule: str) -> None:
+    """Sets a scalar field; protobuf's own range or type error becomes InvalidArgument naming
+    the field and its rule."""
+    try:
+        setattr(req, name, value)
+    except (ValueError, TypeError):
+        raise InvalidArgument(f"{name} {rule}, got {value!r}") from None
 
 
 def validate_request(req: common_pb2.GenerateRequest) -> None:

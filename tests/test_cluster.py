@@ -346,9 +346,13 @@ def test_deregistered_worker_is_marked_down_and_forgets_sessions():
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
-    (dict(prompt="hi", seed=-1), "seed"),
-    (dict(prompt="hi", seed=2**64), "seed"),
-    (dict(prompt="hi", max_tokens=2**31), "max_tokens"),
+    (dict(prompt="hi", seed=-1), "seed must be an int in [0, 2**64), got -1"),
+    (dict(prompt="hi", seed=2**64), "seed must be an int in [0, 2**64)"),
+    (dict(prompt="hi", max_tokens=2**31), "max_tokens must be an int that fits int32"),
+    (dict(prompt="hi", max_tokens="5"), "max_tokens must be an int that fits int32 (and > 0), got '5'"),
+    (dict(prompt="hi", max_tokens=2.5), "max_tokens must be an int"),
+    (dict(prompt="hi", temperature="hot"), "temperature must be a number (0 = greedy), got 'hot'"),
+    (dict(prompt="hi", top_p="x"), "top_p must be a number in (0, 1]"),
     (dict(prompt="abc\ud800def"), "prompt is not valid text"),
     (dict(messages=[{"role": "user", "content": "x\udfff"}]), "messages[0].content"),
     (dict(prompt="a " * 2_500_000), "4 MiB"),
@@ -366,6 +370,19 @@ def test_sdk_rejects_values_it_cannot_send(cluster, kwargs, fragment):
         with pytest.raises(InvalidArgument) as err:
             client.complete("fake-model", **kwargs)
         assert fragment in err.value.details
+
+
+def test_complete_names_itself_for_a_keyword_generate_does_not_take(cluster):
+    with Client(cluster.address) as client:
+        with pytest.raises(TypeError, match=r"complete\(\) got unexpected keyword argument\(s\) foo; "
+                                            r"it takes generate\(\)'s: .*max_tokens"):
+            client.complete("fake-model", prompt="hi", foo=1)
+
+    async def run():
+        async with AsyncClient(cluster.address) as client:
+            await client.complete("fake-model", prompt="hi", bar=2)
+    with pytest.raises(TypeError, match=r"complete\(\) got unexpected keyword argument\(s\) bar"):
+        asyncio.run(run())
 
 
 def test_a_closed_client_works_again_and_control_calls_keep_a_deadline(cluster, monkeypatch):

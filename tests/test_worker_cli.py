@@ -163,3 +163,22 @@ def test_demo_with_a_directory_that_is_not_a_model(tmp_path, capsys):
 
     assert demo_main(["--model", str(tmp_path)]) == 2
     assert "not a model directory" in capsys.readouterr().err
+
+
+def test_demo_table_shows_each_prompts_worker_and_its_moves():
+    import io
+
+    from flashfleet.cli.demo import print_table
+    from flashfleet.types import Completion, GenerationStats
+
+    def done(worker, migrations, tokens):
+        stats = GenerationStats(prompt_tokens=12, generated_tokens=tokens, ttft_s=0.25, tokens_per_s=8.0,
+                                total_s=12.0, mode="plain", migrations=migrations)
+        return Completion(request_id="r", text="x", token_ids=[1] * tokens, finish_reason="length",
+                          stats=stats, worker_id=worker)
+    out = io.StringIO()
+    print_table([{"id": "code-1"}, {"id": "pl-2"}], [done("worker-2", 1, 96), done("worker-1", 0, 40)], out)
+    lines = out.getvalue().splitlines()
+    assert lines[1].split()[:3] == ["prompt", "worker", "moves"]
+    assert lines[2].split()[:6] == ["code-1", "worker-2", "1", "12", "96", "250"]
+    assert lines[3].split()[:3] == ["pl-2", "worker-1", "0"]
