@@ -104,7 +104,7 @@ def test_flashfleet_up_stops_cleanly_on_sigterm(smollm_dir, tmp_path):
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
-    assert "stopping cluster" in out
+    assert "stopping cluster" in out and f"cluster stopped (logs: {tmp_path})" in out
 
 
 def test_up_keeps_serving_when_one_worker_dies(smollm_dir, tmp_path):

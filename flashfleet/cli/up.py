@@ -410,4 +410,5 @@ def main(argv: list[str]) -> int:
         print(f"stopping cluster (answers still streaming get up to {cluster.drain_s[0]:.0f} s; "
               "Ctrl-C again stops at once)...", flush=True)
         cluster.stop()
+        print(f"cluster stopped (logs: {cluster.log_dir})", flush=True)
     return 0
