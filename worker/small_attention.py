@@ -315,12 +315,12 @@ def _source(masked: bool, split: bool) -> str:
 _kernels: dict = {}
 
 
-def _named_kernel(kind: str, header: str, source: str, **kwargs):
+def _named_kernel(kind: str, source: str, **kwargs):
     # MLX caches compiled kernels on disk by name (and template values) only: the name carries
     # a digest of the code.
-    digest = hashlib.sha256((header + source).encode()).hexdigest()[:12]
+    digest = hashlib.sha256((_HEADER + source).encode()).hexdigest()[:12]
     return mx.fast.cuda_kernel(name=f"flashfleet_small_attention_{kind}_{digest}", source=source,
-                               header=header, **kwargs)
+                               header=_HEADER, **kwargs)
 
 
 def _kernel(masked: bool, split: bool):
@@ -328,7 +328,7 @@ def _kernel(masked: bool, split: bool):
     if key not in _kernels:
         kind = ("mask" if masked else "nomask") + ("_split" if split else "")
         _kernels[key] = _named_kernel(
-            kind, _HEADER, _source(masked, split),
+            kind, _source(masked, split),
             input_names=["q", "k", "v", "mask"] if masked else ["q", "k", "v"],
             output_names=["po", "pm"] if split else ["y"], ensure_row_contiguous=False)
     return _kernels[key]
@@ -336,7 +336,7 @@ def _kernel(masked: bool, split: bool):
 
 def _combine_kernel():
     if "combine" not in _kernels:
-        _kernels["combine"] = _named_kernel("combine", _HEADER, _COMBINE, input_names=["po", "pm"],
+        _kernels["combine"] = _named_kernel("combine", _COMBINE, input_names=["po", "pm"],
                                             output_names=["y"], ensure_row_contiguous=True)
     return _kernels["combine"]
 
