@@ -10,6 +10,9 @@ class EngineConfig:
     """What the engine loads and how it decodes.
 
     Attributes:
+        kv_budget_bytes: most bytes the KV caches may hold (running sessions, prefills, the
+            prompt cache); None derives it from the device (`worker.engine.budget`).
+        prompt_cache_entries: finished turns whose KV caches stay for prefix reuse (0: none).
         model_path: local model directory (config.json, *.safetensors, tokenizer files) that
             `mlx_lm.load` reads; never a hub id (workers have no hub access).
         model_name: name the worker serves the model under ("" = the directory's name).
@@ -90,11 +93,17 @@ class EngineConfig:
     branches: int | None = None
     small_gemm: bool = True
     small_attention: bool = True
+    kv_budget_bytes: int | None = None
+    prompt_cache_entries: int = 8
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_path", Path(self.model_path))
         if self.draft_path is not None:
             object.__setattr__(self, "draft_path", Path(self.draft_path))
+        if self.kv_budget_bytes is not None and self.kv_budget_bytes < 1:
+            raise ValueError(f"EngineConfig.kv_budget_bytes must be >= 1, got {self.kv_budget_bytes}")
+        if self.prompt_cache_entries < 0:
+            raise ValueError(f"EngineConfig.prompt_cache_entries must be >= 0, got {self.prompt_cache_entries}")
         for name in ("num_draft_tokens", "capacity", "prefill_step_tokens", "branches"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")

@@ -28,6 +28,8 @@ from worker.fusion import fuse_projections
 from worker import small_attention, small_gemm
 from worker.engine.modes import MODES, LoadedModels, Mode, candidate_rows, draft_kind_of, resolve_mode
 from worker.models.dflash_checkpoint import DraftCheckpointError, load_dflash_draft
+from worker.engine.budget import default_kv_budget_bytes
+from worker.engine.scheduler import BATCHED_MODES, Scheduler
 from worker.engine.session import Session, new_stats
 from worker.engine.types import (
     DoneEvent,
@@ -40,6 +42,7 @@ from worker.engine.types import (
     ModelDescription,
     Overloaded,
     SamplingParams,
+    TokenEvent,
 )
 from worker.metrics import model_footprint  # observability: bytes a decode step reads
 from worker.sampling import sampler_for, validate_sampling
@@ -147,8 +150,9 @@ class Engine:
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
         self._encode_lock = threading.Lock()
-        # Sessions on the thread, republished (copy-on-write) by the thread for load().
-        self._resident: tuple[Session, ...] = ()
+        self._scheduler: Scheduler | None = None  # the engine thread's
+        self._kv_bytes = 0  # KV bytes held, published by the engine thread for load()
+        self._kv_budget = 0
 
         model_cfg = _read_model_config(config.model_path, "model")
         draft_cfg = (_read_model_config(config.draft_path, "draft model")
@@ -317,10 +321,10 @@ class Engine:
 
     def load(self) -> EngineLoad:
         """Admitted sessions, capacity, and bytes held by resident sessions' KV caches."""
-        kv = sum(s.kv_cache_bytes for s in self._resident)
         with self._lock:
             active = len(self._admitted)
-        return EngineLoad(active_sessions=active, capacity=self.config.capacity, kv_cache_bytes=kv)
+        return EngineLoad(active_sessions=active, capacity=self.config.capacity,
+                          kv_cache_bytes=self._kv_bytes, kv_budget_bytes=self._kv_budget)
 
     # ----- validation (caller's thread, pure Python) ------------------------------------------
 
@@ -359,37 +363,68 @@ class Engine:
         validate_sampling(r.sampling.temperature, r.sampling.top_p, r.sampling.seed)
         if any(not isinstance(s, str) or not s for s in r.stop):
             raise InvalidRequest("stop strings must be non-empty strings")
-        return resolve_mode(r.mode, self._draft_kind, self._modes)
+        mode = resolve_mode(r.mode, self._draft_kind, self._modes)
+        sched = self._scheduler
+        if sched is not None and mode in BATCHED_MODES:
+            positions = n + r.max_tokens + sched.max_block(mode)
+            if not sched.fits_alone(mode, positions):
+                need = sched.row_bytes(mode, positions)
+                raise InvalidRequest(
+                    f"prompt ({n} tokens) + max_tokens ({r.max_tokens}) needs {need / 1e6:.1f} MB of KV cache, "
+                    f"more than this worker's KV budget of {sched.budget / 1e6:.1f} MB: "
+                    "ask for fewer tokens, or raise the worker's --kv-budget-mb")
+        return mode
 
     # ----- the engine thread -----------------------------------------------------------------
 
     def _run(self) -> None:
         try:
             models = self._load_models()
+            sched = self._scheduler = self._make_scheduler(models)
+            if self.config.warmup:
+                self._warmup(models, sched)
         except BaseException as e:  # re-raised by the constructor
             self._startup_error = e
+            self._scheduler = None
             self._free()
             self._ready.set()
             return
-        with self._lock:
-            self._accepting = not self._closed
-        self._ready.set()
-        sessions: dict[str, Session] = {}
         try:
-            while self._handle_commands(models, sessions, block=not sessions):
-                for s in list(sessions.values()):
-                    self._advance(s, sessions)
+            with self._lock:
+                self._accepting = not self._closed
+            self._ready.set()
+            while self._handle_commands(models, sched, block=sched.idle):
+                sched.iterate()
+                self._publish(sched)
         except BaseException:
             log.exception("engine thread crashed")
             raise
         finally:
             with self._lock:
                 self._accepting = False
-            for s in list(sessions.values()):
-                self._end(s, sessions, "cancelled")
+            sched = self._scheduler
+            if sched is not None:
+                for s in sched.sessions():
+                    sched.cancel(s.request.request_id)
+                    self._end_cancelled(s)
             self._cancel_queued()
-            del models, sessions
+            self._scheduler = None
+            del models, sched
             self._free()
+
+    def _make_scheduler(self, models: LoadedModels) -> Scheduler:
+        cfg = self.config
+        budget = cfg.kv_budget_bytes or default_kv_budget_bytes()
+        block = cfg.block_size or (models.draft.block_size if models.draft_kind == "dflash" else 1)
+        sched = Scheduler(models, block_size=block, adaptive=cfg.adaptive_block_size,
+                          prefill_step_tokens=cfg.prefill_step_tokens, kv_budget_bytes=budget,
+                          prompt_cache_entries=cfg.prompt_cache_entries, release=self._release,
+                          clock=self._clock)
+        log.info("KV budget %.1f MB (%d bytes a position plain%s); prompt cache %d entries",
+                 budget / 1e6, sched.bytes_per_position["plain"],
+                 f", {sched.bytes_per_position['dflash']} DFlash" if "dflash" in sched.bytes_per_position else "",
+                 cfg.prompt_cache_entries)
+        return sched
 
     def _load_models(self) -> LoadedModels:
         """Loads the target (and draft) with mlx_lm.load and warms them up; engine thread only."""
@@ -437,25 +472,27 @@ class Engine:
             log.info("DFlash candidate blocks per verify: %d%s", rows,
                      " (greedy requests, up to 2,048 positions)" if rows > 1 else
                      "" if on else " (rows need the compiled verify)")
-        if cfg.warmup:
-            self._warmup(models)
         return models
 
-    def _warmup(self, m: LoadedModels) -> None:
-        """Runs plain decoding and the loaded draft's mode (greedy and sampled) for a few tokens,
-        so the first requests do not pay for lazy initialization and compilation."""
-        prompt = (0, 1, 2, 3)
-        for key in dict.fromkeys(("plain", resolve_mode("auto", m.draft_kind, self._modes))):
+    def _warmup(self, m: LoadedModels, sched: Scheduler) -> None:
+        """Runs a few tokens of every batched mode this worker serves, greedy and sampled, one and
+        two sessions at a time, and the loaded draft's own mode, so the first requests do not pay
+        for lazy initialization and compilation."""
+        modes = [k for k in dict.fromkeys(("plain", resolve_mode("auto", m.draft_kind, self._modes)))]
+        n = 0
+        for key in modes:
             for temperature in (0.0, 1.0):
-                req = GenerationRequest(f"warmup-{key}", prompt, self.config.num_draft_tokens + 2)
-                sampler = sampler_for(SamplingParams(temperature=temperature, seed=0))
-                steps, _ = self._modes[key].start(m, self.config, req, sampler)
-                for _ in steps:
-                    pass
-        m.cost_memory.clear()  # a 4-token dummy prompt's costs are no request's
+                for _ in range(2):
+                    n += 1
+                    req = GenerationRequest(f"warmup-{n}", (0, 1, 2, 3), self.config.num_draft_tokens + 2,
+                                            SamplingParams(temperature=temperature, seed=0))
+                    self._start_session(m, sched, Submit(req, key, lambda e: None, self._clock()))
+        while not sched.idle:
+            sched.iterate()
+        sched.reset_measurements()
         mx.clear_cache()
 
-    def _handle_commands(self, m: LoadedModels, sessions: dict[str, Session], block: bool) -> bool:
+    def _handle_commands(self, m: LoadedModels, sched: Scheduler, block: bool) -> bool:
         """Drains the command queue (waiting for one command when `block`); False on Shutdown."""
         try:
             cmd = self._commands.get(block=block)
@@ -465,15 +502,17 @@ class Engine:
             if isinstance(cmd, Shutdown):
                 return False
             if isinstance(cmd, Submit):
-                self._start_session(m, cmd, sessions)
-            elif isinstance(cmd, Abort) and cmd.request_id in sessions:
-                self._end(sessions[cmd.request_id], sessions, "cancelled")
+                self._start_session(m, sched, cmd)
+            elif isinstance(cmd, Abort):
+                s = sched.cancel(cmd.request_id)
+                if s is not None:
+                    self._end_cancelled(s)
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return True
 
-    def _start_session(self, m: LoadedModels, cmd: Submit, sessions: dict[str, Session]) -> None:
+    def _start_session(self, m: LoadedModels, sched: Scheduler, cmd: Submit) -> None:
         req = cmd.request
         try:
             text = TextAssembler(m.tokenizer, req.stop)
@@ -484,49 +523,27 @@ class Engine:
                               max_tokens=req.max_tokens - len(req.resume_tokens), resume_tokens=(),
                               resume_text="")
             sampler = sampler_for(req.sampling)
-            steps, caches = self._modes[cmd.mode].start(m, self.config, req, sampler)
-            s = Session(req, cmd.emit, steps, caches, text, m.eos_ids, cmd.received_s,
-                        new_stats(req, cmd.mode))
+            if cmd.mode in BATCHED_MODES:
+                s = Session(req, cmd.emit, iter(()), [], text, m.eos_ids, cmd.received_s,
+                            new_stats(req, cmd.mode))
+                sched.add(s, cmd.mode, sampler)
+            else:
+                steps, caches = self._modes[cmd.mode].start(m, self.config, req, sampler)
+                s = Session(req, cmd.emit, steps, caches, text, m.eos_ids, cmd.received_s,
+                            new_stats(req, cmd.mode))
+                sched.add_generator(s)
         except Exception as e:
             log.exception("request %s failed to start", req.request_id)
             self._release(req.request_id)
             _safe_emit(cmd.emit, ErrorEvent(req.request_id, e))
             return
-        sessions[req.request_id] = s
-        self._publish(sessions)
         if due:  # text the previous worker held back (an incomplete character, a stop-string prefix)
             _safe_emit(cmd.emit, TokenEvent(req.request_id, (), due))
 
-    def _advance(self, s: Session, sessions: dict[str, Session]) -> None:
-        """Advances one session by one step; ends it when it finishes or fails."""
-        try:
-            step = next(s.steps, None)
-            if step is None:  # ended without reaching EOS or max_tokens (not the base contract)
-                s.flush()
-                self._end(s, sessions, "length")
-                return
-            s.on_step(step, self._clock())
-        except Exception as e:
-            log.exception("request %s failed", s.request.request_id)
-            self._end(s, sessions, None, error=e)
-            return
-        if s.done_reason:
-            self._end(s, sessions, s.done_reason)
-
-    def _end(self, s: Session, sessions: dict[str, Session], reason: str | None,
-             error: Exception | None = None) -> None:
-        """Closes the session's generator (its finally rolls the caches back), releases its
-        capacity, then emits DoneEvent(reason) or ErrorEvent(error)."""
-        rid = s.request.request_id
-        try:
-            s.steps.close()
-        except Exception:
-            log.exception("request %s: closing its generator failed", rid)
-        sessions.pop(rid, None)
-        self._publish(sessions)
-        self._release(rid)
-        event = ErrorEvent(rid, error) if error is not None else s.done_event(reason, self._clock())
-        _safe_emit(s.emit, event)
+    def _end_cancelled(self, s: Session) -> None:
+        """Releases a cancelled session's capacity, then emits DoneEvent("cancelled")."""
+        self._release(s.request.request_id)
+        _safe_emit(s.emit, s.done_event("cancelled", self._clock()))
 
     def _cancel_queued(self) -> None:
         """After Shutdown: requests admitted but never started end as cancelled."""
@@ -544,13 +561,14 @@ class Engine:
         with self._lock:
             self._admitted.discard(request_id)
 
-    def _publish(self, sessions: dict[str, Session]) -> None:
-        self._resident = tuple(sessions.values())
+    def _publish(self, sched: Scheduler) -> None:
+        self._kv_bytes = sched.kv_bytes()
+        self._kv_budget = sched.budget
 
     def _free(self) -> None:
         """Drops MLX buffers and this thread's streams. MLX requires `clear_streams` before a
         thread that used it exits, or the process may abort at exit (ml-explore/mlx PR #3395)."""
-        self._resident = ()
+        self._kv_bytes = 0
         gc.collect()
         mx.clear_cache()
         mx.clear_streams()

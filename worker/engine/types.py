@@ -75,7 +75,9 @@ class GenerationStats:
 
     Fields as in `flashfleet.types.GenerationStats` (the GenerationStats proto): ttft_s from
     `Engine.submit` accepting the request; tokens_per_s over the decode phase (tokens after the
-    first step); cycles / drafted_tokens / accepted_tokens count speculative cycles only
+    first step); cached_tokens: prompt tokens whose KV came from the worker's prompt cache (not
+    prefilled); preemptions: times the session was paused for memory and resumed by recomputing;
+    cycles / drafted_tokens / accepted_tokens count speculative cycles only
     (accepted excludes the bonus token); accepted_per_position[i] = cycles whose draft token at
     block position i+1 was accepted.
     """
@@ -93,6 +95,8 @@ class GenerationStats:
     verify_s: float = 0.0
     translate_s: float = 0.0
     accepted_per_position: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    preemptions: int = 0
 
     @property
     def acceptance_length(self) -> float:
@@ -154,6 +158,12 @@ class EngineLoad:
     active_sessions: int
     capacity: int
     kv_cache_bytes: int
+    kv_budget_bytes: int = 0  # 0: unknown (the engine is not running)
+
+    @property
+    def kv_free_bytes(self) -> int:
+        """KV bytes still free under the budget."""
+        return max(0, self.kv_budget_bytes - self.kv_cache_bytes)
 
 
 class EngineProtocol(Protocol):

@@ -1,0 +1,275 @@
+"""The batched engine: sessions decoded together give each session its output when run alone.
+
+Float32 on the CPU (tiny random llama). Covers plain and DFlash batches with sessions of different
+prompt lengths joining and leaving mid-stream, per-row acceptance and rollback (an oracle draft
+that is right up to a different position in every row), preemption under a KV budget, seeded
+sampling beside other sessions, chunked-prefill time to first token, and the prompt cache.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+
+import worker.engine.batch as batch_mod
+from harness import run_request
+from worker.config import EngineConfig
+from worker.engine.thread import Engine
+from worker.engine.types import DoneEvent, GenerationRequest, InvalidRequest, SamplingParams, TokenEvent
+from worker.models.dflash_checkpoint import init_dflash_draft, save_dflash_draft
+
+PROMPTS = ["The river", "Once upon a time in a small village by the sea, there lived",
+           "def add(a, b):", "Zażółć gęślą jaźń, said the", "1, 2, 3, 4,", "Speculative decoding is"]
+
+
+@pytest.fixture(scope="module")
+def dflash_dir(tiny_models, tmp_path_factory):
+    target, _ = load(str(tiny_models.llama))
+    draft = init_dflash_draft(target, num_layers=1, block_size=4)
+    out = tmp_path_factory.mktemp("dflash") / "tiny-dflash"
+    save_dflash_draft(draft, out)
+    return out
+
+
+class Collector:
+    """Submits requests (optionally once another request has produced k tokens) and gathers
+    every request's tokens and final event."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.tokens: dict[str, list[int]] = {}
+        self.done: dict[str, DoneEvent] = {}
+        self.first_token_s: dict[str, float] = {}
+        self.submitted_s: dict[str, float] = {}
+        self.after: dict[str, list[tuple[int, GenerationRequest]]] = {}
+        self.errors: queue.Queue = queue.Queue()
+        self.all_done = threading.Event()
+        self.expected = 0
+
+    def submit(self, req: GenerationRequest, after: tuple[str, int] | None = None) -> None:
+        self.expected += 1
+        self.tokens[req.request_id] = []
+        if after is None:
+            self.submitted_s[req.request_id] = time.perf_counter()
+            self.engine.submit(req, self._emit_for(req.request_id))
+        else:
+            self.after.setdefault(after[0], []).append((after[1], req))
+
+    def _emit_for(self, rid: str):
+        def emit(ev):
+            if isinstance(ev, TokenEvent):
+                if ev.token_ids and rid not in self.first_token_s:
+                    self.first_token_s[rid] = time.perf_counter()
+                self.tokens[rid].extend(ev.token_ids)
+                pending = self.after.get(rid, [])
+                for k, req in list(pending):
+                    if len(self.tokens[rid]) >= k:
+                        pending.remove((k, req))
+                        self.submitted_s[req.request_id] = time.perf_counter()
+                        self.engine.submit(req, self._emit_for(req.request_id))
+            elif isinstance(ev, DoneEvent):
+                self.done[rid] = ev
+                for _, req in self.after.pop(rid, []):  # ended before k tokens: start them now
+                    self.submitted_s[req.request_id] = time.perf_counter()
+                    self.engine.submit(req, self._emit_for(req.request_id))
+                if len(self.done) == self.expected:
+                    self.all_done.set()
+            else:
+                self.errors.put(ev.error)
+                self.all_done.set()
+        return emit
+
+    def wait(self, timeout_s: float = 300.0) -> None:
+        assert self.all_done.wait(timeout_s), f"only {len(self.done)} of {self.expected} finished"
+        assert self.errors.empty(), self.errors.get()
+
+
+def encode_all(engine: Engine) -> list[tuple[int, ...]]:
+    return [tuple(engine.encode_prompt(p, None)) for p in PROMPTS]
+
+
+def alone(engine: Engine, prompts, max_tokens, mode="plain", **kw) -> list[list[int]]:
+    return [run_request(engine, GenerationRequest(f"alone-{mode}-{i}-{time.time()}", p, max_tokens,
+                                                  mode=mode, **kw))[0] for i, p in enumerate(prompts)]
+
+
+def run_staggered(engine: Engine, prompts, max_tokens, mode: str, **kw) -> Collector:
+    """Starts half the sessions at once and each other one after an earlier one's k-th token, so
+    rows join and leave a running batch."""
+    c = Collector(engine)
+    lengths = [max_tokens - 3 * (i % 3) for i in range(len(prompts))]  # leave at different steps
+    for i, p in enumerate(prompts):
+        req = GenerationRequest(f"{mode}-{i}", p, lengths[i], mode=mode, **kw)
+        c.submit(req, None if i < len(prompts) // 2 else (f"{mode}-{i - len(prompts) // 2}", 2 + 3 * i))
+    c.wait()
+    return c
+
+
+def test_plain_batch_equals_each_session_alone(tiny_models):
+    with Engine(EngineConfig(model_path=tiny_models.llama, capacity=8)) as engine:
+        prompts = encode_all(engine)
+        c = run_staggered(engine, prompts, 24, "plain")
+        solo = alone(engine, prompts, 24)
+        for i in range(len(prompts)):
+            n = len(c.tokens[f"plain-{i}"])
+            assert n > 0 and c.tokens[f"plain-{i}"] == solo[i][:n]
+            assert c.done[f"plain-{i}"].stats.generated_tokens == n
+
+
+def test_dflash_batch_equals_plain_greedy(tiny_models, dflash_dir):
+    cfg = EngineConfig(model_path=tiny_models.llama, draft_path=dflash_dir, capacity=8,
+                       adaptive_block_size=False)
+    with Engine(cfg) as engine:
+        prompts = encode_all(engine)
+        plain = alone(engine, prompts, 24)
+        c = run_staggered(engine, prompts, 24, "dflash")
+        for i in range(len(prompts)):
+            got = c.tokens[f"dflash-{i}"]
+            assert got and got == plain[i][: len(got)]
+            assert c.done[f"dflash-{i}"].stats.cycles > 0
+
+
+def test_dflash_rows_accept_and_roll_back_independently(tiny_models, dflash_dir, monkeypatch):
+    """An oracle draft proposes each row's true continuation, wrong from a row-specific position
+    on: rows accept different numbers of tokens in the same iteration and still give plain
+    greedy output; acceptance counts follow the oracle."""
+    cfg = EngineConfig(model_path=tiny_models.llama, draft_path=dflash_dir, capacity=8,
+                       adaptive_block_size=False)
+    with Engine(cfg) as engine:
+        prompts = encode_all(engine)[:4]
+        plain = alone(engine, prompts, 30)
+        truth = {f"oracle-{i}": list(p) + plain[i] for i, p in enumerate(prompts)}
+        real = batch_mod.draft_block
+        wrong_at = {f"oracle-{i}": i % 4 for i in range(4)}  # drafts right before this position
+
+        def oracle(draft, batch, L):
+            blocks = real(draft, batch, L).tolist()
+            for r, row in enumerate(batch.rows):
+                seq = truth[row.request_id]
+                for i in range(1, L):
+                    pos = row.n - 1 + i
+                    right = seq[pos] if pos < len(seq) else 0
+                    blocks[r][i] = right if i <= wrong_at[row.request_id] else (right + 1) % 512
+            return mx.array(blocks, dtype=mx.uint32)
+
+        monkeypatch.setattr(batch_mod, "draft_block", oracle)
+        c = Collector(engine)
+        for i, p in enumerate(prompts):
+            c.submit(GenerationRequest(f"oracle-{i}", p, 30, mode="dflash"))
+        c.wait()
+        for i in range(4):
+            rid = f"oracle-{i}"
+            assert c.tokens[rid] == plain[i]
+            st = c.done[rid].stats
+            if i == 3:  # right at every drafted position (the oracle knows no token past the end)
+                assert st.accepted_tokens >= st.drafted_tokens - 3
+            else:
+                assert st.accepted_tokens <= i * st.cycles
+            if 0 < i < 3 and st.cycles > 1:
+                assert st.accepted_tokens >= i * (st.cycles - 1)
+
+
+def test_seeded_sampling_is_per_session(tiny_models, dflash_dir):
+    cfg = EngineConfig(model_path=tiny_models.llama, draft_path=dflash_dir, capacity=8)
+    with Engine(cfg) as engine:
+        prompts = encode_all(engine)
+        sampling = SamplingParams(temperature=0.8, seed=7)
+        solo = alone(engine, prompts[:1], 20, sampling=sampling)[0]
+        c = Collector(engine)
+        c.submit(GenerationRequest("seeded", prompts[0], 20, sampling=sampling))
+        for i, p in enumerate(prompts[1:]):
+            c.submit(GenerationRequest(f"other-{i}", p, 20, sampling=SamplingParams(temperature=1.0, seed=i)))
+        c.wait()
+        assert c.tokens["seeded"] == solo
+        in_plain = alone(engine, prompts[:1], 20, mode="plain", sampling=sampling)[0]
+        assert in_plain == solo
+
+
+def _run_long_sessions(tiny_models, budget):
+    """Five 200-token prompts, 150 tokens each, all at once: (tokens, done events, MLX peak over the
+    loaded engine's memory, the scheduler's peak accounted bytes, each prompt's output alone)."""
+    cfg = EngineConfig(model_path=tiny_models.llama, capacity=8, kv_budget_bytes=budget,
+                       prompt_cache_entries=0, prefill_step_tokens=64)
+    with Engine(cfg) as engine:
+        prompts = [tuple(engine.encode_prompt(p * 12, None))[:200] for p in PROMPTS[:5]]
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        c = Collector(engine)
+        for i, p in enumerate(prompts):
+            c.submit(GenerationRequest(f"long-{i}", p, 150))
+        c.wait()
+        peak = mx.get_peak_memory() - base
+        sched = engine._scheduler
+        accounted = sched.peak_projected_bytes
+        assert sched.peak_kv_bytes <= accounted
+        solo = alone(engine, prompts, 150)
+        return [c.tokens[f"long-{i}"] for i in range(5)], c.done, peak, accounted, solo
+
+
+def test_preempted_sessions_resume_with_the_same_output(tiny_models):
+    """A budget under what five long sessions take: the newest are preempted and resumed by
+    recomputation; every output equals its run alone, and MLX's peak memory stays in the budget."""
+    free_tokens, _, free_peak, free_accounted, _ = _run_long_sessions(tiny_models, None)
+    budget = int(0.7 * free_accounted)
+    tokens, done, peak, accounted, solo = _run_long_sessions(tiny_models, budget)
+    assert sum(done[f"long-{i}"].stats.preemptions for i in range(5)) > 0
+    assert tokens == solo == free_tokens
+    assert accounted <= budget
+    # MLX's own counter. What the accounting leaves out (logits, MLP activations, masks) is what
+    # the unconstrained run's peak shows above its accounted bytes.
+    unaccounted = max(0, free_peak - free_accounted)
+    assert peak <= budget + unaccounted, f"peak {peak} bytes, budget {budget} + {unaccounted} unaccounted"
+    assert unaccounted < budget / 4
+
+
+def test_request_that_never_fits_is_refused_with_numbers(tiny_models):
+    cfg = EngineConfig(model_path=tiny_models.llama, kv_budget_bytes=300_000, max_context_tokens=4096)
+    with Engine(cfg) as engine:
+        prompt = tuple(engine.encode_prompt("hello " * 50, None))
+        with pytest.raises(InvalidRequest, match=r"needs [\d.]+ MB of KV cache, more than .* KV budget of 0\.3 MB"):
+            engine.submit(GenerationRequest("big", prompt, 1000), lambda e: None)
+        toks, done = run_request(engine, GenerationRequest("small", prompt[:8], 4))
+        assert done.finish_reason in ("stop", "length") and toks
+
+
+def test_short_request_waits_at_most_one_long_chunk(tiny_models):
+    """While a 4K-token prompt prefills in chunks, a short request's first token comes within two
+    chunks' time (the chunk in flight, then its own prefill and first step)."""
+    cfg = EngineConfig(model_path=tiny_models.llama, capacity=4, max_context_tokens=8192,
+                       prefill_step_tokens=512, prompt_cache_entries=0)
+    with Engine(cfg) as engine:
+        long_prompt = tuple((list(engine.encode_prompt("The quick brown fox. " * 400, None)) * 2)[:4096])
+        short = tuple(engine.encode_prompt("Hi", None))
+        # The chunk time, measured: a long prompt alone, timed to its first token.
+        t0 = time.perf_counter()
+        run_request(engine, GenerationRequest("measure", long_prompt, 1))
+        chunk_s = (time.perf_counter() - t0) / (len(long_prompt) / 512)
+        c = Collector(engine)
+        c.submit(GenerationRequest("long", long_prompt, 2))
+        time.sleep(2.5 * chunk_s)  # the long prefill is under way
+        c.submit(GenerationRequest("short", short, 2))
+        c.wait()
+        ttft = c.first_token_s["short"] - c.submitted_s["short"]
+        assert c.first_token_s["short"] < c.first_token_s["long"]
+        assert ttft <= 2 * chunk_s, f"short TTFT {ttft:.3f} s, chunk {chunk_s:.3f} s"
+
+
+@pytest.mark.parametrize("mode", ["plain", "dflash"])
+def test_second_turn_prefills_only_new_tokens(tiny_models, dflash_dir, mode):
+    cfg = EngineConfig(model_path=tiny_models.llama, draft_path=dflash_dir, capacity=4,
+                       adaptive_block_size=False)
+    with Engine(cfg) as engine:
+        turn1 = tuple(engine.encode_prompt(None, [{"role": "user", "content": "Name a river."}]))
+        out1, done1 = run_request(engine, GenerationRequest("t1", turn1, 12, mode=mode))
+        assert done1.stats.cached_tokens == 0
+        follow = turn1 + tuple(out1) + tuple(engine.encode_prompt("And a mountain?", None))
+        warm, done2 = run_request(engine, GenerationRequest("t2", follow, 12, mode=mode))
+        assert done2.stats.cached_tokens >= len(turn1) + len(out1) - 1
+    with Engine(cfg) as cold_engine:
+        cold, done3 = run_request(cold_engine, GenerationRequest("t2c", follow, 12, mode=mode))
+        assert done3.stats.cached_tokens == 0
+    assert warm == cold

@@ -1,0 +1,296 @@
+"""Decoding as functions over a batch of sessions: one plain step, or one DFlash cycle, for all rows.
+
+A `Batch` holds the rows of one decoding method: each row's caches live in shared `RowKVCache`s
+(one per layer) with their own lengths, so rows join after their prefill, leave when done, and roll
+back independently. Per row the state between iterations is (n = committed tokens, b = the last):
+
+    target cache   positions [0, n-1)             every committed token but b
+    draft cache    context [0, n-1-S)             DFlash only
+    pending        taps of positions [n-1-S, n-1) DFlash only: not yet in the draft's context
+
+`plain_step` runs one target forward of the B last tokens. `dflash_cycle` (DFlash, Chen et al.
+2026, arXiv 2602.06036; the cycle of z-lab/dflash) runs one draft forward proposing L-1 tokens
+for every row (injecting each row's pending taps), one target forward verifying all B x L
+tokens, and computes each row's verdict on the device: row r accepts its drafts while they equal
+the target's own choice, commits them and the target's bonus token, and keeps j_r + 1 of its L
+verified positions (its cache length moves; nothing is copied). One host synchronisation per
+iteration reads every row's tokens. Output is the target's own choice at every position
+(greedy: its argmax; sampled: its draw keyed by sequence position, `worker.sampling.sample_rows`),
+so each row's output does not depend on the rows beside it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import mlx.core as mx
+
+from worker.engine.row_cache import RowKVCache, as_attention_mask
+from worker.sampling import greedy, sample_rows
+from worker.spec.base import Sampler
+
+FLUSH_PENDING = 32  # pending taps a row may hold while the batch decodes plainly
+
+
+@dataclass
+class Row:
+    """What a batch needs of one session each iteration.
+
+    Attributes:
+        sampler: the session's sampler (greedy: `worker.sampling.greedy`).
+        n: committed sequence length (prompt + generated), tokens.
+        last: the last committed token id (b).
+        request_id: the session's request (for logs and tests).
+    """
+
+    sampler: Sampler
+    n: int
+    last: int
+    request_id: str = ""
+
+
+@dataclass
+class Batch:
+    """The rows of one decoding method and their caches.
+
+    Attributes:
+        target: one `RowKVCache` per target layer, B rows.
+        draft: one `RowKVCache` per draft layer (DFlash), or None.
+        pending: (B, P, n_taps * D) target taps not yet in the draft's context, or None (P = 0).
+        pending_len: real taps per row (<= P); the rest of a row is padding.
+        rows: per row, `Row`.
+    """
+
+    target: list[RowKVCache]
+    draft: Optional[list[RowKVCache]] = None
+    pending: Optional[mx.array] = None
+    pending_len: list[int] = field(default_factory=list)
+    rows: list[Row] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def caches(self) -> list[RowKVCache]:
+        return self.target + (self.draft or [])
+
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.caches) + (0 if self.pending is None else self.pending.nbytes)
+
+    def join(self, row: Row, target: list[RowKVCache], draft: Optional[list[RowKVCache]]) -> None:
+        """Appends a prefilled session (one-row caches holding n-1 positions; no pending taps).
+
+        Each layer's buffers are copied and evaluated in turn, so the copy's transient memory is
+        one layer's buffer, not the whole cache's."""
+        for mine, theirs in zip(self.caches, target + (draft or [])):
+            mine.extend(theirs)
+            mx.eval(mine.state)
+        if self.draft is not None:
+            if self.pending is not None:
+                pad = mx.zeros((1, *self.pending.shape[1:]), self.pending.dtype)
+                self.pending = mx.concatenate([self.pending, pad])
+            self.pending_len.append(0)
+        self.rows.append(row)
+
+    def keep(self, indices: Sequence[int]) -> None:
+        """Keeps these rows, in this order (the others leave)."""
+        indices = list(indices)
+        for c in self.caches:  # layer by layer: one layer's buffer of transient memory
+            c.keep_rows(indices)
+            mx.eval(c.state)
+        if self.draft is not None:
+            self.pending_len = [self.pending_len[i] for i in indices]
+            if self.pending is not None:
+                self.pending = self.pending[mx.array(indices, dtype=mx.int32)] if indices else None
+        self.rows = [self.rows[i] for i in indices]
+
+    def reserve(self, L: int) -> None:
+        """Grows every buffer, layer by layer, for an iteration of block size L."""
+        P = 0 if self.pending is None else self.pending.shape[1]
+        for c in self.target:
+            c.reserve(L)
+        for c in self.draft or []:
+            c.reserve(P + L)
+
+    def positions_after(self, new_tokens: int) -> int:
+        """Buffer positions a row after a forward of `new_tokens` a row (for the memory budget)."""
+        return max((c.buffer_length(new_tokens) for c in self.target[:1]), default=0)
+
+
+def choose(logits: mx.array, rows: Sequence[Row]) -> mx.array:
+    """Each row's tokens at its L positions: (B, L, V) logits -> (B, L) uint32. Greedy rows take
+    the argmax; sampled rows draw keyed by the sequence position of each token."""
+    chosen = greedy(logits).astype(mx.uint32)
+    sampled = [i for i, r in enumerate(rows) if r.sampler is not greedy]
+    if not sampled:
+        return chosen
+    parts = [chosen[i] if rows[i].sampler is greedy else
+             sample_rows(rows[i].sampler, logits[i], rows[i].n).astype(mx.uint32) for i in range(len(rows))]
+    return mx.stack(parts)
+
+
+def plain_step(target: Any, batch: Batch) -> list[list[int]]:
+    """One decode step of every row: (B, 1) last tokens through the target; returns each row's
+    one new token. The caches gain the last tokens' positions."""
+    batch.reserve(1)
+    x = mx.array([[r.last] for r in batch.rows], dtype=mx.uint32)
+    logits = target(x, cache=batch.target)
+    tokens = choose(logits[:, -1:, :], batch.rows)
+    mx.eval(tokens)
+    return tokens.tolist()
+
+
+def _concat_pending(batch: Batch, taps: mx.array, kept: Sequence[int]) -> None:
+    """Appends `kept[r]` taps of row r (taps (B, L, F)) to its pending taps."""
+    B, L, F = taps.shape
+    if batch.pending is None or not any(batch.pending_len):
+        batch.pending, batch.pending_len = taps, list(kept)
+        return
+    P = batch.pending.shape[1]
+    # Row r's new taps go right after its own pending ones: a scatter into a buffer of P + L.
+    buf = mx.concatenate([batch.pending, mx.zeros((B, L, F), taps.dtype)], axis=1)
+    pos = mx.array(batch.pending_len, dtype=mx.int32)[:, None] + mx.arange(L, dtype=mx.int32)[None]
+    buf = mx.put_along_axis(buf, mx.broadcast_to(pos[:, :, None], taps.shape), taps, axis=1)
+    batch.pending = buf
+    batch.pending_len = [p + k for p, k in zip(batch.pending_len, kept)]
+
+
+def _draft_layer_mask(attn: Any, qpos: mx.array, end: mx.array, S: int, dtype) -> mx.array:
+    """(B, 1, L, S) mask of a draft layer: block queries (positions qpos (B, L)) see keys below
+    `end` (B,) (bidirectional inside the block unless the layer is causal; windowed if it is)."""
+    kpos = mx.arange(S, dtype=mx.int32)[None, None]
+    q = qpos[:, :, None]
+    visible = kpos < end[:, None, None]
+    if attn.causal:
+        visible = visible & (kpos <= q)
+    if attn.window:
+        visible = visible & (q - kpos < attn.window)
+        if not attn.causal:
+            visible = visible & (kpos - q < attn.window)
+    return as_attention_mask(visible[:, None], dtype)
+
+
+def draft_block(draft: Any, batch: Batch, L: int) -> mx.array:
+    """The draft's proposals for every row: (B, L) uint32 blocks [b, d_1 .. d_{L-1}].
+
+    Injects each row's pending taps into its draft context (written at [T_r, T_r + S_r); padding
+    taps land past the block, beyond every mask) and attends the block [b, MASK x (L-1)] to the
+    row's context; the block's K/V are dropped afterwards (lengths move to T_r + S_r).
+    """
+    cache = batch.draft
+    rows = batch.rows
+    B = len(rows)
+    first = mx.array([[r.last] for r in rows], dtype=mx.uint32)
+    block = mx.concatenate([first, mx.full((B, L - 1), draft.mask_token_id, mx.uint32)], axis=1)
+    h = draft._block_embeddings(block)
+    T = cache[0].lengths
+    S = mx.array(batch.pending_len, dtype=mx.int32)
+    P = 0 if batch.pending is None else batch.pending.shape[1]
+    ctx = draft.context(batch.pending) if P else None
+    arangeP = mx.arange(P, dtype=mx.int32)[None]
+    arangeL = mx.arange(L, dtype=mx.int32)[None]
+    start = T + S  # block position of b in each row
+    ctx_pos = mx.where(arangeP < S[:, None], T[:, None] + arangeP, start[:, None] + L + arangeP - S[:, None])
+    positions = mx.concatenate([ctx_pos, start[:, None] + arangeL], axis=1) if P else start[:, None] + arangeL
+    extent = P + L
+    masks: dict = {}
+    for layer, c in zip(draft.layers, cache):
+        a = layer.self_attn
+        x = layer.input_layernorm(h)
+        kb, vb = a._kv_unroped(x)
+        kb = a.rope(kb, offset=start)
+        if P:
+            kc, vc = a._kv_unroped(ctx)
+            kc = a.rope(kc, offset=T)
+            kb, vb = mx.concatenate([kc, kb], axis=2), mx.concatenate([vc, vb], axis=2)
+        c.write(kb, vb, positions, extent)
+        kind = (a.window, a.causal)
+        if kind not in masks:
+            masks[kind] = _draft_layer_mask(a, start[:, None] + arangeL, start + L, c.keys.shape[2], None)
+        q = a._queries(x, start)
+        h = h + a._attend(q, c.keys, c.values, masks[kind])
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    new_T = [t + s for t, s in zip(cache[0].host_lengths, batch.pending_len)]
+    for c in cache:
+        c.set_lengths(new_T, start)
+    batch.pending, batch.pending_len = None, [0] * B
+    logits = draft._head(draft.norm(h)[:, 1:])
+    return mx.concatenate([first, draft.draft_tokens(logits).astype(mx.uint32)], axis=1)
+
+
+def flush_pending(draft: Any, batch: Batch) -> None:
+    """Injects every row's pending taps into its draft context without drafting."""
+    if batch.pending is None or not any(batch.pending_len):
+        batch.pending, batch.pending_len = None, [0] * batch.size
+        return
+    cache = batch.draft
+    T = cache[0].lengths
+    S = mx.array(batch.pending_len, dtype=mx.int32)
+    P = batch.pending.shape[1]
+    arangeP = mx.arange(P, dtype=mx.int32)[None]
+    # Padding taps go past each row's new end (T + S), where the next write overwrites them.
+    positions = mx.where(arangeP < S[:, None], T[:, None] + arangeP, T[:, None] + arangeP)
+    ctx = draft.context(batch.pending)
+    for layer, c in zip(draft.layers, cache):
+        a = layer.self_attn
+        k, v = a._kv_unroped(ctx)
+        c.write(a.rope(k, offset=T), v, positions, P)
+    new_T = [t + s for t, s in zip(cache[0].host_lengths, batch.pending_len)]
+    for c in cache:
+        c.set_lengths(new_T, T + S)
+    batch.pending, batch.pending_len = None, [0] * batch.size
+
+
+@dataclass(frozen=True)
+class CycleResult:
+    """One DFlash iteration's outcome per row: committed tokens (accepted drafts + the bonus) and
+    accepted draft count (bonus not counted); L is the block size run (1 = a plain step)."""
+
+    tokens: list[list[int]]
+    accepted: list[int]
+    block_size: int
+
+
+def dflash_cycle(target: Any, draft: Any, capture: Any, batch: Batch, L: int) -> CycleResult:
+    """One iteration of batched DFlash at block size L for every row (L = 1: a plain step that
+    still records the taps the draft will need).
+
+    Args:
+        target: the mlx-lm target.
+        draft: a bound `worker.models.dflash.Model`.
+        capture: a `worker.capture.HiddenCapture` of the target at the draft's tapped layers.
+        batch: the DFlash batch (`Batch` with draft caches), B >= 1 rows.
+        L: block size, 1 <= L <= the draft's trained block size.
+
+    Returns:
+        Per row its committed tokens (1 .. L) and accepted draft tokens; the caches hold the
+        committed positions, the batch's pending taps those of the committed tokens but the last.
+    """
+    rows = batch.rows
+    batch.reserve(L)
+    if L == 1:
+        if batch.pending is not None and (batch.pending.shape[1] >= FLUSH_PENDING
+                                          or len(set(batch.pending_len)) > 1):
+            flush_pending(draft, batch)
+        blocks = mx.array([[r.last] for r in rows], dtype=mx.uint32)
+    else:
+        blocks = draft_block(draft, batch, L)
+    with capture:
+        logits = target(blocks, cache=batch.target)
+    taps = capture.hidden()
+    chosen = choose(logits, rows)
+    if L > 1:
+        accepted = mx.cumprod((blocks[:, 1:] == chosen[:, :-1]).astype(mx.int32), axis=1).sum(axis=1)
+    else:
+        accepted = mx.zeros((len(rows),), mx.int32)
+    mx.eval(chosen, accepted, taps)  # the iteration's one host sync
+    acc = accepted.tolist()
+    toks = chosen.tolist()
+    kept = [j + 1 for j in acc]
+    new_len = [n - L + k for n, k in zip(batch.target[0].host_lengths, kept)]
+    device_len = batch.target[0].lengths - L + accepted + 1
+    for c in batch.target:
+        c.set_lengths(new_len, device_len)
+    _concat_pending(batch, taps, kept)
+    return CycleResult([t[:k] for t, k in zip(toks, kept)], acc, L)

@@ -1,0 +1,136 @@
+"""The block size of each batched DFlash iteration, from measured costs at this batch size and context.
+
+Model (Leviathan, Kalman & Matias 2023, "Fast Inference from Transformers via Speculative
+Decoding", ICML, §3.1 eq. (1)): a row whose drafted tokens are each accepted with probability
+a_r, acceptance stopping at the first rejection, commits on average
+
+    E_r(L) = (1 - a_r^L) / (1 - a_r)      tokens per iteration at block size L (= L when a_r = 1)
+
+and the batch commits sum_r E_r(L) tokens in c(L | B, context) seconds, the measured wall time of
+one iteration (draft forward + verify of B x L tokens + the host sync). The policy picks
+L* = argmax_L sum_r E_r(L) / c(L), and plain steps (L = 1) whenever R(L*) < min_gain * R(1).
+
+Why measured per batch size: a verify of B x L tokens costs about one decode step while the
+device is bound by reading the weights (small B x L), then grows with B x L once it is bound by
+arithmetic; on a CPU it grows almost linearly from the start. vLLM turns speculation off above a
+batch size for the same reason (`speculative_disable_by_batch_size`). Costs are exponential
+means per (batch-size bucket, context bucket, L), buckets being powers of two; an L not measured
+in a bucket is explored (its first sample dropped as warm-up: graph set-up, kernel compiles),
+and every `explore_every` iterations the policy re-measures one other size so the estimates follow
+the context as it grows.
+
+Acceptance a_r comes from each row's own decayed counts (`Acceptance`): a truncated geometric
+observation per cycle (j successes, plus one failure when j < L - 1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+
+@dataclass
+class Acceptance:
+    """A row's decayed acceptance counts (maximum-likelihood a = succ / (succ + fail)).
+
+    Attributes:
+        succ: decayed accepted draft tokens.
+        fail: decayed cycles that ended on a rejection.
+    """
+
+    succ: float = 1.0
+    fail: float = 1.0
+    decay: float = 0.9
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """One cycle: `accepted` of `drafted` draft tokens kept."""
+        if drafted <= 0:
+            return
+        self.succ = self.succ * self.decay + accepted
+        self.fail = self.fail * self.decay + (1.0 if accepted < drafted else 0.0)
+
+    @property
+    def rate(self) -> float:
+        return self.succ / (self.succ + self.fail)
+
+
+def expected_tokens(a: float, L: int) -> float:
+    """E(L) = (1 - a^L) / (1 - a): mean tokens committed by a block of L (bonus included)."""
+    return float(L) if a >= 1.0 else (1.0 - a ** L) / (1.0 - a)
+
+
+def _pow2_bucket(n: int, floor: int = 1) -> int:
+    return max(floor, 1 << max(0, int(n) - 1).bit_length())
+
+
+class BatchBlockPolicy:
+    """Chooses each batched DFlash iteration's block size from measured iteration costs.
+
+    Args:
+        max_block: the draft's trained block size B (largest L).
+        min_gain: speculate only when the best block's expected tokens/s is at least this
+            multiple of plain steps'.
+        cost_decay: weight of the old mean in each cost estimate, [0, 1).
+        explore_every: iterations between re-measurements of a size other than the choice.
+
+    Raises:
+        ValueError: max_block < 1.
+    """
+
+    def __init__(self, max_block: int, min_gain: float = 1.05, cost_decay: float = 0.7,
+                 explore_every: int = 64):
+        if max_block < 1:
+            raise ValueError("max_block must be >= 1")
+        self.candidates = sorted({1, max_block, *(c for c in (2, 4, 8) if c < max_block)})
+        self.min_gain = min_gain
+        self.cost_decay = cost_decay
+        self.explore_every = explore_every
+        self._costs: dict[tuple[int, int], dict[int, float]] = {}
+        self._seen: dict[tuple[int, int, int], int] = {}
+        self._iterations = 0
+        self._explore_turn = 0
+
+    @staticmethod
+    def key(batch_size: int, context: int) -> tuple[int, int]:
+        """(batch-size bucket, context bucket) that costs are kept under."""
+        return _pow2_bucket(batch_size), _pow2_bucket(context, 256)
+
+    def cost(self, batch_size: int, context: int, L: int) -> Optional[float]:
+        """Estimated seconds of an iteration at block size L (None: never measured in this bucket)."""
+        return self._costs.get(self.key(batch_size, context), {}).get(L)
+
+    def observe(self, batch_size: int, context: int, L: int, seconds: float) -> None:
+        """The wall time of one iteration run at block size L (the first one per bucket and size
+        is dropped: warm-up)."""
+        k = self.key(batch_size, context)
+        seen = self._seen.get((*k, L), 0)
+        self._seen[(*k, L)] = seen + 1
+        if seen == 0:
+            return
+        costs = self._costs.setdefault(k, {})
+        old = costs.get(L)
+        costs[L] = seconds if old is None else self.cost_decay * old + (1 - self.cost_decay) * seconds
+
+    def choose(self, acceptance: Sequence[float], context: int, max_useful: int) -> int:
+        """The block size of the next iteration.
+
+        Args:
+            acceptance: each row's acceptance rate a_r in [0, 1].
+            context: the longest row's committed tokens.
+            max_useful: the largest L any row can still use (its remaining tokens).
+        """
+        self._iterations += 1
+        cands = [c for c in self.candidates if c <= max(1, max_useful)] or [1]
+        k = self.key(len(acceptance), context)
+        costs = self._costs.get(k, {})
+        unmeasured = [c for c in cands if c not in costs]
+        if unmeasured:
+            return unmeasured[0]
+        rates = {c: sum(expected_tokens(a, c) for a in acceptance) / costs[c] for c in cands}
+        best = max(rates, key=rates.get)
+        if best != 1 and rates[best] < self.min_gain * rates[1]:
+            best = 1
+        if self.explore_every and self._iterations % self.explore_every == 0 and len(cands) > 1:
+            others = [c for c in cands if c != best]
+            self._explore_turn += 1
+            return others[self._explore_turn % len(others)]
+        return best

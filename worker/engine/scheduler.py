@@ -1,0 +1,475 @@
+"""The engine thread's scheduler: continuous batching within a KV memory budget.
+
+Each iteration (`iterate`) does, in order:
+  1. admit waiting sessions while the KV budget has room (a prompt-cache hit skips their cached
+     prefix);
+  2. one prefill chunk (`prefill_step_tokens` tokens) of the prefilling session with the fewest
+     tokens left, so a long prompt delays decoding sessions by one chunk per iteration and a short
+     prompt's first token waits for at most one chunk of a long one (chunked prefill, as
+     Sarathi-Serve and vLLM interleave it with decoding); a session whose prefill is done
+     joins its method's batch;
+  3. if the next iteration's caches would exceed the budget, evict prompt-cache entries, then
+     preempt the newest sessions (their caches are dropped; they wait at the front of the queue
+     and resume by recomputing their prompt and output, as vLLM's recompute preemption does);
+  4. one batched forward per decoding method: a plain step for every plain session, one DFlash
+     iteration (draft + verify of every speculating session) at the block size the policy picks;
+     sessions of methods without a batched path (classic draft models, cross-tokenizer drafts)
+     advance one step each;
+  5. emits each session's tokens; finished sessions leave their batch, and their caches go to the
+     prompt cache.
+Everything here runs on the engine thread, the only thread that touches MLX.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import mlx.core as mx
+
+from worker.capture import HiddenCapture
+from worker.engine.batch import Batch, Row, dflash_cycle, plain_step
+from worker.engine.block_policy import Acceptance, BatchBlockPolicy
+from worker.engine.prompt_cache import PromptCache
+from worker.engine.row_cache import STEP, RowKVCache, make_row_caches
+from worker.engine.session import Session
+from worker.engine.types import ErrorEvent
+from worker.spec.base import Sampler, Step
+
+log = logging.getLogger(__name__)
+
+BATCHED_MODES = ("plain", "dflash")
+CLEAR_CACHE_EVERY = 256  # iterations between returning freed buffers to the allocator
+
+
+def _bucket(n: int) -> int:
+    return max(STEP, -(-n // STEP) * STEP)
+
+
+@dataclass
+class Sequence:
+    """One admitted request of a batched mode, as data.
+
+    Attributes:
+        session: its output side (text assembly, stop strings, statistics, the emit callback).
+        mode: "plain" or "dflash".
+        sampler: its sampler.
+        tokens: committed token ids, prompt then generated.
+        order: admission order; the newest session is preempted first.
+        acceptance: its DFlash acceptance counts (the block-size policy's a_r).
+        phase: "waiting", "prefill" or "decode".
+        target / draft: its one-row caches while it prefills (None otherwise).
+        prefilled: positions of tokens[:-1] in those caches.
+        row: its `Row` while it decodes.
+    """
+
+    session: Session
+    mode: str
+    sampler: Sampler
+    tokens: list[int]
+    order: int
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    phase: str = "waiting"
+    target: Optional[list[RowKVCache]] = None
+    draft: Optional[list[RowKVCache]] = None
+    prefilled: int = 0
+    row: Optional[Row] = None
+
+    @property
+    def request_id(self) -> str:
+        return self.session.request.request_id
+
+    @property
+    def remaining(self) -> int:
+        return self.session.request.max_tokens - self.session.stats.generated_tokens
+
+
+class Scheduler:
+    """Runs every admitted session of one worker; engine thread only.
+
+    Args:
+        models: the loaded models (`worker.engine.modes.LoadedModels`).
+        block_size: DFlash's largest block (the draft's trained size unless configured).
+        adaptive: choose each iteration's block size (`BatchBlockPolicy`); else always block_size.
+        prefill_step_tokens: prompt tokens per prefill chunk.
+        kv_budget_bytes: most bytes the KV caches (batches, prefills, the prompt cache) may hold.
+        prompt_cache_entries: finished turns kept for prefix reuse (0: none).
+        release: called with a request id when it stops counting against capacity.
+        clock: monotonic seconds.
+
+    Raises:
+        ValueError: the target has non-attention layers (`make_row_caches`).
+    """
+
+    def __init__(self, models, *, block_size: int, adaptive: bool, prefill_step_tokens: int,
+                 kv_budget_bytes: int, prompt_cache_entries: int, release: Callable[[str], None],
+                 clock: Callable[[], float] = time.perf_counter):
+        self.m = models
+        self.block_size = block_size
+        self.prefill_step_tokens = prefill_step_tokens
+        self.budget = kv_budget_bytes
+        self.release = release
+        self.clock = clock
+        self.waiting: deque[Sequence] = deque()
+        self.prefilling: list[Sequence] = []
+        self.decoding: dict[str, list[Sequence]] = {mode: [] for mode in BATCHED_MODES}
+        self.generators: dict[str, Session] = {}
+        self.batches = {"plain": Batch(make_row_caches(models.target, 0))}
+        self.capture = None
+        if models.draft_kind == "dflash":
+            self.batches["dflash"] = Batch(make_row_caches(models.target, 0), self._draft_caches(0))
+            self.capture = HiddenCapture(models.target, models.draft.target_layer_ids)
+        self.policy = BatchBlockPolicy(block_size) if adaptive and models.draft_kind == "dflash" else None
+        self.prompt_cache = PromptCache(prompt_cache_entries, kv_budget_bytes)
+        self.bytes_per_position = self._measure_bytes_per_position()
+        self._order = 0
+        self._iterations = 0
+        self.preemptions = 0
+        self.peak_kv_bytes = 0
+        self.peak_projected_bytes = 0
+
+    def reset_measurements(self) -> None:
+        """Forgets costs, peaks and counts (after warm-up: a dummy prompt's costs are no request's)."""
+        if self.policy is not None:
+            self.policy = BatchBlockPolicy(self.block_size)
+        self.peak_kv_bytes = self.peak_projected_bytes = self.preemptions = 0
+        self.prompt_cache.trim_to(0)
+
+    # ----- sizes ---------------------------------------------------------------------------------
+
+    def _draft_caches(self, batch: int) -> list[RowKVCache]:
+        return [RowKVCache(batch) for _ in self.m.draft.layers]
+
+    def _measure_bytes_per_position(self) -> dict[str, int]:
+        """KV bytes one row position costs per mode (every layer's keys and values), measured by
+        writing one position (dtypes and head layouts vary by model)."""
+        caches = make_row_caches(self.m.target, 1)
+        self.m.target(mx.array([[0]], dtype=mx.uint32), cache=caches)
+        mx.eval([c.state for c in caches])
+        target = sum(c.nbytes for c in caches) // STEP
+        out = {"plain": target}
+        if self.m.draft_kind == "dflash":
+            d = self._draft_caches(1)
+            with self.capture:
+                self.m.target(mx.array([[0]], dtype=mx.uint32), cache=make_row_caches(self.m.target, 1))
+            self.m.draft.extend_context(self.capture.hidden(), d)
+            mx.eval([c.state for c in d])
+            out["dflash"] = target + sum(c.nbytes for c in d) // STEP
+        return out
+
+    def row_bytes(self, mode: str, positions: int) -> int:
+        """Bytes of one row holding `positions` positions (in whole buffer buckets)."""
+        return _bucket(positions) * self.bytes_per_position.get(mode, self.bytes_per_position["plain"])
+
+    def max_block(self, mode: str) -> int:
+        return self.block_size if mode == "dflash" else 1
+
+    def kv_bytes(self) -> int:
+        """Bytes the KV caches hold now."""
+        total = sum(b.nbytes() for b in self.batches.values()) + self.prompt_cache.nbytes
+        total += sum(c.nbytes for s in self.prefilling for c in (s.target or []) + (s.draft or []))
+        return total + sum(c.nbytes for s in self.generators.values() for c in s.caches)
+
+    def projected_bytes(self) -> int:
+        """Bytes the caches may hold after the next iteration: each batch at its buffer length after
+        a forward of its largest block, each prefill at its full prompt, generators as they are,
+        plus attention's working memory: a copy of one layer's keys and values of the largest
+        batch or prefill (attention without a fused kernel expands grouped K/V heads)."""
+        total = self.prompt_cache.nbytes
+        one_layer = 0
+        for mode, batch in self.batches.items():
+            if batch.size:
+                b = batch.size * batch.positions_after(self.max_block(mode)) * self.bytes_per_position[mode]
+                total += b
+                one_layer = max(one_layer, b // max(1, len(batch.caches)))
+        for s in self.prefilling:
+            b = self.row_bytes(s.mode, len(s.tokens))
+            total += b
+            one_layer = max(one_layer, b // max(1, len(self.batches[s.mode].caches)))
+        total += 2 * one_layer
+        return total + sum(c.nbytes for s in self.generators.values() for c in s.caches)
+
+    def fits_alone(self, mode: str, positions: int) -> bool:
+        """Whether one session of `positions` positions fits the budget with nothing else."""
+        layers = max(1, len(self.batches[mode].caches))
+        return self.row_bytes(mode, positions) * (layers + 2) // layers <= self.budget
+
+    # ----- sessions in and out -----------------------------------------------------------------
+
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.prefilling or self.generators
+                    or any(self.decoding[m] for m in BATCHED_MODES))
+
+    def add(self, session: Session, mode: str, sampler: Sampler) -> None:
+        """Queues a batched-mode session (its request already validated)."""
+        self._order += 1
+        req = session.request
+        self.waiting.append(Sequence(session, mode, sampler, list(req.prompt_tokens), self._order))
+
+    def add_generator(self, session: Session) -> None:
+        """Adds a session decoded by its own generator (modes without a batched path)."""
+        self.generators[session.request.request_id] = session
+
+    def cancel(self, request_id: str) -> Optional[Session]:
+        """Removes a session wherever it is; returns it (None when unknown)."""
+        if request_id in self.generators:
+            s = self.generators.pop(request_id)
+            _close(s)
+            return s
+        for s in list(self.waiting):
+            if s.request_id == request_id:
+                self.waiting.remove(s)
+                return s.session
+        for s in self.prefilling:
+            if s.request_id == request_id:
+                self.prefilling.remove(s)
+                return s.session
+        for mode, seqs in self.decoding.items():
+            for i, s in enumerate(seqs):
+                if s.request_id == request_id:
+                    self._leave(mode, [i])
+                    return s.session
+        return None
+
+    def sessions(self) -> list[Session]:
+        """Every admitted session."""
+        out = [s.session for s in (*self.waiting, *self.prefilling)]
+        out += [s.session for m in BATCHED_MODES for s in self.decoding[m]]
+        return out + list(self.generators.values())
+
+    # ----- one iteration -------------------------------------------------------------------------
+
+    def iterate(self) -> None:
+        """One scheduler iteration (module docstring)."""
+        self._iterations += 1
+        self._admit()
+        self._prefill_chunk()
+        self._fit_budget()
+        self.peak_projected_bytes = max(self.peak_projected_bytes, self.projected_bytes())
+        for mode in BATCHED_MODES:
+            if self.decoding[mode]:
+                self._decode(mode)
+        for s in list(self.generators.values()):
+            self._advance_generator(s)
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes())
+
+        if self._iterations % CLEAR_CACHE_EVERY == 0:
+            mx.clear_cache()
+
+    def _admit(self) -> None:
+        while self.waiting:
+            seq = self.waiting[0]
+            need = self.row_bytes(seq.mode, len(seq.tokens) + self.max_block(seq.mode))
+            if self.projected_bytes() + need > self.budget:
+                self.prompt_cache.trim_to(self.budget - (self.projected_bytes() - self.prompt_cache.nbytes) - need)
+                if self.projected_bytes() + need > self.budget and not self.idle_but_waiting():
+                    return
+            self.waiting.popleft()
+            self._start_prefill(seq)
+
+    def idle_but_waiting(self) -> bool:
+        return not (self.prefilling or self.generators or any(self.decoding[m] for m in BATCHED_MODES))
+
+    def _start_prefill(self, seq: Sequence) -> None:
+        head = seq.tokens[:-1]
+        cached, k = self.prompt_cache.fetch(seq.mode, head) if not seq.prefilled else (None, 0)
+        n_target = len(self.batches["plain"].target)
+        if cached is not None:
+            seq.target, seq.draft = cached[:n_target], (cached[n_target:] or None)
+            seq.session.stats.cached_tokens = k
+        else:
+            seq.target = make_row_caches(self.m.target, 1)
+            seq.draft = self._draft_caches(1) if seq.mode == "dflash" else None
+            k = 0
+        seq.prefilled, seq.phase = k, "prefill"
+        self.prefilling.append(seq)
+
+    def _prefill_chunk(self) -> None:
+        if not self.prefilling:
+            return
+        # Fewest tokens left first: a short prompt waits for at most the chunk in flight.
+        seq = min(self.prefilling, key=lambda s: (len(s.tokens) - 1 - s.prefilled, s.order))
+        end = len(seq.tokens) - 1
+        try:
+            if seq.prefilled < end:
+                stop = min(end, seq.prefilled + self.prefill_step_tokens)
+                chunk = mx.array(seq.tokens[seq.prefilled: stop], dtype=mx.uint32)[None]
+                for c in seq.target + (seq.draft or []):
+                    c.reserve(stop - seq.prefilled)
+                if seq.mode == "dflash":
+                    with self.capture:
+                        self.m.target(chunk, cache=seq.target)
+                    self.m.draft.extend_context(self.capture.hidden(), seq.draft)
+                else:
+                    self.m.target(chunk, cache=seq.target)
+                mx.eval([c.state for c in seq.target + (seq.draft or [])])
+                seq.prefilled = stop
+                mx.clear_cache()
+        except Exception as e:
+            log.exception("request %s failed in prefill", seq.request_id)
+            self.prefilling.remove(seq)
+            self._finish(seq.session, error=e)
+            return
+        if seq.prefilled >= end:
+            self.prefilling.remove(seq)
+            seq.row = Row(seq.sampler, len(seq.tokens), seq.tokens[-1], seq.request_id)
+            self.batches[seq.mode].join(seq.row, seq.target, seq.draft)
+            seq.target = seq.draft = None
+            seq.phase = "decode"
+            self.decoding[seq.mode].append(seq)
+
+    def _fit_budget(self) -> None:
+        over = self.projected_bytes() - self.budget
+        if over > 0:
+            self.prompt_cache.trim_to(self.prompt_cache.nbytes - over)
+        while self.projected_bytes() > self.budget:
+            running = [s for m in BATCHED_MODES for s in self.decoding[m]] + self.prefilling
+            if len(running) <= 1:
+                return
+            self._preempt(max(running, key=lambda s: s.order))
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Drops a session's caches; it waits at the front of the queue and resumes by recomputing."""
+        if seq.phase == "decode":
+            seqs = self.decoding[seq.mode]
+            self._leave(seq.mode, [seqs.index(seq)])
+        else:
+            self.prefilling.remove(seq)
+        seq.target = seq.draft = seq.row = None
+        seq.prefilled, seq.phase = 0, "waiting"
+        seq.session.stats.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+        log.info("preempted request %s at %d tokens (KV budget %d bytes)", seq.request_id,
+                 len(seq.tokens), self.budget)
+
+    def _leave(self, mode: str, indices: list[int]) -> None:
+        seqs = self.decoding[mode]
+        gone = set(indices)
+        keep = [i for i in range(len(seqs)) if i not in gone]
+        self.batches[mode].keep(keep)
+        self.decoding[mode] = [seqs[i] for i in keep]
+
+    # ----- decoding ------------------------------------------------------------------------------
+
+    def _decode(self, mode: str) -> None:
+        seqs = self.decoding[mode]
+        batch = self.batches[mode]
+        t0 = self.clock()
+        try:
+            if mode == "plain":
+                results = [(t, 0, 0) for t in plain_step(self.m.target, batch)]
+            else:
+                L = self._block_for(seqs)
+                res = dflash_cycle(self.m.target, self.m.draft, self.capture, batch, L)
+                if self.policy is not None:
+                    self.policy.observe(len(seqs), max(s.row.n for s in seqs), L, self.clock() - t0)
+                results = [(t, L - 1, a) for t, a in zip(res.tokens, res.accepted)]
+        except Exception as e:
+            log.exception("a batched %s iteration failed; ending its %d sessions", mode, len(seqs))
+            self._leave(mode, list(range(len(seqs))))
+            for s in seqs:
+                self._finish(s.session, error=e)
+            return
+        done: list[int] = []
+        for i, (seq, (tokens, drafted, accepted)) in enumerate(zip(seqs, results)):
+            if drafted:
+                seq.acceptance.observe(drafted, accepted)
+            if not self._commit(seq, tokens, drafted, accepted):
+                done.append(i)
+        if done:
+            for i in done:
+                self._keep_prompt_cache(mode, i)
+            self._leave(mode, done)
+            for i in done:
+                self._finish(seqs[i].session)
+
+    def _block_for(self, seqs: list[Sequence]) -> int:
+        useful = max(s.remaining for s in seqs)
+        if self.policy is None:
+            return max(1, min(self.block_size, 1 << max(0, useful - 1).bit_length()))
+        return self.policy.choose([s.acceptance.rate for s in seqs], max(s.row.n for s in seqs), useful)
+
+    def _commit(self, seq: Sequence, tokens: list[int], drafted: int, accepted: int) -> bool:
+        """Emits a row's new tokens (cut after an EOS and at max_tokens); False when it is done."""
+        eos = self.m.eos_ids
+        for i, t in enumerate(tokens):
+            if t in eos:
+                tokens = tokens[: i + 1]
+                break
+        tokens = tokens[: seq.remaining]
+        s = seq.session
+        try:
+            s.on_step(Step(tokens, drafted, accepted), self.clock())
+        except Exception:
+            log.exception("request %s: emitting its tokens failed", seq.request_id)
+            s.done_reason = s.done_reason or "cancelled"
+        seq.tokens.extend(tokens)
+        seq.row.n += len(tokens)
+        seq.row.last = tokens[-1]
+        return not s.done_reason
+
+    def _keep_prompt_cache(self, mode: str, index: int) -> None:
+        """Copies a finished row's caches into the prompt cache: positions [0, n-1) of its n
+        committed tokens (a row cut at an EOS or max_tokens inside a block holds more: trimmed)."""
+        if not self.prompt_cache.max_entries:
+            return
+        batch, seq = self.batches[mode], self.decoding[mode][index]
+        n = seq.row.n - 1
+        entry = self.row_bytes(mode, n)
+        self.prompt_cache.trim_to(self.budget - (self.kv_bytes() - self.prompt_cache.nbytes) - entry)
+        if self.kv_bytes() + entry > self.budget:
+            return
+        caches = [c.row(index) for c in batch.target]
+        if batch.draft is not None:
+            draft = [c.row(index) for c in batch.draft]
+            S = batch.pending_len[index]
+            if S:
+                self.m.draft.extend_context(batch.pending[index: index + 1, :S], draft)
+            caches += draft
+        if n < 1 or any(c.host_lengths[0] < n for c in caches):
+            return
+        for c in caches:
+            c.trim(c.host_lengths[0] - n)
+        mx.eval([c.state for c in caches])
+        self.prompt_cache.insert(mode, seq.tokens[:n], caches)
+
+    def _advance_generator(self, s: Session) -> None:
+        rid = s.request.request_id
+        try:
+            step = next(s.steps, None)
+            if step is None:
+                s.flush()
+                s.done_reason = "length"
+            else:
+                s.on_step(step, self.clock())
+        except Exception as e:
+            log.exception("request %s failed", rid)
+            self.generators.pop(rid, None)
+            _close(s)
+            self._finish(s, error=e)
+            return
+        if s.done_reason:
+            self.generators.pop(rid, None)
+            _close(s)
+            self._finish(s)
+
+    def _finish(self, s: Session, error: Optional[Exception] = None) -> None:
+        """Releases a session's capacity, then emits its final event."""
+        rid = s.request.request_id
+        self.release(rid)
+        event = ErrorEvent(rid, error) if error is not None else s.done_event(s.done_reason or "length", self.clock())
+        try:
+            s.emit(event)
+        except Exception:
+            log.exception("emit failed for %s", rid)
+
+
+def _close(s: Session) -> None:
+    try:
+        s.steps.close()
+    except Exception:
+        log.exception("request %s: closing its generator failed", s.request.request_id)
