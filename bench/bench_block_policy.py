@@ -2,8 +2,8 @@
 
 Each cycle's acceptance is geometric with probability p per drafted position (Leviathan et al.
 2023's model, as `worker/spec/cost_model.py` assumes); cycle costs per block size are given (by
-default the fifth H200 session's: plain step 5.57 ms, cycles 9.0-9.8 ms for B = 2-16, 1.5B
-target). A cycle the policy times apart (extra sync, no draft queued ahead) costs `--timed-cost`
+default costs measured on the H200 for the 1.5B target: plain step 5.57 ms, cycles 9.0-9.8 ms
+for B = 2-16). A cycle the policy times apart (extra sync, no draft queued ahead) costs `--timed-cost`
 times more and reports no cost, as `dflash_generate` does. Prints tokens/s per policy setting
 (acceptance decay, plain-mode probe interval) and p, the share of plain steps, and how many cycles
 the policy takes to turn to plain decoding after acceptance collapses from 0.9 to 0:
@@ -26,8 +26,8 @@ from worker.spec.cost_model import AdaptiveBlockPolicy, CostMemory, CostModel  #
 
 H200_COST_MS = {1: 5.57, 2: 9.0, 4: 9.2, 8: 9.5, 16: 9.8}
 # The same at 8K tokens of context, derived, not measured as whole cycles: the verify part (cycle
-# less a 2.0 ms draft, assumed unchanged) scaled by /work/shared/research/h200-costs.md's 8K/512
-# forward ratios for the 1.5B target (L=1 0.98, 2 1.28, 4 1.66, 8 1.33, 16 1.84; one run each).
+# less a 2.0 ms draft, assumed unchanged) scaled by the 8K/512 forward-time ratios measured on
+# the H200 for the 1.5B target (L=1 0.98, 2 1.28, 4 1.66, 8 1.33, 16 1.84; one run each).
 H200_LONG_COST_MS = {1: 5.46, 2: 11.0, 4: 14.0, 8: 12.0, 16: 16.3}
 LONG_CONTEXT = 8192
 
@@ -64,7 +64,7 @@ class Noise:
     speculative cycle of each block size in each 256-position key bucket of a growing context
     costs `COMPILE_MS` more, as MLX's CUDA attention compiles per key length; plain steps do
     not). The first two are hypothetical shapes: the H200 runs showed cells of 60 forwards moving
-    by up to 84% between repeats (docs/benchmarks.md, sixth session), not their form. `advance(n)`
+    by up to 84% between repeats, not their form. `advance(n)`
     moves the context on by the n tokens a cycle committed."""
 
     def __init__(self, kind: str, rng: random.Random):
@@ -123,7 +123,8 @@ def run(policy: AdaptiveBlockPolicy, p: float, cycles: int, rng: random.Random, 
 
 
 class TraceSession:
-    """A real generation's acceptance, replayed at any block size (`record_acceptance.py`).
+    """A real generation's acceptance, replayed at any block size (from a JSON trace: per corpus and
+    prompt, the accepted drafts of every fixed-block cycle).
 
     The trace holds the accepted drafts of each fixed-block cycle; a cycle starting at position
     P with j accepted means the draft matched positions P+1..P+j. A cycle of block B starting at
@@ -207,8 +208,8 @@ def short_table(a) -> None:
     request): cold, or sharing one `CostMemory` across a seed's generations (the first ones left
     out of the measurement), against the fixed block and plain decoding, per p. With `a.mixed`,
     generations alternate between short context (`H200_COST_MS`) and 8K (`H200_LONG_COST_MS`),
-    and the memory is shared either blind to context (every cost in one bucket, the worker until
-    the ninth H200 session) or per context length (the worker now)."""
+    and the memory is shared either blind to context (every cost in one bucket) or per context
+    length (as the worker does)."""
     gens = 20
     kinds = [(H200_COST_MS, 0), (H200_LONG_COST_MS, LONG_CONTEXT)] if a.mixed else [(H200_COST_MS, 0)]
     print(f"{a.short}-cycle generations, a fresh default policy each; costs ms {kinds[0][0]}"
@@ -242,8 +243,7 @@ def short_table(a) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--settings", nargs="+", default=["0.9:32", "0.95:8", "0.9:8:0:1.5"],
-                    help="DECAY:PROBE_EVERY[:COST_WINDOW[:OPTIMISM]] (0.9:32 was the policy until the fifth H200 "
-                         "session, 0.95:8 after it, 0.9:8:0:1.5 since the sixth (the worker's); "
+                    help="DECAY:PROBE_EVERY[:COST_WINDOW[:OPTIMISM]] (0.9:8:0:1.5 is the worker's; "
                          "COST_WINDOW n > 0: costs are the median of the last n cycles, else a mean; "
                          "OPTIMISM z: plain decoding only when speculation loses at acceptance + z standard errors)")
     ap.add_argument("--noise", choices=("none", "spikes", "drift", "compiles"), default="none",
@@ -260,7 +260,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mixed", action="store_true",
                     help="with --short: alternate short- and long-context generations (cost memory per context)")
     ap.add_argument("--trace", type=Path, default=None,
-                    help="replay real acceptance recorded by bench/record_acceptance.py instead of geometric p")
+                    help="replay real acceptance from a JSON trace (corpus -> prompt -> accepted drafts per cycle) "
+                         "instead of geometric p")
     a = ap.parse_args(argv)
     if a.short:
         short_table(a)

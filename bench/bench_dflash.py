@@ -33,7 +33,7 @@ Methods (each one skipped when its inputs are missing):
                                                         needs --small-gemm --small-attention
   ... ser          each method with the compiled draft (compiled+draft, adapt comp+draft, rowsK)
                    again in the serial order, `overlap_draft=False`: the next draft launched after
-                   the verdict is read back, as before session 27            needs --serial too
+                   the verdict is read back                                  needs --serial too
   z-lab dflash     dflash.model_mlx.stream_generate (registry package `dflash` 0.1.0, z-lab)
                                                         --packages zlab, and a DFlash draft
   dflash-mlx       dflash_mlx.runtime.stream_dflash_generate, fixed block (verify_mode "dflash";
@@ -45,7 +45,7 @@ target, after all our methods are measured (they patch the target model or its a
 a package that cannot be imported, cannot load the draft or fails its warm-up is skipped with a
 one-line reason (printed, and in --json-out). They are imported only with --packages.
 
-Prompts: --prompts rows of each corpus in /work/shared/cases (code: humaneval.jsonl, en:
+Prompts: --prompts rows of each corpus in bench/prompts/ (--cases DIR; code: humaneval.jsonl, en:
 enwiki_en.jsonl, pl: dataset_build_pl.jsonl). By default the held-out rows of `flashfleet draft
 train` (same split: `split_heldout`, 8 per corpus, 10 %), so a trained draft is measured on
 prompts it never saw, each as a user turn in the target's chat template (`--raw` for raw text,
@@ -58,15 +58,14 @@ treats bursty speculative methods like token-by-token ones). tau = tokens per cy
 included). `--rounds N` measures every method N times, in a new shuffled order each round after
 the first: tok/s is then the median of the rounds and the speedup the median of each round's
 ratio to plain mlx-lm in that round, printed with its range (on the H200 one ratio moved from
-0.83x to 1.22x between two identical runs of the 1.5B target, docs/benchmarks.md, sixth
-session). "same" counts prompts whose output equals plain mlx-lm's token for token (the fewest
+0.83x to 1.22x between two identical runs of the 1.5B target). "same" counts prompts whose output equals plain mlx-lm's token for token (the fewest
 over the rounds); otherwise
-the first differing position is shown (batched verify can flip near-ties, note §3.3).
+the first differing position is shown (a batched verify in bf16 can round a near-tie differently).
 
 Then, for DFlash, the per-cycle time of the runs is compared with a draft forward and a verify
 forward measured alone (each timed over repeated calls at the first prompt's context; for the
 fixed-block ' sg' and ' sg a' rows on their own copies, the latter with the small-attention mark
-on); the issue asks for per-cycle time within 1.3x of their sum.
+on): a cycle within 1.3x of their sum spends little beyond the two forwards.
 
 Runs on MLX's CPU build and its CUDA build (no Metal-only calls). On CUDA, MLX compiles its
 multi-query attention kernel for every new key length (~65 ms each on the H200, cuDNN on or
@@ -400,7 +399,7 @@ def main(argv=None) -> int:
     p.add_argument("--dflash-draft", nargs="+", default=[], help="DFlash draft directories (published layout)")
     p.add_argument("--policy", nargs="+", default=[], metavar="DECAY:PROBE[:WINDOW[:OPTIMISM]]",
                    help="also run each DFlash draft under these cost-model settings (as bench_block_policy.py "
-                        "--settings; 0.95:8 was the policy of the fifth H200 session, 0.9:8:0:1.5 is the default)")
+                        "--settings; 0.9:8:0:1.5 is the default)")
     p.add_argument("--fuse", action="store_true",
                    help="also run ours plain and the fixed-block DFlash methods on a fused copy of the target")
     p.add_argument("--queue-taps", action="store_true",

@@ -2,8 +2,7 @@
 
 MLX's `mlx[cpu]` wheel links a reference BLAS; preloading Debian's OpenBLAS
 (`apt-get install libopenblas0-pthread`) makes a CPU worker's float32 matmuls much faster
-(../shared/models/README.md: SmolLM2 in float32 decodes at 10.2 against 6.7 tokens/s on two
-cores). A library must be preloaded when the process starts, so `flashfleet up`
+(SmolLM2 in float32 decodes at 10.2 against 6.7 tokens/s on two cores). A library must be preloaded when the process starts, so `flashfleet up`
 sets it in its workers' environment and a worker started by hand re-executes itself with it
 (`worker/__main__.py`). One BLAS thread per worker: small matrix-vector products get slower with
 more.
@@ -37,8 +36,8 @@ def openblas_hint(env: Mapping[str, str] | None = None, library: str = OPENBLAS)
     """A one-line hint when a Linux x86_64 CPU worker would run without OpenBLAS (the library is
     not installed, nothing else preloaded, `FLASHFLEET_OPENBLAS` not "0"), else None. Without it
     MLX's CPU wheel uses its reference BLAS: a prompt's prefill runs at about the speed of
-    decoding (a reviewer's `flashfleet demo` on a 2-core CPU without it, 2026-12-04: 20-31 s to the
-    first token, about 85 ms a prompt token)."""
+    decoding (`flashfleet demo` on a 2-core CPU without it: 20-31 s to the first token, about 85 ms a
+    prompt token)."""
     env = os.environ if env is None else env
     if not sys.platform.startswith("linux") or platform.machine() != "x86_64" or env.get(OFF_SWITCH) == "0" \
             or "LD_PRELOAD" in env or Path(library).exists():

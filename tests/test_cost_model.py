@@ -55,7 +55,7 @@ def test_costs_drop_warmup_and_interpolate():
 
 
 def test_h200_note_numbers():
-    """/work/shared/research/h200-costs.md: 1.5B target, 5-layer draft, tau = 4 at B = 16."""
+    """Costs measured on the H200: 1.5B target, 5-layer draft, tau = 4 at B = 16."""
     m = _model({1: 6.41, 16: 2.2 + 7.0}, a=0.5)
     a = next(x / 1000 for x in range(1, 1000) if m.expected_tokens(16, a=x / 1000) >= 4.0)
     m = _model({1: 6.41, 16: 2.2 + 7.0}, a=a)
@@ -134,7 +134,7 @@ def test_policy_falls_back_to_plain_and_comes_back():
     assert back[-40:].count(16) >= 35  # the probes noticed the draft is good again
 
 
-# The fifth H200 session: plain step 5.57 ms, DFlash cycles 9.0-9.8 ms (bf16 1.5B target).
+# Measured on the H200: plain step 5.57 ms, DFlash cycles 9.0-9.8 ms (bf16 1.5B target).
 H200_COST_MS = {1: 5.57, 2: 9.0, 4: 9.2, 8: 9.5, 16: 9.8}
 
 

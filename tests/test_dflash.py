@@ -107,7 +107,7 @@ NEAR_TIE = 0.05
 
 def assert_greedy_equal(out: list[int], ref: list[int], target) -> bool:
     """out == ref token for token. On a GPU only, a divergence where the two tokens' logits are
-    within NEAR_TIE is tolerated (batched verify vs one-token decode numerics, note §3.3); on the
+    within NEAR_TIE is tolerated (batched verify vs one-token decode numerics); on the
     CPU, where CI runs, equality must be exact. Returns True when identical."""
     if out == ref:
         return True
@@ -476,7 +476,7 @@ def test_draft_context_incremental_equals_one_shot():
 
 
 def test_default_taps_and_config_fallback():
-    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B draft (note §2.1)
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B draft
     assert default_target_layer_ids(24, 5) == [1, 6, 11, 16, 21]  # Qwen2.5-0.5B example
     assert default_target_layer_ids(4, 5) == [2]
     assert default_target_layer_ids(6, 5) == [1, 2, 3]

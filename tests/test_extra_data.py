@@ -17,7 +17,7 @@ FP = "fingerprint-1"
 
 
 def write_gzip_copy(data_dir, out_dir):
-    """A data cache as bench/h200/collect.sh packs it: train.jsonl gzip-compressed, meta.json and
+    """A data cache copied from another machine: train.jsonl gzip-compressed, meta.json and
     heldout.jsonl as they are."""
     out_dir.mkdir(parents=True)
     with gzip.open(out_dir / "train.jsonl.gz", "wb") as g:
@@ -33,7 +33,7 @@ def _cache(d, rows, *, target=FP, temperature=0.0, max_new_tokens=8, gz=False, x
     if gz:
         with gzip.open(d / "train.jsonl.gz", "wt", encoding="utf-8") as f:
             f.write(text)
-    elif xz:  # as bench/h200/unpack_data.sh keeps it in git
+    elif xz:  # as training-data/ keeps it in git
         with lzma.open(d / "train.jsonl.xz", "wt", encoding="utf-8") as f:
             f.write(text)
     else:
@@ -161,7 +161,7 @@ def test_a_later_run_reuses_greedy_answers_and_adds_the_rest(tmp_path, tiny_mode
                           synthetic_temperature=1.5, **kw)
     n_synthetic = first.meta["corpora"]["synthetic"]
     assert n_synthetic > 0
-    carried = write_gzip_copy(tmp_path / "w1" / "data", tmp_path / "carried")  # as collect.sh brings it back
+    carried = write_gzip_copy(tmp_path / "w1" / "data", tmp_path / "carried")  # as a copy from another machine
     assert (carried / "train.jsonl.gz").is_file() and not (carried / "train.jsonl").exists()
 
     asked = []

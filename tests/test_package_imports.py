@@ -1,5 +1,5 @@
 """The flashfleet package loads its SDK names on first use, so the model fetcher and `draft train`
-run where grpcio is missing or older than the generated stubs need (the H200's image, session 18)."""
+run where grpcio is missing or older than the generated stubs need (e.g. a GPU image with an older grpcio)."""
 from __future__ import annotations
 
 import subprocess

@@ -113,7 +113,7 @@ def test_default_root_is_the_package_directory(monkeypatch):
 
 
 # What a draft in git may weigh: the shipped 3-layer 1.5B draft with MLP 1024 at 4 bits is
-# 21.55 MiB; the 5-layer one shipped in the 22nd H200 session (65,536-token draft vocabulary) 32.78.
+# 21.55 MiB; the shipped 5-layer one (65,536-token draft vocabulary) 32.78.
 MAX_SHIPPED_DRAFT_MIB = 36
 
 

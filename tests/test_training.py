@@ -413,9 +413,9 @@ def test_cached_taps_read_rows_across_parts_as_one_array_would():
 
 
 def test_a_length_class_whose_taps_do_not_fit_runs_online_and_the_run_goes_on():
-    """Session 15: computing one class's 78.7 GiB of taps ran the H200 out of memory and killed
-    the run. Now the backend's error drops that class's cache (logged) and training goes on, its
-    steps running the target, with the same weights as an online run."""
+    """Computing one class's taps can run the device out of memory (78.7 GiB on an H200). The
+    backend's error drops that class's cache (logged) and training goes on, its steps running
+    the target, with the same weights as an online run."""
     target = tiny_llama()
     ds = _synthetic_dataset(n=6)
     online = _trainer(target, ds, steps=4)

@@ -21,7 +21,7 @@ from pathlib import Path
 import os
 
 # The real prompts beside this checkout; FLASHFLEET_TEST_CASES points elsewhere (a copy of the
-# folder on a machine where the checkout travels alone, such as the lent GPU: /root/cases).
+# folder on a machine where the checkout travels alone).
 CASES_DIR = Path(os.environ.get("FLASHFLEET_TEST_CASES") or Path(__file__).parents[2] / "shared" / "cases")
 TRAIN_FILES = ("fortunes_pl.jsonl", "dataset_build_pl.jsonl", "enwiki_en.jsonl", "humaneval.jsonl")
 TRAIN_ROWS_PER_FILE = 300

@@ -1,6 +1,6 @@
 """What DFlash needs from an unmodified mlx-lm target: tapped hidden states, embedding, LM head.
 
-mlx-lm models return logits only (design note /work/shared/research/dflash.md §7.4 gap 1). DFlash
+mlx-lm models return logits only. DFlash
 (Chen et al. 2026, "DFlash: Block Diffusion for Flash Speculative Decoding", arXiv 2602.06036)
 conditions its draft on the outputs of a few target decoder layers. `HiddenCapture` records them
 without copying any model code: inside `with capture:` the chosen entries of the model's layer

@@ -1,7 +1,7 @@
 """The DFlash draft's block forward as one compiled MLX graph, reused for every cycle of a shape.
 
 Why: on the H200 a DFlash cycle is bound by per-operation overhead, not bandwidth, and the draft
-(2.15 ms of a 10.55 ms cycle in session 24) builds its graph in Python every cycle; the target's
+(2.15 ms of a 10.55 ms cycle, measured on the H200) builds its graph in Python every cycle; the target's
 verify already runs compiled (`worker.compiled_forward`). An `mx.compile`d function is traced once
 per input shape and replayed from C++, with chains of elementwise operations fused.
 

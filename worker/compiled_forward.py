@@ -1,8 +1,8 @@
 """The target's decode forward as one compiled MLX graph, reused for every step of a shape.
 
 Why: on the H200 a 0.5-1.5B target is bound by per-operation overhead, not bandwidth (a 1.5B
-step reads 3.55 GB in 5.7-6.4 ms, 0.55 TB/s; ../shared/research/h200-costs.md), and building a
-forward's graph in Python takes 2.6-3.0 ms (sixteenth H200 session, docs/benchmarks.md). An
+step reads 3.55 GB in 5.7-6.4 ms, 0.55 TB/s), and building a forward's graph in Python takes
+2.6-3.0 ms (docs/benchmarks.md, "Compiled forward"). An
 `mx.compile`d function is traced once per input shape; later calls replay the traced graph from
 C++ (no Python per operation) and fuse chains of elementwise operations into single kernels.
 

@@ -1,7 +1,7 @@
 """Fewer kernels per forward: one matmul for an attention's q/k/v, one for an MLP's gate/up.
 
-On the lent H200 a 0.5-1.5B target is bound by kernel launches, not by bandwidth
-(shared/research/h200-costs.md: the 1.5B decodes at 0.55 TB/s of the GPU's 4.8); a Qwen2.5 layer
+On the H200 a 0.5-1.5B target is bound by kernel launches, not by bandwidth (the 1.5B
+decodes at 0.55 TB/s of the GPU's 4.8); a Qwen2.5 layer
 runs three projection matmuls on the same input in attention and two in the MLP, so five of a
 layer's matmuls can be two. `fuse_projections` concatenates each group's weights along the
 output axis into one `nn.Linear` / `nn.QuantizedLinear` (stored on the parent module as

@@ -1,7 +1,7 @@
 """Linear layers of a few rows on CUDA as one plain kernel launch, without cuBLAS's per-call host cost.
 
-Why: on the lent H200 a 1.5B target's verify is bound by the host, not the GPU (a cycle's
-`mx.async_eval` holds the host for most of it: docs/benchmarks.md, session 27). MLX's CUDA
+Why: on the H200 a 1.5B target's verify is bound by the host, not the GPU (a cycle's
+`mx.async_eval` holds the host for most of it). MLX's CUDA
 backend runs a matmul of one row as its own GEMV kernel (one graph node), but every matmul of
 2 or more rows, and every biased one, through cuBLASLt: per call it builds the descriptors,
 asks for a heuristic and records the call by stream capture into a child graph

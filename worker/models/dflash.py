@@ -118,7 +118,7 @@ class PaddedKVCache(KVCache):
     """
 
     step = int(os.environ.get("FLASHFLEET_KV_BUCKET", "256"))
-    additive = True  # False: boolean masks, as before (bench/bench_forward_queue.py compares both)
+    additive = True  # False: boolean masks (the same attention, more graph operations)
     additive_ok = False  # also for caches made without __init__ (mlx-lm's `from_state`)
     rows_held = 1  # the buffers are a row of a verify's K candidate-row buffers (CompiledTarget)
 
@@ -252,8 +252,7 @@ class ModelArgs(BaseModelArgs):
         if "target_layer_ids" not in dc:
             if self.num_target_layers is None:
                 raise ValueError("config has neither dflash_config.target_layer_ids nor num_target_layers")
-            # Older z-lab configs: one tap per draft layer (ids moved into dflash_config later,
-            # /work/shared/research/dflash.md, "Tapped layers").
+            # Older z-lab configs: one tap per draft layer (later ones keep the ids in dflash_config).
             dc["target_layer_ids"] = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
 
     @property
@@ -553,10 +552,10 @@ class Model(nn.Module):
         Row 0 is the draft's block (its first choice at every position, `draft_tokens`). Row r
         (1 <= r < branches) is row 0 with the draft's second choice at drafted position r, so a
         verify of all rows at once (one batched target forward: on a launch-bound GPU it costs
-        about what one row does, bench/bench_batched_verify.py) accepts past a first choice
+        about what one row does) accepts past a first choice
         that was wrong there. Candidate blocks as in Medusa's tree of top-k continuations (Cai et
-        al. 2024), with one row per position, the set that bench/bench_branch_gain.py measured to
-        add the most tau per row ("each").
+        al. 2024), with one row per position, the set that measured the most tau per row
+        ("each").
 
         Args:
             logits: (L-1, V) draft logits of the drafted positions (V: the draft vocabulary's

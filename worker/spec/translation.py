@@ -3,7 +3,7 @@
 Used by `worker.spec.cross_tokenizer` (Universal Assisted Generation, Timor et al. 2025,
 arXiv:2502.05202 "SLEM", and the Hugging Face blog "Universal Assisted Generation", 2024): draft
 tokens become text, the text becomes target tokens, and accepted target text goes back to draft
-tokens. Notes: /work/shared/research/uag.md §5 and §7.
+tokens.
 
 Why bytes and not `tokenizer.decode`:
   - byte-level BPE (GPT-2, Qwen2.5, SmolLM2) stores "ż" as "Å¼" and " " as "Ġ";

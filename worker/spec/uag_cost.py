@@ -2,7 +2,7 @@
 
 Extends `worker.spec.cost_model` (DFlash, one parallel draft forward per block) to UAG, where the
 draft runs k *sequential* steps and every round also pays for translation (CPU) and a draft
-re-sync. The round model (/work/shared/research/uag.md §1.3, after Leviathan, Kalman & Matias 2023,
+re-sync. The round model (docs/uag.md, after Leviathan, Kalman & Matias 2023,
 "Fast Inference from Transformers via Speculative Decoding", ICML, eq. (1) and Thm 3.8):
 
     k draft tokens  ->  m ≈ f·k target tokens        f = fertility (target tokens per draft token)

@@ -1,7 +1,7 @@
 """Draft shapes chosen from the target (one job: sensible defaults a user can override).
 
 The published DFlash drafts (Chen et al. 2026, arXiv 2602.06036; z-lab checkpoints and SpecForge
-configs, design note /work/shared/research/dflash.md §2.1 and §4.3) copy the target's hidden size,
+configs) copy the target's hidden size,
 heads, MLP width, RoPE and eps; tap 5 target layers spread over layers 1..L-3; use an unused
 embedding row as the MASK token; and use blocks of 16. The depth and, when a size budget is
 given, the MLP width are chosen here for small on-prem targets.

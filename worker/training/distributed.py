@@ -85,8 +85,8 @@ def leave_gpu_headroom(group: Optional[mx.distributed.Group], headroom_gib: floa
     what is really free; then a large step fails in cudaMalloc instead of MLX first releasing its
     buffer cache (seen once: out of memory at step 1,916 of a two-GPU run on H200s whose single
     GPU runs of the same settings never ran out). FLASHFLEET_GPU_HEADROOM_GIB overrides the amount.
-    The device's memory is `device_info()`'s "memory_size" on Metal, "total_memory" on CUDA (the
-    fifth H200 session found the cap never applied there while only the Metal key was read).
+    The device's memory is `device_info()`'s "memory_size" on Metal, "total_memory" on CUDA (reading
+    only the Metal key left the cap unapplied on CUDA).
     """
     if group is None or mx.default_device() != mx.gpu:
         return None

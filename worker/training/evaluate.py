@@ -1,7 +1,7 @@
 """Acceptance length tau of a DFlash draft on held-out prompts (one job: measure, greedy).
 
 tau = tokens committed per draft/verify cycle, bonus token included (the paper's tau, Chen et al.
-2026, arXiv 2602.06036, §5; design note /work/shared/research/dflash.md §5.1). It is measured by
+2026, arXiv 2602.06036, §5). It is measured by
 decoding with the real decode loop, `worker.spec.dflash.dflash_generate`, greedy: per cycle the
 target accepts `accepted` drafts plus one bonus, so tau = mean(accepted + 1) over cycles. The
 prefill's first token is not a cycle and is not counted. A draft that is always wrong gives
@@ -166,7 +166,7 @@ def evaluate_tau(
         block_size: B for decoding (default the draft's).
         max_seconds: stop starting new prompts after this much wall time, counted from the end
             of the first prompt (whose time on a cold GPU is mostly MLX compiling kernels: 150 s
-            of a 180 s limit in the 22nd H200 session); None: no limit.
+            of a 180 s limit on an H200); None: no limit.
         progress: show a tqdm bar.
 
     Returns:

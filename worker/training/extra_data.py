@@ -127,8 +127,8 @@ def training_file_rows(path: Path, vocab: Optional[int] = None) -> Iterator[dict
 
 
 def cache_rows(directory: str | Path, vocab: Optional[int] = None) -> Iterator[dict]:
-    """The training sequences of one data cache directory (WORK/data, WORK/data-rank*of*, or one
-    that `bench/h200/collect.sh` brought back), read and checked row by row: dicts with `corpus`
+    """The training sequences of one data cache directory (WORK/data, WORK/data-rank*of*, or a
+    copy of one with train.jsonl compressed, as in training-data/), read and checked row by row: dicts with `corpus`
     and `id` (str) and `prompt_ids` and `response_ids` (lists of int token ids, below `vocab`
     when given), in file order. Nothing is held in memory beyond one row.
 

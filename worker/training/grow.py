@@ -14,12 +14,11 @@ branches, Goyal et al. 2017 / Fixup, Zhang et al. 2019):
   and the layer is the identity until trained.
 
 Why: on the H200 a small draft is bound by kernel launches, not by bytes: a 3-layer draft of the
-1.5B target took 1.61 ms per forward with an MLP of 256 and of 1024, with a fourth layer 1.83 ms
-(`bench/bench_draft_shape.py`, docs/benchmarks.md). The tenth session's draft, trained on 40 K
-sequences, memorised less of its data than the ninth's on 20 K (training-batch tau about 3.5
-against 2.74 held out, where the ninth had 3.9-5.1 against 2.4-3.0), so width is the cheap
-capacity to try; restarting from random weights would throw away the sessions of training
-behind the shipped one.
+1.5B target took 1.61 ms per forward with an MLP of 256 and of 1024, with a fourth layer 1.83 ms. A draft
+trained on 40 K sequences memorised less of its data than one trained on 20 K (training-batch tau
+about 3.5 against 2.74 held out, where the smaller run had 3.9-5.1 against 2.4-3.0), so width is
+the cheap capacity to try; restarting from random weights would throw away the training behind
+the shipped one.
 """
 from __future__ import annotations
 

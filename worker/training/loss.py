@@ -1,7 +1,7 @@
 """DFlash training targets and loss (one job: what each block position is scored against).
 
 Paper (Chen et al. 2026, arXiv 2602.06036, §4.2 and Fig. 5) and SpecForge
-(`OnlineDFlashModel`, design note /work/shared/research/dflash.md §4.2): block position k = 1..B-1
+(`OnlineDFlashModel`): block position k = 1..B-1
 of the block anchored at p is labelled x_{p+k}; its cross-entropy is weighted by
 w_k = exp(-(k-1)/gamma) (early positions matter most: a draft token only counts if every token
 before it was accepted), and the loss is sum(w * CE) / sum(w) over the real labels (kept anchors,

@@ -2,8 +2,7 @@
 
 Training follows the paper (Chen et al. 2026, "DFlash: Block Diffusion for Flash Speculative
 Decoding", arXiv 2602.06036, §4.2) as SpecForge implements it
-(`specforge/algorithms/common/dflash_family_model.py::OnlineDFlashModel`, design note
-/work/shared/research/dflash.md §4.2): pick random **anchor** positions p in the response; each
+(`specforge/algorithms/common/dflash_family_model.py::OnlineDFlashModel`): pick random **anchor** positions p in the response; each
 anchor starts a block `[x_p, MASK x (B-1)]` at sequence positions p .. p+B-1 whose labels are
 x_{p+1} .. x_{p+B-1}. A query of block j sees
 

@@ -11,8 +11,7 @@ a draft trained over many sessions sees the same answers again and again; these 
 new ones at the cost of generation time.
 
 Openings: a bare user-turn prefix gives the target's idea of *all* its users (for
-Qwen2.5-Coder-1.5B, 16% of 2,000 of its prompts mention code; the twelfth H200 session,
-docs/training.md). A deployment that serves code wants code prompts. Given openings (the
+Qwen2.5-Coder-1.5B, 16% of 2,000 of its prompts mention code, docs/training.md). A deployment that serves code wants code prompts. Given openings (the
 first words of the deployment's own training prompts, `opening_text`), each message starts with
 one and the target writes the rest, so the prompts stay near the prompt files' distribution
 while their content is new (Magpie itself conditions on the template alone; the openings are

@@ -1,8 +1,7 @@
 """Train a DFlash draft for a target: data, defaults, the training loop, checkpoints, the card.
 
 Recipe (Chen et al. 2026, "DFlash: Block Diffusion for Flash Speculative Decoding", arXiv
-2602.06036, §4.2 and App. A.1; SpecForge `specforge/algorithms/common/dflash_family_model.py`;
-design note /work/shared/research/dflash.md §4):
+2602.06036, §4.2 and App. A.1; SpecForge `specforge/algorithms/common/dflash_family_model.py`):
 
 - data: the target answers the prompts with its own chat template (`data.build_dataset`);
 - features: the frozen target runs once per batch on the clean prompt + response, and the outputs
@@ -317,7 +316,7 @@ class CachedTaps:
     parts: mx.arrays (rows, width, n_taps * D), every one `rows_per_part` rows but the last;
     row r of the class (its `Trainer.local` index) is row r % rows_per_part of part r //
     rows_per_part. Kept apart because joining them (`mx.concatenate`) holds the class twice at
-    its peak: 2 x 78.7 GiB did not fit the H200's 139 GiB (session 15)."""
+    its peak: 2 x 78.7 GiB did not fit the H200's 139 GiB."""
 
     def __init__(self, parts: Sequence[mx.array], rows_per_part: int):
         if any(p.shape[0] != rows_per_part for p in parts[:-1]) or not 0 < parts[-1].shape[0] <= rows_per_part:
@@ -434,7 +433,7 @@ class Trainer:
                         log: Callable[[str], None] = print) -> None:
         """Runs the target once over the sequences of `classes` (default: all) in batches and
         keeps their taps in memory (`CachedTaps`, the batches as computed: no concatenation, which
-        would need the class's bytes twice: session 15's out-of-memory); steps of those classes
+        would need the class's bytes twice, which ran an H200 out of memory); steps of those classes
         then read their batch's taps instead of running the target (paper: "offline"), the other
         classes' steps run it as before. A class whose taps do not fit in memory (the backend
         raises while computing them) is dropped, logged, and runs online: the run goes on."""
@@ -590,7 +589,7 @@ class Trainer:
         self.val_history.append(point)
         # Per corpus too: a continued draft's pooled figure mixes rows it memorised in earlier runs
         # (file prompts) with rows new to it (target-written prompts); only the split tells
-        # forgetting from learning (ninth H200 session, docs/training.md).
+        # forgetting from learning (docs/training.md).
         by_corpus = ", ".join(f"{c} {t:.2f}" for c, t in sorted(result.per_corpus.items()))
         log(f"val: step {self.step}, loss {result.loss:.3f}, tau {result.tau:.2f} on {result.sequences} sequences "
             f"held out" + (f" (training batches: {train_tau:.2f})" if train_tau is not None else "")
