@@ -199,3 +199,113 @@ def test_a_worker_process_whose_engine_thread_dies_deregisters_and_exits_70(tiny
     assert "EngineKilled" in text  # the engine thread's own traceback
     assert "the engine thread of worker doomed died" in text and "exits with status 70" in text
     assert left_s < 15 and exited_s < 20, (left_s, exited_s)
+
+
+# ----- flashfleet up starts a failed worker again ---------------------------------------------
+
+def test_restart_policy_and_capped_doubling_delays():
+    from flashfleet.cli.restarts import RestartBackoff, should_restart
+
+    assert should_restart(ENGINE_DIED_EXIT) and should_restart(1) and should_restart(-signal.SIGKILL)
+    assert not should_restart(0) and not should_restart(2)  # stopped on purpose; bad config or model
+    b = RestartBackoff(first_s=1.0, max_s=5.0, stable_s=60.0)
+    assert [b.delay("w1", ran_s=2.0) for _ in range(5)] == [1.0, 2.0, 4.0, 5.0, 5.0]
+    assert b.delay("w2", ran_s=2.0) == 1.0  # each worker has its own run of failures
+    assert b.delay("w1", ran_s=61.0) == 1.0  # it ran long enough: the run starts over
+    assert b.delay("w1", ran_s=2.0) == 2.0
+
+
+class _Exiting:
+    """A child process stand-in: poll() answers `returncode` once a test sets it."""
+
+    def __init__(self, argv, stdout, **kwargs):
+        self.argv, self.stdout, self.returncode = argv, stdout, None
+
+    def poll(self):
+        return self.returncode
+
+
+def test_up_starts_a_failed_worker_again_with_its_command_and_log(tmp_path, monkeypatch):
+    from flashfleet.cli import up
+    from flashfleet.cli.restarts import RestartBackoff
+
+    spawned = []
+    monkeypatch.setattr(up.subprocess, "Popen", lambda argv, **kw: spawned.append(_Exiting(argv, **kw))
+                        or spawned[-1])
+    cluster = up.LocalCluster(workers=2, port=1, log_dir=tmp_path)
+    cluster._spawn("coordinator", ["coordinator"])
+    cluster._spawn("worker-1", ["worker", "--worker-id", "worker-1"], {"X": "1"})
+    cluster._spawn("worker-2", ["worker", "--worker-id", "worker-2"])
+    said, backoff = [], RestartBackoff(first_s=0.0)
+    cluster.tend(backoff, said.append)
+    assert said == [] and len(spawned) == 3
+
+    spawned[1].returncode = ENGINE_DIED_EXIT  # worker-1's engine died
+    cluster.tend(backoff, said.append)
+    assert said[0].startswith(f"worker-1 exited with code {ENGINE_DIED_EXIT}; starting it again in 0 s")
+    assert said[1] == "worker-1 started again"
+    assert spawned[3].argv == spawned[1].argv and cluster.commands["worker-1"][1] == {"X": "1"}
+    assert spawned[3].stdout.mode == "ab" and spawned[1].stdout.mode == "wb"  # the log goes on
+    assert cluster.procs["worker-1"] is spawned[3]
+
+    spawned[2].returncode = 2  # a bad config: a restart would fail the same way
+    spawned[3].returncode = 0  # stopped on purpose
+    said.clear()
+    with pytest.raises(RuntimeError, match="every worker has exited"):
+        cluster.tend(backoff, said.append)
+    assert len(spawned) == 4 and all("keep serving" in line for line in said) and len(said) == 2
+
+    cluster.procs["worker-1"] = spawned[1]
+    spawned[1].returncode = -signal.SIGKILL
+    spawned[0].returncode = 1
+    with pytest.raises(RuntimeError, match="the coordinator exited with code 1"):
+        cluster.tend(backoff, said.append)
+
+
+def test_up_waits_out_the_delay_and_drops_restarts_not_yet_due_when_stopped(tmp_path, monkeypatch):
+    from flashfleet.cli import up
+    from flashfleet.cli.restarts import RestartBackoff
+
+    spawned = []
+    monkeypatch.setattr(up.subprocess, "Popen", lambda argv, **kw: spawned.append(_Exiting(argv, **kw))
+                        or spawned[-1])
+    cluster = up.LocalCluster(workers=1, port=1, log_dir=tmp_path)
+    cluster._spawn("worker-1", ["worker"])
+    spawned[0].returncode = ENGINE_DIED_EXIT
+    said = []
+    cluster.tend(RestartBackoff(first_s=30.0), said.append)  # not "every worker has exited": one is due
+    assert "starting it again in 30 s" in said[0] and len(spawned) == 1 and "worker-1" in cluster.restarts_due
+    cluster.stop(grace_s=0.1)
+    assert cluster.restarts_due == {}
+
+
+def test_up_restarts_a_killed_worker_process_and_it_registers_again(tiny_models, tmp_path):
+    from flashfleet.cli.restarts import RestartBackoff
+    from flashfleet.cli.up import LocalCluster, free_port, served_name
+
+    cluster = LocalCluster(str(tiny_models.llama), workers=1, port=free_port(), log_dir=tmp_path,
+                           worker_args=("--drain-timeout", "1"))
+    cluster.start(timeout_s=300, progress=lambda line: None)
+    try:
+        with Client(cluster.address) as client:
+            (old,) = [w.address for w in client.cluster_status(timeout_s=5).workers]
+            first = cluster.procs["worker-1"]
+            first.send_signal(signal.SIGKILL)
+            first.wait(10)
+            said, backoff = [], RestartBackoff(first_s=0.1)
+
+            def registered_again():
+                cluster.tend(backoff, said.append)
+                proc = cluster.procs.get("worker-1")
+                return proc is not None and proc is not first and [
+                    (w.worker_id, w.address != old) for w in client.cluster_status(timeout_s=5).workers
+                ] == [("worker-1", True)]
+
+            assert wait_until(registered_again, 300), (said, (tmp_path / "worker-1.log").read_text()[-2000:])
+            done = client.complete(served_name(cluster.model), prompt="The river", max_tokens=2)
+        assert done.worker_id == "worker-1" and done.finish_reason in ("length", "stop")
+        assert said[0].startswith(f"worker-1 exited with code {-signal.SIGKILL}; starting it again")
+        assert said[1] == "worker-1 started again"
+        assert (tmp_path / "worker-1.log").read_text().count("worker worker-1 serving") == 2  # one log
+    finally:
+        cluster.stop()
