@@ -309,3 +309,17 @@ def test_up_restarts_a_killed_worker_process_and_it_registers_again(tiny_models,
         assert (tmp_path / "worker-1.log").read_text().count("worker worker-1 serving") == 2  # one log
     finally:
         cluster.stop()
+
+
+def test_the_shipped_services_restart_a_worker_that_exits_with_a_failure():
+    """systemd and launchd start the worker again after exit status 70 (the engine died)."""
+    import configparser
+    import plistlib
+
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.read_string((ROOT / "deploy" / "systemd" / "flashfleet-worker.service").read_text())
+    service = unit["Service"]
+    assert service["Restart"] in ("on-failure", "always")  # not on-abnormal: it skips exit codes
+    assert str(ENGINE_DIED_EXIT) not in service.get("RestartPreventExitStatus", "").split()
+    plist = plistlib.loads((ROOT / "deploy" / "launchd" / "com.flashfleet.worker.plist").read_bytes())
+    assert plist["KeepAlive"] is True or plist["KeepAlive"].get("SuccessfulExit") is False
