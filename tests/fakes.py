@@ -2,7 +2,6 @@
 so servicer and coordinator tests run fast and need no model."""
 from __future__ import annotations
 
-import queue
 import threading
 import time
 
@@ -21,6 +20,10 @@ class FakeEngine:
         refuse: raise this error class from submit() (to test retries).
         abort_delay_s: a cancelled request keeps its slot this long (a real engine frees it at
             its next turn, after the caller's call has ended).
+
+    Attributes:
+        alive: the real engine's property (its thread runs); a test sets it False to play an
+            engine thread that died (`worker.watchdog`). Tokens keep coming regardless.
     """
 
     def __init__(self, name="fake-model", capacity=4, token_delay_s=0.0, refuse=None,
@@ -35,6 +38,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self._lock = threading.Lock()
         self.closed = False
+        self.alive = True
 
     def encode_prompt(self, prompt, messages):
         if messages is not None:
@@ -75,8 +79,8 @@ class FakeEngine:
             time.sleep(self.abort_delay_s)
         with self._lock:
             self.active.pop(request.request_id, None)
-        stats = GenerationStats(prompt_tokens=len(request.prompt_tokens) + len(request.resume_tokens), generated_tokens=n,
-                                total_s=time.monotonic() - t0, mode="plain")
+        stats = GenerationStats(prompt_tokens=len(request.prompt_tokens) + len(request.resume_tokens),
+                                generated_tokens=n, total_s=time.monotonic() - t0, mode="plain")
         emit(DoneEvent(request.request_id, reason, stats))
 
     def abort(self, request_id):

@@ -109,7 +109,7 @@ def test_flashfleet_up_stops_cleanly_on_sigterm(smollm_dir, tmp_path):
 
 def test_up_keeps_serving_when_one_worker_dies(smollm_dir, tmp_path):
     """SIGKILL one worker of `flashfleet up`: the others keep serving (after the dead worker's
-    lease expires, or a retry routes around it)."""
+    lease expires, or a retry routes around it), and `up` starts the killed one again."""
     import os
     proc = subprocess.Popen([sys.executable, "-m", "flashfleet.cli", "up", "--workers", "2",
                              "--port", "0", "--log-dir", str(tmp_path)],
@@ -133,10 +133,20 @@ def test_up_keeps_serving_when_one_worker_dies(smollm_dir, tmp_path):
         time.sleep(1.0)
         assert proc.poll() is None, "flashfleet up stopped when one worker died"
         with Client(address) as client:
+            old = {w.worker_id: w.address for w in client.cluster_status().workers}
             for i in range(3):
                 done = client.complete(MODEL, prompt=f"Say {i}", max_tokens=4)
-                assert done.worker_id == "worker-1"
+                assert done.finish_reason in ("length", "stop")  # worker-1, or worker-2 once it is back
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                now = {w.worker_id: w.address for w in client.cluster_status().workers}
+                if now.get("worker-2") not in (None, old["worker-2"]):
+                    break
+                time.sleep(0.5)
+            assert now.get("worker-2") not in (None, old["worker-2"]), "worker-2 did not come back"
+            assert client.complete(MODEL, prompt="Say 4", max_tokens=4).finish_reason in ("length", "stop")
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
-    assert "worker-2 exited" in out
+    assert f"worker-2 exited with code {-signal.SIGKILL}; starting it again" in out
+    assert "worker-2 started again" in out

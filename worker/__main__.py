@@ -3,9 +3,12 @@
 Loads the target (and optional draft) on the engine thread, serves the Worker API, registers with
 the coordinator and heartbeats until SIGINT/SIGTERM; then drains (NOT_SERVING, deregister, finish
 in-flight RPCs for up to --drain-timeout seconds) and frees the engine. A model that cannot be
-found or loaded is a clear error and a non-zero exit code. On Linux with Debian's OpenBLAS
-installed it first starts itself again with OpenBLAS preloaded (`flashfleet.blas`; set
-FLASHFLEET_OPENBLAS=0, or LD_PRELOAD yourself, to keep the process as started).
+found or loaded is a clear error and a non-zero exit code. If the engine thread dies, the worker
+leaves the fleet (`worker.server.RunningWorker.leave_after_engine_death`) and exits with status
+70 (`worker.watchdog.ENGINE_DIED_EXIT`), so systemd, launchd or `flashfleet up` restart it. On
+Linux with Debian's OpenBLAS installed it first starts itself again with OpenBLAS preloaded
+(`flashfleet.blas`; set FLASHFLEET_OPENBLAS=0, or LD_PRELOAD yourself, to keep the process as
+started).
 """
 from __future__ import annotations
 
@@ -162,10 +165,15 @@ def build_engine(a):
     return Engine(config)
 
 
-async def serve(a, engine) -> None:
+async def serve(a, engine) -> int:
     """Serves `engine` with the parsed options `a` (metrics endpoint, gRPC server, registration)
     until SIGINT/SIGTERM, then drains for up to `a.drain_timeout_s` seconds
-    (`RunningWorker.stop`, which also closes the engine).
+    (`RunningWorker.stop`, which also closes the engine); or until the engine thread dies and
+    the worker has left the fleet (`RunningWorker.left`).
+
+    Returns:
+        The process's exit status: 0 after a drain, `worker.watchdog.ENGINE_DIED_EXIT` (70)
+        when the engine thread died.
 
     Raises:
         RuntimeError: the gRPC port or the metrics port could not be bound (`start_worker`,
@@ -177,6 +185,7 @@ async def serve(a, engine) -> None:
 
     from worker.metrics import MachineInfo, WorkerMetrics
     from worker.server import start_worker
+    from worker.watchdog import ENGINE_DIED_EXIT
 
     registry = CollectorRegistry()
     machine = MachineInfo.detect(a.chip, a.peak_memory_bandwidth_gbs, a.kv_cache_limit_bytes)
@@ -195,10 +204,18 @@ async def serve(a, engine) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    logging.getLogger("flashfleet.worker").info("worker %s draining (up to %.0f s for in-flight requests)",
-                                                a.worker_id, a.drain_timeout_s)
-    await running.stop(grace_s=a.drain_timeout_s)
+    waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(running.left.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
+    log = logging.getLogger("flashfleet.worker")
+    if not running.left.is_set():
+        log.info("worker %s draining (up to %.0f s for in-flight requests)", a.worker_id, a.drain_timeout_s)
+        await running.stop(grace_s=a.drain_timeout_s)
+    if running.engine_died:
+        log.error("worker %s exits with status %d: its engine thread died", a.worker_id, ENGINE_DIED_EXIT)
+        return ENGINE_DIED_EXIT
+    return 0
 
 
 def _restart_with_openblas(argv: list[str] | None) -> None:
@@ -238,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         The exit status: 0 after a clean drain, 2 for a bad config, draft keyword, or a model
         that cannot be found or loaded, 1 when the server could not start (e.g. the port is in
-        use); argparse exits with 2 itself for bad flags.
+        use), 70 when the engine thread died (`serve`); argparse exits with 2 itself for bad
+        flags.
     """
     from flashfleet.config import ConfigError
     from flashfleet.models.drafts import NoShippedDraftError
@@ -260,12 +278,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"worker: cannot start: {e}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(serve(a, engine))
+        return asyncio.run(serve(a, engine))
     except RuntimeError as e:
         print(f"worker: {e}", file=sys.stderr)
         engine.close()
         return 1
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Builds, starts and stops a worker's gRPC server (Worker API, health, reflection) and keeps its
 registration with the coordinator alive (register, heartbeats with load, re-register when the
-lease was lost, deregister on shutdown)."""
+lease was lost, deregister on shutdown). A watchdog (`worker.watchdog`) takes the worker out of
+the fleet when its engine thread dies: NOT_SERVING, open streams end UNAVAILABLE, deregister,
+server stopped; `RunningWorker.left` is then set and the process exits (`worker.__main__`)."""
 from __future__ import annotations
 
 import asyncio
@@ -18,11 +20,13 @@ from flashfleet.v1 import worker_pb2, worker_pb2_grpc
 from worker import convert
 from worker.engine.types import EngineProtocol
 from worker.servicer import WorkerServicer
+from worker.watchdog import ENGINE_DIED_EXIT, POLL_S, watch_engine
 
 log = logging.getLogger("flashfleet.worker")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 REGISTER_TIMEOUT_S = 5.0
 UNREACHABLE_WARN_EVERY_S = 60.0  # while registration fails, the log says so this often
+FAILED_STREAMS_GRACE_S = 1.0  # after the engine died: time for the streams' UNAVAILABLE to go out
 
 
 @dataclass
@@ -33,6 +37,8 @@ class RunningWorker:
         advertise_address: "host:port" it registers under (the address the coordinator dials).
         coordinator: "host:port" of the coordinator's Registry, or None when standalone.
         registered: set while the worker holds a lease (cleared when a heartbeat fails).
+        engine_died: True once the watchdog found the engine thread dead.
+        left: set when the worker, its engine dead, has left the fleet and stopped its server.
     """
 
     server: grpc.aio.Server
@@ -43,14 +49,20 @@ class RunningWorker:
     advertise_address: str
     coordinator: str | None = None
     tls: object = None
+    servicer: WorkerServicer | None = None
     _heartbeat_task: asyncio.Task | None = None
+    _watchdog_task: asyncio.Task | None = None
     _lease: dict = field(default_factory=dict)
     registered: asyncio.Event = field(default_factory=asyncio.Event)
+    engine_died: bool = False
+    left: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def stop(self, grace_s: float = 5.0, close_engine: bool = True) -> None:
         """NOT_SERVING -> deregister -> let in-flight RPCs finish for `grace_s` seconds (then
         cancel them) -> stop the engine thread (unless `close_engine` is False). A failed
         deregistration is logged, not raised."""
+        if self._watchdog_task:  # closing the engine ends its thread: that is no death
+            self._watchdog_task.cancel()
         await self.health.enter_graceful_shutdown()
         if self._heartbeat_task:
             self._heartbeat_task.cancel()
@@ -58,6 +70,28 @@ class RunningWorker:
         await self.server.stop(grace_s)
         if close_engine:
             await asyncio.to_thread(self.engine.close)
+
+    async def leave_after_engine_death(self) -> None:
+        """What the watchdog does once the engine thread is dead: health NOT_SERVING, heartbeats
+        stopped, every open stream (and any later call) ended with UNAVAILABLE, deregistration,
+        then the server stopped (`FAILED_STREAMS_GRACE_S` for those statuses to go out); sets
+        `engine_died` first and `left` last, also when a step fails or the task is cancelled.
+        A failed deregistration is logged, not raised (the lease then expires)."""
+        self.engine_died = True
+        log.error("the engine thread of worker %s died: it can serve nothing more; leaving the "
+                  "fleet (NOT_SERVING, open streams end UNAVAILABLE, deregistering), then exiting "
+                  "with status %d so its supervisor restarts it", self.worker_id, ENGINE_DIED_EXIT)
+        try:
+            await self.health.enter_graceful_shutdown()
+            if self._heartbeat_task:
+                self._heartbeat_task.cancel()
+            if self.servicer is not None:
+                self.servicer.fail_streams(f"the engine of worker {self.worker_id} stopped; the "
+                                           "worker is restarting")
+            await self._deregister()
+            await self.server.stop(FAILED_STREAMS_GRACE_S)
+        finally:
+            self.left.set()
 
     def stop_heartbeats(self) -> None:
         """Stops heartbeats without deregistering (tests simulate a hung or partitioned worker)."""
@@ -75,12 +109,13 @@ class RunningWorker:
                     timeout=REGISTER_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
             log.warning("deregistration failed: %s", e.details())
+        self._lease = {}  # once: a later stop() does not deregister again
 
 
 async def start_worker(engine: EngineProtocol, worker_id: str, host: str = "127.0.0.1",
                        port: int = 0, coordinator: str | None = None,
                        advertise_host: str | None = None, metrics=None,
-                       tls=None) -> RunningWorker:
+                       tls=None, engine_poll_s: float = POLL_S) -> RunningWorker:
     """Serves `engine` on host:port and, when `coordinator` is given, registers with it.
 
     Args:
@@ -91,13 +126,16 @@ async def start_worker(engine: EngineProtocol, worker_id: str, host: str = "127.
         advertise_host: host the coordinator should dial (default: host).
         metrics: optional WorkerMetrics for the servicer.
         tls: flashfleet.config.TLSConfig: serve, and dial the coordinator, over mutual TLS.
+        engine_poll_s: seconds between the watchdog's looks at `engine.alive`; once it is False
+            the worker leaves the fleet (`RunningWorker.leave_after_engine_death`).
 
     Raises:
         RuntimeError: the port could not be bound.
         flashfleet.config.ConfigError: unreadable or non-PEM TLS files.
     """
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RejectUndecodable()])
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine, worker_id, metrics), server)
+    servicer = WorkerServicer(engine, worker_id, metrics)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
@@ -110,7 +148,10 @@ async def start_worker(engine: EngineProtocol, worker_id: str, host: str = "127.
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     address = f"{advertise_host or host}:{bound}"
     running = RunningWorker(server, bound, worker_id, engine, health_servicer, address, coordinator,
-                            tls=tls)
+                            tls=tls, servicer=servicer)
+    running._watchdog_task = asyncio.get_running_loop().create_task(
+        watch_engine(engine, running.leave_after_engine_death, engine_poll_s))
+    running._watchdog_task.add_done_callback(_log_if_watchdog_failed)
     if coordinator:
         running._heartbeat_task = asyncio.get_running_loop().create_task(_keep_registered(running))
         running._heartbeat_task.add_done_callback(_log_if_failed)
@@ -122,6 +163,13 @@ def _log_if_failed(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("registration with the coordinator stopped; this worker gets no requests "
                   "until it restarts", exc_info=task.exception())
+
+
+def _log_if_watchdog_failed(task: asyncio.Task) -> None:
+    """A watchdog that fails while taking the worker out of the fleet: say so loudly."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("leaving the fleet after the engine died failed; stop this worker",
+                  exc_info=task.exception())
 
 
 def _warn_while_unreachable(coordinator: str):

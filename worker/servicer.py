@@ -5,6 +5,11 @@ the per-request `emit` callback there, which hands each event to the loop with
 `call_soon_threadsafe` into the request's own asyncio.Queue. No lock is shared with the loop.
 A handler that ends for any reason other than the engine's final event (client gone, deadline,
 error) aborts its request in `finally`, which frees the engine's slot and KV cache.
+
+A request the engine ends as "cancelled" although nobody asked (no Cancel RPC, no handler abort:
+the engine stopped or its thread crashed) and every stream still open when `fail_streams` is
+called (the worker's engine watchdog, `worker.watchdog`) end with UNAVAILABLE, not with a
+Complete that reads like a finished answer and not with a stream that waits forever.
 """
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ import asyncio
 import dataclasses
 import logging
 import uuid
+from contextlib import aclosing
+from dataclasses import dataclass
 
 import grpc
 
@@ -26,12 +33,20 @@ log = logging.getLogger("flashfleet.worker")
 MIGRATED = "migrated"  # CancelRequest.reason of a stream the coordinator moved to another worker
 MOVED_WAIT_S = 10.0  # how long a moved stream's handler waits for the coordinator's cancel
 _MOVED = object()  # queued instead of the DoneEvent of a request cancelled for a migration
+_UNASKED = object()  # queued instead of a DoneEvent("cancelled") no one asked for: the engine stopped
 
 ENGINE_ERROR_CODES = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Draining: grpc.StatusCode.UNAVAILABLE,
 }
+
+
+@dataclass(frozen=True)
+class _EngineGone:
+    """Queued into every open stream by `WorkerServicer.fail_streams`."""
+
+    reason: str
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -49,6 +64,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.metrics = metrics
         # Request ids the coordinator cancelled to move them elsewhere (Cancel reason "migrated").
         self._migrated: set[str] = set()
+        # Request ids this servicer aborted (Cancel RPC, a handler that ended early): their
+        # DoneEvent("cancelled") was asked for; any other one means the engine stopped.
+        self._aborting: set[str] = set()
+        self._streams: set[asyncio.Queue] = set()  # event queues of the open Generate handlers
+        self._gone: str | None = None  # set by fail_streams: why no request can be served
+
+    def fail_streams(self, reason: str) -> int:
+        """Ends every open Generate stream with UNAVAILABLE(`reason`), and every later call at its
+        start: for a worker whose engine can serve nothing more. Call on the event loop.
+
+        Returns:
+            How many open streams were told to end.
+        """
+        self._gone = reason
+        for events in self._streams:
+            events.put_nowait(_EngineGone(reason))
+        return len(self._streams)
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
         """Tokenizes the request, submits it to the engine and streams a Chunk per TokenEvent,
@@ -62,7 +94,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 (tokenization, context length, sampling parameters, mode, resume tokens).
             NOT_FOUND: the request names a model this worker does not serve.
             RESOURCE_EXHAUSTED: the engine is at capacity (`Overloaded`).
-            UNAVAILABLE: the engine is starting or shutting down (`Draining`).
+            UNAVAILABLE: the engine is starting or shutting down (`Draining`), it ended the
+                request without being asked (it stopped), or the worker is leaving the fleet
+                because its engine thread died (`fail_streams`).
             INTERNAL: the request failed on the engine thread after admission (`ErrorEvent`).
         """
         model = self.engine.model
@@ -84,6 +118,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if isinstance(event, DoneEvent):
                 moved = event.request_id in self._migrated
                 self._migrated.discard(event.request_id)  # with or without metrics: no id is kept
+                asked = event.request_id in self._aborting
+                self._aborting.discard(event.request_id)
                 if metrics is not None:
                     # Recorded here, not in the handler: a request whose client left still ends
                     # with DoneEvent("cancelled") and its tokens count.
@@ -91,11 +127,25 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                             if moved and event.finish_reason == "cancelled" else event)
                 if moved:  # the coordinator drops this stream now: write nothing more on it
                     event = _MOVED
+                elif event.finish_reason == "cancelled" and not asked:
+                    event = _UNASKED
             try:
                 loop.call_soon_threadsafe(events.put_nowait, event)
             except RuntimeError:  # loop closed during shutdown: nobody is listening
                 pass
 
+        if self._gone is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self._gone)
+        self._streams.add(events)
+        try:
+            async with aclosing(self._serve(request, context, model, events, emit)) as responses:
+                async for response in responses:  # aclosing: its finally runs as this one's does
+                    yield response
+        finally:
+            self._streams.discard(events)
+
+    async def _serve(self, request, context, model, events: asyncio.Queue, emit):
+        """Generate's body once its event queue is open: submit, then stream the events."""
         try:
             prompt_tokens = await asyncio.to_thread(
                 self.engine.encode_prompt,
@@ -130,9 +180,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     await context.abort(grpc.StatusCode.INTERNAL,
                                         f"generation failed on worker {self.worker_id} "
                                         f"({type(event.error).__name__}); see the worker log")
+                elif event is _UNASKED or isinstance(event, _EngineGone):
+                    finished = True  # the engine has ended it, or can no longer
+                    reason = (event.reason if isinstance(event, _EngineGone) else
+                              f"the engine of worker {self.worker_id} stopped and cancelled the request")
+                    log.warning("request %s ends UNAVAILABLE: %s", request.request_id, reason)
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
         finally:
             if not finished:  # its DoneEvent("cancelled") is counted by emit
-                self.engine.abort(request.request_id)
+                self._abort(request.request_id)
+
+    def _abort(self, request_id: str) -> bool:
+        """engine.abort, remembering that this request's DoneEvent("cancelled") was asked for."""
+        self._aborting.add(request_id)
+        known = self.engine.abort(request_id)
+        if not known:
+            self._aborting.discard(request_id)
+        return known
 
     async def Cancel(self, request, context):
         """Aborts a running request by id; `cancelled` is False when the id is unknown here.
@@ -140,7 +204,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         end as outcome "migrated" rather than "cancelled"."""
         if request.reason == MIGRATED:
             self._migrated.add(request.request_id)
-        cancelled = self.engine.abort(request.request_id)
+        cancelled = self._abort(request.request_id)
         if not cancelled:
             self._migrated.discard(request.request_id)
         return worker_pb2.CancelResponse(cancelled=cancelled)

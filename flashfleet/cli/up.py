@@ -1,5 +1,6 @@
 """`flashfleet up`: start a coordinator and N workers on this machine as processes, print their
-addresses, and shut them all down cleanly on Ctrl-C or SIGTERM."""
+addresses, start again a worker that fails (`flashfleet.cli.restarts`), and shut them all down
+cleanly on Ctrl-C or SIGTERM."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 from flashfleet.blas import openblas_env
+from flashfleet.cli.restarts import RestartBackoff, should_restart
 from flashfleet.config import tcp_port
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -112,6 +114,9 @@ class LocalCluster:
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="flashfleet-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
+        self.commands: dict[str, tuple[list[str], dict | None]] = {}  # name -> (args, env) it ran with
+        self.started: dict[str, float] = {}  # name -> time.monotonic() of its last start
+        self.restarts_due: dict[str, float] = {}  # exited worker -> time.monotonic() it starts again
 
     @property
     def address(self) -> str:
@@ -125,8 +130,10 @@ class LocalCluster:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def _spawn(self, name: str, args: list[str], env=None) -> None:
-        log = open(self.log_dir / f"{name}.log", "wb")
+    def _spawn(self, name: str, args: list[str], env=None, append: bool = False) -> None:
+        self.commands[name] = (args, env)
+        self.started[name] = time.monotonic()
+        log = open(self.log_dir / f"{name}.log", "ab" if append else "wb")
         # -P: the caller's working directory is not put first on the import path, so a folder
         # named `worker` or `coordinator` where `flashfleet up` runs cannot shadow the package.
         self.procs[name] = subprocess.Popen([sys.executable, "-P", "-m", *args], stdout=log,
@@ -225,10 +232,45 @@ class LocalCluster:
         return [(n, code, (self.log_dir / f"{n}.log").read_text(errors="replace")[-2000:])
                 for n, code in gone]
 
+    def tend(self, backoff: RestartBackoff, say=print) -> None:
+        """One round of supervision once the cluster is up (call it every half second or so):
+        reaps exited children; a worker that exited with a failure (`should_restart`) is started
+        again, with its command and its log (appended to), after `backoff`'s delay; another
+        exit is reported and the other workers keep serving.
+
+        Args:
+            backoff: the delays before restarts (it keeps each worker's run of failures).
+            say: called with one line (str) for each exit and each restart.
+
+        Raises:
+            RuntimeError: the coordinator exited (its log's tail in the message), or every worker
+                has exited and none is due to start again.
+        """
+        now = time.monotonic()
+        for name, code, tail in self.reap():
+            if name == "coordinator":
+                raise RuntimeError(f"the coordinator exited with code {code}:\n{tail}")
+            log = self.log_dir / f"{name}.log"
+            if should_restart(code):
+                delay = backoff.delay(name, now - self.started.get(name, now))
+                self.restarts_due[name] = now + delay
+                say(f"{name} exited with code {code}; starting it again in {delay:.0f} s "
+                    f"(its log: {log})")
+            else:
+                say(f"{name} exited with code {code}; the other workers keep serving (its log: {log})")
+        for name, due in list(self.restarts_due.items()):
+            if due <= now:
+                del self.restarts_due[name]
+                self._spawn(name, *self.commands[name], append=True)
+                say(f"{name} started again")
+        if not self.restarts_due and not any(n != "coordinator" for n in self.procs):
+            raise RuntimeError("every worker has exited")
+
     def stop(self, grace_s: float | None = None) -> None:
         """Stops the workers first (SIGTERM: they deregister and finish in-flight streams),
         then the coordinator; SIGKILL whatever is left of a group after grace_s (default
-        `drain_s`, per group), or at once on a second Ctrl-C."""
+        `drain_s`, per group), or at once on a second Ctrl-C. Restarts not yet due are dropped."""
+        self.restarts_due.clear()
         workers = [p for n, p in self.procs.items() if n != "coordinator"]
         coordinator = [p for n, p in self.procs.items() if n == "coordinator"]
         graces = (grace_s, grace_s) if grace_s is not None else self.drain_s
@@ -320,7 +362,10 @@ def check_model_ref(flag: str, value: str | None) -> None:
 
 def main(argv: list[str]) -> int:
     """Starts the cluster and keeps it up until SIGINT/SIGTERM, the coordinator exits, or
-    every worker has exited (a single worker's exit is reported and the others keep serving).
+    every worker has exited for good. A worker that exits with a failure (its engine thread
+    died: 70; killed) is started again after a capped, doubling delay (1 s up to 30 s,
+    `LocalCluster.tend`); one that exits cleanly or for a bad config or model (2) is reported
+    and the others keep serving.
 
     Returns:
         The exit status: 0 after a signal, 1 when start-up failed or the cluster died, 2 for a
@@ -392,16 +437,11 @@ def main(argv: list[str]) -> int:
     print(f"cluster ready: coordinator at {cluster.address}\n"
           f"  try: flashfleet generate --address {cluster.address} --model {served_name(cluster.model)} "
           f"\"What is a GPU?\"\nCtrl-C stops everything.", flush=True)
+    backoff = RestartBackoff()
     try:
         while not stop["now"]:
-            for name, code, tail in cluster.reap():
-                if name == "coordinator":
-                    raise RuntimeError(f"the coordinator exited with code {code}:\n{tail}")
-                print(f"flashfleet up: {name} exited with code {code}; the other workers keep "
-                      f"serving (its log: {cluster.log_dir / (name + '.log')})", file=sys.stderr,
-                      flush=True)
-            if not any(n != "coordinator" for n in cluster.procs):
-                raise RuntimeError("every worker has exited")
+            cluster.tend(backoff, say=lambda line: print(f"flashfleet up: {line}", file=sys.stderr,
+                                                         flush=True))
             time.sleep(0.5)
     except RuntimeError as e:
         print(f"flashfleet up: {e}", file=sys.stderr)
