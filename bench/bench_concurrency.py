@@ -37,7 +37,10 @@ Usage (from the repository root):
 `--draft auto` (default) loads the shipped DFlash draft when the model has one (`flashfleet models
 list`), `none` runs the worker without a draft, anything else is passed to the worker's --draft.
 On a GPU host (CUDA or Metal) every system runs on the GPU; the systems run one after another, so
-they never share the device. Exit status: 0, 1 when a system fails, 2 for a bad argument.
+they never share the device. On a Linux CPU the script restarts itself with Debian's OpenBLAS
+preloaded where it is installed (`flashfleet.blas`), so mlx-lm, its server and the worker use the
+same BLAS. Exit status: 0, 1 when a system fails, 2 for a bad argument, 130 on Ctrl-C or SIGTERM
+(the cluster and the server are stopped first).
 """
 from __future__ import annotations
 
@@ -505,11 +508,32 @@ def run_all(a: argparse.Namespace, log=print) -> list[Level]:
     return levels
 
 
+def restart_with_openblas() -> None:
+    """Replaces this process by the same command with Debian's OpenBLAS preloaded where
+    `flashfleet.blas.openblas_env` says it applies, as a worker does: mlx-lm then computes with
+    the BLAS the worker uses, and the server and the cluster inherit it. A restarted process has
+    LD_PRELOAD set, so it never restarts again."""
+    from flashfleet.blas import openblas_env
+
+    env = openblas_env()
+    if env is not None:
+        os.execve(sys.executable, list(sys.orig_argv), env)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Runs the benchmark and prints the tables; returns the exit status."""
+    """Runs the benchmark and prints the tables; returns the exit status. SIGTERM stops it as
+    Ctrl-C does: the cluster and the server are stopped first."""
     a = parse_args(argv)
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
     try:
         levels = run_all(a, log=lambda m: print(m, flush=True))
+    except KeyboardInterrupt:
+        print("bench_concurrency: interrupted", file=sys.stderr)
+        return 130
     except Exception as e:  # a system that failed: one line, not a traceback
         print(f"bench_concurrency: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -525,4 +549,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    restart_with_openblas()
     sys.exit(main())
