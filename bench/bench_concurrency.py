@@ -6,7 +6,9 @@ Every system gets the same N prompts at once (session i gets prompt i mod the pr
   - tokens: generated tokens of all N sessions; full: sessions that reached --max-tokens (the rest
     stopped at an EOS; their actual tokens are counted).
   - agg tok/s: tokens / wall time from the first request sent to the last one finished.
-  - per-session tok/s mean / min: each session's tokens / (its finish - the common start).
+  - per-session tok/s mean / min: each session's tokens / (its finish - the common start);
+    for mlx-lm-batch every session's time is the call's (the batch returns together).
+  - note: ours: the decode mode each request reported and the mean DFlash acceptance length tau.
 
 then, per N, the aggregate ratios of `ours` and `ours-plain` to each mlx-lm baseline.
 
@@ -17,9 +19,10 @@ Systems (`--systems`, comma-separated; default all four):
   ours-plain     the same cluster, requests with mode="plain".
   mlx-lm-batch   `mlx_lm.generate.batch_generate` on the N prompts in one call, in this process.
   mlx-lm-server  `python -m mlx_lm server` as a process, N concurrent POSTs to /v1/completions
-                 (temperature 0, not streamed; tokens from usage.completion_tokens); its prompt
-                 cache is off (--prompt-cache-size 0; the prompts repeat across N and the worker
-                 keeps no prompt cache) and --decode-concurrency is at least max N.
+                 (temperature 0, not streamed; tokens from usage.completion_tokens), with
+                 --decode-concurrency at least max N and its prompt cache off
+                 (--prompt-cache-size 0: the prompts repeat across N, and a cached prompt would
+                 skip its prefill; --server-args "--prompt-cache-size 10" restores its default).
 
 Prompts: `bench/prompts/humaneval_heldout.jsonl` (the held-out HumanEval rows), each a user turn in
 the target's chat template, rendered to text once here; every system gets that text or its token
@@ -325,12 +328,11 @@ def run_server(server: MlxServer, prompts: list[str], max_tokens: int) -> Level:
         t0 = time.perf_counter()
         results = [f.result() for f in futures]
     wall = max(end for _, end in results) - t0
-    sessions, prompt_tokens, finish = [], [], {}
+    sessions, prompt_tokens = [], []
     for out, end in results:
         usage = out.get("usage") or {}
         n = int(usage.get("completion_tokens", 0))
         reason = (out.get("choices") or [{}])[0].get("finish_reason")
-        finish[reason] = finish.get(reason, 0) + 1
         sessions.append(Session(n, end - t0, reason == "length" or n >= max_tokens))
         prompt_tokens.append(int(usage.get("prompt_tokens", 0)))
     return Level("", sessions, wall, "", prompt_tokens)
