@@ -317,7 +317,7 @@ def test_long_prefill_does_not_block_other_sessions_and_can_be_aborted(tiny_mode
     import time as _time
 
     from worker.engine.types import DoneEvent as _Done
-    cfg = EngineConfig(model_path=tiny_models.llama, prefill_step_tokens=8, capacity=2)
+    cfg = EngineConfig(model_path=tiny_models.llama, prefill_step_tokens=8, capacity=2, prompt_cache_entries=0)
     with Engine(cfg) as engine:
         long_prompt = tuple(3 + i % (tiny_models.vocab_size - 3) for i in range(400))
         order: _queue.Queue = _queue.Queue()

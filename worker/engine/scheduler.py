@@ -167,8 +167,8 @@ class Scheduler:
         return self.block_size if mode == "dflash" else 1
 
     def kv_bytes(self) -> int:
-        """Bytes the KV caches hold now."""
-        total = sum(b.nbytes() for b in self.batches.values()) + self.prompt_cache.nbytes
+        """Bytes the sessions' KV caches hold now (the prompt cache's not included)."""
+        total = sum(b.nbytes() for b in self.batches.values())
         total += sum(c.nbytes for s in self.prefilling for c in (s.target or []) + (s.draft or []))
         return total + sum(c.nbytes for s in self.generators.values() for c in s.caches)
 
@@ -254,7 +254,7 @@ class Scheduler:
                 self._decode(mode)
         for s in list(self.generators.values()):
             self._advance_generator(s)
-        self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes())
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes() + self.prompt_cache.nbytes)
 
         if self._iterations % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
@@ -420,8 +420,8 @@ class Scheduler:
         batch, seq = self.batches[mode], self.decoding[mode][index]
         n = seq.row.n - 1
         entry = self.row_bytes(mode, n)
-        self.prompt_cache.trim_to(self.budget - (self.kv_bytes() - self.prompt_cache.nbytes) - entry)
-        if self.kv_bytes() + entry > self.budget:
+        self.prompt_cache.trim_to(self.budget - self.kv_bytes() - entry)
+        if self.kv_bytes() + self.prompt_cache.nbytes + entry > self.budget:
             return
         caches = [c.row(index) for c in batch.target]
         if batch.draft is not None:

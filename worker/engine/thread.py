@@ -151,8 +151,8 @@ class Engine:
         self._startup_error: BaseException | None = None
         self._encode_lock = threading.Lock()
         self._scheduler: Scheduler | None = None  # the engine thread's
-        self._kv_bytes = 0  # KV bytes held, published by the engine thread for load()
-        self._kv_budget = 0
+        # Published by the engine thread for load(): sessions' KV bytes, the prompt cache's, the budget.
+        self._kv_bytes = self._prompt_cache_bytes = self._kv_budget = 0
 
         model_cfg = _read_model_config(config.model_path, "model")
         draft_cfg = (_read_model_config(config.draft_path, "draft model")
@@ -320,11 +320,13 @@ class Engine:
         return known
 
     def load(self) -> EngineLoad:
-        """Admitted sessions, capacity, and bytes held by resident sessions' KV caches."""
+        """Admitted sessions, capacity, bytes held by running sessions' KV caches and by the prompt
+        cache, and the KV budget."""
         with self._lock:
             active = len(self._admitted)
         return EngineLoad(active_sessions=active, capacity=self.config.capacity,
-                          kv_cache_bytes=self._kv_bytes, kv_budget_bytes=self._kv_budget)
+                          kv_cache_bytes=self._kv_bytes, kv_budget_bytes=self._kv_budget,
+                          prompt_cache_bytes=self._prompt_cache_bytes)
 
     # ----- validation (caller's thread, pure Python) ------------------------------------------
 
@@ -563,6 +565,7 @@ class Engine:
 
     def _publish(self, sched: Scheduler) -> None:
         self._kv_bytes = sched.kv_bytes()
+        self._prompt_cache_bytes = sched.prompt_cache.nbytes
         self._kv_budget = sched.budget
 
     def _free(self) -> None:

@@ -159,10 +159,12 @@ class EngineLoad:
     capacity: int
     kv_cache_bytes: int
     kv_budget_bytes: int = 0  # 0: unknown (the engine is not running)
+    prompt_cache_bytes: int = 0  # finished turns kept for reuse (evicted first when sessions need room)
 
     @property
     def kv_free_bytes(self) -> int:
-        """KV bytes still free under the budget."""
+        """KV bytes new sessions can have: the budget less running sessions' caches (the prompt
+        cache gives way)."""
         return max(0, self.kv_budget_bytes - self.kv_cache_bytes)
 
 
