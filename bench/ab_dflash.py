@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     which.add_argument("--file", type=Path, help="a saved worker/spec/dflash.py to compare against")
     ap.add_argument("--target", required=True)
     ap.add_argument("--draft", required=True, help="DFlash draft directory")
-    ap.add_argument("--cases", type=Path, default=ROOT.parent / "shared" / "cases")
+    ap.add_argument("--cases", type=Path, default=ROOT / "bench" / "prompts")
     ap.add_argument("--prompts", type=int, default=3, help="first N prompts of humaneval.jsonl")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)

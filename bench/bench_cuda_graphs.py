@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     p.add_argument("--passes", type=int, default=1, help="times the whole list of settings runs")
     p.add_argument("--prompts", type=int, default=3, help="prompts per corpus")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--cases", type=Path, default=ROOT.parent / "shared" / "cases")
+    p.add_argument("--cases", type=Path, default=ROOT / "bench" / "prompts")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
     p.add_argument("--timeout", type=int, default=240, help="seconds per run")
     p.add_argument("--out-dir", type=Path, default=None, help="keep each run's JSON and output here")

@@ -32,7 +32,7 @@ cancels): the median ratio and its range.
 keeping another row's cache views costs).
 
     python bench/bench_cycle_pieces.py --target MODEL --dflash-draft DRAFT [--rows 1 4 8]
-        [--cycles 48] [--rounds 3] [--modes overlap pipelined split] [--cases ../shared/cases]
+        [--cycles 48] [--rounds 3] [--modes overlap pipelined split] [--cases bench/prompts]
         [--corpus code] [--json-out F]
 """
 from __future__ import annotations
@@ -203,7 +203,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8], help="candidate rows per verify")
     ap.add_argument("--cycles", type=int, default=48, help="cycles per run (the first 2 are not counted)")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds (odd: a median round exists)")
-    ap.add_argument("--cases", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "cases")
+    ap.add_argument("--cases", type=Path, default=Path(__file__).resolve().parent / "prompts")
     ap.add_argument("--corpus", default="code", choices=sorted(CORPORA))
     ap.add_argument("--contexts", type=int, nargs="+", default=[0],
                     help="context lengths to run at: 0 = the prompt as it is; N = other prompts of the corpus "

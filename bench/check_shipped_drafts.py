@@ -27,7 +27,7 @@ from worker.spec import plain  # noqa: E402
 from worker.spec.dflash import dflash_generate  # noqa: E402
 from worker.training.data import encode_prompt, read_prompt_files, split_heldout  # noqa: E402
 
-CASES = ROOT.parent / "shared" / "cases"
+CASES = ROOT / "bench" / "prompts"
 
 
 def main(name: str, max_tokens: int = 32) -> int:

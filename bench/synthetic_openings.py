@@ -5,8 +5,8 @@
 
 Side by side in one run, from the same target and seed: Magpie from the bare user-turn prefix,
 and prompts begun with the first WORDS words of training prompts of the chosen corpora (the
-prompt files the H200 job trains on: ../shared/cases plus `bench/make_code_tasks.py`'s two;
-held-out prompts never among them). Prints per mode how many distinct prompts came back,
+prompt files the H200 job trains on: those of FILES in bench/prompts plus
+`bench/make_code_tasks.py`'s two; held-out prompts never among them). Prints per mode how many distinct prompts came back,
 the share that mention code (a keyword test: a programming language, `def`, `function`, code
 fences and the like; crude, the same for both), for the openings mode also the share of the
 openings alone and of the target's continuations alone that do, their mean length, and three
@@ -34,7 +34,7 @@ from worker.training.data import read_prompt_files, split_heldout, synthetic_ope
 from worker.training.extra_data import cache_rows  # noqa: E402
 from worker.training.synthetic import write_user_prompts  # noqa: E402
 
-CASES = ROOT.parent / "shared" / "cases"
+CASES = ROOT / "bench" / "prompts"
 FILES = ["code_requests", "code_tasks", "dataset_build_multilingual", "dataset_build_pl", "enwiki_en",
          "fortunes_en", "fortunes_pl", "humaneval", "lee_news_en"]
 CODE = re.compile(r"\b(python|java|javascript|typescript|c\+\+|c#|rust|golang|sql|bash|html|css|regex|def|"
@@ -67,7 +67,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:  # the job's prompt files, as bench/h200/job_train.sh makes them
         subprocess.run([sys.executable, str(ROOT / "bench" / "make_code_tasks.py"), str(CASES), tmp], check=True,
                        stdout=subprocess.DEVNULL)
-        files = [CASES / f"{f}.jsonl" if (CASES / f"{f}.jsonl").exists() else Path(tmp) / f"{f}.jsonl" for f in FILES]
+        found = {p.stem: p for d in (Path(tmp), CASES) for p in d.glob("*.jsonl")}  # CASES' file wins
+        files = [found[f] for f in FILES if f in found]
         train, _ = split_heldout(read_prompt_files(files, 2000), 8, 0.1)
     pool = synthetic_openings_pool(train, a.words, a.corpora)
     picks = np.random.default_rng(a.seed).integers(len(pool), size=a.count)

@@ -296,19 +296,15 @@ def test_package_data_ships_draft_directories(tmp_path):
 
 SHIPPED_SMOL = package_drafts_root() / SMOL
 NEAR_TIE = 0.05  # as tests/test_dflash.py: GPU-only tolerance for logits this close
-FALLBACK_PROMPTS = ["Write a Python function that reverses a string.",
-                    "Explain in two sentences what a GPU is."]
 
 
 def case_prompts(count: int = 2, max_chars: int = 1500) -> list[str]:
-    """The first row of humaneval.jsonl and of enwiki_en.jsonl in shared/cases (code, prose)."""
+    """The first row of humaneval.jsonl and of enwiki_en.jsonl in tests/data (code, prose)."""
     prompts = []
     for name in ("humaneval.jsonl", "enwiki_en.jsonl"):
-        path = CASES_DIR / name
-        if path.exists():
-            with path.open(encoding="utf-8") as f:
-                prompts.append(json.loads(f.readline())["prompt"][:max_chars])
-    return (prompts + FALLBACK_PROMPTS)[:count]
+        with (CASES_DIR / name).open(encoding="utf-8") as f:
+            prompts.append(json.loads(f.readline())["prompt"][:max_chars])
+    return prompts[:count]
 
 
 def greedy_pairs(model_dir: str, draft_dir: str, max_tokens: int = 24) -> list[dict]:

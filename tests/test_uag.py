@@ -24,14 +24,11 @@ from worker.spec.translation import encode_continuation
 from worker.spec.uag_cost import UagCostModel, UagPolicy
 
 MODELS = Path.home() / ".cache" / "flashfleet" / "models"
-FALLBACK = ["Zażółć gęślą jaźń. Pchnąć w tę łódź 🙂", "def f(x):\n\t  return  x\n\n"]
 
 
 def case(name: str, i: int = 0) -> str:
-    path = CASES_DIR / name
-    if not path.exists():
-        return FALLBACK[i % 2]
-    with path.open(encoding="utf-8") as f:
+    """The first 300 characters of row i of tests/data/NAME."""
+    with (CASES_DIR / name).open(encoding="utf-8") as f:
         rows = [json.loads(line)["prompt"] for _, line in zip(range(i + 1), f)]
     return rows[i][:300]
 
