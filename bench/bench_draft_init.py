@@ -25,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main(argv=None) -> int:
-    import mlx.core as mx
     from mlx.utils import tree_flatten
 
     from worker.training.data import build_dataset

@@ -2,7 +2,6 @@
 so servicer and coordinator tests run fast and need no model."""
 from __future__ import annotations
 
-import queue
 import threading
 import time
 

@@ -3,7 +3,6 @@ on a tiny random-weight target with a random DFlash draft (every candidate set h
 own block, so its tau is never below the run's)."""
 import json
 import sys
-from pathlib import Path
 
 from tiny_models import CASES_DIR
 

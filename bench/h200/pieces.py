@@ -34,7 +34,7 @@ def split(dest: Path, piece_mib: int, files: list[str]) -> None:
         size = f.stat().st_size
         manifest["files"].append({"name": f.name, "offset": offset, "size": size, "sha256": h.hexdigest()})
         offset += size
-    total, k, out = offset, 0, None
+    total, k = offset, 0
     for entry, f in zip(manifest["files"], map(Path, files)):
         with f.open("rb") as r:
             pos = entry["offset"]

@@ -40,6 +40,7 @@ from worker.engine.types import (
     ModelDescription,
     Overloaded,
     SamplingParams,
+    TokenEvent,
 )
 from worker.metrics import model_footprint  # observability: bytes a decode step reads
 from worker.sampling import sampler_for, validate_sampling
