@@ -3,9 +3,10 @@
 Loads the target (and optional draft) on the engine thread, serves the Worker API, registers with
 the coordinator and heartbeats until SIGINT/SIGTERM; then drains (NOT_SERVING, deregister, finish
 in-flight RPCs for up to --drain-timeout seconds) and frees the engine. A model that cannot be
-found or loaded is a clear error and a non-zero exit code. On Linux with Debian's OpenBLAS
-installed it first starts itself again with OpenBLAS preloaded (`flashfleet.blas`; set
-FLASHFLEET_OPENBLAS=0, or LD_PRELOAD yourself, to keep the process as started).
+found or loaded is a clear error and a non-zero exit code. On Linux with OpenBLAS found (pip's
+scipy-openblas32 or Debian's) it first starts itself again with OpenBLAS preloaded
+(`flashfleet.blas`; set FLASHFLEET_OPENBLAS=0, or LD_PRELOAD yourself, to keep the process as
+started).
 """
 from __future__ import annotations
 
@@ -202,7 +203,7 @@ async def serve(a, engine) -> None:
 
 
 def _restart_with_openblas(argv: list[str] | None) -> None:
-    """Replaces this process by the same command with Debian's OpenBLAS preloaded, where
+    """Replaces this process by the same command with OpenBLAS preloaded, where
     `flashfleet.blas.openblas_env` says it applies (a library is preloaded at process start only).
 
     Only a process that is the worker restarts: `python -m worker` (argv None) or the `flashfleet`
