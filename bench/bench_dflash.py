@@ -45,7 +45,7 @@ target, after all our methods are measured (they patch the target model or its a
 a package that cannot be imported, cannot load the draft or fails its warm-up is skipped with a
 one-line reason (printed, and in --json-out). They are imported only with --packages.
 
-Prompts: --prompts rows of each corpus in bench/prompts/ (--cases DIR; code: humaneval.jsonl, en:
+Prompts: --prompts rows of each corpus in --cases (default bench/prompts; code: humaneval.jsonl, en:
 enwiki_en.jsonl, pl: dataset_build_pl.jsonl). By default the held-out rows of `flashfleet draft
 train` (same split: `split_heldout`, 8 per corpus, 10 %), so a trained draft is measured on
 prompts it never saw, each as a user turn in the target's chat template (`--raw` for raw text,
@@ -106,7 +106,7 @@ from worker.sampling import greedy  # noqa: E402
 from worker.spec import plain  # noqa: E402
 from worker.spec.dflash import dflash_generate, make_target_cache  # noqa: E402
 
-CASES = Path(__file__).resolve().parents[2] / "shared" / "cases"
+CASES = Path(__file__).resolve().parent / "prompts"
 CORPORA = {"code": "humaneval.jsonl", "en": "enwiki_en.jsonl", "pl": "dataset_build_pl.jsonl"}
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 PACKAGES = ("zlab", "dflash-mlx")  # registry packages (--packages), run in this order: see main()

@@ -1,6 +1,6 @@
 """Training-data generation throughput: static batches with and without dropping ended rows.
 
-The target answers the same prompts (chat template, from shared/cases) once per setting of
+The target answers the same prompts (chat template, from bench/prompts) once per setting of
 `compact_at` (`worker/training/generation.py`) and the script prints answer tokens per second,
 side by side, and whether the greedy answers are identical:
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-CASES = ROOT.parent / "shared" / "cases"
+CASES = ROOT / "bench" / "prompts"
 
 
 def main(argv=None) -> int:

@@ -14,7 +14,7 @@ migrations, and whether every output equals the same request's output with migra
     python bench/bench_migration.py --model ~/.cache/flashfleet/models/SmolLM2-135M-Instruct \\
         [--max-tokens 64] [--rounds 2] [--json-out F]
 
-Prompts: the first held-out rows of shared/cases' humaneval and enwiki_en (as `flashfleet draft
+Prompts: the first held-out rows of bench/prompts' humaneval and enwiki_en (as `flashfleet draft
 train` splits them), raw text. Workers inherit the environment (set LD_PRELOAD to OpenBLAS for
 the CPU's speed).
 """
@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-CASES = Path(__file__).resolve().parents[2] / "shared" / "cases"
+CASES = Path(__file__).resolve().parent / "prompts"
 
 
 async def one_request(address: str, model: str, prompt: str, max_tokens: int, started: asyncio.Event):

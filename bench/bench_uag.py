@@ -1,7 +1,7 @@
 """Benchmark cross-tokenizer speculative decoding (uag): naive vs context-aware translation.
 
 For each corpus (code: humaneval.jsonl, English prose: enwiki_en.jsonl, Polish:
-dataset_build_pl.jsonl from bench/prompts/) and each draft, runs plain greedy decoding (the
+dataset_build_pl.jsonl from bench/prompts) and each draft, runs plain greedy decoding (the
 baseline, same run) and uag greedy decoding with both translations, checks that every uag output
 equals the plain output token for token, and prints a Markdown table: acceptance (accepted /
 proposed target tokens), target tokens per round, tokens/s, speedup vs plain, the share of time
@@ -43,7 +43,7 @@ from worker.spec import plain  # noqa: E402
 from worker.spec.cross_tokenizer import byte_vocab, generate  # noqa: E402
 
 MODELS = Path.home() / ".cache" / "flashfleet" / "models"
-CASES = Path("/work/shared/cases")
+CASES = Path(__file__).resolve().parent / "prompts"
 CORPORA = {"code": "humaneval.jsonl", "en": "enwiki_en.jsonl", "pl": "dataset_build_pl.jsonl"}
 INSTRUCTION = {
     "code": "Complete this Python function:\n\n",

@@ -5,8 +5,8 @@ import os
 
 # Before MLX loads: its CUDA build (and M5-class Metal) runs float32 matmuls and attention in TF32
 # by default, so a 16-token verify rounds differently from a 1-token step and the float32
-# token-for-token tests would test the GPU's rounding, not the engine (seen on the H200, session
-# 23: 4 of 170 engine tests). MLX_ENABLE_TF32=0 keeps them in full float32; no effect on the CPU.
+# token-for-token tests would test the GPU's rounding, not the engine (seen on an H200: 4 of 170
+# engine tests). MLX_ENABLE_TF32=0 keeps them in full float32; no effect on the CPU.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 import pytest  # noqa: E402

@@ -55,7 +55,8 @@ def test_costs_drop_warmup_and_interpolate():
 
 
 def test_h200_note_numbers():
-    """Costs measured on the H200: 1.5B target, 5-layer draft, tau = 4 at B = 16."""
+    """H200 costs of a 1.5B target with a 5-layer draft (a decode step 6.41 ms, a 16-token cycle
+    2.2 ms drafting + 7.0 ms verifying), tau = 4 at B = 16."""
     m = _model({1: 6.41, 16: 2.2 + 7.0}, a=0.5)
     a = next(x / 1000 for x in range(1, 1000) if m.expected_tokens(16, a=x / 1000) >= 4.0)
     m = _model({1: 6.41, 16: 2.2 + 7.0}, a=a)

@@ -689,7 +689,6 @@ def test_openblas_hint_only_where_it_applies(tmp_path, monkeypatch):
     import flashfleet.blas as blas
 
     monkeypatch.setattr(blas.sys, "platform", "linux")
-    monkeypatch.setattr(blas.platform, "machine", lambda: "x86_64")
     missing, present = str(tmp_path / "none.so"), tmp_path / "lib.so"
     present.write_bytes(b"")
     hint = blas.openblas_hint({}, missing)
@@ -697,8 +696,8 @@ def test_openblas_hint_only_where_it_applies(tmp_path, monkeypatch):
     assert blas.openblas_hint({}, str(present)) is None  # installed
     assert blas.openblas_hint({"FLASHFLEET_OPENBLAS": "0"}, missing) is None  # silenced
     assert blas.openblas_hint({"LD_PRELOAD": "/x.so"}, missing) is None  # the user preloads another
-    monkeypatch.setattr(blas.platform, "machine", lambda: "arm64")
-    assert blas.openblas_hint({}, missing) is None  # a Mac or another layout: no such path
+    monkeypatch.setattr(blas.sys, "platform", "darwin")
+    assert blas.openblas_hint({}, missing) is None  # a Mac: Accelerate, no preload
 
 
 def test_up_passes_on_a_workers_bad_model_status(tmp_path, capsys):

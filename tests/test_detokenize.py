@@ -12,16 +12,16 @@ from tiny_models import CASES_DIR
 from worker.detokenize import IncrementalDetokenizer, StopStrings, TextAssembler
 
 EMOJI = " 🙂👍🏽🇵🇱 ok"
-FALLBACK_PL = ["Zażółć gęślą jaźń. Pchnąć w tę łódź jeża lub ośm skrzyń fig.", "Źdźbło, żółw i ćma."]
 
 
 def polish_texts(n: int = 25) -> list[str]:
-    """Real Polish rows from shared/cases/*pl*.jsonl, each with emoji appended."""
+    """Real Polish rows from tests/data/*pl*.jsonl, each with emoji appended."""
     rows = []
     for path in sorted(Path(CASES_DIR).glob("*pl*.jsonl")):
         with path.open(encoding="utf-8") as f:
             rows += [json.loads(line)["prompt"][:300] for _, line in zip(range(n), f)]
-    return [r + EMOJI for r in rows or FALLBACK_PL]
+    assert rows, f"no *pl*.jsonl rows in {CASES_DIR}"
+    return [r + EMOJI for r in rows]
 
 
 @pytest.fixture(scope="module", params=["bpe", "spm"])

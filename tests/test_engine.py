@@ -202,7 +202,7 @@ def test_exception_in_one_session_does_not_stop_the_others(engine, prompt):
     ({"request_id": ""}, "request_id is empty"),
 ])
 def test_bad_requests_raise_invalid_request(engine, prompt, change, message, tiny_models):
-    # VOCAB: the tiny tokenizer's size (512 where the prompt corpora train it, fewer on the fallback text)
+    # VOCAB: the tiny tokenizer's size
     with pytest.raises(InvalidRequest, match=message.replace("VOCAB", str(tiny_models.vocab_size))):
         engine.submit(replace(req("bad", prompt), **change), Collector())
     assert engine.load().active_sessions == 0

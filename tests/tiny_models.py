@@ -5,8 +5,8 @@ downloading anything: the machines have no model hub. Each model is a real mlx-l
 (`mlx_lm/models/llama.py`, `qwen2.py`) with a few layers of width 64 and float32 random weights, so
 greedy decoding is deterministic and a forward costs about a millisecond on a CPU.
 
-The tokenizers are trained here with the `tokenizers` library on the project's real text
-(`shared/cases/` or `$FLASHFLEET_TEST_CASES`, a built-in paragraph when neither exists):
+The tokenizers are trained here with the `tokenizers` library on real text (`tests/data/`, whose
+README names each file's source and licence):
   - `build_bpe_tokenizer`: byte-level BPE (GPT-2 / Qwen style) with ChatML special tokens and a
     ChatML chat template; every model directory uses it.
   - `build_spm_tokenizer`: SentencePiece-style BPE (Metaspace "▁" + <0xNN> byte fallback, the
@@ -18,19 +18,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import os
-
-# The real prompts beside this checkout; FLASHFLEET_TEST_CASES points elsewhere (a copy of the
-# folder on a machine where the checkout travels alone).
-CASES_DIR = Path(os.environ.get("FLASHFLEET_TEST_CASES") or Path(__file__).parents[2] / "shared" / "cases")
+# Real prompts, JSON lines {"id", "lang", "prompt"} (tests/data/README.md).
+CASES_DIR = Path(__file__).parent / "data"
 TRAIN_FILES = ("fortunes_pl.jsonl", "dataset_build_pl.jsonl", "enwiki_en.jsonl", "humaneval.jsonl")
 TRAIN_ROWS_PER_FILE = 300
-
-FALLBACK_TEXT = (
-    "Zażółć gęślą jaźń. Pchnąć w tę łódź jeża lub ośm skrzyń fig. "
-    "The quick brown fox jumps over the lazy dog, then writes a Python function: "
-    "def add(a, b):\n    return a + b\n"
-)
 
 NEAR_DRAFT_NOISE = 0.1  # relative weight noise of `llama_near`
 
@@ -45,18 +36,19 @@ CHATML_TEMPLATE = (
 
 
 def training_text() -> list[str]:
-    """Prompts from `shared/cases/` (the first rows of a few files), or a built-in paragraph."""
+    """Prompts from `tests/data/` (up to the first TRAIN_ROWS_PER_FILE rows of each of TRAIN_FILES).
+
+    Raises:
+        FileNotFoundError: a file of TRAIN_FILES is missing.
+    """
     rows: list[str] = []
     for name in TRAIN_FILES:
-        path = CASES_DIR / name
-        if not path.exists():
-            continue
-        with path.open(encoding="utf-8") as f:
+        with (CASES_DIR / name).open(encoding="utf-8") as f:
             for i, line in enumerate(f):
                 if i == TRAIN_ROWS_PER_FILE:
                     break
                 rows.append(json.loads(line)["prompt"])
-    return rows or [FALLBACK_TEXT]
+    return rows
 
 
 def build_bpe_tokenizer(out_dir: Path, vocab_size: int = 512) -> int:

@@ -6,7 +6,7 @@ in-flight RPCs for up to --drain-timeout seconds) and frees the engine. A model 
 found or loaded is a clear error and a non-zero exit code. If the engine thread dies, the worker
 leaves the fleet (`worker.server.RunningWorker.leave_after_engine_death`) and exits with status
 70 (`worker.watchdog.ENGINE_DIED_EXIT`), so systemd, launchd or `flashfleet up` restart it. On
-Linux with Debian's OpenBLAS installed it first starts itself again with OpenBLAS preloaded
+Linux with OpenBLAS found (pip's scipy-openblas32 or Debian's) it first starts itself again with OpenBLAS preloaded
 (`flashfleet.blas`; set FLASHFLEET_OPENBLAS=0, or LD_PRELOAD yourself, to keep the process as
 started).
 """
@@ -219,7 +219,7 @@ async def serve(a, engine) -> int:
 
 
 def _restart_with_openblas(argv: list[str] | None) -> None:
-    """Replaces this process by the same command with Debian's OpenBLAS preloaded, where
+    """Replaces this process by the same command with OpenBLAS preloaded, where
     `flashfleet.blas.openblas_env` says it applies (a library is preloaded at process start only).
 
     Only a process that is the worker restarts: `python -m worker` (argv None) or the `flashfleet`

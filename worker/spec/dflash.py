@@ -420,8 +420,8 @@ def dflash_generate(
             n_seq += len(commit)
             n_gen += len(commit)
             b = commit[-1]
-            if policy is not None and cycle >= 0:
-                policy.observe(bs, step.drafted, step.accepted, cycle_s, context)
+            if policy is not None and cycle >= 0:  # bs: this cycle's, set below on the previous pass
+                policy.observe(bs, step.drafted, step.accepted, cycle_s, context)  # noqa: F821
             cycle += 1
             done = stop or n_gen >= max_tokens
             if done:

@@ -850,7 +850,7 @@ def _set_draft_vocab(draft: Model, cfg: TrainConfig, split: DataSplit, init_voca
     total = counts.sum()
     coverage = float(counts[ids].sum() / total) if total else 1.0
     log(f"vocab: the draft proposes from {ids.size} of {V} tokens"
-        + (f" (the --init-from draft's)" if cfg.draft_vocab is None else "")
+        + (" (the --init-from draft's)" if cfg.draft_vocab is None else "")
         + f", covering {100 * coverage:.2f}% of the training answers' tokens")
     return {"size": int(ids.size), "coverage": round(coverage, 5)}
 

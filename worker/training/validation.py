@@ -123,7 +123,7 @@ class Validator:
         Returns:
             The result, or None when no process has validation sequences.
         """
-        tr, B = self.trainer, self.trainer.B
+        tr = self.trainer
         rows = len(self.corpus)
         loss_sum = w_sum = acc_sum = n_blocks = 0.0
         corpus_acc: dict[str, list[float]] = {}
