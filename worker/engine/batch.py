@@ -147,7 +147,6 @@ def _concat_pending(batch: Batch, taps: mx.array, kept: Sequence[int]) -> None:
     if batch.pending is None or not any(batch.pending_len):
         batch.pending, batch.pending_len = taps, list(kept)
         return
-    P = batch.pending.shape[1]
     # Row r's new taps go right after its own pending ones: a scatter into a buffer of P + L.
     buf = mx.concatenate([batch.pending, mx.zeros((B, L, F), taps.dtype)], axis=1)
     pos = mx.array(batch.pending_len, dtype=mx.int32)[:, None] + mx.arange(L, dtype=mx.int32)[None]
