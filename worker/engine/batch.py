@@ -118,6 +118,23 @@ class Batch:
         return max((c.buffer_length(new_tokens) for c in self.target[:1]), default=0)
 
 
+def prefill_chunk(target: Any, tokens: Sequence[int], cache: list[RowKVCache], draft: Any = None,
+                  draft_cache: Optional[list[RowKVCache]] = None, capture: Any = None) -> None:
+    """Feeds `tokens` (a prompt chunk) through the target into a one-row cache; with a DFlash
+    draft, their target taps go into the draft's context too. Grows the buffers first, layer by
+    layer, then evaluates the caches."""
+    for c in cache + (draft_cache or []):
+        c.reserve(len(tokens))
+    x = mx.array(list(tokens), dtype=mx.uint32)[None]
+    if draft is None:
+        target(x, cache=cache)
+    else:
+        with capture:
+            target(x, cache=cache)
+        draft.extend_context(capture.hidden(), draft_cache)
+    mx.eval([c.state for c in cache + (draft_cache or [])])
+
+
 def choose(logits: mx.array, rows: Sequence[Row]) -> mx.array:
     """Each row's tokens at its L positions: (B, L, V) logits -> (B, L) uint32. Greedy rows take
     the argmax; sampled rows draw keyed by the sequence position of each token."""

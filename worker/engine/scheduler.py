@@ -30,7 +30,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from worker.capture import HiddenCapture
-from worker.engine.batch import Batch, Row, dflash_cycle, plain_step
+from worker.engine.batch import Batch, Row, dflash_cycle, plain_step, prefill_chunk
 from worker.engine.block_policy import Acceptance, BatchBlockPolicy
 from worker.engine.prompt_cache import PromptCache
 from worker.engine.row_cache import STEP, RowKVCache, make_row_caches
@@ -296,16 +296,9 @@ class Scheduler:
         try:
             if seq.prefilled < end:
                 stop = min(end, seq.prefilled + self.prefill_step_tokens)
-                chunk = mx.array(seq.tokens[seq.prefilled: stop], dtype=mx.uint32)[None]
-                for c in seq.target + (seq.draft or []):
-                    c.reserve(stop - seq.prefilled)
-                if seq.mode == "dflash":
-                    with self.capture:
-                        self.m.target(chunk, cache=seq.target)
-                    self.m.draft.extend_context(self.capture.hidden(), seq.draft)
-                else:
-                    self.m.target(chunk, cache=seq.target)
-                mx.eval([c.state for c in seq.target + (seq.draft or [])])
+                dflash = seq.mode == "dflash"
+                prefill_chunk(self.m.target, seq.tokens[seq.prefilled: stop], seq.target,
+                              self.m.draft if dflash else None, seq.draft, self.capture)
                 seq.prefilled = stop
                 mx.clear_cache()
         except Exception as e:
