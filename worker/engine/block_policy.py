@@ -15,9 +15,9 @@ device is bound by reading the weights (small B x L), then grows with B x L once
 arithmetic; on a CPU it grows almost linearly from the start. vLLM turns speculation off above a
 batch size for the same reason (`speculative_disable_by_batch_size`). Costs are exponential
 means per (batch-size bucket, context bucket, L), buckets being powers of two; an L not measured
-in a bucket is explored (its first sample dropped as warm-up: graph set-up, kernel compiles),
-and every `explore_every` iterations the policy re-measures one other size so the estimates follow
-the context as it grows.
+in a bucket is explored (its first sample dropped as warm-up: graph set-up, kernel compiles) in
+increasing order while it could still pay (`choose`), and every `explore_every` iterations the
+policy re-measures a neighbouring size so the estimates follow the context as it grows.
 
 Acceptance a_r comes from each row's own decayed counts (`Acceptance`): a truncated geometric
 observation per cycle (j successes, plus one failure when j < L - 1).
@@ -113,6 +113,11 @@ class BatchBlockPolicy:
     def choose(self, acceptance: Sequence[float], context: int, max_useful: int) -> int:
         """The block size of the next iteration.
 
+        Sizes are explored in increasing order, and only while they could pay: an iteration's
+        cost does not fall as L grows, so the dearest measured smaller size bounds c(L) from
+        below, and a size whose expected tokens over that bound cannot reach min_gain x R(1) is
+        not tried (a draft that is rarely right is never run at large blocks).
+
         Args:
             acceptance: each row's acceptance rate a_r in [0, 1].
             context: the longest row's committed tokens.
@@ -120,17 +125,26 @@ class BatchBlockPolicy:
         """
         self._iterations += 1
         cands = [c for c in self.candidates if c <= max(1, max_useful)] or [1]
-        k = self.key(len(acceptance), context)
-        costs = self._costs.get(k, {})
-        unmeasured = [c for c in cands if c not in costs]
-        if unmeasured:
-            return unmeasured[0]
-        rates = {c: sum(expected_tokens(a, c) for a in acceptance) / costs[c] for c in cands}
+        costs = self._costs.get(self.key(len(acceptance), context), {})
+        if 1 not in costs:
+            return 1
+        plain = len(acceptance) / costs[1]
+        floor = costs[1]
+        rates = {1: plain}
+        for c in cands[1:]:
+            bound = sum(expected_tokens(a, c) for a in acceptance) / floor
+            if bound < self.min_gain * plain:
+                break  # larger blocks gain at most what this one could
+            if c not in costs:
+                return c  # worth measuring
+            floor = max(floor, costs[c])
+            rates[c] = sum(expected_tokens(a, c) for a in acceptance) / costs[c]
         best = max(rates, key=rates.get)
-        if best != 1 and rates[best] < self.min_gain * rates[1]:
+        if best != 1 and rates[best] < self.min_gain * plain:
             best = 1
         if self.explore_every and self._iterations % self.explore_every == 0 and len(cands) > 1:
-            others = [c for c in cands if c != best]
+            # Re-measure a neighbour of the choice so the estimates follow a growing context.
+            i = cands.index(best)
             self._explore_turn += 1
-            return others[self._explore_turn % len(others)]
+            return cands[i + 1] if (self._explore_turn % 2 and i + 1 < len(cands)) or i == 0 else cands[i - 1]
         return best
