@@ -218,6 +218,51 @@ def run_ours(address: str, model_name: str, prompts: list[str], max_tokens: int,
     return asyncio.run(_ours_level(address, model_name, prompts, max_tokens, mode))
 
 
+def run_engine(engine, prompt_ids: list[list[int]], max_tokens: int, mode: str = "auto") -> Level:
+    """N requests submitted at once to a worker's engine in this process (`--in-process`: the
+    engine alone, without gRPC and the coordinator).
+
+    Raises:
+        Exception: the error of a request that failed.
+    """
+    import threading
+
+    from worker.engine.types import DoneEvent, GenerationRequest, TokenEvent
+
+    n = len(prompt_ids)
+    counts, ends, dones, errors = [0] * n, [0.0] * n, [None] * n, []
+    finished = threading.Semaphore(0)
+    t0 = time.perf_counter()
+
+    def emit_for(i: int):
+        def emit(ev) -> None:
+            if isinstance(ev, TokenEvent):
+                counts[i] += len(ev.token_ids)
+                return
+            ends[i] = time.perf_counter() - t0
+            if isinstance(ev, DoneEvent):
+                dones[i] = ev
+            else:
+                errors.append(ev.error)
+            finished.release()
+        return emit
+
+    for i, ids in enumerate(prompt_ids):
+        engine.submit(GenerationRequest(f"bench-{t0}-{i}", tuple(ids), max_tokens, mode=mode), emit_for(i))
+    for _ in range(n):
+        finished.acquire()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    sessions = [Session(c, e, c >= max_tokens) for c, e in zip(counts, ends)]
+    modes: dict[str, int] = {}
+    for d in dones:
+        modes[d.stats.mode] = modes.get(d.stats.mode, 0) + 1
+    taus = [d.stats.acceptance_length for d in dones if d.stats.acceptance_length]
+    note = " ".join(f"{m}:{c}" for m, c in modes.items()) + (f" tau {sum(taus) / len(taus):.2f}" if taus else "")
+    return Level("", sessions, wall, note, [d.stats.prompt_tokens for d in dones])
+
+
 # ---- mlx-lm batch_generate --------------------------------------------------------------------
 
 def run_mlx_batch(model, tokenizer, prompt_ids: list[list[int]], max_tokens: int) -> Level:
@@ -419,6 +464,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--worker-args", default="", help="extra worker flags, one shell-quoted string")
     p.add_argument("--server-args", default="", help="extra mlx_lm server flags, one string")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument("--engine-arg", action="append", default=[], metavar="FIELD=VALUE",
+                   help="with --in-process: an EngineConfig field (e.g. small_gemm=false); repeatable")
+    p.add_argument("--in-process", action="store_true",
+                   help="run ours / ours-plain on a worker engine in this process (no gRPC, no coordinator)")
     a = p.parse_args(argv)
     if a.max_tokens < 1:
         p.error(f"--max-tokens must be >= 1, got {a.max_tokens}")
@@ -431,6 +480,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except (FileNotFoundError, NotADirectoryError) as e:
         p.error(f"--model: {e}")
     return a
+
+
+def _engine_arg(text: str) -> tuple[str, object]:
+    """`FIELD=VALUE` -> (FIELD, VALUE as bool, int or str)."""
+    field_name, _, value = text.partition("=")
+    parsed: object = {"true": True, "false": False}.get(value.lower(), value)
+    if isinstance(parsed, str) and parsed.lstrip("-").isdigit():
+        parsed = int(parsed)
+    return field_name.strip(), parsed
 
 
 def worker_draft(draft: str, model: str) -> str | None:
@@ -476,7 +534,22 @@ def run_all(a: argparse.Namespace, log=print) -> list[Level]:
             f"{level.aggregate_tps:.1f} tok/s {level.note}")
 
     ours = [s for s in a.systems if s in ("ours", "ours-plain")]
-    if ours:
+    if ours and a.in_process:
+        from flashfleet.models.drafts import resolve_draft_arg
+        from worker.config import EngineConfig
+        from worker.engine.thread import Engine
+
+        draft = resolve_draft_arg(worker_draft(a.draft, a.model), a.model)
+        draft_dir = None if draft is None else Path(draft)
+        log(f"starting an engine in this process: capacity {max_n}, draft {draft_dir}")
+        extra = dict(_engine_arg(kv) for kv in a.engine_arg)
+        with Engine(EngineConfig(model_path=a.model_dir, draft_path=draft_dir, capacity=max_n, **extra)) as engine:
+            for system in ours:
+                mode = "plain" if system == "ours-plain" else "auto"
+                run_engine(engine, ids[:1], WARMUP_TOKENS, mode)
+                for n in a.sessions:
+                    record(system, n, run_engine(engine, session_prompts(ids, n), a.max_tokens, mode))
+    elif ours:
         from flashfleet.models import served_model_name
 
         draft = worker_draft(a.draft, a.model)
