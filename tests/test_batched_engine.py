@@ -273,3 +273,15 @@ def test_second_turn_prefills_only_new_tokens(tiny_models, dflash_dir, mode):
         cold, done3 = run_request(cold_engine, GenerationRequest("t2c", follow, 12, mode=mode))
         assert done3.stats.cached_tokens == 0
     assert warm == cold
+
+
+def test_a_draft_that_does_not_pay_is_mostly_not_run(tiny_models, dflash_dir):
+    """The tiny random draft is almost never right: under the cost policy (the default) the worker's
+    DFlash sessions decode with plain steps after a few probes, and their output is plain greedy."""
+    cfg = EngineConfig(model_path=tiny_models.llama, draft_path=dflash_dir, capacity=4)
+    with Engine(cfg) as engine:
+        prompt = encode_all(engine)[1]
+        plain = alone(engine, [prompt], 120)[0]
+        out, done = run_request(engine, GenerationRequest("auto", prompt, 120, mode="auto"))
+        assert out == plain and done.stats.mode == "dflash"
+        assert done.stats.cycles <= 0.25 * done.stats.generated_tokens
