@@ -10,8 +10,9 @@ reports.
 KV room: each heartbeat carries the worker's free KV bytes (its budget less its running
 sessions' caches; the prompt cache gives way) and registration its KV bytes per token of
 context. A request may need up to `request_tokens_bound` tokens of KV; a worker whose free bytes
-are below that times its bytes per token is passed over while another worker has room (it would
-otherwise preempt sessions to make space, each resumed later by recomputing its cache). A worker
+are below that times its bytes per token is passed over while another worker has room (there
+the request would wait for memory, or its growth would evict the prompt cache and preempt the
+newest session, which resumes later by recomputing its cache). A worker
 that reports no budget or no bytes per token counts as having room. Free bytes lag by up to one
 heartbeat interval, so this is a preference, never a refusal: with no worker that has room, the
 request goes where it would have gone anyway.
