@@ -37,7 +37,8 @@ def request_tokens_bound(request: common_pb2.GenerateRequest) -> int:
     """Upper bound on the tokens of context a request holds on its worker, without a tokenizer:
     the UTF-8 bytes of its prompt (or of its messages' contents), since a byte-level BPE token
     covers at least one byte, plus max_tokens (unset: `WORKER_DEFAULT_MAX_TOKENS`). Chat-template
-    tokens around the messages are not counted; on prose the bound is a few times the true count.
+    tokens around the messages are not counted. How far above the true count it lies depends on
+    the tokenizer and the text.
     """
     if request.WhichOneof("input") == "messages":
         prompt_bytes = sum(len(m.content.encode()) for m in request.messages.messages)
@@ -177,7 +178,7 @@ def route(model: str, session_id: str, workers: Iterable[WorkerRecord], exclude:
     roomy = [w for w in eligible if w.busy < w.capacity and has_kv_room(w, model, tokens)]
     sticky = affinity.lookup(session_id)
     for w in eligible:
-        if w.worker_id == sticky and w.busy < w.capacity and (w in roomy or not roomy):
+        if w.worker_id == sticky and w.busy < w.capacity and (not roomy or any(r is w for r in roomy)):
             return w
     if not eligible:
         raise AllBusy(f"all {len(serving)} worker(s) serving {model!r} failed or are full")
