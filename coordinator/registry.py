@@ -68,6 +68,17 @@ class WorkerRecord:
         return self.in_flight
 
     @property
+    def kv_free_bytes(self) -> int | None:
+        """KV bytes new sessions can have on the worker, from its latest heartbeat; None when it
+        reports no KV budget (unknown)."""
+        return self.load.kv_free_bytes if self.load.kv_budget_bytes > 0 else None
+
+    def kv_bytes_per_token(self, model: str) -> int:
+        """KV-cache bytes one token of context of `model` takes on this worker, as it registered
+        them (target plus draft); 0 when unknown."""
+        return next((m.kv_bytes_per_token for m in self.models if m.name == model), 0)
+
+    @property
     def utilisation(self) -> float:
         """busy / capacity: the load `PowerOfTwoRouter` compares (may exceed 1 while the
         worker's reported capacity is below the streams open to it)."""

@@ -1,9 +1,21 @@
-"""Choosing a worker for a request: session affinity first, then power of two choices.
+"""Choosing a worker for a request: session affinity first, then power of two choices, both
+preferring workers with KV memory for the request.
 
 Power of two choices (Mitzenmacher 2001; Ray Serve's default `pow_2_router.py`): sample two
-candidate workers at random and take the less utilised one (busy sessions / capacity). It spreads
-load nearly as well as scanning all workers while staying O(1) and avoiding the herd effect of
-always picking the global minimum from stale load reports.
+candidate workers at random and take the less utilised one (busy sessions / capacity), the one
+with more free KV bytes on a tie. It spreads load nearly as well as scanning all workers while
+staying O(1) and avoiding the herd effect of always picking the global minimum from stale load
+reports.
+
+KV room: each heartbeat carries the worker's free KV bytes (its budget less its running
+sessions' caches; the prompt cache gives way) and registration its KV bytes per token of
+context. A request may need up to `request_tokens_bound` tokens of KV; a worker whose free bytes
+are below that times its bytes per token is passed over while another worker has room (there
+the request would wait for memory, or its growth would evict the prompt cache and preempt the
+newest session, which resumes later by recomputing its cache). A worker
+that reports no budget or no bytes per token counts as having room. Free bytes lag by up to one
+heartbeat interval, so this is a preference, never a refusal: with no worker that has room, the
+request goes where it would have gone anyway.
 """
 from __future__ import annotations
 
@@ -12,12 +24,42 @@ import time
 from typing import Callable, Iterable
 
 from coordinator.registry import WorkerRecord
+from flashfleet.requests import WORKER_DEFAULT_MAX_TOKENS
 from flashfleet.v1 import common_pb2
 
 
 def _mode_name(mode: int) -> str:
     """The SDK's and CLI's name of a decode mode: DECODE_MODE_DFLASH -> "dflash"."""
     return common_pb2.DecodeMode.Name(mode).removeprefix("DECODE_MODE_").lower()
+
+
+def request_tokens_bound(request: common_pb2.GenerateRequest) -> int:
+    """Upper bound on the tokens of context a request holds on its worker, without a tokenizer:
+    the UTF-8 bytes of its prompt (or of its messages' contents), since a byte-level BPE token
+    covers at least one byte, plus max_tokens (unset: `WORKER_DEFAULT_MAX_TOKENS`). Chat-template
+    tokens around the messages are not counted. How far above the true count it lies depends on
+    the tokenizer and the text.
+    """
+    if request.WhichOneof("input") == "messages":
+        prompt_bytes = sum(len(m.content.encode()) for m in request.messages.messages)
+    else:
+        prompt_bytes = len(request.prompt.encode())
+    budget = request.max_tokens if request.HasField("max_tokens") else WORKER_DEFAULT_MAX_TOKENS
+    return prompt_bytes + budget
+
+
+def has_kv_room(worker: WorkerRecord, model: str, tokens: int) -> bool:
+    """Whether `worker` reports free KV bytes for `tokens` tokens of context of `model`; True
+    when it reports no KV budget, no bytes per token, or tokens is 0 (nothing to compare)."""
+    free = worker.kv_free_bytes
+    per_token = worker.kv_bytes_per_token(model)
+    return free is None or per_token == 0 or tokens <= 0 or free >= tokens * per_token
+
+
+def _kv_free_key(worker: WorkerRecord) -> int:
+    """Free KV bytes for tie-breaking; -1 when unknown (a known amount wins)."""
+    free = worker.kv_free_bytes
+    return -1 if free is None else free
 
 
 class NoWorker(LookupError):
@@ -39,7 +81,8 @@ class PowerOfTwoRouter:
         self._rng = rng or random.Random()
 
     def choose_worker(self, candidates: list[WorkerRecord]) -> WorkerRecord:
-        """Returns the chosen worker.
+        """Returns the chosen worker: the less utilised of two sampled at random, on a tie the
+        one with more free KV bytes (a reported amount before an unknown one).
 
         Args:
             candidates: live workers serving the model, not yet tried for this request.
@@ -53,7 +96,9 @@ class PowerOfTwoRouter:
         if len(free) == 1:
             return free[0]
         a, b = self._rng.sample(free, 2)
-        return a if a.utilisation <= b.utilisation else b
+        if a.utilisation != b.utilisation:
+            return a if a.utilisation < b.utilisation else b
+        return a if _kv_free_key(a) >= _kv_free_key(b) else b
 
 
 class SessionAffinity:
@@ -99,13 +144,19 @@ class SessionAffinity:
 
 def route(model: str, session_id: str, workers: Iterable[WorkerRecord], exclude: set[str],
           router: PowerOfTwoRouter, affinity: SessionAffinity,
-          mode: int = common_pb2.DECODE_MODE_AUTO) -> WorkerRecord:
+          mode: int = common_pb2.DECODE_MODE_AUTO, tokens: int = 0) -> WorkerRecord:
     """Chooses the worker for one attempt of a request.
 
     Only workers serving the model (with a draft of the right kind for a speculative `mode`) are
-    eligible, and of those the ones not marked `unreachable` while any of them has room. The session's worker
-    wins while it is live, eligible, has room and was not tried; otherwise the router picks among
-    the other eligible workers.
+    eligible, and of those the ones not marked `unreachable` while any of them has a free slot.
+    The session's worker (where its earlier turns are in the prompt cache) wins while it is live,
+    eligible, has a free slot, was not tried, and has KV room for `tokens` tokens of context or no
+    other eligible worker has; otherwise the router picks among the eligible workers with KV room
+    (`has_kv_room`), or among all eligible ones when none has.
+
+    Args:
+        tokens: tokens of context the request may hold (`request_tokens_bound`); 0 skips the
+            KV-room preference.
 
     Raises:
         NoWorker: no live worker serves the model.
@@ -124,10 +175,11 @@ def route(model: str, session_id: str, workers: Iterable[WorkerRecord], exclude:
     # A worker that just failed to answer is a last resort (it may be back: then its heartbeat
     # clears the mark), not every request's first try; it still serves when the others are full.
     eligible = [w for w in eligible if not w.unreachable and w.busy < w.capacity] or eligible
+    roomy = [w for w in eligible if w.busy < w.capacity and has_kv_room(w, model, tokens)]
     sticky = affinity.lookup(session_id)
     for w in eligible:
-        if w.worker_id == sticky and w.busy < w.capacity:
+        if w.worker_id == sticky and w.busy < w.capacity and (not roomy or any(r is w for r in roomy)):
             return w
     if not eligible:
         raise AllBusy(f"all {len(serving)} worker(s) serving {model!r} failed or are full")
-    return router.choose_worker(eligible)
+    return router.choose_worker(roomy or eligible)

@@ -22,7 +22,8 @@ from coordinator.admission import AdmissionQueue
 from coordinator.config import CoordinatorConfig
 from coordinator.migration import StreamProgress
 from coordinator.registry import Registry, UnknownLease, WorkerRecord
-from coordinator.routing import AllBusy, NoWorker, PowerOfTwoRouter, SessionAffinity, route
+from coordinator.routing import (AllBusy, NoWorker, PowerOfTwoRouter, SessionAffinity, request_tokens_bound,
+                                 route)
 from flashfleet.errors import FlashfleetError
 from flashfleet.requests import validate_request
 from flashfleet.transport import WORKER_CHANNEL_OPTIONS, aio_channel
@@ -301,6 +302,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 return False
             return bounded(state)
 
+        tokens = request_tokens_bound(request)  # KV the request may need: routing prefers room for it
         refused: set[str] = set()  # workers that said "full": tried again once the others are
         retrying = AsyncRetrying(
             stop=stop,
@@ -316,12 +318,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 try:  # from here to the reservation below nothing awaits: the slot stays ours
                     try:
                         worker = route(request.model, request.session_id, self.registry.live(), tried | refused,
-                                       self.router, self.affinity, request.mode)
+                                       self.router, self.affinity, request.mode, tokens)
                     except AllBusy:
                         if not refused:
                             raise
                         worker = route(request.model, request.session_id, self.registry.live(), tried,
-                                       self.router, self.affinity, request.mode)
+                                       self.router, self.affinity, request.mode, tokens)
                 except AllBusy:
                     if last_failure is not None:  # report why the tried workers failed
                         raise last_failure from None
@@ -368,13 +370,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def GetClusterStatus(self, request, context):
         """One `WorkerStatus` per live worker (sorted by id; `heartbeat_age_s` in seconds,
-        `active_sessions` the coordinator's open streams to it) and the number of sessions with a
+        `active_sessions` the coordinator's open streams to it, KV bytes from its latest heartbeat)
+        and the number of sessions with a
         live affinity entry."""
         workers = [
             coordinator_pb2.WorkerStatus(
                 worker_id=w.worker_id, address=w.address, models=w.models,
                 active_sessions=w.busy, capacity=w.load.capacity,
-                kv_cache_bytes=w.load.kv_cache_bytes,
+                kv_cache_bytes=w.load.kv_cache_bytes, kv_budget_bytes=w.load.kv_budget_bytes,
+                kv_free_bytes=w.load.kv_free_bytes, prompt_cache_bytes=w.load.prompt_cache_bytes,
                 heartbeat_age_s=self.registry.heartbeat_age_s(w), served_requests=w.served_requests,
                 unreachable=w.unreachable)
             for w in sorted(self.registry.live(), key=lambda w: w.worker_id)]

@@ -129,7 +129,8 @@ class WorkerEntry:
         capacity: sessions admitted at once.
         chip: Apple chip, e.g. "M4 Pro" ("" = detect).
         peak_memory_bandwidth_gbs: overrides the chip table (GB/s).
-        kv_cache_limit_bytes: KV budget shown and alerted on (None = derived from memory).
+        kv_cache_limit_bytes: the engine's KV budget, running sessions and the prompt cache
+            (None = the device's usable memory less a margin and the weights).
         drain_timeout_s: on SIGTERM, how long in-flight requests may finish (seconds).
         spec_timing_sync: time draft and verify apart for the metrics (one host sync per timed
             cycle; worker --spec-timing-sync).

@@ -43,6 +43,10 @@ class GenerationStats:
         migrations: times the coordinator moved the request to another worker mid-stream; after
             one, the times and speculative counts are the last worker's, the token counts the
             request's.
+        cached_tokens: prompt tokens whose KV cache the worker reused from an earlier turn with
+            the same prefix (its prompt cache) instead of prefilling them; part of prompt_tokens.
+        preemptions: times the worker paused the request to free KV memory for other sessions and
+            resumed it by recomputing its cache (each costs about one prefill of its context).
     """
 
     prompt_tokens: int
@@ -61,6 +65,8 @@ class GenerationStats:
     queue_s: float = 0.0
     translate_s: float = 0.0
     migrations: int = 0
+    cached_tokens: int = 0
+    preemptions: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -76,7 +82,8 @@ class GenerationStats:
             drafted_tokens=s.drafted_tokens, accepted_tokens=s.accepted_tokens,
             acceptance_length=s.acceptance_length, draft_s=s.draft_s, verify_s=s.verify_s,
             accepted_per_position=tuple(s.accepted_per_position), queue_s=s.queue_s,
-            translate_s=s.translate_s, migrations=s.migrations,
+            translate_s=s.translate_s, migrations=s.migrations, cached_tokens=s.cached_tokens,
+            preemptions=s.preemptions,
         )
 
 

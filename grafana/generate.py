@@ -69,6 +69,9 @@ SPEEDUP = "({})\n/\n({})".format(hist_mean(TPS, M + ', method!="plain"', "model"
 BANDWIDTH = ratio("flashfleet_worker_decode_read_bytes_total", "flashfleet_worker_decode_seconds_total",
                   MI, "instance")
 PEAK = 'max by (instance) (flashfleet_worker_peak_memory_bandwidth_bytes_per_second{instance=~"$instance"})'
+CACHED_RATIO = ratio("flashfleet_worker_prompt_cached_tokens_total", "flashfleet_worker_prompt_tokens_total",
+                     by="model")
+PREEMPTIONS = rate("flashfleet_worker_preemptions_total", by="model")
 
 
 # ----- panel helpers ----------------------------------------------------------------------------
@@ -190,7 +193,20 @@ def fleet() -> dict:
              ts("Sessions by worker", "short",
                 [(f"sum by (instance) (flashfleet_worker_sessions{{{M}}})", "{{instance}}")]),
              ts("KV cache by worker", "bytes",
-                [(f"sum by (instance) (flashfleet_worker_kv_cache_bytes{{{M}}})", "{{instance}}")]),
+                [(f"sum by (instance) (flashfleet_worker_kv_cache_bytes{{{M}}})", "{{instance}} used"),
+                 (f"max by (instance) (flashfleet_worker_kv_budget_bytes{{{M}}})", "{{instance}} budget")],
+                "Running sessions' KV caches against each worker's KV budget; routing prefers "
+                "workers with room for a request."),
+             ts("Prompt cache by worker", "bytes",
+                [(f"sum by (instance) (flashfleet_worker_prompt_cache_bytes{{{M}}})", "{{instance}}")],
+                "Finished turns' KV caches kept for prefix reuse; they give way when sessions "
+                "need the memory."),
+             ts("Prompt tokens from the prompt cache", "percentunit", [(CACHED_RATIO, "{{model}}")],
+                "Cached prompt tokens / all prompt tokens: the share of prefill a session's "
+                "earlier turns saved (session affinity keeps a session on the worker holding them)."),
+             ts("Preemptions", "short", [(PREEMPTIONS, "{{model}}")],
+                "Sessions paused per second to free KV memory, each resumed later by recomputing "
+                "its cache (about one prefill of its context)."),
          ])])
 
 
@@ -262,7 +278,16 @@ def worker() -> dict:
                [(f"({BANDWIDTH})\n/ on (instance)\n{PEAK}", "{{instance}}")]),
             ts("KV cache and its budget", "bytes",
                [(f"sum by (instance) (flashfleet_worker_kv_cache_bytes{{{MI}}})", "{{instance}} used"),
-                (f"max by (instance) (flashfleet_worker_kv_cache_limit_bytes{{{MI}}})", "{{instance}} limit")]),
+                (f"max by (instance) (flashfleet_worker_kv_budget_bytes{{{MI}}})", "{{instance}} budget"),
+                (f"sum by (instance) (flashfleet_worker_prompt_cache_bytes{{{MI}}})", "{{instance}} prompt cache")],
+               "Running sessions' KV caches (used), the prompt cache (finished turns kept for "
+               "reuse, evicted first) and the budget both share."),
+            ts("Prompt cache hits and preemptions", "short",
+               [(ratio("flashfleet_worker_prompt_cached_tokens_total", "flashfleet_worker_prompt_tokens_total",
+                       MI, "instance"), "{{instance}} cached prompt share"),
+                (rate("flashfleet_worker_preemptions_total", MI, "instance"), "{{instance}} preemptions/s")],
+               "Share of prompt tokens whose KV came from the prompt cache, and sessions paused "
+               "per second for memory (each resumed by recomputing its cache)."),
             ts("Decode bytes read per second", "Bps",
                [(rate("flashfleet_worker_decode_read_bytes_total", MI, "instance"), "{{instance}}")],
                "Wall-clock rate of the estimated bytes read (includes idle time)."),

@@ -20,6 +20,13 @@ class FakeEngine:
         refuse: raise this error class from submit() (to test retries).
         abort_delay_s: a cancelled request keeps its slot this long (a real engine frees it at
             its next turn, after the caller's call has ended).
+        kv_budget_bytes: the KV budget `load()` reports (0: unknown).
+        kv_bytes_per_token: the model's KV bytes per token of context (0: unknown); a running
+            request holds this much per prompt token, at least 1000 bytes.
+
+    A finished request's prompt stays in a prompt cache (1000 bytes each in `load()`): a later
+    prompt reports as `cached_tokens` its longest common prefix with one of them, at most all its
+    tokens but the last (the engine prefills at least one).
 
     Attributes:
         alive: the real engine's property (its thread runs); a test sets it False to play an
@@ -27,8 +34,13 @@ class FakeEngine:
     """
 
     def __init__(self, name="fake-model", capacity=4, token_delay_s=0.0, refuse=None,
-                 max_context_tokens=4096, abort_delay_s=0.0):
-        self.model = ModelDescription(name=name, max_context_tokens=max_context_tokens)
+                 max_context_tokens=4096, abort_delay_s=0.0, kv_budget_bytes=1 << 20,
+                 kv_bytes_per_token=0):
+        self.model = ModelDescription(name=name, max_context_tokens=max_context_tokens,
+                                      kv_bytes_per_token=kv_bytes_per_token)
+        self.kv_budget_bytes = kv_budget_bytes
+        self.prompt_cache: list[tuple[int, ...]] = []
+        self._kv_held: dict[str, int] = {}
         self.capacity = capacity
         self.token_delay_s = token_delay_s
         self.refuse = refuse
@@ -61,6 +73,7 @@ class FakeEngine:
                 raise Overloaded(f"capacity {self.capacity} reached")
             stop = threading.Event()
             self.active[request.request_id] = stop
+            self._kv_held[request.request_id] = max(1000, self.model.kv_bytes_per_token * len(request.prompt_tokens))
             self.submitted.append(request)
         threading.Thread(target=self._run, args=(request, emit, stop), daemon=True).start()
 
@@ -77,10 +90,15 @@ class FakeEngine:
             n += 1
         if reason == "cancelled" and self.abort_delay_s:
             time.sleep(self.abort_delay_s)
+        prompt = tuple(request.prompt_tokens)
         with self._lock:
             self.active.pop(request.request_id, None)
+            self._kv_held.pop(request.request_id, None)
+            cached = max((_common_prefix(prompt, p) for p in self.prompt_cache), default=0)
+            self.prompt_cache.append(prompt)
         stats = GenerationStats(prompt_tokens=len(request.prompt_tokens) + len(request.resume_tokens),
-                                generated_tokens=n, total_s=time.monotonic() - t0, mode="plain")
+                                generated_tokens=n, total_s=time.monotonic() - t0, mode="plain",
+                                cached_tokens=max(0, min(cached, len(prompt) - 1)))
         emit(DoneEvent(request.request_id, reason, stats))
 
     def abort(self, request_id):
@@ -93,10 +111,22 @@ class FakeEngine:
         return True
 
     def load(self):
-        return EngineLoad(active_sessions=len(self.active), capacity=self.capacity,
-                          kv_cache_bytes=1000 * len(self.active))
+        with self._lock:
+            return EngineLoad(active_sessions=len(self.active), capacity=self.capacity,
+                              kv_cache_bytes=sum(self._kv_held.values()), kv_budget_bytes=self.kv_budget_bytes,
+                              prompt_cache_bytes=1000 * len(self.prompt_cache))
 
     def close(self):
         self.closed = True
         for stop in list(self.active.values()):
             stop.set()
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -454,9 +454,38 @@ def test_status_cli_shows_each_workers_draft(capsys):
         assert " - " in rows["w2"] and "dflash" not in rows["w2"]
         # every column lines up with its header, however wide the draft's name
         header = rows["worker"]
-        for col in ("sessions", "KV MiB", "served", "heartbeat"):
+        for col in ("sessions", "KV used / budget", "prompt cache", "served", "heartbeat"):
             end = header.index(col) + len(col)  # numbers are right-aligned under their header
             assert all(r[end - 1] != " " and (len(r) == end or r[end] == " ") for r in (rows["w1"], rows["w2"])), col
+    finally:
+        c.close()
+
+
+def test_stats_and_status_carry_the_prompt_cache_and_kv_budget(capsys):
+    """A session's second turn goes back to its worker and reports the prompt tokens that
+    worker's prompt cache held; heartbeats bring each worker's KV budget, free bytes and prompt
+    cache bytes to the cluster status and `flashfleet status`."""
+    from flashfleet.cli.status import main as status_main
+
+    budget = 800 << 20
+    c = start_cluster({"w1": FakeEngine(kv_budget_bytes=budget), "w2": FakeEngine(kv_budget_bytes=budget)},
+                      heartbeat_interval_s=0.1)
+    try:
+        with Client(c.address) as client:
+            first = client.complete("fake-model", prompt="shared prefix, turn one", max_tokens=2, session_id="s")
+            second = client.complete("fake-model", prompt="shared prefix, turn two", max_tokens=2, session_id="s")
+            assert second.worker_id == first.worker_id
+            assert first.stats.cached_tokens == 0 and first.stats.preemptions == 0
+            assert second.stats.cached_tokens == len("shared prefix, turn ")
+
+            def served_worker():
+                return next(w for w in client.cluster_status().workers if w.worker_id == first.worker_id)
+            assert wait_until(lambda: served_worker().prompt_cache_bytes == 2000)  # the fake's 1000 per turn
+            w = served_worker()
+            assert w.kv_budget_bytes == budget and w.kv_free_bytes == budget - w.kv_cache_bytes
+        assert status_main(["--address", c.address]) == 0
+        rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+        assert " / 800 MiB" in rows[first.worker_id] and "0.0 MiB" in rows[first.worker_id]  # 2000 B cached
     finally:
         c.close()
 

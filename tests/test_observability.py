@@ -281,7 +281,7 @@ def test_every_alert_rule_parses_and_its_signal_returns_data(live):
     assert {r["alert"] for r in rules} >= {"FlashfleetWorkerDown", "FlashfleetAcceptanceCollapse",
                                           "FlashfleetAcceptanceLengthLow",
                                           "FlashfleetSpeculationSlowerThanPlain",
-                                          "FlashfleetKVCacheNearLimit"}
+                                          "FlashfleetKVCacheNearLimit", "FlashfleetKVPreemptions"}
     for rule in rules:
         expr = rule["expr"]
         live.result(expr)  # parses and evaluates (empty while it does not fire)
@@ -465,6 +465,30 @@ def test_spec_series_start_at_zero_and_requests_are_counted_once():
     per_token = decode_read_bytes_per_token(engine.model, stats)
     assert get("flashfleet_worker_decode_read_bytes_total", lab) == pytest.approx(per_token * 4.0 * 2.0)
     assert get("flashfleet_worker_requests_total", {"model": MODEL, "outcome": "stop"}) == 1
+
+
+def test_kv_budget_prompt_cache_and_preemptions_are_exported():
+    engine = FakeEngine(MODEL, kv_budget_bytes=5000)
+    registry = CollectorRegistry()
+    m = WorkerMetrics(registry, engine, MachineInfo())
+    get = registry.get_sample_value
+    lab = {"model": MODEL}
+    assert get("flashfleet_worker_prompt_cached_tokens_total", lab) == 0  # created at zero
+    assert get("flashfleet_worker_preemptions_total", lab) == 0
+    assert get("flashfleet_worker_kv_budget_bytes", lab) == 5000
+    assert get("flashfleet_worker_prompt_cache_bytes", lab) == 0
+    engine.prompt_cache.append((1, 2, 3))  # a finished turn kept by the fake: 1000 bytes
+    assert get("flashfleet_worker_prompt_cache_bytes", lab) == engine.load().prompt_cache_bytes == 1000
+    for cached, preempted in ((24, 1), (8, 0)):
+        stats = GenerationStats(prompt_tokens=32, generated_tokens=4, ttft_s=0.1, tokens_per_s=10.0, total_s=0.4,
+                                cached_tokens=cached, preemptions=preempted)
+        m.observe_request(MODEL, DoneEvent("r", "stop", stats))
+    assert get("flashfleet_worker_prompt_cached_tokens_total", lab) == 32
+    assert get("flashfleet_worker_prompt_tokens_total", lab) == 64
+    assert get("flashfleet_worker_preemptions_total", lab) == 1
+    no_budget = CollectorRegistry()
+    WorkerMetrics(no_budget, FakeEngine(MODEL, kv_budget_bytes=0), MachineInfo())
+    assert no_budget.get_sample_value("flashfleet_worker_kv_budget_bytes", lab) is None  # unknown: absent
 
 
 def test_coordinator_creates_model_series_when_first_routed():

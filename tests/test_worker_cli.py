@@ -167,7 +167,7 @@ def test_demo_with_a_directory_that_is_not_a_model(tmp_path, capsys):
     assert "not a model directory" in capsys.readouterr().err
 
 
-def test_demo_table_shows_each_prompts_worker_and_its_moves():
+def test_demo_table_shows_each_prompts_worker_moves_and_cached_tokens():
     import io
 
     from flashfleet.cli.demo import print_table
@@ -175,12 +175,12 @@ def test_demo_table_shows_each_prompts_worker_and_its_moves():
 
     def done(worker, migrations, tokens):
         stats = GenerationStats(prompt_tokens=12, generated_tokens=tokens, ttft_s=0.25, tokens_per_s=8.0,
-                                total_s=12.0, mode="plain", migrations=migrations)
+                                total_s=12.0, mode="plain", migrations=migrations, cached_tokens=tokens // 8)
         return Completion(request_id="r", text="x", token_ids=[1] * tokens, finish_reason="length",
                           stats=stats, worker_id=worker)
     out = io.StringIO()
     print_table([{"id": "code-1"}, {"id": "pl-2"}], [done("worker-2", 1, 96), done("worker-1", 0, 40)], out)
     lines = out.getvalue().splitlines()
-    assert lines[1].split()[:3] == ["prompt", "worker", "moves"]
-    assert lines[2].split()[:6] == ["code-1", "worker-2", "1", "12", "96", "250"]
+    assert lines[1].split()[:3] == ["prompt", "worker", "moves"] and "cached" in lines[1].split()
+    assert lines[2].split()[:7] == ["code-1", "worker-2", "1", "12", "12", "96", "250"]
     assert lines[3].split()[:3] == ["pl-2", "worker-1", "0"]

@@ -95,8 +95,9 @@ def parse_args(argv):
                    "'M4 Pro' (default: detected on macOS)")
     p.add_argument("--peak-memory-bandwidth-gbs", type=float, default=None,
                    help="peak memory bandwidth in GB/s (default: from the chip table)")
-    p.add_argument("--kv-cache-limit-bytes", type=int, default=None, help="KV-cache budget "
-                   "for metrics and alerts (default: 75%% of memory minus the weights)")
+    p.add_argument("--kv-cache-limit-bytes", type=int, default=None, help="most bytes the KV "
+                   "caches may hold: running sessions and the prompt cache (default: the device's "
+                   "usable memory less 20%% and the loaded weights)")
     p.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, default=None,
                    help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they "
                    "are cut off (default 25: under the 30 s systemd allows a stop)")
@@ -161,7 +162,7 @@ def build_engine(a):
                           max_context_tokens=a.max_context_tokens, fuse_projections=a.fuse_projections,
                           compile_forward=a.compile_forward, spec_timing_sync=a.spec_timing_sync,
                           branches=a.branches, small_gemm=a.small_gemm,
-                          small_attention=a.small_attention)
+                          small_attention=a.small_attention, kv_budget_bytes=a.kv_cache_limit_bytes)
     return Engine(config)
 
 
@@ -188,7 +189,7 @@ async def serve(a, engine) -> int:
     from worker.watchdog import ENGINE_DIED_EXIT
 
     registry = CollectorRegistry()
-    machine = MachineInfo.detect(a.chip, a.peak_memory_bandwidth_gbs, a.kv_cache_limit_bytes)
+    machine = MachineInfo.detect(a.chip, a.peak_memory_bandwidth_gbs)
     metrics = WorkerMetrics(registry, engine, machine)
     if getattr(a, "load_seconds", None) is not None:
         metrics.model_load_seconds.labels(model=engine.model.name).set(a.load_seconds)

@@ -49,7 +49,8 @@ def stats_proto(s: GenerationStats) -> common_pb2.GenerationStats:
         drafted_tokens=s.drafted_tokens, accepted_tokens=s.accepted_tokens,
         acceptance_length=s.acceptance_length, draft_s=s.draft_s, verify_s=s.verify_s,
         translate_s=s.translate_s,
-        accepted_per_position=s.accepted_per_position)
+        accepted_per_position=s.accepted_per_position, cached_tokens=s.cached_tokens,
+        preemptions=s.preemptions)
 
 
 def complete_response(event: DoneEvent, worker_id: str) -> common_pb2.GenerateResponse:
@@ -65,14 +66,20 @@ def complete_response(event: DoneEvent, worker_id: str) -> common_pb2.GenerateRe
 
 
 def model_info(m: ModelDescription) -> common_pb2.ModelInfo:
-    """The ModelInfo a worker registers with: name, context limit, draft label and the draft's
-    decode mode (DECODE_MODE_AUTO when there is no draft)."""
+    """The ModelInfo a worker registers with: name, context limit, draft label, the draft's
+    decode mode (DECODE_MODE_AUTO when there is no draft) and the KV bytes per token of context
+    (target's plus draft's; 0 when the target's is unknown)."""
+    kv_per_token = m.kv_bytes_per_token + m.draft_kv_bytes_per_token if m.kv_bytes_per_token else 0
     return common_pb2.ModelInfo(name=m.name, max_context_tokens=m.max_context_tokens,
-                                draft=m.draft, draft_mode=DECODE_MODES.get(m.draft_mode or "auto", 0))
+                                draft=m.draft, draft_mode=DECODE_MODES.get(m.draft_mode or "auto", 0),
+                                kv_bytes_per_token=kv_per_token)
 
 
 def load_proto(load: EngineLoad) -> worker_pb2.WorkerLoad:
-    """The WorkerLoad proto of a heartbeat or GetLoad (free_capacity clamped at 0)."""
+    """The WorkerLoad proto of a heartbeat or GetLoad (free_capacity clamped at 0; KV fields in
+    bytes, kv_free_bytes as `EngineLoad.kv_free_bytes`)."""
     return worker_pb2.WorkerLoad(active_sessions=load.active_sessions, capacity=load.capacity,
                                  free_capacity=max(load.capacity - load.active_sessions, 0),
-                                 kv_cache_bytes=load.kv_cache_bytes)
+                                 kv_cache_bytes=load.kv_cache_bytes, kv_budget_bytes=load.kv_budget_bytes,
+                                 kv_free_bytes=load.kv_free_bytes,
+                                 prompt_cache_bytes=load.prompt_cache_bytes)

@@ -5,8 +5,8 @@ never a per-request or per-session label.
 How values get here, so the decode loop never touches prometheus-client:
   - Request metrics are recorded once per finished request from its final `GenerationStats`
     (`WorkerMetrics.observe_request`, called by the servicer on the asyncio loop).
-  - Engine state (sessions, KV-cache bytes), the loaded models and the machine are read at scrape
-    time by a custom collector (`_EngineCollector`).
+  - Engine state (sessions, KV-cache bytes, the KV budget, the prompt cache), the loaded models
+    and the machine are read at scrape time by a custom collector (`_EngineCollector`).
 
 Speculative decoding is exported as counters (cycles, drafted, accepted, accepted per block
 position), so acceptance rate, mean acceptance length (tau) and per-position acceptance are
@@ -72,9 +72,6 @@ APPLE_PEAK_GBS = {
     "M4": 120.0, "M4 Pro": 273.0, "M4 Max": 546.0,
     "M5": 153.0,
 }
-# Share of unified memory macOS lets the GPU wire by default (about 2/3 to 3/4, raised with
-# `sudo sysctl iogpu.wired_limit_mb=...`); the default KV budget is this share minus the weights.
-GPU_MEMORY_FRACTION = 0.75
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -151,27 +148,22 @@ class MachineInfo:
         chip: e.g. "M4 Pro" ("" when unknown).
         peak_memory_bandwidth_bytes_per_s: None when unknown (not exported then).
         memory_bytes: physical memory (0 when unknown).
-        kv_cache_limit_bytes: KV budget; None = GPU_MEMORY_FRACTION of memory minus the weights.
     """
 
     chip: str = ""
     peak_memory_bandwidth_bytes_per_s: float | None = None
     memory_bytes: int = 0
-    kv_cache_limit_bytes: int | None = None
 
     @classmethod
-    def detect(cls, chip: str | None = None, peak_gbs: float | None = None,
-               kv_cache_limit_bytes: int | None = None) -> "MachineInfo":
+    def detect(cls, chip: str | None = None, peak_gbs: float | None = None) -> "MachineInfo":
         """Detects the chip (macOS: sysctl machdep.cpu.brand_string) and memory; explicit
         arguments win. The peak comes from `peak_gbs`, else from APPLE_PEAK_GBS by chip.
 
         Raises:
-            ValueError: a non-positive peak_gbs or kv_cache_limit_bytes.
+            ValueError: a non-positive peak_gbs.
         """
         if peak_gbs is not None and peak_gbs <= 0:
             raise ValueError(f"peak memory bandwidth must be > 0 GB/s, got {peak_gbs}")
-        if kv_cache_limit_bytes is not None and kv_cache_limit_bytes <= 0:
-            raise ValueError(f"kv_cache_limit_bytes must be > 0, got {kv_cache_limit_bytes}")
         chip = normalize_chip(chip if chip is not None else detect_chip())
         gbs = peak_gbs if peak_gbs is not None else APPLE_PEAK_GBS.get(chip)
         if gbs is None and chip:  # a typo or a chip newer than the table: say so, keep serving
@@ -179,7 +171,7 @@ class MachineInfo:
                         "metric stays absent; set --peak-memory-bandwidth-gbs "
                         "(peak_memory_bandwidth_gbs in cluster.toml)", chip, ", ".join(APPLE_PEAK_GBS))
         return cls(chip=chip, peak_memory_bandwidth_bytes_per_s=gbs * 1e9 if gbs else None,
-                   memory_bytes=physical_memory_bytes(), kv_cache_limit_bytes=kv_cache_limit_bytes)
+                   memory_bytes=physical_memory_bytes())
 
 
 def normalize_chip(name: str) -> str:
@@ -264,6 +256,12 @@ class WorkerMetrics:
                                      m, registry=r)
         self.generated_tokens = Counter("flashfleet_worker_generation_tokens",
                                         "Tokens generated.", m, registry=r)
+        self.cached_tokens = Counter("flashfleet_worker_prompt_cached_tokens", "Prompt tokens whose KV "
+                                     "cache came from the prompt cache instead of a prefill (part of "
+                                     "prompt_tokens).", m, registry=r)
+        self.preemptions = Counter("flashfleet_worker_preemptions", "Times a session was paused to "
+                                   "free KV memory and later resumed by recomputing its cache.", m,
+                                   registry=r)
         self.ttft = Histogram("flashfleet_worker_time_to_first_token_seconds", "Time from "
                               "admission to the first token.", m, buckets=TTFT_BUCKETS_S, registry=r)
         self.itl = Histogram("flashfleet_worker_inter_token_latency_seconds", "Mean time per "
@@ -317,7 +315,8 @@ class WorkerMetrics:
         name = model.name
         for outcome in OUTCOMES:
             self.requests.labels(model=name, outcome=outcome)
-        for metric in (self.prompt_tokens, self.generated_tokens, self.ttft, self.itl, self.e2e):
+        for metric in (self.prompt_tokens, self.generated_tokens, self.cached_tokens, self.preemptions,
+                       self.ttft, self.itl, self.e2e):
             metric.labels(model=name)
         self._decode_children(name, "plain")
         if model.draft_mode:
@@ -350,6 +349,8 @@ class WorkerMetrics:
         self.requests.labels(model=model, outcome=event.finish_reason).inc()
         self.prompt_tokens.labels(model=model).inc(s.prompt_tokens)
         self.generated_tokens.labels(model=model).inc(s.generated_tokens)
+        self.cached_tokens.labels(model=model).inc(s.cached_tokens)
+        self.preemptions.labels(model=model).inc(s.preemptions)
         if s.generated_tokens:
             self.ttft.labels(model=model).observe(s.ttft_s)
             self.e2e.labels(model=model).observe(s.total_s)
@@ -399,15 +400,16 @@ class _EngineCollector:
                     load.active_sessions)
         yield gauge("flashfleet_worker_capacity_sessions", "Configured session capacity.",
                     load.capacity)
-        yield gauge("flashfleet_worker_kv_cache_bytes", "Bytes held by resident sessions' KV "
-                    "caches.", load.kv_cache_bytes)
-        weights = model.weights_bytes + model.draft_weights_bytes
-        limit = machine.kv_cache_limit_bytes
-        if limit is None and machine.memory_bytes:
-            limit = max(int(GPU_MEMORY_FRACTION * machine.memory_bytes) - weights, 0)
-        if limit:
-            yield gauge("flashfleet_worker_kv_cache_limit_bytes", "KV-cache budget: configured, "
-                        "or the GPU's share of memory minus the weights.", limit)
+        yield gauge("flashfleet_worker_kv_cache_bytes", "Bytes held by running sessions' KV "
+                    "caches (the prompt cache not included).", load.kv_cache_bytes)
+        if load.kv_budget_bytes:
+            yield gauge("flashfleet_worker_kv_budget_bytes", "Most bytes the KV caches may hold "
+                        "(running sessions and the prompt cache): kv_cache_limit_bytes when set, "
+                        "else the device's usable memory less a margin and the weights.",
+                        load.kv_budget_bytes)
+        yield gauge("flashfleet_worker_prompt_cache_bytes", "Bytes held by finished turns' KV caches "
+                    "kept for prefix reuse (evicted first when sessions need room).",
+                    load.prompt_cache_bytes)
         w = GaugeMetricFamily("flashfleet_worker_model_weights_bytes", "Bytes of weights loaded.",
                               labels=["model", "role"])
         kv = GaugeMetricFamily("flashfleet_worker_model_kv_bytes_per_token", "KV-cache bytes per "

@@ -62,15 +62,16 @@ def run_prompts(address: str, model: str, prompts: list[dict], max_tokens: int,
 
 def print_table(prompts: list[dict], results: list, out=sys.stdout) -> None:
     """Writes one row per prompt to `out`: the worker that finished it, how many times the
-    coordinator moved it to another worker mid-stream (session migration), prompt and generated
-    tokens, TTFT (ms), tokens/s and finish reason. `results` are `run_prompts`' Completions, in
+    coordinator moved it to another worker mid-stream (session migration), prompt tokens, those of
+    them the worker's prompt cache held (not prefilled), generated tokens, TTFT (ms), tokens/s and
+    finish reason. `results` are `run_prompts`' Completions, in
     prompt order."""
-    print(f"\n{'prompt':<30} {'worker':<10} {'moves':>5} {'prompt tok':>10} {'gen tok':>8} {'TTFT ms':>8} "
+    print(f"\n{'prompt':<30} {'worker':<10} {'moves':>5} {'prompt tok':>10} {'cached':>6} {'gen tok':>8} {'TTFT ms':>8} "
           f"{'tok/s':>7}  finish", file=out)
     for p, r in zip(prompts, results):
         s = r.stats
         print(f"{p['id'][:30]:<30} {r.worker_id:<10} {s.migrations:>5} {s.prompt_tokens:>10} "
-              f"{s.generated_tokens:>8} {s.ttft_s * 1000:>8.0f} {s.tokens_per_s:>7.1f}  {r.finish_reason}", file=out)
+              f"{s.cached_tokens:>6} {s.generated_tokens:>8} {s.ttft_s * 1000:>8.0f} {s.tokens_per_s:>7.1f}  {r.finish_reason}", file=out)
 
 
 def main(argv: list[str]) -> int:

@@ -10,8 +10,15 @@ from flashfleet.errors import FlashfleetError
 from flashfleet.types import DECODE_MODE_NAMES
 
 
+def kv_used_budget(used_bytes: int, budget_bytes: int) -> str:
+    """"12.3 / 800 MiB": KV bytes in use over the budget (MiB; the budget "-" when 0, unknown)."""
+    budget = f"{budget_bytes / 2**20:.0f}" if budget_bytes else "-"
+    return f"{used_bytes / 2**20:.1f} / {budget} MiB"
+
+
 def main(argv: list[str]) -> int:
-    """Prints one row per worker (sessions / capacity, KV cache in MiB, requests served,
+    """Prints one row per worker (sessions / capacity, running sessions' KV cache / KV budget in
+    MiB ("-" for a budget the worker does not report), its prompt cache in MiB, requests served,
     heartbeat age in seconds, live or unreachable) and the count of sessions with affinity.
 
     Returns:
@@ -28,14 +35,16 @@ def main(argv: list[str]) -> int:
     except (FlashfleetError, ConfigError) as e:
         print(f"flashfleet status: {e}", file=sys.stderr)
         return 1
-    head = ["worker", "address", "models", "draft", "sessions", "KV MiB", "served", "heartbeat", "state"]
+    head = ["worker", "address", "models", "draft", "sessions", "KV used / budget", "prompt cache", "served",
+            "heartbeat", "state"]
     rows = []
     for w in status.workers:
         # the worker's label: a directory's name, or flashfleet/drafts/NAME for a shipped draft
         drafts = ",".join(f"{m.draft} ({DECODE_MODE_NAMES.get(m.draft_mode, m.draft_mode)})"
                           for m in w.models if m.draft) or "-"
         rows.append([w.worker_id, w.address, ",".join(m.name for m in w.models), drafts,
-                     f"{w.active_sessions}/{w.capacity}", f"{w.kv_cache_bytes / 2**20:.1f}", str(w.served_requests),
+                     f"{w.active_sessions}/{w.capacity}", kv_used_budget(w.kv_cache_bytes, w.kv_budget_bytes),
+                     f"{w.prompt_cache_bytes / 2**20:.1f} MiB", str(w.served_requests),
                      f"{w.heartbeat_age_s:.1f}s",
                      # unreachable: a call failed UNAVAILABLE since its last heartbeat; routing passes it over
                      "unreachable" if w.unreachable else "live"])

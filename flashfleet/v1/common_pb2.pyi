@@ -84,7 +84,7 @@ class Chunk(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "ttft_s", "tokens_per_s", "total_s", "mode", "cycles", "drafted_tokens", "accepted_tokens", "acceptance_length", "draft_s", "verify_s", "accepted_per_position", "queue_s", "translate_s", "migrations")
+    __slots__ = ("prompt_tokens", "generated_tokens", "ttft_s", "tokens_per_s", "total_s", "mode", "cycles", "drafted_tokens", "accepted_tokens", "acceptance_length", "draft_s", "verify_s", "accepted_per_position", "queue_s", "translate_s", "migrations", "cached_tokens", "preemptions")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,8 @@ class GenerationStats(_message.Message):
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     TRANSLATE_S_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     ttft_s: float
@@ -117,7 +119,9 @@ class GenerationStats(_message.Message):
     queue_s: float
     translate_s: float
     migrations: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., total_s: _Optional[float] = ..., mode: _Optional[str] = ..., cycles: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_length: _Optional[float] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., queue_s: _Optional[float] = ..., translate_s: _Optional[float] = ..., migrations: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    preemptions: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., total_s: _Optional[float] = ..., mode: _Optional[str] = ..., cycles: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_length: _Optional[float] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., queue_s: _Optional[float] = ..., translate_s: _Optional[float] = ..., migrations: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
 
 class Complete(_message.Message):
     __slots__ = ("finish_reason", "stats", "worker_id")
@@ -140,13 +144,15 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., complete: _Optional[_Union[Complete, _Mapping]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "max_context_tokens", "draft", "draft_mode")
+    __slots__ = ("name", "max_context_tokens", "draft", "draft_mode", "kv_bytes_per_token")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODE_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     name: str
     max_context_tokens: int
     draft: str
     draft_mode: DecodeMode
-    def __init__(self, name: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., draft: _Optional[str] = ..., draft_mode: _Optional[_Union[DecodeMode, str]] = ...) -> None: ...
+    kv_bytes_per_token: int
+    def __init__(self, name: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., draft: _Optional[str] = ..., draft_mode: _Optional[_Union[DecodeMode, str]] = ..., kv_bytes_per_token: _Optional[int] = ...) -> None: ...

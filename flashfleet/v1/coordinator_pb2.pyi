@@ -32,7 +32,7 @@ class GetClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "address", "models", "active_sessions", "capacity", "kv_cache_bytes", "heartbeat_age_s", "served_requests", "unreachable")
+    __slots__ = ("worker_id", "address", "models", "active_sessions", "capacity", "kv_cache_bytes", "heartbeat_age_s", "served_requests", "unreachable", "kv_budget_bytes", "kv_free_bytes", "prompt_cache_bytes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,9 @@ class WorkerStatus(_message.Message):
     HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
     SERVED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
+    KV_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     models: _containers.RepeatedCompositeFieldContainer[_common_pb2.ModelInfo]
@@ -51,7 +54,10 @@ class WorkerStatus(_message.Message):
     heartbeat_age_s: float
     served_requests: int
     unreachable: bool
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[_common_pb2.ModelInfo, _Mapping]]] = ..., active_sessions: _Optional[int] = ..., capacity: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., served_requests: _Optional[int] = ..., unreachable: _Optional[bool] = ...) -> None: ...
+    kv_budget_bytes: int
+    kv_free_bytes: int
+    prompt_cache_bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[_common_pb2.ModelInfo, _Mapping]]] = ..., active_sessions: _Optional[int] = ..., capacity: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., served_requests: _Optional[int] = ..., unreachable: _Optional[bool] = ..., kv_budget_bytes: _Optional[int] = ..., kv_free_bytes: _Optional[int] = ..., prompt_cache_bytes: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("workers", "sessions")

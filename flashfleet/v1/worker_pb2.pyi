@@ -8,16 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("active_sessions", "capacity", "free_capacity", "kv_cache_bytes")
+    __slots__ = ("active_sessions", "capacity", "free_capacity", "kv_cache_bytes", "kv_budget_bytes", "kv_free_bytes", "prompt_cache_bytes")
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     FREE_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     active_sessions: int
     capacity: int
     free_capacity: int
     kv_cache_bytes: int
-    def __init__(self, active_sessions: _Optional[int] = ..., capacity: _Optional[int] = ..., free_capacity: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ...) -> None: ...
+    kv_budget_bytes: int
+    kv_free_bytes: int
+    prompt_cache_bytes: int
+    def __init__(self, active_sessions: _Optional[int] = ..., capacity: _Optional[int] = ..., free_capacity: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., kv_free_bytes: _Optional[int] = ..., prompt_cache_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker_id", "address", "models", "load")

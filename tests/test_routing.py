@@ -1,0 +1,106 @@
+"""Routing by KV room (coordinator/routing.py) with simulated workers: WorkerRecords whose
+heartbeat loads report KV budgets and free bytes, no gRPC."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from coordinator.registry import Registry, WorkerRecord
+from coordinator.routing import (PowerOfTwoRouter, SessionAffinity, has_kv_room, request_tokens_bound,
+                                 route)
+from flashfleet.requests import WORKER_DEFAULT_MAX_TOKENS
+from flashfleet.v1 import common_pb2, worker_pb2
+
+MODEL = "m"
+PER_TOKEN = 1000  # KV bytes per token the simulated workers register
+
+
+def worker(wid: str, free_bytes: int | None, per_token: int = PER_TOKEN, in_flight: int = 0,
+           capacity: int = 4) -> WorkerRecord:
+    """A live worker serving MODEL; free_bytes None: it reports no KV budget."""
+    budget = 0 if free_bytes is None else 10 * free_bytes + 1
+    load = worker_pb2.WorkerLoad(capacity=capacity, kv_budget_bytes=budget, kv_free_bytes=free_bytes or 0,
+                                 kv_cache_bytes=budget - (free_bytes or 0))
+    return WorkerRecord(worker_id=wid, address=f"{wid}:1", lease_id="l",
+                        models=[common_pb2.ModelInfo(name=MODEL, kv_bytes_per_token=per_token)], load=load,
+                        last_heartbeat_s=0.0, in_flight=in_flight, model_names=frozenset({MODEL}))
+
+
+def pick(workers, tokens, session_id="", affinity=None, seed=0, n=50) -> set[str]:
+    """Worker ids `route` chose over n routings (seeded router)."""
+    router = PowerOfTwoRouter(random.Random(seed))
+    affinity = affinity or SessionAffinity(ttl_s=60.0)
+    return {route(MODEL, session_id, workers, set(), router, affinity, tokens=tokens).worker_id for _ in range(n)}
+
+
+def test_request_tokens_bound_counts_prompt_bytes_and_the_generation_budget():
+    raw = common_pb2.GenerateRequest(model=MODEL, prompt="zażółć", max_tokens=7)
+    assert request_tokens_bound(raw) == len("zażółć".encode()) + 7
+    chat = common_pb2.GenerateRequest(model=MODEL, messages=common_pb2.ChatMessages(messages=[
+        common_pb2.ChatMessage(role="system", content="be brief"),
+        common_pb2.ChatMessage(role="user", content="hi")]))
+    assert request_tokens_bound(chat) == len("be brief") + len("hi") + WORKER_DEFAULT_MAX_TOKENS
+
+
+def test_has_kv_room_compares_free_bytes_with_tokens_times_bytes_per_token():
+    assert has_kv_room(worker("a", free_bytes=100 * PER_TOKEN), MODEL, 100)
+    assert not has_kv_room(worker("a", free_bytes=100 * PER_TOKEN - 1), MODEL, 100)
+    assert has_kv_room(worker("a", free_bytes=None), MODEL, 10**9)  # no budget reported
+    assert has_kv_room(worker("a", free_bytes=0, per_token=0), MODEL, 10**9)  # no bytes per token
+    assert has_kv_room(worker("a", free_bytes=0), MODEL, 0)  # nothing to compare
+
+
+def test_registry_heartbeat_carries_free_kv_bytes():
+    registry = Registry(lease_ttl_s=10.0, clock=lambda: 0.0)
+    rec = registry.register(worker_pb2.RegisterRequest(
+        worker_id="a", address="a:1", models=[common_pb2.ModelInfo(name=MODEL, kv_bytes_per_token=PER_TOKEN)],
+        load=worker_pb2.WorkerLoad(capacity=2)))
+    assert rec.kv_free_bytes is None and rec.kv_bytes_per_token(MODEL) == PER_TOKEN
+    assert rec.kv_bytes_per_token("other") == 0
+    registry.heartbeat("a", rec.lease_id, worker_pb2.WorkerLoad(capacity=2, kv_budget_bytes=5000,
+                                                                 kv_cache_bytes=3000, kv_free_bytes=2000))
+    assert registry.get("a").kv_free_bytes == 2000
+
+
+def test_a_worker_without_room_is_passed_over_while_another_has_room():
+    tight, roomy = worker("tight", free_bytes=50 * PER_TOKEN), worker("roomy", free_bytes=500 * PER_TOKEN,
+                                                                      in_flight=3)
+    # tight is less utilised (0/4 vs 3/4) but cannot hold 100 tokens: roomy every time
+    assert pick([tight, roomy], tokens=100) == {"roomy"}
+    # a request that fits both goes by utilisation again
+    assert pick([tight, roomy], tokens=10) == {"tight"}
+
+
+def test_with_no_worker_that_has_room_routing_goes_on_as_usual():
+    idle, busy = worker("idle", free_bytes=10 * PER_TOKEN), worker("busy", free_bytes=20 * PER_TOKEN, in_flight=2)
+    assert pick([idle, busy], tokens=1000) == {"idle"}  # by utilisation, as without KV reports
+    level = worker("level", free_bytes=20 * PER_TOKEN)
+    assert pick([idle, level], tokens=1000) == {"level"}  # a tie: the more free bytes
+
+
+def test_a_worker_that_does_not_report_kv_counts_as_having_room():
+    unknown, tight = worker("unknown", free_bytes=None, in_flight=1), worker("tight", free_bytes=PER_TOKEN)
+    assert pick([unknown, tight], tokens=100) == {"unknown"}
+
+
+def test_on_equal_utilisation_more_free_kv_wins():
+    # no bytes per token: every worker "has room", free bytes only break ties
+    a, b = worker("a", free_bytes=100, per_token=0), worker("b", free_bytes=900, per_token=0)
+    assert pick([a, b], tokens=100) == {"b"}
+    c = worker("c", free_bytes=None, per_token=0)  # unknown loses to a reported amount
+    assert pick([a, c], tokens=100) == {"a"}
+    busy = worker("busy", free_bytes=10**6, per_token=0, in_flight=2)  # utilisation still comes first
+    assert pick([a, busy], tokens=100) == {"a"}
+
+
+@pytest.mark.parametrize("sticky_free, other_free, expected", [
+    (500 * PER_TOKEN, 900 * PER_TOKEN, "sticky"),  # room on its worker: affinity holds
+    (10 * PER_TOKEN, 900 * PER_TOKEN, "other"),  # no room there, room elsewhere: moves
+    (10 * PER_TOKEN, 20 * PER_TOKEN, "sticky"),  # no room anywhere: stays with its prompt cache
+])
+def test_session_affinity_holds_unless_its_worker_lacks_room(sticky_free, other_free, expected):
+    affinity = SessionAffinity(ttl_s=60.0)
+    affinity.bind("s", "sticky")
+    workers = [worker("sticky", free_bytes=sticky_free, in_flight=2), worker("other", free_bytes=other_free)]
+    assert pick(workers, tokens=100, session_id="s", affinity=affinity) == {expected}
