@@ -374,7 +374,7 @@ class Engine:
                 raise InvalidRequest(
                     f"prompt ({n} tokens) + max_tokens ({r.max_tokens}) needs {need / 1e6:.1f} MB of KV cache, "
                     f"more than this worker's KV budget of {sched.budget / 1e6:.1f} MB: "
-                    "ask for fewer tokens, or raise the worker's --kv-budget-mb")
+                    "ask for fewer tokens, or raise the worker's --kv-cache-limit-bytes")
         return mode
 
     # ----- the engine thread -----------------------------------------------------------------
