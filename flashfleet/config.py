@@ -142,7 +142,7 @@ class WorkerEntry:
     advertise_host: str = ""
     port: int = 50052
     metrics_port: int | None = None
-    capacity: int = 4
+    capacity: int = 8
     chip: str = ""
     peak_memory_bandwidth_gbs: float | None = None
     kv_cache_limit_bytes: int | None = None

@@ -174,10 +174,10 @@ def test_flags_override_the_config_file():
     assert (a.capacity, a.host, a.metrics_port, a.draft) == (2, "127.0.0.1", 0, "Qwen2.5-Coder-0.5B-Instruct")
     # Another model than the entry's: the entry's model, name and draft do not apply.
     a = worker_main.parse_args(["--config", str(CLUSTER), "--worker-id", "mini-1", "--model", "/m/x"])
-    assert (a.model, a.model_name, a.draft, a.capacity) == ("/m/x", "", None, 4)
+    assert (a.model, a.model_name, a.draft, a.capacity) == ("/m/x", "", None, 8)
     a = worker_main.parse_args(["--model", "m"])  # no config: the built-in defaults
     assert (a.capacity, a.host, a.port, a.num_draft_tokens, a.worker_id) == (
-        4, "127.0.0.1", 0, 3, socket.gethostname())
+        8, "127.0.0.1", 0, 3, socket.gethostname())
     c = coordinator_main.parse_args(["--config", str(CLUSTER), "--port", "6000"])
     assert (c.host, c.port, c.metrics_port, c.lease_ttl_s) == ("0.0.0.0", 6000, 9400, 10.0)
     c = coordinator_main.parse_args([])

@@ -27,7 +27,7 @@ from flashfleet.cli import INVOKED_AS, prog_name
 from flashfleet.config import tcp_port
 
 # Built-in defaults; a --config file's values come before them, command-line flags before both.
-DEFAULTS = {"model_name": "", "num_draft_tokens": 3, "capacity": 4, "host": "127.0.0.1",
+DEFAULTS = {"model_name": "", "num_draft_tokens": 3, "capacity": 8, "host": "127.0.0.1",
             "port": 0, "log_level": "INFO", "drain_timeout_s": 25.0, "spec_timing_sync": False}
 MODEL_SETTINGS = ("model", "model_name", "draft", "num_draft_tokens", "max_context_tokens")
 
@@ -82,7 +82,8 @@ def parse_args(argv):
                    help="DFlash: verify up to K candidate blocks per cycle in one batched forward "
                    "(greedy requests; default on CUDA 1, or 4 with --no-small-gemm; 1 on the CPU and Metal; "
                    "1 = the draft's block alone)")
-    p.add_argument("--capacity", type=int, default=None, help="sessions admitted at once (default 4)")
+    p.add_argument("--capacity", type=int, default=None,
+                   help="sessions admitted at once, decoded together in one batch (default 8)")
     p.add_argument("--max-context-tokens", type=int, default=None)
     p.add_argument("--coordinator", default=None, help="coordinator host:port (omit: standalone)")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")

@@ -28,7 +28,8 @@ class EngineConfig:
             costs, so a new request does not measure every block size first). On by default;
             False keeps the block size fixed (benchmarks of the raw cycle).
         num_draft_tokens: draft tokens proposed per speculative cycle (k), >= 1.
-        capacity: most sessions admitted at once (running or queued), >= 1.
+        capacity: most sessions admitted at once (running or queued), >= 1; running sessions are
+            decoded together, one batched forward per iteration, within the KV budget.
         prefill_step_tokens: prompt tokens per prefill forward (chunked prefill), >= 1.
         max_context_tokens: context limit override in tokens; None takes the model's
             `max_position_embeddings` from config.json.
@@ -83,7 +84,7 @@ class EngineConfig:
     block_size: int | None = None
     adaptive_block_size: bool = True
     num_draft_tokens: int = 3
-    capacity: int = 4
+    capacity: int = 8
     prefill_step_tokens: int = 512
     max_context_tokens: int | None = None
     spec_timing_sync: bool = False

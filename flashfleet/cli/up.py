@@ -78,7 +78,7 @@ class LocalCluster:
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, workers: int = 2, port: int = 0,
-                 host: str = "127.0.0.1", draft: str | None = None, capacity: int = 4,
+                 host: str = "127.0.0.1", draft: str | None = None, capacity: int = 8,
                  log_dir: str | Path | None = None, metrics_port: int | None = None,
                  worker_args: tuple[str, ...] = (), config: str | Path | None = None):
         self.config = self.worker_ids = None
@@ -382,7 +382,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--workers", type=int, default=None, help="default 2, or every config entry")
     p.add_argument("--port", type=tcp_port, default=None, help="coordinator port (default 50051)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--capacity", type=int, default=None, help="sessions per worker (default 4)")
+    p.add_argument("--capacity", type=int, default=None, help="sessions per worker (default 8)")
     p.add_argument("--metrics-port", type=tcp_port, default=None,
                    help="coordinator /metrics port; worker i gets this + i")
     p.add_argument("--log-dir", default=None)
