@@ -56,7 +56,7 @@ def compute_dtype(stored: mx.Dtype | None = None, device: mx.Device | None = Non
         return DTYPES[name]
     device = device or mx.default_device()
     if device.type == mx.DeviceType.gpu:
-        return stored if stored in _HALF else mx.bfloat16
+        return stored if stored is not None and stored in _HALF else mx.bfloat16
     return mx.float32
 
 
