@@ -510,6 +510,13 @@ def test_quantized_names_resolve_to_their_base_model():
     assert served_model_name("smollm2-135m-instruct-4bit") == f"{DEFAULT_MODEL}-4bit"
     with pytest.raises(ModelNotFetchedError, match=f"fetch {DEFAULT_MODEL} --quantize 4"):
         resolve_model("smollm2-135m-instruct-4bit")
+    from flashfleet.cli.up import check_model_ref
+
+    check_model_ref("--model", "SmolLM2-135M-Instruct-8bit")  # `flashfleet up` / `demo` take it
+    with pytest.raises(ValueError, match="neither a local model directory nor a catalog model"):
+        check_model_ref("--model", "SmolLM2-135M-Instruct-3bit")
+    with pytest.raises(ValueError, match="quantize=8"):
+        fetch_model("SmolLM2-135M-Instruct-4bit", quantize=8)
 
 
 def test_cli_fetch_quantize_stores_a_named_copy_with_the_base_draft(tmp_path, monkeypatch, capsys):
@@ -566,6 +573,7 @@ def test_cli_fetch_quantize_stores_a_named_copy_with_the_base_draft(tmp_path, mo
     assert Path(capsys.readouterr().out.strip()) == root / "Tiny-Llama-8bit" and len(calls) == 1
     assert main(["fetch", "Tiny-Llama-4bit", "--quiet"]) == 0 and len(calls) == 1
     assert "already quantized" in capsys.readouterr().err
+    assert fetch_model("tiny-llama-4bit", progress=False, log=lambda _: None) == path  # the API takes the name too
     assert main(["fetch", "Tiny-Llama-8bit", "--quantize", "4"]) == 2
     assert main(["fetch", "Tiny-Llama", "--quantize", "3"]) == 2
     capsys.readouterr()

