@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     fetch = commands.add_parser("fetch", help="download, verify and convert a model into the cache")
     fetch.add_argument("name", metavar="NAME", nargs="?", default=DEFAULT_MODEL,
-                       help=f"catalog name (default: {DEFAULT_MODEL}); see `flashfleet models list`")  # fmt: skip
+                       help=f"catalog name (default: {DEFAULT_MODEL}), or NAME-4bit / NAME-8bit for a "
+                            "quantized copy; see `flashfleet models list`")  # fmt: skip
     fetch.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                        help="stored weight dtype (default: bfloat16, or whatever dtype is already fetched); "
                             "workers compute in float32 on a CPU and in 16 bits on a GPU whatever is stored")  # fmt: skip
