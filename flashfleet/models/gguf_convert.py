@@ -58,8 +58,8 @@ def convert_gguf(
     Args:
         gguf_path: The GGUF file.
         out_dir: Directory to write into (created; existing files with the same names are replaced).
-        dtype: Stored weight dtype: ``"float32"`` (default, fastest on CPU with OpenBLAS),
-            ``"bfloat16"`` or ``"float16"``.
+        dtype: Stored weight dtype: ``"float32"`` (default here, exact), ``"bfloat16"`` (what
+            ``flashfleet models fetch`` stores; workers cast at load) or ``"float16"``.
         chat_template: Chat template to use when the GGUF carries none.
         extra_eos_tokens: Token strings that also stop generation (added to
             ``generation_config.json``'s ``eos_token_id`` when in the vocabulary).

@@ -25,6 +25,7 @@ from worker.detokenize import TextAssembler
 from worker.compiled_draft import compiled_draft_pays
 from worker.compiled_forward import compilable_model
 from worker.fusion import fuse_projections
+from worker.loading import load_target
 from worker import small_attention, small_gemm
 from worker.engine.modes import MODES, LoadedModels, Mode, candidate_rows, draft_kind_of, resolve_mode
 from worker.models.dflash_checkpoint import DraftCheckpointError, load_dflash_draft
@@ -431,7 +432,7 @@ class Engine:
     def _load_models(self) -> LoadedModels:
         """Loads the target (and draft) with mlx_lm.load and warms them up; engine thread only."""
         cfg = self.config
-        target, tokenizer = mlx_load(str(cfg.model_path))
+        target, tokenizer = load_target(cfg.model_path)
         draft = draft_tokenizer = None
         if self._draft_kind == "dflash":  # borrows the target's embedding and head
             draft = load_dflash_draft(cfg.draft_path, target)

@@ -111,13 +111,19 @@ def _cast(model: nn.Module, dtype: Optional[mx.Dtype]) -> None:
         ))
 
 
-def load_dflash_draft(path: str | Path, target: nn.Module, *, dtype: Optional[mx.Dtype] = None) -> Model:
+FOLLOW_TARGET = "target"
+
+
+def load_dflash_draft(path: str | Path, target: nn.Module, *,
+                      dtype: Optional[mx.Dtype] | str = FOLLOW_TARGET) -> Model:
     """Loads a DFlash draft directory, checks it against `target`, and binds it to it.
 
     Args:
         path: directory with config.json and one or more *.safetensors files.
         target: the mlx-lm target model the draft will run with.
-        dtype: cast floating weights to this dtype (default: keep the checkpoint's).
+        dtype: cast floating weights (quantized layers: their scales and biases) to this dtype;
+            `FOLLOW_TARGET` (default) takes the target's compute dtype (`target_dtype`: float32
+            on a CPU worker, the 16-bit dtype on a GPU), None keeps the checkpoint's.
 
     Returns:
         The draft `Model`, weights evaluated, bound to the target's embedding and head.
@@ -172,7 +178,7 @@ def load_dflash_draft(path: str | Path, target: nn.Module, *, dtype: Optional[mx
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise DraftCheckpointError(f"{path}: weights do not match config.json: {e}") from e
-    _cast(model, dtype)
+    _cast(model, target_dtype(target) if isinstance(dtype, str) and dtype == FOLLOW_TARGET else dtype)
     mx.eval(model.parameters())
     return model.bind(target)
 
@@ -274,11 +280,15 @@ def quantized_bytes_per_param(bits: int, group_size: int, scale_bytes: int = 2) 
     return bits / 8 + 2 * scale_bytes / group_size
 
 
-def _target_dtype(target: nn.Module) -> mx.Dtype:
-    w = getattr(_embedding(target), "weight", None)
-    if w is not None and mx.issubdtype(w.dtype, mx.floating):
-        return w.dtype
-    return mx.bfloat16  # quantized embedding: scales are bf16 in mlx-lm conversions
+def target_dtype(target: nn.Module) -> mx.Dtype:
+    """The floating dtype `target` computes in: its embedding's weight dtype, or for a quantized
+    embedding the dtype of its scales (bfloat16 when neither is floating)."""
+    emb = _embedding(target)
+    for name in ("weight", "scales"):
+        w = getattr(emb, name, None)
+        if w is not None and mx.issubdtype(w.dtype, mx.floating):
+            return w.dtype
+    return mx.bfloat16
 
 
 def init_dflash_draft(
@@ -359,6 +369,6 @@ def init_dflash_draft(
             p = mx.zeros_like(p)
         new.append((name, p))
     model.load_weights(new)
-    _cast(model, dtype or _target_dtype(target))
+    _cast(model, dtype or target_dtype(target))
     mx.eval(model.parameters())
     return model.bind(target)
