@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import mlx.core as mx
-from mlx_lm import load as mlx_load
 from mlx_lm.utils import load_tokenizer
 
 from worker.config import EngineConfig
@@ -437,7 +436,7 @@ class Engine:
         if self._draft_kind == "dflash":  # borrows the target's embedding and head
             draft = load_dflash_draft(cfg.draft_path, target)
         elif cfg.draft_path is not None:
-            draft, draft_tokenizer = mlx_load(str(cfg.draft_path))
+            draft, draft_tokenizer = load_target(cfg.draft_path)
             if self._draft_kind == "draft" and draft_tokenizer.vocab_size != tokenizer.vocab_size:
                 log.warning("draft %s has vocabulary %d, target %d: acceptance may suffer",
                             cfg.draft_path, draft_tokenizer.vocab_size, tokenizer.vocab_size)
