@@ -268,7 +268,11 @@ class Scheduler:
                 if self.projected_bytes() + need > self.budget and not self.idle_but_waiting():
                     return
             self.waiting.popleft()
-            self._start_prefill(seq)
+            try:
+                self._start_prefill(seq)
+            except Exception as e:
+                log.exception("request %s failed to start its prefill", seq.request_id)
+                self._finish(seq.session, error=e)
 
     def idle_but_waiting(self) -> bool:
         return not (self.prefilling or self.generators or any(self.decoding[m] for m in BATCHED_MODES))
@@ -375,7 +379,10 @@ class Scheduler:
                 done.append(i)
         if done:
             for i in done:
-                self._keep_prompt_cache(mode, i)
+                try:
+                    self._keep_prompt_cache(mode, i)
+                except Exception:  # the cache is an optimisation: never lose the session for it
+                    log.exception("request %s: keeping its prompt cache failed", seqs[i].request_id)
             self._leave(mode, done)
             for i in done:
                 self._finish(seqs[i].session)
