@@ -96,10 +96,11 @@ class Engine:
         runs every session and frees the models at the end. No other thread touches MLX.
       - Callers (the gRPC servicer) talk to it only through a command queue: `submit` and
         `abort` put `Submit` / `Abort`, `close` puts `Shutdown`. None of them waits for MLX.
-      - Sessions run concurrently by round-robin: each pass of the thread's loop drains the
-        queue, then advances every session by one `Step` (a token, or a speculative cycle),
-        detokenizes it and calls the request's `emit` on the engine thread. An exception in one
-        session ends that session with an `ErrorEvent`; the others go on.
+      - Sessions are data held by one `Scheduler` (worker/engine/scheduler.py, docs/engine.md):
+        each pass of the thread's loop drains the queue, then runs one scheduler iteration (a
+        prefill chunk, one batched forward per decoding method, one step of each session whose
+        method has no batched path), detokenizes the new tokens and calls each request's `emit`
+        on the engine thread. A session that fails ends with an `ErrorEvent`; the others go on.
       - One lock, `_lock`, guards the admission set (request ids admitted and not yet ended) and
         the accepting flag. It is held for a few set operations, never across MLX work or
         callbacks, so `submit` can answer Overloaded / Draining synchronously. Capacity is
