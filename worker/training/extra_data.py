@@ -29,14 +29,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence
 
-from worker.training.data import SYNTHETIC_CORPUS, DataError, TokenDataset
+from worker.training.data import DataError
+from worker.training.sequences import TokenDataset
+from worker.training.synthetic import SYNTHETIC_CORPUS
 
 SAMPLE_MARK = "#sample"  # ids of sampled (not greedy) answers to file prompts end with #sample{k}
 
 
 @dataclass
 class ExtraData:
-    """Sequences read from earlier data caches, ready for `build_dataset`.
+    """Sequences read from earlier data caches, ready for `answers.build_dataset`.
 
     Attributes:
         greedy: templated prompt ids (tuple) -> a complete greedy answer (token ids, at most the
