@@ -63,7 +63,7 @@ def compute_class_taps(taps: Callable[[mx.array], mx.array], tokens: np.ndarray,
                        batch_size: int, progress: Callable[[int], object], log: Callable[[str], None]
                        ) -> Optional[CachedTaps]:
     """The taps of one length class, computed in batches and kept as computed (no concatenation,
-    which would need the class's bytes twice, which ran an H200 out of memory).
+    which would hold the class's bytes twice at its peak).
 
     Args:
         taps: the target's taps of a batch, (n, width) int ids -> (n, width, n_taps * D).

@@ -131,12 +131,10 @@ class Trainer:
 
     def precompute_taps(self, progress: bool = True, classes: Optional[Sequence[int]] = None,
                         log: Callable[[str], None] = print) -> None:
-        """Runs the target once over the sequences of `classes` (default: all) in batches and
-        keeps their taps in memory (`CachedTaps`, the batches as computed: no concatenation, which
-        would need the class's bytes twice, which ran an H200 out of memory); steps of those classes
-        then read their batch's taps instead of running the target (paper: "offline"), the other
-        classes' steps run it as before. A class whose taps do not fit in memory (the backend
-        raises while computing them) is dropped, logged, and runs online: the run goes on."""
+        """Runs the target once over the sequences of `classes` (default: all) and keeps their taps
+        in memory (`taps_cache.compute_class_taps`); steps of those classes then read their batch's
+        taps instead of running the target (paper: "offline"), the other classes' steps run it.
+        A class whose taps do not fit in memory is dropped, logged, and runs online."""
         classes = set(range(len(self.widths)) if classes is None else classes)
         self.taps_cached = [None] * len(self.widths)
         total = int(sum((self.bucket_of == c).sum() for c in classes))

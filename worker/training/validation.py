@@ -4,8 +4,7 @@ The held-out tau at the end of a run (`evaluate.evaluate_tau`) decodes 72 prompt
 and costs minutes; it says nothing about *when* training stopped helping. This module holds a few
 answered sequences out of the training data and measures, every `val_every` steps, the same
 loss and teacher-forced tau estimate the training batches report (`loss.acceptance_stats`), so a
-run shows how far the draft fits its own data better than new data (the sixth and seventh H200
-sessions: training batches 4-5.7, held-out decoding 2.3).
+run shows how far the draft fits its own data better than new data (docs/training.md).
 
 Which sequences: those whose prompt token ids hash below `fraction` (SHA-1), so a prompt is on the
 same side in every run, on every process and in any mix of data (every answer to one prompt goes
