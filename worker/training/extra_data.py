@@ -1,8 +1,9 @@
 """Training sequences from earlier runs' data caches (`flashfleet draft train --extra-data DIR`).
 
 A draft gains held-out tau from prompts it has not seen (docs/training.md), so data should
-accumulate across runs and machines instead of being generated again: each run's data cache (`WORK/data/` or `WORK/data-rank{r}of{W}/`: `meta.json` + `train.jsonl`,
-or it compressed as `train.jsonl.xz` or `train.jsonl.gz`) can be handed to a later run. There,
+accumulate across runs and machines instead of being generated again: each run's data cache
+(`WORK/data/` or `WORK/data-rank{r}of{W}/`: `meta.json` + `train.jsonl`, or it compressed as
+`train.jsonl.xz` or `train.jsonl.gz`) can be handed to a later run. There,
 
 - a greedy answer to a prompt this run answers greedily anyway (same templated prompt ids) is
   reused and that prompt is not generated again, when the answer is complete: it ended with EOS,

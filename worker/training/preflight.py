@@ -11,8 +11,8 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-from worker.models.dflash_checkpoint import (DraftCheckpointError, DraftMismatch, dequantized_weights, load_dflash_draft,
-                                             read_draft_config)
+from worker.models.dflash_checkpoint import (DraftCheckpointError, DraftMismatch, dequantized_weights,
+                                             load_dflash_draft, read_draft_config)
 from worker.training.config import TrainConfig, TrainConfigError
 from worker.training.data import DataError, read_prompt_files
 from worker.training.defaults import DraftSpec
