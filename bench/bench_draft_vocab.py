@@ -39,10 +39,12 @@ def main(argv=None) -> int:
     import mlx.core as mx
 
     from worker.models.dflash_checkpoint import load_dflash_draft
-    from worker.training.data import TokenDataset
+    from worker.training.sequences import TokenDataset
     from worker.training.defaults import DraftSpec, choose_draft_vocab, label_token_counts, make_draft
     from worker.training.evaluate import evaluate_tau
-    from worker.training.train import TrainConfig, Trainer, load_target, resolve_dtype
+    from worker.training.config import TrainConfig, resolve_dtype
+    from worker.training.target import load_target
+    from worker.training.trainer import Trainer
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True)

@@ -28,7 +28,8 @@ def main(argv=None) -> int:
 
     from worker.training.data import encode_prompt, interleave_by_corpus, read_prompt_files
     from worker.training.generation import generate_responses
-    from worker.training.train import load_target, resolve_dtype
+    from worker.training.config import resolve_dtype
+    from worker.training.target import load_target
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True)

@@ -25,9 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main(argv=None) -> int:
     import mlx.core as mx
 
-    from worker.training.data import TokenDataset
+    from worker.training.sequences import TokenDataset
     from worker.training.defaults import choose_draft_spec, make_draft
-    from worker.training.train import TrainConfig, Trainer, load_target, resolve_dtype
+    from worker.training.config import TrainConfig, resolve_dtype
+    from worker.training.target import load_target
+    from worker.training.trainer import Trainer
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True)

@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from test_training import _synthetic_dataset, tiny_llama  # noqa: E402
 from worker.models.dflash_checkpoint import init_dflash_draft  # noqa: E402
 from worker.training.distributed import broadcast_tree, world  # noqa: E402
-from worker.training.train import TrainConfig, Trainer  # noqa: E402
+from worker.training.config import TrainConfig  # noqa: E402
+from worker.training.trainer import Trainer  # noqa: E402
 
 
 def main() -> None:

@@ -8,9 +8,11 @@ import lzma
 
 import pytest
 
-import worker.training.data as data_mod
+import worker.training.answers as data_mod
 from test_training import _write_prompts
-from worker.training.data import DataError, build_dataset, dataset_key
+from worker.training.answers import build_dataset
+from worker.training.data import DataError
+from worker.training.data_cache import dataset_key
 from worker.training.extra_data import cache_rows, check_extra_data, load_extra_data
 
 FP = "fingerprint-1"

@@ -23,16 +23,10 @@ from mlx_lm.models import llama, qwen3
 from worker.capture import HiddenCapture
 from worker.models.dflash import Model, ModelArgs
 from worker.models.dflash_checkpoint import init_dflash_draft, load_dflash_draft
-from worker.training import data as data_mod
-from worker.training.data import (
-    DataError,
-    TokenDataset,
-    epoch_batches,
-    length_buckets,
-    build_dataset,
-    read_prompt_files,
-    split_heldout,
-)
+from worker.training import answers as data_mod
+from worker.training.answers import build_dataset
+from worker.training.data import DataError, read_prompt_files, split_heldout
+from worker.training.sequences import TokenDataset, epoch_batches, length_buckets
 from worker.training.evaluate import evaluate_tau
 from worker.training.forward import block_hidden, block_inputs
 from worker.training.loss import (
@@ -49,7 +43,10 @@ from worker.training.defaults import (
     choose_mask_token_id,
     default_draft_layers,
 )
-from worker.training.train import CachedTaps, TrainConfig, Trainer, learning_rate, tap_cache_plan
+from worker.training.config import TrainConfig
+from worker.training.step import learning_rate
+from worker.training.taps_cache import CachedTaps, tap_cache_plan
+from worker.training.trainer import Trainer
 
 VOCAB = 256
 
@@ -1074,7 +1071,7 @@ def test_cli_train_with_a_draft_vocabulary_saves_resumes_and_continues_it(tmp_pa
     from mlx_lm import load
 
     from flashfleet.cli.draft_cmd import main
-    from worker.training.data import TokenDataset
+    from worker.training.sequences import TokenDataset
     from worker.training.defaults import choose_draft_vocab, label_token_counts
 
     files = _write_prompts(tmp_path)
@@ -1281,7 +1278,8 @@ def test_preflight_catches_bad_inputs_without_loading_weights(tmp_path, tiny_mod
 
     from worker.models.dflash_checkpoint import init_dflash_draft, save_dflash_draft
     from worker.training.data import DataError
-    from worker.training.train import TrainConfigError, preflight
+    from worker.training.config import TrainConfigError
+    from worker.training.preflight import preflight
 
     files = [str(f) for f in _write_prompts(tmp_path)]
     target, _ = load(str(tiny_models.llama))
@@ -1341,7 +1339,7 @@ def test_ctrl_c_stops_at_a_step_boundary_with_a_checkpoint_that_resumes(tmp_path
     raises TrainingInterrupted; resuming from it ends where an uninterrupted run ends."""
     import signal
 
-    from worker.training.train import TrainingInterrupted
+    from worker.training.interrupt import TrainingInterrupted
 
     target = tiny_llama()
     ds = _synthetic_dataset()
@@ -1367,9 +1365,10 @@ def test_ctrl_c_stops_at_a_step_boundary_with_a_checkpoint_that_resumes(tmp_path
 def test_cli_says_how_to_resume_after_ctrl_c(tmp_path, tiny_models, capsys, monkeypatch):
     import worker.training.train as train_mod
     from flashfleet.cli.draft_cmd import main
+    from worker.training.interrupt import TrainingInterrupted
 
     def interrupted(cfg):
-        raise train_mod.TrainingInterrupted(17, saved=True)
+        raise TrainingInterrupted(17, saved=True)
 
     monkeypatch.setattr(train_mod, "train_draft", interrupted)
     files = _write_prompts(tmp_path)

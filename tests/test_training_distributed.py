@@ -19,7 +19,8 @@ from test_training import _synthetic_dataset, _write_prompts, tiny_llama
 from worker.models.dflash_checkpoint import init_dflash_draft, load_dflash_draft
 from worker.training.data import read_prompt_files, split_heldout
 from worker.training.distributed import _LAUNCH, _free_ports
-from worker.training.train import TrainConfig, Trainer
+from worker.training.config import TrainConfig
+from worker.training.trainer import Trainer
 
 HERE = Path(__file__).resolve().parent
 

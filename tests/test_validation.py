@@ -8,7 +8,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from tests.test_training import _synthetic_dataset, _trainer, _write_prompts, tiny_llama
-from worker.training.data import TokenDataset
+from worker.training.sequences import TokenDataset
 from worker.training.loss import acceptance_stats, weighted_cross_entropy
 from worker.training.validation import Validator, prompt_hash, lowest_hashes, split_validation
 

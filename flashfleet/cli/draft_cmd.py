@@ -271,8 +271,9 @@ _NOT_CONFIG = {"command", "quiet", "processes", "backend"}  # CLI-only arguments
 def _train_processes(args, argv: list[str]) -> int:
     """Re-runs this command as `--processes` ranks under mlx.launch. Each rank gets the same
     arguments plus `--processes 1` (argparse keeps the last value, whatever spelling came first)."""
+    from worker.training.config import TrainConfig
     from worker.training.distributed import default_backend, run_local_ranks
-    from worker.training.train import TrainConfig, preflight
+    from worker.training.preflight import preflight
 
     # Before any rank starts: a bad input is one message, not one per rank after each loaded the
     # target (each rank checks again, cheaply, in _train).
@@ -292,7 +293,9 @@ def _train_processes(args, argv: list[str]) -> int:
 
 
 def _train(args) -> int:
-    from worker.training.train import TrainConfig, preflight, train_draft
+    from worker.training.config import TrainConfig
+    from worker.training.preflight import preflight
+    from worker.training.train import train_draft
 
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k not in _NOT_CONFIG}, progress=not args.quiet)
     preflight(cfg)  # a bad --init-from or prompt file fails now, not after the target answered every prompt
@@ -320,7 +323,8 @@ def _eval(args) -> int:
     from worker.models.dflash_checkpoint import load_dflash_draft
     from worker.training.data import DataError, encode_prompt, read_prompt_files, split_heldout
     from worker.training.evaluate import evaluate_tau
-    from worker.training.train import load_target, resolve_dtype, resolve_target
+    from worker.training.config import resolve_dtype
+    from worker.training.target import load_target, resolve_target
 
     from flashfleet.models.drafts import resolve_draft_arg
 
@@ -355,7 +359,8 @@ def _vocab(args) -> int:
     from worker.training.data import DataError
     from worker.training.defaults import choose_draft_vocab, label_token_counts
     from worker.training.extra_data import training_file_rows
-    from worker.training.train import load_target, resolve_dtype, resolve_target
+    from worker.training.config import resolve_dtype
+    from worker.training.target import load_target, resolve_target
 
     from flashfleet.models.drafts import resolve_draft_arg
 
@@ -398,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     from worker.models.dflash_checkpoint import DraftCheckpointError
     from worker.training.data import DataError
     from worker.training.defaults import DraftSizeError
-    from worker.training.train import TrainConfigError, TrainingInterrupted
+    from worker.training.config import TrainConfigError
+    from worker.training.interrupt import TrainingInterrupted
 
     try:
         if args.command == "train" and args.processes > 1:

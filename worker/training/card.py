@@ -29,7 +29,7 @@ def _grown_text(grown_from) -> str:
 
 
 def _vocab_text(vocab: dict, vocab_size: int) -> str:
-    """The card's draft-vocabulary line (`train._set_draft_vocab`)."""
+    """The card's draft-vocabulary line (`defaults.set_draft_vocab`)."""
     share = (f", {100 * vocab['coverage']:.2f}% of the training answers' tokens" if "coverage" in vocab else "")
     return f"- draft vocabulary: the {vocab['size']} most frequent of {vocab_size} tokens{share}"
 

@@ -9,7 +9,7 @@ given, the MLP width are chosen here for small on-prem targets.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -262,3 +262,57 @@ def choose_draft_vocab(counts: np.ndarray, size: int, always: Sequence[int] = ()
     ids = np.sort(np.concatenate([np.asarray(always, dtype=np.int64), rest.astype(np.int64)]))
     total = counts.sum()
     return ids, float(counts[ids].sum() / total) if total else 1.0
+
+
+def used_token_ids(sequences: Sequence[Sequence[int]], vocab_size: int, group=None) -> set[int]:
+    """Token ids in `sequences` (the training prompts and answers and the held-out prompts), over
+    all ranks' shards (so every rank picks the same mask token); ids outside [0, vocab_size) are
+    kept here but not shared with the other ranks."""
+    used: set[int] = set()
+    for ids in sequences:
+        used.update(ids)
+    if group is not None:
+        seen = np.zeros(vocab_size, dtype=np.float32)
+        seen[[i for i in used if 0 <= i < vocab_size]] = 1
+        seen = np.array(mx.distributed.all_sum(mx.array(seen), group=group))
+        used |= set(np.flatnonzero(seen).tolist())
+    return used
+
+
+def set_draft_vocab(draft: Model, size: Optional[int], init_vocab: Optional[mx.array],
+                    responses: Sequence[Sequence[int]], always: Sequence[int], group,
+                    log: Callable[[str], None]) -> Optional[dict]:
+    """Gives the draft the vocabulary `--draft-vocab` asks for and logs it.
+
+    Args:
+        draft: the draft (`Model.set_vocab`).
+        size: K (the K most frequent tokens of `responses`, `choose_draft_vocab`); 0: the whole
+            head; None: `init_vocab` (an --init-from draft's own) if given, else the whole head.
+        init_vocab: (K,) int ids of an --init-from draft's vocabulary, or None.
+        responses: the training answers (this rank's; counts are summed over `group`).
+        always: ids kept in a chosen vocabulary (the end-of-sequence tokens).
+        group: the data-parallel group or None.
+        log: the message.
+
+    Returns:
+        {"size", "coverage"} (the share of the training answers' tokens inside it), or None for
+        the whole head.
+    """
+    V = int(draft.args.vocab_size)
+    if size is None and init_vocab is not None:
+        ids = np.array(init_vocab)
+    elif size:
+        ids = None
+    else:
+        draft.set_vocab(None)
+        return None
+    counts = label_token_counts(responses, V, group)
+    if ids is None:
+        ids, _ = choose_draft_vocab(counts, size, always=always)
+    draft.set_vocab(ids)
+    total = counts.sum()
+    coverage = float(counts[ids].sum() / total) if total else 1.0
+    log(f"vocab: the draft proposes from {ids.size} of {V} tokens"
+        + (" (the --init-from draft's)" if size is None else "")
+        + f", covering {100 * coverage:.2f}% of the training answers' tokens")
+    return {"size": int(ids.size), "coverage": round(coverage, 5)}

@@ -3,7 +3,7 @@
 Started by `mlx.launch` (e.g. `mlx.launch -n 2 --backend nccl -- python -m flashfleet.cli.draft_cmd
 train ...` on a host with two CUDA GPUs, or `--backend ring --hostfile hosts.json` over a Mac
 mini fleet), every process runs the same `train_draft`: each answers its own share of the
-prompts (`data.build_dataset(shard=...)`), trains on it, and the gradients are averaged every step
+prompts (`answers.build_dataset(shard=...)`), trains on it, and the gradients are averaged every step
 (`mlx.nn.average_gradients`, as mlx-lm's LoRA trainer does), so all ranks hold the same weights.
 Decisions that end or shape the run (stop on the time budget, the learning rate) come from
 values all ranks agree on (averaged in the step's own all-reduce), so no rank waits forever in a

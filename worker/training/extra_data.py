@@ -1,9 +1,9 @@
 """Training sequences from earlier runs' data caches (`flashfleet draft train --extra-data DIR`).
 
-A draft gains held-out tau from prompts it has not seen (docs/training.md, fifth and sixth H200
-sessions), so data should accumulate across runs and machines instead of being generated again:
-each run's data cache (`WORK/data/` or `WORK/data-rank{r}of{W}/`: `meta.json` + `train.jsonl`,
-or it compressed as `train.jsonl.xz` or `train.jsonl.gz`) can be handed to a later run. There,
+A draft gains held-out tau from prompts it has not seen (docs/training.md), so data should
+accumulate across runs and machines instead of being generated again: each run's data cache
+(`WORK/data/` or `WORK/data-rank{r}of{W}/`: `meta.json` + `train.jsonl`, or it compressed as
+`train.jsonl.xz` or `train.jsonl.gz`) can be handed to a later run. There,
 
 - a greedy answer to a prompt this run answers greedily anyway (same templated prompt ids) is
   reused and that prompt is not generated again, when the answer is complete: it ended with EOS,
@@ -15,7 +15,7 @@ or it compressed as `train.jsonl.xz` or `train.jsonl.gz`) can be handed to a lat
 - a sequence whose prompt is one of this run's held-out prompts (same templated ids, or the same
   file prompt id) is dropped, and exact repeats are dropped.
 
-The data must come from the same target: its `meta.json` fingerprint (`train.target_fingerprint`:
+The data must come from the same target: its `meta.json` fingerprint (`target.target_fingerprint`:
 config + weight file sizes and ends) must equal this target's.
 """
 from __future__ import annotations
@@ -29,14 +29,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence
 
-from worker.training.data import SYNTHETIC_CORPUS, DataError, TokenDataset
+from worker.training.data import DataError
+from worker.training.sequences import TokenDataset
+from worker.training.synthetic import SYNTHETIC_CORPUS
 
 SAMPLE_MARK = "#sample"  # ids of sampled (not greedy) answers to file prompts end with #sample{k}
 
 
 @dataclass
 class ExtraData:
-    """Sequences read from earlier data caches, ready for `build_dataset`.
+    """Sequences read from earlier data caches, ready for `answers.build_dataset`.
 
     Attributes:
         greedy: templated prompt ids (tuple) -> a complete greedy answer (token ids, at most the
@@ -197,7 +199,7 @@ def load_extra_data(
 
     Args:
         dirs: data cache directories (each with meta.json and train.jsonl, .jsonl.xz or .jsonl.gz).
-        target_fingerprint: this run's target (`train.target_fingerprint`); each meta.json's must
+        target_fingerprint: this run's target (`target.target_fingerprint`); each meta.json's must
             equal it.
         max_new_tokens: this run's answer cap; longer answers are truncated to it.
         answered: templated ids of the prompts this run answers greedily in its first pass, on

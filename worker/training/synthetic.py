@@ -4,7 +4,7 @@ Magpie (Xu et al. 2024, "Magpie: Alignment Data Synthesis from Scratch by Prompt
 with Nothing", arXiv 2406.08464): an instruction-tuned model given only its chat template's
 prefix of a user turn (system turn included, if the template adds one) continues it with a
 plausible user message. Sampling that prefix many times gives prompts from the target's own
-idea of its users, and the target then answers them as usual (`data.build_dataset`). A DFlash
+idea of its users, and the target then answers them as usual (`answers.build_dataset`). A DFlash
 draft must learn the target's distribution (paper §4.2 regenerates every answer with the
 target), and the prompt files of a small deployment hold a few thousand prompts at most, so
 a draft trained over many sessions sees the same answers again and again; these prompts add
@@ -20,10 +20,13 @@ this project's addition).
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from worker.training.data import DataError, Prompt
 from worker.training.generation import generate_responses
 
+SYNTHETIC_CORPUS = "synthetic"  # corpus name of the prompts the target writes itself
 SENTINEL = "\u2063flashfleet-user-text\u2063"  # invisible separators: no template writes this itself
 
 
@@ -167,3 +170,61 @@ def write_user_prompts(
             seen.add(text)
             texts.append(text)
     return texts
+
+
+def check_synthetic_inputs(files: Sequence[Path], synthetic_temperature: float, tokenizer,
+                           openings: Optional[tuple[int, Sequence[str]]] = None) -> None:
+    """What `--synthetic-prompts` needs, checked before any generation (also by the launcher of
+    `flashfleet draft train --processes N`, so a bad input is one message, not one per rank).
+
+    Args:
+        files: the prompt files; tokenizer: the target's (its chat template starts a user turn).
+        openings: (words, corpora) of `--synthetic-openings` / `--synthetic-openings-from`, or None.
+
+    Raises:
+        DataError: a prompt file named synthetic.* (it would merge with the written prompts'
+            corpus), a temperature <= 0, a tokenizer without a usable chat template, a negative
+            opening length, or an openings corpus that no prompt file gives.
+    """
+    if any(Path(f).stem == SYNTHETIC_CORPUS for f in files):
+        raise DataError(f"a prompt file named {SYNTHETIC_CORPUS}.* would merge with the prompts the target "
+                        "writes (--synthetic-prompts); rename it")
+    if synthetic_temperature <= 0:
+        raise DataError("synthetic prompts need a temperature > 0 (--synthetic-temperature)")
+    try:
+        user_turn_prefix(tokenizer)
+    except SyntheticPromptError as e:
+        raise DataError(f"--synthetic-prompts: {e}") from None
+    if openings is not None:
+        words, corpora = openings
+        if words < 0:
+            raise DataError(f"--synthetic-openings must be >= 0 words, got {words}")
+        known = sorted({Path(f).stem for f in files})
+        unknown = sorted(set(corpora) - set(known))
+        if unknown:
+            raise DataError(f"--synthetic-openings-from {' '.join(unknown)}: no prompt file of that name "
+                            f"(corpora here: {', '.join(known)})")
+        if corpora and not words:
+            raise DataError("--synthetic-openings-from needs --synthetic-openings WORDS > 0")
+
+
+def synthetic_openings_pool(train_prompts: Sequence[Prompt], words: int, corpora: Sequence[str]) -> list[str]:
+    """The openings synthetic prompts may start with (`--synthetic-openings`).
+
+    Args:
+        train_prompts: the training prompts (after `split_heldout`: no held-out prompt among them).
+        words: words per opening (>= 1; `synthetic.opening_text`).
+        corpora: corpus names to take them from (empty: all).
+
+    Returns:
+        One opening per training prompt of `corpora`, in `train_prompts`' order, repeats kept
+        (a common opening is drawn more often, as in the files).
+
+    Raises:
+        DataError: no training prompt of those corpora (all held out, or empty files)."""
+    pool = [opening_text(p.text, words) for p in train_prompts if not corpora or p.corpus in corpora]
+    pool = [o for o in pool if o]
+    if not pool:
+        raise DataError(f"--synthetic-openings: no training prompt of {', '.join(corpora) or 'any corpus'} "
+                        "to take openings from (all held out, or empty)")
+    return pool

@@ -4,8 +4,7 @@ The held-out tau at the end of a run (`evaluate.evaluate_tau`) decodes 72 prompt
 and costs minutes; it says nothing about *when* training stopped helping. This module holds a few
 answered sequences out of the training data and measures, every `val_every` steps, the same
 loss and teacher-forced tau estimate the training batches report (`loss.acceptance_stats`), so a
-run shows how far the draft fits its own data better than new data (the sixth and seventh H200
-sessions: training batches 4-5.7, held-out decoding 2.3).
+run shows how far the draft fits its own data better than new data (docs/training.md).
 
 Which sequences: those whose prompt token ids hash below `fraction` (SHA-1), so a prompt is on the
 same side in every run, on every process and in any mix of data (every answer to one prompt goes
@@ -17,17 +16,28 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional, Protocol
 
 import mlx.core as mx
 import numpy as np
 
-from .data import TokenDataset
-from .distributed import agree_sum
-from .masks import sample_anchors
+from worker.training.distributed import agree_sum
+from worker.training.masks import sample_anchors
+from worker.training.sequences import TokenDataset
 
-if TYPE_CHECKING:  # the trainer imports this module
-    from .train import Trainer
+
+class BlockScorer(Protocol):
+    """What a `Validator` measures with (`trainer.Trainer` is one): the batch size `bsz`, the
+    anchors per sequence `N`, `cfg.seed`, the target's taps of a batch and the draft's block
+    logits with labels and weights (`Trainer.block_logits`)."""
+
+    bsz: int
+    N: int
+    cfg: Any
+
+    def taps(self, tokens: mx.array) -> mx.array: ...
+
+    def block_logits(self, tokens, lengths, anchors, keep, taps) -> tuple[mx.array, mx.array, mx.array]: ...
 
 
 def prompt_hash(prompt_ids: list[int]) -> float:
@@ -81,8 +91,21 @@ class ValidationResult:
     per_corpus: dict
 
     def as_dict(self) -> dict:
+        """The result as the training card keeps it (rounded; corpora sorted)."""
         return {"loss": round(self.loss, 4), "tau": round(self.tau, 3), "sequences": self.sequences,
                 "blocks": self.blocks, "per_corpus": {c: round(t, 3) for c, t in sorted(self.per_corpus.items())}}
+
+    def line(self, step: int, train_tau: Optional[float], several_ranks: bool = False) -> str:
+        """The log line of this result at `step`, with the training batches' tau (`train_tau`,
+        None: not known yet) and tau per corpus (this process's rows: rank 0's when
+        `several_ranks`)."""
+        # Per corpus too: a continued draft's pooled figure mixes rows it memorised in earlier runs
+        # (file prompts) with rows new to it (target-written prompts); only the split tells
+        # forgetting from learning (docs/training.md).
+        by_corpus = ", ".join(f"{c} {t:.2f}" for c, t in sorted(self.per_corpus.items()))
+        return (f"val: step {step}, loss {self.loss:.3f}, tau {self.tau:.2f} on {self.sequences} sequences held out"
+                + (f" (training batches: {train_tau:.2f})" if train_tau is not None else "")
+                + (f"; by corpus{' (rank 0)' if several_ranks else ''}: {by_corpus}" if by_corpus else ""))
 
 
 class Validator:
@@ -90,14 +113,15 @@ class Validator:
     results differ only by the weights.
 
     Args:
-        trainer: the `Trainer` (its target, draft, anchors per sequence, batch size, seed).
+        trainer: the `Trainer` (a `BlockScorer`: its target, draft, anchors per sequence, batch
+            size, seed).
         data: the validation sequences (`split_validation`); every process passes its own.
 
     The target runs per batch (online taps): the set is small. Each batch is padded to its own
     longest sequence (rounded up to 32 tokens).
     """
 
-    def __init__(self, trainer: "Trainer", data: TokenDataset):
+    def __init__(self, trainer: BlockScorer, data: TokenDataset):
         self.trainer, self.corpus = trainer, list(data.corpus)
         self.batches = []
         if not len(data):
