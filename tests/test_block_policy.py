@@ -64,3 +64,13 @@ def test_acceptance_counts_decay():
     for _ in range(50):
         a.observe(15, 0)
     assert a.rate < 0.1
+
+
+def test_a_size_that_did_not_pay_elsewhere_is_not_measured_again_in_a_new_bucket():
+    """Measured at batch 1: a 2-token block costs 1.8x a plain step and a = 0.1. At batch 2 (a new
+    bucket) the policy estimates the block from that ratio and decodes plainly from the start."""
+    p = BatchBlockPolicy(16, explore_every=0)
+    cost = lambda L, B: 0.010 if L == 1 else 0.018  # noqa: E731
+    run(p, cost, [0.1], iterations=40)
+    seen = run(p, cost, [0.1, 0.1], iterations=40)
+    assert seen == {1: 40}

@@ -86,6 +86,7 @@ class BatchBlockPolicy:
         self.explore_every = explore_every
         self._costs: dict[tuple[int, int], dict[int, float]] = {}
         self._seen: dict[tuple[int, int, int], int] = {}
+        self._ratios: dict[int, float] = {}  # L -> c(L) / c(1), from the buckets that measured both
         self._iterations = 0
         self._explore_turn = 0
 
@@ -109,6 +110,10 @@ class BatchBlockPolicy:
         costs = self._costs.setdefault(k, {})
         old = costs.get(L)
         costs[L] = seconds if old is None else self.cost_decay * old + (1 - self.cost_decay) * seconds
+        if L != 1 and 1 in costs:  # how much dearer than a plain step this size is, for other buckets
+            ratio = costs[L] / costs[1]
+            old = self._ratios.get(L)
+            self._ratios[L] = ratio if old is None else self.cost_decay * old + (1 - self.cost_decay) * ratio
 
     def choose(self, acceptance: Sequence[float], context: int, max_useful: int) -> int:
         """The block size of the next iteration.
@@ -116,7 +121,9 @@ class BatchBlockPolicy:
         Sizes are explored in increasing order, and only while they could pay: an iteration's
         cost does not fall as L grows, so the dearest measured smaller size bounds c(L) from
         below, and a size whose expected tokens over that bound cannot reach min_gain x R(1) is
-        not tried (a draft that is rarely right is never run at large blocks).
+        not tried (a draft that is rarely right is never run at large blocks). A size measured
+        in other buckets but not this one is estimated from there (its cost relative to a plain
+        step) and measured here only if that estimate says it pays.
 
         Args:
             acceptance: each row's acceptance rate a_r in [0, 1].
@@ -135,10 +142,14 @@ class BatchBlockPolicy:
             bound = sum(expected_tokens(a, c) for a in acceptance) / floor
             if bound < self.min_gain * plain:
                 break  # larger blocks gain at most what this one could
-            if c not in costs:
-                return c  # worth measuring
-            floor = max(floor, costs[c])
-            rates[c] = sum(expected_tokens(a, c) for a in acceptance) / costs[c]
+            tokens = sum(expected_tokens(a, c) for a in acceptance)
+            if c in costs:
+                floor = max(floor, costs[c])
+                rates[c] = tokens / costs[c]
+                continue
+            if c not in self._ratios or tokens / (costs[1] * self._ratios[c]) >= self.min_gain * plain:
+                return c  # unknown, or estimated to pay: measure it in this bucket
+            floor = max(floor, costs[1] * self._ratios[c])
         best = max(rates, key=rates.get)
         if best != 1 and rates[best] < self.min_gain * plain:
             best = 1

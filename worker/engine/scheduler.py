@@ -123,6 +123,7 @@ class Scheduler:
             self.capture = HiddenCapture(models.target, models.draft.target_layer_ids)
         self.policy = BatchBlockPolicy(block_size) if adaptive and models.draft_kind == "dflash" else None
         self.prompt_cache = PromptCache(prompt_cache_entries, kv_budget_bytes)
+        self.pooled = Acceptance(decay=0.98)  # every session's cycles: new sessions' prior
         self.bytes_per_position = self._measure_bytes_per_position()
         self._order = 0
         self._iterations = 0
@@ -134,6 +135,7 @@ class Scheduler:
         """Forgets costs, peaks and counts (after warm-up: a dummy prompt's costs are no request's)."""
         if self.policy is not None:
             self.policy = BatchBlockPolicy(self.block_size)
+        self.pooled = Acceptance(decay=0.98)
         self.peak_kv_bytes = self.peak_projected_bytes = self.preemptions = 0
         self.prompt_cache.trim_to(0)
 
@@ -207,7 +209,9 @@ class Scheduler:
         """Queues a batched-mode session (its request already validated)."""
         self._order += 1
         req = session.request
-        self.waiting.append(Sequence(session, mode, sampler, list(req.prompt_tokens), self._order))
+        a = self.pooled.rate  # a new session starts from the worker's recent acceptance
+        self.waiting.append(Sequence(session, mode, sampler, list(req.prompt_tokens), self._order,
+                                     Acceptance(2 * a, 2 * (1 - a))))
 
     def add_generator(self, session: Session) -> None:
         """Adds a session decoded by its own generator (modes without a batched path)."""
@@ -375,6 +379,7 @@ class Scheduler:
         for i, (seq, (tokens, drafted, accepted)) in enumerate(zip(seqs, results)):
             if drafted:
                 seq.acceptance.observe(drafted, accepted)
+                self.pooled.observe(drafted, accepted)
             if not self._commit(seq, tokens, drafted, accepted):
                 done.append(i)
         if done:
