@@ -131,8 +131,6 @@ class WorkerEntry:
         peak_memory_bandwidth_gbs: overrides the chip table (GB/s).
         kv_cache_limit_bytes: KV budget shown and alerted on (None = derived from memory).
         drain_timeout_s: on SIGTERM, how long in-flight requests may finish (seconds).
-        spec_timing_sync: time draft and verify apart for the metrics (one host sync per timed
-            cycle; worker --spec-timing-sync).
     """
 
     id: str
@@ -146,7 +144,6 @@ class WorkerEntry:
     peak_memory_bandwidth_gbs: float | None = None
     kv_cache_limit_bytes: int | None = None
     drain_timeout_s: float = 25.0
-    spec_timing_sync: bool = False
 
 
 @dataclass(frozen=True)
@@ -274,7 +271,7 @@ class ClusterConfig:
             "worker_id": entry.id, "metrics_port": entry.metrics_port, "chip": entry.chip or None,
             "peak_memory_bandwidth_gbs": entry.peak_memory_bandwidth_gbs,
             "kv_cache_limit_bytes": entry.kv_cache_limit_bytes,
-            "drain_timeout_s": entry.drain_timeout_s, "spec_timing_sync": entry.spec_timing_sync,
+            "drain_timeout_s": entry.drain_timeout_s,
         }
 
     def coordinator_settings(self) -> dict[str, object]:

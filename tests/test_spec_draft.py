@@ -147,10 +147,10 @@ def test_caches_hold_only_committed_tokens_after_close(models):
     assert mx.argmax(logits[0, -1]).item() == expected[n]
 
 
-def test_timing_and_time_split(models):
+def test_cycles_report_their_times(models):
     loaded, prompt = models
     model = loaded["llama"]
-    tokens, steps = run_spec(model, loaded["llama_near"], prompt, 3, time_split=True)
+    tokens, steps = run_spec(model, loaded["llama_near"], prompt, 3)
     assert tokens == run_plain(model, prompt)
     assert all(s.verify_s > 0 and s.draft_s > 0 for s in steps if s.drafted)
 

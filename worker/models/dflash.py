@@ -23,6 +23,7 @@ so a published z-lab checkpoint loads unchanged (see `worker/models/dflash_check
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
@@ -343,30 +344,6 @@ class Attention(nn.Module):
         keys, values = cache.update_and_fetch(k, v)
         return self._attend(q, keys, values, mask)
 
-    def padded(self, x: mx.array, ctx: mx.array, keys: mx.array, values: mx.array,
-               T: mx.array, S: mx.array, mask: mx.array):
-        """`__call__` with array offsets and a context padded to a fixed length, for a compiled
-        forward (`worker.compiled_draft`): every shape is fixed, only T and S vary.
-
-        Args:
-            x: (B, L, D) normalised block states.
-            ctx: (B, P, D) context feature whose rows S..P-1 are padding.
-            keys, values: (B, H_kv, N, head_dim) cache buffers; T context positions written.
-            T, S: int32 scalar arrays (cached context positions; real rows of ctx).
-            mask: (L, N) additive mask hiding keys at T+S+L and beyond.
-
-        Returns:
-            (out (B, L, D), keys, values): the buffers with the context at T..T+S-1 and the block
-            at T+S..T+S+L-1. The block's rows overwrite the padding's (written first, at T+S..
-            T+P-1); padding past T+S+L stays, beyond the mask, as a trimmed block does.
-        """
-        P = ctx.shape[1]
-        k, v = self._kv_unroped(mx.concatenate([ctx, x], axis=1))
-        for rows, at in ((slice(None, P), T), (slice(P, None), T + S)):
-            keys = mx.slice_update(keys, self.rope(k[:, :, rows], offset=at), at, axes=(2,))
-            values = mx.slice_update(values, v[:, :, rows], at, axes=(2,))
-        return self._attend(self._queries(x, T + S), keys, values, mask), keys, values
-
     def make_mask(self, L: int, n_valid: int, n_keys: int,
                   dtype: Optional[mx.Dtype] = None) -> Optional[mx.array]:
         """(L, n_keys) mask for L block queries ending at position n_valid - 1; keys at n_valid
@@ -374,7 +351,7 @@ class Attention(nn.Module):
         everything is visible."""
         if isinstance(n_valid, int) and not (self.window or self.causal or n_keys > n_valid):
             return None
-        qpos = (n_valid - L + mx.arange(L))[:, None]  # n_valid: an int, or an array in a trace
+        qpos = (n_valid - L + mx.arange(L))[:, None]
         kpos = mx.arange(n_keys)[None]
         visible = kpos < n_valid
         if self.causal:
@@ -406,18 +383,6 @@ class DecoderLayer(nn.Module):
         h = x + self.self_attn(self.input_layernorm(x), ctx, cache, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def padded(self, x: mx.array, ctx: mx.array, keys: mx.array, values: mx.array,
-               T: mx.array, S: mx.array, mask: mx.array):
-        """`__call__` on cache buffers with array offsets (`Attention.padded`); returns
-        (out (B, L, D), keys, values)."""
-        a, keys, values = self.self_attn.padded(self.input_layernorm(x), ctx, keys, values, T, S, mask)
-        h = x + a
-        return h + self.mlp(self.post_attention_layernorm(h)), keys, values
-
-
-COMPILED_DRAFT_ATTR = "_flashfleet_compiled_draft"  # where a draft keeps its shared CompiledDraft
-
-
 @dataclass(frozen=True)
 class _VocabMaps:
     """A draft vocabulary (a plain object, so MLX never takes its arrays for weights)."""
@@ -448,6 +413,7 @@ class Model(nn.Module):
         self._embed = None  # plain attributes (bound methods), not child modules: never saved
         self._head = None
         self._head_for = None  # rows -> head function, set by bind
+        self._bound_to = None  # weak reference to the bound target
         self._vocab_maps: Optional[_VocabMaps] = None  # a draft vocabulary, or None (the whole head)
 
     @property
@@ -470,29 +436,14 @@ class Model(nn.Module):
         """The draft vocabulary: (K,) int32 ascending target ids, or None (the whole head)."""
         return None if self._vocab_maps is None else self._vocab_maps.ids
 
-    def _drop_compiled_draft(self) -> None:
-        # `worker.compiled_draft.shared_compiled_draft` keeps it here; its traces hold the
-        # weights and head they were traced with.
-        self.__dict__.pop(COMPILED_DRAFT_ATTR, None)
-
-    def update(self, parameters: dict, strict: bool = True) -> "Model":
-        """`nn.Module.update`; new weights also drop the compiled draft (its traces hold the old)."""
-        self._drop_compiled_draft()
-        return super().update(parameters, strict=strict)
-
-    def update_modules(self, modules: dict, strict: bool = True) -> "Model":
-        """`nn.Module.update_modules` (quantization swaps layers); drops the compiled draft too."""
-        self._drop_compiled_draft()
-        return super().update_modules(modules, strict=strict)
-
     def bind(self, target: nn.Module) -> "Model":
         """Borrows the target's token embedding and LM head (frozen; not copied, not saved).
 
-        With a draft vocabulary (`set_vocab`) only its rows of the head are kept (one copy)."""
-        if self.__dict__.get("_bound_target") is target:
-            return self  # every session binds; the compiled draft's traces stay valid
-        self._drop_compiled_draft()
-        object.__setattr__(self, "_bound_target", target)  # not a child module: never saved
+        With a draft vocabulary (`set_vocab`) only its rows of the head are kept (one copy).
+        Binding again to the same target changes nothing."""
+        if self._bound_to is not None and self._bound_to() is target:
+            return self
+        self._bound_to = weakref.ref(target)  # a plain attribute: not a child module, never saved
         self._embed = target_embed_fn(target)
         self._head_for = lambda rows: target_head_fn(target, rows)
         self._head = self._head_for(self.vocab)
@@ -530,7 +481,6 @@ class Model(nn.Module):
             self.args.draft_vocab_size = int(ids.size)
         if self._head_for is not None:
             self._head = self._head_for(self.vocab)
-        self._drop_compiled_draft()
         return self
 
     def draft_index(self, token_ids: mx.array) -> mx.array:
@@ -545,32 +495,6 @@ class Model(nn.Module):
         (uint32, the logits' shape without the last axis)."""
         best = mx.argmax(logits, axis=-1)
         return best if self._vocab_maps is None else self._vocab_maps.ids[best].astype(mx.uint32)
-
-    def propose(self, logits: mx.array, first: mx.array, branches: int = 1) -> mx.array:
-        """The blocks a verify checks: (branches, L) uint32 target ids, each [first, drafts...].
-
-        Row 0 is the draft's block (its first choice at every position, `draft_tokens`). Row r
-        (1 <= r < branches) is row 0 with the draft's second choice at drafted position r, so a
-        verify of all rows at once (one batched target forward: on a launch-bound GPU it costs
-        about what one row does) accepts past a first choice
-        that was wrong there. Candidate blocks as in Medusa's tree of top-k continuations (Cai et
-        al. 2024), with one row per position, the set that measured the most tau per row
-        ("each").
-
-        Args:
-            logits: (L-1, V) draft logits of the drafted positions (V: the draft vocabulary's
-                size when it has one).
-            first: (1,) uint32, the block's first token (the last committed one).
-            branches: rows, 1 <= branches <= L.
-        """
-        top1 = self.draft_tokens(logits)
-        if branches == 1:
-            return mx.concatenate([first, top1])[None]
-        second = self.draft_tokens(mx.where(mx.arange(logits.shape[-1]) == mx.argmax(logits, axis=-1)[:, None],
-                                            -mx.inf, logits))
-        swap = mx.arange(top1.shape[0])[None, :] == mx.arange(branches)[:, None] - 1  # row r: position r-1
-        rows = mx.where(swap, second[None], top1[None])
-        return mx.concatenate([mx.broadcast_to(first[None], (branches, 1)), rows], axis=1)
 
     def make_cache(self) -> list[PaddedKVCache]:
         """One context-only cache per draft layer (trimmable, full context kept)."""
@@ -639,34 +563,6 @@ class Model(nn.Module):
             if kind not in masks:
                 masks[kind] = a.make_mask(L, n_valid, n_keys, dtype if PaddedKVCache.additive else None)
         return [masks[(layer.self_attn.window, layer.self_attn.causal)] for layer in self.layers]
-
-    def padded_draft(self, inputs: mx.array, target_hidden: mx.array, T: mx.array, S: mx.array,
-                     keys: list, values: list, branches: int = 1):
-        """The block forward and the draft's proposals as a pure function of fixed shapes, for
-        `worker.compiled_draft.CompiledDraft` (which keeps the caches' offsets).
-
-        Args:
-            inputs: (1, L) uint32 block ids [last committed token, MASK x (L-1)].
-            target_hidden: (1, P, n_taps * D) taps whose rows S..P-1 are padding (any values).
-            T: int32 scalar array, context positions already cached.
-            S: int32 scalar array, 0 <= S <= P, real rows of target_hidden.
-            keys, values: per layer (1, H_kv, N, head_dim) buffers, N >= T + P + L.
-
-            branches: candidate blocks to propose (`propose`).
-
-        Returns:
-            (blocks (branches, L) uint32 target ids, as `propose` gives them, keys, values): the
-            buffers hold the new context at T..T+S-1 (and block rows past it, beyond the
-            context a later call sees).
-        """
-        h = self._block_embeddings(inputs)
-        ctx = self.context(target_hidden)
-        L = inputs.shape[1]
-        masks = self._layer_masks(L, T + S + L, keys[0].shape[2], h.dtype)
-        keys, values = list(keys), list(values)
-        for i, (layer, mask) in enumerate(zip(self.layers, masks)):
-            h, keys[i], values[i] = layer.padded(h, ctx, keys[i], values[i], T, S, mask)
-        return self.propose(self._head(self.norm(h)[:, 1:])[0], inputs[0, :1], branches), keys, values
 
     def __call__(
         self, inputs: mx.array, target_hidden: Optional[mx.array], cache: list[KVCache]

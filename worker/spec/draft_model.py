@@ -42,7 +42,6 @@ def generate(
     draft_cache: list[Any] | None = None,
     draft_sampler: Sampler | None = None,
     prefill_step_tokens: int = 512,
-    time_split: bool = False,
     stream: Any = generation_stream,
 ) -> Iterator[Step]:
     """Decodes by draft + verify cycles (the `spec.base` decoding-generator contract).
@@ -71,14 +70,12 @@ def generate(
         draft_sampler: the draft's token choice; None drafts greedily (argmax), which keeps the
             request's random stream for the target alone.
         prefill_step_tokens: prompt tokens per prefill forward (both models).
-        time_split: sync the host after drafting, so `draft_s` includes the draft's device time
-            (one extra sync per cycle). When False, `draft_s` is the host time spent queueing
-            the draft and its device time lands in `verify_s`.
         stream: MLX stream, entered around each piece of work and never across a `yield`.
 
     Yields:
         One `Step` per cycle: tokens t_0..t_n, drafted = k, accepted = the committed draft
-        tokens, draft_s / verify_s in seconds. When the generator is closed or finishes, the
+        tokens, draft_s / verify_s in seconds (draft_s: the host time queueing the draft, whose
+        device time lands in verify_s). When the generator is closed or finishes, the
         caches are trimmed back so they hold no uncommitted draft tokens.
 
     Raises:
@@ -109,8 +106,6 @@ def generate(
                 draft_in = draft_sampler(logits)
                 mx.async_eval(draft_in)
                 drafts.append(draft_in)
-            if time_split:
-                mx.eval(drafts)
         return drafts, time.perf_counter() - start
 
     prompt = mx.array(prompt_tokens, mx.uint32)
