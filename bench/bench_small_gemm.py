@@ -91,13 +91,13 @@ def per_call_rows(shapes, rows_list, calls: int, reps: int) -> list[dict]:
 
 def forward_rows(path: str, random_weights: bool, context: int, shapes, reps: int, rounds: int) -> list[dict]:
     """Synced and hand-over ms per target forward on two target copies (cuBLAS, small_gemm): K rows
-    of L tokens over row caches (`worker.engine.row_cache`) holding `context` positions a row,
+    of L tokens over row caches (`worker.caches.rows`) holding `context` positions a row,
     rolled back after every forward, as the batched engine verifies."""
     import mlx.core as mx
     import numpy as np
 
     from bench.bench_dflash import load_model
-    from worker.engine.row_cache import RowKVCache, make_row_caches
+    from worker.caches.rows import RowKVCache, make_row_caches
     from worker.fusion import fuse_projections
     from worker.small_gemm import use_small_gemm
 

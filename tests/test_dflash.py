@@ -22,7 +22,8 @@ import worker.engine.batch as batch_mod
 import worker.engine.one_sequence as one_sequence
 from worker.capture import HiddenCapture, target_head_fn
 from worker.models import dflash as dflash_model_module
-from worker.models.dflash import Model, ModelArgs, PaddedKVCache, default_target_layer_ids
+from worker.caches.padded import PaddedKVCache
+from worker.models.dflash import Model, ModelArgs, default_target_layer_ids
 from worker.models.dflash_checkpoint import (
     DraftCheckpointError,
     DraftMismatch,
@@ -33,7 +34,7 @@ from worker.models.dflash_checkpoint import (
 )
 from worker.sampling import greedy, make_sampler
 from worker.spec import plain
-from worker.spec.dflash import make_target_cache
+from worker.caches.padded import make_target_cache
 
 VOCAB = 256
 PROMPT = [3, 17, 42, 99, 7, 250, 31, 64, 12, 5, 77]
@@ -425,7 +426,7 @@ def test_padded_cache_attention_equals_kvcache():
 def test_additive_masks_give_the_boolean_masks_attention(pair, monkeypatch):
     """The additive masks (converted once per forward) give attention exactly what the boolean
     ones did: the same draft logits either way."""
-    from worker.models.dflash import additive_mask
+    from worker.caches.padded import additive_mask
 
     visible = mx.array([[True, False, True], [False, True, True]])
     assert additive_mask(visible, None) is visible
@@ -446,7 +447,7 @@ def test_additive_masks_give_the_boolean_masks_attention(pair, monkeypatch):
 def test_masks_stay_boolean_for_models_that_may_read_them_as_boolean(pair, monkeypatch):
     """Only architectures known to hand masks to attention unchanged get additive ones
     (deepseek_v32 does `mx.where(mask, scores, -inf)`, which an additive mask would invert)."""
-    from worker.models.dflash import takes_additive_masks
+    from worker.caches.padded import takes_additive_masks
 
     target = pair[0]
     x = mx.array([[1, 2, 3, 4]])

@@ -153,7 +153,7 @@ def test_a_view_at_an_odd_offset_is_read_right():
 def test_batched_verify_with_small_gemm_matches_cublas(tiny_models):
     from mlx_lm import load
 
-    from worker.engine.row_cache import make_row_caches
+    from worker.caches.rows import make_row_caches
 
     models = []
     for swap in (False, True):

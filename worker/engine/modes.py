@@ -18,7 +18,7 @@ from worker.config import EngineConfig
 from worker.engine.types import GenerationRequest, InvalidRequest
 from worker.spec import draft_model
 from worker.spec.cross_tokenizer import start_uag
-from worker.spec.dflash import make_target_cache
+from worker.caches.padded import make_target_cache
 from worker.spec.base import Sampler, Step
 
 

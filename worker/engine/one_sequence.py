@@ -10,7 +10,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 from worker.capture import HiddenCapture
 from worker.engine.batch import Batch, Row, dflash_cycle, plain_step, prefill_chunk
-from worker.engine.row_cache import RowKVCache, make_row_caches
+from worker.caches.rows import RowKVCache, make_row_caches
 from worker.spec.base import Sampler, Step
 
 

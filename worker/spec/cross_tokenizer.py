@@ -45,7 +45,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from worker.spec.base import Sampler, Step, accept_prefix, release_buffer_cache
-from worker.spec.dflash import make_target_cache
+from worker.caches.padded import make_target_cache
 from worker.spec.plain import CLEAR_CACHE_EVERY_TOKENS, prefill_steps
 from worker.spec.translation import (
     DEFAULT_WINDOW_BYTES,
@@ -150,7 +150,7 @@ def generate(
     if translation not in ("context", "naive"):
         raise ValueError(f"translation must be 'context' or 'naive', got {translation!r}")
     # Padded caches: every round verifies k+1 tokens at a new key length, and MLX's CUDA build
-    # compiles attention for each new length (worker.models.dflash.PaddedKVCache).
+    # compiles attention for each new length (worker.caches.padded.PaddedKVCache).
     cache = make_target_cache(model) if cache is None else cache
     draft_cache = make_target_cache(draft_model) if draft_cache is None else draft_cache
     for name, c in (("target", cache), ("draft", draft_cache)):
