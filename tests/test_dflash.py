@@ -33,7 +33,7 @@ from worker.models.dflash_checkpoint import (
     save_dflash_draft,
 )
 from worker.sampling import greedy, make_sampler
-from worker.spec import plain
+from worker.decoding import plain
 from worker.caches.padded import make_target_cache
 
 VOCAB = 256

@@ -25,7 +25,7 @@ from worker.models.dflash_checkpoint import (
     save_dflash_draft,
 )
 from worker.sampling import greedy
-from worker.spec import plain
+from worker.decoding import plain
 from worker.training.defaults import choose_draft_vocab, label_token_counts
 from worker.training.loss import acceptance_stats, weighted_cross_entropy
 

@@ -15,7 +15,7 @@ from worker.fusion import _Fused, _Part, fuse_projections
 from worker.models.dflash_checkpoint import init_dflash_draft
 from worker.sampling import greedy
 from worker.engine.one_sequence import decode
-from worker.spec import plain
+from worker.decoding import plain
 
 
 def _param_count(model) -> int:

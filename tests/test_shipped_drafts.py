@@ -317,7 +317,7 @@ def greedy_pairs(model_dir: str, draft_dir: str, max_tokens: int = 24) -> list[d
     from worker.engine.one_sequence import decode
     from worker.models.dflash_checkpoint import load_dflash_draft
     from worker.sampling import greedy
-    from worker.spec import plain
+    from worker.decoding import plain
 
     target, tokenizer = load(model_dir)
     draft = load_dflash_draft(draft_dir, target)

@@ -3,7 +3,7 @@
 `MODES` is the one table the engine consults. Plain decoding and DFlash run as rows of the
 scheduler's batches (`worker.engine.scheduler.BATCHED_MODES`): their entries name no start
 function. A method without a batched path plugs in by writing its generator (the
-`worker.spec.base` contract), a start function below that builds its caches and calls it, and an
+`worker.decoding.base` contract), a start function below that builds its caches and calls it, and an
 entry in `MODES`.
 """
 from __future__ import annotations
@@ -16,10 +16,10 @@ import mlx.nn as nn
 
 from worker.config import EngineConfig
 from worker.engine.types import GenerationRequest, InvalidRequest
-from worker.spec import draft_model
-from worker.spec.cross_tokenizer import start_uag
+from worker.decoding import draft_model
+from worker.decoding.cross_tokenizer import start_uag
 from worker.caches.padded import make_target_cache
-from worker.spec.base import Sampler, Step
+from worker.decoding.base import Sampler, Step
 
 
 @dataclass
@@ -78,7 +78,7 @@ def draft_kind_of(draft_config: Mapping[str, Any], draft_dir: Path, target_dir: 
 
 
 def start_draft(m: LoadedModels, cfg: EngineConfig, req: GenerationRequest, sampler: Sampler):
-    """Draft-model speculative decoding (`worker.spec.draft_model`). Padded caches keep the verify's
+    """Draft-model speculative decoding (`worker.decoding.draft_model`). Padded caches keep the verify's
     key length fixed for 256 positions (MLX's CUDA build compiles a kernel per new length)."""
     cache, draft_cache = make_target_cache(m.target), make_target_cache(m.draft)
     steps = draft_model.generate(

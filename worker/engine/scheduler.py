@@ -36,7 +36,7 @@ from worker.engine.prompt_cache import PromptCache
 from worker.caches.rows import STEP, RowKVCache, make_row_caches
 from worker.engine.session import Session
 from worker.engine.types import ErrorEvent
-from worker.spec.base import Sampler, Step
+from worker.decoding.base import Sampler, Step
 
 log = logging.getLogger(__name__)
 

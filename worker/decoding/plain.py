@@ -14,7 +14,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from worker.sampling import sample_rows
-from worker.spec.base import Sampler, Step, release_buffer_cache
+from worker.decoding.base import Sampler, Step, release_buffer_cache
 
 CLEAR_CACHE_EVERY_TOKENS = 256  # return freed buffers to the allocator this often, as mlx-lm does
 
@@ -76,7 +76,7 @@ def generate(
     prefill_step_tokens: int = 512,
     stream: Any = generation_stream,
 ) -> Iterator[Step]:
-    """Decodes one token per step (the `spec.base` decoding-generator contract).
+    """Decodes one token per step (the `decoding.base` decoding-generator contract).
 
     Args:
         prompt_tokens: prompt ids, non-empty.

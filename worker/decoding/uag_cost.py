@@ -179,7 +179,7 @@ class UagCostModel:
 
 
 class UagPolicy:
-    """Schedule around `UagCostModel` for `worker.spec.cross_tokenizer.generate`.
+    """Schedule around `UagCostModel` for `worker.decoding.cross_tokenizer.generate`.
 
     Explores first (each of the smallest, largest k and plain decoding `min_samples` times),
     then follows `decide`; while decoding plainly it probes the best k every `probe_every`

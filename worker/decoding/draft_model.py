@@ -25,8 +25,8 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from worker.sampling import greedy
-from worker.spec.base import Sampler, Step, accept_prefix, release_buffer_cache
-from worker.spec.plain import CLEAR_CACHE_EVERY_TOKENS, prefill_steps
+from worker.decoding.base import Sampler, Step, accept_prefix, release_buffer_cache
+from worker.decoding.plain import CLEAR_CACHE_EVERY_TOKENS, prefill_steps
 
 
 def generate(
@@ -44,7 +44,7 @@ def generate(
     prefill_step_tokens: int = 512,
     stream: Any = generation_stream,
 ) -> Iterator[Step]:
-    """Decodes by draft + verify cycles (the `spec.base` decoding-generator contract).
+    """Decodes by draft + verify cycles (the `decoding.base` decoding-generator contract).
 
     One cycle, with k = min(num_draft_tokens, max_tokens - generated - 1):
       1. the draft model proposes d_0..d_{k-1}, one forward each, queued with `mx.async_eval`;
