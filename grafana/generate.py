@@ -231,9 +231,9 @@ def speculative() -> dict:
                   "draft {{method}}"),
                  (quantile(0.95, "flashfleet_worker_spec_cycle_verify_seconds", by="method"),
                   "verify {{method}}")],
-                "Distribution of each request's mean cycle time (one observation per request). "
-                "As above, draft is 0 and verify is the whole cycle unless the worker runs with "
-                "--spec-timing-sync."),
+                "Distribution of each request's mean cycle time (one observation per request), "
+                "for methods decoded one session at a time; as above, the verify line holds the "
+                "draft's device time."),
              ts("Decode tokens/s by method", "short",
                 [(hist_mean("flashfleet_worker_decode_tokens_per_second", by="model, method"),
                   "{{model}} {{method}}")], "Mean over requests of each request's decode speed."),

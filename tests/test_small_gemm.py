@@ -1,5 +1,5 @@
 """worker/small_gemm.py: which calls it takes, the swap of a model's linears, and (on CUDA) the
-kernel against a float32 reference and a compiled verify against cuBLAS's.
+kernel against a float32 reference and a batched verify against cuBLAS's.
 
 On the CPU the kernel cannot run (MLX's CUDA backend only), so the dispatch and the swap are
 checked with `small_gemm` replaced by a recording reference matmul; the kernel's own tests skip.

@@ -38,7 +38,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-MAX_ROWS = 64  # up to 4 m16 tiles: 4 candidate blocks of 16 tokens
+MAX_ROWS = 64  # up to 4 m16 tiles: 4 rows of 16 tokens
 WARPS = 4  # warps per block, splitting K
 ALL_SHAPES_ROWS = 16  # `pays`: up to this many rows on every weight
 BIG_WEIGHT = 1 << 22  # `pays`: above 16 rows only for weights of at most this many elements
