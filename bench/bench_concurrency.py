@@ -34,7 +34,7 @@ Usage (from the repository root):
   python bench/bench_concurrency.py                                   # SmolLM2-135M-Instruct
   python bench/bench_concurrency.py --sessions 1,2,4 --max-tokens 64 --systems ours,mlx-lm-batch
   python bench/bench_concurrency.py --model Qwen2.5-Coder-1.5B-Instruct --draft dflash  # GPU
-  python bench/bench_concurrency.py --model DIR --json out.json --worker-args "--branches 4"
+  python bench/bench_concurrency.py --model DIR --json out.json --worker-args "--fixed-block-size"
 
 `--model` takes a catalog name (fetched with `flashfleet models fetch NAME`) or a model directory.
 `--draft auto` (default) loads the shipped DFlash draft when the model has one (`flashfleet models

@@ -7,15 +7,13 @@ Three tables, one process, the two paths side by side:
    `ok` when small_gemm's is at most twice cuBLAS's plus 1e-3.
 2. per call: --calls independent calls of one shape in one graph; `host us` the time to build
    and hand them over (`mx.async_eval` returns), `total us` until they are done, per call.
-3. forward: the target's forward compiled as the worker's verify runs it (fused projections,
-   offset as an array, padded buffers broadcast to K rows, argmax per row) on two copies of the
-   target, one with its linears on small_gemm; K rows x L tokens over a --context prefix; synced
-   ms per forward and the host's hand-over ms, median of --rounds interleaved rounds of --reps;
-   --attention adds a copy whose attention runs worker.small_attention ("attn"), --split one
-   more whose long contexts' keys are split over blocks ("split"; e.g. --context 4096).
+3. forward: the target's forward as the batched engine runs it (fused projections, row KV caches
+   of --context positions, K rows of L tokens, argmax per row) on two copies of the target, one
+   with its linears on small_gemm; synced ms per forward and the host's hand-over ms, median of
+   --rounds interleaved rounds of --reps.
 
     python bench/bench_small_gemm.py --target MODEL_OR_CONFIG_DIR [--random-weights] \
-        [--context 256] [--reps 30] [--rounds 5] [--calls 56] [--attention] [--split] [--json-out F]
+        [--context 256] [--reps 30] [--rounds 5] [--calls 56] [--json-out F]
 
 Needs MLX's CUDA backend (exits 2 with one line elsewhere).
 """
@@ -91,25 +89,22 @@ def per_call_rows(shapes, rows_list, calls: int, reps: int) -> list[dict]:
     return out
 
 
-def forward_rows(path: str, random_weights: bool, context: int, shapes, reps: int, rounds: int,
-                 attention: bool = False, split: bool = False) -> list[dict]:
-    """Synced and hand-over ms per compiled forward on two target copies (cuBLAS, small_gemm), and
-    with `attention` a third (small_gemm and worker.small_attention), with `split` a fourth
-    (the same, long contexts' keys split over blocks: `small_attention.splits`)."""
+def forward_rows(path: str, random_weights: bool, context: int, shapes, reps: int, rounds: int) -> list[dict]:
+    """Synced and hand-over ms per target forward on two target copies (cuBLAS, small_gemm): K rows
+    of L tokens over row caches (`worker.caches.rows`) holding `context` positions a row,
+    rolled back after every forward, as the batched engine verifies."""
     import mlx.core as mx
     import numpy as np
 
     from bench.bench_dflash import load_model
-    from worker.compiled_forward import _OffsetCache
+    from worker.caches.rows import RowKVCache, make_row_caches
     from worker.fusion import fuse_projections
-    from worker.small_attention import patched_sdpa, split_long_contexts
     from worker.small_gemm import use_small_gemm
-    from worker.spec.dflash import make_target_cache
 
     rng = np.random.default_rng(0)
     prompt = mx.array([rng.integers(0, 1000, context).tolist()], dtype=mx.uint32)
     setups, weights = {}, None
-    names = ("cublas", "small") + (("attn",) if attention else ()) + (("split",) if split else ())
+    names = ("cublas", "small")
     for name in names:
         model = load_model(path, random_weights, mx.bfloat16, tokenizer=False)[0]
         if random_weights:  # the same random weights in both copies
@@ -118,46 +113,50 @@ def forward_rows(path: str, random_weights: bool, context: int, shapes, reps: in
         fuse_projections(model)
         if name != "cublas":
             print(f"small gemm: {use_small_gemm(model)} linears", flush=True)
-        cache = make_target_cache(model)
-        mx.eval(model(prompt, cache=cache))
-        for c in cache:
-            c.reserve(max(k * n for k, n in shapes))
+        one = make_row_caches(model, 1)
+        mx.eval(model(prompt, cache=one))
+        rows = {}
+        for K, L in shapes:
+            caches = [RowKVCache(0) for _ in one]
+            for c, o in zip(caches, one):
+                for _ in range(K):
+                    c.extend(o)
+                c.reserve(L)
+            mx.eval([c.state for c in caches])
+            rows[K, L] = caches
+        setups[name] = (model, rows)
 
-        def forward(tokens, offset, keys, values, model=model):
-            K = tokens.shape[0]
-            caches = [_OffsetCache(mx.broadcast_to(k, (K, *k.shape[1:])) if K > 1 else k,
-                                   mx.broadcast_to(v, (K, *v.shape[1:])) if K > 1 else v, offset)
-                      for k, v in zip(keys, values)]
-            return mx.argmax(model(tokens, cache=caches), axis=-1), [c.keys for c in caches]
+    def forward(model, caches, x):
+        y = mx.argmax(model(x, cache=caches), axis=-1)
+        for c in caches:  # roll back: the next forward writes the same positions
+            c.set_lengths([context] * x.shape[0])
+        return y
 
-        setups[name] = (model, mx.compile(forward), [c.keys for c in cache], [c.values for c in cache])
-    offset = mx.array(context, dtype=mx.int32)
     times = {(name, s): ([], []) for name in setups for s in shapes}
     agree = {}
-    for r in range(rounds + 1):  # round 0 warms up: traces and kernels
+    for r in range(rounds + 1):  # round 0 warms up: kernels
         for s in (shapes if r % 2 else shapes[::-1]):
             K, L = s
             x = mx.array(rng.integers(0, 1000, (K, L)).tolist(), dtype=mx.uint32)
             outs = {}
             for name in (names if r % 2 else names[::-1]):
-                _, fwd, keys, values = setups[name]
-                # traced under them: replays keep their kernels
-                with patched_sdpa(name in ("attn", "split")), split_long_contexts(name == "split"):
-                    outs[name] = fwd(x, offset, keys, values)[0]
-                    mx.eval(outs[name])
-                    t_host = t_all = 0.0
-                    for _ in range(reps):
-                        t0 = time.perf_counter()
-                        y = fwd(x, offset, keys, values)
-                        mx.async_eval(y)
-                        t1 = time.perf_counter()
-                        mx.eval(y)
-                        t_host, t_all = t_host + t1 - t0, t_all + time.perf_counter() - t0
+                model, rows = setups[name]
+                caches = rows[s]
+                outs[name] = forward(model, caches, x)
+                mx.eval(outs[name])
+                t_host = t_all = 0.0
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    y = forward(model, caches, x)
+                    mx.async_eval(y)
+                    t1 = time.perf_counter()
+                    mx.eval(y)
+                    t_host, t_all = t_host + t1 - t0, t_all + time.perf_counter() - t0
                 if r:
                     times[name, s][0].append(t_host / reps * 1e3)
                     times[name, s][1].append(t_all / reps * 1e3)
             a = np.array(outs["cublas"])
-            agree.setdefault(s, []).append(min(float((a == np.array(outs[n])).mean()) for n in names[1:]))
+            agree.setdefault(s, []).append(float((a == np.array(outs["small"])).mean()))
     out = []
     for s in shapes:
         base = statistics.median(times["cublas", s][1])
@@ -182,10 +181,6 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=56, help="calls per graph in the per-call table")
     ap.add_argument("--skip", nargs="*", default=[], choices=["error", "call", "forward"])
-    ap.add_argument("--attention", action="store_true",
-                    help="the forward table on a third copy too: small_gemm and worker.small_attention ('attn')")
-    ap.add_argument("--split", action="store_true",
-                    help="the forward table on one more copy: as 'attn', long contexts' keys split over blocks ('split')")
     ap.add_argument("--json-out", type=Path)
     a = ap.parse_args(argv)
     if not available():
@@ -219,9 +214,8 @@ def main(argv=None) -> int:
                   f"{r['cublas_total_us']:7.1f} {r['small_host_us']:10.1f} {r['small_total_us']:7.1f}")
     if "forward" not in a.skip:
         shapes = [(1, 1), (1, 16), (4, 16)]
-        rows = result["forward"] = forward_rows(a.target, a.random_weights, a.context, shapes, a.reps, a.rounds,
-                                                  attention=a.attention, split=a.split)
-        print(f"\nforward (compiled, context {a.context}, median of {a.rounds} rounds of {a.reps}): ms")
+        rows = result["forward"] = forward_rows(a.target, a.random_weights, a.context, shapes, a.reps, a.rounds)
+        print(f"\nforward (row caches, context {a.context}, median of {a.rounds} rounds of {a.reps}): ms")
         print(f"{'rows':>4} {'tokens':>6} {'path':>7} {'ms':>7} {'host ms':>8} {'x cublas':>9} {'range':>13} argmax agree")
         for r in rows:
             lo, hi = r["ms_range"]

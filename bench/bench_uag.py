@@ -39,8 +39,8 @@ import numpy as np  # noqa: E402
 from mlx_lm import load  # noqa: E402
 
 from worker.sampling import greedy  # noqa: E402
-from worker.spec import plain  # noqa: E402
-from worker.spec.cross_tokenizer import byte_vocab, generate  # noqa: E402
+from worker.decoding import plain  # noqa: E402
+from worker.decoding.cross_tokenizer import byte_vocab, generate  # noqa: E402
 
 MODELS = Path.home() / ".cache" / "flashfleet" / "models"
 CASES = Path(__file__).resolve().parent / "prompts"

@@ -129,11 +129,10 @@ class WorkerEntry:
         capacity: sessions admitted at once.
         chip: Apple chip, e.g. "M4 Pro" ("" = detect).
         peak_memory_bandwidth_gbs: overrides the chip table (GB/s).
+        prompt_cache_entries: finished turns kept for follow-ups that extend them (0 = none).
         kv_cache_limit_bytes: the engine's KV budget, running sessions and the prompt cache
             (None = the device's usable memory less a margin and the weights).
         drain_timeout_s: on SIGTERM, how long in-flight requests may finish (seconds).
-        spec_timing_sync: time draft and verify apart for the metrics (one host sync per timed
-            cycle; worker --spec-timing-sync).
     """
 
     id: str
@@ -146,8 +145,8 @@ class WorkerEntry:
     chip: str = ""
     peak_memory_bandwidth_gbs: float | None = None
     kv_cache_limit_bytes: int | None = None
+    prompt_cache_entries: int = 8
     drain_timeout_s: float = 25.0
-    spec_timing_sync: bool = False
 
 
 @dataclass(frozen=True)
@@ -275,7 +274,8 @@ class ClusterConfig:
             "worker_id": entry.id, "metrics_port": entry.metrics_port, "chip": entry.chip or None,
             "peak_memory_bandwidth_gbs": entry.peak_memory_bandwidth_gbs,
             "kv_cache_limit_bytes": entry.kv_cache_limit_bytes,
-            "drain_timeout_s": entry.drain_timeout_s, "spec_timing_sync": entry.spec_timing_sync,
+            "prompt_cache_entries": entry.prompt_cache_entries,
+            "drain_timeout_s": entry.drain_timeout_s,
         }
 
     def coordinator_settings(self) -> dict[str, object]:
@@ -348,6 +348,9 @@ def _check(cfg: ClusterConfig) -> None:
         cfg.model(w.model)
         if w.capacity < 1:
             raise ConfigError(f"{p}: worker {w.id!r}: capacity must be >= 1, got {w.capacity}")
+        if w.prompt_cache_entries < 0:
+            raise ConfigError(f"{p}: worker {w.id!r}: prompt_cache_entries must be >= 0, "
+                              f"got {w.prompt_cache_entries}")
         for key in ("peak_memory_bandwidth_gbs", "kv_cache_limit_bytes"):
             value = getattr(w, key)
             if value is not None and not (math.isfinite(value) and value > 0):

@@ -238,19 +238,18 @@ def speculative() -> dict:
                  (ratio("flashfleet_worker_spec_translate_seconds_total",
                         "flashfleet_worker_spec_cycles_total", by="method"),
                   "translate {{method}}")],
-                "Exact means from counters. Draft time is measured only on workers started "
-                "with --spec-timing-sync (spec_timing_sync = true in cluster.toml; one extra "
-                "host sync per timed cycle). Without it drafting runs asynchronously, the draft "
-                "line stays at 0 and the verify line is the whole cycle. Translation time is "
-                "nonzero only for cross-tokenizer (uag) drafts."),
+                "Exact means from counters, for methods decoded one session at a time (draft, "
+                "uag). Drafting runs asynchronously: the draft line is the host time queueing "
+                "it and the verify line holds its device time too. Translation time is nonzero "
+                "only for cross-tokenizer (uag) drafts."),
              ts("Per-request cycle time (p95)", "s",
                 [(quantile(0.95, "flashfleet_worker_spec_cycle_draft_seconds", by="method"),
                   "draft {{method}}"),
                  (quantile(0.95, "flashfleet_worker_spec_cycle_verify_seconds", by="method"),
                   "verify {{method}}")],
-                "Distribution of each request's mean cycle time (one observation per request). "
-                "As above, draft is 0 and verify is the whole cycle unless the worker runs with "
-                "--spec-timing-sync."),
+                "Distribution of each request's mean cycle time (one observation per request), "
+                "for methods decoded one session at a time; as above, the verify line holds the "
+                "draft's device time."),
              ts("Decode tokens/s by method", "short",
                 [(hist_mean("flashfleet_worker_decode_tokens_per_second", by="model, method"),
                   "{{model}} {{method}}")], "Mean over requests of each request's decode speed."),

@@ -196,28 +196,26 @@ def test_flags_override_the_config_file():
         assert "TimeoutStopSec=30" in text
 
 
-def test_worker_drain_timeout_and_timing_sync_come_from_the_config_then_the_flag(tmp_path):
+def test_worker_drain_timeout_comes_from_the_config_then_the_flag(tmp_path):
     path = tmp_path / "c.toml"
-    path.write_text(MINIMAL + "drain_timeout_s = 4.0\nspec_timing_sync = true\n")
+    path.write_text(MINIMAL + "drain_timeout_s = 4.0\n")
     a = worker_main.parse_args(["--config", str(path), "--worker-id", "w1"])
-    assert (a.drain_timeout_s, a.spec_timing_sync) == (4.0, True)
+    assert a.drain_timeout_s == 4.0
     a = worker_main.parse_args(["--config", str(path), "--worker-id", "w1", "--drain-timeout", "9"])
     assert a.drain_timeout_s == 9.0
-    a = worker_main.parse_args(["--model", "m"])
-    assert (a.drain_timeout_s, a.spec_timing_sync) == (25.0, False)
-    assert worker_main.parse_args(["--model", "m", "--spec-timing-sync"]).spec_timing_sync is True
+    assert worker_main.parse_args(["--model", "m"]).drain_timeout_s == 25.0
 
 
-def test_worker_timing_flag_reaches_the_engine_config(monkeypatch):
+def test_worker_block_size_flags_reach_the_engine_config(monkeypatch):
     import flashfleet.models as models
     import worker.engine.thread as engine_thread
 
     built = []
     monkeypatch.setattr(engine_thread, "Engine", built.append)
     monkeypatch.setattr(models, "resolve_model", lambda name: Path("/models") / name)
-    for flags, want in (([], False), (["--spec-timing-sync"], True)):
+    for flags, want in (([], (None, True)), (["--fixed-block-size", "--block-size", "8"], (8, False))):
         worker_main.build_engine(worker_main.parse_args(["--model", "m", *flags]))
-        assert built[-1].spec_timing_sync is want
+        assert (built[-1].block_size, built[-1].adaptive_block_size) == want
 
 
 @pytest.mark.parametrize("text, message", [

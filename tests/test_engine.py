@@ -25,7 +25,7 @@ from worker.engine.types import (
 )
 from worker.detokenize import TextAssembler
 from worker.models.dflash_checkpoint import DraftMismatch
-from worker.spec.base import Step
+from worker.decoding.base import Step
 
 TIMEOUT_S = 30
 

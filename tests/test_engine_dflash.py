@@ -24,13 +24,11 @@ def dflash_dir(tiny_models, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("adaptive,compiled,branches", [(False, True, 1), (True, True, 1), (False, False, 1),
-                                                       (False, True, 3), (True, True, 3)])
-def test_engine_detects_dflash_and_matches_plain(tiny_models, dflash_dir, adaptive, compiled, branches):
-    """The default engine verifies through the compiled target forward; off, op by op; with
-    candidate blocks (`branches`), several rows at once: all equal plain greedy."""
-    cfg = EngineConfig(model_path=tiny_models.llama, draft_path=dflash_dir,
-                       adaptive_block_size=adaptive, compile_forward=compiled, branches=branches)
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_engine_detects_dflash_and_matches_plain(tiny_models, dflash_dir, adaptive):
+    """Mode "auto" on a worker with a DFlash draft is DFlash, with a fixed or an adaptive block
+    size, and its greedy output equals plain greedy."""
+    cfg = EngineConfig(model_path=tiny_models.llama, draft_path=dflash_dir, adaptive_block_size=adaptive)
     with Engine(cfg) as engine:
         assert engine.model.draft_mode == "dflash"
         prompt = tuple(engine.encode_prompt("Speculation pays when", None))
@@ -83,56 +81,3 @@ def test_model_info_names_a_shipped_draft_and_its_block(tiny_models, dflash_dir,
         assert engine.model.draft == "flashfleet/drafts/tiny" and engine.model.num_draft_tokens == 3
     with Engine(EngineConfig(model_path=tiny_models.llama, draft_path=dflash_dir, block_size=2)) as engine:
         assert engine.model.draft == "tiny-dflash" and engine.model.num_draft_tokens == 1
-
-
-@pytest.mark.parametrize("compiled", [True, False])
-def test_worker_log_says_how_verifies_run(tiny_models, dflash_dir, compiled, caplog):
-    import logging
-
-    caplog.set_level(logging.INFO, logger="worker.engine.thread")
-    with Engine(EngineConfig(model_path=tiny_models.llama, draft_path=dflash_dir, warmup=False,
-                             compile_forward=compiled)):
-        pass
-    want = "one compiled graph per shape" if compiled else "op by op (--no-compile-forward)"
-    assert f"DFlash verifies: {want}" in caplog.text
-    # rows run only with the compiled verify (the default count: 4 on CUDA, else 1)
-    from worker.spec.dflash import default_branches
-
-    d = default_branches()
-    want = ("1" if d == 1 else f"{d} (greedy requests, up to 2,048 positions)") if compiled \
-        else "1 (rows need the compiled verify)"
-    assert f"DFlash candidate blocks per verify: {want}" in caplog.text
-    caplog.clear()
-    with Engine(EngineConfig(model_path=tiny_models.llama, draft_path=dflash_dir, warmup=False,
-                             compile_forward=compiled, branches=3)):
-        pass
-    want = "3 (greedy requests, up to 2,048 positions)" if compiled else "1 (rows need the compiled verify)"
-    assert f"DFlash candidate blocks per verify: {want}" in caplog.text
-
-
-@pytest.mark.parametrize("gpu", [True, False])
-def test_the_draft_is_compiled_where_it_pays(tiny_models, dflash_dir, gpu, monkeypatch, caplog):
-    """On a GPU (`compiled_draft_pays`) the engine drafts through the shared compiled draft, on
-    the CPU op by op; both equal plain greedy, and the log says which."""
-    import logging
-
-    import worker.engine.modes as modes
-    import worker.engine.thread as thread
-    import worker.spec.dflash as dflash
-
-    monkeypatch.setattr(modes, "compiled_draft_pays", lambda: gpu)
-    monkeypatch.setattr(thread, "compiled_draft_pays", lambda: gpu)
-    made = []
-    real = dflash.shared_compiled_draft
-    monkeypatch.setattr(dflash, "shared_compiled_draft", lambda d: made.append(real(d)) or made[-1])
-    caplog.set_level(logging.INFO, logger="worker.engine.thread")
-    with Engine(EngineConfig(model_path=tiny_models.llama, draft_path=dflash_dir, warmup=False,
-                             adaptive_block_size=False)) as engine:
-        prompt = tuple(engine.encode_prompt("Speculation pays when", None))
-        plain, _ = run_request(engine, GenerationRequest("p", prompt, 23, mode="plain"))
-        spec, done = run_request(engine, GenerationRequest("d", prompt, 23, mode="dflash"))
-        assert spec == plain and done.stats.cycles > 0
-        assert bool(made) == gpu and not any(f.broken for f in made)
-    want = ("one compiled graph per shape, each queued behind the verify before its verdict is read" if gpu
-            else "op by op (not on a CPU)")
-    assert f"DFlash drafts: {want}" in caplog.text

@@ -14,8 +14,8 @@ from worker.capture import target_layers
 from worker.fusion import _Fused, _Part, fuse_projections
 from worker.models.dflash_checkpoint import init_dflash_draft
 from worker.sampling import greedy
-from worker.spec import plain
-from worker.spec.dflash import dflash_generate
+from worker.engine.one_sequence import decode
+from worker.decoding import plain
 
 
 def _param_count(model) -> int:
@@ -51,8 +51,8 @@ def test_fused_model_gives_the_same_logits_and_greedy_output(arch):
     assert out == ref
     # DFlash on the fused target (taps captured from its layers): still the plain greedy output.
     draft = init_dflash_draft(model, num_layers=2, block_size=4, seed=7)
-    spec = [t for s in dflash_generate(PROMPT, MAX_TOKENS, greedy, set(), target=model, draft=draft,
-                                       block_size=4) for t in s.tokens]
+    spec = [t for s in decode(model, PROMPT, MAX_TOKENS, greedy, (), draft=draft, block_size=4)
+            for t in s.tokens]
     assert spec == ref
     assert all(f._outs is None and f._x is None for f in _stashes(model))  # nothing kept after a forward
     assert fuse_projections(model) == 0  # a second call finds nothing left to fuse

@@ -2,7 +2,7 @@
 
 Tiny random models (hidden 64, MLP 128: every linear layer and the embedding is a multiple of the
 quantization group of 64) are quantized to 4 and 8 bits and served by plain decoding, by DFlash
-(`dflash_generate`, a tiny random draft and a draft rigged to propose the target's own greedy
+(`worker.engine.one_sequence.decode`, a tiny random draft and a draft rigged to propose the target's own greedy
 continuation, so drafts are accepted) and by the engine. DFlash's greedy output must equal plain
 greedy output on the quantized target, token for token, on the CPU in float32.
 """
@@ -17,7 +17,6 @@ from mlx.utils import tree_flatten
 
 from flashfleet.models.quantize import quantize_model_dir
 from harness import run_request
-from test_dflash import OracleDraft
 from tiny_models import build_model_dir, model_config
 from worker.capture import target_head_fn
 from worker.config import EngineConfig
@@ -26,8 +25,9 @@ from worker.engine.types import GenerationRequest
 from worker.loading import COMPUTE_DTYPE_ENV, compute_dtype, load_target, stored_dtype
 from worker.models.dflash_checkpoint import init_dflash_draft, load_dflash_draft, save_dflash_draft
 from worker.sampling import greedy
-from worker.spec import plain
-from worker.spec.dflash import dflash_generate
+import worker.engine.batch as batch_mod
+from worker.decoding import plain
+from worker.engine import one_sequence
 
 PROMPT = [5, 40, 77, 130, 9, 260, 31, 64, 12]
 MAX_TOKENS = 29
@@ -167,7 +167,7 @@ def test_quantized_head_is_the_dequantized_matrix(quantized):
 
 
 @pytest.mark.parametrize("bs", [2, 4])
-def test_dflash_greedy_equals_plain_greedy_on_a_quantized_target(quantized, tmp_path, bs):
+def test_dflash_greedy_equals_plain_greedy_on_a_quantized_target(quantized, tmp_path, bs, monkeypatch):
     _, result = quantized
     target, _ = load_target(result.out_dir)
     ref = [t for s in plain.generate(PROMPT, MAX_TOKENS, greedy, set(), model=target) for t in s.tokens]
@@ -176,10 +176,22 @@ def test_dflash_greedy_equals_plain_greedy_on_a_quantized_target(quantized, tmp_
     save_dflash_draft(init_dflash_draft(target, num_layers=1, block_size=4, seed=3), draft_dir)
     draft = load_dflash_draft(draft_dir, target)  # binds the quantized embedding and head
     assert _floating(draft) == _floating(target)
-    for d in (draft, OracleDraft(draft, len(PROMPT), ref)):
-        steps = list(dflash_generate(PROMPT, MAX_TOKENS, greedy, (), target=target, draft=d, block_size=bs))
-        assert [t for s in steps for t in s.tokens] == ref
-    assert sum(s.accepted for s in steps) >= (bs - 1) * ((MAX_TOKENS - 1) // bs)  # every rigged proposal lands
+    steps = list(one_sequence.decode(target, PROMPT, MAX_TOKENS, greedy, (), draft=draft, block_size=bs))
+    assert [t for s in steps for t in s.tokens] == ref
+    # A draft rigged to propose the target's own continuation: every proposal lands.
+    truth = PROMPT + ref + [0] * bs
+    real = batch_mod.draft_block
+
+    def rigged(d, batch, L):
+        blocks = real(d, batch, L).tolist()
+        for r, row in enumerate(batch.rows):
+            blocks[r][1:] = truth[row.n: row.n + L - 1]
+        return mx.array(blocks, dtype=mx.uint32)
+
+    monkeypatch.setattr(batch_mod, "draft_block", rigged)
+    steps = list(one_sequence.decode(target, PROMPT, MAX_TOKENS, greedy, (), draft=draft, block_size=bs))
+    assert [t for s in steps for t in s.tokens] == ref
+    assert sum(s.accepted for s in steps) >= (bs - 1) * (MAX_TOKENS // bs - 1)
 
 
 def test_engine_serves_a_quantized_target_with_dflash(quantized, tmp_path):

@@ -9,7 +9,7 @@ from mlx_lm import load
 
 from worker.engine.types import InvalidRequest
 from worker.sampling import greedy, make_sampler
-from worker.spec import draft_model, plain
+from worker.decoding import draft_model, plain
 
 FLAT = mx.zeros((1, 512))
 

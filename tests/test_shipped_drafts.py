@@ -314,10 +314,10 @@ def greedy_pairs(model_dir: str, draft_dir: str, max_tokens: int = 24) -> list[d
     import mlx.core as mx
     from mlx_lm import load
 
+    from worker.engine.one_sequence import decode
     from worker.models.dflash_checkpoint import load_dflash_draft
     from worker.sampling import greedy
-    from worker.spec import plain
-    from worker.spec.dflash import dflash_generate
+    from worker.decoding import plain
 
     target, tokenizer = load(model_dir)
     draft = load_dflash_draft(draft_dir, target)
@@ -326,8 +326,7 @@ def greedy_pairs(model_dir: str, draft_dir: str, max_tokens: int = 24) -> list[d
         prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                                     add_generation_prompt=True))
         ref = [t for s in plain.generate(prompt, max_tokens, greedy, set(), model=target) for t in s.tokens]
-        out = [t for s in dflash_generate(prompt, max_tokens, greedy, (), target=target, draft=draft)
-               for t in s.tokens]
+        out = [t for s in decode(target, prompt, max_tokens, greedy, (), draft=draft) for t in s.tokens]
         result = {"text": text[:40], "ref": ref, "out": out, "gpu": mx.default_device().type == mx.gpu}
         i = next((k for k, (a, b) in enumerate(zip(out, ref)) if a != b), None)
         if i is not None:

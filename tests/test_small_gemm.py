@@ -1,5 +1,5 @@
 """worker/small_gemm.py: which calls it takes, the swap of a model's linears, and (on CUDA) the
-kernel against a float32 reference and a compiled verify against cuBLAS's.
+kernel against a float32 reference and a batched verify against cuBLAS's.
 
 On the CPU the kernel cannot run (MLX's CUDA backend only), so the dispatch and the swap are
 checked with `small_gemm` replaced by a recording reference matmul; the kernel's own tests skip.
@@ -150,11 +150,10 @@ def test_a_view_at_an_odd_offset_is_read_right():
 
 
 @cuda
-def test_compiled_verify_with_small_gemm_matches_cublas(tiny_models):
+def test_batched_verify_with_small_gemm_matches_cublas(tiny_models):
     from mlx_lm import load
 
-    from worker.compiled_forward import CompiledTarget
-    from worker.spec.dflash import make_target_cache
+    from worker.caches.rows import make_row_caches
 
     models = []
     for swap in (False, True):
@@ -165,14 +164,13 @@ def test_compiled_verify_with_small_gemm_matches_cublas(tiny_models):
             assert sg.use_small_gemm(m) > 0
         models.append(m)
     models[1].update(models[0].parameters())
-    prompt = mx.array([list(range(3, 40))], dtype=mx.uint32)
-    block = mx.array([[5, 9, 11, 2] * 4] * 4, dtype=mx.uint32)  # 4 candidate rows of 16 tokens
+    prompt = mx.array([list(range(3, 40))] * 4, dtype=mx.uint32)
+    block = mx.array([[5, 9, 11, 2] * 4] * 4, dtype=mx.uint32)  # 4 rows of 16 tokens
     outs = []
     for m in models:
-        cache = make_target_cache(m)
+        cache = make_row_caches(m, 4)
         mx.eval(m(prompt, cache=cache))
-        logits, _ = CompiledTarget(m)(block, cache)
-        outs.append(logits.astype(mx.float32))
+        outs.append(m(block, cache=cache).astype(mx.float32))
     a, b = outs
     assert (mx.abs(a - b).max() / mx.abs(a).max()).item() < 2e-2
     assert (mx.argmax(a, -1) == mx.argmax(b, -1)).astype(mx.float32).mean().item() > 0.95
@@ -272,25 +270,6 @@ def test_fusing_after_the_swap_still_fuses(monkeypatch, tiny_models, tmp_path):
     assert sg.use_small_gemm(model) > 0
     assert fuse_projections(model) > 0
     assert type(model.model.layers[0].self_attn.qkv_proj_fused) is sg.SmallGemmLinear
-
-
-def test_the_default_rows_follow_the_targets_linears(monkeypatch, tiny_models, tmp_path):
-    from mlx_lm import load
-
-    from worker.config import EngineConfig
-    from worker.engine.modes import candidate_rows
-    from worker.spec import dflash
-
-    _recording(monkeypatch)
-    monkeypatch.setattr(dflash.mx.cuda, "is_available", lambda: True)  # CUDA's defaults
-    model, _ = load(str(_bf16_copy(tiny_models.llama, tmp_path / "bf16")))
-    cfg = EngineConfig(model_path=tmp_path)
-    assert candidate_rows(cfg, model) == dflash.DEFAULT_CUDA_BRANCHES == 4  # cuBLAS: 4 rows
-    sg.use_small_gemm(model)  # after an answer was kept: the swap makes it look again
-    assert candidate_rows(cfg, model) == dflash.SMALL_GEMM_CUDA_BRANCHES == 1
-    monkeypatch.setattr(type(model), "named_modules", lambda self: pytest.fail("walked the modules again"))
-    assert candidate_rows(cfg, model) == 1  # the kept answer
-    assert candidate_rows(EngineConfig(model_path=tmp_path, branches=3), model) == 3
 
 
 def test_the_benchmark_prints_its_three_tables(monkeypatch, tiny_models, capsys, tmp_path):

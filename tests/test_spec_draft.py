@@ -1,4 +1,4 @@
-"""worker.spec.draft_model: golden parity with plain greedy decoding, the acceptance rule, k
+"""worker.decoding.draft_model: golden parity with plain greedy decoding, the acceptance rule, k
 shrinking, EOS inside an accepted run, and cache rollback.
 
 Targets are tiny random llama and qwen2 models (float32). Drafts: a 1-layer random llama
@@ -13,7 +13,7 @@ from mlx_lm import load
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from worker.sampling import greedy, make_sampler
-from worker.spec import draft_model, plain
+from worker.decoding import draft_model, plain
 
 MAX_TOKENS = 37  # not a multiple of k + 1 for k in {1, 2, 4}
 PROMPT_TEXT = "Pchnąć w tę łódź jeża lub ośm skrzyń fig. def add(a, b):"
@@ -147,10 +147,10 @@ def test_caches_hold_only_committed_tokens_after_close(models):
     assert mx.argmax(logits[0, -1]).item() == expected[n]
 
 
-def test_timing_and_time_split(models):
+def test_cycles_report_their_times(models):
     loaded, prompt = models
     model = loaded["llama"]
-    tokens, steps = run_spec(model, loaded["llama_near"], prompt, 3, time_split=True)
+    tokens, steps = run_spec(model, loaded["llama_near"], prompt, 3)
     assert tokens == run_plain(model, prompt)
     assert all(s.verify_s > 0 and s.draft_s > 0 for s in steps if s.drafted)
 
@@ -168,7 +168,7 @@ def test_rejects_untrimmable_cache_and_bad_arguments(models):
 
 
 def test_accept_prefix_rule():
-    from worker.spec.base import accept_prefix
+    from worker.decoding.base import accept_prefix
     assert accept_prefix([5, 6, 7], [5, 6, 7, 8], set()) == (3, [5, 6, 7, 8])  # all + bonus
     assert accept_prefix([5, 9, 7], [5, 6, 7, 8], set()) == (1, [5, 6])  # stop at a mismatch
     assert accept_prefix([1, 2], [3, 2, 4], set()) == (0, [3])  # only the target's token

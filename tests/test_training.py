@@ -926,7 +926,7 @@ def test_static_batch_generation_equals_plain_greedy(arch):
     from test_dflash import TARGETS
 
     from worker.sampling import greedy
-    from worker.spec import plain
+    from worker.decoding import plain
     from worker.training.generation import SYNC_EVERY, generate_responses
 
     target = TARGETS[arch]()

@@ -1,4 +1,4 @@
-"""Byte-level token translation (`worker.spec.translation`) on the tiny BPE / SentencePiece-style
+"""Byte-level token translation (`worker.decoding.translation`) on the tiny BPE / SentencePiece-style
 tokenizers of tests/tiny_models.py, and on real catalog models' tokenizers (fetched into the model
 cache by the first test that needs them)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from real_models import fetched
-from worker.spec.translation import (
+from worker.decoding.translation import (
     ByteVocab,
     char_start,
     common_prefix,

@@ -1,4 +1,4 @@
-"""Cross-tokenizer speculative decoding (`worker.spec.cross_tokenizer`): greedy output must equal the
+"""Cross-tokenizer speculative decoding (`worker.decoding.cross_tokenizer`): greedy output must equal the
 target's plain greedy output, whatever the draft and its tokenizer.
 
 Tiny pairs: a byte-level BPE model (tests/tiny_models.py) with a model built here on the
@@ -18,10 +18,10 @@ from mlx_lm import load
 from real_models import fetched
 from tiny_models import CASES_DIR, build_model_dir, model_config
 from worker.sampling import greedy, make_sampler
-from worker.spec import plain
-from worker.spec.cross_tokenizer import UagStep, byte_vocab, generate
-from worker.spec.translation import encode_continuation
-from worker.spec.uag_cost import UagCostModel, UagPolicy
+from worker.decoding import plain
+from worker.decoding.cross_tokenizer import UagStep, byte_vocab, generate
+from worker.decoding.translation import encode_continuation
+from worker.decoding.uag_cost import UagCostModel, UagPolicy
 
 
 

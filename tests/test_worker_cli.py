@@ -69,20 +69,12 @@ def test_fuse_projections_flag_reaches_the_engine_config(tiny_models, monkeypatc
     for argv, want in (([], True), (["--no-fuse-projections"], False)):
         cli.build_engine(cli.parse_args(["--model", str(tiny_models.llama), *argv]))
         assert seen[-1].fuse_projections is want
-    for argv, want in (([], True), (["--no-compile-forward"], False)):
-        cli.build_engine(cli.parse_args(["--model", str(tiny_models.llama), *argv]))
-        assert seen[-1].compile_forward is want
     for argv, want in (([], True), (["--no-small-gemm"], False)):
         cli.build_engine(cli.parse_args(["--model", str(tiny_models.llama), *argv]))
         assert seen[-1].small_gemm is want
-    for argv, want in (([], True), (["--no-small-attention"], False)):
-        cli.build_engine(cli.parse_args(["--model", str(tiny_models.llama), *argv]))
-        assert seen[-1].small_attention is want
-    for argv, want in (([], None), (["--branches", "4"], 4), (["--branches", "1"], 1)):
-        cli.build_engine(cli.parse_args(["--model", str(tiny_models.llama), *argv]))
-        assert seen[-1].branches == want
-    with pytest.raises(SystemExit):
-        cli.parse_args(["--model", str(tiny_models.llama), "--branches", "0"])
+    for gone in ("--no-compile-forward", "--no-small-attention", "--branches", "--spec-timing-sync"):
+        with pytest.raises(SystemExit):
+            cli.parse_args(["--model", str(tiny_models.llama), gone])
 
 
 def test_openblas_preload_applies_only_where_it_should(tmp_path, monkeypatch):

@@ -28,7 +28,7 @@ from flashfleet.config import tcp_port
 
 # Built-in defaults; a --config file's values come before them, command-line flags before both.
 DEFAULTS = {"model_name": "", "num_draft_tokens": 3, "capacity": 8, "host": "127.0.0.1",
-            "port": 0, "log_level": "INFO", "drain_timeout_s": 25.0, "spec_timing_sync": False}
+            "port": 0, "log_level": "INFO", "drain_timeout_s": 25.0, "prompt_cache_entries": 8}
 MODEL_SETTINGS = ("model", "model_name", "draft", "num_draft_tokens", "max_context_tokens")
 
 
@@ -66,24 +66,14 @@ def parse_args(argv):
                    help="keep mlx-lm's layers as loaded (default: one matmul for each layer's q/k/v "
                    "and one for its gate/up: the same outputs to float rounding, fewer GPU kernels)")
     p.add_argument("--no-small-gemm", dest="small_gemm", action="store_false",
-                   help="CUDA only: keep cuBLAS for linear layers of a few rows, and with it 4 DFlash "
-                   "candidate blocks per verify unless --branches says otherwise (default: one tensor-core "
-                   "kernel a call, worker/small_gemm.py, and one block; the same outputs to rounding, less "
-                   "host time; FLASHFLEET_SMALL_GEMM=0 in the environment turns it off too)")
-    p.add_argument("--no-small-attention", dest="small_attention", action="store_false",
-                   help="CUDA only: keep cuDNN's attention in compiled verifies and drafts (default: one "
-                   "kernel a layer, worker/small_attention.py; the same outputs to rounding, less host "
-                   "time; FLASHFLEET_SMALL_ATTENTION=0 in the environment turns it off too)")
-    p.add_argument("--no-compile-forward", dest="compile_forward", action="store_false",
-                   help="run DFlash verifies and drafts op by op (default: the target's forward, and "
-                   "on a GPU the draft's block forward, as one compiled MLX graph per shape, where "
-                   "the architecture allows it)")
-    p.add_argument("--branches", type=int, default=None, metavar="K",
-                   help="DFlash: verify up to K candidate blocks per cycle in one batched forward "
-                   "(greedy requests; default on CUDA 1, or 4 with --no-small-gemm; 1 on the CPU and Metal; "
-                   "1 = the draft's block alone)")
+                   help="CUDA only: keep cuBLAS for linear layers of a few rows (default: one tensor-core "
+                   "kernel a call, worker/small_gemm.py; the same outputs to rounding, less host time; "
+                   "FLASHFLEET_SMALL_GEMM=0 in the environment turns it off too)")
     p.add_argument("--capacity", type=int, default=None,
                    help="sessions admitted at once, decoded together in one batch (default 8)")
+    p.add_argument("--prompt-cache-entries", type=int, default=None,
+                   help="finished turns whose KV caches stay for follow-up prompts that extend them "
+                   "(default 8; 0: none), within the KV budget")
     p.add_argument("--max-context-tokens", type=int, default=None)
     p.add_argument("--coordinator", default=None, help="coordinator host:port (omit: standalone)")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
@@ -102,11 +92,6 @@ def parse_args(argv):
     p.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, default=None,
                    help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they "
                    "are cut off (default 25: under the 30 s systemd allows a stop)")
-    p.add_argument("--spec-timing-sync", dest="spec_timing_sync", action="store_const", const=True,
-                   default=None, help="time draft and verify apart (one extra host sync on every "
-                   "8th speculative cycle with the adaptive block size, on every cycle without it), "
-                   "so the draft-time metrics and dashboard panels are filled; off by default: "
-                   "drafting then runs asynchronously and its time is counted as verify time")
     p.add_argument("--log-level", default=None)
     a = p.parse_args(argv)
     if a.config:
@@ -133,10 +118,10 @@ def parse_args(argv):
     from flashfleet.models.drafts import resolve_draft_arg
 
     a.draft = resolve_draft_arg(a.draft, a.model, a.model_name)
+    if a.prompt_cache_entries < 0:
+        p.error(f"--prompt-cache-entries must be >= 0, got {a.prompt_cache_entries}")
     if not (math.isfinite(a.drain_timeout_s) and a.drain_timeout_s >= 0):
         p.error(f"--drain-timeout must be a finite number of seconds >= 0, got {a.drain_timeout_s}")
-    if a.branches is not None and a.branches < 1:
-        p.error(f"--branches must be >= 1, got {a.branches}")
     for key in ("peak_memory_bandwidth_gbs", "kv_cache_limit_bytes", "max_context_tokens"):
         value = getattr(a, key)
         if value is not None and not (math.isfinite(value) and value > 0):
@@ -161,9 +146,8 @@ def build_engine(a):
                           num_draft_tokens=a.num_draft_tokens, capacity=a.capacity,
                           block_size=a.block_size, adaptive_block_size=a.adaptive_block_size,
                           max_context_tokens=a.max_context_tokens, fuse_projections=a.fuse_projections,
-                          compile_forward=a.compile_forward, spec_timing_sync=a.spec_timing_sync,
-                          branches=a.branches, small_gemm=a.small_gemm,
-                          small_attention=a.small_attention, kv_budget_bytes=a.kv_cache_limit_bytes)
+                          small_gemm=a.small_gemm, kv_budget_bytes=a.kv_cache_limit_bytes,
+                          prompt_cache_entries=a.prompt_cache_entries)
     return Engine(config)
 
 

@@ -117,22 +117,18 @@ def _head_rows(head: nn.Module, rows: mx.array) -> nn.Module:
 
 
 class _Tap:
-    """Stands in for one decoder layer: calls it and stores its output in `slots[index]`
-    (queued for evaluation at once with `queue`)."""
+    """Stands in for one decoder layer: calls it and stores its output in `slots[index]`."""
 
-    __slots__ = ("layer", "slots", "index", "queue")
+    __slots__ = ("layer", "slots", "index")
 
-    def __init__(self, layer, slots: list, index: int, queue: bool = False):
+    def __init__(self, layer, slots: list, index: int):
         self.layer = layer
         self.slots = slots
         self.index = index
-        self.queue = queue
 
     def __call__(self, *args, **kwargs):
         out = self.layer(*args, **kwargs)
-        h = self.slots[self.index] = out[0] if isinstance(out, tuple) else out
-        if self.queue:
-            mx.async_eval(h)
+        self.slots[self.index] = out[0] if isinstance(out, tuple) else out
         return out
 
     def __getattr__(self, name):  # e.g. llama reads `layer.use_sliding`
@@ -155,17 +151,12 @@ class HiddenCapture:
     Args:
         model: an mlx-lm model with a `layers` list.
         layer_ids: 0-based layer indices; order is the concatenation order.
-        queue: hand each tapped layer's output to the device (`mx.async_eval`) as soon as its
-            graph is built, so the device runs the forward's first layers while Python builds
-            the rest (a 1.5B forward's graph takes 2.6-3.0 ms to build on the H200; sixteenth
-            session, docs/benchmarks.md). Values are unchanged; off by default until it is
-            measured to pay (`bench/bench_dflash.py --queue-taps`).
 
     Raises:
         ValueError: empty or out-of-range layer ids.
     """
 
-    def __init__(self, model: nn.Module, layer_ids: Sequence[int], queue: bool = False):
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int]):
         self.layers = target_layers(model)
         self.layer_ids = [int(i) for i in layer_ids]
         n = len(self.layers)
@@ -179,7 +170,6 @@ class HiddenCapture:
         self._slots: list = [None] * len(self._unique)
         self._order = [self._unique.index(i) for i in self.layer_ids]
         self._originals: list = []
-        self.queue = bool(queue)
 
     def __enter__(self) -> "HiddenCapture":
         if self._originals:
@@ -189,7 +179,7 @@ class HiddenCapture:
             if isinstance(layer, _Tap):
                 raise RuntimeError(f"layer {i} is already being captured")
             self._originals.append(layer)
-            self.layers[i] = _Tap(layer, self._slots, k, self.queue)
+            self.layers[i] = _Tap(layer, self._slots, k)
         return self
 
     def __exit__(self, *exc) -> None:

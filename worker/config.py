@@ -22,59 +22,27 @@ class EngineConfig:
         draft_kind: "draft", "dflash" or "uag" (a draft with another tokenizer); "" detects it
             from the draft's config.json and tokenizer files.
         block_size: DFlash block size B (last token + B-1 drafted); None takes the checkpoint's.
-        adaptive_block_size: DFlash chooses each cycle's block size from measured draft / verify
-            times and acceptance, down to plain decoding when speculation stops paying
-            (worker/spec/cost_model.py; the worker's sessions share one `CostMemory` of cycle
-            costs, so a new request does not measure every block size first). On by default;
-            False keeps the block size fixed (benchmarks of the raw cycle).
+        adaptive_block_size: the DFlash batch's block size for each iteration comes from the
+            batch's acceptance and measured iteration costs (worker/engine/block_policy.py),
+            down to plain steps when speculation stops paying. On by default; False keeps the
+            block size fixed (benchmarks of the raw cycle).
         num_draft_tokens: draft tokens proposed per speculative cycle (k), >= 1.
         capacity: most sessions admitted at once (running or queued), >= 1; running sessions are
             decoded together, one batched forward per iteration, within the KV budget.
         prefill_step_tokens: prompt tokens per prefill forward (chunked prefill), >= 1.
         max_context_tokens: context limit override in tokens; None takes the model's
             `max_position_embeddings` from config.json.
-        spec_timing_sync: when True, speculative cycles sync the host after drafting so draft_s and
-            verify_s are the true split (costs one extra host sync per cycle; for benchmarks).
-            With the adaptive block size (the default) only every 8th cycle is split this way, so
-            the cost model can learn from the others. When False, no cycle is split.
         warmup: run a few tokens through each loaded model before reporting ready.
         fuse_projections: after loading, compute each decoder layer's q/k/v projections with one
             matmul and its MLP's gate/up with one (worker/fusion.py): the same outputs to float
             rounding with three fewer kernels a layer, which is what a launch-bound GPU pays for.
             On by default; False keeps mlx-lm's layers as loaded.
-        compile_forward: DFlash verifies (and DFlash's plain steps) run the target's forward as
-            one compiled MLX graph over the padded KV cache (worker/compiled_forward.py: traced
-            once per shape, replayed without Python per operation; on the H200 a DFlash cycle
-            took 9-24% less time than uncompiled in nine of nine pairs, docs/benchmarks.md).
-            Models `compilable_model` rejects (sliding-window, recurrent, dynamic-NTK RoPE) run
-            uncompiled; plain mode never compiles (no gain measured). On a GPU the DFlash
-            draft's block forward is compiled too (worker/compiled_draft.py; cycles 2.5-5.2%
-            shorter on the H200; on the CPU it measured slower, so not there). On by default.
-        branches: DFlash verifies up to this many candidate blocks per cycle in one batched
-            target forward (`worker.spec.dflash.dflash_generate`'s `branches`: the draft's block
-            and copies with its second choice at one position each; greedy requests, compiled
-            verifies, contexts up to 2,048 positions). None (the default) = `default_branches()`:
-            on CUDA 1 with `small_gemm`, 4 without it; 1 elsewhere (the CPU computes every row;
-            no Apple GPU measured yet). On the H200 with cuBLAS, warm, 4 rows raised tau 11-17%
-            and were ahead of one block in 10 of 12 comparisons, 3 outside the rounds' spread
-            (docs/benchmarks.md, "Candidate blocks, warm"). 1 verifies the draft's block alone. The rows' KV buffers cost up to K times
-            a session's KV memory until its next cycle (counted in the KV-cache metrics).
         small_gemm: on MLX's CUDA backend, the models' linear layers run their calls of 1-64
             rows (a verify's tokens, a biased one-token projection) as one JIT-compiled
             tensor-core kernel each instead of cuBLASLt (worker/small_gemm.py): on the H200 a
             16-token verify of the 1.5B target took 29% less time on two of three machines (4%
-            on the third), and with it one candidate row became the CUDA default
-            (`default_branches`; docs/benchmarks.md, "Small matmuls in one kernel"). Equal to
+            on the third; docs/benchmarks.md, "Small matmuls in one kernel"). Equal to
             cuBLAS's result up to rounding. Ignored elsewhere (CPU, Metal). On by default.
-        small_attention: on MLX's CUDA backend, the compiled verifies and DFlash drafts attend
-            with one JIT-compiled kernel a layer (worker/small_attention.py) instead of cuDNN's
-            SDPA, whose every call adds a cuDNN-built CUDA graph; equal to it up to rounding.
-            Calls of more than 64 queries (prefill), float32 models and other devices keep
-            MLX's own attention. On the H200 (docs/benchmarks.md, "Attention in one kernel"):
-            a 16-token verify of the 1.5B target 14% shorter than with `small_gemm` alone, and
-            end to end under the cost model code 3.46x plain mlx-lm against 2.93x (one
-            process; its first version, slower on the device, lost on a fast-host machine).
-            On by default.
     """
 
     model_path: Path
@@ -87,13 +55,9 @@ class EngineConfig:
     capacity: int = 8
     prefill_step_tokens: int = 512
     max_context_tokens: int | None = None
-    spec_timing_sync: bool = False
     warmup: bool = True
     fuse_projections: bool = True
-    compile_forward: bool = True
-    branches: int | None = None
     small_gemm: bool = True
-    small_attention: bool = True
     kv_budget_bytes: int | None = None
     prompt_cache_entries: int = 8
 
@@ -105,8 +69,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.kv_budget_bytes must be >= 1, got {self.kv_budget_bytes}")
         if self.prompt_cache_entries < 0:
             raise ValueError(f"EngineConfig.prompt_cache_entries must be >= 0, got {self.prompt_cache_entries}")
-        for name in ("num_draft_tokens", "capacity", "prefill_step_tokens", "branches"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
+        for name in ("num_draft_tokens", "capacity", "prefill_step_tokens"):
+            if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.draft_kind not in ("", "draft", "dflash", "uag"):
             raise ValueError("EngineConfig.draft_kind must be '', 'draft', 'dflash' or 'uag', "

@@ -18,8 +18,9 @@ computed in PromQL over any window:
 Draft and verify time come two ways: `..._spec_{draft,verify}_seconds_total` counters (exact
 totals: divide by the cycles' rate for the mean per cycle) and `..._spec_cycle_{draft,verify}_seconds`
 histograms with ONE observation per request, the request's mean time per cycle (final stats carry
-totals, not per-cycle times). Without `EngineConfig.spec_timing_sync` the split is approximate:
-drafting is queued asynchronously, so its compute lands in the verify time.
+totals, not per-cycle times). The split is approximate: drafting is
+queued asynchronously, so its compute lands in the verify time; batched methods (plain, DFlash)
+report neither.
 
 Memory bandwidth is an estimate, not a measurement: each decode step must read the weights it
 runs plus the KV cache of its context (`model_footprint`). Per request, the bytes read per

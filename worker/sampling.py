@@ -14,7 +14,7 @@ import secrets
 import mlx.core as mx
 
 from worker.engine.types import InvalidRequest, SamplingParams
-from worker.spec.base import Sampler
+from worker.decoding.base import Sampler
 
 SEED_LIMIT = 2**64  # mx.random.key takes a uint64 seed
 

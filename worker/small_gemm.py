@@ -38,7 +38,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-MAX_ROWS = 64  # up to 4 m16 tiles: 4 candidate blocks of 16 tokens
+MAX_ROWS = 64  # up to 4 m16 tiles: 4 rows of 16 tokens
 WARPS = 4  # warps per block, splitting K
 ALL_SHAPES_ROWS = 16  # `pays`: up to this many rows on every weight
 BIG_WEIGHT = 1 << 22  # `pays`: above 16 rows only for weights of at most this many elements
@@ -191,7 +191,7 @@ def available() -> bool:
 def cuda_sm80(opt_out: str) -> bool:
     """MLX's CUDA backend on a GPU of compute capability 8.0 or later (or one whose capability
     MLX does not report), and the environment variable `opt_out` not "0": where this module's
-    and `worker.small_attention`'s kernels may run."""
+    kernels may run."""
     if not mx.cuda.is_available() or os.environ.get(opt_out, "1") == "0":
         return False
     major = _compute_capability_major()
@@ -327,9 +327,9 @@ _MARK = "_flashfleet_uses_small_gemm"  # the answer of `uses_small_gemm`, kept o
 
 
 def uses_small_gemm(model: nn.Module) -> bool:
-    """Whether any linear under `model` is a `SmallGemmLinear`. Asked once per DFlash request
-    (`worker.engine.modes.candidate_rows`), so the answer is kept on the model (`use_small_gemm`
-    sets it) instead of walking its modules again (about 0.8 ms for a 28-layer model)."""
+    """Whether any linear under `model` is a `SmallGemmLinear`. The answer is kept on the model
+    (`use_small_gemm` sets it) instead of walking its modules again (about 0.8 ms for a 28-layer
+    model)."""
     known = model.__dict__.get(_MARK)
     if known is None:
         known = any(isinstance(m, SmallGemmLinear) for _, m in model.named_modules())

@@ -25,9 +25,9 @@ from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 
-from worker.engine.row_cache import RowKVCache, as_attention_mask
+from worker.caches.rows import RowKVCache, as_attention_mask
 from worker.sampling import greedy, sample_rows
-from worker.spec.base import Sampler
+from worker.decoding.base import Sampler
 
 FLUSH_PENDING = 32  # pending taps a row may hold while the batch decodes plainly
 

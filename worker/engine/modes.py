@@ -1,27 +1,25 @@
 """Decoding modes: which decoding generator serves a request, and what it needs loaded.
 
-`MODES` is the one table the engine consults; it never branches on the method itself. A new method
-plugs in by writing its generator (the `worker.spec.base` contract), a start function below that
-builds its caches and calls it, and an entry in `MODES`.
+`MODES` is the one table the engine consults. Plain decoding and DFlash run as rows of the
+scheduler's batches (`worker.engine.scheduler.BATCHED_MODES`): their entries name no start
+function. A method without a batched path plugs in by writing its generator (the
+`worker.decoding.base` contract), a start function below that builds its caches and calls it, and an
+entry in `MODES`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
 
-from worker.compiled_draft import compiled_draft_pays
 from worker.config import EngineConfig
 from worker.engine.types import GenerationRequest, InvalidRequest
-from worker.spec import draft_model, plain
-from worker.spec.cost_model import AdaptiveBlockPolicy, CostMemory
-from worker.spec.cross_tokenizer import start_uag
-from worker.small_gemm import uses_small_gemm
-from worker.spec.dflash import default_branches, dflash_generate, make_target_cache
-from worker.spec.base import Sampler, Step
+from worker.decoding import draft_model
+from worker.decoding.cross_tokenizer import start_uag
+from worker.caches.padded import make_target_cache
+from worker.decoding.base import Sampler, Step
 
 
 @dataclass
@@ -35,7 +33,6 @@ class LoadedModels:
         draft: the draft model, or None.
         draft_kind: the kind of `draft` ("" when none, else a key of `MODES`, e.g. "draft").
         draft_tokenizer: the draft's own tokenizer (cross-tokenizer "uag" drafts only).
-        cost_memory: DFlash cycle costs shared by this worker's sessions (`CostMemory`).
     """
 
     target: nn.Module
@@ -44,7 +41,6 @@ class LoadedModels:
     draft: nn.Module | None = None
     draft_kind: str = ""
     draft_tokenizer: Any = None
-    cost_memory: CostMemory = field(default_factory=CostMemory)
 
 
 # Builds one session's decoding generator and returns it with every cache it writes (the engine
@@ -57,49 +53,13 @@ class Mode:
     """One decoding method.
 
     Attributes:
-        start: builds the session's generator and caches.
+        start: builds the session's generator and caches; None for a method the scheduler
+            batches (`worker.engine.scheduler.BATCHED_MODES`).
         needs_draft: the draft kind that must be loaded ("" = none).
     """
 
-    start: StartFn
+    start: Optional[StartFn]
     needs_draft: str = ""
-
-
-def start_plain(m: LoadedModels, cfg: EngineConfig, req: GenerationRequest, sampler: Sampler):
-    """Plain decoding with the target (`worker.spec.plain`)."""
-    # mlx-lm's cache, op by op: compiling plain steps measured no gain on the H200 (their graph
-    # building already overlaps the previous step; docs/benchmarks.md, seventeenth session).
-    cache = make_prompt_cache(m.target)
-    steps = plain.generate(list(req.prompt_tokens), req.max_tokens, sampler, m.eos_ids,
-                           model=m.target, cache=cache, prefill_step_tokens=cfg.prefill_step_tokens)
-    return steps, cache
-
-
-def candidate_rows(cfg: EngineConfig, target) -> int:
-    """Candidate blocks per DFlash verify of `target` under `cfg`: `cfg.branches`, or the
-    device's default (`default_branches`, which depends on whether the target's linears run
-    `worker.small_gemm`) when it is None."""
-    if cfg.branches is not None:
-        return cfg.branches
-    return default_branches(small_gemm=uses_small_gemm(target))
-
-
-def start_dflash(m: LoadedModels, cfg: EngineConfig, req: GenerationRequest, sampler: Sampler):
-    """DFlash block-diffusion speculative decoding (`worker.spec.dflash`)."""
-    cache, draft_cache = make_target_cache(m.target), m.draft.make_cache()
-    # Cycles timed apart only feed the metrics' draft/verify split, and cost a sync: only with
-    # spec_timing_sync (the policy learns from the other cycles).
-    policy = (AdaptiveBlockPolicy(cfg.block_size or m.draft.block_size, time_every=8 if cfg.spec_timing_sync else 0,
-                                  memory=m.cost_memory, context_tokens=len(req.prompt_tokens))
-              if cfg.adaptive_block_size else None)
-    steps = dflash_generate(
-        list(req.prompt_tokens), req.max_tokens, sampler, m.eos_ids, target=m.target,
-        draft=m.draft, block_size=cfg.block_size, policy=policy, target_cache=cache,
-        draft_cache=draft_cache, prefill_step_tokens=cfg.prefill_step_tokens,
-        time_every=1 if cfg.spec_timing_sync else 0, compile_target=cfg.compile_forward,
-        compile_draft=cfg.compile_forward and compiled_draft_pays(),
-        branches=candidate_rows(cfg, m.target))
-    return steps, cache + draft_cache
 
 
 def draft_kind_of(draft_config: Mapping[str, Any], draft_dir: Path, target_dir: Path) -> str:
@@ -118,22 +78,21 @@ def draft_kind_of(draft_config: Mapping[str, Any], draft_dir: Path, target_dir: 
 
 
 def start_draft(m: LoadedModels, cfg: EngineConfig, req: GenerationRequest, sampler: Sampler):
-    """Draft-model speculative decoding (`worker.spec.draft_model`). Padded caches keep the verify's
+    """Draft-model speculative decoding (`worker.decoding.draft_model`). Padded caches keep the verify's
     key length fixed for 256 positions (MLX's CUDA build compiles a kernel per new length)."""
     cache, draft_cache = make_target_cache(m.target), make_target_cache(m.draft)
     steps = draft_model.generate(
         list(req.prompt_tokens), req.max_tokens, sampler, m.eos_ids,
         model=m.target, draft_model=m.draft, num_draft_tokens=cfg.num_draft_tokens,
         cache=cache, draft_cache=draft_cache, prefill_step_tokens=cfg.prefill_step_tokens,
-        time_split=cfg.spec_timing_sync,
     )
     return steps, cache + draft_cache
 
 
 MODES: dict[str, Mode | None] = {
-    "plain": Mode(start_plain),
+    "plain": Mode(None),
     "draft": Mode(start_draft, needs_draft="draft"),
-    "dflash": Mode(start_dflash, needs_draft="dflash"),
+    "dflash": Mode(None, needs_draft="dflash"),
     "uag": Mode(start_uag, needs_draft="uag"),
 }
 

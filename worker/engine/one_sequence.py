@@ -10,8 +10,8 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 from worker.capture import HiddenCapture
 from worker.engine.batch import Batch, Row, dflash_cycle, plain_step, prefill_chunk
-from worker.engine.row_cache import RowKVCache, make_row_caches
-from worker.spec.base import Sampler, Step
+from worker.caches.rows import RowKVCache, make_row_caches
+from worker.decoding.base import Sampler, Step
 
 
 def decode(target: Any, prompt_tokens: Sequence[int], max_tokens: int, sampler: Sampler,

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 from mlx_lm.models.cache import LRUPromptCache
 
-from worker.engine.row_cache import RowKVCache
+from worker.caches.rows import RowKVCache
 
 
 class PromptCache:

@@ -33,10 +33,10 @@ from worker.capture import HiddenCapture
 from worker.engine.batch import Batch, Row, dflash_cycle, plain_step, prefill_chunk
 from worker.engine.block_policy import Acceptance, BatchBlockPolicy
 from worker.engine.prompt_cache import PromptCache
-from worker.engine.row_cache import STEP, RowKVCache, make_row_caches
+from worker.caches.rows import STEP, RowKVCache, make_row_caches
 from worker.engine.session import Session
 from worker.engine.types import ErrorEvent
-from worker.spec.base import Sampler, Step
+from worker.decoding.base import Sampler, Step
 
 log = logging.getLogger(__name__)
 

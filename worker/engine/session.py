@@ -6,7 +6,7 @@ from typing import Any, Iterator
 
 from worker.detokenize import TextAssembler
 from worker.engine.types import DoneEvent, EmitFn, GenerationRequest, GenerationStats, TokenEvent
-from worker.spec.base import Step
+from worker.decoding.base import Step
 
 
 @dataclass

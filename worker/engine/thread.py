@@ -21,12 +21,10 @@ from mlx_lm.utils import load_tokenizer
 
 from worker.config import EngineConfig
 from worker.detokenize import TextAssembler
-from worker.compiled_draft import compiled_draft_pays
-from worker.compiled_forward import compilable_model
 from worker.fusion import fuse_projections
 from worker.loading import load_target
-from worker import small_attention, small_gemm
-from worker.engine.modes import MODES, LoadedModels, Mode, candidate_rows, draft_kind_of, resolve_mode
+from worker import small_gemm
+from worker.engine.modes import MODES, LoadedModels, Mode, draft_kind_of, resolve_mode
 from worker.models.dflash_checkpoint import DraftCheckpointError, load_dflash_draft
 from worker.engine.budget import default_kv_budget_bytes
 from worker.engine.scheduler import BATCHED_MODES, Scheduler
@@ -454,28 +452,8 @@ class Engine:
             else:
                 log.info("small gemm: no linear layer it can take (it needs unquantized bf16/fp16 weights); "
                          "cuBLAS runs them")
-        if cfg.small_attention and small_attention.available():
-            for m in (target, draft):
-                if m is not None:
-                    small_attention.use_small_attention(m)
-            log.info("small attention: compiled verifies, steps and drafts attend with one CUDA kernel a layer "
-                     "(calls of up to %d queries, bf16/fp16)", small_attention.MAX_QUERIES)
-        models = LoadedModels(target, tokenizer, frozenset(tokenizer.eos_token_ids), draft,
-                              self._draft_kind, draft_tokenizer=draft_tokenizer)
-        if self._draft_kind == "dflash":  # say whether --no-compile-forward / the model decided it
-            on = cfg.compile_forward and compilable_model(target)
-            log.info("DFlash verifies: %s", "one compiled graph per shape" if on else
-                     "op by op (" + ("--no-compile-forward" if not cfg.compile_forward
-                                     else "this architecture cannot be compiled") + ")")
-            drafts_on = cfg.compile_forward and compiled_draft_pays()
-            log.info("DFlash drafts: %s", "one compiled graph per shape, each queued behind the verify before "
-                     "its verdict is read" if drafts_on else "op by op ("
-                     + ("--no-compile-forward" if not cfg.compile_forward else "not on a CPU") + ")")
-            rows = candidate_rows(cfg, target) if on else 1
-            log.info("DFlash candidate blocks per verify: %d%s", rows,
-                     " (greedy requests, up to 2,048 positions)" if rows > 1 else
-                     "" if on else " (rows need the compiled verify)")
-        return models
+        return LoadedModels(target, tokenizer, frozenset(tokenizer.eos_token_ids), draft,
+                            self._draft_kind, draft_tokenizer=draft_tokenizer)
 
     def _warmup(self, m: LoadedModels, sched: Scheduler) -> None:
         """Runs a few tokens of every batched mode this worker serves, greedy and sampled, one and

@@ -22,7 +22,7 @@ so a published z-lab checkpoint loads unchanged (see `worker/models/dflash_check
 """
 from __future__ import annotations
 
-import os
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
@@ -30,11 +30,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.base import BaseModelArgs
-from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import KVCache, create_attention_mask
+from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
+from worker.caches.padded import PaddedKVCache, additive_mask
 from worker.capture import target_embed_fn, target_head_fn
 
 
@@ -62,138 +62,6 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int = 5) -> list[
         return [L // 2]
     span = (L - 3) - 1
     return [int(round(1 + i * span / (n - 1))) for i in range(n)]
-
-
-def additive_mask(visible: mx.array, dtype: Optional[mx.Dtype]) -> mx.array:
-    """A boolean attention mask as the additive one attention kernels take: 0 where `visible`,
-    -inf elsewhere, in `dtype` (the queries' dtype); `visible` unchanged when dtype is None.
-
-    Why: `mx.fast.scaled_dot_product_attention` turns a boolean mask into an additive one inside
-    every call when its fused kernel takes no boolean masks (CUDA's cuDNN path, MLX 0.32: two
-    `full_like` and a `where` per call, mlx/fast.cpp), i.e. three kernels per layer of a 16-token
-    verify, 84 on a 28-layer target; converted once per forward here, the layers share it. The
-    values it gives attention are the same (exp(-inf) = 0); every query sees at least its own key,
-    so no row is all -inf.
-    """
-    if dtype is None:
-        return visible
-    return mx.where(visible, mx.array(0, dtype), mx.array(-float("inf"), dtype))
-
-
-# mlx-lm architectures whose layers hand the mask from `create_attention_mask` to attention
-# unchanged (mlx_lm.models.base.scaled_dot_product_attention takes boolean and additive masks
-# alike). Others may read it as boolean (deepseek_v32: `mx.where(mask, scores, -inf)`), so their
-# masks stay boolean: slower on CUDA, never wrong.
-ADDITIVE_MASK_MODELS = frozenset({
-    "llama", "mistral", "smollm3", "qwen2", "qwen3", "qwen3_moe", "gemma3", "gemma3_text", "phi3",
-    "starcoder2", "olmo2", "granite", "cohere", "internlm2", "minicpm", "exaone", "glm4",
-    "ministral3", "mistral3",
-})
-
-
-def takes_additive_masks(model: nn.Module) -> bool:
-    """Whether an mlx-lm model's attention masks may be additive (its `model_type` is in
-    `ADDITIVE_MASK_MODELS`)."""
-    kind = getattr(model, "model_type", None) or getattr(getattr(model, "args", None), "model_type", None)
-    return kind in ADDITIVE_MASK_MODELS
-
-
-class PaddedKVCache(KVCache):
-    """A `KVCache` whose multi-token updates attend over the whole allocated buffer, with a mask.
-
-    Why: on MLX's CUDA backend, `mx.fast.scaled_dot_product_attention` with more than one query
-    compiles a kernel per key length (measured on the H200, MLX 0.32.4: ~65 ms for each new
-    length, with or without cuDNN; a matmul of the same shapes costs 0.2 ms). A speculative
-    verify or a DFlash draft call has a new key length every cycle, so every cycle paid that.
-    Here the buffer grows in `step` (256) position buckets and multi-token updates return the
-    full buffer, so the key length changes once per 256 positions; `make_mask` returns the
-    matching mask (causal, optionally windowed; additive in the keys' dtype once the cache holds
-    keys and `additive_ok`, see `additive_mask`), which also hides the unused tail. One-token
-    updates (plain decode steps) return the exact slice and need no mask, as in `KVCache`.
-    Trimming only moves `offset` (O(1)).
-
-    The bucket (`step`) defaults to 256 positions, or `FLASHFLEET_KV_BUCKET` from the
-    environment: a larger bucket (e.g. 4096 on a GPU) compiles once per 4096 positions at the
-    price of attending over more masked keys, cheap where attention is far from the bottleneck.
-    """
-
-    step = int(os.environ.get("FLASHFLEET_KV_BUCKET", "256"))
-    additive = True  # False: boolean masks (the same attention, more graph operations)
-    additive_ok = False  # also for caches made without __init__ (mlx-lm's `from_state`)
-    rows_held = 1  # the buffers are a row of a verify's K candidate-row buffers (CompiledTarget)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the buffers keep allocated: a row view of K candidate rows holds all K."""
-        return (0 if self.keys is None else self.keys.nbytes + self.values.nbytes) * self.rows_held
-
-    def __init__(self, additive_ok: bool = False):
-        """additive_ok: the model reading this cache's masks takes additive ones (it hands them
-        to attention unchanged: `takes_additive_masks`); False keeps them boolean."""
-        super().__init__()
-        self.additive_ok = additive_ok
-
-    def update_and_fetch(self, keys, values):
-        """Writes keys (B, H, S, Dk) and values (B, H, S, Dv) at positions offset..offset+S-1.
-
-        Returns:
-            (keys, values) to attend over: the exact (B, H, offset+S, D*) slices when S == 1,
-            else the whole buffers (B, H, `key_length(S)`, D*), whose positions past offset+S
-            `make_mask` hides.
-        """
-        prev = self.offset
-        end = prev + keys.shape[2]
-        if self.keys is None:
-            B, H, _, Dk = keys.shape
-            size = -(-end // self.step) * self.step
-            self.keys = mx.zeros((B, H, size, Dk), keys.dtype)
-            self.values = mx.zeros((B, H, size, values.shape[3]), values.dtype)
-        else:
-            self.reserve(keys.shape[2])
-        self.keys[..., prev:end, :] = keys
-        self.values[..., prev:end, :] = values
-        self.offset = end
-        self.rows_held = 1  # new buffers of their own
-        if keys.shape[2] == 1:
-            return self.keys[..., :end, :], self.values[..., :end, :]
-        return self.keys, self.values
-
-    def reserve(self, n: int) -> None:
-        """Grows the buffers (by whole buckets, zero-filled) so that n more positions fit,
-        without writing any. Needs a cache that already holds keys (their shape and dtype)."""
-        if self.offset + n > self.keys.shape[2]:
-            grow = self.key_length(n) - self.keys.shape[2]
-            B, H, _, Dk = self.keys.shape
-            self.keys = mx.concatenate([self.keys, mx.zeros((B, H, grow, Dk), self.keys.dtype)], axis=2)
-            self.values = mx.concatenate(
-                [self.values, mx.zeros((B, H, grow, self.values.shape[3]), self.values.dtype)], axis=2)
-            self.rows_held = 1
-
-    def key_length(self, n: int) -> int:
-        """Keys an update of n > 1 positions will return (the buffer length after it)."""
-        end = self.offset + n
-        size = 0 if self.keys is None else self.keys.shape[2]
-        return size if end <= size else -(-end // self.step) * self.step
-
-    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
-        """The attention mask of N new queries at positions offset..offset+N-1 (mlx-lm's
-        `make_mask` signature; call it before `update_and_fetch`).
-
-        Returns:
-            For N == 1 what mlx-lm's `create_attention_mask` gives (None, or a windowed
-            boolean array with `window_size`); for N > 1 an (N, key_length(N))
-            causal mask, optionally windowed, False/-inf on the padded tail: boolean, or
-            additive in the keys' dtype (see the class docstring).
-        """
-        if N == 1:
-            return create_attention_mask(N, self.offset, return_array, window_size)
-        mask = create_causal_mask(N, self.offset, window_size=window_size)  # (N, offset + N)
-        pad = self.key_length(N) - (self.offset + N)
-        if pad:
-            mask = mx.pad(mask, [(0, 0), (0, pad)])  # padded keys: False
-        # The first forward (empty cache) does not know the dtype yet: boolean, as mlx-lm's.
-        dtype = self.keys.dtype if self.additive and self.additive_ok and self.keys is not None else None
-        return additive_mask(mask, dtype)
 
 
 @dataclass
@@ -343,30 +211,6 @@ class Attention(nn.Module):
         keys, values = cache.update_and_fetch(k, v)
         return self._attend(q, keys, values, mask)
 
-    def padded(self, x: mx.array, ctx: mx.array, keys: mx.array, values: mx.array,
-               T: mx.array, S: mx.array, mask: mx.array):
-        """`__call__` with array offsets and a context padded to a fixed length, for a compiled
-        forward (`worker.compiled_draft`): every shape is fixed, only T and S vary.
-
-        Args:
-            x: (B, L, D) normalised block states.
-            ctx: (B, P, D) context feature whose rows S..P-1 are padding.
-            keys, values: (B, H_kv, N, head_dim) cache buffers; T context positions written.
-            T, S: int32 scalar arrays (cached context positions; real rows of ctx).
-            mask: (L, N) additive mask hiding keys at T+S+L and beyond.
-
-        Returns:
-            (out (B, L, D), keys, values): the buffers with the context at T..T+S-1 and the block
-            at T+S..T+S+L-1. The block's rows overwrite the padding's (written first, at T+S..
-            T+P-1); padding past T+S+L stays, beyond the mask, as a trimmed block does.
-        """
-        P = ctx.shape[1]
-        k, v = self._kv_unroped(mx.concatenate([ctx, x], axis=1))
-        for rows, at in ((slice(None, P), T), (slice(P, None), T + S)):
-            keys = mx.slice_update(keys, self.rope(k[:, :, rows], offset=at), at, axes=(2,))
-            values = mx.slice_update(values, v[:, :, rows], at, axes=(2,))
-        return self._attend(self._queries(x, T + S), keys, values, mask), keys, values
-
     def make_mask(self, L: int, n_valid: int, n_keys: int,
                   dtype: Optional[mx.Dtype] = None) -> Optional[mx.array]:
         """(L, n_keys) mask for L block queries ending at position n_valid - 1; keys at n_valid
@@ -374,7 +218,7 @@ class Attention(nn.Module):
         everything is visible."""
         if isinstance(n_valid, int) and not (self.window or self.causal or n_keys > n_valid):
             return None
-        qpos = (n_valid - L + mx.arange(L))[:, None]  # n_valid: an int, or an array in a trace
+        qpos = (n_valid - L + mx.arange(L))[:, None]
         kpos = mx.arange(n_keys)[None]
         visible = kpos < n_valid
         if self.causal:
@@ -406,18 +250,6 @@ class DecoderLayer(nn.Module):
         h = x + self.self_attn(self.input_layernorm(x), ctx, cache, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def padded(self, x: mx.array, ctx: mx.array, keys: mx.array, values: mx.array,
-               T: mx.array, S: mx.array, mask: mx.array):
-        """`__call__` on cache buffers with array offsets (`Attention.padded`); returns
-        (out (B, L, D), keys, values)."""
-        a, keys, values = self.self_attn.padded(self.input_layernorm(x), ctx, keys, values, T, S, mask)
-        h = x + a
-        return h + self.mlp(self.post_attention_layernorm(h)), keys, values
-
-
-COMPILED_DRAFT_ATTR = "_flashfleet_compiled_draft"  # where a draft keeps its shared CompiledDraft
-
-
 @dataclass(frozen=True)
 class _VocabMaps:
     """A draft vocabulary (a plain object, so MLX never takes its arrays for weights)."""
@@ -448,6 +280,7 @@ class Model(nn.Module):
         self._embed = None  # plain attributes (bound methods), not child modules: never saved
         self._head = None
         self._head_for = None  # rows -> head function, set by bind
+        self._bound_to = None  # weak reference to the bound target
         self._vocab_maps: Optional[_VocabMaps] = None  # a draft vocabulary, or None (the whole head)
 
     @property
@@ -470,29 +303,14 @@ class Model(nn.Module):
         """The draft vocabulary: (K,) int32 ascending target ids, or None (the whole head)."""
         return None if self._vocab_maps is None else self._vocab_maps.ids
 
-    def _drop_compiled_draft(self) -> None:
-        # `worker.compiled_draft.shared_compiled_draft` keeps it here; its traces hold the
-        # weights and head they were traced with.
-        self.__dict__.pop(COMPILED_DRAFT_ATTR, None)
-
-    def update(self, parameters: dict, strict: bool = True) -> "Model":
-        """`nn.Module.update`; new weights also drop the compiled draft (its traces hold the old)."""
-        self._drop_compiled_draft()
-        return super().update(parameters, strict=strict)
-
-    def update_modules(self, modules: dict, strict: bool = True) -> "Model":
-        """`nn.Module.update_modules` (quantization swaps layers); drops the compiled draft too."""
-        self._drop_compiled_draft()
-        return super().update_modules(modules, strict=strict)
-
     def bind(self, target: nn.Module) -> "Model":
         """Borrows the target's token embedding and LM head (frozen; not copied, not saved).
 
-        With a draft vocabulary (`set_vocab`) only its rows of the head are kept (one copy)."""
-        if self.__dict__.get("_bound_target") is target:
-            return self  # every session binds; the compiled draft's traces stay valid
-        self._drop_compiled_draft()
-        object.__setattr__(self, "_bound_target", target)  # not a child module: never saved
+        With a draft vocabulary (`set_vocab`) only its rows of the head are kept (one copy).
+        Binding again to the same target changes nothing."""
+        if self._bound_to is not None and self._bound_to() is target:
+            return self
+        self._bound_to = weakref.ref(target)  # a plain attribute: not a child module, never saved
         self._embed = target_embed_fn(target)
         self._head_for = lambda rows: target_head_fn(target, rows)
         self._head = self._head_for(self.vocab)
@@ -530,7 +348,6 @@ class Model(nn.Module):
             self.args.draft_vocab_size = int(ids.size)
         if self._head_for is not None:
             self._head = self._head_for(self.vocab)
-        self._drop_compiled_draft()
         return self
 
     def draft_index(self, token_ids: mx.array) -> mx.array:
@@ -545,32 +362,6 @@ class Model(nn.Module):
         (uint32, the logits' shape without the last axis)."""
         best = mx.argmax(logits, axis=-1)
         return best if self._vocab_maps is None else self._vocab_maps.ids[best].astype(mx.uint32)
-
-    def propose(self, logits: mx.array, first: mx.array, branches: int = 1) -> mx.array:
-        """The blocks a verify checks: (branches, L) uint32 target ids, each [first, drafts...].
-
-        Row 0 is the draft's block (its first choice at every position, `draft_tokens`). Row r
-        (1 <= r < branches) is row 0 with the draft's second choice at drafted position r, so a
-        verify of all rows at once (one batched target forward: on a launch-bound GPU it costs
-        about what one row does) accepts past a first choice
-        that was wrong there. Candidate blocks as in Medusa's tree of top-k continuations (Cai et
-        al. 2024), with one row per position, the set that measured the most tau per row
-        ("each").
-
-        Args:
-            logits: (L-1, V) draft logits of the drafted positions (V: the draft vocabulary's
-                size when it has one).
-            first: (1,) uint32, the block's first token (the last committed one).
-            branches: rows, 1 <= branches <= L.
-        """
-        top1 = self.draft_tokens(logits)
-        if branches == 1:
-            return mx.concatenate([first, top1])[None]
-        second = self.draft_tokens(mx.where(mx.arange(logits.shape[-1]) == mx.argmax(logits, axis=-1)[:, None],
-                                            -mx.inf, logits))
-        swap = mx.arange(top1.shape[0])[None, :] == mx.arange(branches)[:, None] - 1  # row r: position r-1
-        rows = mx.where(swap, second[None], top1[None])
-        return mx.concatenate([mx.broadcast_to(first[None], (branches, 1)), rows], axis=1)
 
     def make_cache(self) -> list[PaddedKVCache]:
         """One context-only cache per draft layer (trimmable, full context kept)."""
@@ -639,34 +430,6 @@ class Model(nn.Module):
             if kind not in masks:
                 masks[kind] = a.make_mask(L, n_valid, n_keys, dtype if PaddedKVCache.additive else None)
         return [masks[(layer.self_attn.window, layer.self_attn.causal)] for layer in self.layers]
-
-    def padded_draft(self, inputs: mx.array, target_hidden: mx.array, T: mx.array, S: mx.array,
-                     keys: list, values: list, branches: int = 1):
-        """The block forward and the draft's proposals as a pure function of fixed shapes, for
-        `worker.compiled_draft.CompiledDraft` (which keeps the caches' offsets).
-
-        Args:
-            inputs: (1, L) uint32 block ids [last committed token, MASK x (L-1)].
-            target_hidden: (1, P, n_taps * D) taps whose rows S..P-1 are padding (any values).
-            T: int32 scalar array, context positions already cached.
-            S: int32 scalar array, 0 <= S <= P, real rows of target_hidden.
-            keys, values: per layer (1, H_kv, N, head_dim) buffers, N >= T + P + L.
-
-            branches: candidate blocks to propose (`propose`).
-
-        Returns:
-            (blocks (branches, L) uint32 target ids, as `propose` gives them, keys, values): the
-            buffers hold the new context at T..T+S-1 (and block rows past it, beyond the
-            context a later call sees).
-        """
-        h = self._block_embeddings(inputs)
-        ctx = self.context(target_hidden)
-        L = inputs.shape[1]
-        masks = self._layer_masks(L, T + S + L, keys[0].shape[2], h.dtype)
-        keys, values = list(keys), list(values)
-        for i, (layer, mask) in enumerate(zip(self.layers, masks)):
-            h, keys[i], values[i] = layer.padded(h, ctx, keys[i], values[i], T, S, mask)
-        return self.propose(self._head(self.norm(h)[:, 1:])[0], inputs[0, :1], branches), keys, values
 
     def __call__(
         self, inputs: mx.array, target_hidden: Optional[mx.array], cache: list[KVCache]

@@ -2,10 +2,10 @@
 
 tau = tokens committed per draft/verify cycle, bonus token included (the paper's tau, Chen et al.
 2026, arXiv 2602.06036, §5). It is measured by
-decoding with the real decode loop, `worker.spec.dflash.dflash_generate`, greedy: per cycle the
-target accepts `accepted` drafts plus one bonus, so tau = mean(accepted + 1) over cycles. The
-prefill's first token is not a cycle and is not counted. A draft that is always wrong gives
-tau = 1; the maximum is the block size B.
+decoding with the worker's own functions for one sequence (`worker.engine.one_sequence.decode`),
+greedy: per cycle the target accepts `accepted` drafts plus one bonus, so tau = mean(accepted + 1)
+over cycles (iterations that drafted; a last iteration of one token drafts nothing and is not
+counted). A draft that is always wrong gives tau = 1; the maximum is the block size B.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
+from worker.engine.one_sequence import decode
 from worker.sampling import greedy
-from worker.spec.dflash import dflash_generate
 from worker.training.data import interleave_by_corpus
 
 
@@ -39,8 +39,8 @@ def acceptance_on_prompt(
         prompt is (accepted + cycles) / cycles.
     """
     cycles = accepted = tokens = 0
-    for step in dflash_generate(list(prompt_ids), max_new_tokens, greedy, eos_ids, target=target,
-                                draft=draft, block_size=block_size):
+    for step in decode(target, list(prompt_ids), max_new_tokens, greedy, eos_ids, draft=draft,
+                       block_size=block_size):
         tokens += len(step.tokens)
         if step.drafted:
             cycles += 1

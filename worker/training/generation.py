@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional, Sequence
 
-from worker.spec.base import release_buffer_cache
+from worker.decoding.base import release_buffer_cache
 
 SYNC_EVERY = 16  # decode steps between checks of "every row has ended" and of the time limit
 COMPACT_AT = 0.5  # drop the ended rows once this fraction of the rows still decoding has ended

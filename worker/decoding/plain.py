@@ -14,7 +14,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from worker.sampling import sample_rows
-from worker.spec.base import Sampler, Step, release_buffer_cache
+from worker.decoding.base import Sampler, Step, release_buffer_cache
 
 CLEAR_CACHE_EVERY_TOKENS = 256  # return freed buffers to the allocator this often, as mlx-lm does
 
@@ -74,10 +74,9 @@ def generate(
     model: nn.Module,
     cache: list[Any] | None = None,
     prefill_step_tokens: int = 512,
-    compile_target: bool = False,
     stream: Any = generation_stream,
 ) -> Iterator[Step]:
-    """Decodes one token per step (the `spec.base` decoding-generator contract).
+    """Decodes one token per step (the `decoding.base` decoding-generator contract).
 
     Args:
         prompt_tokens: prompt ids, non-empty.
@@ -88,12 +87,6 @@ def generate(
         cache: the target's cache list, updated in place (made here when None). The caller may
             read `nbytes` from it while the generator runs.
         prefill_step_tokens: prompt tokens per prefill forward.
-        compile_target: with cache None and a model `compilable_model` accepts, decode on a
-            padded KV cache (`make_target_cache`) with every step one compiled graph
-            (`worker.compiled_forward`); the prefill stays uncompiled; otherwise (a given cache,
-            sliding-window or recurrent models) mlx-lm's way. For benchmarks: the worker's plain
-            mode does not use it (no gain measured on the H200). The same tokens in float32 on
-            the CPU (tests/test_compiled_forward.py).
         stream: MLX stream to run on. It is entered around each piece of work, never across a
             `yield`, so several generators can interleave on one thread.
 
@@ -109,17 +102,6 @@ def generate(
         raise ValueError("prompt_tokens is empty")
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    forward = model
-    if compile_target and cache is None:
-        from worker.compiled_forward import compilable_model, shared_compiled_target
-        from worker.spec.dflash import make_target_cache  # imports this module
-
-        if compilable_model(model):
-            cache = make_target_cache(model)
-            compiled = shared_compiled_target(model, None)
-            # compiled steps need a cache that holds keys: a one-token prompt's first step does not
-            forward = lambda x, cache: (compiled(x, cache)[0] if cache[0].keys is not None  # noqa: E731
-                                        else model(x, cache=cache))
     if cache is None:
         cache = make_prompt_cache(model)
 
@@ -127,7 +109,7 @@ def generate(
 
     def _step(y: mx.array) -> mx.array:
         with mx.stream(stream):
-            logits = forward(y[None], cache=cache)[:, -1, :]
+            logits = model(y[None], cache=cache)[:, -1, :]
             y = sample_rows(sampler, logits, position[0])  # keyed as DFlash keys it
             mx.async_eval(y)
         position[0] += 1

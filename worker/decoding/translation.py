@@ -1,6 +1,6 @@
 """Token translation between two vocabularies, done on raw bytes (for cross-tokenizer drafting).
 
-Used by `worker.spec.cross_tokenizer` (Universal Assisted Generation, Timor et al. 2025,
+Used by `worker.decoding.cross_tokenizer` (Universal Assisted Generation, Timor et al. 2025,
 arXiv:2502.05202 "SLEM", and the Hugging Face blog "Universal Assisted Generation", 2024): draft
 tokens become text, the text becomes target tokens, and accepted target text goes back to draft
 tokens.

@@ -1,8 +1,7 @@
 """When cross-tokenizer drafting pays: choose the draft length k (or plain decoding) from measurements.
 
-Extends `worker.spec.cost_model` (DFlash, one parallel draft forward per block) to UAG, where the
-draft runs k *sequential* steps and every round also pays for translation (CPU) and a draft
-re-sync. The round model (docs/uag.md, after Leviathan, Kalman & Matias 2023,
+A round cost model for UAG, where the draft runs k *sequential* steps and every round also pays
+for translation (CPU) and a draft re-sync. The round model (docs/uag.md, after Leviathan, Kalman & Matias 2023,
 "Fast Inference from Transformers via Speculative Decoding", ICML, eq. (1) and Thm 3.8):
 
     k draft tokens  ->  m ≈ f·k target tokens        f = fertility (target tokens per draft token)
@@ -20,8 +19,8 @@ On a CPU v1 > 0 (verify grows with the tokens) and the draft is sequential, so s
 wins, and a low `a` (varied prose, a weak draft) makes plain decoding the answer.
 
 Estimating a: a round proposing m target tokens with j accepted is a truncated geometric
-observation; a = S / (S + F) with S = Σ j, F = rounds with j < m, both decayed per round
-(as in `CostModel`). All of it is plain Python (no MLX).
+observation; a = S / (S + F) with S = Σ j, F = rounds with j < m, both decayed per round.
+All of it is plain Python (no MLX).
 """
 from __future__ import annotations
 
@@ -180,7 +179,7 @@ class UagCostModel:
 
 
 class UagPolicy:
-    """Schedule around `UagCostModel` for `worker.spec.cross_tokenizer.generate`.
+    """Schedule around `UagCostModel` for `worker.decoding.cross_tokenizer.generate`.
 
     Explores first (each of the smallest, largest k and plain decoding `min_samples` times),
     then follows `decide`; while decoding plainly it probes the best k every `probe_every`

@@ -25,8 +25,8 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from worker.sampling import greedy
-from worker.spec.base import Sampler, Step, accept_prefix, release_buffer_cache
-from worker.spec.plain import CLEAR_CACHE_EVERY_TOKENS, prefill_steps
+from worker.decoding.base import Sampler, Step, accept_prefix, release_buffer_cache
+from worker.decoding.plain import CLEAR_CACHE_EVERY_TOKENS, prefill_steps
 
 
 def generate(
@@ -42,10 +42,9 @@ def generate(
     draft_cache: list[Any] | None = None,
     draft_sampler: Sampler | None = None,
     prefill_step_tokens: int = 512,
-    time_split: bool = False,
     stream: Any = generation_stream,
 ) -> Iterator[Step]:
-    """Decodes by draft + verify cycles (the `spec.base` decoding-generator contract).
+    """Decodes by draft + verify cycles (the `decoding.base` decoding-generator contract).
 
     One cycle, with k = min(num_draft_tokens, max_tokens - generated - 1):
       1. the draft model proposes d_0..d_{k-1}, one forward each, queued with `mx.async_eval`;
@@ -71,14 +70,12 @@ def generate(
         draft_sampler: the draft's token choice; None drafts greedily (argmax), which keeps the
             request's random stream for the target alone.
         prefill_step_tokens: prompt tokens per prefill forward (both models).
-        time_split: sync the host after drafting, so `draft_s` includes the draft's device time
-            (one extra sync per cycle). When False, `draft_s` is the host time spent queueing
-            the draft and its device time lands in `verify_s`.
         stream: MLX stream, entered around each piece of work and never across a `yield`.
 
     Yields:
         One `Step` per cycle: tokens t_0..t_n, drafted = k, accepted = the committed draft
-        tokens, draft_s / verify_s in seconds. When the generator is closed or finishes, the
+        tokens, draft_s / verify_s in seconds (draft_s: the host time queueing the draft, whose
+        device time lands in verify_s). When the generator is closed or finishes, the
         caches are trimmed back so they hold no uncommitted draft tokens.
 
     Raises:
@@ -109,8 +106,6 @@ def generate(
                 draft_in = draft_sampler(logits)
                 mx.async_eval(draft_in)
                 drafts.append(draft_in)
-            if time_split:
-                mx.eval(drafts)
         return drafts, time.perf_counter() - start
 
     prompt = mx.array(prompt_tokens, mx.uint32)

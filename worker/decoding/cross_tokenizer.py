@@ -9,7 +9,7 @@ describes the method.
 
 One round:
   1. re-sync the draft: keep the draft tokens whose bytes still spell the committed text and
-     encode the rest of it into draft tokens (`worker.spec.translation`). Context-aware: back
+     encode the rest of it into draft tokens (`worker.decoding.translation`). Context-aware: back
      off to the start of the word the new text continues (`word_boundary`) and re-encode from
      there with the preceding text as context, so the draft holds its own tokenization of the
      text (" unbelievable", not " unbel" + "ie" + "v" + "able" when the target committed the
@@ -44,10 +44,10 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-from worker.spec.base import Sampler, Step, accept_prefix, release_buffer_cache
-from worker.spec.dflash import make_target_cache
-from worker.spec.plain import CLEAR_CACHE_EVERY_TOKENS, prefill_steps
-from worker.spec.translation import (
+from worker.decoding.base import Sampler, Step, accept_prefix, release_buffer_cache
+from worker.caches.padded import make_target_cache
+from worker.decoding.plain import CLEAR_CACHE_EVERY_TOKENS, prefill_steps
+from worker.decoding.translation import (
     DEFAULT_WINDOW_BYTES,
     ByteVocab,
     common_prefix,
@@ -55,7 +55,7 @@ from worker.spec.translation import (
     translate,
     word_boundary,
 )
-from worker.spec.uag_cost import UagPolicy
+from worker.decoding.uag_cost import UagPolicy
 
 _VOCABS: dict[int, tuple[Any, ByteVocab]] = {}
 
@@ -108,7 +108,7 @@ def generate(
     prefill_step_tokens: int = 512,
     stream: Any = generation_stream,
 ) -> Iterator[UagStep]:
-    """Decodes by draft + translate + verify rounds (the `spec.base` decoding-generator contract).
+    """Decodes by draft + translate + verify rounds (the `decoding.base` decoding-generator contract).
 
     Args:
         prompt_tokens: target prompt ids, non-empty.
@@ -150,7 +150,7 @@ def generate(
     if translation not in ("context", "naive"):
         raise ValueError(f"translation must be 'context' or 'naive', got {translation!r}")
     # Padded caches: every round verifies k+1 tokens at a new key length, and MLX's CUDA build
-    # compiles attention for each new length (worker.models.dflash.PaddedKVCache).
+    # compiles attention for each new length (worker.caches.padded.PaddedKVCache).
     cache = make_target_cache(model) if cache is None else cache
     draft_cache = make_target_cache(draft_model) if draft_cache is None else draft_cache
     for name, c in (("target", cache), ("draft", draft_cache)):

@@ -1,0 +1,1 @@
+"""KV caches: the batched engine's row caches (`rows`) and the padded caches of per-session decoding (`padded`)."""
