@@ -22,3 +22,17 @@ from tiny_models import TinyModels, build_all  # noqa: E402
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
     """Tiny random-weight llama / qwen2 model directories and tokenizers, built once per run."""
     return build_all(tmp_path_factory.mktemp("tiny_models"))
+
+
+@pytest.fixture(scope="session")
+def dflash_dir(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory):
+    """A random one-layer DFlash draft (block size 4) for the tiny llama, saved as a checkpoint
+    directory (acceptance near 0: it tests the machinery, not a speedup)."""
+    from mlx_lm import load
+
+    from worker.models.dflash_checkpoint import init_dflash_draft, save_dflash_draft
+
+    target, _ = load(str(tiny_models.llama))
+    out = tmp_path_factory.mktemp("dflash") / "tiny-dflash"
+    save_dflash_draft(init_dflash_draft(target, num_layers=1, block_size=4), out)
+    return out

@@ -13,26 +13,15 @@ import time
 
 import mlx.core as mx
 import pytest
-from mlx_lm import load
 
 import worker.engine.batch as batch_mod
 from harness import run_request
 from worker.config import EngineConfig
 from worker.engine.thread import Engine
 from worker.engine.types import DoneEvent, GenerationRequest, InvalidRequest, SamplingParams, TokenEvent
-from worker.models.dflash_checkpoint import init_dflash_draft, save_dflash_draft
 
 PROMPTS = ["The river", "Once upon a time in a small village by the sea, there lived",
            "def add(a, b):", "Zażółć gęślą jaźń, said the", "1, 2, 3, 4,", "Speculative decoding is"]
-
-
-@pytest.fixture(scope="module")
-def dflash_dir(tiny_models, tmp_path_factory):
-    target, _ = load(str(tiny_models.llama))
-    draft = init_dflash_draft(target, num_layers=1, block_size=4)
-    out = tmp_path_factory.mktemp("dflash") / "tiny-dflash"
-    save_dflash_draft(draft, out)
-    return out
 
 
 class Collector:

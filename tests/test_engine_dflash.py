@@ -3,7 +3,6 @@ it, and its greedy output equals plain greedy output (through the engine and the
 from __future__ import annotations
 
 import pytest
-from mlx_lm import load
 
 from flashfleet import Client
 from flashfleet.errors import ModelNotFound
@@ -12,16 +11,6 @@ from harness import run_request, start_cluster
 from worker.config import EngineConfig
 from worker.engine.thread import Engine
 from worker.engine.types import GenerationRequest
-from worker.models.dflash_checkpoint import init_dflash_draft, save_dflash_draft
-
-
-@pytest.fixture(scope="module")
-def dflash_dir(tiny_models, tmp_path_factory):
-    target, _ = load(str(tiny_models.llama))
-    draft = init_dflash_draft(target, num_layers=1, block_size=4)
-    out = tmp_path_factory.mktemp("dflash") / "tiny-dflash"
-    save_dflash_draft(draft, out)
-    return out
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
