@@ -74,3 +74,18 @@ def test_a_size_that_did_not_pay_elsewhere_is_not_measured_again_in_a_new_bucket
     run(p, cost, [0.1], iterations=40)
     seen = run(p, cost, [0.1, 0.1], iterations=40)
     assert seen == {1: 40}
+
+
+def test_re_measurements_thin_out_while_the_choice_holds():
+    """Plain steps win throughout: the neighbouring size is re-measured at 64, 192, 448, ...
+    iterations (the interval doubling), not every 64."""
+    p = BatchBlockPolicy(16, explore_every=64)
+    probes = []
+    for i in range(1000):
+        L = p.choose([0.1], 300, max_useful=64)
+        p.observe(1, 300, L, 0.010 if L == 1 else 0.030)
+        if L != 1 and i > 10:
+            probes.append(i)
+    assert 3 <= len(probes) <= 5
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert all(b > a for a, b in zip(gaps, gaps[1:]))

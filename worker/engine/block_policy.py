@@ -16,8 +16,9 @@ arithmetic; on a CPU it grows almost linearly from the start. vLLM turns specula
 batch size for the same reason (`speculative_disable_by_batch_size`). Costs are exponential
 means per (batch-size bucket, context bucket, L), buckets being powers of two; an L not measured
 in a bucket is explored (its first sample dropped as warm-up: graph set-up, kernel compiles) in
-increasing order while it could still pay (`choose`), and every `explore_every` iterations the
-policy re-measures a neighbouring size so the estimates follow the context as it grows.
+increasing order while it could still pay (`choose`), and from time to time (`explore_every`
+iterations, doubling while the choice holds) the policy re-measures a neighbouring size so the
+estimates follow the context as it grows.
 
 Acceptance a_r comes from each row's own decayed counts (`Acceptance`): a truncated geometric
 observation per cycle (j successes, plus one failure when j < L - 1).
@@ -70,7 +71,8 @@ class BatchBlockPolicy:
         min_gain: speculate only when the best block's expected tokens/s is at least this
             multiple of plain steps'.
         cost_decay: weight of the old mean in each cost estimate, [0, 1).
-        explore_every: iterations between re-measurements of a size other than the choice.
+        explore_every: iterations to the first re-measurement of a size other than the choice;
+            the interval doubles while the choice holds (up to 16x) and resets when it moves.
 
     Raises:
         ValueError: max_block < 1.
@@ -89,6 +91,9 @@ class BatchBlockPolicy:
         self._ratios: dict[int, float] = {}  # L -> c(L) / c(1), from the buckets that measured both
         self._iterations = 0
         self._explore_turn = 0
+        self._gap = explore_every  # iterations to the next re-measurement; doubles while the choice holds
+        self._next_explore = explore_every
+        self._last_best: Optional[int] = None
 
     @staticmethod
     def key(batch_size: int, context: int) -> tuple[int, int]:
@@ -153,8 +158,14 @@ class BatchBlockPolicy:
         best = max(rates, key=rates.get)
         if best != 1 and rates[best] < self.min_gain * plain:
             best = 1
-        if self.explore_every and self._iterations % self.explore_every == 0 and len(cands) > 1:
-            # Re-measure a neighbour of the choice so the estimates follow a growing context.
+        if best != self._last_best:  # the choice moved: watch it closely again
+            self._last_best, self._gap = best, self.explore_every
+            self._next_explore = self._iterations + self._gap
+        if self.explore_every and self._iterations >= self._next_explore and len(cands) > 1:
+            # Re-measure a neighbour of the choice so the estimates follow a growing context; while
+            # the choice holds, the next re-measurement comes twice as late (at most 16x).
+            self._gap = min(16 * self.explore_every, 2 * self._gap)
+            self._next_explore = self._iterations + self._gap
             i = cands.index(best)
             self._explore_turn += 1
             return cands[i + 1] if (self._explore_turn % 2 and i + 1 < len(cands)) or i == 0 else cands[i - 1]

@@ -174,22 +174,26 @@ class Scheduler:
         total += sum(c.nbytes for s in self.prefilling for c in (s.target or []) + (s.draft or []))
         return total + sum(c.nbytes for s in self.generators.values() for c in s.caches)
 
-    def projected_bytes(self) -> int:
-        """Bytes the caches may hold after the next iteration: each batch at its buffer length after
-        a forward of its largest block, each prefill at its full prompt, generators as they are,
-        plus attention's working memory: a copy of one layer's keys and values of the largest
-        batch or prefill (attention without a fused kernel expands grouped K/V heads)."""
+    def projected_bytes(self, extra: Optional[Sequence] = None) -> int:
+        """Bytes the caches may hold by the end of the next iteration: each batch at its buffer
+        length after a forward of its largest block, with every prefilling session (and `extra`,
+        one not yet admitted) counted as already joined (a joining row's length can raise the
+        whole batch's buffer length) and its prefill caches besides; generators as they are;
+        plus attention's working memory, a copy of one layer's keys and values of the largest
+        batch (attention without a fused kernel expands grouped K/V heads)."""
         total = self.prompt_cache.nbytes
         one_layer = 0
+        joining = self.prefilling + ([extra] if extra is not None else [])
         for mode, batch in self.batches.items():
-            if batch.size:
-                b = batch.size * batch.positions_after(self.max_block(mode)) * self.bytes_per_position[mode]
-                total += b
-                one_layer = max(one_layer, b // max(1, len(batch.caches)))
-        for s in self.prefilling:
-            b = self.row_bytes(s.mode, len(s.tokens))
-            total += b
-            one_layer = max(one_layer, b // max(1, len(self.batches[s.mode].caches)))
+            L = self.max_block(mode)
+            rows = [s for s in joining if s.mode == mode]
+            if not (batch.size or rows):
+                continue
+            positions = max([batch.positions_after(L) if batch.size else 0]
+                            + [_bucket(len(s.tokens) + L) for s in rows])
+            b = (batch.size + len(rows)) * positions * self.bytes_per_position[mode]
+            total += b + sum(self.row_bytes(mode, len(s.tokens)) for s in rows)
+            one_layer = max(one_layer, b // max(1, len(batch.caches)))
         total += 2 * one_layer
         return total + sum(c.nbytes for s in self.generators.values() for c in s.caches)
 
@@ -266,10 +270,10 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting:
             seq = self.waiting[0]
-            need = self.row_bytes(seq.mode, len(seq.tokens) + self.max_block(seq.mode))
-            if self.projected_bytes() + need > self.budget:
-                self.prompt_cache.trim_to(self.budget - (self.projected_bytes() - self.prompt_cache.nbytes) - need)
-                if self.projected_bytes() + need > self.budget and not self.idle_but_waiting():
+            over = self.projected_bytes(seq) - self.budget
+            if over > 0:
+                self.prompt_cache.trim_to(self.prompt_cache.nbytes - over)
+                if self.projected_bytes(seq) > self.budget and not self.idle_but_waiting():
                     return
             self.waiting.popleft()
             try:
