@@ -1,12 +1,13 @@
 """Builds and validates GenerateRequest protos (shared by the SDK and the coordinator)."""
 from __future__ import annotations
 
-import math
 from typing import Iterable, Mapping
 
 from flashfleet.errors import InvalidArgument
 from flashfleet.types import DECODE_MODES
 from flashfleet.v1 import common_pb2
+
+MAX_TEMPERATURE = 100.0  # past this softmax(logits / T) is uniform to float precision for any model
 
 # A worker's generation budget when a request leaves max_tokens unset (capped by the context left).
 WORKER_DEFAULT_MAX_TOKENS = 256
@@ -161,8 +162,8 @@ def validate_request(req: common_pb2.GenerateRequest) -> None:
             raise InvalidArgument("the prompt is empty: every chat message's content is blank")
     if req.HasField("max_tokens") and req.max_tokens <= 0:
         raise InvalidArgument(f"max_tokens must be > 0, got {req.max_tokens}")
-    if req.HasField("temperature") and not (req.temperature >= 0 and math.isfinite(req.temperature)):
-        raise InvalidArgument(f"temperature must be a finite number >= 0, got {req.temperature:.6g}")
+    if req.HasField("temperature") and not (0 <= req.temperature <= MAX_TEMPERATURE):  # NaN fails too
+        raise InvalidArgument(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {req.temperature:.6g}")
     if req.HasField("top_p") and not (0 < req.top_p <= 1):
         raise InvalidArgument(f"top_p must be in (0, 1], got {req.top_p:.6g}")
     if any(s == "" for s in req.stop):

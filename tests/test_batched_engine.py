@@ -274,3 +274,29 @@ def test_a_draft_that_does_not_pay_is_mostly_not_run(tiny_models, dflash_dir):
         out, done = run_request(engine, GenerationRequest("auto", prompt, 120, mode="auto"))
         assert out == plain and done.stats.mode == "dflash"
         assert done.stats.cycles <= 0.25 * done.stats.generated_tokens
+
+
+def test_prompt_text_beyond_the_context_is_refused_before_tokenizing(tiny_models):
+    """A prompt of more bytes than the context can hold gets a clear error without being tokenized
+    (the worker's tokenizer would otherwise spend seconds and memory on it)."""
+    from worker.engine.thread import MAX_PROMPT_BYTES_PER_TOKEN
+
+    with Engine(EngineConfig(model_path=tiny_models.llama, warmup=False)) as engine:
+        limit = MAX_PROMPT_BYTES_PER_TOKEN * engine.model.max_context_tokens
+        calls = []
+        real = engine._encode_tokenizer.encode
+        engine._encode_tokenizer.encode = lambda *a, **k: calls.append(1) or real(*a, **k)
+        with pytest.raises(InvalidRequest, match=r"the prompt is [\d,]+ bytes; .* shorten the prompt"):
+            engine.encode_prompt("x" * (limit + 1), None)
+        with pytest.raises(InvalidRequest, match="shorten the prompt"):
+            engine.encode_prompt(None, [{"role": "user", "content": "y" * (limit + 1)}])
+        assert not calls
+        assert engine.encode_prompt("hello", None)
+
+
+@pytest.mark.parametrize("temperature", [100.5, 1e30, float("nan"), -0.1])
+def test_temperature_out_of_range_is_refused(temperature):
+    from worker.sampling import validate_sampling
+
+    with pytest.raises(InvalidRequest, match=r"temperature must be a number in \[0, 100\]"):
+        validate_sampling(temperature, 1.0, None)

@@ -13,6 +13,7 @@ import secrets
 
 import mlx.core as mx
 
+from flashfleet.requests import MAX_TEMPERATURE
 from worker.engine.types import InvalidRequest, SamplingParams
 from worker.decoding.base import Sampler
 
@@ -23,15 +24,16 @@ def validate_sampling(temperature: float, top_p: float, seed: int | None) -> Non
     """Checks sampling parameters without touching MLX (safe on any thread).
 
     Args:
-        temperature: >= 0 and finite; 0 means greedy.
+        temperature: in [0, MAX_TEMPERATURE]; 0 means greedy.
         top_p: nucleus mass in (0, 1].
         seed: None, or an int in [0, 2**64).
 
     Raises:
         InvalidRequest: a parameter is out of range; the message names it and its valid range.
     """
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
-        raise InvalidRequest(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
+            and 0 <= temperature <= MAX_TEMPERATURE):
+        raise InvalidRequest(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {temperature!r}")
     if not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
         raise InvalidRequest(f"top_p must be in (0, 1], got {top_p!r}")
     if seed is not None and not (isinstance(seed, int) and 0 <= seed < SEED_LIMIT):

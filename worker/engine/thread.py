@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 
 THREAD_NAME = "flashfleet-engine"
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+# Bytes of text per token that no tokenizer exceeds on real text (BPE tokens of mlx-lm's models
+# hold at most a few dozen bytes; whitespace runs in code are the longest): a bound, not an estimate.
+MAX_PROMPT_BYTES_PER_TOKEN = 64
 
 
 def _draft_label(path: Path) -> str:
@@ -258,6 +261,7 @@ class Engine:
         """
         if (prompt is None) == (messages is None):
             raise InvalidRequest("give exactly one of prompt or messages")
+        self._check_prompt_size(prompt, messages)
         tok = self._encode_tokenizer
         if prompt is not None:
             if not isinstance(prompt, str) or not prompt:
@@ -277,6 +281,23 @@ class Engine:
         if not ids:
             raise InvalidRequest("the prompt encodes to no tokens")
         return list(ids)
+
+    def _check_prompt_size(self, prompt: Any, messages: Any) -> None:
+        """Refuses text that cannot fit the context before tokenizing it (a multi-megabyte prompt
+        would hold this worker's tokenizer for seconds and grow its memory for nothing): no
+        tokenizer here makes fewer than one token of `MAX_PROMPT_BYTES_PER_TOKEN` bytes."""
+        if isinstance(prompt, str):
+            size = len(prompt.encode("utf-8", "surrogatepass"))
+        elif isinstance(messages, list):
+            size = sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages
+                       if isinstance(m, Mapping) and isinstance(m.get("content"), str))
+        else:
+            return
+        limit = MAX_PROMPT_BYTES_PER_TOKEN * self.model.max_context_tokens
+        if size > limit:
+            raise InvalidRequest(
+                f"the prompt is {size:,} bytes; the model's context of {self.model.max_context_tokens:,} tokens "
+                f"takes at most {limit:,} bytes of text: shorten the prompt")
 
     def submit(self, request: GenerationRequest, emit: EmitFn) -> None:
         """Validates a request and queues it for the engine thread; never waits for MLX.
