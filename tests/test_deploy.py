@@ -179,9 +179,10 @@ def test_flags_override_the_config_file():
     assert (a.capacity, a.host, a.port, a.num_draft_tokens, a.worker_id) == (
         8, "127.0.0.1", 0, 3, socket.gethostname())
     c = coordinator_main.parse_args(["--config", str(CLUSTER), "--port", "6000"])
-    assert (c.host, c.port, c.metrics_port, c.lease_ttl_s) == ("0.0.0.0", 6000, 9400, 10.0)
+    assert (c.host, c.port, c.metrics_port, c.lease_ttl_s, c.http_port) == ("0.0.0.0", 6000, 9400, 10.0, 8000)
+    assert coordinator_main.parse_args(["--config", str(CLUSTER), "--http-port", "8100"]).http_port == 8100
     c = coordinator_main.parse_args([])
-    assert (c.host, c.port, c.metrics_port) == ("127.0.0.1", 50051, None)
+    assert (c.host, c.port, c.metrics_port, c.http_port) == ("127.0.0.1", 50051, None, None)
     with pytest.raises(SystemExit):
         worker_main.parse_args([])  # no model at all
     # In-flight requests get most of the 30 s systemd allows a stop (the units' TimeoutStopSec).
