@@ -33,6 +33,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "free port)")
     p.add_argument("--metrics-port", type=tcp_port, default=None,
                    help="Prometheus /metrics port (omit or 0: no endpoint)")
+    p.add_argument("--http-port", type=tcp_port, default=None,
+                   help="port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+                   "/v1/models) on --host (omit or 0: no HTTP API)")
     p.add_argument("--lease-ttl-s", type=float, default=None, help="default 10")
     p.add_argument("--heartbeat-interval-s", type=float, default=None, help="default 2")
     p.add_argument("--route-attempts", type=int, default=None, help="default 3")
@@ -94,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                                route_attempts=a.route_attempts, max_queued=a.max_queued,
                                queue_timeout_s=a.queue_timeout_s, shutdown_grace_s=a.shutdown_grace_s,
                                migration=MigrationPolicy(enabled=a.migrate,
-                                                         min_remaining_tokens=a.migrate_min_remaining_tokens))
+                                                         min_remaining_tokens=a.migrate_min_remaining_tokens),
+                               http_port=a.http_port or None)
     try:
         asyncio.run(serve(config, a.metrics_port or None, getattr(a, "tls", None)))
     except RuntimeError as e:

@@ -22,6 +22,8 @@ class CoordinatorConfig:
         shutdown_grace_s: in-flight RPCs get this long to finish on shutdown (25 s: under the
             30 s systemd allows a stop, deploy/systemd).
         migration: when a running session moves to an idle worker (coordinator/migration.py).
+        http_port: port of the OpenAI-compatible HTTP API on `host` (coordinator/openai_api.py;
+            0 = a free port, None = no HTTP API).
     """
 
     host: str = "127.0.0.1"
@@ -36,6 +38,7 @@ class CoordinatorConfig:
     queue_timeout_s: float = 30.0
     shutdown_grace_s: float = 25.0
     migration: MigrationPolicy = field(default_factory=MigrationPolicy)
+    http_port: int | None = None
 
 
 def settings_problems(lease_ttl_s: float, heartbeat_interval_s: float, route_attempts: int,

@@ -1,5 +1,5 @@
 """Builds, starts and stops the coordinator's gRPC server (public + registry APIs, standard health
-checking and reflection) and its Prometheus endpoint."""
+checking and reflection), its OpenAI-compatible HTTP API and its Prometheus endpoint."""
 from __future__ import annotations
 
 import asyncio
@@ -42,19 +42,32 @@ class RunningCoordinator:
     metrics: CoordinatorMetrics
     _expiry_task: asyncio.Task
     _pool: WorkerPool
+    http_port: int | None = None  # the OpenAI-compatible HTTP API's port (None: not served)
+    _http_runner: object = None  # its aiohttp AppRunner
+    http_scheme: str = "http"  # "https" (mutual TLS) when the coordinator serves TLS
 
     @property
     def address(self) -> str:
         """"127.0.0.1:<port>": where a client on this host dials the coordinator."""
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def http_url(self) -> str | None:
+        """"http://127.0.0.1:<http_port>" (https with TLS): the HTTP API's base URL on this host
+        (None: not served)."""
+        return None if self.http_port is None else f"{self.http_scheme}://127.0.0.1:{self.http_port}"
+
     async def stop(self, grace_s: float = 5.0) -> None:
         """Flips health to NOT_SERVING, freezes lease expiry, lets in-flight RPCs finish for
-        `grace_s` seconds (then cancels them), and closes the worker channels."""
+        `grace_s` seconds (then cancels them), stops the HTTP API (its open requests get the
+        config's shutdown_grace_s) and closes the worker channels."""
         await self.health.enter_graceful_shutdown()
         self._expiry_task.cancel()
         self.registry.freeze()  # heartbeats are refused from here: no lease may expire for it
-        await self.server.stop(grace_s)
+        stopping = [self.server.stop(grace_s)]
+        if self._http_runner is not None:
+            stopping.append(self._http_runner.cleanup())
+        await asyncio.gather(*stopping)
         await self._pool.close()
 
 
@@ -63,7 +76,8 @@ async def start_coordinator(config: CoordinatorConfig,
                             tls=None) -> RunningCoordinator:
     """Starts the coordinator on config.host:config.port (0 = a free port).
 
-    Also starts the lease-expiry loop (every min(1, lease_ttl_s / 4) seconds), which updates
+    With `config.http_port` set, also serves the OpenAI-compatible HTTP API on config.host
+    (coordinator/openai_api.py). Also starts the lease-expiry loop (every min(1, lease_ttl_s / 4) seconds), which updates
     the worker gauges.
 
     Args:
@@ -72,7 +86,7 @@ async def start_coordinator(config: CoordinatorConfig,
             plaintext).
 
     Raises:
-        RuntimeError: the port could not be bound.
+        RuntimeError: the port (or the HTTP API's) could not be bound.
         flashfleet.config.ConfigError: unreadable or non-PEM TLS files (`add_port`).
     """
     metrics = CoordinatorMetrics(metrics_registry or CollectorRegistry())
@@ -103,6 +117,12 @@ async def start_coordinator(config: CoordinatorConfig,
     port = add_port(server, f"{config.host}:{config.port}", tls)
     if port == 0:
         raise RuntimeError(f"could not bind {config.host}:{config.port} (in use?)")
+    http_runner = http_port = None
+    if config.http_port is not None:  # before the gRPC server starts: a failure here leaves nothing to stop
+        from coordinator.openai_api import start_http
+
+        http_runner, http_port = await start_http(servicer, config.host, config.http_port, config.shutdown_grace_s,
+                                                  tls.server_ssl_context() if tls is not None else None)
     await server.start()
     for name in SERVICE_NAMES + ("",):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -117,7 +137,8 @@ async def start_coordinator(config: CoordinatorConfig,
                 metrics.worker_heartbeat_age.labels(worker=w.worker_id).set(registry.heartbeat_age_s(w))
 
     task = asyncio.get_running_loop().create_task(expire_loop())
-    return RunningCoordinator(server, port, registry, servicer, health_servicer, metrics, task, pool)
+    return RunningCoordinator(server, port, registry, servicer, health_servicer, metrics, task, pool, http_port,
+                              http_runner, "https" if tls is not None else "http")
 
 
 async def serve(config: CoordinatorConfig, metrics_port: int | None = None, tls=None) -> None:
@@ -140,6 +161,8 @@ async def serve(config: CoordinatorConfig, metrics_port: int | None = None, tls=
         log.info("metrics on http://%s:%d/metrics", config.host, metrics_port)
     running = await start_coordinator(config, registry, tls)
     log.info("coordinator listening on %s:%d", config.host, running.port)
+    if running.http_port is not None:
+        log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", running.http_scheme, config.host, running.http_port)
     print(f"coordinator ready on {config.host}:{running.port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

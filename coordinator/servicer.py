@@ -11,9 +11,11 @@ destination answers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
+from typing import AsyncIterator, Callable
 
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
@@ -32,6 +34,10 @@ from flashfleet.v1 import (common_pb2, coordinator_pb2, coordinator_pb2_grpc, wo
 
 log = logging.getLogger("flashfleet.coordinator")
 
+# Seconds left before the request's deadline, or None when it has none (a gRPC call's
+# `context.time_remaining`).
+TimeRemaining = Callable[[], "float | None"]
+
 # Failures that mean "this worker cannot take it now": try another one (before the first token).
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 OUTCOME_BY_CODE = {grpc.StatusCode.INVALID_ARGUMENT: "invalid",
@@ -46,11 +52,25 @@ OUTCOME_BY_CODE = {grpc.StatusCode.INVALID_ARGUMENT: "invalid",
 DEADLINE_SLACK_S = 0.05
 
 
-def _deadline_passed(context) -> bool:
+def _deadline_passed(time_remaining: TimeRemaining) -> bool:
     """Whether the call's deadline (if it has one) is over, within DEADLINE_SLACK_S seconds: a
     call that ends unfinished then ended by DEADLINE_EXCEEDED, not by the client's cancel."""
-    remaining = context.time_remaining()
+    remaining = time_remaining()
     return remaining is not None and remaining <= DEADLINE_SLACK_S
+
+
+class GenerateFailed(Exception):
+    """A request `CoordinatorServicer.generate` ends with an error status.
+
+    Attributes:
+        code: the grpc.StatusCode the gRPC API aborts the call with (the HTTP API maps it onto an
+            HTTP status, coordinator/openai_api.py).
+        details: what went wrong, for the client.
+    """
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
 
 
 class WorkerPool:
@@ -128,22 +148,44 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.admission.notify()
 
     async def Generate(self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        """Routes a request to a worker and proxies its response stream (chunks, then one complete).
+        """gRPC Generate: writes what `generate` yields to the call and aborts the call with the
+        status of its `GenerateFailed`. The client going away cancels this handler, whose
+        generator then closes: the worker call is cancelled and the slot given back."""
+        async with contextlib.aclosing(self.generate(request, context.time_remaining)) as responses:
+            try:
+                async for resp in responses:
+                    await context.write(resp)
+            except GenerateFailed as e:
+                await context.abort(e.code, e.details)
+
+    async def generate(self, request: common_pb2.GenerateRequest,
+                       time_remaining: TimeRemaining) -> AsyncIterator[common_pb2.GenerateResponse]:
+        """Routes a request to a worker and yields its responses (chunks, then one complete): the
+        one path of every public API (gRPC `Generate`, the OpenAI-compatible HTTP API).
 
         Waits in the admission queue while every worker serving the model is full, retries other
         workers on UNAVAILABLE / RESOURCE_EXHAUSTED before the first message, and may migrate the
         stream between chunks (`coordinator.migration`). The final stats get `queue_s` (seconds
         from arrival until the serving worker's call was issued) and, after a migration, counts
-        as if one worker had served it (`StreamProgress.finish_stats`).
+        as if one worker had served it (`StreamProgress.finish_stats`). Sets `request.request_id`
+        when it is empty. Close the generator (`contextlib.aclosing`) when leaving it early: that
+        cancels the worker call, gives back its slot and counts the request as cancelled (or as
+        past its deadline when `time_remaining` says so).
 
-        Aborts the call with:
-            INVALID_ARGUMENT: the request fails `validate_request`, or sets `resume_token_ids` /
-                `resume_text` (coordinator-only fields).
-            NOT_FOUND: no live worker serves the model (or none has a draft for the requested mode).
-            RESOURCE_EXHAUSTED: every eligible worker is full and the admission queue is full or
-                its `queue_timeout_s` ran out.
-            the worker's own status code: the last worker tried refused the request before its
-                first message, or a worker failed mid-stream (never retried once tokens were sent).
+        Args:
+            request: the client's request (`resume_*` fields must be empty).
+            time_remaining: seconds left before the request's deadline, or None without one; the
+                worker calls get it as their timeout.
+
+        Raises:
+            GenerateFailed: with
+                INVALID_ARGUMENT: the request fails `validate_request`, or sets `resume_token_ids` /
+                    `resume_text` (coordinator-only fields).
+                NOT_FOUND: no live worker serves the model (or none has a draft for the requested mode).
+                RESOURCE_EXHAUSTED: every eligible worker is full and the admission queue is full or
+                    its `queue_timeout_s` ran out.
+                the worker's own status code: the last worker tried refused the request before its
+                    first message, or a worker failed mid-stream (never retried once tokens were sent).
         """
         t0 = time.monotonic()
         try:
@@ -151,31 +193,32 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         except FlashfleetError as e:
             known = any(w.serves(request.model) for w in self.registry.live())
             self._count(request.model if known else "(unknown)", "", "invalid")
-            await context.abort(e.code, e.details)
+            raise GenerateFailed(e.code, e.details) from None
         if request.resume_token_ids or request.resume_text:
             self._count("(unknown)", "", "invalid")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "resume_token_ids and resume_text are set by "
-                                "the coordinator when it migrates a session; leave them empty")
+            raise GenerateFailed(grpc.StatusCode.INVALID_ARGUMENT, "resume_token_ids and resume_text are set by "
+                                 "the coordinator when it migrates a session; leave them empty")
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
         tried: set[str] = set()
         try:
-            worker, call, first, queue_s = await self._open_stream(request, context, tried, t0)
+            worker, call, first, queue_s = await self._open_stream(request, time_remaining, tried, t0)
         except asyncio.CancelledError:  # the client left, or its deadline ran out, before a first token
-            self._count(request.model, "", "deadline" if _deadline_passed(context) else "cancelled")
+            self._count(request.model, "", "deadline" if _deadline_passed(time_remaining) else "cancelled")
             raise
         except NoWorker as e:
             # Unknown names share one label value: clients must not create unbounded series.
             known = any(w.serves(request.model) for w in self.registry.live())
             self._count(request.model if known else "(unknown)", "", "no_worker")
             served = sorted({m for w in self.registry.live() for m in w.model_names})
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(e) if known else f"{e}; models served: {served}")
+            raise GenerateFailed(grpc.StatusCode.NOT_FOUND,
+                                 str(e) if known else f"{e}; models served: {served}") from None
         except AllBusy as e:
             self._count(request.model, "", "overloaded")
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            raise GenerateFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         except _WorkerFailed as e:
             self._count(request.model, e.worker.worker_id, OUTCOME_BY_CODE.get(e.error.code(), "error"))
-            await context.abort(e.error.code(), e.error.details() or "worker failed")
+            raise GenerateFailed(e.error.code(), e.error.details() or "worker failed") from None
         if self.metrics:
             self.metrics.observe_queue(request.model, queue_s)
         self.affinity.bind(request.session_id, worker.worker_id)
@@ -189,14 +232,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     resp.complete.stats.queue_s = queue_s
                     progress.finish_stats(resp.complete.stats)
                     outcome = "ok"
-                    await context.write(resp)
+                    yield resp
                 else:
                     progress.add(resp.chunk)
-                    await context.write(resp)
+                    yield resp
                     if policy.enabled and progress.due(policy.check_interval_s):
                         dest = policy.target(request, worker, len(progress.token_ids), self.registry.live(),
                                              progress.moved_s, time.monotonic())
-                        moved = dest and await self._migrate(request, context, progress, worker, call, dest)
+                        moved = dest and await self._migrate(request, time_remaining, progress, worker, call,
+                                                             dest)
                         if moved:
                             worker, call, resp = moved
                             continue
@@ -206,20 +250,20 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 worker.unreachable = True  # died mid-stream: new requests go elsewhere first
             # Tokens may already be with the client: never replay on another worker.
-            await context.abort(e.code(), f"worker {worker.worker_id} failed after {len(progress.token_ids)} "
-                                f"tokens (not retried: output was already streamed): {e.details()}")
+            raise GenerateFailed(e.code(), f"worker {worker.worker_id} failed after {len(progress.token_ids)} "
+                                 f"tokens (not retried: output was already streamed): {e.details()}") from None
         finally:
             call.cancel()
             self._release(worker)
             worker.served_requests += 1
-            if outcome == "cancelled" and _deadline_passed(context):
+            if outcome == "cancelled" and _deadline_passed(time_remaining):
                 outcome = "deadline"  # the client's deadline ended the call, not the client
             self._count(request.model, worker.worker_id, outcome)
             if worker.in_flight == 0 and not any(w.address == worker.address
                                                  for w in self.registry.live()):
                 await self.pool.drop(worker.address)  # the worker left while this stream ran
 
-    async def _migrate(self, request, context, progress: StreamProgress, source: WorkerRecord, source_call,
+    async def _migrate(self, request, time_remaining: TimeRemaining, progress: StreamProgress, source: WorkerRecord, source_call,
                        dest: WorkerRecord):
         """Moves a stream from `source` to `dest` (by recomputation: coordinator/migration.py).
 
@@ -236,7 +280,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         dest.in_flight += 1  # reserved now, so no other stream takes the idle worker meanwhile
         call = None
         try:
-            call = self.pool.stub(dest.address).Generate(resumed, timeout=context.time_remaining())
+            call = self.pool.stub(dest.address).Generate(resumed, timeout=time_remaining())
             first = await call.read()
             if first is grpc.aio.EOF:
                 raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
@@ -279,7 +323,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if self.metrics:
             self.metrics.migrations.labels(model=model, outcome=outcome).inc()
 
-    async def _open_stream(self, request, context, tried: set[str], t0: float):
+    async def _open_stream(self, request, time_remaining: TimeRemaining, tried: set[str], t0: float):
         """Opens a worker stream and reads its first message, retrying other workers on
         UNAVAILABLE / RESOURCE_EXHAUSTED (bounded attempts, exponential backoff with jitter).
 
@@ -332,9 +376,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 # Reserve the slot now, so concurrent requests routed before this one's first
                 # token see the worker as busy (heartbeat loads lag by seconds).
                 worker.in_flight += 1
-                remaining = context.time_remaining()
-                call = self.pool.stub(worker.address).Generate(
-                    request, timeout=remaining if remaining is not None else None)
+                call = self.pool.stub(worker.address).Generate(request, timeout=time_remaining())
                 queue_s = time.monotonic() - t0
                 try:
                     first = await call.read()
@@ -355,6 +397,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 return worker, call, first, queue_s
 
     async def ListModels(self, request, context):
+        """Models served by live workers (`served_models`)."""
+        return coordinator_pb2.ListModelsResponse(models=self.served_models())
+
+    def served_models(self) -> list[coordinator_pb2.ServedModel]:
         """Models served by live workers, sorted by name, each with its worker ids and decode modes
         (PLAIN always, plus each worker's draft mode; AUTO never listed)."""
         by_name: dict[str, coordinator_pb2.ServedModel] = {}
@@ -366,7 +412,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 modes.setdefault(m.name, {common_pb2.DECODE_MODE_PLAIN}).add(m.draft_mode)
         for name, served in by_name.items():
             served.modes.extend(sorted(modes[name] - {common_pb2.DECODE_MODE_AUTO}))
-        return coordinator_pb2.ListModelsResponse(models=[by_name[k] for k in sorted(by_name)])
+        return [by_name[k] for k in sorted(by_name)]
 
     async def GetClusterStatus(self, request, context):
         """One `WorkerStatus` per live worker (sorted by id; `heartbeat_age_s` in seconds,

@@ -8,6 +8,7 @@ One file describes the whole fleet (an example with every key: deploy/cluster.to
     port = 50051
     address = "coordinator.local:50051"
     metrics_port = 9400
+    http_port = 8000              # OpenAI-compatible HTTP API (omit: none)
 
     [[models]]                    # what can be served
     name = "Qwen2.5-Coder-1.5B-Instruct"
@@ -58,6 +59,8 @@ class CoordinatorSection:
         address: "host:port" that workers and clients dial ("" = host:port, or 127.0.0.1:port
             when host is a wildcard).
         metrics_port: its Prometheus /metrics port (None = no endpoint).
+        http_port: its OpenAI-compatible HTTP API port (None or 0 = no HTTP API;
+            coordinator/openai_api.py).
         lease_ttl_s, heartbeat_interval_s, route_attempts: as in CoordinatorConfig.
         max_queued, queue_timeout_s: requests that may wait for a free worker slot when the
             fleet is full, and for how long (coordinator/admission.py).
@@ -71,6 +74,7 @@ class CoordinatorSection:
     port: int = 50051
     address: str = ""
     metrics_port: int | None = None
+    http_port: int | None = None
     lease_ttl_s: float = 10.0
     heartbeat_interval_s: float = 2.0
     route_attempts: int = 3
@@ -193,6 +197,24 @@ class TLSConfig:
         return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
                                            require_client_auth=require_client_auth)
 
+    def server_ssl_context(self):
+        """An `ssl.SSLContext` for an HTTPS server (the coordinator's HTTP API): this host's
+        certificate; clients must present one signed by the CA (mutual TLS, as on gRPC).
+
+        Raises:
+            ConfigError: a file is missing, unreadable, not PEM, or the key does not match.
+        """
+        import ssl
+
+        self.read()  # the same messages as gRPC's credentials for a missing or non-PEM file
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(Path(self.ca_file).expanduser()))
+        try:
+            ctx.load_cert_chain(str(Path(self.cert_file).expanduser()), str(Path(self.key_file).expanduser()))
+        except ssl.SSLError as e:
+            raise ConfigError(f"[tls] cert_file / key_file: {e.reason or e}") from e
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
     def channel_credentials(self):
         """gRPC channel credentials: trust the cluster CA, present this host's certificate.
 
@@ -281,7 +303,7 @@ class ClusterConfig:
     def coordinator_settings(self) -> dict[str, object]:
         """`python -m coordinator` settings, keyed like its argparse dest names."""
         c = self.coordinator
-        return {"host": c.host, "port": c.port, "metrics_port": c.metrics_port,
+        return {"host": c.host, "port": c.port, "metrics_port": c.metrics_port, "http_port": c.http_port,
                 "lease_ttl_s": c.lease_ttl_s, "heartbeat_interval_s": c.heartbeat_interval_s,
                 "route_attempts": c.route_attempts, "max_queued": c.max_queued,
                 "queue_timeout_s": c.queue_timeout_s, "migrate": c.migrate,
@@ -370,7 +392,8 @@ def _check(cfg: ClusterConfig) -> None:
                             c.queue_timeout_s, c.migrate_min_remaining_tokens, c.shutdown_grace_s)
     if bad:
         raise ConfigError(f"{p}: [coordinator] {bad[0]}")
-    ports = [("[coordinator] port", c.port), ("[coordinator] metrics_port", c.metrics_port)]
+    ports = [("[coordinator] port", c.port), ("[coordinator] metrics_port", c.metrics_port),
+             ("[coordinator] http_port", c.http_port)]
     ports += [(f"worker {w.id!r} {k}", getattr(w, k)) for w in cfg.workers
               for k in ("port", "metrics_port")]
     for label, port in ports:

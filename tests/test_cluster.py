@@ -760,17 +760,13 @@ def test_every_deadline_expiry_is_counted_as_a_deadline():
 def test_deadline_passed_allows_for_the_clients_clock_running_ahead():
     from coordinator.servicer import DEADLINE_SLACK_S, _deadline_passed
 
-    class Context:
-        def __init__(self, remaining):
-            self.remaining = remaining
+    def remaining(seconds):
+        return lambda: seconds
 
-        def time_remaining(self):
-            return self.remaining
-
-    assert _deadline_passed(Context(0.0)) and _deadline_passed(Context(-1.0))
-    assert _deadline_passed(Context(DEADLINE_SLACK_S / 2))  # cancelled just before the server saw it
-    assert not _deadline_passed(Context(DEADLINE_SLACK_S * 2))  # the client cancelled early
-    assert not _deadline_passed(Context(None))  # no deadline at all
+    assert _deadline_passed(remaining(0.0)) and _deadline_passed(remaining(-1.0))
+    assert _deadline_passed(remaining(DEADLINE_SLACK_S / 2))  # cancelled just before the server saw it
+    assert not _deadline_passed(remaining(DEADLINE_SLACK_S * 2))  # the client cancelled early
+    assert not _deadline_passed(remaining(None))  # no deadline at all
 
 
 def test_a_worker_keeps_trying_a_missing_coordinator_and_says_so(monkeypatch, caplog):

@@ -4,6 +4,7 @@ point (flags override it) and rejects bad keys, TLS files load as gRPC credentia
 `flashfleet up --config` starts a cluster from a config file."""
 from __future__ import annotations
 
+import asyncio
 import os
 import plistlib
 import re
@@ -179,9 +180,10 @@ def test_flags_override_the_config_file():
     assert (a.capacity, a.host, a.port, a.num_draft_tokens, a.worker_id) == (
         8, "127.0.0.1", 0, 3, socket.gethostname())
     c = coordinator_main.parse_args(["--config", str(CLUSTER), "--port", "6000"])
-    assert (c.host, c.port, c.metrics_port, c.lease_ttl_s) == ("0.0.0.0", 6000, 9400, 10.0)
+    assert (c.host, c.port, c.metrics_port, c.lease_ttl_s, c.http_port) == ("0.0.0.0", 6000, 9400, 10.0, 8000)
+    assert coordinator_main.parse_args(["--config", str(CLUSTER), "--http-port", "8100"]).http_port == 8100
     c = coordinator_main.parse_args([])
-    assert (c.host, c.port, c.metrics_port) == ("127.0.0.1", 50051, None)
+    assert (c.host, c.port, c.metrics_port, c.http_port) == ("127.0.0.1", 50051, None, None)
     with pytest.raises(SystemExit):
         worker_main.parse_args([])  # no model at all
     # In-flight requests get most of the 30 s systemd allows a stop (the units' TimeoutStopSec).
@@ -521,6 +523,43 @@ def test_whole_cluster_over_mutual_tls(tmp_path):
             with pytest.raises(Unavailable, match="TLS handshake failed: the server may not serve TLS"):
                 client.list_models(timeout_s=5)
         loop.run(plain.stop(grace_s=0.2))
+        loop.run(worker.stop(grace_s=0.2))
+        loop.run(coord.stop(grace_s=0.2))
+    finally:
+        loop.close()
+
+
+def test_the_http_api_serves_https_with_mutual_tls_when_the_cluster_does(tmp_path):
+    import ssl
+
+    import openai
+    from prometheus_client import CollectorRegistry
+
+    from coordinator.config import CoordinatorConfig
+    from coordinator.server import start_coordinator
+    from fakes import FakeEngine
+    from harness import LoopThread
+    from worker.server import start_worker
+
+    tls = _make_certs(tmp_path)
+    loop = LoopThread()
+    try:
+        coord = loop.run(start_coordinator(CoordinatorConfig(host="localhost", port=0, http_port=0),
+                                           CollectorRegistry(), tls))
+        worker = loop.run(start_worker(FakeEngine(), "w1", host="localhost",
+                                       coordinator=f"localhost:{coord.port}", tls=tls))
+        loop.run(asyncio.wait_for(worker.registered.wait(), 10))
+        url = f"https://localhost:{coord.http_port}/v1"
+        assert coord.http_url.startswith("https://")
+        trusted = ssl.create_default_context(cafile=tls.ca_file)
+        trusted.load_cert_chain(tls.cert_file, tls.key_file)
+        with openai.DefaultHttpxClient(verify=trusted) as http:
+            client = openai.OpenAI(base_url=url, api_key="unused", http_client=http, max_retries=0)
+            done = client.completions.create(model="fake-model", prompt="secure", max_tokens=3)
+        assert done.usage.completion_tokens == 3 and done.model_extra["flashfleet"]["worker_id"] == "w1"
+        anonymous = ssl.create_default_context(cafile=tls.ca_file)  # no client certificate
+        with openai.DefaultHttpxClient(verify=anonymous) as http, pytest.raises(openai.APIConnectionError):
+            openai.OpenAI(base_url=url, api_key="unused", http_client=http, max_retries=0).models.list()
         loop.run(worker.stop(grace_s=0.2))
         loop.run(coord.stop(grace_s=0.2))
     finally:

@@ -62,6 +62,8 @@ class LocalCluster:
         capacity: sessions each worker admits at once.
         log_dir: where each process logs (default: a new temporary directory).
         metrics_port: coordinator /metrics port; workers get the following ports (None = off).
+        http_port: the coordinator's OpenAI-compatible HTTP API port (None = off, or the config
+            file's `http_port`).
         worker_args: extra flags for every worker (they override the config file's values).
         config: a cluster config file (flashfleet/config.py). Each of its [[workers]] entries
             becomes a local worker process reading its model, draft and capacity from the file
@@ -80,8 +82,10 @@ class LocalCluster:
     def __init__(self, model: str = DEFAULT_MODEL, workers: int = 2, port: int = 0,
                  host: str = "127.0.0.1", draft: str | None = None, capacity: int = 8,
                  log_dir: str | Path | None = None, metrics_port: int | None = None,
-                 worker_args: tuple[str, ...] = (), config: str | Path | None = None):
+                 worker_args: tuple[str, ...] = (), config: str | Path | None = None,
+                 http_port: int | None = None):
         self.config = self.worker_ids = None
+        self.http_port = http_port
         if config is not None:
             from flashfleet.config import ConfigError, load_cluster_config
 
@@ -122,6 +126,11 @@ class LocalCluster:
     def address(self) -> str:
         """The coordinator's "host:port"."""
         return f"{self.host}:{self.port}"
+
+    @property
+    def http_url(self) -> str | None:
+        """The HTTP API's base URL, "http://host:port" (None: not served)."""
+        return f"http://{self.host}:{self.http_port}" if self.http_port else None
 
     def __enter__(self) -> "LocalCluster":
         self.start()
@@ -164,6 +173,8 @@ class LocalCluster:
         conf = ["--config", str(self.config)] if self.config else []
         coord = ["coordinator", *conf, "--host", self.host, "--port", str(self.port),
                  "--metrics-port", str(self.metrics_port or 0)]
+        if self.http_port:
+            coord += ["--http-port", str(self.http_port)]
         self._spawn("coordinator", coord)
         env = worker_env()
         for i in range(self.n_workers):
@@ -385,6 +396,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--capacity", type=int, default=None, help="sessions per worker (default 8)")
     p.add_argument("--metrics-port", type=tcp_port, default=None,
                    help="coordinator /metrics port; worker i gets this + i")
+    p.add_argument("--http-port", type=tcp_port, default=None,
+                   help="serve the OpenAI-compatible HTTP API (/v1/chat/completions...) on this port")
     p.add_argument("--log-dir", default=None)
     a = p.parse_args(argv)
     for flag in ("workers", "capacity"):  # 0 would otherwise mean "the default"
@@ -405,7 +418,8 @@ def main(argv: list[str]) -> int:
                 workers=a.workers or len(cfg.workers), port=a.port or cfg.coordinator.port,
                 host=a.host, log_dir=a.log_dir,
                 metrics_port=a.metrics_port or cfg.coordinator.metrics_port,
-                worker_args=tuple(overrides), config=a.config)
+                worker_args=tuple(overrides), config=a.config,
+                http_port=a.http_port or cfg.coordinator.http_port)
         except (ConfigError, ValueError, NoShippedDraftError) as e:
             print(f"flashfleet up: {e}", file=sys.stderr)
             return 2
@@ -418,7 +432,7 @@ def main(argv: list[str]) -> int:
             print(f"flashfleet up: {e}", file=sys.stderr)
             return 2
         cluster = LocalCluster(a.model or DEFAULT_MODEL, a.workers or 2, a.port or 50051, a.host,
-                               a.draft, a.capacity or 4, a.log_dir, a.metrics_port)
+                               a.draft, a.capacity or 4, a.log_dir, a.metrics_port, http_port=a.http_port)
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -436,7 +450,10 @@ def main(argv: list[str]) -> int:
         return 2 if isinstance(e, ChildExited) and e.code == 2 else 1  # a bad model or config: as the worker says
     print(f"cluster ready: coordinator at {cluster.address}\n"
           f"  try: flashfleet generate --address {cluster.address} --model {served_name(cluster.model)} "
-          f"\"What is a GPU?\"\nCtrl-C stops everything.", flush=True)
+          f"\"What is a GPU?\"", flush=True)
+    if cluster.http_port:
+        print(f"  OpenAI-compatible API: {cluster.http_url}/v1", flush=True)
+    print("Ctrl-C stops everything.", flush=True)
     backoff = RestartBackoff()
     try:
         while not stop["now"]:

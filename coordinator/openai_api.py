@@ -1,0 +1,187 @@
+"""The coordinator's OpenAI-compatible HTTP API (aiohttp, on the coordinator's event loop beside
+its gRPC server): POST /v1/chat/completions, POST /v1/completions (streamed as server-sent events
+with "stream": true, else one JSON answer), GET /v1/models and GET /v1/models/{model}.
+
+Every request goes through `CoordinatorServicer.generate`, the path of gRPC's Generate: the same
+routing, admission queue, retries, migration, deadlines and metrics. A client that disconnects
+cancels its handler (aiohttp's handler cancellation), which closes the generator: the worker call
+is cancelled and the worker frees the session. Shapes and field mapping: coordinator/openai_format.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+
+from aiohttp import web
+
+from coordinator.openai_format import OpenAIError, ParsedRequest, ResponseBuilder, model_list, model_object, \
+    parse_request
+from coordinator.servicer import CoordinatorServicer, GenerateFailed
+from flashfleet.requests import MAX_REQUEST_BYTES
+
+log = logging.getLogger("flashfleet.coordinator.http")
+
+_SERVICER = web.AppKey("servicer", CoordinatorServicer)
+# Status of aiohttp's own refusals (unknown path, wrong method, body too large) -> error type.
+_HTTP_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
+
+
+def _error_response(e: OpenAIError) -> web.Response:
+    return web.json_response(e.body(), status=e.status)
+
+
+@web.middleware
+async def _openai_errors(request: web.Request, handler):
+    """Answers every error in OpenAI's JSON shape, aiohttp's own refusals included."""
+    try:
+        return await handler(request)
+    except OpenAIError as e:
+        return _error_response(e)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return _error_response(OpenAIError(e.status, e.reason if e.status != 404 else
+                                           f"no such endpoint: {request.method} {request.path}",
+                                           _HTTP_TYPES.get(e.status, "invalid_request_error")))
+
+
+def _deadline_error(parsed: ParsedRequest) -> OpenAIError:
+    return OpenAIError(504, f"the request's deadline (timeout_s={parsed.timeout_s}) passed", "server_error", None,
+                       "deadline_exceeded")
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _body(request: web.Request):
+    try:
+        return await request.json()
+    except (ValueError, UnicodeDecodeError) as e:
+        raise OpenAIError(400, f"the request body is not JSON: {e}") from None
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    parsed = parse_request(await _body(request), chat)
+    servicer = request.app[_SERVICER]
+    deadline = None if parsed.timeout_s is None else time.monotonic() + parsed.timeout_s
+    responses = servicer.generate(parsed.request,
+                                  (lambda: None) if deadline is None else (lambda: deadline - time.monotonic()))
+    out = ResponseBuilder(parsed)
+    async with contextlib.aclosing(responses):
+        if parsed.stream:
+            return await _stream(request, parsed, responses, out)
+        text, complete = [], None
+        try:
+            async with asyncio.timeout(parsed.timeout_s):
+                async for resp in responses:
+                    if resp.WhichOneof("kind") == "complete":
+                        complete = resp.complete
+                    else:
+                        text.append(resp.chunk.text)
+        except GenerateFailed as e:
+            raise OpenAIError.from_status(e.code, e.details) from None
+        except TimeoutError:
+            raise _deadline_error(parsed) from None
+    if complete is None:
+        raise OpenAIError(503, "the worker ended the stream without finishing it", "server_error", None,
+                          "unavailable")
+    return web.json_response(out.response("".join(text), complete))
+
+
+async def _stream(request: web.Request, parsed: ParsedRequest, responses, out: ResponseBuilder
+                  ) -> web.StreamResponse:
+    """Writes `responses` as server-sent events. The HTTP status is sent with the first message,
+    so a request refused before any (unknown model, overloaded...) gets its own status; a
+    failure after it is one `data: {"error": ...}` event that ends the stream."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    try:
+        async with asyncio.timeout(parsed.timeout_s):
+            async for msg in responses:
+                if not resp.prepared:
+                    await resp.prepare(request)
+                if msg.WhichOneof("kind") == "complete":
+                    for chunk in out.final(msg.complete, parsed.include_usage):
+                        await resp.write(_sse(chunk))
+                    await resp.write(b"data: [DONE]\n\n")
+                elif msg.chunk.text or not out.started:
+                    await resp.write(_sse(out.delta(msg.chunk.text, parsed.include_usage)))
+    except (GenerateFailed, TimeoutError) as e:
+        err = OpenAIError.from_status(e.code, e.details) if isinstance(e, GenerateFailed) else _deadline_error(parsed)
+        if not resp.prepared:
+            raise err from None
+        await resp.write(_sse(err.body()))
+    except ConnectionResetError:  # the client left between two chunks: the generator closes
+        log.info("client of %s disconnected", parsed.request.request_id)
+        return resp
+    if not resp.prepared:
+        raise OpenAIError(503, "the worker ended the stream without a message", "server_error", None,
+                          "unavailable")
+    await resp.write_eof()
+    return resp
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/chat/completions."""
+    return await _generate(request, chat=True)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/completions."""
+    return await _generate(request, chat=False)
+
+
+async def models(request: web.Request) -> web.Response:
+    """GET /v1/models: the models live workers serve."""
+    return web.json_response(model_list(request.app[_SERVICER].served_models()))
+
+
+async def model(request: web.Request) -> web.Response:
+    """GET /v1/models/{model}: one served model, or 404."""
+    name = request.match_info["model"]
+    for served in request.app[_SERVICER].served_models():
+        if served.info.name == name:
+            return web.json_response(model_object(served))
+    raise OpenAIError(404, f"model {name!r} is not served", "invalid_request_error", "model", "model_not_found")
+
+
+def build_app(servicer: CoordinatorServicer) -> web.Application:
+    """The aiohttp application of the OpenAI-compatible API over `servicer` (request bodies up
+    to flashfleet's 4 MiB request limit plus room for JSON escapes)."""
+    app = web.Application(middlewares=[_openai_errors], client_max_size=2 * MAX_REQUEST_BYTES)
+    app[_SERVICER] = servicer
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", model)
+    return app
+
+
+async def start_http(servicer: CoordinatorServicer, host: str, port: int, shutdown_timeout_s: float,
+                     ssl_context=None) -> tuple[web.AppRunner, int]:
+    """Serves the API on host:port (0 = a free port) on the running event loop.
+
+    Args:
+        shutdown_timeout_s: how long `runner.cleanup()` lets open requests finish, seconds.
+        ssl_context: an ssl.SSLContext to serve HTTPS (`TLSConfig.server_ssl_context`), or None
+            for plain HTTP.
+
+    Returns:
+        (the runner: `await runner.cleanup()` stops it, the bound port).
+
+    Raises:
+        RuntimeError: the port could not be bound.
+    """
+    runner = web.AppRunner(build_app(servicer), handler_cancellation=True, access_log=None,
+                           shutdown_timeout=shutdown_timeout_s)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
+    try:
+        await site.start()
+    except OSError as e:
+        await runner.cleanup()
+        raise RuntimeError(f"could not bind the HTTP API to {host}:{port}: {e.strerror or e}") from None
+    return runner, runner.addresses[0][1]

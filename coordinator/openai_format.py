@@ -1,0 +1,294 @@
+"""OpenAI's JSON shapes for the coordinator's HTTP API (coordinator/openai_api.py): request bodies
+of /v1/chat/completions and /v1/completions turned into GenerateRequest protos, and responses,
+stream chunks and errors built from flashfleet's. Pure functions, no I/O.
+
+Mapping (OpenAI field -> GenerateRequest): model, messages (text content; "developer" turns are
+system turns) / prompt (one string), max_completion_tokens or max_tokens, temperature (unset =
+greedy, as in flashfleet's own API), top_p, seed, stop (a string or a list). flashfleet's own
+fields ride along in the body (`extra_body` in the openai client): mode ("auto", "plain",
+"draft", "dflash", "uag"), session_id (worker affinity across turns) and timeout_s (the request's
+deadline, seconds). Fields flashfleet cannot honour (n other than 1, logprobs, tools, penalties,
+echo, ...) are refused with 400 rather than ignored.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import uuid
+from typing import Any
+
+import grpc
+
+from flashfleet.errors import InvalidArgument
+from flashfleet.requests import build_request
+from flashfleet.types import DECODE_MODE_NAMES, FINISH_REASONS, GenerationStats
+from flashfleet.v1 import common_pb2, coordinator_pb2
+
+# gRPC status of a failed request -> (HTTP status, OpenAI error type, error code).
+HTTP_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_argument"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", "failed_precondition"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error", "out_of_range"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "overloaded"),
+    grpc.StatusCode.UNAVAILABLE: (503, "server_error", "unavailable"),
+    # The client is still there: the server (a draining worker) ended the request.
+    grpc.StatusCode.CANCELLED: (503, "server_error", "cancelled"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error", "deadline_exceeded"),
+}
+# FINISH_REASON_CANCELLED (a worker stopped the request) has no OpenAI counterpart: "stop", with
+# flashfleet's own reason in the `flashfleet` object.
+OPENAI_FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
+
+# Fields OpenAI defines that flashfleet cannot honour: refused when set to anything but these
+# "off" values (a silently ignored penalty or tool list would give answers the client did not ask for).
+UNSUPPORTED_OFF = {
+    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "logit_bias": (None, {}),
+    "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+}
+
+
+class OpenAIError(Exception):
+    """A request the HTTP API answers with an error in OpenAI's shape.
+
+    Attributes:
+        status: the HTTP status (400, 404, 429, 503, 504, 500...).
+        message, type, param, code: the fields of OpenAI's {"error": {...}} object.
+    """
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        """{"error": {"message", "type", "param", "code"}}."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    @classmethod
+    def from_status(cls, code: grpc.StatusCode, details: str) -> "OpenAIError":
+        """The error for a request that failed with gRPC status `code` (HTTP_ERRORS; any other
+        code is 500 server_error)."""
+        status, kind, name = HTTP_ERRORS.get(code, (500, "server_error", code.name.lower()))
+        return cls(status, details, kind, "model" if code == grpc.StatusCode.NOT_FOUND else None, name)
+
+
+def bad(message: str, param: str | None = None) -> OpenAIError:
+    """A 400 invalid_request_error naming `param`."""
+    return OpenAIError(400, message, "invalid_request_error", param, "invalid_argument")
+
+
+@dataclasses.dataclass
+class ParsedRequest:
+    """A request body read into flashfleet's terms.
+
+    Attributes:
+        request: the GenerateRequest (request_id set: "<hex>").
+        chat: True for /v1/chat/completions, False for /v1/completions.
+        stream: whether to answer with server-sent events.
+        include_usage: stream_options.include_usage (a last chunk with `usage`).
+        timeout_s: the request's deadline in seconds, or None.
+    """
+
+    request: common_pb2.GenerateRequest
+    chat: bool
+    stream: bool = False
+    include_usage: bool = False
+    timeout_s: float | None = None
+
+
+def _number(body: dict, key: str, kind=(int, float)):
+    value = body.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+        names = "an integer" if kind is int else "a number"
+        raise bad(f"{key} must be {names}, got {value!r}", key)
+    return value
+
+
+def _message_text(i: int, content) -> str:
+    """A chat turn's content: a string, or a list of text parts ({"type": "text", "text": ...})."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise bad(f"messages[{i}].content: only text parts are served, got {part!r}",
+                          f"messages[{i}].content")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad(f"messages[{i}].content must be a string or a list of text parts, got {content!r}",
+              f"messages[{i}].content")
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages must be a non-empty list of {'role': ..., 'content': ...}", "messages")
+    turns = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad(f"messages[{i}] must be an object with a string 'role', got {m!r}", f"messages[{i}]")
+        role = "system" if m["role"] == "developer" else m["role"]
+        turns.append({"role": role, "content": _message_text(i, m.get("content"))})
+    return turns
+
+
+def _prompt(body: dict) -> str:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0]
+    if not isinstance(prompt, str):
+        raise bad("prompt must be one string (lists of several prompts and token-id prompts are not "
+                  f"served), got {prompt!r:.80}", "prompt")
+    return prompt
+
+
+def parse_request(body: Any, chat: bool) -> ParsedRequest:
+    """Reads a /v1/chat/completions (`chat`) or /v1/completions body.
+
+    Raises:
+        OpenAIError: 400 for a body that is not a JSON object, a missing or mistyped field, a
+            field flashfleet cannot honour set to a value that asks for it (`UNSUPPORTED_OFF`),
+            or what `flashfleet.requests.build_request` refuses (InvalidArgument).
+    """
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    for key, off in UNSUPPORTED_OFF.items():
+        if key in body and body[key] not in off:
+            raise bad(f"{key}={body[key]!r} is not supported by flashfleet (leave it unset)", key)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model must be the name of a served model (GET /v1/models lists them)", "model")
+    max_tokens = _number(body, "max_completion_tokens", int)
+    if max_tokens is None:
+        max_tokens = _number(body, "max_tokens", int)
+    temperature, top_p = _number(body, "temperature"), _number(body, "top_p")
+    seed = _number(body, "seed", int)
+    timeout_s = _number(body, "timeout_s")
+    if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise bad(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}", "timeout_s")
+    stream = body.get("stream") or False
+    options = body.get("stream_options") or {}
+    if not isinstance(stream, bool) or not isinstance(options, dict):
+        raise bad("stream must be true or false and stream_options an object", "stream")
+    mode, session_id = body.get("mode", "auto"), body.get("session_id", "")
+    try:
+        request = build_request(
+            model, None if chat else _prompt(body), messages=_messages(body) if chat else None,
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+            stop=body.get("stop"), session_id=session_id, request_id=uuid.uuid4().hex, mode=mode)
+    except InvalidArgument as e:
+        raise bad(e.details) from None
+    return ParsedRequest(request, chat, stream, bool(options.get("include_usage")), timeout_s)
+
+
+def _stats_dict(complete: common_pb2.Complete) -> dict:
+    stats = dataclasses.asdict(GenerationStats.from_proto(complete.stats))
+    stats["accepted_per_position"] = list(stats["accepted_per_position"])
+    return stats
+
+
+def flashfleet_fields(request_id: str, complete: common_pb2.Complete) -> dict:
+    """flashfleet's own report of a finished request: request_id, worker_id, finish_reason
+    ("stop", "length", "cancelled") and every `flashfleet.types.GenerationStats` field (mode,
+    acceptance_length = tau, cycles, ttft_s, cached_tokens, queue_s, migrations...; seconds)."""
+    return {"request_id": request_id, "worker_id": complete.worker_id,
+            "finish_reason": FINISH_REASONS.get(complete.finish_reason, "unspecified"),
+            **_stats_dict(complete)}
+
+
+def usage(complete: common_pb2.Complete) -> dict:
+    """OpenAI's `usage` object from the final stats (cached prompt tokens in prompt_tokens_details)."""
+    s = complete.stats
+    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.generated_tokens,
+            "total_tokens": s.prompt_tokens + s.generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": s.cached_tokens}}
+
+
+def finish_reason(complete: common_pb2.Complete) -> str:
+    """OpenAI's finish_reason ("stop" or "length") of a finished request."""
+    return OPENAI_FINISH.get(FINISH_REASONS.get(complete.finish_reason, "stop"), "stop")
+
+
+class ResponseBuilder:
+    """Builds the JSON objects of one request's answer, in OpenAI's shapes.
+
+    Args:
+        parsed: the request (chat or completion; its request_id becomes the response id).
+    """
+
+    def __init__(self, parsed: ParsedRequest):
+        self.chat = parsed.chat
+        self.model = parsed.request.model
+        rid = parsed.request.request_id
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + rid
+        self.request_id = rid
+        self.created = int(time.time())
+        self.started = False  # whether a chunk with text went out (the first chat delta names the role)
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def response(self, text: str, complete: common_pb2.Complete) -> dict:
+        """The whole answer of a request that was not streamed: one choice, usage and the
+        top-level `flashfleet` object."""
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "finish_reason": finish_reason(complete), "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish_reason(complete), "logprobs": None}
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
+                "usage": usage(complete), "flashfleet": flashfleet_fields(self.request_id, complete)}
+
+    def _chunk(self, choice: dict, include_usage: bool) -> dict:
+        out = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    def delta(self, text: str, include_usage: bool = False) -> dict:
+        """A stream chunk carrying new text (the first chat chunk also carries the role)."""
+        if self.chat:
+            delta = {"content": text} if self.started else {"role": "assistant", "content": text}
+            choice = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": None, "logprobs": None}
+        self.started = True
+        return self._chunk(choice, include_usage)
+
+    def final(self, complete: common_pb2.Complete, include_usage: bool = False) -> list[dict]:
+        """The stream's last chunks: the one with finish_reason and the `flashfleet` object, then
+        (with include_usage) one with no choices and the `usage`."""
+        if self.chat:
+            delta = {} if self.started else {"role": "assistant", "content": ""}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason(complete), "logprobs": None}
+        else:
+            choice = {"index": 0, "text": "", "finish_reason": finish_reason(complete), "logprobs": None}
+        last = self._chunk(choice, include_usage)
+        last["flashfleet"] = flashfleet_fields(self.request_id, complete)
+        if not include_usage:
+            return [last]
+        return [last, {**self._head("chat.completion.chunk" if self.chat else "text_completion"),
+                       "choices": [], "usage": usage(complete)}]
+
+
+def model_list(served: list[coordinator_pb2.ServedModel]) -> dict:
+    """GET /v1/models: {"object": "list", "data": [model objects]} (`model_object`)."""
+    return {"object": "list", "data": [model_object(m) for m in served]}
+
+
+def model_object(served: coordinator_pb2.ServedModel) -> dict:
+    """One model in OpenAI's shape, with flashfleet's details (workers serving it, decode modes,
+    context length in tokens) in a `flashfleet` object."""
+    return {"id": served.info.name, "object": "model", "created": 0, "owned_by": "flashfleet",
+            "flashfleet": {"workers": list(served.worker_ids),
+                           "modes": [DECODE_MODE_NAMES.get(m, str(m)) for m in served.modes],
+                           "max_context_tokens": served.info.max_context_tokens}}

@@ -1,0 +1,248 @@
+"""The coordinator's OpenAI-compatible HTTP API (coordinator/openai_api.py), through the official
+`openai` client (sync and async, streamed and not) and curl, on live in-process clusters: a tiny
+random-weight MLX model (its greedy text must equal the gRPC SDK's) and fake engines (errors,
+deadlines, a client that disconnects)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from flashfleet import Client
+from fakes import FakeEngine
+from harness import start_cluster
+from worker.engine.types import Overloaded as EngineOverloaded
+
+MODEL = "tiny-llama"
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a river."}]
+PROMPT = "The river flows"
+
+
+@pytest.fixture(scope="module")
+def mlx_http(tiny_models):
+    from worker.config import EngineConfig
+    from worker.engine.thread import Engine
+
+    cluster = start_cluster({"w1": Engine(EngineConfig(model_path=tiny_models.llama, model_name=MODEL,
+                                                       capacity=4))}, http_port=0)
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture
+def fake_http():
+    engine = FakeEngine(token_delay_s=0.02)
+    cluster = start_cluster({"w1": engine}, http_port=0)
+    yield cluster, engine
+    cluster.close()
+
+
+def base_url(cluster) -> str:
+    return cluster.coordinator.http_url + "/v1"
+
+
+def wait_until(pred, timeout=5.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def post(url: str, body: bytes, content_type="application/json"):
+    """(status, parsed JSON body) of a POST, error statuses included."""
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": content_type})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_sync_client_matches_the_grpc_sdk_streamed_and_not(mlx_http):
+    client = openai.OpenAI(base_url=base_url(mlx_http), api_key="unused", max_retries=0)
+    with Client(mlx_http.address) as sdk:
+        want_chat = sdk.complete(MODEL, messages=CHAT, max_tokens=12, temperature=0)
+        want_text = sdk.complete(MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert want_chat.text and want_text.text
+
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0)
+    assert chat.choices[0].message.content == want_chat.text
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].finish_reason == want_chat.finish_reason
+    assert chat.usage.completion_tokens == len(want_chat.token_ids)
+    assert chat.usage.prompt_tokens == want_chat.stats.prompt_tokens
+    assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
+    ff = chat.model_extra["flashfleet"]
+    assert ff["worker_id"] == "w1" and ff["mode"] == "plain" and ff["ttft_s"] > 0
+    assert ff["generated_tokens"] == len(want_chat.token_ids)
+    assert chat.model == MODEL and chat.id.startswith("chatcmpl-")
+
+    text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert text.choices[0].text == want_text.text
+    assert text.usage.completion_tokens == len(want_text.token_ids)
+
+    # max_completion_tokens is the newer name of max_tokens.
+    short = client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=3, temperature=0)
+    assert short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length"
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want_chat.text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finished = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finished) == 1 and finished[0].choices[0].finish_reason == want_chat.finish_reason
+    assert finished[0].model_extra["flashfleet"]["generated_tokens"] == len(want_chat.token_ids)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want_chat.token_ids)
+
+    pieces = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in pieces) == want_text.text
+    assert pieces[-1].choices[0].finish_reason == want_text.finish_reason
+    assert all(c.usage is None for c in pieces)  # no include_usage: no usage chunk
+
+    listed = client.models.list()
+    assert [m.id for m in listed.data] == [MODEL]
+    assert listed.data[0].model_extra["flashfleet"]["workers"] == ["w1"]
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+def test_async_client_streamed_and_not_and_stop_strings(mlx_http):
+    with Client(mlx_http.address) as sdk:
+        want = sdk.complete(MODEL, messages=CHAT, max_tokens=10, temperature=0)
+        stop = want.text[3:5]  # a stop string inside the greedy answer ends it there
+        stopped = sdk.complete(MODEL, messages=CHAT, max_tokens=10, temperature=0, stop=[stop])
+    assert stopped.text == want.text[:want.text.index(stop)]
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=base_url(mlx_http), api_key="unused", max_retries=0)
+        whole = await client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0)
+        stream = await client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0,
+                                                      stream=True)
+        streamed = "".join([c.choices[0].delta.content or "" async for c in stream])
+        cut = await client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0,
+                                                   stop=stop)
+        text = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0,
+                                               stream=True)
+        pieces = [c async for c in text]
+        await client.close()
+        return whole, streamed, cut, pieces
+
+    whole, streamed, cut, pieces = asyncio.run(run())
+    assert whole.choices[0].message.content == want.text == streamed
+    assert cut.choices[0].message.content == stopped.text and cut.choices[0].finish_reason == "stop"
+    assert pieces[-1].choices[0].finish_reason == "length"
+
+
+def test_errors_have_openais_shape_and_status(fake_http):
+    cluster, _ = fake_http
+    client = openai.OpenAI(base_url=base_url(cluster), api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="no-such-model", messages=CHAT)
+    assert e.value.status_code == 404 and e.value.code == "model_not_found" and "fake-model" in e.value.message
+    for kwargs, param in ((dict(n=2), "n"), (dict(temperature=-1), None), (dict(logprobs=True), "logprobs"),
+                          (dict(messages=[]), "messages"), (dict(max_tokens=0), None)):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**{"model": "fake-model", "messages": CHAT, **kwargs})
+        assert e.value.status_code == 400 and e.value.type == "invalid_request_error", kwargs
+        assert e.value.param == param, kwargs
+    with pytest.raises(openai.BadRequestError, match="mode"):
+        client.completions.create(model="fake-model", prompt="x", extra_body={"mode": "warp"})
+
+    url = base_url(cluster)
+    status, body = post(url + "/chat/completions", b"{not json")
+    assert status == 400 and set(body["error"]) == {"message", "type", "param", "code"}
+    status, body = post(url + "/completions", json.dumps({"model": "fake-model", "prompt": [1, 2]}).encode())
+    assert status == 400 and body["error"]["param"] == "prompt"
+    status, body = post(url + "/embeddings", b"{}")
+    assert status == 404 and "no such endpoint" in body["error"]["message"]
+    # The server keeps serving after every refusal.
+    assert client.completions.create(model="fake-model", prompt="abc", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_overloaded_is_429_and_a_passed_deadline_504():
+    cluster = start_cluster({"w1": FakeEngine(refuse=EngineOverloaded)}, http_port=0, max_queued=0)
+    try:
+        client = openai.OpenAI(base_url=base_url(cluster), api_key="unused", max_retries=0)
+        with pytest.raises(openai.RateLimitError) as e:
+            client.completions.create(model="fake-model", prompt="abc", max_tokens=2)
+        assert e.value.status_code == 429 and e.value.code == "overloaded"
+    finally:
+        cluster.close()
+    cluster = start_cluster({"w1": FakeEngine(token_delay_s=2.0)}, http_port=0)
+    try:
+        client = openai.OpenAI(base_url=base_url(cluster), api_key="unused", max_retries=0)
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as e:
+            client.completions.create(model="fake-model", prompt="abc", max_tokens=5, extra_body={"timeout_s": 0.3})
+        assert e.value.status_code == 504 and e.value.code == "deadline_exceeded"
+        assert time.monotonic() - t0 < 1.9  # ended by the deadline, not by the first token
+        samples = {s.labels["outcome"]: s.value for m in cluster.coordinator_registry.collect()
+                   if m.name == "flashfleet_coordinator_requests" for s in m.samples
+                   if s.name.endswith("_total")}
+        assert samples.get("deadline") == 1
+    finally:
+        cluster.close()
+
+
+def test_a_client_that_disconnects_mid_stream_cancels_the_request(fake_http):
+    cluster, engine = fake_http
+    client = openai.OpenAI(base_url=base_url(cluster), api_key="unused", max_retries=0)
+    stream = client.completions.create(model="fake-model", prompt="abc", max_tokens=400, stream=True)
+    got = [next(iter(stream)) for _ in range(3)]
+    assert all(c.choices[0].text for c in got)
+    assert engine.load().active_sessions == 1
+    stream.close()  # the HTTP connection closes
+    assert wait_until(lambda: engine.load().active_sessions == 0)
+    assert wait_until(lambda: cluster.coordinator_registry.get_sample_value(
+        "flashfleet_coordinator_requests_total",
+        {"model": "fake-model", "worker": "w1", "outcome": "cancelled"}) == 1)
+    assert cluster.coordinator.registry.live()[0].in_flight == 0
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl(fake_http):
+    cluster, _ = fake_http
+    url = base_url(cluster)
+    body = json.dumps({"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    out = subprocess.run(["curl", "-sS", url + "/chat/completions", "-H", "Content-Type: application/json",
+                          "-d", body], capture_output=True, text=True, timeout=30, check=True).stdout
+    answer = json.loads(out)
+    assert answer["object"] == "chat.completion" and answer["usage"]["completion_tokens"] == 4
+    with Client(cluster.address) as sdk:
+        want = sdk.complete("fake-model", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert answer["choices"][0]["message"]["content"] == want.text
+
+    streamed = json.dumps({**json.loads(body), "stream": True})
+    out = subprocess.run(["curl", "-sSN", url + "/chat/completions", "-H", "Content-Type: application/json",
+                          "-d", streamed], capture_output=True, text=True, timeout=30, check=True).stdout
+    events = [line[len("data: "):] for line in out.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == want.text
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and "flashfleet" in chunks[-1]
+    models = json.loads(subprocess.run(["curl", "-sS", url + "/models"], capture_output=True, text=True,
+                                       timeout=30, check=True).stdout)
+    assert models["data"][0]["id"] == "fake-model"
+
+
+def test_a_client_that_gives_up_before_the_first_token_cancels_the_request():
+    engine = FakeEngine(token_delay_s=3.0)  # nothing to write for seconds: only the disconnect tells
+    cluster = start_cluster({"w1": engine}, http_port=0)
+    try:
+        client = openai.OpenAI(base_url=base_url(cluster), api_key="unused", max_retries=0, timeout=0.5)
+        t0 = time.monotonic()
+        with pytest.raises(openai.APITimeoutError):
+            client.chat.completions.create(model="fake-model", messages=CHAT, max_tokens=3)
+        assert wait_until(lambda: engine.load().active_sessions == 0, timeout=2.0)
+        assert time.monotonic() - t0 < 2.5  # freed by the disconnect, not by the 3 s token
+    finally:
+        cluster.close()
