@@ -132,6 +132,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.affinity = affinity or SessionAffinity(config.session_ttl_s)
         self.metrics = metrics
         self.admission = AdmissionQueue(config.max_queued, config.queue_timeout_s)
+        self._in_flight: set[str] = set()  # request ids of streams running now (duplicates refused)
         if metrics:
             metrics.queued.set_function(lambda: self.admission.waiting)
 
@@ -179,8 +180,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
         Raises:
             GenerateFailed: with
-                INVALID_ARGUMENT: the request fails `validate_request`, or sets `resume_token_ids` /
-                    `resume_text` (coordinator-only fields).
+                INVALID_ARGUMENT: the request fails `validate_request`, sets `resume_token_ids` /
+                    `resume_text` (coordinator-only fields), or reuses the request_id of a request
+                    still in flight.
                 NOT_FOUND: no live worker serves the model (or none has a draft for the requested mode).
                 RESOURCE_EXHAUSTED: every eligible worker is full and the admission queue is full or
                     its `queue_timeout_s` ran out.
@@ -200,6 +202,22 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                                  "the coordinator when it migrates a session; leave them empty")
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
+        elif request.request_id in self._in_flight:
+            self._count(request.model, "", "invalid")
+            raise GenerateFailed(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"request_id {request.request_id!r} is already in flight: give each request "
+                                 "its own id (or none: the coordinator makes one)")
+        self._in_flight.add(request.request_id)
+        try:
+            async with contextlib.aclosing(self._routed(request, time_remaining, t0)) as responses:
+                async for resp in responses:
+                    yield resp
+        finally:
+            self._in_flight.discard(request.request_id)
+
+    async def _routed(self, request: common_pb2.GenerateRequest, time_remaining: TimeRemaining,
+                      t0: float) -> AsyncIterator[common_pb2.GenerateResponse]:
+        """`generate` after validation: routing, the stream, migration (see `generate`)."""
         tried: set[str] = set()
         try:
             worker, call, first, queue_s = await self._open_stream(request, time_remaining, tried, t0)

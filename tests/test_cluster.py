@@ -117,6 +117,26 @@ def test_client_cancellation_frees_the_worker():
         c.close()
 
 
+def test_a_request_id_in_flight_is_not_accepted_twice():
+    """Two concurrent requests with one request_id: the second is refused (INVALID_ARGUMENT, the
+    first keeps streaming); once the first ends, the id may be used again."""
+    engine = FakeEngine(token_delay_s=0.05)
+    c = start_cluster({"w1": engine, "w2": FakeEngine(token_delay_s=0.05)})
+    try:
+        with Client(c.address) as client:
+            stream = client.generate("fake-model", prompt="long", max_tokens=1000, request_id="r-1")
+            next(stream)
+            with pytest.raises(InvalidArgument, match="request_id 'r-1' is already in flight"):
+                client.complete("fake-model", prompt="again", max_tokens=3, request_id="r-1")
+            next(stream)  # the first one is unaffected
+            stream.close()
+            assert wait_until(lambda: not c.coordinator.servicer._in_flight)
+            done = client.complete("fake-model", prompt="again", max_tokens=3, request_id="r-1")
+            assert done.request_id == "r-1" and done.finish_reason == "length"
+    finally:
+        c.close()
+
+
 def test_deadline_propagates_and_frees_the_worker():
     engine = FakeEngine(token_delay_s=0.05)
     c = start_cluster({"w1": engine})
