@@ -26,7 +26,7 @@ from coordinator.migration import StreamProgress
 from coordinator.registry import Registry, UnknownLease, WorkerRecord
 from coordinator.routing import (AllBusy, NoWorker, PowerOfTwoRouter, SessionAffinity, request_tokens_bound,
                                  route)
-from flashfleet.errors import FlashfleetError
+from flashfleet.errors import FlashfleetError, short_details
 from flashfleet.requests import validate_request
 from flashfleet.transport import WORKER_CHANNEL_OPTIONS, aio_channel
 from flashfleet.v1 import (common_pb2, coordinator_pb2, coordinator_pb2_grpc, worker_pb2,
@@ -69,6 +69,7 @@ class GenerateFailed(Exception):
     """
 
     def __init__(self, code: grpc.StatusCode, details: str):
+        details = short_details(details)
         super().__init__(details)
         self.code, self.details = code, details
 
@@ -472,7 +473,7 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
         try:
             rec = self.registry.register(request)
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, short_details(str(e)))
         log.info("worker %s registered at %s serving %s", rec.worker_id, rec.address,
                  sorted(rec.model_names))
         if self.admission:
@@ -490,7 +491,7 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
         try:
             self.registry.heartbeat(request.worker_id, request.lease_id, request.load)
         except UnknownLease as e:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+            await context.abort(grpc.StatusCode.NOT_FOUND, short_details(str(e)))
         if self.admission:
             self.admission.notify()
         return worker_pb2.HeartbeatResponse()
@@ -503,7 +504,7 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
         try:
             rec = self.registry.deregister(request.worker_id, request.lease_id)
         except UnknownLease as e:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+            await context.abort(grpc.StatusCode.NOT_FOUND, short_details(str(e)))
         if rec.in_flight == 0:  # else the last stream's handler closes it (closing cancels them)
             await self.pool.drop(rec.address)
         log.info("worker %s deregistered", rec.worker_id)

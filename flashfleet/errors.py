@@ -79,6 +79,16 @@ _BY_CODE: dict[grpc.StatusCode, type[FlashfleetError]] = {
 }
 
 
+MAX_DETAILS_CHARS = 2000  # gRPC refuses a status message over 16 KB: it would reach the client as a
+# transport error (RESOURCE_EXHAUSTED), hiding the real one
+
+
+def short_details(text: str, limit: int = MAX_DETAILS_CHARS) -> str:
+    """An error message cut to `limit` characters (a message quoting a huge input stays readable
+    and within gRPC's limit on status details)."""
+    return text if len(text) <= limit else text[: limit - 40] + f"... ({len(text) - limit + 40:,} more characters)"
+
+
 def from_rpc_error(error: grpc.RpcError, secure: bool | None = None) -> FlashfleetError:
     """Converts a failed gRPC call into the matching SDK exception (INTERNAL and unknown codes
     become FlashfleetError).

@@ -300,3 +300,8 @@ def test_temperature_out_of_range_is_refused(temperature):
 
     with pytest.raises(InvalidRequest, match=r"temperature must be a number in \[0, 100\]"):
         validate_sampling(temperature, 1.0, None)
+
+
+def test_a_budget_smaller_than_one_session_is_refused_at_start(tiny_models):
+    with pytest.raises(RuntimeError, match=r"KV budget of 1,000 bytes holds less than one session"):
+        Engine(EngineConfig(model_path=tiny_models.llama, kv_budget_bytes=1000, warmup=False))

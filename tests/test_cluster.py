@@ -861,3 +861,14 @@ def test_a_request_for_a_free_model_does_not_wait_behind_another_models_queue():
             assert out["done"].finish_reason == "length"
     finally:
         c.close()
+
+
+def test_a_huge_field_in_an_error_message_stays_a_clear_error(cluster):
+    """An error message quoting a 20 KB model name is cut, so it reaches the client as the error it
+    is (gRPC refuses status details over 16 KB, which would surface as RESOURCE_EXHAUSTED)."""
+    with Client(cluster.address) as client:
+        with pytest.raises(ModelNotFound, match=r"more characters"):
+            client.complete("m" * 20_000, prompt="hi", max_tokens=2)
+        with pytest.raises(InvalidArgument):
+            client.complete("fake-model", messages=[{"role": "r" * 20_000, "content": "hi"}], max_tokens=2)
+        assert client.complete("fake-model", prompt="still serving", max_tokens=2).finish_reason == "length"

@@ -212,16 +212,19 @@ def test_the_worker_swaps_its_linears_and_says_so(monkeypatch, tiny_models, capl
     _recording(monkeypatch)
     caplog.set_level(logging.INFO, logger="worker.engine.thread")
     bf16 = _bf16_copy(tiny_models.llama, tmp_path / "llama-bf16")
+    monkeypatch.setenv("FLASHFLEET_COMPUTE_DTYPE", "bfloat16")  # the tests' default is float32
     with Engine(EngineConfig(model_path=bf16, warmup=False)):
         pass
     assert "linear layers run calls of up to 64 rows as one CUDA kernel each" in caplog.text
     swapped = int(caplog.text.split("small gemm: ", 1)[1].split()[0])
     assert swapped >= 8  # 2 layers x (q/k/v fused, o, gate/up fused, down), after fusion
     caplog.clear()
+    monkeypatch.setenv("FLASHFLEET_COMPUTE_DTYPE", "float32")
     with Engine(EngineConfig(model_path=tiny_models.llama, warmup=False)):  # float32: nothing to take
         pass
     assert "small gemm: no linear layer it can take" in caplog.text
     caplog.clear()
+    monkeypatch.setenv("FLASHFLEET_COMPUTE_DTYPE", "bfloat16")
     with Engine(EngineConfig(model_path=bf16, warmup=False, small_gemm=False)):
         pass
     assert "small gemm: " not in caplog.text

@@ -224,15 +224,20 @@ def _restart_with_openblas(argv: list[str] | None) -> None:
 
 
 def _warn_without_openblas() -> None:
-    """Logs `flashfleet.blas.openblas_hint` when MLX computes on the CPU (a GPU needs no BLAS)."""
+    """On a CPU (a GPU needs no BLAS): logs which OpenBLAS the process preloads, or
+    `flashfleet.blas.openblas_hint` when none."""
+    import mlx.core as mx
+
     from flashfleet.blas import openblas_hint
 
+    if mx.default_device() != mx.cpu:
+        return
     hint = openblas_hint()
+    log = logging.getLogger("flashfleet.worker")
     if hint is not None:
-        import mlx.core as mx
-
-        if mx.default_device() == mx.cpu:
-            logging.getLogger("flashfleet.worker").warning("%s", hint)
+        log.warning("%s", hint)
+    elif "openblas" in os.environ.get("LD_PRELOAD", "").lower():
+        log.info("BLAS: OpenBLAS preloaded (%s)", os.environ["LD_PRELOAD"].split(":")[0])
 
 
 def main(argv: list[str] | None = None) -> int:

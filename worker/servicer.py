@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from flashfleet.errors import FlashfleetError
+from flashfleet.errors import FlashfleetError, short_details
 from flashfleet.requests import WORKER_DEFAULT_MAX_TOKENS, validate_request
 from flashfleet.v1 import worker_pb2, worker_pb2_grpc
 from worker import convert
@@ -103,10 +103,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             validate_request(request)
         except FlashfleetError as e:
-            await context.abort(e.code, e.details)
+            await context.abort(e.code, short_details(e.details))
         if request.model != model.name:
             await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"this worker serves {model.name!r}, not {request.model!r}")
+                                short_details(f"this worker serves {model.name!r}, not {request.model!r}"))
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
         loop = asyncio.get_running_loop()
@@ -156,7 +156,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.engine.submit(convert.generation_request(request, prompt_tokens, max_tokens), emit)
         except tuple(ENGINE_ERROR_CODES) as e:
             self._outcome(type(e).__name__.lower())
-            await context.abort(ENGINE_ERROR_CODES[type(e)], str(e))
+            await context.abort(ENGINE_ERROR_CODES[type(e)], short_details(str(e)))
         finished = False
         try:
             while True:

@@ -176,7 +176,8 @@ class LocalCluster:
         if self.http_port:
             coord += ["--http-port", str(self.http_port)]
         self._spawn("coordinator", coord)
-        env = worker_env()
+        # The workers share this machine's memory: each one's default KV budget is its share.
+        env = {**worker_env(), "FLASHFLEET_DEVICE_SHARE": str(self.n_workers)}
         for i in range(self.n_workers):
             args = ["worker", *conf, "--coordinator", self.address, "--host", self.host,
                     "--port", "0", "--advertise-host", self.host,
@@ -432,7 +433,7 @@ def main(argv: list[str]) -> int:
             print(f"flashfleet up: {e}", file=sys.stderr)
             return 2
         cluster = LocalCluster(a.model or DEFAULT_MODEL, a.workers or 2, a.port or 50051, a.host,
-                               a.draft, a.capacity or 4, a.log_dir, a.metrics_port, http_port=a.http_port)
+                               a.draft, a.capacity or 8, a.log_dir, a.metrics_port, http_port=a.http_port)
     stop = {"now": False}
 
     def on_signal(signum, frame):

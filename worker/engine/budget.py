@@ -38,9 +38,18 @@ def usable_memory_bytes() -> int:
         return 8 << 30
 
 
+SHARE_ENV = "FLASHFLEET_DEVICE_SHARE"  # workers sharing this device (`flashfleet up` sets it)
+
+
 def default_kv_budget_bytes() -> int:
-    """The KV budget when none is configured: usable memory x (1 - MARGIN_FRACTION) minus MLX's
-    active memory (the loaded weights), at least MIN_BUDGET_BYTES. Call after loading the models."""
-    usable = usable_memory_bytes()
+    """The KV budget when none is configured: usable memory x (1 - MARGIN_FRACTION), divided among
+    the workers sharing the device (`FLASHFLEET_DEVICE_SHARE`, default 1), minus MLX's active
+    memory (this worker's loaded weights), at least MIN_BUDGET_BYTES. Call after loading the
+    models."""
+    try:
+        share = max(1, int(os.environ.get(SHARE_ENV, "1")))
+    except ValueError:
+        share = 1
+    usable = usable_memory_bytes() // share
     budget = int(usable * (1 - MARGIN_FRACTION)) - mx.get_active_memory()
     return max(MIN_BUDGET_BYTES, budget)

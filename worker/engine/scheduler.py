@@ -100,7 +100,8 @@ class Scheduler:
         clock: monotonic seconds.
 
     Raises:
-        ValueError: the target has non-attention layers (`make_row_caches`).
+        ValueError: the target has non-attention layers (`make_row_caches`), or the budget holds
+            less than one session's smallest cache.
     """
 
     def __init__(self, models, *, block_size: int, adaptive: bool, prefill_step_tokens: int,
@@ -125,6 +126,10 @@ class Scheduler:
         self.prompt_cache = PromptCache(prompt_cache_entries, kv_budget_bytes)
         self.pooled = Acceptance(decay=0.98)  # every session's cycles: new sessions' prior
         self.bytes_per_position = self._measure_bytes_per_position()
+        smallest = self.row_bytes("plain", 1)
+        if kv_budget_bytes < smallest:
+            raise ValueError(f"the KV budget of {kv_budget_bytes:,} bytes holds less than one session of "
+                             f"{STEP} positions ({smallest:,} bytes for this model): raise --kv-cache-limit-bytes")
         self._order = 0
         self._iterations = 0
         self.preemptions = 0

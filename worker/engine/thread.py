@@ -405,6 +405,7 @@ class Engine:
             sched = self._scheduler = self._make_scheduler(models)
             if self.config.warmup:
                 self._warmup(models, sched)
+            self._publish(sched)  # the budget is known before the first request
         except BaseException as e:  # re-raised by the constructor
             self._startup_error = e
             self._scheduler = None
