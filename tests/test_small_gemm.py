@@ -210,7 +210,7 @@ def test_the_worker_swaps_its_linears_and_says_so(monkeypatch, tiny_models, capl
     from worker.engine.thread import Engine
 
     _recording(monkeypatch)
-    caplog.set_level(logging.INFO, logger="worker.engine.thread")
+    caplog.set_level(logging.INFO, logger="worker.engine.load")
     bf16 = _bf16_copy(tiny_models.llama, tmp_path / "llama-bf16")
     monkeypatch.setenv("FLASHFLEET_COMPUTE_DTYPE", "bfloat16")  # the tests' default is float32
     with Engine(EngineConfig(model_path=bf16, warmup=False)):

@@ -7,13 +7,11 @@ callback), with a command queue instead of shared locks around the model.
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import mlx.core as mx
@@ -21,12 +19,10 @@ from mlx_lm.utils import load_tokenizer
 
 from worker.config import EngineConfig
 from worker.detokenize import TextAssembler
-from worker.fusion import fuse_projections
-from worker.loading import load_target
-from worker import small_gemm
 from worker.engine.modes import MODES, LoadedModels, Mode, draft_kind_of, resolve_mode
-from worker.models.dflash_checkpoint import DraftCheckpointError, load_dflash_draft
+from worker.models.dflash_checkpoint import DraftCheckpointError
 from worker.engine.budget import default_kv_budget_bytes
+from worker.engine.load import draft_label, load_models, read_model_config
 from worker.engine.scheduler import BATCHED_MODES, Scheduler
 from worker.engine.session import Session, new_stats
 from worker.engine.types import (
@@ -52,16 +48,6 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 # Bytes of text per token that no tokenizer exceeds on real text (BPE tokens of mlx-lm's models
 # hold at most a few dozen bytes; whitespace runs in code are the longest): a bound, not an estimate.
 MAX_PROMPT_BYTES_PER_TOKEN = 64
-
-
-def _draft_label(path: Path) -> str:
-    """The draft's name in model info and metrics: its directory's name, or for a draft shipped
-    with the package (named after its target) `flashfleet/drafts/NAME`, so it does not read as
-    the target itself."""
-    from flashfleet.models.drafts import drafts_root, package_drafts_root
-
-    shipped = {r.resolve() for r in (drafts_root(), package_drafts_root())}
-    return f"flashfleet/drafts/{path.name}" if path.resolve().parent in shipped else path.name
 
 
 @dataclass(frozen=True)
@@ -156,8 +142,8 @@ class Engine:
         # Published by the engine thread for load(): sessions' KV bytes, the prompt cache's, the budget.
         self._kv_bytes = self._prompt_cache_bytes = self._kv_budget = 0
 
-        model_cfg = _read_model_config(config.model_path, "model")
-        draft_cfg = (_read_model_config(config.draft_path, "draft model")
+        model_cfg = read_model_config(config.model_path, "model")
+        draft_cfg = (read_model_config(config.draft_path, "draft model")
                      if config.draft_path is not None else None)
         model_cfg = {**model_cfg.get("text_config", {}), **model_cfg}  # multimodal configs nest these
         context = config.max_context_tokens or model_cfg.get("max_position_embeddings")
@@ -175,7 +161,7 @@ class Engine:
         self._model = ModelDescription(
             name=config.served_name,
             max_context_tokens=int(context),
-            draft=_draft_label(config.draft_path) if config.draft_path is not None else "",
+            draft=draft_label(config.draft_path) if config.draft_path is not None else "",
             draft_mode=self._draft_kind,
             weights_bytes=target_fp.weights_bytes,
             kv_bytes_per_token=target_fp.kv_bytes_per_token,
@@ -401,7 +387,7 @@ class Engine:
 
     def _run(self) -> None:
         try:
-            models = self._load_models()
+            models = load_models(self.config, self._draft_kind)
             sched = self._scheduler = self._make_scheduler(models)
             if self.config.warmup:
                 self._warmup(models, sched)
@@ -448,34 +434,6 @@ class Engine:
                  f", {sched.bytes_per_position['dflash']} DFlash" if "dflash" in sched.bytes_per_position else "",
                  cfg.prompt_cache_entries)
         return sched
-
-    def _load_models(self) -> LoadedModels:
-        """Loads the target (and draft) with mlx_lm.load and warms them up; engine thread only."""
-        cfg = self.config
-        target, tokenizer = load_target(cfg.model_path)
-        draft = draft_tokenizer = None
-        if self._draft_kind == "dflash":  # borrows the target's embedding and head
-            draft = load_dflash_draft(cfg.draft_path, target)
-        elif cfg.draft_path is not None:
-            draft, draft_tokenizer = load_target(cfg.draft_path)
-            if self._draft_kind == "draft" and draft_tokenizer.vocab_size != tokenizer.vocab_size:
-                log.warning("draft %s has vocabulary %d, target %d: acceptance may suffer",
-                            cfg.draft_path, draft_tokenizer.vocab_size, tokenizer.vocab_size)
-        if cfg.fuse_projections:  # before any forward; a DFlash draft has its own layer class
-            groups = fuse_projections(target)
-            if draft is not None and self._draft_kind != "dflash":
-                groups += fuse_projections(draft)
-            log.info("fused %d projection groups (q/k/v, gate/up) into one matmul each", groups)
-        if cfg.small_gemm and small_gemm.available():  # after fusion: the fused linears too
-            swapped = sum(small_gemm.use_small_gemm(m) for m in (target, draft) if m is not None)
-            if swapped:
-                log.info("small gemm: %d linear layers run calls of up to %d rows as one CUDA kernel each",
-                         swapped, small_gemm.MAX_ROWS)
-            else:
-                log.info("small gemm: no linear layer it can take (it needs unquantized bf16/fp16 weights); "
-                         "cuBLAS runs them")
-        return LoadedModels(target, tokenizer, frozenset(tokenizer.eos_token_ids), draft,
-                            self._draft_kind, draft_tokenizer=draft_tokenizer)
 
     def _warmup(self, m: LoadedModels, sched: Scheduler) -> None:
         """Runs a few tokens of every batched mode this worker serves, greedy and sampled, one and
@@ -584,27 +542,6 @@ def _safe_emit(emit: EmitFn, event: Any) -> None:
         emit(event)
     except Exception:
         log.exception("emit failed for %s", getattr(event, "request_id", "?"))
-
-
-def _read_model_config(path: Path, what: str) -> dict:
-    """Reads `path/config.json`.
-
-    Raises:
-        FileNotFoundError: the directory or its config.json is missing.
-        ValueError: config.json is not a JSON object (the message names the file).
-    """
-    if not path.is_dir():
-        raise FileNotFoundError(f"{what} directory {path} does not exist")
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"{what} directory {path} has no config.json (not an mlx-lm model directory)")
-    try:
-        cfg = json.loads(cfg_file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{what} {cfg_file} is not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{what} {cfg_file} must hold a JSON object, got {type(cfg).__name__}")
-    return cfg
 
 
 def _check_messages(messages: Any) -> None:
