@@ -12,7 +12,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 QUEUE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 30.0)
 ROUTED_OUTCOMES = ("ok", "cancelled", "error", "invalid", "deadline", "no_worker", "overloaded")
-MIGRATION_OUTCOMES = ("ok", "aborted")  # moved; refused by the destination, stayed put
+# moved; refused by the destination, stayed put; resumed elsewhere after its worker failed; could not be
+MIGRATION_OUTCOMES = ("ok", "aborted", "failover", "failover_failed")
 
 
 class CoordinatorMetrics:

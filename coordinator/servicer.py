@@ -263,14 +263,26 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                         if moved:
                             worker, call, resp = moved
                             continue
-                resp = await call.read()
+                try:
+                    resp = await call.read()
+                except grpc.aio.AioRpcError as e:
+                    if e.code() != grpc.StatusCode.UNAVAILABLE:
+                        raise
+                    worker.unreachable = True  # died mid-stream: new requests go elsewhere first
+                    moved = await self._failover(request, time_remaining, progress, worker, e)
+                    if moved is None:
+                        raise
+                    call.cancel()
+                    self._release(worker)
+                    worker, call, resp = moved
         except grpc.aio.AioRpcError as e:
             outcome = OUTCOME_BY_CODE.get(e.code(), "error")
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 worker.unreachable = True  # died mid-stream: new requests go elsewhere first
-            # Tokens may already be with the client: never replay on another worker.
+            # Tokens are with the client: a replay elsewhere would repeat them (failover resumes
+            # instead, after UNAVAILABLE; it found no worker that took the session).
             raise GenerateFailed(e.code(), f"worker {worker.worker_id} failed after {len(progress.token_ids)} "
-                                 f"tokens (not retried: output was already streamed): {e.details()}") from None
+                                 f"tokens and no other worker could resume the session: {e.details()}") from None
         finally:
             call.cancel()
             self._release(worker)
@@ -337,6 +349,52 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         log.info("session %s (request %s) moved from %s to %s after %d tokens", request.session_id or "-",
                  request.request_id, source.worker_id, dest.worker_id, len(progress.token_ids))
         return dest, call, first
+
+    async def _failover(self, request, time_remaining: TimeRemaining, progress: StreamProgress,
+                        dead: WorkerRecord, error: grpc.aio.AioRpcError):
+        """Resumes a stream whose worker failed UNAVAILABLE mid-stream on another worker serving
+        the model, from the tokens the client already has (the destination prefills prompt +
+        output, as a migration by recomputation does; greedy and seeded output continue exactly).
+        Tries the live, reachable workers with a free slot, least busy first.
+
+        Returns:
+            (worker, its call, its first response), or None when none took it.
+        """
+        candidates = sorted((w for w in self.registry.live()
+                             if w is not dead and not w.unreachable and w.busy < w.capacity
+                             and w.serves(request.model, request.mode)), key=lambda w: w.busy)
+        resumed = progress.resume_request(request)
+        for dest in candidates:
+            dest.in_flight += 1
+            call = None
+            try:
+                call = self.pool.stub(dest.address).Generate(resumed, timeout=time_remaining())
+                first = await call.read()
+                if first is grpc.aio.EOF:
+                    raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                               grpc.aio.Metadata(), "the worker ended the stream without a message")
+            except grpc.aio.AioRpcError as e:
+                self._release(dest)
+                if call is not None:
+                    call.cancel()
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    dest.unreachable = True
+                log.info("failover of %s to %s refused: %s %s", request.request_id, dest.worker_id,
+                         e.code().name, e.details())
+                continue
+            except BaseException:
+                self._release(dest)
+                if call is not None:
+                    call.cancel()
+                raise
+            self._migrated(request.model, "failover")
+            progress.moved()
+            self.affinity.bind(request.session_id, dest.worker_id)
+            log.warning("worker %s failed mid-stream (%s); request %s resumed on %s after %d tokens",
+                        dead.worker_id, error.details(), request.request_id, dest.worker_id, len(progress.token_ids))
+            return dest, call, first
+        self._migrated(request.model, "failover_failed")
+        return None
 
     def _migrated(self, model: str, outcome: str) -> None:
         if self.metrics:

@@ -573,11 +573,10 @@ def test_a_vanished_worker_is_not_every_requests_first_try():
 
 
 def test_a_worker_that_dies_mid_stream_is_marked_and_status_says_so(capsys):
-    """A worker gone after its first tokens: the client gets UNAVAILABLE naming it (the output
-    is not replayed), the worker is marked unreachable at once, so the next request goes to the
+    """A worker gone after its first tokens: the stream fails over to the other worker (nothing
+    replayed), the dead worker is marked unreachable at once, so the next request goes to the
     other worker without a failed try, and `flashfleet status` shows the mark."""
     from flashfleet.cli.status import main as status_main
-    from flashfleet.errors import Unavailable
 
     c = start_cluster({"w1": FakeEngine(token_delay_s=0.05), "w2": FakeEngine(token_delay_s=0.05)},
                       lease_ttl_s=60.0)
@@ -592,9 +591,8 @@ def test_a_worker_that_dies_mid_stream_is_marked_and_status_says_so(capsys):
             gone = serving[0]
             gone.stop_heartbeats()
             c.loop.run(gone.server.stop(0))  # the process dies: no deregistration, the lease stays
-            with pytest.raises(Unavailable, match=f"worker {gone.worker_id} failed after"):
-                for _ in stream:
-                    pass
+            last = list(stream)[-1]
+            assert last.finish_reason == "length" and last.worker_id != gone.worker_id
             assert c.coordinator.registry.get(gone.worker_id).unreachable
             before = retries._value.get()
             other = client.complete("fake-model", prompt="next", max_tokens=2).worker_id
@@ -872,3 +870,28 @@ def test_a_huge_field_in_an_error_message_stays_a_clear_error(cluster):
         with pytest.raises(InvalidArgument):
             client.complete("fake-model", messages=[{"role": "r" * 20_000, "content": "hi"}], max_tokens=2)
         assert client.complete("fake-model", prompt="still serving", max_tokens=2).finish_reason == "length"
+
+
+def test_a_stream_whose_worker_dies_resumes_on_another_worker():
+    """Failover: the serving worker's server goes away mid-stream (no deregistration, as a killed
+    process); the coordinator resumes the session on the other worker from the tokens already
+    streamed, and the client sees every token once and a normal end."""
+    engines = {"w1": FakeEngine(token_delay_s=0.05), "w2": FakeEngine(token_delay_s=0.05)}
+    c = start_cluster(engines)
+    try:
+        with Client(c.address) as client:
+            ref = client.complete("fake-model", prompt="count along", max_tokens=40)
+            stream = client.generate("fake-model", prompt="count along", max_tokens=40)
+            got = [next(stream), next(stream), next(stream)]
+            serving = next(w for w in c.workers if engines[w.worker_id].load().active_sessions)
+            serving._heartbeat_task.cancel()
+            c.loop.run(serving.server.stop(0))  # the worker is gone mid-stream
+            got += list(stream)
+        tokens = [t for ch in got for t in ch.token_ids]
+        assert tokens == list(ref.token_ids)
+        assert got[-1].finish_reason == "length" and got[-1].stats.migrations == 1
+        assert got[-1].worker_id != serving.worker_id
+        assert c.coordinator_registry.get_sample_value(
+            "flashfleet_coordinator_migrations_total", {"model": "fake-model", "outcome": "failover"}) == 1
+    finally:
+        c.close()
