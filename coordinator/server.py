@@ -95,7 +95,7 @@ async def start_coordinator(config: CoordinatorConfig,
     """
     if not is_loopback(config.host) and not config.api_keys and tls is None:
         log.warning("the coordinator listens on %s with neither API keys nor TLS: anyone who can "
-                    "reach it may use it (docs/operations.md, access control)", config.host)
+                    "reach it may use it (docs/operations.md, section 9)", config.host)
     metrics = CoordinatorMetrics(metrics_registry or CollectorRegistry())
     pool = WorkerPool(tls, config.join_token)
     affinity = SessionAffinity(config.session_ttl_s)

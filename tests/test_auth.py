@@ -176,3 +176,26 @@ def test_warning_when_listening_beyond_loopback_without_keys_or_tls(host, keys, 
     messages = [r.getMessage() for r in caplog.records if "neither API keys nor TLS" in r.getMessage()]
     assert bool(messages) == warned
     assert not any(KEY in r.getMessage() for r in caplog.records)
+
+
+def test_cluster_config_passes_the_secrets_files_to_coordinator_and_workers(tmp_path, monkeypatch):
+    from coordinator.__main__ import parse_args
+    from flashfleet.cli._common import config_api_key
+    from flashfleet.config import load_cluster_config
+
+    monkeypatch.delenv("FLASHFLEET_API_KEY", raising=False)
+    monkeypatch.delenv("FLASHFLEET_API_KEYS", raising=False)
+    (tmp_path / "keys").write_text("# keys\nsk-first\nsk-second\n")
+    (tmp_path / "token").write_text("tok\n")
+    cfg_path = tmp_path / "cluster.toml"
+    cfg_path.write_text(f'[coordinator]\napi_keys_file = "{tmp_path / "keys"}"\n'
+                        f'join_token_file = "{tmp_path / "token"}"\n\n'
+                        '[[models]]\nname = "m"\npath = "/nonexistent"\n\n[[workers]]\nid = "w1"\nmodel = "m"\n')
+    a = parse_args(["--config", str(cfg_path)])
+    assert (a.api_keys_file, a.join_token_file) == (str(tmp_path / "keys"), str(tmp_path / "token"))
+    assert parse_args(["--config", str(cfg_path), "--api-keys-file", "other"]).api_keys_file == "other"
+    cfg = load_cluster_config(cfg_path)
+    assert cfg.worker_settings(cfg.worker("w1"))["join_token_file"] == str(tmp_path / "token")
+    assert config_api_key(str(cfg_path)) == "sk-first"  # what `flashfleet up` checks readiness with
+    monkeypatch.setenv("FLASHFLEET_API_KEY", "sk-env")
+    assert config_api_key(str(cfg_path)) == "sk-env"
