@@ -52,6 +52,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shutdown-grace-s", type=float, default=None,
                    help="on SIGTERM, how long running streams may finish before they are cut, "
                    "seconds (default 25: under the 30 s systemd and launchd allow a stop)")
+    p.add_argument("--api-keys-file", default=None,
+                   help="file of API keys clients must send, one a line, # comments (also env "
+                   "FLASHFLEET_API_KEYS, comma-separated; none: no key required)")
+    p.add_argument("--join-token-file", default=None,
+                   help="file holding the token workers must send to register (also env "
+                   "FLASHFLEET_JOIN_TOKEN; none: any worker may register)")
     p.add_argument("--log-level", default=None)
     a = p.parse_args(argv)
     if a.config:
@@ -79,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 
     Returns:
         The exit status: 0 after a clean shutdown, 1 when the server could not start (e.g. the
-        port is in use), 2 for an invalid --config file (argparse exits with 2 itself for bad
+        port is in use), 2 for an invalid --config file or an unreadable secrets file (argparse exits with 2 itself for bad
         flags or settings).
     """
     from flashfleet.config import ConfigError
@@ -88,6 +94,13 @@ def main(argv: list[str] | None = None) -> int:
         a = parse_args(argv)
     except ConfigError as e:
         print(f"coordinator: {e}", file=sys.stderr)
+        return 2
+    from flashfleet.auth import load_api_keys, load_join_token
+
+    try:  # the secrets themselves are never printed or logged
+        api_keys, join_token = load_api_keys(a.api_keys_file), load_join_token(a.join_token_file)
+    except (OSError, ValueError) as e:
+        print(f"coordinator: cannot read a secrets file: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from coordinator.migration import MigrationPolicy
@@ -98,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                                queue_timeout_s=a.queue_timeout_s, shutdown_grace_s=a.shutdown_grace_s,
                                migration=MigrationPolicy(enabled=a.migrate,
                                                          min_remaining_tokens=a.migrate_min_remaining_tokens),
-                               http_port=a.http_port or None)
+                               http_port=a.http_port or None, api_keys=api_keys, join_token=join_token)
     try:
         asyncio.run(serve(config, a.metrics_port or None, getattr(a, "tls", None)))
     except RuntimeError as e:

@@ -24,6 +24,10 @@ class CoordinatorConfig:
         migration: when a running session moves to an idle worker (coordinator/migration.py).
         http_port: port of the OpenAI-compatible HTTP API on `host` (coordinator/openai_api.py;
             0 = a free port, None = no HTTP API).
+        api_keys: keys clients must send (`authorization: Bearer <key>` metadata, the HTTP
+            API's Authorization header; flashfleet/auth.py); empty = none required.
+        join_token: the secret workers must send to register and heartbeat, which the
+            coordinator also sends on every call to a worker (None = none required).
     """
 
     host: str = "127.0.0.1"
@@ -39,6 +43,8 @@ class CoordinatorConfig:
     shutdown_grace_s: float = 25.0
     migration: MigrationPolicy = field(default_factory=MigrationPolicy)
     http_port: int | None = None
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    join_token: str | None = field(default=None, repr=False)
 
 
 def settings_problems(lease_ttl_s: float, heartbeat_interval_s: float, route_attempts: int,

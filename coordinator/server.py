@@ -19,6 +19,8 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.registry import Registry
 from coordinator.routing import SessionAffinity
 from coordinator.servicer import CoordinatorServicer, RegistryServicer, WorkerPool
+from flashfleet.auth import (AUTHORIZATION, BAD_JOIN_TOKEN, BAD_KEY, JOIN_TOKEN_HEADER, RequireSecret,
+                             is_loopback)
 from flashfleet.bad_messages import RejectUndecodable
 from flashfleet.transport import SERVER_OPTIONS, add_port
 from flashfleet.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -77,7 +79,9 @@ async def start_coordinator(config: CoordinatorConfig,
     """Starts the coordinator on config.host:config.port (0 = a free port).
 
     With `config.http_port` set, also serves the OpenAI-compatible HTTP API on config.host
-    (coordinator/openai_api.py). Also starts the lease-expiry loop (every min(1, lease_ttl_s / 4) seconds), which updates
+    (coordinator/openai_api.py). With `config.api_keys`, the Coordinator service and the HTTP API
+    refuse callers without one of them (UNAUTHENTICATED / 401); with `config.join_token`, the
+    Registry service refuses workers without it (flashfleet/auth.py). Also starts the lease-expiry loop (every min(1, lease_ttl_s / 4) seconds), which updates
     the worker gauges.
 
     Args:
@@ -89,8 +93,11 @@ async def start_coordinator(config: CoordinatorConfig,
         RuntimeError: the port (or the HTTP API's) could not be bound.
         flashfleet.config.ConfigError: unreadable or non-PEM TLS files (`add_port`).
     """
+    if not is_loopback(config.host) and not config.api_keys and tls is None:
+        log.warning("the coordinator listens on %s with neither API keys nor TLS: anyone who can "
+                    "reach it may use it (docs/operations.md, section 9)", config.host)
     metrics = CoordinatorMetrics(metrics_registry or CollectorRegistry())
-    pool = WorkerPool(tls)
+    pool = WorkerPool(tls, config.join_token)
     affinity = SessionAffinity(config.session_ttl_s)
 
     def on_remove(rec, reason: str):
@@ -107,7 +114,12 @@ async def start_coordinator(config: CoordinatorConfig,
 
     registry = Registry(config.lease_ttl_s, on_remove=on_remove)
     servicer = CoordinatorServicer(config, registry, pool, affinity=affinity, metrics=metrics)
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RejectUndecodable()])
+    guards = []
+    if config.api_keys:
+        guards.append(RequireSecret(SERVICE_NAMES[:1], AUTHORIZATION, config.api_keys, BAD_KEY, is_bearer=True))
+    if config.join_token:
+        guards.append(RequireSecret(SERVICE_NAMES[1:], JOIN_TOKEN_HEADER, (config.join_token,), BAD_JOIN_TOKEN))
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[*guards, RejectUndecodable()])
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
     worker_pb2_grpc.add_RegistryServicer_to_server(
         RegistryServicer(config, registry, pool, servicer.admission), server)
@@ -122,7 +134,8 @@ async def start_coordinator(config: CoordinatorConfig,
         from coordinator.openai_api import start_http
 
         http_runner, http_port = await start_http(servicer, config.host, config.http_port, config.shutdown_grace_s,
-                                                  tls.server_ssl_context() if tls is not None else None)
+                                                  tls.server_ssl_context() if tls is not None else None,
+                                                  config.api_keys)
     await server.start()
     for name in SERVICE_NAMES + ("",):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -28,6 +28,7 @@ from coordinator.routing import (AllBusy, NoWorker, PowerOfTwoRouter, SessionAff
                                  route)
 from flashfleet.errors import FlashfleetError, short_details
 from flashfleet.requests import validate_request
+from flashfleet.auth import join_token_metadata, with_metadata
 from flashfleet.transport import WORKER_CHANNEL_OPTIONS, aio_channel
 from flashfleet.v1 import (common_pb2, coordinator_pb2, coordinator_pb2_grpc, worker_pb2,
                            worker_pb2_grpc)
@@ -79,17 +80,20 @@ class WorkerPool:
 
     Args:
         tls: flashfleet.config.TLSConfig for mutual TLS to workers, or None for plaintext.
+        join_token: sent as metadata on every worker call (workers with a join token serve only
+            callers that present it; flashfleet/auth.py), or None.
     """
 
-    def __init__(self, tls=None):
+    def __init__(self, tls=None, join_token: str | None = None):
         self._tls = tls
+        self._metadata = join_token_metadata(join_token)
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         """A Worker stub on the channel to `address` ("host:port"), opening the channel on first use."""
         if address not in self._channels:
             self._channels[address] = aio_channel(address, self._tls, WORKER_CHANNEL_OPTIONS)
-        return worker_pb2_grpc.WorkerStub(self._channels[address])
+        return with_metadata(worker_pb2_grpc.WorkerStub(self._channels[address]), self._metadata)
 
     async def drop(self, address: str) -> None:
         """Closes the channel to `address` (cancelling its open calls); a no-op when none is open."""

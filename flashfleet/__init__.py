@@ -28,6 +28,7 @@ _EXPORTS = {
     "Unavailable": "flashfleet.errors",
     "DeadlineExceeded": "flashfleet.errors",
     "Cancelled": "flashfleet.errors",
+    "Unauthenticated": "flashfleet.errors",
 }
 
 __all__ = list(_EXPORTS)

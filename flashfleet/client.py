@@ -16,6 +16,7 @@ from typing import AsyncIterator, Iterable, Iterator, Mapping
 
 import grpc
 
+from flashfleet.auth import api_key_metadata, client_api_key, with_metadata
 from flashfleet.errors import InvalidArgument, from_rpc_error
 from flashfleet.requests import build_request
 from flashfleet.transport import CHANNEL_OPTIONS
@@ -91,6 +92,9 @@ class Client:
         timeout_s: default deadline of a generate call, seconds.
         credentials: grpc.ssl_channel_credentials(...) for a cluster that serves TLS
             (flashfleet.config.TLSConfig.channel_credentials()), or None for plaintext.
+        api_key: sent on every call as metadata `authorization: Bearer <key>` (a coordinator
+            with API keys refuses calls without one with Unauthenticated); None: env
+            FLASHFLEET_API_KEY, else no key.
 
     Use as a context manager, or call close() (a later call opens a new channel).
 
@@ -100,9 +104,10 @@ class Client:
     """
 
     def __init__(self, address: str, timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S,
-                 credentials: grpc.ChannelCredentials | None = None):
+                 credentials: grpc.ChannelCredentials | None = None, api_key: str | None = None):
         _check_address(address)
         self._address, self._credentials = address, credentials
+        self._metadata = api_key_metadata(client_api_key(api_key))
         self._secure = credentials is not None
         self._channel: grpc.Channel | None = None
         self._open()
@@ -111,7 +116,7 @@ class Client:
     def _open(self) -> None:
         self._channel = (grpc.secure_channel(self._address, self._credentials, options=CHANNEL_OPTIONS)
                          if self._credentials else grpc.insecure_channel(self._address, options=CHANNEL_OPTIONS))
-        self._stub_cache = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        self._stub_cache = with_metadata(coordinator_pb2_grpc.CoordinatorStub(self._channel), self._metadata)
 
     @property
     def _stub(self) -> coordinator_pb2_grpc.CoordinatorStub:
@@ -231,9 +236,10 @@ class AsyncClient:
     """
 
     def __init__(self, address: str, timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S,
-                 credentials: grpc.ChannelCredentials | None = None):
+                 credentials: grpc.ChannelCredentials | None = None, api_key: str | None = None):
         _check_address(address)
         self._address, self._credentials = address, credentials
+        self._metadata = api_key_metadata(client_api_key(api_key))
         self._secure = credentials is not None
         self.timeout_s = _deadline(timeout_s, DEFAULT_GENERATE_TIMEOUT_S)
         # Made on first use, inside the event loop that runs the calls: a grpc.aio channel
@@ -248,7 +254,8 @@ class AsyncClient:
             self._channel = (grpc.aio.secure_channel(self._address, self._credentials, options=CHANNEL_OPTIONS)
                              if self._credentials else
                              grpc.aio.insecure_channel(self._address, options=CHANNEL_OPTIONS))
-            self._stub_cache, self._loop = coordinator_pb2_grpc.CoordinatorStub(self._channel), loop
+            self._stub_cache = with_metadata(coordinator_pb2_grpc.CoordinatorStub(self._channel), self._metadata)
+            self._loop = loop
         elif loop is not self._loop:
             raise RuntimeError("this AsyncClient is bound to the event loop of its first call; make "
                                "one AsyncClient per event loop (e.g. inside each asyncio.run)")

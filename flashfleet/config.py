@@ -68,6 +68,10 @@ class CoordinatorSection:
             session must have left to be moved (coordinator/migration.py, MigrationPolicy).
         shutdown_grace_s: how long in-flight streams may finish on SIGTERM (as in
             CoordinatorConfig).
+        api_keys_file: file of the API keys clients must send, one a line ("" = none required;
+            flashfleet/auth.py).
+        join_token_file: file holding the token workers must send to register, which the
+            coordinator sends on every worker call; workers read the same path ("" = none).
     """
 
     host: str = "127.0.0.1"
@@ -83,6 +87,8 @@ class CoordinatorSection:
     migrate: bool = True
     migrate_min_remaining_tokens: int = 64
     shutdown_grace_s: float = 25.0
+    api_keys_file: str = ""
+    join_token_file: str = ""
 
     @property
     def dial_address(self) -> str:
@@ -298,6 +304,7 @@ class ClusterConfig:
             "kv_cache_limit_bytes": entry.kv_cache_limit_bytes,
             "prompt_cache_entries": entry.prompt_cache_entries,
             "drain_timeout_s": entry.drain_timeout_s,
+            "join_token_file": self.coordinator.join_token_file or None,
         }
 
     def coordinator_settings(self) -> dict[str, object]:
@@ -308,7 +315,8 @@ class ClusterConfig:
                 "route_attempts": c.route_attempts, "max_queued": c.max_queued,
                 "queue_timeout_s": c.queue_timeout_s, "migrate": c.migrate,
                 "migrate_min_remaining_tokens": c.migrate_min_remaining_tokens,
-                "shutdown_grace_s": c.shutdown_grace_s}
+                "shutdown_grace_s": c.shutdown_grace_s, "api_keys_file": c.api_keys_file or None,
+                "join_token_file": c.join_token_file or None}
 
 
 TOP_LEVEL = ("coordinator", "models", "worker", "workers", "tls")

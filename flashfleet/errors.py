@@ -72,10 +72,17 @@ class FailedPrecondition(FlashfleetError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class Unauthenticated(FlashfleetError):
+    """The coordinator requires an API key and the call carried none or a wrong one
+    (Client(..., api_key=...) or env FLASHFLEET_API_KEY)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
 _BY_CODE: dict[grpc.StatusCode, type[FlashfleetError]] = {
     cls.code: cls
     for cls in (InvalidArgument, ModelNotFound, Overloaded, Unavailable, DeadlineExceeded,
-                Cancelled, FailedPrecondition)
+                Cancelled, FailedPrecondition, Unauthenticated)
 }
 
 

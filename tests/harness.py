@@ -42,11 +42,15 @@ class Cluster:
     def address(self) -> str:
         return self.coordinator.address
 
-    def add_worker(self, engine, worker_id: str, wait: bool = True) -> RunningWorker:
+    join_token: str | None = None  # what add_worker's workers send by default
+
+    def add_worker(self, engine, worker_id: str, wait: bool = True, join_token: str | None = None) -> RunningWorker:
+        """Starts a worker that registers with the coordinator (with `join_token`, else the
+        cluster's), waiting for its registration unless `wait` is False."""
         registry = CollectorRegistry()
         metrics = WorkerMetrics(registry, engine)
         w = self.loop.run(start_worker(engine, worker_id, coordinator=self.address,
-                                       metrics=metrics))
+                                       metrics=metrics, join_token=join_token or self.join_token))
         if wait:
             self.loop.run(asyncio.wait_for(w.registered.wait(), 10))
         self.workers.append(w)
@@ -64,12 +68,13 @@ class Cluster:
 
 
 def start_cluster(engines: dict, **config) -> Cluster:
-    """Starts a coordinator on a free port and one worker per (worker_id -> engine)."""
+    """Starts a coordinator on a free port and one worker per (worker_id -> engine); `config`
+    holds CoordinatorConfig fields (with `join_token`, the workers send and require it)."""
     loop = LoopThread()
     cfg = CoordinatorConfig(port=0, **config)
     registry = CollectorRegistry()
     coordinator = loop.run(start_coordinator(cfg, registry))
-    cluster = Cluster(loop, coordinator, coordinator_registry=registry)
+    cluster = Cluster(loop, coordinator, coordinator_registry=registry, join_token=cfg.join_token)
     for worker_id, engine in engines.items():
         cluster.add_worker(engine, worker_id)
     return cluster

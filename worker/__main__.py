@@ -92,6 +92,9 @@ def parse_args(argv):
     p.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, default=None,
                    help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they "
                    "are cut off (default 25: under the 30 s systemd allows a stop)")
+    p.add_argument("--join-token-file", default=None,
+                   help="file holding the coordinator's join token (also env FLASHFLEET_JOIN_TOKEN): "
+                   "sent to register, and required of every caller of this worker")
     p.add_argument("--log-level", default=None)
     a = p.parse_args(argv)
     if a.config:
@@ -181,7 +184,8 @@ async def serve(a, engine) -> int:
     if a.metrics_port:
         serve_metrics(a.metrics_port, a.host, registry)
     running = await start_worker(engine, a.worker_id, a.host, a.port, a.coordinator,
-                                 a.advertise_host, metrics, getattr(a, "tls", None))
+                                 a.advertise_host, metrics, getattr(a, "tls", None),
+                                 join_token=getattr(a, "join_token", None))
     m = engine.model
     kinds = {"draft": "draft model", "dflash": "DFlash draft", "uag": "cross-tokenizer draft"}
     draft = f" with {kinds.get(m.draft_mode, m.draft_mode + ' draft')} {m.draft}" if m.draft else ""
@@ -258,6 +262,13 @@ def main(argv: list[str] | None = None) -> int:
         a = parse_args(argv)
     except (ConfigError, NoShippedDraftError) as e:
         print(f"worker: {e}", file=sys.stderr)
+        return 2
+    from flashfleet.auth import load_join_token
+
+    try:  # before the weights load; the token itself is never printed or logged
+        a.join_token = load_join_token(a.join_token_file)
+    except (OSError, ValueError) as e:
+        print(f"worker: cannot read the join token file: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     _warn_without_openblas()

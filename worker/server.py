@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
 
+from flashfleet.auth import BAD_JOIN_TOKEN, JOIN_TOKEN_HEADER, RequireSecret, join_token_metadata, with_metadata
 from flashfleet.bad_messages import RejectUndecodable
 from flashfleet.transport import SERVER_OPTIONS, add_port, aio_channel
 from flashfleet.v1 import worker_pb2, worker_pb2_grpc
@@ -49,6 +50,7 @@ class RunningWorker:
     advertise_address: str
     coordinator: str | None = None
     tls: object = None
+    join_token: str | None = field(default=None, repr=False)
     servicer: WorkerServicer | None = None
     _heartbeat_task: asyncio.Task | None = None
     _watchdog_task: asyncio.Task | None = None
@@ -103,7 +105,7 @@ class RunningWorker:
             return
         try:
             async with aio_channel(self.coordinator, self.tls) as ch:
-                await worker_pb2_grpc.RegistryStub(ch).Deregister(
+                await _registry_stub(ch, self.join_token).Deregister(
                     worker_pb2.DeregisterRequest(worker_id=self.worker_id,
                                                  lease_id=self._lease["id"]),
                     timeout=REGISTER_TIMEOUT_S)
@@ -115,7 +117,8 @@ class RunningWorker:
 async def start_worker(engine: EngineProtocol, worker_id: str, host: str = "127.0.0.1",
                        port: int = 0, coordinator: str | None = None,
                        advertise_host: str | None = None, metrics=None,
-                       tls=None, engine_poll_s: float = POLL_S) -> RunningWorker:
+                       tls=None, engine_poll_s: float = POLL_S,
+                       join_token: str | None = None) -> RunningWorker:
     """Serves `engine` on host:port and, when `coordinator` is given, registers with it.
 
     Args:
@@ -128,12 +131,16 @@ async def start_worker(engine: EngineProtocol, worker_id: str, host: str = "127.
         tls: flashfleet.config.TLSConfig: serve, and dial the coordinator, over mutual TLS.
         engine_poll_s: seconds between the watchdog's looks at `engine.alive`; once it is False
             the worker leaves the fleet (`RunningWorker.leave_after_engine_death`).
+        join_token: sent to the coordinator's Registry, and required (metadata
+            `x-flashfleet-join-token`) of every caller of the Worker service, else
+            UNAUTHENTICATED (flashfleet/auth.py); None: neither.
 
     Raises:
         RuntimeError: the port could not be bound.
         flashfleet.config.ConfigError: unreadable or non-PEM TLS files.
     """
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RejectUndecodable()])
+    guards = [RequireSecret((SERVICE_NAME,), JOIN_TOKEN_HEADER, (join_token,), BAD_JOIN_TOKEN)] if join_token else []
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[*guards, RejectUndecodable()])
     servicer = WorkerServicer(engine, worker_id, metrics)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -148,7 +155,7 @@ async def start_worker(engine: EngineProtocol, worker_id: str, host: str = "127.
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     address = f"{advertise_host or host}:{bound}"
     running = RunningWorker(server, bound, worker_id, engine, health_servicer, address, coordinator,
-                            tls=tls, servicer=servicer)
+                            tls=tls, join_token=join_token, servicer=servicer)
     running._watchdog_task = asyncio.get_running_loop().create_task(
         watch_engine(engine, running.leave_after_engine_death, engine_poll_s))
     running._watchdog_task.add_done_callback(_log_if_watchdog_failed)
@@ -156,6 +163,11 @@ async def start_worker(engine: EngineProtocol, worker_id: str, host: str = "127.
         running._heartbeat_task = asyncio.get_running_loop().create_task(_keep_registered(running))
         running._heartbeat_task.add_done_callback(_log_if_failed)
     return running
+
+
+def _registry_stub(channel, join_token: str | None):
+    """A Registry stub whose calls carry the join token (when there is one)."""
+    return with_metadata(worker_pb2_grpc.RegistryStub(channel), join_token_metadata(join_token))
 
 
 def _log_if_failed(task: asyncio.Task) -> None:
@@ -194,7 +206,7 @@ async def _keep_registered(w: RunningWorker) -> None:
     coordinator does not answer), then heartbeats; re-registers when a heartbeat fails
     (lease expired, coordinator restarted or unreachable)."""
     async with aio_channel(w.coordinator, w.tls) as channel:
-        stub = worker_pb2_grpc.RegistryStub(channel)
+        stub = _registry_stub(channel, w.join_token)
         while True:
             async for attempt in AsyncRetrying(
                     retry=retry_if_exception_type(grpc.aio.AioRpcError),

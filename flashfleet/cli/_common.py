@@ -24,3 +24,27 @@ def credentials(config_path: str | None):
 
     tls = load_cluster_config(config_path).tls
     return tls.channel_credentials() if tls else None
+
+
+def config_api_key(config_path: str | None) -> str | None:
+    """The key a client on the coordinator's own host sends: env FLASHFLEET_API_KEY, else the
+    first key of the config's [coordinator] api_keys_file or of env FLASHFLEET_API_KEYS (None:
+    none configured, or the file is unreadable here).
+
+    Raises:
+        flashfleet.config.ConfigError: a bad config.
+    """
+    from flashfleet.auth import client_api_key, load_api_keys
+
+    if client_api_key():
+        return client_api_key()
+    keys_file = None
+    if config_path:
+        from flashfleet.config import load_cluster_config
+
+        keys_file = load_cluster_config(config_path).coordinator.api_keys_file or None
+    try:
+        keys = load_api_keys(keys_file)
+    except OSError:
+        return None
+    return keys[0] if keys else None

@@ -202,9 +202,10 @@ class LocalCluster:
         from flashfleet.errors import FlashfleetError
 
         deadline, seen = time.monotonic() + timeout_s, -1
-        from flashfleet.cli._common import credentials
+        from flashfleet.cli._common import config_api_key, credentials
 
-        with Client(self.address, credentials=credentials(self.config)) as client:
+        with Client(self.address, credentials=credentials(self.config),
+                    api_key=config_api_key(self.config)) as client:
             while time.monotonic() < deadline:
                 if should_stop():
                     self.stop()

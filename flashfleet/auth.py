@@ -1,0 +1,163 @@
+"""Access control: API keys for clients, a join token for workers.
+
+- API keys: clients send gRPC metadata `authorization: Bearer <key>` (the HTTP API: the header
+  `Authorization: Bearer <key>`). A coordinator with keys configured (`--api-keys-file`, env
+  `FLASHFLEET_API_KEYS`) refuses its public Coordinator service to any other caller with
+  UNAUTHENTICATED before the request is routed.
+- Join token: one shared secret (`--join-token-file`, env `FLASHFLEET_JOIN_TOKEN`) sent as
+  metadata `x-flashfleet-join-token`. A coordinator with a token refuses Register / Heartbeat /
+  Deregister without it; a worker with a token serves its Worker service only to a caller that
+  presents it (the coordinator sends it on every worker call).
+
+Secrets are compared in constant time (`hmac.compare_digest`) and never logged.
+"""
+from __future__ import annotations
+
+import hmac
+import os
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import grpc
+
+API_KEYS_ENV = "FLASHFLEET_API_KEYS"  # coordinator: comma-separated keys
+API_KEY_ENV = "FLASHFLEET_API_KEY"  # clients (SDK, CLI): the key they send
+JOIN_TOKEN_ENV = "FLASHFLEET_JOIN_TOKEN"
+AUTHORIZATION = "authorization"
+JOIN_TOKEN_HEADER = "x-flashfleet-join-token"
+BAD_KEY = "missing or wrong API key"
+BAD_JOIN_TOKEN = "missing or wrong join token"
+
+
+def read_secrets_file(path: str | Path) -> list[str]:
+    """The secrets in a text file: one a line, blank lines and `#` comments skipped.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    return [s for s in (line.split("#", 1)[0].strip() for line in lines) if s]
+
+
+def load_api_keys(path: str | Path | None = None, env: dict | None = None) -> tuple[str, ...]:
+    """The coordinator's API keys: those in `path` (`read_secrets_file`) plus the comma-separated
+    ones in env FLASHFLEET_API_KEYS. Empty: no key required.
+
+    Raises:
+        OSError: `path` cannot be read.
+    """
+    env = os.environ if env is None else env
+    keys = read_secrets_file(path) if path else []
+    keys += [k.strip() for k in env.get(API_KEYS_ENV, "").split(",") if k.strip()]
+    return tuple(dict.fromkeys(keys))
+
+
+def load_join_token(path: str | Path | None = None, env: dict | None = None) -> str | None:
+    """The join token: the first secret in `path`, else env FLASHFLEET_JOIN_TOKEN, else None.
+
+    Raises:
+        OSError: `path` cannot be read.
+        ValueError: `path` holds no token.
+    """
+    env = os.environ if env is None else env
+    if path:
+        secrets = read_secrets_file(path)
+        if not secrets:
+            raise ValueError(f"{path} holds no join token")
+        return secrets[0]
+    return env.get(JOIN_TOKEN_ENV, "").strip() or None
+
+
+def client_api_key(api_key: str | None = None, env: dict | None = None) -> str | None:
+    """The key a client sends: `api_key`, else env FLASHFLEET_API_KEY, else None."""
+    env = os.environ if env is None else env
+    return api_key or env.get(API_KEY_ENV, "").strip() or None
+
+
+def matches(given: str | None, accepted: Iterable[str]) -> bool:
+    """True when `given` equals one of `accepted`; each comparison takes constant time."""
+    if not given:
+        return False
+    ok = False
+    for secret in accepted:
+        ok |= hmac.compare_digest(given.encode(), secret.encode())
+    return ok
+
+
+def bearer(value: str | None) -> str | None:
+    """The key of an `Authorization: Bearer <key>` value (None when the value is not one)."""
+    if not value:
+        return None
+    scheme, _, key = value.strip().partition(" ")
+    return key.strip() or None if scheme.lower() == "bearer" else None
+
+
+class _MetadataStub:
+    """A stub whose every method sends `metadata` (see `with_metadata`)."""
+
+    def __init__(self, stub, metadata: tuple[tuple[str, str], ...]):
+        self._stub, self._metadata = stub, metadata
+
+    def __getattr__(self, name: str):
+        method = getattr(self._stub, name)
+
+        def call(request, **kwargs):
+            kwargs["metadata"] = tuple(kwargs.get("metadata") or ()) + self._metadata
+            return method(request, **kwargs)
+        return call
+
+
+def with_metadata(stub, metadata: Sequence[tuple[str, str]]):
+    """`stub` (a generated gRPC stub, sync or asyncio) whose every call also sends `metadata`;
+    `stub` itself when `metadata` is empty."""
+    return _MetadataStub(stub, tuple(metadata)) if metadata else stub
+
+
+def api_key_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """The metadata that carries `api_key` (empty for None)."""
+    return ((AUTHORIZATION, f"Bearer {api_key}"),) if api_key else ()
+
+
+def join_token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """The metadata that carries the join token (empty for None)."""
+    return ((JOIN_TOKEN_HEADER, token),) if token else ()
+
+
+class RequireSecret(grpc.aio.ServerInterceptor):
+    """Refuses calls to `services` with UNAUTHENTICATED unless their metadata `header` carries
+    one of `accepted` (with `is_bearer`, as `Bearer <secret>`); other services (health,
+    reflection) pass. The refused call never reaches its servicer."""
+
+    def __init__(self, services: Iterable[str], header: str, accepted: Iterable[str], details: str,
+                 is_bearer: bool = False):
+        self._prefixes = tuple(f"/{s}/" for s in services)
+        self._header, self._accepted, self._details = header, tuple(accepted), details
+        self._bearer = is_bearer
+
+    def allows(self, metadata) -> bool:
+        """True when the call's invocation metadata carries an accepted secret."""
+        value = next((v for k, v in metadata or () if k == self._header), None)
+        if isinstance(value, bytes):
+            value = value.decode("utf-8", "replace")
+        return matches(bearer(value) if self._bearer else value, self._accepted)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        """The method's handler, or for a guarded service without the secret one that aborts
+        with UNAUTHENTICATED."""
+        handler = await continuation(handler_call_details)
+        if (handler is None or not handler_call_details.method.startswith(self._prefixes)
+                or self.allows(handler_call_details.invocation_metadata)):
+            return handler
+        details = self._details
+
+        async def refuse(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, details)
+
+        kind = (("stream_" if handler.request_streaming else "unary_")
+                + ("stream" if handler.response_streaming else "unary"))
+        return handler._replace(**{kind: refuse})
+
+
+def is_loopback(host: str) -> bool:
+    """True for a bind address only this machine can reach."""
+    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")

@@ -1,0 +1,201 @@
+"""Access control over real gRPC and HTTP on loopback, fake engines: API keys on the coordinator's
+public API, the join token on its registry and on the workers' Worker service."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+
+from coordinator.config import CoordinatorConfig
+from coordinator.server import start_coordinator
+from fakes import FakeEngine
+from flashfleet import Client
+from flashfleet.auth import load_api_keys, load_join_token
+from flashfleet.errors import Unauthenticated
+from flashfleet.requests import build_request
+from flashfleet.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2, worker_pb2_grpc
+from harness import LoopThread, start_cluster
+
+KEY = "sk-test-right-key"
+TOKEN = "join-test-token"
+
+
+@pytest.fixture
+def secured():
+    engine = FakeEngine()
+    cluster = start_cluster({"w1": engine}, http_port=0, api_keys=(KEY, "sk-other"), join_token=TOKEN)
+    yield cluster, engine
+    cluster.close()
+
+
+def http(cluster, path: str, body: dict | None = None, key: str | None = None):
+    """(status, parsed JSON body) of a GET (body None) or POST to the HTTP API."""
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(cluster.coordinator.http_url + path, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.parametrize("key", [None, "sk-wrong"])
+def test_grpc_call_without_the_right_key_is_unauthenticated_and_reaches_no_worker(secured, key, monkeypatch):
+    cluster, engine = secured
+    monkeypatch.delenv("FLASHFLEET_API_KEY", raising=False)
+    with Client(cluster.address, api_key=key) as client:
+        with pytest.raises(Unauthenticated, match="missing or wrong API key"):
+            client.complete("fake-model", "hello", max_tokens=3)
+        with pytest.raises(Unauthenticated):
+            client.list_models()
+    assert engine.submitted == []
+
+
+def test_grpc_call_with_a_right_key_works(secured, monkeypatch):
+    cluster, engine = secured
+    monkeypatch.delenv("FLASHFLEET_API_KEY", raising=False)
+    with Client(cluster.address, api_key=KEY) as client:
+        assert client.complete("fake-model", "hello", max_tokens=3).text
+    assert len(engine.submitted) == 1
+    monkeypatch.setenv("FLASHFLEET_API_KEY", "sk-other")  # the second key, from the environment
+    with Client(cluster.address) as client:
+        assert [m.info.name for m in client.list_models()] == ["fake-model"]
+
+
+def test_health_stays_open_with_keys(secured):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    cluster, _ = secured
+    with grpc.insecure_channel(cluster.address) as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.parametrize("key", [None, "sk-wrong"])
+def test_http_request_without_the_right_key_is_401_and_reaches_no_worker(secured, key):
+    cluster, engine = secured
+    status, body = http(cluster, "/v1/completions", {"model": "fake-model", "prompt": "hi", "max_tokens": 3}, key)
+    assert status == 401
+    assert body["error"]["code"] == "invalid_api_key"
+    assert body["error"]["message"] == "missing or wrong API key"
+    assert http(cluster, "/v1/models", key=key)[0] == 401
+    assert engine.submitted == []
+
+
+def test_http_request_with_a_right_key_works(secured):
+    cluster, engine = secured
+    status, body = http(cluster, "/v1/completions", {"model": "fake-model", "prompt": "hi", "max_tokens": 3}, KEY)
+    assert status == 200, body
+    assert body["choices"][0]["text"]
+    assert len(engine.submitted) == 1
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token"])
+def test_a_worker_without_the_join_token_cannot_register(secured, token):
+    cluster, _ = secured
+    metadata = () if token is None else (("x-flashfleet-join-token", token),)
+    with grpc.insecure_channel(cluster.address) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            worker_pb2_grpc.RegistryStub(ch).Register(
+                worker_pb2.RegisterRequest(worker_id="intruder", address="127.0.0.1:1"), metadata=metadata, timeout=5)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # a whole worker with the wrong token keeps retrying and never joins
+    cluster.add_worker(FakeEngine(), "w-bad", wait=False, join_token="wrong-token")
+    time.sleep(1.0)
+    assert sorted(w.worker_id for w in cluster.coordinator.registry.live()) == ["w1"]
+
+
+def test_a_direct_worker_call_needs_the_join_token(secured):
+    cluster, engine = secured
+    worker = cluster.workers[0]
+    request = build_request("fake-model", "hello", max_tokens=3)
+    with grpc.insecure_channel(f"127.0.0.1:{worker.port}") as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(request, timeout=5))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert engine.submitted == []
+        answers = list(stub.Generate(request, timeout=5, metadata=(("x-flashfleet-join-token", TOKEN),)))
+    assert answers[-1].WhichOneof("kind") == "complete"
+    assert len(engine.submitted) == 1
+
+
+def test_nothing_configured_everything_works_as_before(monkeypatch):
+    monkeypatch.delenv("FLASHFLEET_API_KEY", raising=False)
+    engine = FakeEngine()
+    cluster = start_cluster({"w1": engine}, http_port=0)
+    try:
+        with Client(cluster.address) as client:
+            assert client.complete("fake-model", "hello", max_tokens=3).text
+        assert http(cluster, "/v1/models")[0] == 200
+        with grpc.insecure_channel(f"127.0.0.1:{cluster.workers[0].port}") as ch:
+            answers = list(worker_pb2_grpc.WorkerStub(ch).Generate(build_request("fake-model", "hi", max_tokens=2),
+                                                                   timeout=5))
+        assert answers[-1].WhichOneof("kind") == "complete"
+        with grpc.insecure_channel(cluster.address) as ch:
+            status = coordinator_pb2_grpc.CoordinatorStub(ch).GetClusterStatus(
+                coordinator_pb2.GetClusterStatusRequest(), timeout=5)
+        assert [w.worker_id for w in status.workers] == ["w1"]
+    finally:
+        cluster.close()
+
+
+def test_secrets_files_and_environment(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# clients\nsk-a\n\nsk-b  # the batch jobs\n")
+    assert load_api_keys(keys, env={"FLASHFLEET_API_KEYS": "sk-c, sk-a"}) == ("sk-a", "sk-b", "sk-c")
+    assert load_api_keys(None, env={}) == ()
+    token = tmp_path / "token"
+    token.write_text("# join token\ns3cret\n")
+    assert load_join_token(token, env={"FLASHFLEET_JOIN_TOKEN": "other"}) == "s3cret"
+    assert load_join_token(None, env={"FLASHFLEET_JOIN_TOKEN": "other"}) == "other"
+    assert load_join_token(None, env={}) is None
+    (tmp_path / "empty").write_text("# nothing\n")
+    with pytest.raises(ValueError):
+        load_join_token(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("host, keys, warned", [("0.0.0.0", (), True), ("0.0.0.0", (KEY,), False),
+                                                ("127.0.0.1", (), False)])
+def test_warning_when_listening_beyond_loopback_without_keys_or_tls(host, keys, warned, caplog):
+    loop = LoopThread()
+    try:
+        with caplog.at_level(logging.WARNING, logger="flashfleet.coordinator"):
+            running = loop.run(start_coordinator(CoordinatorConfig(host=host, port=0, api_keys=keys)))
+            loop.run(running.stop(grace_s=0.1))
+    finally:
+        loop.close()
+    messages = [r.getMessage() for r in caplog.records if "neither API keys nor TLS" in r.getMessage()]
+    assert bool(messages) == warned
+    assert not any(KEY in r.getMessage() for r in caplog.records)
+
+
+def test_cluster_config_passes_the_secrets_files_to_coordinator_and_workers(tmp_path, monkeypatch):
+    from coordinator.__main__ import parse_args
+    from flashfleet.cli._common import config_api_key
+    from flashfleet.config import load_cluster_config
+
+    monkeypatch.delenv("FLASHFLEET_API_KEY", raising=False)
+    monkeypatch.delenv("FLASHFLEET_API_KEYS", raising=False)
+    (tmp_path / "keys").write_text("# keys\nsk-first\nsk-second\n")
+    (tmp_path / "token").write_text("tok\n")
+    cfg_path = tmp_path / "cluster.toml"
+    cfg_path.write_text(f'[coordinator]\napi_keys_file = "{tmp_path / "keys"}"\n'
+                        f'join_token_file = "{tmp_path / "token"}"\n\n'
+                        '[[models]]\nname = "m"\npath = "/nonexistent"\n\n[[workers]]\nid = "w1"\nmodel = "m"\n')
+    a = parse_args(["--config", str(cfg_path)])
+    assert (a.api_keys_file, a.join_token_file) == (str(tmp_path / "keys"), str(tmp_path / "token"))
+    assert parse_args(["--config", str(cfg_path), "--api-keys-file", "other"]).api_keys_file == "other"
+    cfg = load_cluster_config(cfg_path)
+    assert cfg.worker_settings(cfg.worker("w1"))["join_token_file"] == str(tmp_path / "token")
+    assert config_api_key(str(cfg_path)) == "sk-first"  # what `flashfleet up` checks readiness with
+    monkeypatch.setenv("FLASHFLEET_API_KEY", "sk-env")
+    assert config_api_key(str(cfg_path)) == "sk-env"
