@@ -3,6 +3,7 @@ in a background thread, so tests can drive them with the blocking SDK."""
 from __future__ import annotations
 
 import asyncio
+import time
 import threading
 from dataclasses import dataclass, field
 
@@ -98,3 +99,13 @@ def run_request(engine, request, timeout_s: float = 120.0):
             return tokens, ev
         else:
             raise ev.error
+
+
+def wait_until(pred, timeout: float = 5.0) -> bool:
+    """Polls `pred` every 20 ms until it is true (True) or `timeout` seconds pass (False)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return False

@@ -12,7 +12,7 @@ import pytest
 from flashfleet import AsyncClient, Client
 from flashfleet.errors import (DeadlineExceeded, InvalidArgument, ModelNotFound, Overloaded)
 from fakes import FakeEngine
-from harness import start_cluster
+from harness import start_cluster, wait_until
 from worker.engine.types import Overloaded as EngineOverloaded
 
 
@@ -28,14 +28,6 @@ def routed_count(cluster, outcome: str, worker: str):
     return cluster.coordinator_registry.get_sample_value(
         "flashfleet_coordinator_requests_total", {"model": "fake-model", "worker": worker, "outcome": outcome})
 
-
-def wait_until(pred, timeout=5.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_generate_streams_tokens_and_stats(cluster):

@@ -17,7 +17,7 @@ import pytest
 
 from flashfleet import Client
 from fakes import FakeEngine
-from harness import start_cluster
+from harness import start_cluster, wait_until
 from worker.engine.types import Overloaded as EngineOverloaded
 
 MODEL = "tiny-llama"
@@ -47,14 +47,6 @@ def fake_http():
 def base_url(cluster) -> str:
     return cluster.coordinator.http_url + "/v1"
 
-
-def wait_until(pred, timeout=5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def post(url: str, body: bytes, content_type="application/json"):

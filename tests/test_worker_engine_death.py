@@ -17,20 +17,12 @@ from grpc_health.v1 import health_pb2
 from fakes import FakeEngine
 from flashfleet import Client
 from flashfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from harness import start_cluster
+from harness import start_cluster, wait_until
 from worker.watchdog import ENGINE_DIED_EXIT, watch_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 DYING_WORKER = Path(__file__).resolve().parent / "engine_death_worker.py"
 
-
-def wait_until(pred, timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 # ----- the watchdog alone ----------------------------------------------------------------------
