@@ -48,6 +48,15 @@ class Row:
     last: int
     request_id: str = ""
 
+    def commit(self, tokens: list[int], eos_ids, remaining: int) -> tuple[list[int], bool]:
+        """A forward's new tokens for this row, cut after the first EOS and to `remaining`;
+        advances n and last. Returns (the tokens kept, whether an EOS ended the row)."""
+        stop = next((i for i, t in enumerate(tokens) if t in eos_ids), None)
+        kept = tokens[: (len(tokens) if stop is None else stop + 1)][:remaining]
+        self.n += len(kept)
+        self.last = kept[-1]
+        return kept, stop is not None and stop < remaining
+
 
 @dataclass
 class Batch:
@@ -244,9 +253,9 @@ def flush_pending(draft: Any, batch: Batch) -> None:
     T = cache[0].lengths
     S = mx.array(batch.pending_len, dtype=mx.int32)
     P = batch.pending.shape[1]
-    arangeP = mx.arange(P, dtype=mx.int32)[None]
-    # Padding taps go past each row's new end (T + S), where the next write overwrites them.
-    positions = mx.where(arangeP < S[:, None], T[:, None] + arangeP, T[:, None] + arangeP)
+    # Row r's taps at T_r + p; its padding (p >= S_r) lands past its new end, T_r + S_r, where the
+    # next write overwrites it.
+    positions = T[:, None] + mx.arange(P, dtype=mx.int32)[None]
     ctx = draft.context(batch.pending)
     for layer, c in zip(draft.layers, cache):
         a = layer.self_attn

@@ -65,13 +65,8 @@ def decode(target: Any, prompt_tokens: Sequence[int], max_tokens: int, sampler: 
             size = max(1, min(L, 1 << max(0, max_tokens - done - 1).bit_length()))
             res = dflash_cycle(target, draft, capture, batch, size)
             new, drafted, accepted = res.tokens[0], size - 1, res.accepted[0]
-        stop = next((i for i, t in enumerate(new) if t in eos), None)
-        if stop is not None:
-            new = new[: stop + 1]
-        new = new[: max_tokens - done]
+        new, stop = row.commit(new, eos, max_tokens - done)
         done += len(new)
-        row.n += len(new)
-        row.last = new[-1]
         yield Step(new, drafted, accepted)
-        if stop is not None:
+        if stop:
             return

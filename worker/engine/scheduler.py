@@ -409,12 +409,7 @@ class Scheduler:
 
     def _commit(self, seq: Sequence, tokens: list[int], drafted: int, accepted: int) -> bool:
         """Emits a row's new tokens (cut after an EOS and at max_tokens); False when it is done."""
-        eos = self.m.eos_ids
-        for i, t in enumerate(tokens):
-            if t in eos:
-                tokens = tokens[: i + 1]
-                break
-        tokens = tokens[: seq.remaining]
+        tokens, _ = seq.row.commit(tokens, self.m.eos_ids, seq.remaining)
         s = seq.session
         try:
             s.on_step(Step(tokens, drafted, accepted), self.clock())
@@ -422,8 +417,6 @@ class Scheduler:
             log.exception("request %s: emitting its tokens failed", seq.request_id)
             s.done_reason = s.done_reason or "cancelled"
         seq.tokens.extend(tokens)
-        seq.row.n += len(tokens)
-        seq.row.last = tokens[-1]
         return not s.done_reason
 
     def _keep_prompt_cache(self, mode: str, index: int) -> None:
