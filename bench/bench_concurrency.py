@@ -583,18 +583,6 @@ def run_all(a: argparse.Namespace, log=print) -> list[Level]:
     return levels
 
 
-def restart_with_openblas() -> None:
-    """Replaces this process by the same command with Debian's OpenBLAS preloaded where
-    `flashfleet.blas.openblas_env` says it applies, as a worker does: mlx-lm then computes with
-    the BLAS the worker uses, and the server and the cluster inherit it. A restarted process has
-    LD_PRELOAD set, so it never restarts again."""
-    from flashfleet.blas import openblas_env
-
-    env = openblas_env()
-    if env is not None:
-        os.execve(sys.executable, list(sys.orig_argv), env)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark and prints the tables; returns the exit status. SIGTERM stops it as
     Ctrl-C does: the cluster and the server are stopped first."""
@@ -624,5 +612,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from flashfleet.blas import restart_with_openblas
+
     restart_with_openblas()
     sys.exit(main())

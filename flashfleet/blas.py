@@ -91,3 +91,13 @@ def openblas_hint(env: Mapping[str, str] | None = None, library: str | None = No
     return ("OpenBLAS not found: CPU workers use MLX's reference BLAS and run several times slower; "
             "reinstall flashfleet where a C compiler is present (pip builds its OpenBLAS forwarder), "
             f"or `apt-get install libopenblas0-pthread` ({OFF_SWITCH}=0 silences this)")
+
+
+def restart_with_openblas() -> None:
+    """Replaces this process by the same command with OpenBLAS preloaded where `openblas_env`
+    says it applies, as a worker does (for benchmarks: mlx-lm then computes with the BLAS the
+    worker uses, and child processes inherit it). A restarted process has LD_PRELOAD set, so it
+    never restarts again."""
+    env = openblas_env()
+    if env is not None:
+        os.execve(sys.executable, list(sys.orig_argv), env)
