@@ -7,14 +7,15 @@ import logging
 import re
 import sys
 
-from coordinator.config import CoordinatorConfig, settings_problems
+from coordinator.config import CoordinatorConfig, migration_problems, settings_problems
 from flashfleet.cli import prog_name
 from flashfleet.config import tcp_port
 
 # Built-in defaults; a --config file's values come before them, command-line flags before both.
 DEFAULTS = {"host": "127.0.0.1", "port": 50051, "lease_ttl_s": 10.0, "heartbeat_interval_s": 2.0,
             "route_attempts": 3, "max_queued": 64, "queue_timeout_s": 30.0, "log_level": "INFO", "migrate": True,
-            "migrate_min_remaining_tokens": 64, "shutdown_grace_s": 25.0}
+            "migrate_min_remaining_tokens": 64, "shutdown_grace_s": 25.0, "migrate_cooldown_s": 5.0,
+            "migrate_link_bandwidth_gbps": 1.0, "migrate_hysteresis": 1.5, "migrate_min_speedup": 1.1}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -45,10 +46,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--queue-timeout-s", type=float, default=None,
                    help="longest wait for a slot, seconds (default 30)")
     p.add_argument("--no-migration", dest="migrate", action="store_const", const=False, default=None,
-                   help="never move a running session to another worker (default: move one from a "
-                   "worker running two or more to an idle one; coordinator/migration.py)")
+                   help="never move a running session on the policy's own account (default: move it to a "
+                   "worker predicted faster by more than the move costs, or off a worker short of KV memory; "
+                   "coordinator/migration.py); drains and `flashfleet move` still move sessions")
     p.add_argument("--migrate-min-remaining-tokens", type=int, default=None,
-                   help="tokens of max_tokens a session must have left to be moved (default 64)")
+                   help="tokens of max_tokens a session must have left to be moved for speed (default 64)")
+    p.add_argument("--migrate-cooldown-s", type=float, default=None,
+                   help="a moved session stays put, and does not return to the worker it left, for this "
+                   "long (default 5)")
+    p.add_argument("--migrate-link-bandwidth-gbps", type=float, default=None,
+                   help="network between workers, Gb/s: a move of b bytes of KV costs b over it (default 1)")
+    p.add_argument("--migrate-hysteresis", type=float, default=None,
+                   help="a speed move needs a predicted saving of this many times its cost (default 1.5)")
+    p.add_argument("--migrate-min-speedup", type=float, default=None,
+                   help="... and a destination predicting this many times the source's tokens/s (default 1.1)")
     p.add_argument("--shutdown-grace-s", type=float, default=None,
                    help="on SIGTERM, how long running streams may finish before they are cut, "
                    "seconds (default 25: under the 30 s systemd and launchd allow a stop)")
@@ -75,6 +86,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             setattr(a, key, value)
     bad = settings_problems(a.lease_ttl_s, a.heartbeat_interval_s, a.route_attempts, a.max_queued,
                             a.queue_timeout_s, a.migrate_min_remaining_tokens, a.shutdown_grace_s)
+    bad += migration_problems(a.migrate_cooldown_s, a.migrate_link_bandwidth_gbps, a.migrate_hysteresis,
+                              a.migrate_min_speedup)
     if bad:  # named as flags: a value from --config passes the file's own check first
         p.error(re.sub(r"\b([a-z]+(?:_[a-z]+)+)\b", lambda m: "--" + m[1].replace("_", "-"), bad[0]))
     return a
@@ -110,7 +123,11 @@ def main(argv: list[str] | None = None) -> int:
                                route_attempts=a.route_attempts, max_queued=a.max_queued,
                                queue_timeout_s=a.queue_timeout_s, shutdown_grace_s=a.shutdown_grace_s,
                                migration=MigrationPolicy(enabled=a.migrate,
-                                                         min_remaining_tokens=a.migrate_min_remaining_tokens),
+                                                         min_remaining_tokens=a.migrate_min_remaining_tokens,
+                                                         cooldown_s=a.migrate_cooldown_s,
+                                                         link_bandwidth_bytes_per_s=a.migrate_link_bandwidth_gbps * 1e9 / 8,
+                                                         hysteresis=a.migrate_hysteresis,
+                                                         min_speedup=a.migrate_min_speedup),
                                http_port=a.http_port or None, api_keys=api_keys, join_token=join_token)
     try:
         asyncio.run(serve(config, a.metrics_port or None, getattr(a, "tls", None)))

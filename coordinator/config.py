@@ -21,7 +21,7 @@ class CoordinatorConfig:
         queue_timeout_s: longest such wait, seconds (the client's deadline may end it sooner).
         shutdown_grace_s: in-flight RPCs get this long to finish on shutdown (25 s: under the
             30 s systemd allows a stop, deploy/systemd).
-        migration: when a running session moves to an idle worker (coordinator/migration.py).
+        migration: when and where a running session moves (coordinator/migration.py).
         http_port: port of the OpenAI-compatible HTTP API on `host` (coordinator/openai_api.py;
             0 = a free port, None = no HTTP API).
         api_keys: keys clients must send (`authorization: Bearer <key>` metadata, the HTTP
@@ -79,4 +79,19 @@ def settings_problems(lease_ttl_s: float, heartbeat_interval_s: float, route_att
          migrate_min_remaining_tokens, ">= 1")
     need(math.isfinite(shutdown_grace_s) and shutdown_grace_s >= 0, "shutdown_grace_s",
          shutdown_grace_s, "a finite number of seconds >= 0")
+    return bad
+
+
+def migration_problems(cooldown_s: float, link_bandwidth_gbps: float, hysteresis: float,
+                       min_speedup: float) -> list[str]:
+    """What is wrong with the migration policy's settings (keys as in the cluster config), one
+    message per bad value; empty when all are usable (`MigrationPolicy` would accept them)."""
+    bad = []
+    for key, value, ok, rule in (
+            ("migrate_cooldown_s", cooldown_s, cooldown_s >= 0, "a number of seconds >= 0"),
+            ("migrate_link_bandwidth_gbps", link_bandwidth_gbps, link_bandwidth_gbps > 0, "a number of Gb/s > 0"),
+            ("migrate_hysteresis", hysteresis, hysteresis >= 0, "a number >= 0"),
+            ("migrate_min_speedup", min_speedup, min_speedup >= 1, "a number >= 1")):
+        if not (math.isfinite(value) and ok):
+            bad.append(f"{key} must be {rule}, got {value!r}")
     return bad

@@ -1,90 +1,320 @@
-"""When to move a running session to another worker, and the request that resumes it there.
+"""When and where a running session moves to another worker, and the request that resumes it there.
 
-A worker's engine runs its sessions in turn on one thread (worker/engine/thread.py): k sessions
-on one Mac decode at about 1/k of the speed each, while another Mac serving the same model may
-sit idle, because routing placed the session before the load changed (or session affinity kept
-a user's requests together). Moving one session from a shared worker to an idle one restores its
-full speed and gives the ones left behind a larger share. This is Llumnix's load-balancing
-migration (Sun et al., OSDI 2024, "Llumnix: Dynamic Scheduling for Large Language Model
-Serving"; shared/research/serving.md §c) reduced to what a fleet of one-model Macs needs:
+Workers serving one model differ: another Mac may be faster (more memory bandwidth), less loaded
+(a smaller batch), or have more KV memory free, and routing placed each session before the load
+changed (or session affinity kept a user's requests together). This is Llumnix's migration
+(Sun et al., OSDI 2024, "Llumnix: Dynamic Scheduling for Large Language Model Serving"): load
+balancing, de-fragmenting memory before a session runs out of it, and draining a worker, all as
+one rule over what each worker measured.
 
-- **Trigger** (`MigrationPolicy.target`): the session's worker has at least two streams open,
-  another live worker serving the model (and mode) has none and room for one, at least
-  `min_remaining_tokens` of the budget are left, and the session was not moved in the last
-  `cooldown_s` (no ping-pong). Checked at most every `check_interval_s` per stream, off the
-  tokens' path (a counter compare per chunk otherwise).
-- **Mechanism** (by recomputation): at a chunk boundary the coordinator opens the same request
-  on the destination with `resume_token_ids` (every token the client received) and
-  `resume_text` (the text it received), and stops forwarding the source; the destination
-  prefills prompt + those tokens, which rebuilds its KV cache and a DFlash draft's context from
-  the same tokens, and streams on from the next token. Only when its first message arrives is
-  the source call cancelled (what it sent meanwhile is dropped); if the destination refuses
-  (full, draining, or the request ended meanwhile), the stream stays on the source and nothing
-  was lost. So the client loses and repeats nothing: greedy output is the one unmigrated
-  decoding gives, after a pause of one prefill. An unseeded sampled session continues as a valid
-  sample from the target's distribution; a seeded one is never moved (the same seed must give
-  the same output, and its random stream lives on the worker).
-  Llumnix copies the KV cache instead, in stages while decoding continues; a 1.5B model's
-  cache at 4 K tokens is 117 MB by arithmetic (28 layers x 2 x 256 x 4096 x 2 bytes), about a
-  second over 1 GbE, and recomputation needs no cache format shared between workers. Which is
-  cheaper on Macs is not measured here (bench/bench_migration.py measures the re-prefill's
-  pause).
+**Inputs** (every heartbeat, worker.proto WorkerLoad): per running session its context tokens,
+KV bytes, remaining tokens and speculative speedup s (the engine's cost-model estimate of its
+tokens/s over plain decoding; 1.0 plain); per worker its KV budget and free bytes, chip and peak
+memory bandwidth, seconds per prefilled token, and its measured decode profile t_w(B, C): seconds
+per decode iteration at batch size B and context C (worker/engine/profile.py).
+
+**Prediction**: a session of context C decodes at s / t_w(B, C) tokens/s on worker w, with B the
+streams w runs (the source's count includes the session; a destination's is its count + 1).
+t_w between and beyond measured buckets is interpolated linearly in C, then in B (flat below
+the smallest bucket, extended along the last slope above the largest). A worker with no
+measurement is predicted from another worker's profile times the ratio of their peak
+bandwidths (decode reads the weights and the cache once a step: Leviathan et al. 2023's
+memory-bound regime); without either it is no candidate. On a destination without the source's
+draft kind, s counts as 1.
+
+**Rule** (`MigrationPolicy.decide`, at most every `check_interval_s` per stream):
+
+- *drain*: the source is being drained: move to the candidate predicting the most tokens/s
+  (the least busy when none can be predicted);
+- otherwise nothing while the session moved less than `cooldown_s` ago;
+- *memory*: the source's sessions will need sum (C + remaining) x bytes/token > its KV budget
+  before they finish: its session with the most growth left moves, to the fastest candidate
+  with room for all of its growth, before the worker must preempt;
+- *speed* / *load*: with R tokens left (R >= `min_remaining_tokens`), a candidate d is worth it
+  when tps_d >= `min_speedup` x tps_src and the time saved R / tps_src - R / tps_d exceeds
+  `hysteresis` x the move's cost, min(KV bytes / `link_bandwidth_bytes_per_s`, C x d's seconds
+  per prefilled token); the one saving the most net of the cost wins. "load" when d runs fewer
+  sessions than the source would after the move (the old rule: a shared worker to an idle one),
+  "speed" otherwise (a faster machine).
+
+Candidates: live, reachable, not draining, serving the model and mode, with a free slot and KV
+room for the session's growth (when budgets are known), and not the worker the session left less
+than `cooldown_s` ago (no ping-pong). A seeded sampled session moves only between workers whose
+decoding draws each token with a key of its sequence position (plain and DFlash batches,
+worker/sampling.py `sample_rows`), so the continuation is the one it would have had; a classic
+draft or cross-tokenizer draft advances one random stream per call and is never moved seeded.
+
+**Mechanism** (by recomputation): at a chunk boundary the coordinator opens the same request on
+the destination with `resume_token_ids` (every token the client received) and `resume_text`; the
+destination prefills prompt + those tokens and streams on from the next token. Only when its
+first message arrives is the source call cancelled; if the destination refuses, the stream stays
+on the source and nothing was lost. Greedy output is the one unmigrated decoding gives.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 from coordinator.registry import WorkerRecord
 from flashfleet.requests import WORKER_DEFAULT_MAX_TOKENS
-from flashfleet.v1 import common_pb2
+from flashfleet.v1 import common_pb2, worker_pb2
+
+# Why a session moved (metric label `reason`): the policy's rules, an operator's MoveSession, and
+# failover after its worker failed.
+REASONS = ("speed", "load", "memory", "drain", "manual", "failure")
+POSITION_KEYED_MODES = (common_pb2.DECODE_MODE_AUTO, common_pb2.DECODE_MODE_PLAIN, common_pb2.DECODE_MODE_DFLASH)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Where a session moves and why.
+
+    Attributes:
+        dest: the destination worker.
+        reason: one of REASONS.
+        saved_s: predicted seconds saved over the remaining tokens (speed/load; 0 otherwise).
+        cost_s: predicted pause of the move, seconds (inf when unknown).
+    """
+
+    dest: WorkerRecord
+    reason: str
+    saved_s: float = 0.0
+    cost_s: float = math.inf
+
+
+def _interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
+    """y at x over points sorted by x: linear between neighbours, flat below the first, along the
+    last segment's slope (if rising) above the last."""
+    if len(points) == 1 or x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = points[-2], points[-1]
+    return y1 + max(0.0, (y1 - y0) / (x1 - x0)) * (x - x1)
+
+
+def profile_seconds(profile: Iterable[worker_pb2.DecodeCost], batch: int, context: int) -> float | None:
+    """Predicted seconds per decode iteration at `batch` rows and `context` tokens from a measured
+    profile (module docstring); None when the profile is empty."""
+    by_batch: dict[int, list[tuple[float, float]]] = {}
+    for c in profile:
+        if c.seconds > 0:
+            by_batch.setdefault(c.batch_size, []).append((c.context_tokens, c.seconds))
+    if not by_batch:
+        return None
+    per_batch = sorted((b, _interpolate(sorted(pts), context)) for b, pts in by_batch.items())
+    return _interpolate(per_batch, batch)
+
+
+def session_load(worker: WorkerRecord, request_id: str) -> worker_pb2.SessionLoad | None:
+    """The session `request_id` in the worker's latest heartbeat, or None (not reported yet)."""
+    return next((s for s in worker.load.sessions if s.request_id == request_id), None)
+
+
+def _bytes_per_token(worker: WorkerRecord, s: worker_pb2.SessionLoad, model: str) -> float:
+    """KV bytes a token of this session takes: its own bytes over its context, else the model's."""
+    if s.kv_bytes and s.context_tokens:
+        return s.kv_bytes / s.context_tokens
+    return float(worker.kv_bytes_per_token(model))
+
+
+def _draft_mode(worker: WorkerRecord, model: str) -> int:
+    return next((m.draft_mode for m in worker.models if m.name == model), common_pb2.DECODE_MODE_AUTO)
+
+
+def position_keyed(request: common_pb2.GenerateRequest, worker: WorkerRecord) -> bool:
+    """Whether `worker` reproduces the request's tokens wherever it continues them: greedy and
+    unseeded requests always; a seeded sampled one where its decoding keys each draw by sequence
+    position (plain and DFlash batches; AUTO resolves to the worker's draft kind)."""
+    if not (request.HasField("seed") and request.temperature > 0):
+        return True
+    mode = request.mode
+    if mode == common_pb2.DECODE_MODE_AUTO:
+        mode = _draft_mode(worker, request.model)
+    return mode in POSITION_KEYED_MODES
 
 
 @dataclass(frozen=True)
 class MigrationPolicy:
-    """Attributes:
-        enabled: False turns migration off.
-        min_remaining_tokens: a session with fewer tokens left of its max_tokens stays (the
-            destination's prefill would cost more than what sharing costs it).
-        cooldown_s: a session moved this recently stays where it is.
-        check_interval_s: a stream looks for a destination at most this often.
+    """When and where a running session moves (module docstring). Pure: the clock is the caller's.
+
+    Attributes:
+        enabled: False turns off the automatic moves (speed, load, memory); drains and an
+            operator's MoveSession still move sessions.
+        min_remaining_tokens: a session with fewer tokens left stays (speed and load moves).
+        cooldown_s: a session moved this recently stays where it is, and does not go back to the
+            worker it left within this time.
+        check_interval_s: a stream asks the policy at most this often.
+        link_bandwidth_bytes_per_s: the network between workers (default 1 Gb/s): moving a KV
+            cache of b bytes costs b / this.
+        hysteresis: a speed or load move needs a predicted saving of this many times its cost.
+        min_speedup: ... and a destination predicting at least this many times the source's tokens/s.
     """
 
     enabled: bool = True
     min_remaining_tokens: int = 64
     cooldown_s: float = 5.0
     check_interval_s: float = 0.25
+    link_bandwidth_bytes_per_s: float = 125e6
+    hysteresis: float = 1.5
+    min_speedup: float = 1.1
 
     def __post_init__(self) -> None:
-        if self.min_remaining_tokens < 1 or self.cooldown_s < 0 or self.check_interval_s < 0:
-            raise ValueError("MigrationPolicy: min_remaining_tokens >= 1, cooldown_s and check_interval_s >= 0")
+        if (self.min_remaining_tokens < 1 or self.cooldown_s < 0 or self.check_interval_s < 0
+                or not self.link_bandwidth_bytes_per_s > 0 or not self.hysteresis >= 0 or not self.min_speedup >= 1):
+            raise ValueError("MigrationPolicy: min_remaining_tokens >= 1, cooldown_s and check_interval_s >= 0, "
+                             "link_bandwidth_bytes_per_s > 0, hysteresis >= 0, min_speedup >= 1")
 
-    def target(self, request: common_pb2.GenerateRequest, source: WorkerRecord, sent_tokens: int,
-               workers: Iterable[WorkerRecord], moved_s: float | None, now_s: float) -> WorkerRecord | None:
-        """The idle worker to move a running stream to, or None to stay.
+    # ----- predictions ---------------------------------------------------------------------------
+
+    def seconds_per_iteration(self, worker: WorkerRecord, batch: int, context: int,
+                              peers: Iterable[WorkerRecord] = ()) -> float | None:
+        """Predicted seconds per decode iteration on `worker` at `batch` rows and `context`
+        tokens: from its own profile, else from a peer's profile times the peers' peak-bandwidth
+        ratio (both known), else None."""
+        own = profile_seconds(worker.load.decode_profile, batch, context)
+        if own is not None:
+            return own
+        bw = worker.load.peak_memory_bandwidth_bytes_per_s
+        if bw <= 0:
+            return None
+        for peer in peers:
+            peer_bw = peer.load.peak_memory_bandwidth_bytes_per_s
+            t = profile_seconds(peer.load.decode_profile, batch, context) if peer_bw > 0 else None
+            if t is not None:
+                return t * peer_bw / bw
+        return None
+
+    def move_cost_s(self, session: worker_pb2.SessionLoad, dest: WorkerRecord) -> float:
+        """Predicted pause of moving `session` to `dest`: min(KV bytes over the link, `dest`'s
+        re-prefill of its context); inf when neither is known."""
+        costs = []
+        if session.kv_bytes:
+            costs.append(session.kv_bytes / self.link_bandwidth_bytes_per_s)
+        if dest.load.prefill_seconds_per_token > 0:
+            costs.append(session.context_tokens * dest.load.prefill_seconds_per_token)
+        return min(costs, default=math.inf)
+
+    @staticmethod
+    def kv_need_bytes(worker: WorkerRecord, model: str, extra: worker_pb2.SessionLoad | None = None) -> float:
+        """KV bytes the worker's sessions (plus `extra`) will hold when each reaches its
+        context + remaining tokens."""
+        sessions = list(worker.load.sessions) + ([extra] if extra is not None else [])
+        return sum((s.context_tokens + s.remaining_tokens) * _bytes_per_token(worker, s, model) for s in sessions)
+
+    def _has_room(self, dest: WorkerRecord, session: worker_pb2.SessionLoad | None, model: str) -> bool:
+        if session is None or dest.load.kv_budget_bytes <= 0:
+            return True
+        return self.kv_need_bytes(dest, model, session) <= dest.load.kv_budget_bytes
+
+    # ----- the rule --------------------------------------------------------------------------------
+
+    def candidates(self, request: common_pb2.GenerateRequest, source: WorkerRecord, workers: Iterable[WorkerRecord],
+                   left_worker: str | None = None, left_s: float | None = None,
+                   now_s: float = 0.0) -> list[WorkerRecord]:
+        """Workers the stream may move to (module docstring), without the KV-room check."""
+        if not position_keyed(request, source):
+            return []
+        out = []
+        for w in workers:
+            if (w.worker_id == source.worker_id or w.unreachable or w.draining or w.busy >= w.capacity
+                    or not w.serves(request.model, request.mode) or not position_keyed(request, w)):
+                continue
+            if w.worker_id == left_worker and left_s is not None and now_s - left_s < self.cooldown_s:
+                continue
+            out.append(w)
+        return out
+
+    def _tps(self, w: WorkerRecord, batch: int, context: int, speedup: float, peers) -> float | None:
+        t = self.seconds_per_iteration(w, batch, context, peers)
+        return None if t is None or t <= 0 else speedup / t
+
+    def fastest(self, request: common_pb2.GenerateRequest, source: WorkerRecord, session: worker_pb2.SessionLoad | None,
+                candidates: Sequence[WorkerRecord], peers: Sequence[WorkerRecord]) -> WorkerRecord | None:
+        """Of `candidates` with KV room for the session, the one predicting the most tokens/s for
+        it (the least busy, then the lowest id, among those that cannot be predicted); None when
+        none has room."""
+        roomy = [w for w in candidates if self._has_room(w, session, request.model)]
+        if not roomy:
+            return None
+        context = session.context_tokens if session is not None else 1
+        speedup = session.speculative_speedup if session is not None and session.speculative_speedup > 0 else 1.0
+
+        def key(w: WorkerRecord):
+            s = speedup if _draft_mode(w, request.model) == _draft_mode(source, request.model) else 1.0
+            tps = self._tps(w, w.busy + 1, context, s, peers)
+            return (tps is None, -(tps or 0.0), w.busy, w.worker_id)
+
+        return min(roomy, key=key)
+
+    def decide(self, request: common_pb2.GenerateRequest, source: WorkerRecord, sent_tokens: int,
+               workers: Iterable[WorkerRecord], moved_s: float | None, now_s: float,
+               left_worker: str | None = None, left_s: float | None = None) -> Decision | None:
+        """Whether and where a running stream moves now (module docstring).
 
         Args:
-            request: the client's request (model, mode, max_tokens: unset counts as the
-                worker's default, `WORKER_DEFAULT_MAX_TOKENS`).
-            source: the worker streaming it now (its `in_flight` counts this stream).
-            sent_tokens: output tokens the client has received.
+            request: the client's request (model, mode, max_tokens: unset counts as
+                `WORKER_DEFAULT_MAX_TOKENS`, seed, temperature).
+            source: the worker streaming it (its `in_flight` counts this stream).
+            sent_tokens: output tokens the client has received (0: nothing to resume yet).
             workers: live workers.
-            moved_s: monotonic time of this stream's last migration (or refused attempt), None if never.
-            now_s: monotonic time now.
+            moved_s: clock time of its last move or refused attempt, None if never.
+            now_s: clock time now (seconds, the same clock).
+            left_worker, left_s: the worker it last moved away from, and when.
+
+        Returns:
+            A Decision, or None to stay.
         """
-        if not self.enabled or sent_tokens == 0 or source.in_flight < 2:
+        if sent_tokens == 0:
             return None
-        if request.HasField("seed") and request.temperature > 0:
-            return None  # a seeded sample must stay reproducible; its random stream lives on the worker
-        if moved_s is not None and now_s - moved_s < self.cooldown_s:
+        workers = list(workers)
+        peers = [w for w in workers if w.serves(request.model)]
+        session = session_load(source, request.request_id)
+        cands = self.candidates(request, source, workers, left_worker, left_s, now_s)
+        if not cands:
             return None
+        if source.draining:
+            dest = self.fastest(request, source, session, cands, peers)
+            return Decision(dest, "drain") if dest is not None else None
+        if not self.enabled or (moved_s is not None and now_s - moved_s < self.cooldown_s) or session is None:
+            return None
+        budget = source.load.kv_budget_bytes
+        if budget > 0 and self.kv_need_bytes(source, request.model) > budget:
+            victim = max(source.load.sessions,
+                         key=lambda s: (s.remaining_tokens * _bytes_per_token(source, s, request.model), s.request_id))
+            if victim.request_id == request.request_id and session.remaining_tokens > 0:
+                dest = self.fastest(request, source, session, cands, peers)
+                if dest is not None:
+                    return Decision(dest, "memory", cost_s=self.move_cost_s(session, dest))
+        return self._speed(request, source, session, sent_tokens, cands, peers)
+
+    def _speed(self, request, source: WorkerRecord, session: worker_pb2.SessionLoad, sent_tokens: int,
+               cands: Sequence[WorkerRecord], peers: Sequence[WorkerRecord]) -> Decision | None:
         budget = request.max_tokens if request.HasField("max_tokens") else WORKER_DEFAULT_MAX_TOKENS
-        if budget - sent_tokens < self.min_remaining_tokens:
+        remaining = session.remaining_tokens or max(0, budget - sent_tokens)
+        if remaining < self.min_remaining_tokens:
             return None
-        idle = [w for w in workers if w.worker_id != source.worker_id and w.in_flight == 0
-                and w.capacity > 0 and not w.unreachable and w.serves(request.model, request.mode)]
-        return min(idle, key=lambda w: w.worker_id) if idle else None
+        speedup = session.speculative_speedup if session.speculative_speedup > 0 else 1.0
+        context = session.context_tokens
+        tps_src = self._tps(source, max(1, source.busy), context, speedup, peers)
+        if tps_src is None:
+            return None
+        best = None
+        for d in cands:
+            if not self._has_room(d, session, request.model):
+                continue
+            s = speedup if _draft_mode(d, request.model) == _draft_mode(source, request.model) else 1.0
+            tps = self._tps(d, d.busy + 1, context, s, peers)
+            if tps is None or tps < self.min_speedup * tps_src:
+                continue
+            saved = remaining / tps_src - remaining / tps
+            cost = self.move_cost_s(session, d)
+            if saved > self.hysteresis * cost and (best is None or saved - cost > best.saved_s - best.cost_s):
+                best = Decision(d, "load" if d.busy + 1 < source.busy else "speed", saved, cost)
+        return best
 
 
 class StreamProgress:
@@ -101,7 +331,10 @@ class StreamProgress:
         self.migrations = 0
         self.moved_s: float | None = None
         self.resumed_tokens = 0
+        self.left_worker: str | None = None  # the worker it last moved away from
+        self.left_s: float | None = None
         self._next_check_s = 0.0
+        self.move_request = None  # an operator's pending MoveSession (coordinator/servicer.py)
 
     def add(self, chunk: common_pb2.Chunk) -> None:
         """Records a chunk forwarded to the client (its token ids and text)."""
@@ -138,6 +371,11 @@ class StreamProgress:
         self.migrations += 1
         self.resumed_tokens = len(self.token_ids)
         self.attempted()
+
+    def left(self, worker_id: str) -> None:
+        """Records that the stream moved away from `worker_id` now (it does not go back there
+        within the policy's cooldown)."""
+        self.left_worker, self.left_s = worker_id, self._clock()
 
     def attempted(self) -> None:
         """Starts the cooldown (after a migration, or a destination's refusal)."""

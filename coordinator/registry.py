@@ -33,6 +33,8 @@ class WorkerRecord:
             process is gone, the host unreachable, or it is draining) since its last heartbeat; routing
             passes it over while another worker can take the request, instead of trying it
             first on every request until its lease runs out.
+        draining: an operator drains it (Coordinator.DrainWorker): routing sends it nothing new
+            and the migration policy moves its sessions away; kept across re-registration.
     """
 
     worker_id: str
@@ -45,6 +47,7 @@ class WorkerRecord:
     served_requests: int = 0
     model_names: frozenset[str] = field(default=frozenset())
     unreachable: bool = False
+    draining: bool = False
 
     def serves(self, model: str, mode: int = common_pb2.DECODE_MODE_AUTO) -> bool:
         """True when the worker serves `model` and, for a speculative mode (DRAFT, DFLASH, UAG),
@@ -128,7 +131,7 @@ class Registry:
             worker_id=req.worker_id, address=req.address, lease_id=uuid.uuid4().hex,
             models=list(req.models), load=req.load, last_heartbeat_s=self._clock(),
             in_flight=old.in_flight if old else 0, served_requests=old.served_requests if old else 0,
-            model_names=frozenset(m.name for m in req.models))
+            model_names=frozenset(m.name for m in req.models), draining=old.draining if old else False)
         self._workers[req.worker_id] = rec
         return rec
 

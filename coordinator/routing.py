@@ -147,8 +147,8 @@ def route(model: str, session_id: str, workers: Iterable[WorkerRecord], exclude:
           mode: int = common_pb2.DECODE_MODE_AUTO, tokens: int = 0) -> WorkerRecord:
     """Chooses the worker for one attempt of a request.
 
-    Only workers serving the model (with a draft of the right kind for a speculative `mode`) are
-    eligible, and of those the ones not marked `unreachable` while any of them has a free slot.
+    Only workers serving the model (with a draft of the right kind for a speculative `mode`) and
+    not being drained are eligible, and of those the ones not marked `unreachable` while any of them has a free slot.
     The session's worker (where its earlier turns are in the prompt cache) wins while it is live,
     eligible, has a free slot, was not tried, and has KV room for `tokens` tokens of context or no
     other eligible worker has; otherwise the router picks among the eligible workers with KV room
@@ -159,10 +159,14 @@ def route(model: str, session_id: str, workers: Iterable[WorkerRecord], exclude:
             KV-room preference.
 
     Raises:
-        NoWorker: no live worker serves the model.
+        NoWorker: no live worker serves the model (or every one that does is being drained).
         AllBusy: all that do are full or already tried.
     """
     workers = list(workers)
+    if any(w.draining and w.serves(model) for w in workers):
+        workers = [w for w in workers if not w.draining]
+        if not any(w.serves(model) for w in workers):
+            raise NoWorker(f"every live worker serving {model!r} is being drained")
     if not any(w.serves(model) for w in workers):
         raise NoWorker(f"no live worker serves model {model!r}")
     serving = [w for w in workers if w.serves(model, mode)]

@@ -106,6 +106,8 @@ async def start_coordinator(config: CoordinatorConfig,
                         config.lease_ttl_s)
             metrics.lease_expiries.inc()
         metrics.worker_up.labels(worker=rec.worker_id).set(0)
+        if rec.draining:
+            metrics.draining.labels(worker=rec.worker_id).set(0)
         try:  # a heartbeat age of a worker that left would stay frozen at its last value
             metrics.worker_heartbeat_age.remove(rec.worker_id)
         except KeyError:

@@ -4,9 +4,10 @@ Concurrency: everything runs on one asyncio event loop; the registry and session
 objects touched only from that loop, so no locks. A client's Generate is proxied to one worker
 stream; the client going away cancels the handler task, whose `finally` cancels the worker call,
 which in turn aborts the request in the worker's engine. Between two chunks the stream may move
-to an idle worker (session migration, coordinator/migration.py): the same request, resumed after
+to another worker (session migration, coordinator/migration.py): the same request, resumed after
 the tokens already sent, opens on the destination, and the source call is cancelled once the
-destination answers.
+destination answers. Operators drain a worker (`DrainWorker`: its sessions move, then it is told
+to leave) or move one request (`MoveSession`); both are Coordinator RPCs, so API keys guard them.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import contextlib
 import logging
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 import grpc
@@ -22,7 +24,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 
 from coordinator.admission import AdmissionQueue
 from coordinator.config import CoordinatorConfig
-from coordinator.migration import StreamProgress
+from coordinator.migration import Decision, StreamProgress, session_load
 from coordinator.registry import Registry, UnknownLease, WorkerRecord
 from coordinator.routing import (AllBusy, NoWorker, PowerOfTwoRouter, SessionAffinity, request_tokens_bound,
                                  route)
@@ -124,8 +126,29 @@ def _full(exc: BaseException | None) -> bool:
     return isinstance(exc, _WorkerFailed) and exc.error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+@dataclass
+class _MoveRequest:
+    """An operator's MoveSession waiting for the stream's next chunk boundary."""
+
+    dest: WorkerRecord
+    done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+@dataclass
+class _Stream:
+    """A Generate stream in flight: what MoveSession and DrainWorker look up."""
+
+    request: common_pb2.GenerateRequest
+    progress: StreamProgress
+    worker: WorkerRecord | None = None
+
+
+DRAIN_POLL_S = 0.1  # how often DrainWorker looks at the drained worker's streams
+
+
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
-    """Public API: routes Generate to a worker and proxies its stream; lists models and status."""
+    """Public API: routes Generate to a worker and proxies its stream; lists models and status;
+    drains workers and moves sessions on an operator's command."""
 
     def __init__(self, config: CoordinatorConfig, registry: Registry, pool: WorkerPool,
                  router: PowerOfTwoRouter | None = None, affinity: SessionAffinity | None = None,
@@ -138,13 +161,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.metrics = metrics
         self.admission = AdmissionQueue(config.max_queued, config.queue_timeout_s)
         self._in_flight: set[str] = set()  # request ids of streams running now (duplicates refused)
+        self._streams: dict[str, _Stream] = {}  # request id -> its stream, once routed
+        self._drain_moved: dict[str, int] = {}  # worker id -> sessions moved off it while it drains
         if metrics:
             metrics.queued.set_function(lambda: self.admission.waiting)
 
     def _has_room(self, request: common_pb2.GenerateRequest) -> bool:
         """True when a reachable worker serving the request's model and mode has a free slot
         (or none serves it, or all that do are unreachable: routing then says so or tries them)."""
-        serving = [w for w in self.registry.live() if w.serves(request.model, request.mode)]
+        serving = [w for w in self.registry.live() if w.serves(request.model, request.mode) and not w.draining]
         reachable = [w for w in serving if not w.unreachable]
         return not reachable or any(w.busy < w.capacity for w in reachable)
 
@@ -171,7 +196,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
         Waits in the admission queue while every worker serving the model is full, retries other
         workers on UNAVAILABLE / RESOURCE_EXHAUSTED before the first message, and may migrate the
-        stream between chunks (`coordinator.migration`). The final stats get `queue_s` (seconds
+        stream between chunks (`coordinator.migration`: the policy's speed, load, memory and drain moves, and
+        an operator's `MoveSession`). The final stats get `queue_s` (seconds
         from arrival until the serving worker's call was issued) and, after a migration, counts
         as if one worker had served it (`StreamProgress.finish_stats`). Sets `request.request_id`
         when it is empty. Close the generator (`contextlib.aclosing`) when leaving it early: that
@@ -246,11 +272,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             self.metrics.observe_queue(request.model, queue_s)
         self.affinity.bind(request.session_id, worker.worker_id)
         progress = StreamProgress()
-        policy = self.config.migration
+        stream = self._streams[request.request_id] = _Stream(request, progress, worker)
         outcome = "cancelled"
         try:
             resp = first
             while resp is not grpc.aio.EOF:
+                stream.worker = worker
                 if resp.WhichOneof("kind") == "complete":
                     resp.complete.stats.queue_s = queue_s
                     progress.finish_stats(resp.complete.stats)
@@ -259,12 +286,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 else:
                     progress.add(resp.chunk)
                     yield resp
-                    if policy.enabled and progress.due(policy.check_interval_s):
-                        dest = policy.target(request, worker, len(progress.token_ids), self.registry.live(),
-                                             progress.moved_s, time.monotonic())
-                        moved = dest and await self._migrate(request, time_remaining, progress, worker, call,
-                                                             dest)
+                    decision = self._move_decision(request, worker, progress)
+                    if decision is not None:
+                        moved = await self._migrate(request, time_remaining, progress, worker, call, decision.dest,
+                                                    decision.reason)
+                        self._settle_move_request(progress, worker, moved)
                         if moved:
+                            progress.left(worker.worker_id)
+                            if worker.draining:
+                                self._drain_moved[worker.worker_id] = self._drain_moved.get(worker.worker_id, 0) + 1
                             worker, call, resp = moved
                             continue
                 try:
@@ -288,6 +318,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             raise GenerateFailed(e.code(), f"worker {worker.worker_id} failed after {len(progress.token_ids)} "
                                  f"tokens and no other worker could resume the session: {e.details()}") from None
         finally:
+            self._streams.pop(request.request_id, None)
+            self._settle_move_request(progress, worker, None, ended=True)
             call.cancel()
             self._release(worker)
             worker.served_requests += 1
@@ -299,8 +331,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 await self.pool.drop(worker.address)  # the worker left while this stream ran
 
     async def _migrate(self, request, time_remaining: TimeRemaining, progress: StreamProgress, source: WorkerRecord, source_call,
-                       dest: WorkerRecord):
-        """Moves a stream from `source` to `dest` (by recomputation: coordinator/migration.py).
+                       dest: WorkerRecord, reason: str = "load"):
+        """Moves a stream from `source` to `dest` (by recomputation: coordinator/migration.py);
+        `reason` (coordinator.migration.REASONS) labels its metrics.
 
         The resumed request goes to `dest` while the source call stays open and unread; only when
         `dest` sends its first message is the source cancelled (its unread messages, past the
@@ -311,6 +344,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         Returns:
             (dest, its call, its first response), or None when the stream stays on the source.
         """
+        t0 = time.monotonic()
         resumed = progress.resume_request(request)
         dest.in_flight += 1  # reserved now, so no other stream takes the idle worker meanwhile
         call = None
@@ -330,7 +364,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                      e.code().name, e.details(), source.worker_id)
             if call is not None and await call.code() == grpc.StatusCode.UNAVAILABLE:
                 dest.unreachable = True  # its own call failed, as in routing: passed over until it heartbeats
-            self._migrated(request.model, "aborted")
+            self._migrated(request.model, "aborted", reason=reason)
             progress.attempted()
             return None
         try:  # said first, so the source counts the request as migrated, not cancelled by its client
@@ -347,7 +381,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self._release(source)  # served_requests counts the request once, on the worker that ends it
         if source.in_flight == 0 and not any(w.address == source.address for w in self.registry.live()):
             await self.pool.drop(source.address)  # the source left while this stream ran
-        self._migrated(request.model, "ok")
+        self._migrated(request.model, "ok", reason=reason, pause_s=time.monotonic() - t0,
+                       total_s=time.monotonic() - t0)
         progress.moved()
         self.affinity.bind(request.session_id, dest.worker_id)
         log.info("session %s (request %s) moved from %s to %s after %d tokens", request.session_id or "-",
@@ -400,9 +435,159 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self._migrated(request.model, "failover_failed")
         return None
 
-    def _migrated(self, model: str, outcome: str) -> None:
+    def _migrated(self, model: str, outcome: str, *, reason: str = "load", method: str = "reprefill",
+                  bytes_moved: int = 0, pause_s: float | None = None, total_s: float | None = None) -> None:
+        """Counts a migration attempt in the metrics (`CoordinatorMetrics.observe_migration`).
+
+        Args:
+            model: the request's model.
+            outcome: "ok", "aborted" (the destination refused), "failover" or "failover_failed"
+                (after the worker failed: counted with reason "failure" whatever `reason` says).
+            reason: why it moved (coordinator.migration.REASONS).
+            method: how the destination got the session's state ("reprefill": recomputation).
+            bytes_moved: bytes of session state sent between workers.
+            pause_s: seconds the client got nothing because of the move (None: not measured).
+            total_s: seconds from the decision until the destination streamed (None: not measured).
+        """
+        if outcome in ("failover", "failover_failed"):
+            reason = "failure"
         if self.metrics:
-            self.metrics.migrations.labels(model=model, outcome=outcome).inc()
+            self.metrics.observe_migration(model, outcome, reason, method, bytes_moved, pause_s, total_s)
+
+    def _move_decision(self, request: common_pb2.GenerateRequest, worker: WorkerRecord,
+                       progress: StreamProgress) -> Decision | None:
+        """An operator's pending move of this stream, else the policy's decision when a check is
+        due (coordinator/migration.py), else None."""
+        pending = progress.move_request
+        if pending is not None:
+            return Decision(pending.dest, "manual")
+        policy = self.config.migration
+        if not progress.due(policy.check_interval_s):
+            return None
+        return policy.decide(request, worker, len(progress.token_ids), self.registry.live(), progress.moved_s,
+                             time.monotonic(), progress.left_worker, progress.left_s)
+
+    @staticmethod
+    def _settle_move_request(progress: StreamProgress, source: WorkerRecord, moved, ended: bool = False) -> None:
+        """Answers an operator's pending MoveSession: the destination, or why it did not move."""
+        pending, progress.move_request = progress.move_request, None
+        if pending is None or pending.done.done():
+            return
+        if moved:
+            pending.done.set_result(moved[0].worker_id)
+        elif ended:
+            pending.done.set_exception(GenerateFailed(grpc.StatusCode.NOT_FOUND, "the request ended before it moved"))
+        else:
+            pending.done.set_exception(GenerateFailed(
+                grpc.StatusCode.ABORTED, f"worker {pending.dest.worker_id} refused the request; it stays on "
+                f"{source.worker_id}"))
+
+    async def MoveSession(self, request: coordinator_pb2.MoveSessionRequest, context):
+        """Moves a running request to `to_worker_id`, or to the worker the migration policy
+        predicts fastest for it, at its next chunk; returns once it streams there.
+
+        Aborts the call with NOT_FOUND (no such request streaming, no such live worker, or the
+        request ended first), FAILED_PRECONDITION (the worker is its own, draining, full,
+        unreachable, serves another model or mode, or would not continue a seeded sample exactly;
+        or no worker can take it) or ABORTED (the destination refused; it stays where it was).
+        """
+        try:
+            return await self.move_session(request.request_id, request.to_worker_id)
+        except GenerateFailed as e:
+            await context.abort(e.code, e.details)
+
+    async def move_session(self, request_id: str, to_worker_id: str = "") -> coordinator_pb2.MoveSessionResponse:
+        """`MoveSession` as a coroutine (see there).
+
+        Raises:
+            GenerateFailed: with the status codes `MoveSession` aborts with.
+        """
+        stream = self._streams.get(request_id)
+        if stream is None or stream.worker is None:
+            raise GenerateFailed(grpc.StatusCode.NOT_FOUND, f"no request {request_id!r} is streaming")
+        req, source = stream.request, stream.worker
+        policy = self.config.migration
+        live = self.registry.live()
+        candidates = policy.candidates(req, source, live)
+        if to_worker_id:
+            dest = self.registry.get(to_worker_id)
+            if dest is None:
+                raise GenerateFailed(grpc.StatusCode.NOT_FOUND, f"no live worker {to_worker_id!r}")
+            if not any(w is dest for w in candidates):
+                why = ("it already serves the request" if dest is source else "it is being drained" if dest.draining
+                       else "it is full" if dest.busy >= dest.capacity else "it is unreachable" if dest.unreachable
+                       else f"it does not serve {req.model!r} in the request's mode, or would not continue its "
+                       "seeded sample exactly")
+                raise GenerateFailed(grpc.StatusCode.FAILED_PRECONDITION,
+                                     f"cannot move {request_id!r} to {to_worker_id!r}: {why}")
+        else:
+            dest = policy.fastest(req, source, session_load(source, request_id), candidates,
+                                  [w for w in live if w.serves(req.model)])
+            if dest is None:
+                raise GenerateFailed(grpc.StatusCode.FAILED_PRECONDITION,
+                                     f"no other worker can take {request_id!r} (none serves {req.model!r} in its "
+                                     "mode with a free slot and KV room)")
+        if stream.progress.move_request is not None:
+            raise GenerateFailed(grpc.StatusCode.FAILED_PRECONDITION, f"{request_id!r} is already being moved")
+        pending = stream.progress.move_request = _MoveRequest(dest)
+        moved_to = await pending.done
+        return coordinator_pb2.MoveSessionResponse(request_id=request_id, from_worker_id=source.worker_id,
+                                                   to_worker_id=moved_to)
+
+    async def DrainWorker(self, request: coordinator_pb2.DrainWorkerRequest, context):
+        """Drains a worker (`drain_worker`), writing its progress whenever it changes.
+
+        Aborts the call with NOT_FOUND (no live worker with that id) or FAILED_PRECONDITION (it
+        runs sessions and no other live, undrained worker serves its model).
+        """
+        try:
+            async for progress in self.drain_worker(request.worker_id):
+                await context.write(progress)
+        except GenerateFailed as e:
+            await context.abort(e.code, e.details)
+
+    async def drain_worker(self, worker_id: str) -> AsyncIterator[coordinator_pb2.DrainProgress]:
+        """Marks a worker draining (routing sends it nothing new; the migration policy moves its
+        sessions, coordinator/migration.py) and yields its progress whenever it changes: state
+        "draining" while streams to it are open, "leaving" once none are (its next heartbeat's
+        response tells it to deregister and exit), "left" once it is gone from the registry (then
+        the generator ends). Leaving the generator early does not stop the drain.
+
+        Raises:
+            GenerateFailed: NOT_FOUND or FAILED_PRECONDITION, as `DrainWorker` says.
+        """
+        rec = self.registry.get(worker_id)
+        if rec is None:
+            raise GenerateFailed(grpc.StatusCode.NOT_FOUND, f"no live worker {worker_id!r}")
+        others = [w for w in self.registry.live() if w is not rec and not w.draining
+                  and any(w.serves(m) for m in rec.model_names)]
+        if rec.in_flight and not others:
+            raise GenerateFailed(grpc.StatusCode.FAILED_PRECONDITION,
+                                 f"worker {worker_id!r} runs {rec.in_flight} session(s) and no other live worker "
+                                 f"serves {', '.join(sorted(rec.model_names))}: start one, or wait for them to end")
+        if not rec.draining:
+            rec.draining = True
+            self._drain_moved[worker_id] = 0
+            if self.metrics:
+                self.metrics.draining.labels(worker=worker_id).set(1)
+            log.info("draining worker %s (%d session(s) running)", worker_id, rec.in_flight)
+        last = None
+        while True:
+            now = self.registry.get(worker_id)
+            gone = now is None or not now.draining  # deregistered (or expired), or back as a new worker
+            state = "left" if gone else "leaving" if now.in_flight == 0 else "draining"
+            msg = coordinator_pb2.DrainProgress(worker_id=worker_id, sessions_left=0 if gone else now.in_flight,
+                                                moved=self._drain_moved.get(worker_id, 0), state=state)
+            if msg != last:
+                yield msg
+                last = msg
+            if gone:
+                self._drain_moved.pop(worker_id, None)
+                if self.metrics:
+                    self.metrics.draining.labels(worker=worker_id).set(0)
+                log.info("worker %s drained and left", worker_id)
+                return
+            await asyncio.sleep(DRAIN_POLL_S)
 
     async def _open_stream(self, request, time_remaining: TimeRemaining, tried: set[str], t0: float):
         """Opens a worker stream and reads its first message, retrying other workers on
@@ -507,7 +692,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 kv_cache_bytes=w.load.kv_cache_bytes, kv_budget_bytes=w.load.kv_budget_bytes,
                 kv_free_bytes=w.load.kv_free_bytes, prompt_cache_bytes=w.load.prompt_cache_bytes,
                 heartbeat_age_s=self.registry.heartbeat_age_s(w), served_requests=w.served_requests,
-                unreachable=w.unreachable)
+                unreachable=w.unreachable, draining=w.draining, chip=w.load.chip,
+                peak_memory_bandwidth_bytes_per_s=w.load.peak_memory_bandwidth_bytes_per_s)
             for w in sorted(self.registry.live(), key=lambda w: w.worker_id)]
         return coordinator_pb2.ClusterStatus(workers=workers, sessions=len(self.affinity))
 
@@ -545,18 +731,22 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
                                            heartbeat_interval_s=self.config.heartbeat_interval_s)
 
     async def Heartbeat(self, request, context):
-        """Renews a worker's lease, records its load and clears its `unreachable` mark.
+        """Renews a worker's lease, records its load and clears its `unreachable` mark; tells a
+        drained worker that runs no stream any more to leave (`leave`).
 
         Aborts the call with NOT_FOUND when the lease is unknown or expired (the worker must
         register again).
         """
         try:
-            self.registry.heartbeat(request.worker_id, request.lease_id, request.load)
+            rec = self.registry.heartbeat(request.worker_id, request.lease_id, request.load)
         except UnknownLease as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, short_details(str(e)))
         if self.admission:
             self.admission.notify()
-        return worker_pb2.HeartbeatResponse()
+        leave = rec.draining and rec.in_flight == 0
+        if leave:
+            log.info("worker %s is drained: telling it to leave", rec.worker_id)
+        return worker_pb2.HeartbeatResponse(leave=leave)
 
     async def Deregister(self, request, context):
         """Removes a worker (clean shutdown); its channel closes now, or when its last open stream ends.

@@ -66,6 +66,8 @@ class CoordinatorSection:
             fleet is full, and for how long (coordinator/admission.py).
         migrate, migrate_min_remaining_tokens: session migration on or off, and the budget a
             session must have left to be moved (coordinator/migration.py, MigrationPolicy).
+        migrate_cooldown_s, migrate_link_bandwidth_gbps, migrate_hysteresis, migrate_min_speedup:
+            MigrationPolicy's cooldown_s, link bandwidth (Gb/s), hysteresis and min_speedup.
         shutdown_grace_s: how long in-flight streams may finish on SIGTERM (as in
             CoordinatorConfig).
         api_keys_file: file of the API keys clients must send, one a line ("" = none required;
@@ -86,6 +88,10 @@ class CoordinatorSection:
     queue_timeout_s: float = 30.0
     migrate: bool = True
     migrate_min_remaining_tokens: int = 64
+    migrate_cooldown_s: float = 5.0
+    migrate_link_bandwidth_gbps: float = 1.0
+    migrate_hysteresis: float = 1.5
+    migrate_min_speedup: float = 1.1
     shutdown_grace_s: float = 25.0
     api_keys_file: str = ""
     join_token_file: str = ""
@@ -315,6 +321,9 @@ class ClusterConfig:
                 "route_attempts": c.route_attempts, "max_queued": c.max_queued,
                 "queue_timeout_s": c.queue_timeout_s, "migrate": c.migrate,
                 "migrate_min_remaining_tokens": c.migrate_min_remaining_tokens,
+                "migrate_cooldown_s": c.migrate_cooldown_s,
+                "migrate_link_bandwidth_gbps": c.migrate_link_bandwidth_gbps,
+                "migrate_hysteresis": c.migrate_hysteresis, "migrate_min_speedup": c.migrate_min_speedup,
                 "shutdown_grace_s": c.shutdown_grace_s, "api_keys_file": c.api_keys_file or None,
                 "join_token_file": c.join_token_file or None}
 
@@ -394,10 +403,12 @@ def _check(cfg: ClusterConfig) -> None:
         if m.max_context_tokens is not None and m.max_context_tokens < 1:
             raise ConfigError(f"{p}: model {m.name!r}: max_context_tokens must be >= 1, got "
                               f"{m.max_context_tokens}")
-    from coordinator.config import settings_problems
+    from coordinator.config import migration_problems, settings_problems
 
     bad = settings_problems(c.lease_ttl_s, c.heartbeat_interval_s, c.route_attempts, c.max_queued,
                             c.queue_timeout_s, c.migrate_min_remaining_tokens, c.shutdown_grace_s)
+    bad += migration_problems(c.migrate_cooldown_s, c.migrate_link_bandwidth_gbps, c.migrate_hysteresis,
+                              c.migrate_min_speedup)
     if bad:
         raise ConfigError(f"{p}: [coordinator] {bad[0]}")
     ports = [("[coordinator] port", c.port), ("[coordinator] metrics_port", c.metrics_port),

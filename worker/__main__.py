@@ -156,7 +156,8 @@ def build_engine(a):
 
 async def serve(a, engine) -> int:
     """Serves `engine` with the parsed options `a` (metrics endpoint, gRPC server, registration)
-    until SIGINT/SIGTERM, then drains for up to `a.drain_timeout_s` seconds
+    until SIGINT/SIGTERM or the coordinator's drain asks it to leave
+    (`RunningWorker.leave_requested`), then drains for up to `a.drain_timeout_s` seconds
     (`RunningWorker.stop`, which also closes the engine); or until the engine thread dies and
     the worker has left the fleet (`RunningWorker.left`).
 
@@ -194,7 +195,8 @@ async def serve(a, engine) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(running.left.wait())]
+    waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(running.left.wait()),
+             asyncio.ensure_future(running.leave_requested.wait())]
     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     for w in waits:
         w.cancel()

@@ -75,11 +75,22 @@ def model_info(m: ModelDescription) -> common_pb2.ModelInfo:
                                 kv_bytes_per_token=kv_per_token)
 
 
-def load_proto(load: EngineLoad) -> worker_pb2.WorkerLoad:
+def load_proto(load: EngineLoad, chip: str = "", peak_bandwidth_bytes_per_s: float | None = None
+               ) -> worker_pb2.WorkerLoad:
     """The WorkerLoad proto of a heartbeat or GetLoad (free_capacity clamped at 0; KV fields in
-    bytes, kv_free_bytes as `EngineLoad.kv_free_bytes`)."""
-    return worker_pb2.WorkerLoad(active_sessions=load.active_sessions, capacity=load.capacity,
-                                 free_capacity=max(load.capacity - load.active_sessions, 0),
-                                 kv_cache_bytes=load.kv_cache_bytes, kv_budget_bytes=load.kv_budget_bytes,
-                                 kv_free_bytes=load.kv_free_bytes,
-                                 prompt_cache_bytes=load.prompt_cache_bytes)
+    bytes, kv_free_bytes as `EngineLoad.kv_free_bytes`), with the sessions, decode profile and
+    prefill cost the engine measured, and the host's chip and peak memory bandwidth (bytes/s;
+    None = unknown, sent as 0)."""
+    return worker_pb2.WorkerLoad(
+        active_sessions=load.active_sessions, capacity=load.capacity,
+        free_capacity=max(load.capacity - load.active_sessions, 0),
+        kv_cache_bytes=load.kv_cache_bytes, kv_budget_bytes=load.kv_budget_bytes,
+        kv_free_bytes=load.kv_free_bytes, prompt_cache_bytes=load.prompt_cache_bytes,
+        sessions=[worker_pb2.SessionLoad(request_id=s.request_id, context_tokens=s.context_tokens,
+                                         kv_bytes=s.kv_bytes, tokens_per_s=s.tokens_per_s,
+                                         speculative_speedup=s.speculative_speedup,
+                                         remaining_tokens=s.remaining_tokens) for s in load.sessions],
+        chip=chip, peak_memory_bandwidth_bytes_per_s=peak_bandwidth_bytes_per_s or 0.0,
+        decode_profile=[worker_pb2.DecodeCost(batch_size=c.batch_size, context_tokens=c.context_tokens,
+                                              seconds=c.seconds, samples=c.samples) for c in load.decode_profile],
+        prefill_seconds_per_token=load.prefill_seconds_per_token)

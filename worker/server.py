@@ -40,6 +40,9 @@ class RunningWorker:
         registered: set while the worker holds a lease (cleared when a heartbeat fails).
         engine_died: True once the watchdog found the engine thread dead.
         left: set when the worker, its engine dead, has left the fleet and stopped its server.
+        leave_requested: set when the coordinator drained this worker and told it to leave (a
+            heartbeat response with `leave`): it has deregistered and stopped heartbeating; the
+            process stops its server and exits 0 (`worker.__main__.serve`).
     """
 
     server: grpc.aio.Server
@@ -58,6 +61,7 @@ class RunningWorker:
     registered: asyncio.Event = field(default_factory=asyncio.Event)
     engine_died: bool = False
     left: asyncio.Event = field(default_factory=asyncio.Event)
+    leave_requested: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def stop(self, grace_s: float = 5.0, close_engine: bool = True) -> None:
         """NOT_SERVING -> deregister -> let in-flight RPCs finish for `grace_s` seconds (then
@@ -204,7 +208,8 @@ def _warn_while_unreachable(coordinator: str):
 async def _keep_registered(w: RunningWorker) -> None:
     """Registers (retrying for as long as it takes, with a warning a minute while the
     coordinator does not answer), then heartbeats; re-registers when a heartbeat fails
-    (lease expired, coordinator restarted or unreachable)."""
+    (lease expired, coordinator restarted or unreachable). Ends after deregistering when a
+    heartbeat's response asks the worker to leave (`RunningWorker.leave_requested`)."""
     async with aio_channel(w.coordinator, w.tls) as channel:
         stub = _registry_stub(channel, w.join_token)
         while True:
@@ -216,16 +221,22 @@ async def _keep_registered(w: RunningWorker) -> None:
                     resp = await stub.Register(worker_pb2.RegisterRequest(
                         worker_id=w.worker_id, address=w.advertise_address,
                         models=[convert.model_info(w.engine.model)],
-                        load=convert.load_proto(w.engine.load())), timeout=REGISTER_TIMEOUT_S)
+                        load=w.servicer.load()), timeout=REGISTER_TIMEOUT_S)
             w._lease = {"id": resp.lease_id}
             w.registered.set()
             log.info("registered with %s (lease %s)", w.coordinator, resp.lease_id)
             try:
                 while True:
                     await asyncio.sleep(resp.heartbeat_interval_s)
-                    await stub.Heartbeat(worker_pb2.HeartbeatRequest(
+                    beat = await stub.Heartbeat(worker_pb2.HeartbeatRequest(
                         worker_id=w.worker_id, lease_id=resp.lease_id,
-                        load=convert.load_proto(w.engine.load())), timeout=REGISTER_TIMEOUT_S)
+                        load=w.servicer.load()), timeout=REGISTER_TIMEOUT_S)
+                    if beat.leave:  # drained (Coordinator.DrainWorker): no session left here
+                        log.info("the coordinator drained this worker: deregistering and leaving")
+                        await w._deregister()
+                        w.registered.clear()
+                        w.leave_requested.set()
+                        return
             except grpc.aio.AioRpcError as e:
                 log.warning("heartbeat failed (%s: %s); registering again", e.code().name,
                             e.details())

@@ -210,8 +210,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.CancelResponse(cancelled=cancelled)
 
     async def GetLoad(self, request, context):
-        """The engine's current load (sessions, capacity, free capacity, KV cache bytes)."""
-        return convert.load_proto(self.engine.load())
+        """The engine's current load (`load`)."""
+        return self.load()
+
+    def load(self):
+        """The WorkerLoad proto of heartbeats and GetLoad: the engine's load and measurements
+        (`worker.convert.load_proto`) with the host's chip and peak memory bandwidth from the
+        metrics' `MachineInfo` (unknown without metrics)."""
+        machine = getattr(self.metrics, "machine", None)
+        if machine is None:
+            return convert.load_proto(self.engine.load())
+        return convert.load_proto(self.engine.load(), machine.chip, machine.peak_memory_bandwidth_bytes_per_s)
 
     def _outcome(self, outcome: str) -> None:
         if self.metrics:

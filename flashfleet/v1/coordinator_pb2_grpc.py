@@ -50,6 +50,16 @@ class CoordinatorStub:
                 request_serializer=flashfleet_dot_v1_dot_coordinator__pb2.GetClusterStatusRequest.SerializeToString,
                 response_deserializer=flashfleet_dot_v1_dot_coordinator__pb2.ClusterStatus.FromString,
                 _registered_method=True)
+        self.DrainWorker = channel.unary_stream(
+                '/flashfleet.v1.Coordinator/DrainWorker',
+                request_serializer=flashfleet_dot_v1_dot_coordinator__pb2.DrainWorkerRequest.SerializeToString,
+                response_deserializer=flashfleet_dot_v1_dot_coordinator__pb2.DrainProgress.FromString,
+                _registered_method=True)
+        self.MoveSession = channel.unary_unary(
+                '/flashfleet.v1.Coordinator/MoveSession',
+                request_serializer=flashfleet_dot_v1_dot_coordinator__pb2.MoveSessionRequest.SerializeToString,
+                response_deserializer=flashfleet_dot_v1_dot_coordinator__pb2.MoveSessionResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -75,6 +85,27 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DrainWorker(self, request, context):
+        """Operator commands (they need an API key where keys are configured).
+        Stops routing new requests to a worker and moves its running sessions to other workers; once
+        it runs none, the worker is told to leave (deregister and exit). Streams progress until the
+        worker has left. NOT_FOUND: no live worker has that id. FAILED_PRECONDITION: it runs sessions
+        and no other live worker serves its model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MoveSession(self, request, context):
+        """Moves one running request to another worker (the given one, or the one the migration policy
+        predicts fastest). NOT_FOUND: no such request is streaming, or no such worker.
+        FAILED_PRECONDITION: no worker can take it (full, draining, another model, or already its
+        worker). ABORTED: the destination refused; the request stays where it was.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +123,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetClusterStatus,
                     request_deserializer=flashfleet_dot_v1_dot_coordinator__pb2.GetClusterStatusRequest.FromString,
                     response_serializer=flashfleet_dot_v1_dot_coordinator__pb2.ClusterStatus.SerializeToString,
+            ),
+            'DrainWorker': grpc.unary_stream_rpc_method_handler(
+                    servicer.DrainWorker,
+                    request_deserializer=flashfleet_dot_v1_dot_coordinator__pb2.DrainWorkerRequest.FromString,
+                    response_serializer=flashfleet_dot_v1_dot_coordinator__pb2.DrainProgress.SerializeToString,
+            ),
+            'MoveSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.MoveSession,
+                    request_deserializer=flashfleet_dot_v1_dot_coordinator__pb2.MoveSessionRequest.FromString,
+                    response_serializer=flashfleet_dot_v1_dot_coordinator__pb2.MoveSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +216,60 @@ class Coordinator:
             '/flashfleet.v1.Coordinator/GetClusterStatus',
             flashfleet_dot_v1_dot_coordinator__pb2.GetClusterStatusRequest.SerializeToString,
             flashfleet_dot_v1_dot_coordinator__pb2.ClusterStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/flashfleet.v1.Coordinator/DrainWorker',
+            flashfleet_dot_v1_dot_coordinator__pb2.DrainWorkerRequest.SerializeToString,
+            flashfleet_dot_v1_dot_coordinator__pb2.DrainProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MoveSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flashfleet.v1.Coordinator/MoveSession',
+            flashfleet_dot_v1_dot_coordinator__pb2.MoveSessionRequest.SerializeToString,
+            flashfleet_dot_v1_dot_coordinator__pb2.MoveSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from flashfleet.v1 import common_pb2 as flashfleet_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66lashfleet/v1/worker.proto\x12\rflashfleet.v1\x1a\x1a\x66lashfleet/v1/common.proto\"\xb2\x01\n\nWorkerLoad\x12\x17\n\x0f\x61\x63tive_sessions\x18\x01 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x02 \x01(\r\x12\x15\n\rfree_capacity\x18\x03 \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x04 \x01(\x04\x12\x17\n\x0fkv_budget_bytes\x18\x05 \x01(\x04\x12\x15\n\rkv_free_bytes\x18\x06 \x01(\x04\x12\x1a\n\x12prompt_cache_bytes\x18\x07 \x01(\x04\"\x88\x01\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12(\n\x06models\x18\x03 \x03(\x0b\x32\x18.flashfleet.v1.ModelInfo\x12\'\n\x04load\x18\x04 \x01(\x0b\x32\x19.flashfleet.v1.WorkerLoad\"W\n\x10RegisterResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\x01\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\"`\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\'\n\x04load\x18\x03 \x01(\x0b\x32\x19.flashfleet.v1.WorkerLoad\"\x13\n\x11HeartbeatResponse\"8\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"\x14\n\x12\x44\x65registerResponse\"3\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest2\xfa\x01\n\x08Registry\x12K\n\x08Register\x12\x1e.flashfleet.v1.RegisterRequest\x1a\x1f.flashfleet.v1.RegisterResponse\x12N\n\tHeartbeat\x12\x1f.flashfleet.v1.HeartbeatRequest\x1a .flashfleet.v1.HeartbeatResponse\x12Q\n\nDeregister\x12 .flashfleet.v1.DeregisterRequest\x1a!.flashfleet.v1.DeregisterResponse2\xe3\x01\n\x06Worker\x12M\n\x08Generate\x12\x1e.flashfleet.v1.GenerateRequest\x1a\x1f.flashfleet.v1.GenerateResponse0\x01\x12\x45\n\x06\x43\x61ncel\x12\x1c.flashfleet.v1.CancelRequest\x1a\x1d.flashfleet.v1.CancelResponse\x12\x43\n\x07GetLoad\x12\x1d.flashfleet.v1.GetLoadRequest\x1a\x19.flashfleet.v1.WorkerLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66lashfleet/v1/worker.proto\x12\rflashfleet.v1\x1a\x1a\x66lashfleet/v1/common.proto\"\xef\x02\n\nWorkerLoad\x12\x17\n\x0f\x61\x63tive_sessions\x18\x01 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x02 \x01(\r\x12\x15\n\rfree_capacity\x18\x03 \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x04 \x01(\x04\x12\x17\n\x0fkv_budget_bytes\x18\x05 \x01(\x04\x12\x15\n\rkv_free_bytes\x18\x06 \x01(\x04\x12\x1a\n\x12prompt_cache_bytes\x18\x07 \x01(\x04\x12,\n\x08sessions\x18\x08 \x03(\x0b\x32\x1a.flashfleet.v1.SessionLoad\x12\x0c\n\x04\x63hip\x18\t \x01(\t\x12)\n!peak_memory_bandwidth_bytes_per_s\x18\n \x01(\x01\x12\x31\n\x0e\x64\x65\x63ode_profile\x18\x0b \x03(\x0b\x32\x19.flashfleet.v1.DecodeCost\x12!\n\x19prefill_seconds_per_token\x18\x0c \x01(\x01\"\x98\x01\n\x0bSessionLoad\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_tokens\x18\x02 \x01(\r\x12\x10\n\x08kv_bytes\x18\x03 \x01(\x04\x12\x14\n\x0ctokens_per_s\x18\x04 \x01(\x01\x12\x1b\n\x13speculative_speedup\x18\x05 \x01(\x01\x12\x18\n\x10remaining_tokens\x18\x06 \x01(\r\"Z\n\nDecodeCost\x12\x12\n\nbatch_size\x18\x01 \x01(\r\x12\x16\n\x0e\x63ontext_tokens\x18\x02 \x01(\r\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x0f\n\x07samples\x18\x04 \x01(\r\"\x88\x01\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12(\n\x06models\x18\x03 \x03(\x0b\x32\x18.flashfleet.v1.ModelInfo\x12\'\n\x04load\x18\x04 \x01(\x0b\x32\x19.flashfleet.v1.WorkerLoad\"W\n\x10RegisterResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\x01\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\"`\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\'\n\x04load\x18\x03 \x01(\x0b\x32\x19.flashfleet.v1.WorkerLoad\"\"\n\x11HeartbeatResponse\x12\r\n\x05leave\x18\x01 \x01(\x08\"8\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"\x14\n\x12\x44\x65registerResponse\"3\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest2\xfa\x01\n\x08Registry\x12K\n\x08Register\x12\x1e.flashfleet.v1.RegisterRequest\x1a\x1f.flashfleet.v1.RegisterResponse\x12N\n\tHeartbeat\x12\x1f.flashfleet.v1.HeartbeatRequest\x1a .flashfleet.v1.HeartbeatResponse\x12Q\n\nDeregister\x12 .flashfleet.v1.DeregisterRequest\x1a!.flashfleet.v1.DeregisterResponse2\xe3\x01\n\x06Worker\x12M\n\x08Generate\x12\x1e.flashfleet.v1.GenerateRequest\x1a\x1f.flashfleet.v1.GenerateResponse0\x01\x12\x45\n\x06\x43\x61ncel\x12\x1c.flashfleet.v1.CancelRequest\x1a\x1d.flashfleet.v1.CancelResponse\x12\x43\n\x07GetLoad\x12\x1d.flashfleet.v1.GetLoadRequest\x1a\x19.flashfleet.v1.WorkerLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,27 +33,31 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'flashfleet.v1.worker_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKERLOAD']._serialized_start=74
-  _globals['_WORKERLOAD']._serialized_end=252
-  _globals['_REGISTERREQUEST']._serialized_start=255
-  _globals['_REGISTERREQUEST']._serialized_end=391
-  _globals['_REGISTERRESPONSE']._serialized_start=393
-  _globals['_REGISTERRESPONSE']._serialized_end=480
-  _globals['_HEARTBEATREQUEST']._serialized_start=482
-  _globals['_HEARTBEATREQUEST']._serialized_end=578
-  _globals['_HEARTBEATRESPONSE']._serialized_start=580
-  _globals['_HEARTBEATRESPONSE']._serialized_end=599
-  _globals['_DEREGISTERREQUEST']._serialized_start=601
-  _globals['_DEREGISTERREQUEST']._serialized_end=657
-  _globals['_DEREGISTERRESPONSE']._serialized_start=659
-  _globals['_DEREGISTERRESPONSE']._serialized_end=679
-  _globals['_CANCELREQUEST']._serialized_start=681
-  _globals['_CANCELREQUEST']._serialized_end=732
-  _globals['_CANCELRESPONSE']._serialized_start=734
-  _globals['_CANCELRESPONSE']._serialized_end=769
-  _globals['_GETLOADREQUEST']._serialized_start=771
-  _globals['_GETLOADREQUEST']._serialized_end=787
-  _globals['_REGISTRY']._serialized_start=790
-  _globals['_REGISTRY']._serialized_end=1040
-  _globals['_WORKER']._serialized_start=1043
-  _globals['_WORKER']._serialized_end=1270
+  _globals['_WORKERLOAD']._serialized_end=441
+  _globals['_SESSIONLOAD']._serialized_start=444
+  _globals['_SESSIONLOAD']._serialized_end=596
+  _globals['_DECODECOST']._serialized_start=598
+  _globals['_DECODECOST']._serialized_end=688
+  _globals['_REGISTERREQUEST']._serialized_start=691
+  _globals['_REGISTERREQUEST']._serialized_end=827
+  _globals['_REGISTERRESPONSE']._serialized_start=829
+  _globals['_REGISTERRESPONSE']._serialized_end=916
+  _globals['_HEARTBEATREQUEST']._serialized_start=918
+  _globals['_HEARTBEATREQUEST']._serialized_end=1014
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1016
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1050
+  _globals['_DEREGISTERREQUEST']._serialized_start=1052
+  _globals['_DEREGISTERREQUEST']._serialized_end=1108
+  _globals['_DEREGISTERRESPONSE']._serialized_start=1110
+  _globals['_DEREGISTERRESPONSE']._serialized_end=1130
+  _globals['_CANCELREQUEST']._serialized_start=1132
+  _globals['_CANCELREQUEST']._serialized_end=1183
+  _globals['_CANCELRESPONSE']._serialized_start=1185
+  _globals['_CANCELRESPONSE']._serialized_end=1220
+  _globals['_GETLOADREQUEST']._serialized_start=1222
+  _globals['_GETLOADREQUEST']._serialized_end=1238
+  _globals['_REGISTRY']._serialized_start=1241
+  _globals['_REGISTRY']._serialized_end=1491
+  _globals['_WORKER']._serialized_start=1494
+  _globals['_WORKER']._serialized_end=1721
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("active_sessions", "capacity", "free_capacity", "kv_cache_bytes", "kv_budget_bytes", "kv_free_bytes", "prompt_cache_bytes")
+    __slots__ = ("active_sessions", "capacity", "free_capacity", "kv_cache_bytes", "kv_budget_bytes", "kv_free_bytes", "prompt_cache_bytes", "sessions", "chip", "peak_memory_bandwidth_bytes_per_s", "decode_profile", "prefill_seconds_per_token")
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     FREE_CAPACITY_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,11 @@ class WorkerLoad(_message.Message):
     KV_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    CHIP_FIELD_NUMBER: _ClassVar[int]
+    PEAK_MEMORY_BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_PROFILE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     active_sessions: int
     capacity: int
     free_capacity: int
@@ -23,7 +28,40 @@ class WorkerLoad(_message.Message):
     kv_budget_bytes: int
     kv_free_bytes: int
     prompt_cache_bytes: int
-    def __init__(self, active_sessions: _Optional[int] = ..., capacity: _Optional[int] = ..., free_capacity: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., kv_free_bytes: _Optional[int] = ..., prompt_cache_bytes: _Optional[int] = ...) -> None: ...
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionLoad]
+    chip: str
+    peak_memory_bandwidth_bytes_per_s: float
+    decode_profile: _containers.RepeatedCompositeFieldContainer[DecodeCost]
+    prefill_seconds_per_token: float
+    def __init__(self, active_sessions: _Optional[int] = ..., capacity: _Optional[int] = ..., free_capacity: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., kv_free_bytes: _Optional[int] = ..., prompt_cache_bytes: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionLoad, _Mapping]]] = ..., chip: _Optional[str] = ..., peak_memory_bandwidth_bytes_per_s: _Optional[float] = ..., decode_profile: _Optional[_Iterable[_Union[DecodeCost, _Mapping]]] = ..., prefill_seconds_per_token: _Optional[float] = ...) -> None: ...
+
+class SessionLoad(_message.Message):
+    __slots__ = ("request_id", "context_tokens", "kv_bytes", "tokens_per_s", "speculative_speedup", "remaining_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_SPEEDUP_FIELD_NUMBER: _ClassVar[int]
+    REMAINING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    context_tokens: int
+    kv_bytes: int
+    tokens_per_s: float
+    speculative_speedup: float
+    remaining_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., context_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., speculative_speedup: _Optional[float] = ..., remaining_tokens: _Optional[int] = ...) -> None: ...
+
+class DecodeCost(_message.Message):
+    __slots__ = ("batch_size", "context_tokens", "seconds", "samples")
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    batch_size: int
+    context_tokens: int
+    seconds: float
+    samples: int
+    def __init__(self, batch_size: _Optional[int] = ..., context_tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker_id", "address", "models", "load")
@@ -58,8 +96,10 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("leave",)
+    LEAVE_FIELD_NUMBER: _ClassVar[int]
+    leave: bool
+    def __init__(self, leave: _Optional[bool] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
     __slots__ = ("worker_id", "lease_id")

@@ -32,6 +32,7 @@ import mlx.core as mx
 from worker.capture import HiddenCapture
 from worker.engine.batch import Batch, Row, dflash_cycle, plain_step, prefill_chunk
 from worker.engine.block_policy import Acceptance, BatchBlockPolicy
+from worker.engine.profile import DecodeProfile
 from worker.engine.prompt_cache import PromptCache
 from worker.caches.rows import STEP, RowKVCache, make_row_caches
 from worker.engine.session import Session
@@ -98,6 +99,8 @@ class Scheduler:
         prompt_cache_entries: finished turns kept for prefix reuse (0: none).
         release: called with a request id when it stops counting against capacity.
         clock: monotonic seconds.
+        profile: where each plain decode iteration's and prefill chunk's time is recorded
+            (worker/engine/profile.py; the coordinator's migration policy reads it); None: none.
 
     Raises:
         ValueError: the target has non-attention layers (`make_row_caches`), or the budget holds
@@ -106,8 +109,9 @@ class Scheduler:
 
     def __init__(self, models, *, block_size: int, adaptive: bool, prefill_step_tokens: int,
                  kv_budget_bytes: int, prompt_cache_entries: int, release: Callable[[str], None],
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, profile: Optional[DecodeProfile] = None):
         self.m = models
+        self.profile = profile
         self.block_size = block_size
         self.prefill_step_tokens = prefill_step_tokens
         self.budget = kv_budget_bytes
@@ -314,8 +318,11 @@ class Scheduler:
             if seq.prefilled < end:
                 stop = min(end, seq.prefilled + self.prefill_step_tokens)
                 dflash = seq.mode == "dflash"
+                t0 = self.clock()
                 prefill_chunk(self.m.target, seq.tokens[seq.prefilled: stop], seq.target,
                               self.m.draft if dflash else None, seq.draft, self.capture)
+                if self.profile is not None:
+                    self.profile.prefill(stop - seq.prefilled, self.clock() - t0)
                 seq.prefilled = stop
                 mx.clear_cache()
         except Exception as e:
@@ -370,6 +377,7 @@ class Scheduler:
         batch = self.batches[mode]
         t0 = self.clock()
         try:
+            L = 1
             if mode == "plain":
                 results = [(t, 0, 0) for t in plain_step(self.m.target, batch)]
             else:
@@ -378,6 +386,8 @@ class Scheduler:
                 if self.policy is not None:
                     self.policy.observe(len(seqs), max(s.row.n for s in seqs), L, self.clock() - t0)
                 results = [(t, L - 1, a) for t, a in zip(res.tokens, res.accepted)]
+            if self.profile is not None:
+                self.profile.decode(len(seqs), max(s.row.n for s in seqs), L, self.clock() - t0)
         except Exception as e:
             log.exception("a batched %s iteration failed; ending its %d sessions", mode, len(seqs))
             self._leave(mode, list(range(len(seqs))))

@@ -23,6 +23,7 @@ from worker.engine.modes import MODES, LoadedModels, Mode, draft_kind_of, resolv
 from worker.models.dflash_checkpoint import DraftCheckpointError
 from worker.engine.budget import default_kv_budget_bytes
 from worker.engine.load import draft_label, load_models, read_model_config
+from worker.engine.profile import DecodeProfile, LoadBoard, SessionRates, scheduler_sessions
 from worker.engine.scheduler import BATCHED_MODES, Scheduler
 from worker.engine.session import Session, new_stats
 from worker.engine.types import (
@@ -110,7 +111,8 @@ class Engine:
             engine thread, its weights).
         DraftCheckpointError: a DFlash draft checkpoint that cannot be loaded for this target
             (`worker.models.dflash_checkpoint`).
-        ValueError: the model's context length is unknown (set max_context_tokens).
+        ValueError: the model's context length is unknown (set max_context_tokens), or env
+            FLASHFLEET_TEST_SLOWDOWN is not a number >= 1 (worker/engine/profile.py).
         RuntimeError: loading or warm-up failed on the engine thread (the cause is chained), or
             took longer than load_timeout_s.
 
@@ -141,6 +143,10 @@ class Engine:
         self._scheduler: Scheduler | None = None  # the engine thread's
         # Published by the engine thread for load(): sessions' KV bytes, the prompt cache's, the budget.
         self._kv_bytes = self._prompt_cache_bytes = self._kv_budget = 0
+        # Measured speed for the coordinator's migration policy (worker/engine/profile.py).
+        self._profile = DecodeProfile.from_env()
+        self._rates = SessionRates()
+        self._board = LoadBoard()
 
         model_cfg = read_model_config(config.model_path, "model")
         draft_cfg = (read_model_config(config.draft_path, "draft model")
@@ -327,12 +333,15 @@ class Engine:
 
     def load(self) -> EngineLoad:
         """Admitted sessions, capacity, bytes held by running sessions' KV caches and by the prompt
-        cache, and the KV budget."""
+        cache, the KV budget, and what the engine measured of its sessions and its speed
+        (worker/engine/profile.py)."""
         with self._lock:
             active = len(self._admitted)
         return EngineLoad(active_sessions=active, capacity=self.config.capacity,
                           kv_cache_bytes=self._kv_bytes, kv_budget_bytes=self._kv_budget,
-                          prompt_cache_bytes=self._prompt_cache_bytes)
+                          prompt_cache_bytes=self._prompt_cache_bytes, sessions=self._board.sessions,
+                          decode_profile=tuple(self._profile.snapshot()),
+                          prefill_seconds_per_token=self._profile.prefill_seconds_per_token)
 
     # ----- validation (caller's thread, pure Python) ------------------------------------------
 
@@ -428,7 +437,7 @@ class Engine:
         sched = Scheduler(models, block_size=block, adaptive=cfg.adaptive_block_size,
                           prefill_step_tokens=cfg.prefill_step_tokens, kv_budget_bytes=budget,
                           prompt_cache_entries=cfg.prompt_cache_entries, release=self._release,
-                          clock=self._clock)
+                          clock=self._clock, profile=self._profile)
         log.info("KV budget %.1f MB (%d bytes a position plain%s); prompt cache %d entries",
                  budget / 1e6, sched.bytes_per_position["plain"],
                  f", {sched.bytes_per_position['dflash']} DFlash" if "dflash" in sched.bytes_per_position else "",
@@ -451,6 +460,7 @@ class Engine:
         while not sched.idle:
             sched.iterate()
         sched.reset_measurements()
+        self._profile.reset()
         mx.clear_cache()
 
     def _handle_commands(self, m: LoadedModels, sched: Scheduler, block: bool) -> bool:
@@ -526,6 +536,9 @@ class Engine:
         self._kv_bytes = sched.kv_bytes()
         self._prompt_cache_bytes = sched.prompt_cache.nbytes
         self._kv_budget = sched.budget
+        now = self._clock()
+        if self._board.due(now) or (sched.idle and self._board.sessions):  # idle: the loop blocks next
+            self._board.publish(scheduler_sessions(sched, self._rates, now))
 
     def _free(self) -> None:
         """Drops MLX buffers and this thread's streams. MLX requires `clear_streams` before a

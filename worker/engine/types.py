@@ -160,6 +160,11 @@ class EngineLoad:
     kv_cache_bytes: int
     kv_budget_bytes: int = 0  # 0: unknown (the engine is not running)
     prompt_cache_bytes: int = 0  # finished turns kept for reuse (evicted first when sessions need room)
+    # For the coordinator's migration policy (worker/engine/profile.py): each session's snapshot
+    # (SessionSnapshot), the decode profile (DecodeCostEntry) and seconds per prefilled token.
+    sessions: tuple = ()
+    decode_profile: tuple = ()
+    prefill_seconds_per_token: float = 0.0
 
     @property
     def kv_free_bytes(self) -> int:

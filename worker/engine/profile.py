@@ -1,0 +1,261 @@
+"""What a worker measures of its own speed, for the coordinator's migration policy.
+
+`DecodeProfile` keeps exponential means of the engine's own timings: seconds per decode
+iteration (one plain step of the whole batch, or a DFlash iteration at block size 1) by
+(batch-size bucket, context bucket), buckets being powers of two as in
+worker/engine/block_policy.py, and seconds per prefilled prompt token. The engine thread writes
+it; heartbeats read `snapshot()` from another thread (whole-dict replacement: a reader never sees
+a half-updated table).
+
+`SessionRates` keeps each running session's recent generated tokens per second (exponential mean
+over its steps), and `speculative_speedup` is the engine cost model's estimate of a speculating
+row's tokens/s over plain decoding's.
+
+Test hook (heterogeneous fleets on one machine): `FLASHFLEET_TEST_SLOWDOWN=F` (a number >= 1) in
+the environment of a worker makes its engine sleep (F - 1) x each decode iteration's and prefill
+chunk's measured time after it, so the worker is F times slower and its measured profile says so.
+Read when the engine is constructed (`DecodeProfile.from_env`). Never set it in production.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+from worker.engine.block_policy import expected_tokens
+
+SLOWDOWN_ENV = "FLASHFLEET_TEST_SLOWDOWN"
+CONTEXT_FLOOR = 256  # the smallest context bucket, tokens
+
+
+def bucket(n: int, floor: int = 1) -> int:
+    """The power-of-two bucket of `n` (its upper bound), at least `floor`."""
+    return max(floor, 1 << max(0, int(n) - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class DecodeCostEntry:
+    """One bucket of the profile: batch sizes in (batch_size/2, batch_size], contexts in
+    (context_tokens/2, context_tokens]; `seconds` per decode iteration over `samples` timings."""
+
+    batch_size: int
+    context_tokens: int
+    seconds: float
+    samples: int
+
+
+class DecodeProfile:
+    """Exponential means of decode-iteration and prefill times; engine thread writes, any reads.
+
+    Args:
+        decay: weight of the old mean in each update, [0, 1).
+        slowdown: test hook: after each timed decode iteration or prefill chunk the engine
+            sleeps (slowdown - 1) x its time, and the profile records slowdown x the time (1.0:
+            none; see the module docstring).
+        sleep: how to sleep (tests inject a fake).
+
+    Raises:
+        ValueError: decay outside [0, 1) or slowdown < 1.
+    """
+
+    def __init__(self, decay: float = 0.8, slowdown: float = 1.0,
+                 sleep: Callable[[float], None] = time.sleep):
+        if not 0 <= decay < 1:
+            raise ValueError(f"decay must be in [0, 1), got {decay}")
+        if not slowdown >= 1:
+            raise ValueError(f"slowdown must be >= 1, got {slowdown}")
+        self.decay = decay
+        self.slowdown = slowdown
+        self._sleep = sleep
+        self._decode: dict[tuple[int, int], tuple[float, int]] = {}
+        self._seen: set[tuple[int, int]] = set()
+        self.prefill_seconds_per_token = 0.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "DecodeProfile":
+        """A profile whose slowdown comes from env FLASHFLEET_TEST_SLOWDOWN (unset: 1.0).
+
+        Raises:
+            ValueError: the variable is not a number >= 1.
+        """
+        env = os.environ if env is None else env
+        raw = env.get(SLOWDOWN_ENV, "").strip()
+        try:
+            slowdown = float(raw) if raw else 1.0
+        except ValueError:
+            raise ValueError(f"{SLOWDOWN_ENV} must be a number >= 1, got {raw!r}") from None
+        return cls(slowdown=slowdown)
+
+    def _slow(self, seconds: float) -> float:
+        if self.slowdown > 1 and seconds > 0:
+            self._sleep((self.slowdown - 1) * seconds)
+        return seconds * self.slowdown
+
+    def decode(self, batch_size: int, context: int, block: int, seconds: float) -> None:
+        """Records one decode iteration of `batch_size` rows whose longest holds `context` tokens,
+        run at block size `block` (1: a plain step) in `seconds`; only plain steps enter the
+        table (a DFlash iteration's cost depends on its block size: the block policy keeps it),
+        and the first one of each bucket is dropped as warm-up."""
+        seconds = self._slow(seconds)
+        if block != 1 or batch_size < 1 or seconds <= 0:
+            return
+        key = (bucket(batch_size), bucket(context, CONTEXT_FLOOR))
+        table = dict(self._decode)
+        old = table.get(key)
+        if key not in self._seen:  # the first iteration of a bucket is warm-up (graph set-up, compiles)
+            self._seen.add(key)
+            return
+        table[key] = (seconds, 1) if old is None else (self.decay * old[0] + (1 - self.decay) * seconds, old[1] + 1)
+        self._decode = table
+
+    def prefill(self, tokens: int, seconds: float) -> None:
+        """Records one prefill chunk of `tokens` prompt tokens that took `seconds`."""
+        seconds = self._slow(seconds)
+        if tokens < 1 or seconds <= 0:
+            return
+        per_token = seconds / tokens
+        old = self.prefill_seconds_per_token
+        self.prefill_seconds_per_token = per_token if old == 0 else self.decay * old + (1 - self.decay) * per_token
+
+    def snapshot(self) -> list[DecodeCostEntry]:
+        """The decode table, sorted by (batch_size, context_tokens); safe from any thread."""
+        return [DecodeCostEntry(b, c, s, n) for (b, c), (s, n) in sorted(self._decode.items())]
+
+    def reset(self) -> None:
+        """Forgets every measurement (after warm-up: dummy prompts' costs are no request's)."""
+        self._decode = {}
+        self._seen = set()
+        self.prefill_seconds_per_token = 0.0
+
+
+@dataclass(frozen=True)
+class SessionSnapshot:
+    """One session as heartbeats report it (see SessionLoad in protos/flashfleet/v1/worker.proto).
+
+    Attributes:
+        request_id: its id.
+        context_tokens: prompt + generated tokens it holds.
+        kv_bytes: bytes its KV cache holds (or will once admitted).
+        tokens_per_s: recent generated tokens per second (0 before two steps).
+        speculative_speedup: estimated tokens/s over plain decoding's (1.0 plain).
+        remaining_tokens: tokens of max_tokens still to generate.
+    """
+
+    request_id: str
+    context_tokens: int
+    kv_bytes: int
+    tokens_per_s: float
+    speculative_speedup: float
+    remaining_tokens: int
+
+
+class SessionRates:
+    """Each session's recent tokens/s: an exponential mean of tokens / seconds between its steps.
+
+    Args:
+        decay: weight of the old mean in each update, [0, 1).
+    """
+
+    def __init__(self, decay: float = 0.8):
+        self.decay = decay
+        self._last: dict[str, tuple[float, int]] = {}
+        self._rate: dict[str, float] = {}
+
+    def observe(self, request_id: str, generated: int, now_s: float) -> None:
+        """The session has generated `generated` tokens in all at clock time `now_s` (seconds)."""
+        last = self._last.get(request_id)
+        self._last[request_id] = (now_s, generated)
+        if last is None or generated <= last[1] or now_s <= last[0]:
+            return
+        rate = (generated - last[1]) / (now_s - last[0])
+        old = self._rate.get(request_id)
+        self._rate[request_id] = rate if old is None else self.decay * old + (1 - self.decay) * rate
+
+    def rate(self, request_id: str) -> float:
+        """Recent tokens/s of a session (0.0 before two steps)."""
+        return self._rate.get(request_id, 0.0)
+
+    def keep(self, request_ids: set[str]) -> None:
+        """Forgets sessions not in `request_ids` (they ended)."""
+        for rid in [r for r in self._last if r not in request_ids]:
+            self._last.pop(rid, None)
+            self._rate.pop(rid, None)
+
+
+def speculative_speedup(acceptance: Sequence[float], costs: Mapping[int, float]) -> list[float]:
+    """Each row's estimated speculative tokens/s over plain decoding's in one batch.
+
+    The block policy's model (worker/engine/block_policy.py): at block size L the batch commits
+    sum_r E_r(L) tokens per iteration of c(L) seconds, and it runs the L* that maximises that
+    rate; row r then gains E_r(L*) x c(1) / c(L*) over a plain step (1.0 when L* = 1).
+
+    Args:
+        acceptance: each row's acceptance rate a_r in [0, 1].
+        costs: measured seconds per iteration by block size L in the batch's bucket; without
+            c(1) nothing is known and every row gets 1.0.
+    """
+    if 1 not in costs or not acceptance:
+        return [1.0] * len(acceptance)
+    best, best_rate = 1, len(acceptance) / costs[1]
+    for L, c in costs.items():
+        if L > 1 and c > 0:
+            r = sum(expected_tokens(a, L) for a in acceptance) / c
+            if r > best_rate:
+                best, best_rate = L, r
+    if best == 1:
+        return [1.0] * len(acceptance)
+    return [expected_tokens(a, best) * costs[1] / costs[best] for a in acceptance]
+
+
+class LoadBoard:
+    """The engine thread's latest session snapshots, published for other threads (heartbeats).
+
+    Args:
+        min_interval_s: the engine publishes at most this often (building snapshots costs a
+            little Python per session; heartbeats come every few seconds).
+    """
+
+    def __init__(self, min_interval_s: float = 0.2):
+        self.min_interval_s = min_interval_s
+        self.sessions: tuple[SessionSnapshot, ...] = ()
+        self._next_s = 0.0
+
+    def due(self, now_s: float) -> bool:
+        """True at most once per `min_interval_s` (then the engine publishes)."""
+        if now_s < self._next_s:
+            return False
+        self._next_s = now_s + self.min_interval_s
+        return True
+
+    def publish(self, sessions: Sequence[SessionSnapshot]) -> None:
+        """Replaces the published sessions (one reference swap: readers see the old or the new)."""
+        self.sessions = tuple(sessions)
+
+
+def scheduler_sessions(sched, rates: SessionRates, now_s: float) -> list[SessionSnapshot]:
+    """Snapshots of every session a `worker.engine.scheduler.Scheduler` holds (engine thread):
+    batched ones with their row bytes and, for DFlash rows, `speculative_speedup` over the block
+    policy's costs in their batch's bucket; generator-driven ones with their caches' bytes and
+    speedup 1.0 (no cost model). Updates `rates` and forgets ended sessions there."""
+    out: list[SessionSnapshot] = []
+    speedups: dict[str, float] = {}
+    dflash = sched.decoding.get("dflash", [])
+    if dflash and sched.policy is not None:
+        B, ctx = len(dflash), max(len(s.tokens) for s in dflash)
+        costs = {L: c for L in sched.policy.candidates if (c := sched.policy.cost(B, ctx, L)) is not None}
+        for s, x in zip(dflash, speculative_speedup([s.acceptance.rate for s in dflash], costs)):
+            speedups[s.request_id] = x
+    seqs = [*sched.waiting, *sched.prefilling, *(s for m in sched.decoding for s in sched.decoding[m])]
+    for s in seqs:
+        st = s.session.stats
+        rates.observe(s.request_id, st.generated_tokens, now_s)
+        out.append(SessionSnapshot(s.request_id, len(s.tokens), sched.row_bytes(s.mode, len(s.tokens)),
+                                   rates.rate(s.request_id), speedups.get(s.request_id, 1.0), max(0, s.remaining)))
+    for rid, g in sched.generators.items():
+        st = g.stats
+        rates.observe(rid, st.generated_tokens, now_s)
+        out.append(SessionSnapshot(rid, st.prompt_tokens + st.generated_tokens, g.kv_cache_bytes, rates.rate(rid),
+                                   1.0, max(0, g.request.max_tokens - st.generated_tokens)))
+    rates.keep({x.request_id for x in out})
+    return out
