@@ -33,9 +33,9 @@ draft kind, s counts as 1.
 - *speed* / *load*: with R tokens left (R >= `min_remaining_tokens`), a candidate d is worth it
   when tps_d >= `min_speedup` x tps_src and the time saved R / tps_src - R / tps_d exceeds
   `hysteresis` x the move's cost, min(KV bytes / `link_bandwidth_bytes_per_s`, C x d's seconds
-  per prefilled token); the one saving the most net of the cost wins. "load" when d runs fewer
-  sessions than the source would after the move (the old rule: a shared worker to an idle one),
-  "speed" otherwise (a faster machine).
+  per prefilled token); the one saving the most net of the cost wins. "speed" when d would be
+  that much faster even at the source's batch size (a faster machine), "load" otherwise (the
+  gain comes from a smaller batch: a shared worker to an idle one).
 
 Candidates: live, reachable, not draining, serving the model and mode, with a free slot and KV
 room for the session's growth (when budgets are known), and not the worker the session left less
@@ -313,7 +313,10 @@ class MigrationPolicy:
             saved = remaining / tps_src - remaining / tps
             cost = self.move_cost_s(session, d)
             if saved > self.hysteresis * cost and (best is None or saved - cost > best.saved_s - best.cost_s):
-                best = Decision(d, "load" if d.busy + 1 < source.busy else "speed", saved, cost)
+                # "speed": faster at the source's own batch size (a faster machine); else "load"
+                same = self._tps(d, max(1, source.busy), context, s, peers)
+                best = Decision(d, "speed" if same is not None and same >= self.min_speedup * tps_src else "load",
+                                saved, cost)
         return best
 
 

@@ -222,6 +222,45 @@ class Client:
         except grpc.RpcError as e:
             raise from_rpc_error(e, self._secure) from None
 
+    def drain_worker(self, worker_id: str, timeout_s: float | None = DEFAULT_GENERATE_TIMEOUT_S
+                     ) -> Iterator[coordinator_pb2.DrainProgress]:
+        """Drains a worker: no new requests go to it, its sessions move to other workers, then it
+        is told to leave. Yields its progress (DrainProgress: sessions_left, moved, state
+        "draining" / "leaving" / "left") whenever it changes, ending once it has left.
+
+        Args:
+            worker_id: the worker's id.
+            timeout_s: deadline of the whole drain, seconds (None: the client's default).
+
+        Raises:
+            ModelNotFound (code NOT_FOUND): no live worker has that id.
+            FailedPrecondition: it runs sessions and no other worker serves its model.
+            FlashfleetError subclasses, as for generate() (Unauthenticated without a valid key, ...).
+        """
+        try:
+            yield from self._stub.DrainWorker(coordinator_pb2.DrainWorkerRequest(worker_id=worker_id),
+                                              timeout=_deadline(timeout_s, self.timeout_s))
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, self._secure) from None
+
+    def move_session(self, request_id: str, to_worker_id: str = "",
+                     timeout_s: float | None = 60.0) -> coordinator_pb2.MoveSessionResponse:
+        """Moves a running request to `to_worker_id` (empty: the worker the coordinator's
+        migration policy predicts fastest for it); returns once it streams there.
+
+        Raises:
+            ModelNotFound (code NOT_FOUND): no such request is streaming, or no such worker.
+            FailedPrecondition: no worker can take it (full, draining, another model, its own).
+            FlashfleetError with code ABORTED: the destination refused; the request stays where it was.
+            FlashfleetError subclasses, as for generate().
+        """
+        try:
+            return self._stub.MoveSession(coordinator_pb2.MoveSessionRequest(request_id=request_id,
+                                                                              to_worker_id=to_worker_id),
+                                          timeout=_deadline(timeout_s, 60.0))
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, self._secure) from None
+
 
 # The keywords complete() forwards to generate().
 _GENERATE_KEYWORDS = frozenset(inspect.signature(Client.generate).parameters) - {"self", "model", "prompt"}

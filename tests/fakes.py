@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+from worker.engine.profile import DecodeCostEntry, SessionSnapshot
 from worker.engine.types import (DoneEvent, Draining, EngineLoad, GenerationStats, InvalidRequest,
                                  ModelDescription, Overloaded, TokenEvent)
 
@@ -23,6 +24,9 @@ class FakeEngine:
         kv_budget_bytes: the KV budget `load()` reports (0: unknown).
         kv_bytes_per_token: the model's KV bytes per token of context (0: unknown); a running
             request holds this much per prompt token, at least 1000 bytes.
+        seconds_per_iteration: the decode profile `load()` reports: an iteration of B rows costs
+            B x this (batch buckets 1, 2, 4, 8; one context bucket); None reports none. `load()`
+            always reports each running request as a session (context = prompt + tokens so far).
 
     A finished request's prompt stays in a prompt cache (1000 bytes each in `load()`): a later
     prompt reports as `cached_tokens` its longest common prefix with one of them, at most all its
@@ -35,10 +39,12 @@ class FakeEngine:
 
     def __init__(self, name="fake-model", capacity=4, token_delay_s=0.0, refuse=None,
                  max_context_tokens=4096, abort_delay_s=0.0, kv_budget_bytes=1 << 20,
-                 kv_bytes_per_token=0):
+                 kv_bytes_per_token=0, seconds_per_iteration=None):
         self.model = ModelDescription(name=name, max_context_tokens=max_context_tokens,
                                       kv_bytes_per_token=kv_bytes_per_token)
         self.kv_budget_bytes = kv_budget_bytes
+        self.seconds_per_iteration = seconds_per_iteration
+        self._progress: dict[str, tuple[int, int]] = {}  # request id -> (context tokens, remaining)
         self.prompt_cache: list[tuple[int, ...]] = []
         self._kv_held: dict[str, int] = {}
         self.capacity = capacity
@@ -86,6 +92,8 @@ class FakeEngine:
                 reason = "cancelled"
                 break
             tok = (base + i) % 100
+            with self._lock:
+                self._progress[request.request_id] = (len(request.prompt_tokens) + i + 1, request.max_tokens - i - 1)
             emit(TokenEvent(request.request_id, (tok,), f"<{tok}>"))
             n += 1
         if reason == "cancelled" and self.abort_delay_s:
@@ -94,6 +102,7 @@ class FakeEngine:
         with self._lock:
             self.active.pop(request.request_id, None)
             self._kv_held.pop(request.request_id, None)
+            self._progress.pop(request.request_id, None)
             cached = max((_common_prefix(prompt, p) for p in self.prompt_cache), default=0)
             self.prompt_cache.append(prompt)
         stats = GenerationStats(prompt_tokens=len(request.prompt_tokens) + len(request.resume_tokens),
@@ -112,9 +121,14 @@ class FakeEngine:
 
     def load(self):
         with self._lock:
+            sessions = tuple(SessionSnapshot(rid, ctx, self._kv_held.get(rid, 0), 0.0, 1.0, left)
+                             for rid, (ctx, left) in self._progress.items())
+            s = self.seconds_per_iteration
+            profile = () if s is None else tuple(DecodeCostEntry(b, 256, s * b, 10) for b in (1, 2, 4, 8))
             return EngineLoad(active_sessions=len(self.active), capacity=self.capacity,
                               kv_cache_bytes=sum(self._kv_held.values()), kv_budget_bytes=self.kv_budget_bytes,
-                              prompt_cache_bytes=1000 * len(self.prompt_cache))
+                              prompt_cache_bytes=1000 * len(self.prompt_cache), sessions=sessions,
+                              decode_profile=profile)
 
     def close(self):
         self.closed = True

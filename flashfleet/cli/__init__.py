@@ -12,6 +12,8 @@ COMMANDS = {
     "up": ("flashfleet.cli.up", "start a coordinator and N workers on this machine"),
     "generate": ("flashfleet.cli.generate", "stream one generation from a running cluster"),
     "status": ("flashfleet.cli.status", "show the workers of a running cluster"),
+    "drain": ("flashfleet.cli.drain", "move every session off a worker, then make it leave"),
+    "move": ("flashfleet.cli.move", "move one running request to another worker"),
     "models": ("flashfleet.cli.models_cmd", "fetch / list real models for offline use"),
     "draft": ("flashfleet.cli.draft_cmd", "train and evaluate DFlash drafts for a target "
               "(data, training, tau)"),

@@ -1,0 +1,293 @@
+"""The migration policy (coordinator/migration.py) on simulated fleets with an injected clock, and
+what workers measure for it (worker/engine/profile.py)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from coordinator.migration import MigrationPolicy, position_keyed, profile_seconds
+from coordinator.registry import WorkerRecord
+from flashfleet.v1 import common_pb2, worker_pb2
+from worker.engine.profile import DecodeProfile, SessionRates, speculative_speedup
+
+BYTES_PER_TOKEN = 1000
+AUTO, PLAIN, DRAFT, DFLASH = (common_pb2.DECODE_MODE_AUTO, common_pb2.DECODE_MODE_PLAIN,
+                              common_pb2.DECODE_MODE_DRAFT, common_pb2.DECODE_MODE_DFLASH)
+
+
+def _profile(step_s: float, per_row: float):
+    """Seconds per iteration = step_s x (1 + per_row x (B - 1)) x (1 + C / 8192)."""
+    return [worker_pb2.DecodeCost(batch_size=b, context_tokens=c, seconds=step_s * (1 + per_row * (b - 1)) * (1 + c / 8192),
+                                  samples=5) for b in (1, 2, 4, 8) for c in (256, 1024, 4096)]
+
+
+class Fleet:
+    """Worker records whose loads the test edits; sessions are (worker id, SessionLoad)."""
+
+    def __init__(self):
+        self.workers: dict[str, WorkerRecord] = {}
+
+    def add(self, wid, step_s=0.01, per_row=1.0, budget=0, capacity=8, prefill_s=1e-4, draft_mode=AUTO,
+            profiled=True, bandwidth=0.0):
+        load = worker_pb2.WorkerLoad(capacity=capacity, kv_budget_bytes=budget,
+                                     decode_profile=_profile(step_s, per_row) if profiled else [],
+                                     prefill_seconds_per_token=prefill_s, peak_memory_bandwidth_bytes_per_s=bandwidth)
+        info = common_pb2.ModelInfo(name="m", kv_bytes_per_token=BYTES_PER_TOKEN, draft_mode=draft_mode,
+                                    draft="d" if draft_mode != AUTO else "")
+        self.workers[wid] = WorkerRecord(wid, f"{wid}:1", "lease", [info], load, 0.0, model_names=frozenset({"m"}))
+        return self.workers[wid]
+
+    def place(self, wid, rid, context, remaining, speedup=1.0):
+        w = self.workers[wid]
+        w.load.sessions.append(worker_pb2.SessionLoad(request_id=rid, context_tokens=context,
+                                                      kv_bytes=context * BYTES_PER_TOKEN, remaining_tokens=remaining,
+                                                      speculative_speedup=speedup))
+        w.in_flight += 1
+        self._sync(w)
+
+    def move(self, rid, src, dst):
+        s = next(x for x in self.workers[src].load.sessions if x.request_id == rid)
+        kept = [x for x in self.workers[src].load.sessions if x.request_id != rid]
+        del self.workers[src].load.sessions[:]
+        self.workers[src].load.sessions.extend(kept)
+        self.workers[src].in_flight -= 1
+        self.workers[dst].load.sessions.append(s)
+        self.workers[dst].in_flight += 1
+        for w in (self.workers[src], self.workers[dst]):
+            self._sync(w)
+
+    @staticmethod
+    def _sync(w):
+        used = sum(s.kv_bytes for s in w.load.sessions)
+        w.load.kv_cache_bytes = used
+        w.load.kv_free_bytes = max(0, w.load.kv_budget_bytes - used)
+
+    def live(self):
+        return list(self.workers.values())
+
+
+def _req(rid="r", max_tokens=2000, **kw):
+    return common_pb2.GenerateRequest(model="m", prompt="p", request_id=rid, max_tokens=max_tokens, **kw)
+
+
+def test_profile_prediction_interpolates_and_extrapolates():
+    prof = [worker_pb2.DecodeCost(batch_size=1, context_tokens=256, seconds=0.010),
+            worker_pb2.DecodeCost(batch_size=1, context_tokens=1024, seconds=0.016),
+            worker_pb2.DecodeCost(batch_size=4, context_tokens=256, seconds=0.022)]
+    assert profile_seconds(prof, 1, 256) == pytest.approx(0.010)
+    assert profile_seconds(prof, 1, 640) == pytest.approx(0.013)  # halfway between 256 and 1024
+    assert profile_seconds(prof, 1, 100) == pytest.approx(0.010)  # flat below the smallest bucket
+    assert profile_seconds(prof, 1, 1792) == pytest.approx(0.022)  # along the last slope above
+    assert profile_seconds(prof, 2, 256) == pytest.approx(0.014)  # between batch buckets 1 and 4
+    assert profile_seconds(prof, 8, 256) == pytest.approx(0.038)
+    assert profile_seconds([], 1, 256) is None
+
+
+def test_a_long_session_moves_to_the_faster_worker_and_a_short_one_stays():
+    fleet = Fleet()
+    slow, fast = fleet.add("slow", step_s=0.03), fleet.add("fast", step_s=0.01)
+    fleet.place("slow", "long", context=300, remaining=1500)
+    fleet.place("slow", "short", context=300, remaining=40)
+    p = MigrationPolicy()
+    d = p.decide(_req("long"), slow, 20, fleet.live(), None, 100.0)
+    assert d is not None and d.dest is fast and d.reason == "speed"
+    assert d.saved_s > p.hysteresis * d.cost_s > 0
+    assert p.decide(_req("short"), slow, 20, fleet.live(), None, 100.0) is None  # 40 < min_remaining_tokens
+    assert p.decide(_req("long"), fast, 20, [fast, slow], None, 100.0) is None  # never to the slower one
+    assert p.decide(_req("long"), slow, 20, fleet.live(), 99.0, 100.0) is None  # moved 1 s ago: cooldown
+    assert p.decide(_req("long"), slow, 0, fleet.live(), None, 100.0) is None  # nothing streamed yet
+    assert MigrationPolicy(enabled=False).decide(_req("long"), slow, 20, fleet.live(), None, 100.0) is None
+
+
+def test_no_move_when_the_move_costs_more_than_it_saves():
+    fleet = Fleet()
+    slow = fleet.add("slow", step_s=0.012)
+    fleet.add("fast", step_s=0.010, prefill_s=0.01)  # a slow re-prefill and a slow link: a dear move
+    fleet.place("slow", "big", context=4000, remaining=100)  # 4 MB of KV, 100 tokens left
+    policy = MigrationPolicy(link_bandwidth_bytes_per_s=1e6)
+    cost = policy.move_cost_s(slow.load.sessions[0], fleet.workers["fast"])
+    assert cost == pytest.approx(4.0)  # min(4 MB / 1 MB/s, 4000 x 10 ms)
+    assert policy.decide(_req("big"), slow, 20, fleet.live(), None, 0.0) is None
+    # The same session with plenty of tokens left gains more than the move costs.
+    fleet.workers["slow"].load.sessions[0].remaining_tokens = 20000
+    assert policy.decide(_req("big", max_tokens=30000), slow, 20, fleet.live(), None, 0.0) is not None
+
+
+def test_an_idle_worker_wins_over_a_shared_one_as_a_load_move():
+    fleet = Fleet()
+    a, b = fleet.add("a"), fleet.add("b")
+    fleet.place("a", "r1", 300, 1000)
+    fleet.place("a", "r2", 300, 1000)
+    d = MigrationPolicy().decide(_req("r1"), a, 10, fleet.live(), None, 0.0)
+    assert d is not None and d.dest is b and d.reason == "load"
+    # When batching is free (an iteration costs the same at any batch size) sharing costs nothing.
+    flat = Fleet()
+    a2 = flat.add("a", per_row=0.0)
+    flat.add("b", per_row=0.0)
+    flat.place("a", "r1", 300, 1000)
+    flat.place("a", "r2", 300, 1000)
+    assert MigrationPolicy().decide(_req("r1"), a2, 10, flat.live(), None, 0.0) is None
+
+
+def test_nothing_ping_pongs_over_many_checks():
+    """Eight sessions start on a slow worker beside a fast one; every 0.25 s each asks the policy
+    and moves where it says. They spread out, then stay: no session goes back to a worker it left
+    within the cooldown, and the second half of the run moves nothing."""
+    fleet = Fleet()
+    fleet.add("slow", step_s=0.03)
+    fleet.add("fast", step_s=0.01)
+    where = {}
+    for i in range(8):
+        fleet.place("slow", f"s{i}", 300, 100000)
+        where[f"s{i}"] = "slow"
+    policy = MigrationPolicy()
+    moved_s: dict[str, float] = {}
+    left: dict[str, tuple[str, float]] = {}
+    moves = []
+    now = 0.0
+    for step in range(400):
+        now = step * 0.25
+        for rid in sorted(where):
+            src = fleet.workers[where[rid]]
+            lw, ls = left.get(rid, (None, None))
+            d = policy.decide(_req(rid, max_tokens=200000), src, 10, fleet.live(), moved_s.get(rid), now, lw, ls)
+            if d is None:
+                continue
+            if lw == d.dest.worker_id:
+                assert now - ls >= policy.cooldown_s, f"{rid} went back to {lw} within the cooldown"
+            fleet.move(rid, src.worker_id, d.dest.worker_id)
+            moves.append((now, rid, src.worker_id, d.dest.worker_id))
+            left[rid] = (src.worker_id, now)
+            moved_s[rid] = now
+            where[rid] = d.dest.worker_id
+    assert moves, "nothing moved off the slow worker"
+    assert all(t < 50.0 for t, *_ in moves), moves  # settled within the first half
+    per_worker = {w: sum(1 for x in where.values() if x == w) for w in ("slow", "fast")}
+    assert per_worker["fast"] > per_worker["slow"] > 0, per_worker  # the fast one runs more, not all
+    assert len(moves) <= 8, moves
+
+
+def test_a_session_whose_growth_exceeds_the_kv_budget_moves_before_it_does():
+    fleet = Fleet()
+    src = fleet.add("src", budget=3_000_000)
+    dest = fleet.add("dest", step_s=0.02, budget=10_000_000)  # slower: only memory moves it
+    fleet.place("src", "grows", context=1000, remaining=1500)  # 2.5 MB at the end
+    fleet.place("src", "small", context=500, remaining=100)  # 0.6 MB
+    assert src.load.kv_cache_bytes < src.load.kv_budget_bytes  # it fits now...
+    p = MigrationPolicy()
+    assert p.kv_need_bytes(src, "m") > src.load.kv_budget_bytes  # ...not once they have grown
+    d = p.decide(_req("grows"), src, 10, fleet.live(), None, 0.0)
+    assert d is not None and d.dest is dest and d.reason == "memory"
+    assert p.decide(_req("small"), src, 10, fleet.live(), None, 0.0) is None  # the bigger grower goes
+    # No destination with room for its growth: it stays (the worker preempts as before).
+    dest.load.kv_budget_bytes = 2_000_000
+    assert p.decide(_req("grows"), src, 10, fleet.live(), None, 0.0) is None
+
+
+def test_drain_moves_every_session_even_when_migration_is_off_or_cooling_down():
+    fleet = Fleet()
+    src, fast, slow = fleet.add("src", step_s=0.01), fleet.add("fast", step_s=0.01), fleet.add("slow", step_s=0.05)
+    for i in range(3):
+        fleet.place("src", f"r{i}", 300, 5)  # few tokens left: no speed move would take them
+    src.draining = True
+    for policy in (MigrationPolicy(), MigrationPolicy(enabled=False)):
+        for i in range(3):
+            d = policy.decide(_req(f"r{i}"), src, 10, fleet.live(), 9.0, 10.0)  # moved 1 s ago
+            assert d is not None and d.reason == "drain" and d.dest is fast
+    fast.draining = True  # a draining worker is no destination
+    assert MigrationPolicy().decide(_req("r0"), src, 10, fleet.live(), None, 0.0).dest is slow
+    slow.in_flight = slow.load.capacity  # full
+    assert MigrationPolicy().decide(_req("r0"), src, 10, fleet.live(), None, 0.0) is None
+
+
+def test_a_worker_without_a_profile_is_predicted_from_peak_bandwidth_or_not_at_all():
+    fleet = Fleet()
+    src = fleet.add("src", step_s=0.03, bandwidth=100e9)
+    new = fleet.add("new", profiled=False, bandwidth=400e9)
+    fleet.place("src", "r", 300, 1500)
+    p = MigrationPolicy()
+    assert p.seconds_per_iteration(new, 1, 300, fleet.live()) == pytest.approx(
+        profile_seconds(src.load.decode_profile, 1, 300) / 4)
+    d = p.decide(_req("r"), src, 10, fleet.live(), None, 0.0)
+    assert d is not None and d.dest is new
+    new.load.peak_memory_bandwidth_bytes_per_s = 0  # unknown: no candidate for a speed move
+    assert p.decide(_req("r"), src, 10, fleet.live(), None, 0.0) is None
+
+
+def test_seeded_samples_move_only_between_position_keyed_decoders():
+    fleet = Fleet()
+    src = fleet.add("src", step_s=0.03)
+    fleet.add("fast", step_s=0.01)
+    fleet.place("src", "r", 300, 1500)
+    p = MigrationPolicy()
+    seeded = dict(temperature=0.8, seed=7)
+    assert p.decide(_req("r", **seeded), src, 10, fleet.live(), None, 0.0) is not None  # plain: keyed by position
+    assert p.decide(_req("r", mode=DFLASH, **seeded), src, 10, fleet.live(), None, 0.0) is None  # no DFlash draft
+    classic = Fleet()
+    src2 = classic.add("src", step_s=0.03, draft_mode=DRAFT)
+    classic.add("fast", step_s=0.01, draft_mode=DRAFT)
+    classic.place("src", "r", 300, 1500)
+    assert not position_keyed(_req("r", **seeded), src2)  # AUTO resolves to the classic draft
+    assert p.decide(_req("r", **seeded), src2, 10, classic.live(), None, 0.0) is None
+    assert p.decide(_req("r", mode=PLAIN, **seeded), src2, 10, classic.live(), None, 0.0) is not None
+    assert p.decide(_req("r", temperature=0.8), src2, 10, classic.live(), None, 0.0) is not None  # unseeded
+
+
+def test_policy_rejects_bad_settings():
+    for bad in (dict(min_remaining_tokens=0), dict(link_bandwidth_bytes_per_s=0), dict(min_speedup=0.5),
+                dict(hysteresis=-1), dict(cooldown_s=-1)):
+        with pytest.raises(ValueError):
+            MigrationPolicy(**bad)
+
+
+# ----- worker side ------------------------------------------------------------------------------
+
+def test_decode_profile_drops_warm_up_keeps_means_and_skips_speculative_iterations():
+    prof = DecodeProfile(decay=0.5)
+    prof.decode(3, 300, 1, 9.0)  # first of bucket (4, 512): warm-up, dropped
+    assert prof.snapshot() == []
+    prof.decode(3, 300, 1, 0.02)
+    prof.decode(4, 400, 1, 0.04)
+    prof.decode(4, 400, 4, 5.0)  # a DFlash iteration at block 4: not a plain step
+    (entry,) = prof.snapshot()
+    assert (entry.batch_size, entry.context_tokens, entry.samples) == (4, 512, 2)
+    assert entry.seconds == pytest.approx(0.03)
+    prof.prefill(100, 0.5)
+    prof.prefill(100, 1.5)
+    assert prof.prefill_seconds_per_token == pytest.approx(0.01)
+    prof.reset()
+    assert prof.snapshot() == [] and prof.prefill_seconds_per_token == 0
+
+
+def test_slowdown_hook_sleeps_and_records_the_slower_time():
+    slept = []
+    prof = DecodeProfile(decay=0.0, slowdown=3.0, sleep=slept.append)
+    for _ in range(2):
+        prof.decode(1, 10, 1, 0.01)
+    assert slept == pytest.approx([0.02, 0.02])
+    assert prof.snapshot()[0].seconds == pytest.approx(0.03)
+    assert DecodeProfile.from_env({"FLASHFLEET_TEST_SLOWDOWN": "2.5"}).slowdown == 2.5
+    assert DecodeProfile.from_env({}).slowdown == 1.0
+    for bad in ("fast", "0.5"):
+        with pytest.raises(ValueError):
+            DecodeProfile.from_env({"FLASHFLEET_TEST_SLOWDOWN": bad})
+
+
+def test_session_rates_and_speculative_speedup():
+    rates = SessionRates(decay=0.0)
+    rates.observe("a", 0, 0.0)
+    assert rates.rate("a") == 0.0
+    rates.observe("a", 10, 0.5)
+    assert rates.rate("a") == pytest.approx(20.0)
+    rates.keep(set())
+    assert rates.rate("a") == 0.0
+    # Block 4 costs twice a plain step; a row accepting everything commits 4 tokens: 2x.
+    assert speculative_speedup([1.0], {1: 0.01, 4: 0.02}) == pytest.approx([2.0])
+    # Drafts that are never accepted: the batch steps plainly.
+    assert speculative_speedup([0.0, 0.0], {1: 0.01, 4: 0.02}) == [1.0, 1.0]
+    assert speculative_speedup([0.9], {4: 0.02}) == [1.0]  # no plain cost measured: unknown
+    a = 0.8
+    expected = (1 - a ** 4) / (1 - a) * 0.01 / 0.015
+    assert speculative_speedup([a], {1: 0.01, 4: 0.015})[0] == pytest.approx(expected)
+    assert not math.isnan(expected)
