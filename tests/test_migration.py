@@ -1,63 +1,22 @@
-"""Session migration (coordinator/migration.py): when the policy moves a session, and a real
-migration through the cluster (SDK -> coordinator -> two MLX workers over loopback gRPC) that
-loses and repeats no token: both sessions end with the greedy output they would have had
-unmigrated, one of them on the other worker, and the stats and metrics say so."""
+"""Session migration (coordinator/migration.py) through a real cluster: a long session on a slowed
+MLX worker moves to a fast one (SDK -> coordinator -> two MLX workers over loopback gRPC) without
+losing or repeating a token; operators drain workers and move sessions through gRPC and the CLI.
+The policy itself is tested on simulated fleets in tests/test_placement.py."""
 from __future__ import annotations
 
+import os
 import threading
 import time
-from dataclasses import dataclass
 
 import pytest
 
 from coordinator.migration import MigrationPolicy, StreamProgress
 from flashfleet import Client
 from flashfleet.v1 import common_pb2
-from harness import run_request, start_cluster
+from harness import run_request, start_cluster, wait_until
 from worker.config import EngineConfig
 from worker.engine.thread import Engine
 from worker.engine.types import GenerationRequest
-
-
-@dataclass
-class FakeWorker:
-    worker_id: str
-    in_flight: int = 0
-    capacity: int = 2
-    models: tuple = ("m",)
-    unreachable: bool = False
-
-    def serves(self, model, mode=common_pb2.DECODE_MODE_AUTO):
-        return model in self.models
-
-
-def _req(**kw):
-    return common_pb2.GenerateRequest(model="m", prompt="p", **kw)
-
-
-def test_policy_moves_a_shared_session_to_an_idle_worker_only():
-    p = MigrationPolicy(min_remaining_tokens=10, cooldown_s=5.0)
-    src, idle, busy = FakeWorker("a", in_flight=2), FakeWorker("b"), FakeWorker("c", in_flight=1)
-    workers = [src, idle, busy]
-    assert p.target(_req(max_tokens=100), src, 5, workers, None, 0.0) is idle
-    # alone on its worker: nothing to gain
-    assert p.target(_req(max_tokens=100), FakeWorker("a", in_flight=1), 5, workers, None, 0.0) is None
-    assert p.target(_req(max_tokens=100), src, 0, workers, None, 0.0) is None  # nothing streamed yet
-    assert p.target(_req(max_tokens=100), src, 95, workers, None, 0.0) is None  # 5 left < 10
-    assert p.target(_req(max_tokens=100), src, 5, [src, busy], None, 0.0) is None  # nobody idle
-    assert p.target(_req(max_tokens=100), src, 5, workers, 1.0, 3.0) is None  # moved 2 s ago
-    assert p.target(_req(max_tokens=100), src, 5, workers, 1.0, 7.0) is idle
-    assert p.target(_req(max_tokens=100, temperature=0.8, seed=3), src, 5, workers, None, 0.0) is None
-    assert p.target(_req(max_tokens=100, temperature=0.8), src, 5, workers, None, 0.0) is idle
-    assert p.target(_req(), src, 5, workers, None, 0.0) is idle  # budget unset: the worker's default (256)
-    assert p.target(_req(), src, 250, workers, None, 0.0) is None
-    gone = FakeWorker("e", unreachable=True)  # idle only because its calls fail
-    assert p.target(_req(max_tokens=100), src, 5, [src, gone], None, 0.0) is None
-    other_model = FakeWorker("d", models=("other",))
-    assert p.target(_req(max_tokens=100), src, 5, [src, other_model], None, 0.0) is None
-    assert MigrationPolicy(enabled=False).target(_req(max_tokens=100), src, 5, workers, None, 0.0) is None
-    with pytest.raises(ValueError):
-        MigrationPolicy(min_remaining_tokens=0)
 
 
 def test_progress_builds_the_resume_request_and_the_requests_stats():
@@ -65,7 +24,7 @@ def test_progress_builds_the_resume_request_and_the_requests_stats():
     prog.add(common_pb2.Chunk(text="Hel", token_ids=[1, 2]))
     prog.add(common_pb2.Chunk(text="", token_ids=[3]))
     prog.add(common_pb2.Chunk(text="lo", token_ids=[4]))
-    req = _req(max_tokens=50, request_id="r1")
+    req = common_pb2.GenerateRequest(model="m", prompt="p", max_tokens=50, request_id="r1")
     resumed = prog.resume_request(req)
     assert list(resumed.resume_token_ids) == [1, 2, 3, 4] and resumed.resume_text == "Hello"
     assert resumed.max_tokens == 50 and resumed.request_id == "r1" and not req.resume_token_ids
@@ -79,82 +38,195 @@ def test_progress_builds_the_resume_request_and_the_requests_stats():
 
 PROMPTS = ["The river flows", "Once upon a time", "Dzień dobry", "def f(x):"]
 MAX_TOKENS = 300
+SLOWDOWN = 4.0
 
 
 @pytest.fixture(scope="module")
-def two_workers(tiny_models):
-    engines = {w: Engine(EngineConfig(model_path=tiny_models.llama, model_name="tiny-llama", capacity=3))
-               for w in ("w1", "w2")}
+def fast_and_slow(tiny_models):
+    """Two workers of the tiny llama, "slow" made SLOWDOWN times slower by the test hook."""
+    engines = {}
+    for wid, slowdown in (("fast", None), ("slow", SLOWDOWN)):
+        if slowdown:
+            os.environ["FLASHFLEET_TEST_SLOWDOWN"] = str(slowdown)
+        try:
+            engines[wid] = Engine(EngineConfig(model_path=tiny_models.llama, model_name="tiny-llama", capacity=3))
+        finally:
+            os.environ.pop("FLASHFLEET_TEST_SLOWDOWN", None)
     policy = MigrationPolicy(min_remaining_tokens=8, cooldown_s=60.0, check_interval_s=0.0)
-    cluster = start_cluster(engines, migration=policy)
+    cluster = start_cluster(engines, migration=policy, heartbeat_interval_s=0.1)
     yield cluster, engines
     cluster.close()
 
 
-def _reference(engine, prompt):
+def _reference(engine, prompt, max_tokens=MAX_TOKENS):
     ids = tuple(engine.encode_prompt(prompt, None))
-    tokens, done = run_request(engine, GenerationRequest(f"ref-{prompt}", ids, MAX_TOKENS, mode="plain"))
+    tokens, done = run_request(engine, GenerationRequest(f"ref-{prompt}", ids, max_tokens, mode="plain"))
     return ids, tokens, done
 
 
-def test_a_shared_session_moves_to_the_idle_worker_without_losing_a_token(two_workers):
-    cluster, engines = two_workers
-    refs = {p: _reference(engines["w1"], p) for p in PROMPTS}
+def test_a_long_session_on_a_slow_worker_moves_to_the_fast_one_without_losing_a_token(fast_and_slow):
+    cluster, engines = fast_and_slow
+    refs = {p: _reference(engines["fast"], p) for p in PROMPTS}  # also gives "fast" its measured profile
     long = [p for p in PROMPTS if len(refs[p][1]) == MAX_TOKENS]  # no early EOS: room to migrate
-    assert len(long) >= 2, "the tiny model ended every prompt early; pick other prompts"
-    first, second = long[:2]
-    results, errors = {}, []
-
-    def run(prompt):
-        try:
-            with Client(cluster.address) as client:
-                results[prompt] = client.complete("tiny-llama", prompt=prompt, max_tokens=MAX_TOKENS,
-                                                  mode="plain", session_id="user-1")
-        except Exception as e:  # noqa: BLE001 - reported by the assertion below
-            errors.append(e)
-
-    # Both requests of one session go to the session's worker (affinity); the second arrives while
-    # the first streams, so that worker runs two and the other none: the policy moves one of them.
-    a = threading.Thread(target=run, args=(first,))
-    a.start()
-    affinity = cluster.coordinator.servicer.affinity
-    deadline = time.monotonic() + 30
-    while affinity.lookup("user-1") is None and time.monotonic() < deadline and a.is_alive():
-        time.sleep(0.002)  # bound at the first token
+    assert long, "the tiny model ended every prompt early; pick other prompts"
+    prompt = long[0]
+    cluster.coordinator.servicer.affinity.bind("user-1", "slow")  # the session's earlier turns were there
+    with Client(cluster.address) as client:
+        done = client.complete("tiny-llama", prompt=prompt, max_tokens=MAX_TOKENS, mode="plain", session_id="user-1")
+    ids, ref, _ = refs[prompt]
+    assert done.token_ids == ref  # nothing lost, nothing repeated, the same greedy tokens
+    assert done.text == engines["fast"]._encode_tokenizer.decode(ref)
+    assert done.stats.generated_tokens == MAX_TOKENS and done.stats.prompt_tokens == len(ids)
+    assert done.worker_id == "fast" and done.stats.migrations == 1, (done.worker_id, done.stats.migrations)
+    m = cluster.coordinator.metrics
+    assert m.migrations.labels(model="tiny-llama", reason="speed", outcome="ok", method="reprefill")._value.get() == 1
+    assert m.migration_pause.labels(model="tiny-llama", reason="speed", method="reprefill")._sum.get() > 0
+    # The slow worker's heartbeats carry its measured profile: SLOWDOWN times the fast one's.
     live = {w.worker_id: w for w in cluster.coordinator.registry.live()}
-    src = live.get(affinity.lookup("user-1"))
-    assert src is not None and src.in_flight == 1, "the first request is not streaming"
-    dest = ({"w1", "w2"} - {src.worker_id}).pop()
-    b = threading.Thread(target=run, args=(second,))
-    b.start()
-    a.join(120)
-    b.join(120)
-    assert not errors, errors
-    for prompt in (first, second):
-        done = results[prompt]
-        ids, ref, ref_done = refs[prompt]
-        assert done.token_ids == ref, prompt  # nothing lost, nothing repeated, same greedy tokens
-        assert done.text == engines["w1"]._encode_tokenizer.decode(ref)
-        assert done.finish_reason == "length"
-        assert done.stats.generated_tokens == MAX_TOKENS and done.stats.prompt_tokens == len(ids)
-    moved = [p for p in (first, second) if results[p].stats.migrations]
-    assert len(moved) == 1, {p: (r.worker_id, r.stats.migrations) for p, r in results.items()}
-    assert results[moved[0]].worker_id == dest and results[moved[0]].stats.migrations == 1
-    stayed = ({first, second} - set(moved)).pop()
-    assert results[stayed].worker_id == src.worker_id and results[stayed].stats.migrations == 0
-    m = cluster.coordinator.metrics.migrations
-    assert m.labels(model="tiny-llama", outcome="ok")._value.get() == 1
-    # The source worker counts the moved request as migrated, not as cancelled by a client.
-    src_metrics = cluster.worker_metrics[[w.worker_id for w in cluster.workers].index(src.worker_id)]
-    outcomes = {o: src_metrics.requests.labels(model="tiny-llama", outcome=o)._value.get()
-                for o in ("migrated", "cancelled")}
-    assert outcomes == {"migrated": 1, "cancelled": 0}, outcomes
-    assert all(w.in_flight == 0 for w in cluster.coordinator.registry.live())  # every slot released
-    assert sum(w.served_requests for w in cluster.coordinator.registry.live()) == 2  # each request once
+    slow_t, fast_t = (cluster.coordinator.servicer.config.migration.seconds_per_iteration(live[w], 1, 256)
+                      for w in ("slow", "fast"))
+    assert slow_t > 2 * fast_t, (slow_t, fast_t)
+    assert all(w.in_flight == 0 for w in live.values())
 
 
-def test_clients_cannot_send_resume_fields(two_workers):
-    cluster, _ = two_workers
+def test_a_seeded_sample_continues_exactly_after_a_resume(fast_and_slow):
+    """Why seeded samples may move (coordinator/migration.py): a batched worker draws each token
+    with its position's key, so prompt + the first k tokens, resumed, gives the rest unchanged."""
+    from worker.engine.types import SamplingParams
+
+    _, engines = fast_and_slow
+    engine = engines["fast"]
+    ids = tuple(engine.encode_prompt(PROMPTS[0], None))
+    sampling = SamplingParams(temperature=1.0, seed=1234)
+    full, _ = run_request(engine, GenerationRequest("seeded-full", ids, 40, sampling, mode="plain"))
+    k = 15
+    rest, _ = run_request(engine, GenerationRequest("seeded-resumed", ids, 40, sampling, mode="plain",
+                                                    resume_tokens=tuple(full[:k]),
+                                                    resume_text=engine._encode_tokenizer.decode(full[:k])))
+    assert len(full) == 40 and full[k:] == rest
+
+
+def _fake_cluster(**config):
+    from fakes import FakeEngine
+
+    engines = {w: FakeEngine(token_delay_s=0.01, seconds_per_iteration=0.01) for w in ("w1", "w2")}
+    policy = MigrationPolicy(enabled=False, check_interval_s=0.0)  # only operators move sessions here
+    return start_cluster(engines, migration=policy, heartbeat_interval_s=0.05, **config), engines
+
+
+def _stream_in_background(cluster, results, name, prompt, max_tokens=150, **kw):
+    def run():
+        with Client(cluster.address, api_key=kw.pop("api_key", None)) as client:
+            results[name] = client.complete("fake-model", prompt=prompt, max_tokens=max_tokens, request_id=name,
+                                            session_id="s", **kw)
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def _expected(prompt, n):
+    base = sum(ord(c) % 100 for c in prompt)
+    return [(base + i) % 100 for i in range(n)]
+
+
+def test_drain_moves_every_session_then_the_worker_leaves():
+    cluster, _ = _fake_cluster()
+    try:
+        cluster.coordinator.servicer.affinity.bind("s", "w1")
+        results = {}
+        threads = [_stream_in_background(cluster, results, f"r{i}", f"p{i}") for i in range(3)]
+        w1 = cluster.coordinator.registry.get("w1")
+        assert wait_until(lambda: w1.in_flight == 3, 10)
+        with Client(cluster.address) as client:
+            steps = list(client.drain_worker("w1", timeout_s=30))
+        for t in threads:
+            t.join(30)
+        assert steps[0].state == "draining" and steps[-1].state == "left", steps
+        assert steps[-1].moved == 3 and steps[-1].sessions_left == 0
+        for i in range(3):
+            r = results[f"r{i}"]
+            assert r.token_ids == _expected(f"p{i}", 150) and r.worker_id == "w2" and r.stats.migrations == 1
+        assert cluster.coordinator.registry.get("w1") is None
+        assert cluster.workers[0].leave_requested.is_set()  # told to exit cleanly
+        m = cluster.coordinator.metrics
+        assert m.migrations.labels(model="fake-model", reason="drain", outcome="ok", method="reprefill")._value.get() == 3
+        with Client(cluster.address) as client:  # new requests go to the worker left
+            assert client.complete("fake-model", prompt="x", max_tokens=3).worker_id == "w2"
+    finally:
+        cluster.close()
+
+
+def test_drain_and_move_errors():
+    from flashfleet.errors import FailedPrecondition, FlashfleetError, ModelNotFound
+
+    cluster, _ = _fake_cluster()
+    try:
+        cluster.coordinator.servicer.affinity.bind("s", "w1")
+        results = {}
+        t = _stream_in_background(cluster, results, "long", "ab", max_tokens=300)
+        assert wait_until(lambda: "long" in cluster.coordinator.servicer._streams, 10)
+        with Client(cluster.address) as client:
+            with pytest.raises(ModelNotFound, match="no live worker 'nope'"):
+                list(client.drain_worker("nope"))
+            with pytest.raises(ModelNotFound, match="no request 'nope'"):
+                client.move_session("nope")
+            with pytest.raises(ModelNotFound, match="no live worker 'w9'"):
+                client.move_session("long", "w9")
+            with pytest.raises(FailedPrecondition, match="already serves"):
+                client.move_session("long", "w1")
+            moved = client.move_session("long", "w2")
+            assert (moved.from_worker_id, moved.to_worker_id) == ("w1", "w2")
+            w1 = cluster.coordinator.registry.get("w1")
+            w1.in_flight = w1.capacity  # full: nowhere to go
+            with pytest.raises(FailedPrecondition, match="no other worker"):
+                client.move_session("long")
+            w1.in_flight = 0
+            moved = client.move_session("long")  # the policy's choice: the only other worker
+            assert moved.to_worker_id == "w1"
+        t.join(30)
+        assert results["long"].token_ids == _expected("ab", 300) and results["long"].stats.migrations == 2
+        # A worker with sessions and no other worker for them cannot be drained.
+        cluster.coordinator.registry.get("w2").draining = True
+        cluster.coordinator.servicer.affinity.bind("s", "w1")
+        t = _stream_in_background(cluster, results, "again", "cd", max_tokens=200)
+        assert wait_until(lambda: "again" in cluster.coordinator.servicer._streams, 10)
+        with Client(cluster.address) as client:
+            with pytest.raises(FailedPrecondition, match="no other live worker"):
+                list(client.drain_worker("w1"))
+        t.join(30)
+        assert not isinstance(results.get("again"), FlashfleetError)
+    finally:
+        cluster.close()
+
+
+def test_cli_move_and_drain_with_an_api_key(capsys, monkeypatch):
+    from flashfleet.cli import main
+
+    cluster, _ = _fake_cluster(api_keys=("k1",))
+    try:
+        cluster.coordinator.servicer.affinity.bind("s", "w1")
+        results = {}
+        t = _stream_in_background(cluster, results, "cli", "ef", max_tokens=300, api_key="k1")
+        assert wait_until(lambda: "cli" in cluster.coordinator.servicer._streams, 10)
+        monkeypatch.delenv("FLASHFLEET_API_KEY", raising=False)
+        assert main(["move", "cli", "--to", "w2", "--address", cluster.address]) == 1
+        assert "UNAUTHENTICATED" in capsys.readouterr().err
+        monkeypatch.setenv("FLASHFLEET_API_KEY", "k1")
+        assert main(["move", "cli", "--to", "w2", "--address", cluster.address]) == 0
+        assert capsys.readouterr().out.strip() == "cli: w1 -> w2"
+        assert main(["drain", "nope", "--address", cluster.address]) == 1
+        assert "NOT_FOUND" in capsys.readouterr().err
+        t.join(30)
+        assert main(["drain", "w1", "--address", cluster.address, "--timeout-s", "30"]) == 0
+        out = capsys.readouterr().out
+        assert out.splitlines()[-1] == "w1: left, 0 session(s) left, 0 moved", out
+        assert results["cli"].worker_id == "w2" and results["cli"].token_ids == _expected("ef", 300)
+    finally:
+        cluster.close()
+
+
+def test_clients_cannot_send_resume_fields(fast_and_slow):
+    cluster, _ = fast_and_slow
     import grpc
 
     from flashfleet.v1 import coordinator_pb2_grpc
@@ -173,9 +245,11 @@ def test_a_refusing_destination_leaves_the_stream_where_it_was(tiny_models):
 
     from worker.engine.types import Overloaded
 
-    engines = {"good": FakeEngine(token_delay_s=0.01), "full": FakeEngine(refuse=Overloaded)}
-    cluster = start_cluster(engines, migration=MigrationPolicy(min_remaining_tokens=4, cooldown_s=60.0,
-                                                               check_interval_s=0.0))
+    engines = {"good": FakeEngine(token_delay_s=0.02), "full": FakeEngine(refuse=Overloaded)}
+    for e in engines.values():
+        e.seconds_per_iteration = 0.01  # a batch of B costs B x 10 ms: the idle worker predicts 2x
+    cluster = start_cluster(engines, heartbeat_interval_s=0.05, migration=MigrationPolicy(
+        min_remaining_tokens=4, cooldown_s=60.0, check_interval_s=0.0))
     try:
         results = {}
 
@@ -197,8 +271,9 @@ def test_a_refusing_destination_leaves_the_stream_where_it_was(tiny_models):
             assert results[name].worker_id == "good" and results[name].stats.generated_tokens == 60
             assert results[name].stats.migrations == 0
         m = cluster.coordinator.metrics.migrations
-        assert m.labels(model="fake-model", outcome="aborted")._value.get() >= 1
-        assert m.labels(model="fake-model", outcome="ok")._value.get() == 0
+        labels = dict(model="fake-model", reason="load", method="reprefill")
+        assert m.labels(outcome="aborted", **labels)._value.get() >= 1
+        assert m.labels(outcome="ok", **labels)._value.get() == 0
         assert not any(r.resume_tokens for r in engines["good"].submitted)  # never resumed
         assert all(w.in_flight == 0 for w in cluster.coordinator.registry.live())
     finally:
