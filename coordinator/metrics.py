@@ -86,6 +86,8 @@ class CoordinatorMetrics:
             for reason in REASONS:
                 for outcome in (("failover", "failover_failed") if reason == "failure" else ("ok", "aborted")):
                     self.migrations.labels(model=model, reason=reason, outcome=outcome, method=MIGRATION_METHODS[0])
+                for h in (self.migration_bytes, self.migration_pause, self.migration_seconds):
+                    h.labels(model=model, reason=reason, method=MIGRATION_METHODS[0])
         self.queue.labels(model=model).observe(seconds)
 
     def observe_migration(self, model: str, outcome: str, reason: str, method: str, bytes_moved: int,

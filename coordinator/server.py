@@ -149,6 +149,7 @@ async def start_coordinator(config: CoordinatorConfig,
             metrics.workers.set(len(live))
             for w in live:
                 metrics.worker_up.labels(worker=w.worker_id).set(1)
+                metrics.draining.labels(worker=w.worker_id).set(1 if w.draining else 0)
                 metrics.worker_heartbeat_age.labels(worker=w.worker_id).set(registry.heartbeat_age_s(w))
 
     task = asyncio.get_running_loop().create_task(expire_loop())

@@ -323,7 +323,7 @@ def worker() -> dict:
 def coordinator() -> dict:
     return dashboard(
         "flashfleet-coordinator", "flashfleet / Coordinator",
-        "Routing, queueing, retries, worker health, leases and migrations.",
+        "Routing, queueing, retries, worker health, leases, migrations and drains.",
         [datasource_var(), model_var()],
         [("Health", [
             st("Coordinator up", "short", f'max(up{{job="{COORDINATOR_JOB}"}})', span=8),
@@ -355,9 +355,29 @@ def coordinator() -> dict:
                 "more capacity."),
              ts("Retries", "reqps", [(rate("flashfleet_coordinator_retries_total", by="model"), "{{model}}")],
                 "Requests re-routed to another worker before their first token."),
-             ts("Migrations by outcome", "short",
-                [(f"sum by (outcome) (increase(flashfleet_coordinator_migrations_total{{{M}}}[{RI}]))",
-                  "{{outcome}}")]),
+         ]),
+         ("Migration", [
+             ts("Migrations by reason and outcome", "short",
+                [(f"sum by (reason, outcome) (increase(flashfleet_coordinator_migrations_total{{{M}}}[{RI}]))",
+                  "{{reason}} {{outcome}}")],
+                "Sessions moved between workers (coordinator/migration.py): speed (a faster worker), load "
+                "(a less busy one), memory (its worker's KV budget would run out), drain, manual (flashfleet "
+                "move), failure (failover). aborted: the destination refused and the session stayed.",
+                span=12),
+             ts("Migration pause", "s",
+                [(quantile(0.5, "flashfleet_coordinator_migration_pause_seconds", M, "method"), "p50 {{method}}"),
+                 (quantile(0.95, "flashfleet_coordinator_migration_pause_seconds", M, "method"), "p95 {{method}}")],
+                "Time a moved stream sent its client nothing because of the move.", span=8),
+             ts("Migration time", "s",
+                [(hist_mean("flashfleet_coordinator_migration_seconds", M, "reason"), "{{reason}}")],
+                "Mean time from the decision to move until the destination streamed.", span=8),
+             ts("Bytes moved", "Bps",
+                [(rate("flashfleet_coordinator_migration_bytes_sum", by="method"), "{{method}}")],
+                "Session state sent between workers (0 for a re-prefill, which sends only token ids).", span=8),
+             ts("Workers draining", "short",
+                [("max by (worker) (flashfleet_coordinator_worker_draining)", "{{worker}}")],
+                "1 while an operator drains the worker (flashfleet drain): it gets no new requests and its "
+                "sessions move away; it leaves once it runs none."),
          ])])
 
 

@@ -362,6 +362,7 @@ def _exposed_names() -> set[str]:
         c.routed.labels(**labels).inc()
     c.worker_up.labels(worker="w").set(1)
     c.worker_heartbeat_age.labels(worker="w").set(1)
+    c.draining.labels(worker="w").set(0)
     text = (generate_latest(wr) + generate_latest(cr)).decode()
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and line[0] != "#"}
 
@@ -498,5 +499,8 @@ def test_coordinator_creates_model_series_when_first_routed():
     c.observe_queue(MODEL, 0.002)
     assert registry.get_sample_value("flashfleet_coordinator_retries_total", {"model": MODEL}) == 0
     assert registry.get_sample_value("flashfleet_coordinator_migrations_total",
-                                     {"model": MODEL, "outcome": "ok"}) == 0
+                                     {"model": MODEL, "reason": "speed", "outcome": "ok",
+                                      "method": "reprefill"}) == 0
+    assert registry.get_sample_value("flashfleet_coordinator_migration_pause_seconds_count",
+                                     {"model": MODEL, "reason": "drain", "method": "reprefill"}) == 0
     assert registry.get_sample_value("flashfleet_coordinator_lease_expiries_total") == 0
