@@ -884,6 +884,7 @@ def test_a_stream_whose_worker_dies_resumes_on_another_worker():
         assert got[-1].finish_reason == "length" and got[-1].stats.migrations == 1
         assert got[-1].worker_id != serving.worker_id
         assert c.coordinator_registry.get_sample_value(
-            "flashfleet_coordinator_migrations_total", {"model": "fake-model", "outcome": "failover"}) == 1
+            "flashfleet_coordinator_migrations_total",
+            {"model": "fake-model", "reason": "failure", "outcome": "failover", "method": "reprefill"}) == 1
     finally:
         c.close()
