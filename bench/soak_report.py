@@ -1,0 +1,121 @@
+"""The report of `bench/soak.py`: counts, latency percentiles, memory growth and the verdict, as a
+dict (`summarize`) and as Markdown tables (`format_report`)."""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from soak_requests import KINDS, OUTCOMES, Record
+
+MiB = 1024 * 1024
+
+
+def percentiles(values: list[float]) -> tuple[float | None, float | None]:
+    """(p50, p99) of `values` (linear interpolation), or (None, None) for no values."""
+    if not values:
+        return None, None
+    p50, p99 = np.percentile(np.asarray(values, dtype=float), [50, 99])
+    return float(p50), float(p99)
+
+
+def memory_growth(samples: list[dict]) -> dict[str, dict]:
+    """Per process, RSS bytes at the start, after the warm-up, at the end and at the peak after the
+    warm-up, and the end's growth over the warm-up in percent.
+
+    Args:
+        samples: [{"t_s": seconds since the start, "label": "start" | "warmup" | "periodic" | "end",
+            "rss": {process name: bytes, or None once it has exited}}], in time order.
+
+    Returns:
+        {name: {"start", "warmup", "end", "peak_after_warmup": bytes or None, "growth_pct": float
+        or None (None when a sample is missing: the process exited)}}.
+    """
+    names = list(dict.fromkeys(n for s in samples for n in s["rss"]))
+    first = {label: next((s for s in samples if s["label"] == label), None) for label in ("start", "warmup", "end")}
+    warm_t = first["warmup"]["t_s"] if first["warmup"] else float("inf")
+    out = {}
+    for name in names:
+        row = {label: (s["rss"].get(name) if s else None) for label, s in first.items()}
+        after = [s["rss"].get(name) for s in samples if s["t_s"] >= warm_t]
+        row["peak_after_warmup"] = None if not after or None in after else max(after)
+        row["growth_pct"] = (100.0 * (row["end"] - row["warmup"]) / row["warmup"]
+                             if row["warmup"] and row["end"] is not None else None)
+        out[name] = row
+    return out
+
+
+def summarize(records: list[Record], samples: list[dict], duration_s: float, warmup_s: float,
+              max_growth_pct: float) -> dict:
+    """The soak's results.
+
+    Args:
+        records: every request's end.
+        samples: RSS samples (`memory_growth`); empty when no process was watched.
+        duration_s: seconds of load (tokens/s is over this time).
+        warmup_s: latencies count requests sent after this many seconds.
+        max_growth_pct: the memory criterion: no process's RSS at the end more than this percent
+            above its RSS after the warm-up.
+
+    Returns:
+        {"requests", "by_kind": {kind: {outcome: n}}, "errors": {error: n}, "latency": {kind:
+        {"n", "ttft_p50_s", "ttft_p99_s", "total_p50_s", "total_p99_s"}}, "tokens",
+        "tokens_per_s", "memory": memory_growth(samples), "lost", "memory_ok" (None: not
+        measured), "passed"}.
+    """
+    by_kind = {k: {o: 0 for o in OUTCOMES} for k in KINDS}
+    for r in records:
+        by_kind[r.kind][r.outcome] += 1
+    errors = Counter(r.error for r in records if r.error)
+    latency = {}
+    for kind in KINDS:
+        after = [r for r in records if r.kind == kind and r.start_s >= warmup_s]
+        ttft = percentiles([r.ttft_s for r in after if r.ttft_s is not None and r.outcome == "completion"])
+        total = percentiles([r.total_s for r in after if r.outcome == "completion"])
+        latency[kind] = {"n": sum(r.outcome == "completion" for r in after), "ttft_p50_s": ttft[0],
+                         "ttft_p99_s": ttft[1], "total_p50_s": total[0], "total_p99_s": total[1]}
+    tokens = sum(r.tokens for r in records)
+    memory = memory_growth(samples) if samples else {}
+    lost = sum(r.outcome == "lost" for r in records)
+    memory_ok = None
+    if memory:
+        memory_ok = all(m["growth_pct"] is not None and m["growth_pct"] <= max_growth_pct for m in memory.values())
+    return {"requests": len(records), "by_kind": by_kind, "errors": dict(errors.most_common()), "latency": latency,
+            "tokens": tokens, "tokens_per_s": tokens / duration_s if duration_s > 0 else 0.0,
+            "memory": memory, "lost": lost, "memory_ok": memory_ok,
+            "passed": lost == 0 and memory_ok is not False}
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f}"
+
+
+def _mib(value: int | None) -> str:
+    return "gone" if value is None else f"{value / MiB:.1f}"
+
+
+def format_report(s: dict, max_growth_pct: float) -> str:
+    """`summarize`'s result as Markdown tables and the verdict lines (PASS/FAIL)."""
+    lines = ["| kind | " + " | ".join(OUTCOMES) + " | total |", "|---|" + "---:|" * (len(OUTCOMES) + 1)]
+    for kind, row in s["by_kind"].items():
+        lines.append(f"| {kind} | " + " | ".join(str(row[o]) for o in OUTCOMES) + f" | {sum(row.values())} |")
+    lines += ["", "| error | requests |", "|---|---:|"]
+    lines += [f"| {e} | {n} |" for e, n in s["errors"].items()] or ["| (none) | 0 |"]
+    lines += ["", "| kind | completions after warm-up | TTFT p50 ms | TTFT p99 ms | total p50 ms | total p99 ms |",
+              "|---|---:|---:|---:|---:|---:|"]
+    for kind, row in s["latency"].items():
+        lines.append(f"| {kind} | {row['n']} | {_ms(row['ttft_p50_s'])} | {_ms(row['ttft_p99_s'])} "
+                     f"| {_ms(row['total_p50_s'])} | {_ms(row['total_p99_s'])} |")
+    lines += ["", f"requests: {s['requests']}; generated tokens: {s['tokens']} = {s['tokens_per_s']:.1f} tok/s"]
+    if s["memory"]:
+        lines += ["", "| process | RSS MiB start | after warm-up | peak after warm-up | end | growth % |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for name, m in s["memory"].items():
+            growth = "-" if m["growth_pct"] is None else f"{m['growth_pct']:+.1f}"
+            lines.append(f"| {name} | {_mib(m['start'])} | {_mib(m['warmup'])} | {_mib(m['peak_after_warmup'])} "
+                         f"| {_mib(m['end'])} | {growth} |")
+    verdict = {None: "NOT MEASURED (no process to watch)", True: "PASS", False: "FAIL"}[s["memory_ok"]]
+    lines += ["", f"memory growth after warm-up <= {max_growth_pct:g} % for every process: {verdict}",
+              f"no request lost: {'PASS' if s['lost'] == 0 else 'FAIL'} ({s['lost']} lost)",
+              f"result: {'PASS' if s['passed'] else 'FAIL'}"]
+    return "\n".join(lines)
