@@ -12,12 +12,16 @@ cancelled, typed error or lost). When the time is up no new request starts; thos
 to their end.
 
 Every cluster process's RSS (psutil) is sampled at the start, after the warm-up (--warmup-s,
-default 10 % of the duration), every --sample-s seconds and at the end of the load. Printed:
-requests by kind and outcome, errors by kind, TTFT and total latency p50/p99 per kind (completions
-of requests sent after the warm-up), generated tokens/s, each process's RSS with its growth from
-the warm-up to the end, sessions the workers still hold after the drain, and a PASS/FAIL line per
-criterion: every process's RSS at the end at most --max-growth-pct (5) above its RSS after the
-warm-up; no request lost.
+default 10 % of the duration), every --sample-s seconds (default duration / 120) and at the end of
+the load. A process's RSS "after the warm-up" is the highest sampled in the --window-s seconds
+(default 10 % of the duration) from the warm-up on, its RSS "at the end" the highest in the last
+--window-s seconds of the load: a worker's RSS follows the KV caches of the sessions it holds at
+the moment, which one sample may catch low or high. Printed: requests by kind and outcome, errors
+by kind, TTFT and total latency p50/p99 per kind (completions of requests sent after the
+warm-up), generated tokens/s (from the first request sent to the last one ended), each process's
+RSS with its growth from the warm-up to the end, sessions the workers still hold after the drain,
+and a PASS/FAIL line per criterion: every process's RSS at the end at most --max-growth-pct (5)
+above its RSS after the warm-up (a process that exited fails); no request lost.
 
 Usage (from the repository root):
   python bench/soak.py --duration 1800                         # SmolLM2-135M-Instruct, 2 workers
@@ -105,12 +109,12 @@ def sample_times(duration_s: float, warmup_s: float, every_s: float) -> list[tup
 # ---- load -------------------------------------------------------------------------------------
 
 async def run_load(a, address: str, http_url: str, model: str, pids: dict[str, int], short: list[str],
-                   long: list[str], log=print) -> tuple[list, list[dict]]:
+                   long: list[str], log=print) -> tuple[list, list[dict], float]:
     """Keeps a.concurrency clients busy for a.duration seconds (even-numbered ones through gRPC,
     odd ones through HTTP), waits for the requests in flight, and samples RSS meanwhile.
 
     Returns:
-        (every request's Record, the RSS samples).
+        (every request's Record, the RSS samples, seconds from the start to the last request's end).
     """
     import aiohttp
 
@@ -147,8 +151,9 @@ async def run_load(a, address: str, http_url: str, model: str, pids: dict[str, i
     async with AsyncClient(address) as client, aiohttp.ClientSession(
             connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         await asyncio.gather(sampler(), *(client_loop(i, client, session) for i in range(a.concurrency)))
-    log(f"  {time.perf_counter() - t0:6.0f} s  drained: {len(records)} requests")
-    return records, samples
+    wall = time.perf_counter() - t0
+    log(f"  {wall:6.0f} s  drained: {len(records)} requests")
+    return records, samples, wall
 
 
 async def sessions_left(address: str, wait_s: float = 10.0) -> int | None:
@@ -227,7 +232,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="with --coordinator: a process to watch (repeatable)")
     p.add_argument("--duration", type=float, default=1800.0, help="seconds of load (default 1800)")
     p.add_argument("--warmup-s", type=float, default=None, help="default 10 %% of --duration")
-    p.add_argument("--sample-s", type=float, default=None, help="RSS sample period (default duration/60, >= 1)")
+    p.add_argument("--sample-s", type=float, default=None, help="RSS sample period (default duration/120, "
+                   "at least 1 s)")
+    p.add_argument("--window-s", type=float, default=None, help="memory windows after the warm-up and at "
+                   "the end (default 10 %% of --duration)")
     p.add_argument("--concurrency", type=int, default=None, help="clients (default 2 x total capacity)")
     p.add_argument("--mix", type=_mix, default=_mix(DEFAULT_MIX), help=f"KIND=WEIGHT,... (default {DEFAULT_MIX})")
     p.add_argument("--short-prompt-tokens", type=int, default=128)
@@ -256,9 +264,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.warmup_s = 0.1 * a.duration if a.warmup_s is None else a.warmup_s
     if not 0 <= a.warmup_s < a.duration:
         p.error(f"--warmup-s must be in [0, --duration), got {a.warmup_s}")
-    a.sample_s = max(1.0, a.duration / 60) if a.sample_s is None else a.sample_s
-    if a.sample_s <= 0:
-        p.error("--sample-s must be > 0")
+    a.sample_s = max(1.0, a.duration / 120) if a.sample_s is None else a.sample_s
+    a.window_s = 0.1 * a.duration if a.window_s is None else a.window_s
+    if a.sample_s <= 0 or not 0 <= a.window_s <= (a.duration - a.warmup_s) / 2:
+        p.error("--sample-s must be > 0 and --window-s in [0, half the time after the warm-up]")
     for f in a.prompts:
         if not f.is_file():
             p.error(f"--prompts {f}: no such file")
@@ -301,12 +310,12 @@ def run(a, log=print) -> dict:
             a.concurrency = 2 * asyncio.run(total_capacity(address))
         log(f"soak: {a.duration:.0f} s, warm-up {a.warmup_s:.0f} s, {a.concurrency} clients "
             f"(gRPC {address}, HTTP {http_url}), mix {a.mix}")
-        records, samples = asyncio.run(run_load(a, address, http_url, a.served, pids, short, long, log))
+        records, samples, wall = asyncio.run(run_load(a, address, http_url, a.served, pids, short, long, log))
         left = asyncio.run(sessions_left(address))
     finally:
         if cluster is not None:
             cluster.stop()
-    summary = summarize(records, samples, a.duration, a.warmup_s, a.max_growth_pct)
+    summary = summarize(records, samples, wall, a.warmup_s, a.max_growth_pct, a.window_s)
     return {**summary, "sessions_left": left, "records": [asdict(r) for r in records], "samples": samples}
 
 
@@ -327,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"soak: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     print()
-    print(format_report(result, a.max_growth_pct))
+    print(format_report(result, a.max_growth_pct, a.window_s))
     left = result["sessions_left"]
     print(f"sessions the workers still hold after the drain: {'unknown' if left is None else left}")
     if a.json:

@@ -63,27 +63,33 @@ def _record(kind: str, outcome: str, start_s: float, total_s: float) -> Record:
 
 
 def _samples(warm: int, end: int) -> list[dict]:
-    return [{"t_s": 0.0, "label": "start", "rss": {"w": warm // 2}}, {"t_s": 1.0, "label": "warmup", "rss": {"w": warm}},
-            {"t_s": 2.0, "label": "periodic", "rss": {"w": max(warm, end) + 1}},
-            {"t_s": 3.0, "label": "end", "rss": {"w": end}}]
+    """RSS of one process "w": half of `warm` at the start, `warm` as the highest of the first
+    window (1-2 s), a peak above both at 5 s, `end` as the highest of the last window (8-9 s)."""
+    rss = [(0.0, "start", warm // 2), (1.0, "warmup", warm - 50), (1.5, "periodic", warm),
+           (2.5, "periodic", warm + 500), (5.0, "periodic", max(warm, end) + 1), (8.0, "periodic", end),
+           (9.0, "end", end - 30)]
+    return [{"t_s": t, "label": label, "rss": {"w": v}} for t, label, v in rss]
 
 
 def test_the_verdict_fails_on_growth_a_lost_request_or_an_exited_process():
     records = [_record("short", "completion", t, 0.1 * (t + 1)) for t in range(10)]
-    ok = summarize(records, _samples(1000, 1040), 10.0, 2.0, 5.0)
-    assert ok["passed"] and ok["memory"]["w"]["growth_pct"] == 4.0 and ok["memory"]["w"]["peak_after_warmup"] == 1041
+    ok = summarize(records, _samples(1000, 1040), 10.0, 2.0, 5.0, 1.0)
+    m = ok["memory"]["w"]
+    assert ok["passed"] and (m["start"], m["warmup"], m["end"], m["peak_after_warmup"]) == (500, 1000, 1040, 1500)
+    assert m["growth_pct"] == pytest.approx(4.0)
     assert ok["latency"]["short"]["n"] == 8  # sent after the warm-up
     after = [r.total_s for r in records if r.start_s >= 2.0]
     assert ok["latency"]["short"]["total_p50_s"] == pytest.approx(statistics.median(after))
     assert max(after) >= ok["latency"]["short"]["total_p99_s"] > statistics.median(after)
-    grown = summarize(records, _samples(1000, 1060), 10.0, 2.0, 5.0)
+    grown = summarize(records, _samples(1000, 1060), 10.0, 2.0, 5.0, 1.0)
     assert not grown["passed"] and grown["memory_ok"] is False
-    assert "for every process: FAIL" in format_report(grown, 5.0) and "result: FAIL" in format_report(grown, 5.0)
-    lost = summarize(records + [_record("long", "lost", 5.0, 1.0)], _samples(1000, 1000), 10.0, 2.0, 5.0)
+    report = format_report(grown, 5.0, 1.0)
+    assert "for every process: FAIL" in report and "result: FAIL" in report and "| w | " in report
+    lost = summarize(records + [_record("long", "lost", 5.0, 1.0)], _samples(1000, 1000), 10.0, 2.0, 5.0, 1.0)
     assert not lost["passed"] and lost["lost"] == 1 and lost["errors"] == {"lost:x": 1}
     gone = _samples(1000, 1000)
-    gone[-1]["rss"]["w"] = None
-    exited = summarize(records, gone, 10.0, 2.0, 5.0)
+    gone[4]["rss"]["w"] = None  # exited in the middle (a restarted process has another pid)
+    exited = summarize(records, gone, 10.0, 2.0, 5.0, 1.0)
     assert not exited["passed"] and exited["memory"]["w"]["growth_pct"] is None
-    unmeasured = summarize(records, [], 10.0, 2.0, 5.0)
+    unmeasured = summarize(records, [], 10.0, 2.0, 5.0, 1.0)
     assert unmeasured["passed"] and unmeasured["memory_ok"] is None
