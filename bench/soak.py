@@ -126,16 +126,18 @@ async def run_load(a, address: str, http_url: str, model: str, pids: dict[str, i
     t0 = time.perf_counter()
     end = t0 + a.duration
 
-    async def sampler():
+    def mib(values: dict) -> str:
+        return " ".join(f"{n}={'gone' if v is None else f'{v / 2**20:.0f}'}" for n, v in values.items())
+
+    async def sampler(client):
         for at, label in sample_times(a.duration, a.warmup_s, a.sample_s):
             await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
-            rss = rss_of(pids)
-            samples.append({"t_s": round(time.perf_counter() - t0, 3), "label": label, "rss": rss})
+            rss, kv = rss_of(pids), await kv_bytes(client)
+            samples.append({"t_s": round(time.perf_counter() - t0, 3), "label": label, "rss": rss, "kv": kv})
             if label != "periodic" or len(samples) % 5 == 0:
                 done = len(records)
                 log(f"  {time.perf_counter() - t0:6.0f} s  {label:8s} {done} requests done, "
-                    f"{sum(r.outcome == 'lost' for r in records)} lost; RSS MiB "
-                    + " ".join(f"{n}={'gone' if v is None else f'{v / 2**20:.0f}'}" for n, v in rss.items()))
+                    f"{sum(r.outcome == 'lost' for r in records)} lost; RSS MiB {mib(rss)}; KV MiB {mib(kv)}")
 
     async def client_loop(i: int, client, session):
         rng = random.Random(a.seed * 100_003 + i)
@@ -150,10 +152,22 @@ async def run_load(a, address: str, http_url: str, model: str, pids: dict[str, i
     connector = aiohttp.TCPConnector(limit=0)
     async with AsyncClient(address) as client, aiohttp.ClientSession(
             connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
-        await asyncio.gather(sampler(), *(client_loop(i, client, session) for i in range(a.concurrency)))
+        await asyncio.gather(sampler(client), *(client_loop(i, client, session) for i in range(a.concurrency)))
     wall = time.perf_counter() - t0
     log(f"  {wall:6.0f} s  drained: {len(records)} requests")
     return records, samples, wall
+
+
+async def kv_bytes(client) -> dict[str, int | None]:
+    """Each worker's KV bytes, its sessions' and its prompt cache's, as its latest heartbeat
+    reported them (cluster status); {} when the coordinator does not answer."""
+    from flashfleet.errors import FlashfleetError
+
+    try:
+        status = await client.cluster_status(timeout_s=5)
+    except FlashfleetError:
+        return {}
+    return {w.worker_id: w.kv_cache_bytes + w.prompt_cache_bytes for w in status.workers}
 
 
 async def sessions_left(address: str, wait_s: float = 10.0) -> int | None:

@@ -19,7 +19,7 @@ def percentiles(values: list[float]) -> tuple[float | None, float | None]:
     return float(p50), float(p99)
 
 
-def memory_growth(samples: list[dict], window_s: float) -> dict[str, dict]:
+def memory_growth(samples: list[dict], window_s: float, key: str = "rss") -> dict[str, dict]:
     """Per process: RSS bytes at the start, the highest RSS sampled in the window of `window_s`
     seconds that begins at the warm-up's sample ("warmup") and in the one that ends at the load's
     end ("end"), the peak after the warm-up, and the end's growth over the warm-up in percent.
@@ -31,21 +31,22 @@ def memory_growth(samples: list[dict], window_s: float) -> dict[str, dict]:
             "rss": {process name: bytes, or None once it has exited}}], in time order, with one
             "start", one "warmup" and one "end".
         window_s: the windows' length, seconds (0: the warm-up's and the end's samples alone).
+        key: the samples' field to read ("rss"; "kv": the workers' KV bytes, same shape).
 
     Returns:
         {name: {"start", "warmup", "end", "peak_after_warmup": bytes, or None where the process
         had exited; "growth_pct": float, or None once the process has exited}}.
     """
     at = {s["label"]: s["t_s"] for s in samples if s["label"] != "periodic"}
-    names = list(dict.fromkeys(n for s in samples for n in s["rss"]))
+    names = list(dict.fromkeys(n for s in samples for n in s.get(key, {})))
 
     def highest(name: str, lo: float, hi: float) -> int | None:
-        values = [s["rss"].get(name) for s in samples if lo <= s["t_s"] <= hi]
+        values = [s.get(key, {}).get(name) for s in samples if lo <= s["t_s"] <= hi]
         return None if not values or None in values else max(values)
 
     out = {}
     for name in names:
-        start = next(s["rss"].get(name) for s in samples if s["label"] == "start")
+        start = next(s.get(key, {}).get(name) for s in samples if s["label"] == "start")
         warm = highest(name, at["warmup"], at["warmup"] + window_s)
         end = highest(name, at["end"] - window_s, at["end"])
         peak = highest(name, at["warmup"], float("inf"))
@@ -71,7 +72,8 @@ def summarize(records: list[Record], samples: list[dict], wall_s: float, warmup_
     Returns:
         {"requests", "by_kind": {kind: {outcome: n}}, "errors": {error: n}, "latency": {kind:
         {"n", "ttft_p50_s", "ttft_p99_s", "total_p50_s", "total_p99_s"}}, "tokens",
-        "tokens_per_s", "memory": memory_growth(samples), "lost", "memory_ok" (None: not
+        "tokens_per_s", "memory": memory_growth(samples), "kv": memory_growth(samples, key="kv")
+        (information: the KV bytes each worker reported), "lost", "memory_ok" (None: not
         measured), "passed"}.
     """
     by_kind = {k: {o: 0 for o in OUTCOMES} for k in KINDS}
@@ -93,7 +95,7 @@ def summarize(records: list[Record], samples: list[dict], wall_s: float, warmup_
         memory_ok = all(m["growth_pct"] is not None and m["growth_pct"] <= max_growth_pct for m in memory.values())
     return {"requests": len(records), "by_kind": by_kind, "errors": dict(errors.most_common()), "latency": latency,
             "tokens": tokens, "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
-            "memory": memory, "lost": lost, "memory_ok": memory_ok,
+            "memory": memory, "kv": memory_growth(samples, window_s, "kv") if samples else {}, "lost": lost, "memory_ok": memory_ok,
             "passed": lost == 0 and memory_ok is not False}
 
 
@@ -128,6 +130,11 @@ def format_report(s: dict, max_growth_pct: float, window_s: float) -> str:
             growth = "-" if m["growth_pct"] is None else f"{m['growth_pct']:+.1f}"
             lines.append(f"| {name} | {_mib(m['start'])} | {_mib(m['warmup'])} | {_mib(m['end'])} "
                          f"| {_mib(m['peak_after_warmup'])} | {growth} |")
+    if s.get("kv"):
+        lines += ["", "| worker | KV MiB start (sessions + prompt cache, heartbeat) | after warm-up | end | "
+                  "peak after warm-up |", "|---|---:|---:|---:|---:|"]
+        lines += [f"| {name} | {_mib(m['start'])} | {_mib(m['warmup'])} | {_mib(m['end'])} "
+                  f"| {_mib(m['peak_after_warmup'])} |" for name, m in s["kv"].items()]
     verdict = {None: "NOT MEASURED (no process to watch)", True: "PASS", False: "FAIL"}[s["memory_ok"]]
     lines += ["", f"memory growth after warm-up <= {max_growth_pct:g} % for every process: {verdict}",
               f"no request lost: {'PASS' if s['lost'] == 0 else 'FAIL'} ({s['lost']} lost)",

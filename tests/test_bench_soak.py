@@ -48,6 +48,7 @@ def test_a_short_soak_loses_nothing(tmp_path, tiny_models):
     assert set(data["memory"]) == {"coordinator", "worker-1", "worker-2"}
     assert all(m["end"] > 0 and m["growth_pct"] is not None for m in data["memory"].values())
     assert data["sessions_left"] == 0
+    assert set(data["kv"]) == {"worker-1", "worker-2"} and "| worker | KV MiB start" in r.stdout
 
 
 def test_bad_arguments_exit_2(tiny_models):
