@@ -8,8 +8,11 @@ so requests queue), half through gRPC (the SDK's AsyncClient), half through the 
 HTTP API (aiohttp; /v1/completions and /v1/chat/completions, streamed and not), each sending one
 request after another from a weighted mix (--mix) of kinds: short, long, cancelled, bad and
 deadline (bench/soak_requests.py says what each is and how its end is classified: completion,
-cancelled, typed error or lost). When the time is up no new request starts; those in flight run
-to their end.
+cancelled, typed error or lost). During the warm-up every client sends the mix's largest request
+instead (a long prompt with --long-output-tokens, counted as long; --no-fill keeps the mix), so
+each worker's KV caches, prompt cache and allocator reach the memory the load can take before the
+memory baseline is sampled. When the time is up no new request starts; those in flight run to
+their end.
 
 Every cluster process's RSS (psutil) is sampled at the start, after the warm-up (--warmup-s,
 default 10 % of the duration), every --sample-s seconds (default duration / 120) and at the end of
@@ -142,7 +145,8 @@ async def run_load(a, address: str, http_url: str, model: str, pids: dict[str, i
     async def client_loop(i: int, client, session):
         rng = random.Random(a.seed * 100_003 + i)
         while time.perf_counter() < end:
-            spec = make_spec(rng.choices(kinds, weights)[0], rng, short, long, budgets)
+            warming = a.fill and time.perf_counter() < t0 + a.warmup_s
+            spec = make_spec("fill" if warming else rng.choices(kinds, weights)[0], rng, short, long, budgets)
             start_s = time.perf_counter() - t0
             if i % 2 == 0:
                 records.append(await grpc_request(client, model, spec, budgets, start_s))
@@ -251,6 +255,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--window-s", type=float, default=None, help="memory windows after the warm-up and at "
                    "the end (default 10 %% of --duration)")
     p.add_argument("--concurrency", type=int, default=None, help="clients (default 2 x total capacity)")
+    p.add_argument("--no-fill", dest="fill", action="store_false",
+                   help="send the mix during the warm-up too (default: its largest request only)")
     p.add_argument("--mix", type=_mix, default=_mix(DEFAULT_MIX), help=f"KIND=WEIGHT,... (default {DEFAULT_MIX})")
     p.add_argument("--short-prompt-tokens", type=int, default=128)
     p.add_argument("--long-prompt-tokens", type=int, default=1536)

@@ -11,6 +11,9 @@ Kinds:
              expected to end in a typed error.
   deadline   --long-output-tokens with a deadline of 0.3-3 s (`timeout_s`): ends in a completion
              or a deadline error.
+  fill       (the warm-up's, counted as long) a long prompt with --long-output-tokens: the largest
+             request of the mix, so a warm-up of these takes every worker to the memory its
+             capacity allows.
 
 Outcomes:
   completion   the stream ended with a finish reason (HTTP: `data: [DONE]`, or a 200 JSON answer).
@@ -117,6 +120,8 @@ def make_spec(kind: str, rng: random.Random, short_prompts: list[str], long_prom
                     **{**common, "stream": True})
     if kind == "bad":
         return Spec(kind, prompt, 16, timeout, bad=rng.choice(BAD_PARAMS), **common)
+    if kind == "fill":
+        return Spec("long", rng.choice(long_prompts), budgets.long_output_tokens, timeout, **common)
     if kind == "deadline":
         return Spec(kind, prompt, budgets.long_output_tokens, rng.uniform(0.3, 3.0), **common)
     raise ValueError(f"unknown request kind {kind!r}; kinds: {', '.join(KINDS)}")
