@@ -77,7 +77,8 @@ class Record:
         ttft_s: seconds to the first token (streams) or to the answer (HTTP without a stream);
             None when none came.
         total_s: seconds to its end.
-        tokens: generated tokens the client received (counted, or the server's usage).
+        tokens: generated tokens the client received (gRPC: counted; HTTP: the answer's usage, 0
+            for a stream left before its last chunk).
     """
 
     kind: str
@@ -168,8 +169,6 @@ async def _bounded(spec: Spec, budgets: Budgets, clock: _Clock, run, record):
             outcome, error = "cancelled", ""
         else:
             outcome, error = "lost", f"lost:no end within {limit:.0f} s"
-    except asyncio.CancelledError:
-        raise
     except Exception as e:  # neither an end nor a typed error
         outcome, error = "lost", f"lost:{type(e).__name__}"
     return record(outcome, error)
