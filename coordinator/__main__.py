@@ -14,7 +14,7 @@ from flashfleet.config import tcp_port
 # Built-in defaults; a --config file's values come before them, command-line flags before both.
 DEFAULTS = {"host": "127.0.0.1", "port": 50051, "lease_ttl_s": 10.0, "heartbeat_interval_s": 2.0,
             "route_attempts": 3, "max_queued": 64, "queue_timeout_s": 30.0, "log_level": "INFO", "migrate": True,
-            "migrate_min_remaining_tokens": 64, "shutdown_grace_s": 25.0}
+            "migrate_min_remaining_tokens": 64, "migrate_method": "kv", "shutdown_grace_s": 25.0}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -49,6 +49,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "worker running two or more to an idle one; coordinator/migration.py)")
     p.add_argument("--migrate-min-remaining-tokens", type=int, default=None,
                    help="tokens of max_tokens a session must have left to be moved (default 64)")
+    p.add_argument("--migrate-method", choices=("kv", "reprefill"), default=None,
+                   help="how a session moves: kv (default) copies its KV cache to the destination while "
+                   "it decodes on, falling back to reprefill when the copy fails; reprefill has the "
+                   "destination prefill prompt + output (coordinator/kv_transfer.py)")
     p.add_argument("--shutdown-grace-s", type=float, default=None,
                    help="on SIGTERM, how long running streams may finish before they are cut, "
                    "seconds (default 25: under the 30 s systemd and launchd allow a stop)")
@@ -111,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                                queue_timeout_s=a.queue_timeout_s, shutdown_grace_s=a.shutdown_grace_s,
                                migration=MigrationPolicy(enabled=a.migrate,
                                                          min_remaining_tokens=a.migrate_min_remaining_tokens),
+                               migration_method=a.migrate_method,
                                http_port=a.http_port or None, api_keys=api_keys, join_token=join_token)
     try:
         asyncio.run(serve(config, a.metrics_port or None, getattr(a, "tls", None)))

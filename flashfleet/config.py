@@ -66,6 +66,8 @@ class CoordinatorSection:
             fleet is full, and for how long (coordinator/admission.py).
         migrate, migrate_min_remaining_tokens: session migration on or off, and the budget a
             session must have left to be moved (coordinator/migration.py, MigrationPolicy).
+        migrate_method: how a session moves: "kv" (copy its KV cache, falling back to
+            re-prefill) or "reprefill" (coordinator/kv_transfer.py).
         shutdown_grace_s: how long in-flight streams may finish on SIGTERM (as in
             CoordinatorConfig).
         api_keys_file: file of the API keys clients must send, one a line ("" = none required;
@@ -86,6 +88,7 @@ class CoordinatorSection:
     queue_timeout_s: float = 30.0
     migrate: bool = True
     migrate_min_remaining_tokens: int = 64
+    migrate_method: str = "kv"
     shutdown_grace_s: float = 25.0
     api_keys_file: str = ""
     join_token_file: str = ""
@@ -315,6 +318,7 @@ class ClusterConfig:
                 "route_attempts": c.route_attempts, "max_queued": c.max_queued,
                 "queue_timeout_s": c.queue_timeout_s, "migrate": c.migrate,
                 "migrate_min_remaining_tokens": c.migrate_min_remaining_tokens,
+                "migrate_method": c.migrate_method,
                 "shutdown_grace_s": c.shutdown_grace_s, "api_keys_file": c.api_keys_file or None,
                 "join_token_file": c.join_token_file or None}
 
@@ -400,6 +404,9 @@ def _check(cfg: ClusterConfig) -> None:
                             c.queue_timeout_s, c.migrate_min_remaining_tokens, c.shutdown_grace_s)
     if bad:
         raise ConfigError(f"{p}: [coordinator] {bad[0]}")
+    if c.migrate_method not in ("kv", "reprefill"):
+        raise ConfigError(f"{p}: [coordinator] migrate_method must be \"kv\" or \"reprefill\", "
+                          f"got {c.migrate_method!r}")
     ports = [("[coordinator] port", c.port), ("[coordinator] metrics_port", c.metrics_port),
              ("[coordinator] http_port", c.http_port)]
     ports += [(f"worker {w.id!r} {k}", getattr(w, k)) for w in cfg.workers
