@@ -247,3 +247,216 @@ def test_dflash_session_state_round_trip_keeps_greedy_output(tiny_models, dflash
 
 
 
+
+
+# ----- through the cluster: coordinator + two MLX workers over loopback gRPC ------------------------
+
+class ScriptedPolicy:
+    """A migration policy for tests: move to the other idle worker once `at[k]` tokens have been
+    sent, where k counts the moves made so far (a failed attempt is retried, at most `attempts`
+    times in all)."""
+
+    enabled = True
+    check_interval_s = 0.0
+    min_remaining_tokens = 1
+
+    def __init__(self, at, attempts=6):
+        self.at, self.attempts = list(at), attempts
+        self.sources: list[str] = []
+
+    def target(self, request, source, sent_tokens, workers, moved_s, now_s):
+        if not self.sources or self.sources[-1] != source.worker_id:
+            self.sources.append(source.worker_id)
+        k = len(self.sources) - 1
+        if k >= len(self.at) or sent_tokens < self.at[k] or self.attempts <= 0:
+            return None
+        other = [w for w in workers if w.worker_id != source.worker_id and w.in_flight == 0 and not w.unreachable]
+        if other:
+            self.attempts -= 1
+            return other[0]
+        return None
+
+
+def _slow(engine, delay_s=0.002):
+    """Slows an engine's iterations, so a tiny model's stream lasts long enough to move."""
+    sched = engine._scheduler
+    inner = type(sched).iterate
+
+    def iterate():
+        time.sleep(delay_s)
+        inner(sched)
+    sched.iterate = iterate
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_models):
+    from harness import start_cluster
+    engines = {w: _engine(tiny_models.llama) for w in ("w1", "w2")}
+    for e in engines.values():
+        _slow(e)
+    cluster = start_cluster(engines)
+    yield cluster, engines
+    cluster.close()
+
+
+def _run(cluster, engines, policy, method="kv", mode="plain", prompt=PROMPT, max_tokens=MAX_TOKENS):
+    import dataclasses
+
+    from flashfleet import Client
+    svc = cluster.coordinator.servicer
+    svc.config = dataclasses.replace(svc.config, migration=policy, migration_method=method)
+    svc.moves.clear()
+    with Client(cluster.address) as client:
+        done = client.complete("tiny-llama", prompt=prompt, max_tokens=max_tokens, mode=mode)
+    # Exactly one worker ends up with the session; nothing stays staged or reserved anywhere.
+    assert wait_until(lambda: all(e.load().active_sessions == 0 and e.load().kv_cache_bytes == 0
+                                  for e in engines.values()), 10), [e.load() for e in engines.values()]
+    assert all(w.in_flight == 0 for w in cluster.coordinator.registry.live())
+    return done, list(svc.moves)
+
+
+def _ref(engine, mode="plain", prompt=PROMPT, max_tokens=MAX_TOKENS):
+    ids = engine.encode_prompt(prompt, None)
+    return _reference(engine, ids, mode=mode, max_tokens=max_tokens)
+
+
+@pytest.mark.parametrize("method", ["kv", "reprefill"])
+def test_a_session_moved_twice_keeps_its_greedy_output(pair, method):
+    cluster, engines = pair
+    ref = _ref(engines["w1"])
+    done, moves = _run(cluster, engines, ScriptedPolicy([30, 110]), method=method)
+    assert done.token_ids == ref and done.finish_reason == "length"
+    assert done.stats.migrations == 2 and done.stats.generated_tokens == MAX_TOKENS
+    ok = [m for m in moves if m.outcome == "ok"]
+    assert [m.method for m in ok] == [method, method], moves
+    if method == "kv":
+        assert all(m.bytes_moved > 0 and 0 < m.pause_s <= m.total_s for m in ok)
+        assert done.stats.transferred_tokens > 0  # the last worker's positions came by transfer
+    else:
+        assert all(m.bytes_moved == 0 for m in ok) and done.stats.transferred_tokens == 0
+
+
+def test_a_dflash_session_moved_twice_by_kv_transfer_keeps_its_greedy_output(tiny_models, dflash_dir):
+    from harness import start_cluster
+    engines = {w: _engine(tiny_models.llama, dflash_dir) for w in ("w1", "w2")}
+    for e in engines.values():
+        _slow(e)
+    cluster = start_cluster(engines)
+    try:
+        ref = _ref(engines["w1"], mode="dflash")
+        done, moves = _run(cluster, engines, ScriptedPolicy([30, 110]), mode="dflash")
+        assert done.token_ids == ref and done.stats.migrations == 2 and done.stats.mode == "dflash"
+        assert [m.method for m in moves if m.outcome == "ok"] == ["kv", "kv"], moves
+        assert done.stats.transferred_tokens > 0
+    finally:
+        cluster.close()
+
+
+def _inject(monkeypatch, fault):
+    """Replaces the coordinator's relay of export chunks with one that misbehaves: "export"
+    (the source's export fails at once), "cut" (the stream stops half way), "checksum" (a data
+    chunk's bytes change)."""
+    import grpc
+
+    from coordinator import kv_transfer
+
+    real = kv_transfer.relay_chunks
+
+    async def relay_chunks(export_call, relayed):
+        if fault == "export":
+            relayed.export_error = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                                        grpc.aio.Metadata(), "source gone")
+            return
+        n = 0
+        async for chunk in real(export_call, relayed):
+            n += 1
+            if fault == "cut" and n == 3:
+                return
+            if fault == "checksum" and chunk.WhichOneof("kind") == "data":
+                chunk.data.data = bytes([chunk.data.data[0] ^ 0xFF]) + chunk.data.data[1:]
+            yield chunk
+    monkeypatch.setattr(kv_transfer, "relay_chunks", relay_chunks)
+
+
+@pytest.mark.parametrize("fault", ["export", "cut", "checksum", "import_refused"])
+def test_a_failed_transfer_falls_back_to_reprefill(pair, monkeypatch, fault):
+    cluster, engines = pair
+    ref = _ref(engines["w1"])
+    if fault == "import_refused":
+        for e in engines.values():  # the destination has no room for the state
+            monkeypatch.setattr(e, "reserve_import", lambda header: _failed(Overloaded("no room for it")))
+    else:
+        _inject(monkeypatch, fault)
+    done, moves = _run(cluster, engines, ScriptedPolicy([30]))
+    assert done.token_ids == ref and done.stats.migrations == 1
+    assert [(m.outcome, m.method) for m in moves] == [("aborted", "kv"), ("ok", "reprefill")], moves
+    assert done.stats.transferred_tokens == 0
+
+
+def _failed(error):
+    from concurrent.futures import Future
+    f = Future()
+    f.set_exception(error)
+    return f
+
+
+def test_a_destination_that_refuses_the_claim_leaves_the_session_on_its_source(pair, monkeypatch):
+    from worker.engine.types import Overloaded as Full
+    cluster, engines = pair
+    ref = _ref(engines["w1"])
+    for e in engines.values():
+        real = e.submit
+
+        def submit(request, emit, real=real):
+            if request.import_id:
+                raise Full("at capacity")
+            return real(request, emit)
+        monkeypatch.setattr(e, "submit", submit)
+    done, moves = _run(cluster, engines, ScriptedPolicy([30], attempts=1))
+    assert done.token_ids == ref and done.stats.migrations == 0
+    assert [(m.outcome, m.method) for m in moves] == [("aborted", "kv")], moves
+
+
+def test_a_source_that_dies_during_the_transfer_fails_over_to_the_staged_state(tiny_models):
+    """The source's engine stops once its state is exported, before the coordinator cuts the
+    stream: the stream fails UNAVAILABLE, and its failover claims the state staged on the other
+    worker."""
+    import asyncio
+    import dataclasses
+
+    from coordinator import kv_transfer
+    from flashfleet import Client
+    from harness import start_cluster
+    engines = {w: _engine(tiny_models.llama) for w in ("w1", "w2")}
+    for e in engines.values():
+        _slow(e)
+    cluster = start_cluster(engines)
+    real = kv_transfer.relay_chunks
+    policy = ScriptedPolicy([30], attempts=1)
+
+    async def relay_chunks(export_call, relayed):
+        async for chunk in real(export_call, relayed):
+            if chunk.WhichOneof("kind") == "trailer":  # the whole state is out: the source dies
+                await asyncio.to_thread(engines[policy.sources[-1]].close)
+                await asyncio.sleep(0.5)  # the stream fails while the import is still open
+            yield chunk
+
+    kv_transfer.relay_chunks = relay_chunks
+    try:
+        ref = _ref(engines["w1"])
+        svc = cluster.coordinator.servicer
+        svc.config = dataclasses.replace(svc.config, migration=policy)
+        with Client(cluster.address) as client:
+            done = client.complete("tiny-llama", prompt=PROMPT, max_tokens=MAX_TOKENS, mode="plain")
+        assert done.token_ids == ref and done.stats.migrations == 1
+        assert [(m.outcome, m.method) for m in svc.moves] == [("failover", "kv")], list(svc.moves)
+        assert done.stats.transferred_tokens > 0
+        survivor = ({"w1", "w2"} - {policy.sources[0]}).pop()
+        assert done.worker_id == survivor
+        assert wait_until(lambda: engines[survivor].load().kv_cache_bytes == 0
+                          and engines[survivor].load().active_sessions == 0)
+    finally:
+        kv_transfer.relay_chunks = real
+        cluster.close()
+        for e in engines.values():
+            e.close()
