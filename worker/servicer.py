@@ -57,7 +57,8 @@ class _EngineGone:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """Serves Generate / Cancel / GetLoad on top of one engine.
+    """Serves Generate / Cancel / GetLoad, and ExportSession / ImportSession (KV transfer), on top
+    of one engine.
 
     Args:
         engine: anything implementing EngineProtocol (the MLX Engine, or a fake in tests).
