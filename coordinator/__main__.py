@@ -15,7 +15,8 @@ from flashfleet.config import tcp_port
 DEFAULTS = {"host": "127.0.0.1", "port": 50051, "lease_ttl_s": 10.0, "heartbeat_interval_s": 2.0,
             "route_attempts": 3, "max_queued": 64, "queue_timeout_s": 30.0, "log_level": "INFO", "migrate": True,
             "migrate_min_remaining_tokens": 64, "shutdown_grace_s": 25.0, "migrate_cooldown_s": 5.0,
-            "migrate_link_bandwidth_gbps": 1.0, "migrate_hysteresis": 1.5, "migrate_min_speedup": 1.1}
+            "migrate_link_bandwidth_gbps": 1.0, "migrate_hysteresis": 1.5, "migrate_min_speedup": 1.1,
+            "migrate_method": "kv"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -60,6 +61,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="a speed move needs a predicted saving of this many times its cost (default 1.5)")
     p.add_argument("--migrate-min-speedup", type=float, default=None,
                    help="... and a destination predicting this many times the source's tokens/s (default 1.1)")
+    p.add_argument("--migrate-method", choices=("kv", "reprefill"), default=None,
+                   help="how a session moves: kv (default) copies its KV cache to the destination while "
+                   "it decodes on, falling back to reprefill when the copy fails; reprefill has the "
+                   "destination prefill prompt + output (coordinator/kv_transfer.py)")
     p.add_argument("--shutdown-grace-s", type=float, default=None,
                    help="on SIGTERM, how long running streams may finish before they are cut, "
                    "seconds (default 25: under the 30 s systemd and launchd allow a stop)")
@@ -128,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                                                          link_bandwidth_bytes_per_s=a.migrate_link_bandwidth_gbps * 1e9 / 8,
                                                          hysteresis=a.migrate_hysteresis,
                                                          min_speedup=a.migrate_min_speedup),
+                               migration_method=a.migrate_method,
                                http_port=a.http_port or None, api_keys=api_keys, join_token=join_token)
     try:
         asyncio.run(serve(config, a.metrics_port or None, getattr(a, "tls", None)))

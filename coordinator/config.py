@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from coordinator.kv_transfer import METHODS
 from coordinator.migration import MigrationPolicy
 
 
@@ -22,6 +23,9 @@ class CoordinatorConfig:
         shutdown_grace_s: in-flight RPCs get this long to finish on shutdown (25 s: under the
             30 s systemd allows a stop, deploy/systemd).
         migration: when and where a running session moves (coordinator/migration.py).
+        migration_method: how it moves: "kv" copies its KV state to the destination while it
+            goes on decoding (coordinator/kv_transfer.py), falling back to "reprefill" when the
+            copy fails; "reprefill" has the destination prefill prompt + output.
         http_port: port of the OpenAI-compatible HTTP API on `host` (coordinator/openai_api.py;
             0 = a free port, None = no HTTP API).
         api_keys: keys clients must send (`authorization: Bearer <key>` metadata, the HTTP
@@ -42,9 +46,15 @@ class CoordinatorConfig:
     queue_timeout_s: float = 30.0
     shutdown_grace_s: float = 25.0
     migration: MigrationPolicy = field(default_factory=MigrationPolicy)
+    migration_method: str = "kv"
     http_port: int | None = None
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     join_token: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.migration_method not in METHODS:
+            raise ValueError(f"CoordinatorConfig.migration_method must be one of {METHODS}, "
+                             f"got {self.migration_method!r}")
 
 
 def settings_problems(lease_ttl_s: float, heartbeat_interval_s: float, route_attempts: int,

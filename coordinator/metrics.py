@@ -17,8 +17,9 @@ QUEUE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 ROUTED_OUTCOMES = ("ok", "cancelled", "error", "invalid", "deadline", "no_worker", "overloaded")
 # moved; refused by the destination, stayed put; resumed elsewhere after its worker failed; could not be
 MIGRATION_OUTCOMES = ("ok", "aborted", "failover", "failover_failed")
-# How the destination got the session's state: it re-prefilled prompt + output (recomputation).
-MIGRATION_METHODS = ("reprefill",)
+# How the destination got the session's state: a copy of its KV cache (coordinator/kv_transfer.py),
+# or recomputation (it re-prefilled prompt + output).
+MIGRATION_METHODS = ("kv", "reprefill")
 MIGRATION_BYTES_BUCKETS = (1e5, 1e6, 1e7, 3e7, 1e8, 3e8, 1e9, 3e9)
 MIGRATION_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -84,10 +85,11 @@ class CoordinatorMetrics:
             self._models.add(model)
             self.retries.labels(model=model)
             for reason in REASONS:
-                for outcome in (("failover", "failover_failed") if reason == "failure" else ("ok", "aborted")):
-                    self.migrations.labels(model=model, reason=reason, outcome=outcome, method=MIGRATION_METHODS[0])
-                for h in (self.migration_bytes, self.migration_pause, self.migration_seconds):
-                    h.labels(model=model, reason=reason, method=MIGRATION_METHODS[0])
+                for method in MIGRATION_METHODS:
+                    for outcome in (("failover", "failover_failed") if reason == "failure" else ("ok", "aborted")):
+                        self.migrations.labels(model=model, reason=reason, outcome=outcome, method=method)
+                    for h in (self.migration_bytes, self.migration_pause, self.migration_seconds):
+                        h.labels(model=model, reason=reason, method=method)
         self.queue.labels(model=model).observe(seconds)
 
     def observe_migration(self, model: str, outcome: str, reason: str, method: str, bytes_moved: int,

@@ -4,10 +4,13 @@ Concurrency: everything runs on one asyncio event loop; the registry and session
 objects touched only from that loop, so no locks. A client's Generate is proxied to one worker
 stream; the client going away cancels the handler task, whose `finally` cancels the worker call,
 which in turn aborts the request in the worker's engine. Between two chunks the stream may move
-to another worker (session migration, coordinator/migration.py): the same request, resumed after
-the tokens already sent, opens on the destination, and the source call is cancelled once the
-destination answers. Operators drain a worker (`DrainWorker`: its sessions move, then it is told
-to leave) or move one request (`MoveSession`); both are Coordinator RPCs, so API keys guard them.
+to another worker (session migration, coordinator/migration.py): the session's KV state is
+copied to the destination while the stream goes on (coordinator/kv_transfer.py), then the same
+request, resumed after the tokens already sent and naming the imported state, opens on the
+destination (or, without a state, prefills everything there), and the source call is cancelled
+once the destination answers. Operators drain a worker (`DrainWorker`: its sessions move, then it
+is told to leave) or move one request (`MoveSession`); both are Coordinator RPCs, so API keys
+guard them.
 """
 from __future__ import annotations
 
@@ -16,12 +19,14 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
+from coordinator import kv_transfer
 from coordinator.admission import AdmissionQueue
 from coordinator.config import CoordinatorConfig
 from coordinator.migration import Decision, StreamProgress, session_load
@@ -53,6 +58,7 @@ OUTCOME_BY_CODE = {grpc.StatusCode.INVALID_ARGUMENT: "invalid",
 # latency, so the cancel a client sends at its deadline can arrive while the server still sees a
 # few milliseconds left. A cancel this close to the deadline is counted as the deadline.
 DEADLINE_SLACK_S = 0.05
+FAILOVER_TRANSFER_WAIT_S = 2.0  # a failover waits this long for a KV transfer that is finishing
 
 
 def _deadline_passed(time_remaining: TimeRemaining) -> bool:
@@ -119,6 +125,34 @@ def _retryable(exc: BaseException) -> bool:
     return isinstance(exc, _WorkerFailed) and exc.error.code() in RETRYABLE
 
 
+@dataclass(frozen=True)
+class Move:
+    """One session move (or attempt), as `CoordinatorServicer.moves` records it.
+
+    Attributes:
+        model: the request's model.
+        outcome: "ok", "aborted", "failover" or "failover_failed" (as the migrations metric).
+        reason: why it moved (coordinator.migration.REASONS).
+        method: "kv" (the state was copied) or "reprefill" (the destination prefilled it all).
+        bytes_moved: KV bytes relayed (0 for re-prefill).
+        pause_s: the gap the client saw: last source token forwarded to the destination's first
+            message (0 when the session did not move).
+        total_s: from the start of the move (the transfer's start, for "kv") to the destination's
+            first message, seconds.
+    """
+
+    model: str
+    outcome: str
+    reason: str
+    method: str
+    bytes_moved: int
+    pause_s: float
+    total_s: float
+
+
+MOVES_KEPT = 256  # recent moves kept in `CoordinatorServicer.moves`
+
+
 def _full(exc: BaseException | None) -> bool:
     """A worker refused for capacity: its sessions outnumber this coordinator's streams to it
     (a cancelled stream's session ends at the worker's next engine turn, not when the coordinator
@@ -163,6 +197,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self._in_flight: set[str] = set()  # request ids of streams running now (duplicates refused)
         self._streams: dict[str, _Stream] = {}  # request id -> its stream, once routed
         self._drain_moved: dict[str, int] = {}  # worker id -> sessions moved off it while it drains
+        self._transfers: dict[str, kv_transfer.Transfer] = {}  # request id -> its KV transfer in flight
+        self._background: set[asyncio.Task] = set()  # best-effort calls nobody waits for
+        self.moves: deque[Move] = deque(maxlen=MOVES_KEPT)  # recent moves, newest last
         if metrics:
             metrics.queued.set_function(lambda: self.admission.waiting)
 
@@ -205,14 +242,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         past its deadline when `time_remaining` says so).
 
         Args:
-            request: the client's request (`resume_*` fields must be empty).
+            request: the client's request (`resume_*` fields and `import_id` must be empty).
             time_remaining: seconds left before the request's deadline, or None without one; the
                 worker calls get it as their timeout.
 
         Raises:
             GenerateFailed: with
                 INVALID_ARGUMENT: the request fails `validate_request`, sets `resume_token_ids` /
-                    `resume_text` (coordinator-only fields), or reuses the request_id of a request
+                    `resume_text` / `import_id` (coordinator-only fields), or reuses the request_id of a request
                     still in flight.
                 NOT_FOUND: no live worker serves the model (or none has a draft for the requested mode).
                 RESOURCE_EXHAUSTED: every eligible worker is full and the admission queue is full or
@@ -227,10 +264,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             known = any(w.serves(request.model) for w in self.registry.live())
             self._count(request.model if known else "(unknown)", "", "invalid")
             raise GenerateFailed(e.code, e.details) from None
-        if request.resume_token_ids or request.resume_text:
+        if request.resume_token_ids or request.resume_text or request.import_id:
             self._count("(unknown)", "", "invalid")
-            raise GenerateFailed(grpc.StatusCode.INVALID_ARGUMENT, "resume_token_ids and resume_text are set by "
-                                 "the coordinator when it migrates a session; leave them empty")
+            raise GenerateFailed(grpc.StatusCode.INVALID_ARGUMENT, "resume_token_ids, resume_text and import_id "
+                                 "are set by the coordinator when it migrates a session; leave them empty")
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
         elif request.request_id in self._in_flight:
@@ -286,10 +323,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 else:
                     progress.add(resp.chunk)
                     yield resp
-                    decision = self._move_decision(request, worker, progress)
-                    if decision is not None:
-                        moved = await self._migrate(request, time_remaining, progress, worker, call, decision.dest,
-                                                    decision.reason)
+                    moved = await self._transfer_due(request, time_remaining, progress, worker, call)
+                    if not moved and request.request_id not in self._transfers:
+                        decision = self._move_decision(request, worker, progress)
+                        if decision is not None:
+                            moved = await self._migrate(request, time_remaining, progress, worker, call,
+                                                        decision.dest, decision.reason)
+                    if request.request_id not in self._transfers:  # a move ended (or none was asked)
                         self._settle_move_request(progress, worker, moved)
                         if moved:
                             progress.left(worker.worker_id)
@@ -318,6 +358,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             raise GenerateFailed(e.code(), f"worker {worker.worker_id} failed after {len(progress.token_ids)} "
                                  f"tokens and no other worker could resume the session: {e.details()}") from None
         finally:
+            self._abandon_transfer(request.request_id)
             self._streams.pop(request.request_id, None)
             self._settle_move_request(progress, worker, None, ended=True)
             call.cancel()
@@ -330,22 +371,103 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                                                  for w in self.registry.live()):
                 await self.pool.drop(worker.address)  # the worker left while this stream ran
 
-    async def _migrate(self, request, time_remaining: TimeRemaining, progress: StreamProgress, source: WorkerRecord, source_call,
-                       dest: WorkerRecord, reason: str = "load"):
-        """Moves a stream from `source` to `dest` (by recomputation: coordinator/migration.py);
-        `reason` (coordinator.migration.REASONS) labels its metrics.
+    async def _migrate(self, request, time_remaining: TimeRemaining, progress: StreamProgress, source: WorkerRecord,
+                       source_call, dest: WorkerRecord, reason: str = "load"):
+        """Starts moving a stream from `source` to `dest` for `reason` (coordinator.migration.REASONS,
+        which labels its metrics).
 
-        The resumed request goes to `dest` while the source call stays open and unread; only when
-        `dest` sends its first message is the source cancelled (its unread messages, past the
-        resume point, are dropped). If `dest` refuses (at capacity, draining, or the request
-        ended meanwhile: its tokens already reach a stop string or the budget), the stream simply
-        stays on the source, nothing lost.
+        With `migration_method` "kv" (the default) this starts relaying the session's KV state
+        to `dest` (coordinator/kv_transfer.py) and returns None: the stream goes on from the
+        source, and `_transfer_due` completes the move at a chunk boundary once the state is
+        staged. With "reprefill" the move happens now (`_move`). One move at a time per stream.
+
+        Returns:
+            (dest, its call, its first response) when the stream moved now, else None.
+        """
+        if request.request_id in self._transfers:
+            return None
+        if self.config.migration_method == "kv":
+            dest.in_flight += 1  # reserved now, so no other stream takes the idle worker meanwhile
+            self._transfers[request.request_id] = kv_transfer.start(
+                self.pool.stub(source.address), self.pool.stub(dest.address), request.request_id, dest,
+                time_remaining(), reason)
+            log.info("moving %s from %s to %s (%s): KV transfer started", request.request_id, source.worker_id,
+                     dest.worker_id, reason)
+            return None
+        return await self._move(request, time_remaining, progress, source, source_call, dest, reason=reason,
+                                method="reprefill")
+
+    async def _transfer_due(self, request, time_remaining: TimeRemaining, progress: StreamProgress,
+                            source: WorkerRecord, source_call):
+        """At a chunk boundary: completes a finished KV transfer of this stream. Staged: the
+        stream moves to its destination, claiming the state (`_move`). Failed: the stream moves by
+        re-prefill when it must move (an operator's move, a drain, memory) or the policy still picks
+        that destination, else it stays.
+
+        Returns:
+            (dest, its call, its first response) when the stream moved, else None.
+        """
+        t = self._transfers.get(request.request_id)
+        if t is None or not t.task.done():
+            return None
+        del self._transfers[request.request_id]
+        self._release(t.dest)  # `_move` reserves it again
+        staged = t.staged()
+        if staged is not None:
+            return await self._move(request, time_remaining, progress, source, source_call, t.dest, reason=t.reason,
+                                    method="kv", import_id=staged.import_id, bytes_moved=t.relayed.bytes,
+                                    started_s=t.started_s)
+        log.info("KV transfer of %s to %s failed (%s)", request.request_id, t.dest.worker_id, t.error())
+        self._migrated(request.model, "aborted", reason=t.reason, method="kv", bytes_moved=t.relayed.bytes,
+                       total_s=time.monotonic() - t.started_s)
+        if t.reason in ("load", "speed"):  # the re-prefill's cost may not pay where the copy's did
+            again = self.config.migration.decide(request, source, len(progress.token_ids), [source, t.dest], None,
+                                                 time.monotonic())
+            if again is None or again.dest is not t.dest:
+                progress.attempted()
+                return None
+        return await self._move(request, time_remaining, progress, source, source_call, t.dest, reason=t.reason,
+                                method="reprefill")
+
+    def _abandon_transfer(self, request_id: str) -> None:
+        """Stops a stream's KV transfer, gives back its destination's slot and asks the
+        destination to drop a state it may have staged (a Cancel of the request id)."""
+        t = self._transfers.pop(request_id, None)
+        if t is None:
+            return
+        t.task.cancel()
+        self._release(t.dest)
+        self._spawn(self._cancel_quietly(t.dest, request_id))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _cancel_quietly(self, worker: WorkerRecord, request_id: str) -> None:
+        """Cancel(request_id) on a worker, best effort: drops a state staged there for it."""
+        try:
+            await self.pool.stub(worker.address).Cancel(worker_pb2.CancelRequest(request_id=request_id), timeout=1.0)
+        except grpc.aio.AioRpcError as e:
+            log.debug("cancel of %s on %s: %s", request_id, worker.worker_id, e.code().name)
+
+    async def _move(self, request, time_remaining: TimeRemaining, progress: StreamProgress, source: WorkerRecord,
+                    source_call, dest: WorkerRecord, *, reason: str, method: str, import_id: str = "",
+                    bytes_moved: int = 0, started_s: float | None = None):
+        """Moves a stream from `source` to `dest` now: the resumed request (naming `import_id`,
+        a state staged there, if any) goes to `dest` while the source call stays open and unread;
+        only when `dest` sends its first message is the source cancelled (its unread messages,
+        past the resume point, are dropped). If `dest` refuses (at capacity, draining, or the
+        request ended meanwhile: its tokens already reach a stop string or the budget), the
+        stream simply stays on the source, nothing lost.
 
         Returns:
             (dest, its call, its first response), or None when the stream stays on the source.
         """
-        t0 = time.monotonic()
+        cut_s = time.monotonic()
+        started_s = cut_s if started_s is None else started_s
         resumed = progress.resume_request(request)
+        resumed.import_id = import_id
         dest.in_flight += 1  # reserved now, so no other stream takes the idle worker meanwhile
         call = None
         try:
@@ -358,15 +480,19 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             self._release(dest)
             if call is not None:
                 call.cancel()
+            if import_id:  # the destination drops it when it refuses; said again for a call that never reached it
+                self._spawn(self._cancel_quietly(dest, request.request_id))
             if not isinstance(e, grpc.aio.AioRpcError):  # the client left, or the server stops
                 raise
             log.info("migration of %s to %s refused (%s %s); it stays on %s", request.request_id, dest.worker_id,
                      e.code().name, e.details(), source.worker_id)
             if call is not None and await call.code() == grpc.StatusCode.UNAVAILABLE:
                 dest.unreachable = True  # its own call failed, as in routing: passed over until it heartbeats
-            self._migrated(request.model, "aborted", reason=reason)
+            self._migrated(request.model, "aborted", reason=reason, method=method, bytes_moved=bytes_moved,
+                           total_s=time.monotonic() - started_s)
             progress.attempted()
             return None
+        first_s = time.monotonic()
         try:  # said first, so the source counts the request as migrated, not cancelled by its client
             await self.pool.stub(source.address).Cancel(
                 worker_pb2.CancelRequest(request_id=request.request_id, reason="migrated"), timeout=1.0)
@@ -381,33 +507,65 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self._release(source)  # served_requests counts the request once, on the worker that ends it
         if source.in_flight == 0 and not any(w.address == source.address for w in self.registry.live()):
             await self.pool.drop(source.address)  # the source left while this stream ran
-        self._migrated(request.model, "ok", reason=reason, pause_s=time.monotonic() - t0,
-                       total_s=time.monotonic() - t0)
+        self._migrated(request.model, "ok", reason=reason, method=method, bytes_moved=bytes_moved,
+                       pause_s=first_s - cut_s, total_s=first_s - started_s)
         progress.moved()
         self.affinity.bind(request.session_id, dest.worker_id)
-        log.info("session %s (request %s) moved from %s to %s after %d tokens", request.session_id or "-",
-                 request.request_id, source.worker_id, dest.worker_id, len(progress.token_ids))
+        log.info("session %s (request %s) moved from %s to %s after %d tokens (%s, %d bytes, pause %.3f s)",
+                 request.session_id or "-", request.request_id, source.worker_id, dest.worker_id,
+                 len(progress.token_ids), method, bytes_moved, first_s - cut_s)
         return dest, call, first
+
+    async def _staged_transfer(self, request_id: str) -> kv_transfer.Transfer | None:
+        """A stream's KV transfer when its source failed: the transfer if its state is staged on
+        the destination (waiting up to `FAILOVER_TRANSFER_WAIT_S` for one still finishing), else
+        None; either way it no longer counts against its destination."""
+        t = self._transfers.pop(request_id, None)
+        if t is None:
+            return None
+        self._release(t.dest)
+        if not t.task.done():
+            with contextlib.suppress(asyncio.TimeoutError, kv_transfer.TransferFailed):
+                await asyncio.wait_for(asyncio.shield(t.task), FAILOVER_TRANSFER_WAIT_S)
+        if t.staged() is None:
+            t.task.cancel()
+            return None
+        return t
 
     async def _failover(self, request, time_remaining: TimeRemaining, progress: StreamProgress,
                         dead: WorkerRecord, error: grpc.aio.AioRpcError):
         """Resumes a stream whose worker failed UNAVAILABLE mid-stream on another worker serving
         the model, from the tokens the client already has (the destination prefills prompt +
         output, as a migration by recomputation does; greedy and seeded output continue exactly).
-        Tries the live, reachable workers with a free slot, least busy first.
+        A KV transfer of the stream whose state is staged on a live destination is claimed there
+        first. Tries the live, reachable workers with a free slot, least busy first.
 
         Returns:
             (worker, its call, its first response), or None when none took it.
         """
+        started_s = time.monotonic()
+        transfer = await self._staged_transfer(request.request_id)
         candidates = sorted((w for w in self.registry.live()
-                             if w is not dead and not w.unreachable and w.busy < w.capacity
+                             if w is not dead and not w.unreachable and not w.draining and w.busy < w.capacity
                              and w.serves(request.model, request.mode)), key=lambda w: w.busy)
+        if transfer is not None and transfer.dest in candidates:
+            candidates.remove(transfer.dest)
+            candidates.insert(0, transfer.dest)
+        elif transfer is not None:
+            self._spawn(self._cancel_quietly(transfer.dest, request.request_id))
+            transfer = None
         resumed = progress.resume_request(request)
         for dest in candidates:
+            claim = transfer is not None and dest is transfer.dest
+            req = resumed
+            if claim:
+                req = common_pb2.GenerateRequest()
+                req.CopyFrom(resumed)
+                req.import_id = transfer.staged().import_id
             dest.in_flight += 1
             call = None
             try:
-                call = self.pool.stub(dest.address).Generate(resumed, timeout=time_remaining())
+                call = self.pool.stub(dest.address).Generate(req, timeout=time_remaining())
                 first = await call.read()
                 if first is grpc.aio.EOF:
                     raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
@@ -426,11 +584,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 if call is not None:
                     call.cancel()
                 raise
-            self._migrated(request.model, "failover")
+            now = time.monotonic()
+            self._migrated(request.model, "failover", method="kv" if claim else "reprefill",
+                           bytes_moved=transfer.relayed.bytes if claim else 0, pause_s=now - started_s,
+                           total_s=now - (transfer.started_s if claim else started_s))
             progress.moved()
             self.affinity.bind(request.session_id, dest.worker_id)
-            log.warning("worker %s failed mid-stream (%s); request %s resumed on %s after %d tokens",
-                        dead.worker_id, error.details(), request.request_id, dest.worker_id, len(progress.token_ids))
+            log.warning("worker %s failed mid-stream (%s); request %s resumed on %s after %d tokens%s",
+                        dead.worker_id, error.details(), request.request_id, dest.worker_id, len(progress.token_ids),
+                        " from its transferred KV state" if claim else "")
             return dest, call, first
         self._migrated(request.model, "failover_failed")
         return None
@@ -451,6 +613,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         """
         if outcome in ("failover", "failover_failed"):
             reason = "failure"
+        self.moves.append(Move(model, outcome, reason, method, bytes_moved, pause_s or 0.0, total_s or 0.0))
         if self.metrics:
             self.metrics.observe_migration(model, outcome, reason, method, bytes_moved, pause_s, total_s)
 

@@ -68,6 +68,8 @@ class CoordinatorSection:
             session must have left to be moved (coordinator/migration.py, MigrationPolicy).
         migrate_cooldown_s, migrate_link_bandwidth_gbps, migrate_hysteresis, migrate_min_speedup:
             MigrationPolicy's cooldown_s, link bandwidth (Gb/s), hysteresis and min_speedup.
+        migrate_method: how a session moves: "kv" (copy its KV cache, falling back to
+            re-prefill) or "reprefill" (coordinator/kv_transfer.py).
         shutdown_grace_s: how long in-flight streams may finish on SIGTERM (as in
             CoordinatorConfig).
         api_keys_file: file of the API keys clients must send, one a line ("" = none required;
@@ -92,6 +94,7 @@ class CoordinatorSection:
     migrate_link_bandwidth_gbps: float = 1.0
     migrate_hysteresis: float = 1.5
     migrate_min_speedup: float = 1.1
+    migrate_method: str = "kv"
     shutdown_grace_s: float = 25.0
     api_keys_file: str = ""
     join_token_file: str = ""
@@ -324,6 +327,7 @@ class ClusterConfig:
                 "migrate_cooldown_s": c.migrate_cooldown_s,
                 "migrate_link_bandwidth_gbps": c.migrate_link_bandwidth_gbps,
                 "migrate_hysteresis": c.migrate_hysteresis, "migrate_min_speedup": c.migrate_min_speedup,
+                "migrate_method": c.migrate_method,
                 "shutdown_grace_s": c.shutdown_grace_s, "api_keys_file": c.api_keys_file or None,
                 "join_token_file": c.join_token_file or None}
 
@@ -411,6 +415,9 @@ def _check(cfg: ClusterConfig) -> None:
                               c.migrate_min_speedup)
     if bad:
         raise ConfigError(f"{p}: [coordinator] {bad[0]}")
+    if c.migrate_method not in ("kv", "reprefill"):
+        raise ConfigError(f"{p}: [coordinator] migrate_method must be \"kv\" or \"reprefill\", "
+                          f"got {c.migrate_method!r}")
     ports = [("[coordinator] port", c.port), ("[coordinator] metrics_port", c.metrics_port),
              ("[coordinator] http_port", c.http_port)]
     ports += [(f"worker {w.id!r} {k}", getattr(w, k)) for w in cfg.workers

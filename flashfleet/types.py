@@ -47,6 +47,8 @@ class GenerationStats:
             the same prefix (its prompt cache) instead of prefilling them; part of prompt_tokens.
         preemptions: times the worker paused the request to free KV memory for other sessions and
             resumed it by recomputing its cache (each costs about one prefill of its context).
+        transferred_tokens: positions whose KV cache the last worker received from the previous
+            one (a migration by KV transfer) instead of prefilling them.
     """
 
     prompt_tokens: int
@@ -67,6 +69,7 @@ class GenerationStats:
     migrations: int = 0
     cached_tokens: int = 0
     preemptions: int = 0
+    transferred_tokens: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -83,7 +86,7 @@ class GenerationStats:
             acceptance_length=s.acceptance_length, draft_s=s.draft_s, verify_s=s.verify_s,
             accepted_per_position=tuple(s.accepted_per_position), queue_s=s.queue_s,
             translate_s=s.translate_s, migrations=s.migrations, cached_tokens=s.cached_tokens,
-            preemptions=s.preemptions,
+            preemptions=s.preemptions, transferred_tokens=s.transferred_tokens,
         )
 
 

@@ -88,8 +88,11 @@ def fleet(tiny_models, dflash_dir, tmp_path_factory):
 
 
 def _failovers(fleet: Fleet) -> float:
-    return fleet.cluster.coordinator_registry.get_sample_value(
-        "flashfleet_coordinator_migrations_total", {"model": MODEL, "outcome": "failover"}) or 0.0
+    """Failovers counted so far, by either method (a KV state staged before the kill, or re-prefill)."""
+    return sum(fleet.cluster.coordinator_registry.get_sample_value(
+        "flashfleet_coordinator_migrations_total",
+        {"model": MODEL, "reason": "failure", "outcome": "failover", "method": method}) or 0.0
+        for method in ("kv", "reprefill"))
 
 
 @pytest.mark.parametrize("mode", ["dflash", "plain"])

@@ -79,8 +79,8 @@ def test_a_long_session_on_a_slow_worker_moves_to_the_fast_one_without_losing_a_
     assert done.stats.generated_tokens == MAX_TOKENS and done.stats.prompt_tokens == len(ids)
     assert done.worker_id == "fast" and done.stats.migrations == 1, (done.worker_id, done.stats.migrations)
     m = cluster.coordinator.metrics
-    assert m.migrations.labels(model="tiny-llama", reason="speed", outcome="ok", method="reprefill")._value.get() == 1
-    assert m.migration_pause.labels(model="tiny-llama", reason="speed", method="reprefill")._sum.get() > 0
+    assert m.migrations.labels(model="tiny-llama", reason="speed", outcome="ok", method="kv")._value.get() == 1
+    assert m.migration_pause.labels(model="tiny-llama", reason="speed", method="kv")._sum.get() > 0
     # The slow worker's heartbeats carry its measured profile: SLOWDOWN times the fast one's.
     live = {w.worker_id: w for w in cluster.coordinator.registry.live()}
     slow_t, fast_t = (cluster.coordinator.servicer.config.migration.seconds_per_iteration(live[w], 1, 256)

@@ -30,7 +30,8 @@ def generation_request(request: common_pb2.GenerateRequest, prompt_tokens: list[
     return GenerationRequest(request_id=request.request_id, prompt_tokens=tuple(prompt_tokens),
                              max_tokens=max_tokens, sampling=sampling, stop=tuple(request.stop),
                              mode=DECODE_MODE_NAMES[request.mode],
-                             resume_tokens=tuple(request.resume_token_ids), resume_text=request.resume_text)
+                             resume_tokens=tuple(request.resume_token_ids), resume_text=request.resume_text,
+                             import_id=request.import_id)
 
 
 def chunk_response(event: TokenEvent) -> common_pb2.GenerateResponse:
@@ -50,7 +51,7 @@ def stats_proto(s: GenerationStats) -> common_pb2.GenerationStats:
         acceptance_length=s.acceptance_length, draft_s=s.draft_s, verify_s=s.verify_s,
         translate_s=s.translate_s,
         accepted_per_position=s.accepted_per_position, cached_tokens=s.cached_tokens,
-        preemptions=s.preemptions)
+        preemptions=s.preemptions, transferred_tokens=s.transferred_tokens)
 
 
 def complete_response(event: DoneEvent, worker_id: str) -> common_pb2.GenerateResponse:

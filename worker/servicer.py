@@ -25,9 +25,9 @@ import grpc
 from flashfleet.errors import FlashfleetError, short_details
 from flashfleet.requests import WORKER_DEFAULT_MAX_TOKENS, validate_request
 from flashfleet.v1 import worker_pb2, worker_pb2_grpc
-from worker import convert
-from worker.engine.types import (DoneEvent, Draining, EngineProtocol, ErrorEvent, InvalidRequest,
-                                 Overloaded, TokenEvent)
+from worker import convert, kv_wire
+from worker.engine.types import (CorruptState, DoneEvent, Draining, EngineProtocol, ErrorEvent, InvalidRequest,
+                                 NotExportable, Overloaded, StateMismatch, TokenEvent, UnknownSession)
 
 log = logging.getLogger("flashfleet.worker")
 MIGRATED = "migrated"  # CancelRequest.reason of a stream the coordinator moved to another worker
@@ -40,6 +40,13 @@ ENGINE_ERROR_CODES = {
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Draining: grpc.StatusCode.UNAVAILABLE,
 }
+STATE_ERROR_CODES = {  # ExportSession / ImportSession
+    **ENGINE_ERROR_CODES,
+    UnknownSession: grpc.StatusCode.NOT_FOUND,
+    NotExportable: grpc.StatusCode.FAILED_PRECONDITION,
+    StateMismatch: grpc.StatusCode.FAILED_PRECONDITION,
+    CorruptState: grpc.StatusCode.DATA_LOSS,
+}
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,8 @@ class _EngineGone:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """Serves Generate / Cancel / GetLoad on top of one engine.
+    """Serves Generate / Cancel / GetLoad, and ExportSession / ImportSession (KV transfer), on top
+    of one engine.
 
     Args:
         engine: anything implementing EngineProtocol (the MLX Engine, or a fake in tests).
@@ -155,6 +163,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 1, min(WORKER_DEFAULT_MAX_TOKENS, model.max_context_tokens - len(prompt_tokens)))
             self.engine.submit(convert.generation_request(request, prompt_tokens, max_tokens), emit)
         except tuple(ENGINE_ERROR_CODES) as e:
+            if request.import_id and hasattr(self.engine, "drop_import"):
+                self.engine.drop_import(request.import_id)  # refused: its staged state goes too
             self._outcome(type(e).__name__.lower())
             await context.abort(ENGINE_ERROR_CODES[type(e)], short_details(str(e)))
         finished = False
@@ -208,6 +218,73 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if not cancelled:
             self._migrated.discard(request.request_id)
         return worker_pb2.CancelResponse(cancelled=cancelled)
+
+    async def ExportSession(self, request, context):
+        """Streams a snapshot of a running session's KV state (`kv_wire`: header, data chunks
+        with CRC-32s, trailer with the SHA-256); the session keeps decoding.
+
+        Aborts the call with:
+            NOT_FOUND: no such session decoding here (`UnknownSession`).
+            FAILED_PRECONDITION: its mode keeps no exportable state (`NotExportable`).
+            UNIMPLEMENTED: this worker's engine cannot export.
+            UNAVAILABLE: the engine is starting or shutting down.
+        """
+        export = getattr(self.engine, "export_session", None)
+        if export is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this worker's engine cannot export sessions")
+        try:
+            state = await asyncio.wrap_future(export(request.request_id))
+        except tuple(STATE_ERROR_CODES) as e:
+            await context.abort(STATE_ERROR_CODES[type(e)], short_details(str(e)))
+        chunks = kv_wire.state_chunks(state)
+        while True:  # checksums and copies off the event loop: other streams go on meanwhile
+            chunk = await asyncio.to_thread(next, chunks, None)
+            if chunk is None:
+                return
+            yield chunk
+
+    async def ImportSession(self, request_iterator, context):
+        """Receives a state (`kv_wire`), checks it and stages it in the engine for one Generate
+        naming the returned import_id. The header is checked and KV budget reserved before any
+        data is taken; nothing stays staged when the call fails.
+
+        Aborts the call with:
+            FAILED_PRECONDITION: format version, model, dtype or shapes differ (`StateMismatch`).
+            RESOURCE_EXHAUSTED: the state does not fit the KV budget now.
+            DATA_LOSS: a CRC-32 or the SHA-256 is wrong, or the stream ended early (`CorruptState`).
+            INVALID_ARGUMENT: messages out of order or a malformed header.
+            UNIMPLEMENTED: this worker's engine cannot import.
+            UNAVAILABLE: the engine is starting or shutting down.
+        """
+        if not hasattr(self.engine, "reserve_import"):
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this worker's engine cannot import sessions")
+        receiver = kv_wire.StateReceiver()
+        import_id = ""
+        staged = False
+        try:
+            async for msg in request_iterator:
+                kind = msg.WhichOneof("kind")
+                if kind == "header":
+                    header = receiver.header(msg.header)
+                    import_id = await asyncio.wrap_future(self.engine.reserve_import(header))
+                    await asyncio.to_thread(receiver.allocate)
+                elif kind == "data":
+                    if not import_id:
+                        raise InvalidRequest("state data before the header")
+                    await asyncio.to_thread(receiver.data, msg.data)
+                elif kind == "trailer":
+                    state = receiver.finish(msg.trailer)
+                    await asyncio.wrap_future(self.engine.stage_import(import_id, state.tokens, state.caches))
+                    staged = True
+                    return worker_pb2.ImportSessionResponse(import_id=import_id, positions=state.positions,
+                                                            bytes=receiver.received)
+            raise CorruptState(f"the stream ended after {receiver.received:,} bytes, without its trailer")
+        except tuple(STATE_ERROR_CODES) as e:
+            log.info("import of a session state refused: %s", e)
+            await context.abort(STATE_ERROR_CODES[type(e)], short_details(str(e)))
+        finally:
+            if import_id and not staged:
+                self.engine.drop_import(import_id)
 
     async def GetLoad(self, request, context):
         """The engine's current load (`load`)."""

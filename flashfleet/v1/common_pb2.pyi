@@ -46,7 +46,7 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "messages", "max_tokens", "temperature", "top_p", "seed", "stop", "session_id", "request_id", "mode", "resume_token_ids", "resume_text")
+    __slots__ = ("model", "prompt", "messages", "max_tokens", "temperature", "top_p", "seed", "stop", "session_id", "request_id", "mode", "resume_token_ids", "resume_text", "import_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class GenerateRequest(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RESUME_TEXT_FIELD_NUMBER: _ClassVar[int]
+    IMPORT_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     messages: ChatMessages
@@ -73,7 +74,8 @@ class GenerateRequest(_message.Message):
     mode: DecodeMode
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
     resume_text: str
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., mode: _Optional[_Union[DecodeMode, str]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., resume_text: _Optional[str] = ...) -> None: ...
+    import_id: str
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., mode: _Optional[_Union[DecodeMode, str]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., resume_text: _Optional[str] = ..., import_id: _Optional[str] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("text", "token_ids")
@@ -84,7 +86,7 @@ class Chunk(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "ttft_s", "tokens_per_s", "total_s", "mode", "cycles", "drafted_tokens", "accepted_tokens", "acceptance_length", "draft_s", "verify_s", "accepted_per_position", "queue_s", "translate_s", "migrations", "cached_tokens", "preemptions")
+    __slots__ = ("prompt_tokens", "generated_tokens", "ttft_s", "tokens_per_s", "total_s", "mode", "cycles", "drafted_tokens", "accepted_tokens", "acceptance_length", "draft_s", "verify_s", "accepted_per_position", "queue_s", "translate_s", "migrations", "cached_tokens", "preemptions", "transferred_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +105,7 @@ class GenerationStats(_message.Message):
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERRED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     ttft_s: float
@@ -121,7 +124,8 @@ class GenerationStats(_message.Message):
     migrations: int
     cached_tokens: int
     preemptions: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., total_s: _Optional[float] = ..., mode: _Optional[str] = ..., cycles: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_length: _Optional[float] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., queue_s: _Optional[float] = ..., translate_s: _Optional[float] = ..., migrations: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
+    transferred_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., total_s: _Optional[float] = ..., mode: _Optional[str] = ..., cycles: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_length: _Optional[float] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., queue_s: _Optional[float] = ..., translate_s: _Optional[float] = ..., migrations: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., transferred_tokens: _Optional[int] = ...) -> None: ...
 
 class Complete(_message.Message):
     __slots__ = ("finish_reason", "stats", "worker_id")

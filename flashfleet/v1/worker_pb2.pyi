@@ -7,6 +7,88 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ExportSessionRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class CacheLayout(_message.Message):
+    __slots__ = ("part", "layer", "dtype", "key_shape", "value_shape")
+    PART_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KEY_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    VALUE_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    part: str
+    layer: int
+    dtype: str
+    key_shape: _containers.RepeatedScalarFieldContainer[int]
+    value_shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, part: _Optional[str] = ..., layer: _Optional[int] = ..., dtype: _Optional[str] = ..., key_shape: _Optional[_Iterable[int]] = ..., value_shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SessionStateHeader(_message.Message):
+    __slots__ = ("format_version", "model_fingerprint", "draft_fingerprint", "mode", "token_ids", "positions", "caches", "payload_bytes", "request_id")
+    FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    CACHES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    format_version: int
+    model_fingerprint: str
+    draft_fingerprint: str
+    mode: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    positions: int
+    caches: _containers.RepeatedCompositeFieldContainer[CacheLayout]
+    payload_bytes: int
+    request_id: str
+    def __init__(self, format_version: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., draft_fingerprint: _Optional[str] = ..., mode: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[int] = ..., caches: _Optional[_Iterable[_Union[CacheLayout, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class SessionStateData(_message.Message):
+    __slots__ = ("cache", "values", "offset", "data", "crc32")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    cache: int
+    values: bool
+    offset: int
+    data: bytes
+    crc32: int
+    def __init__(self, cache: _Optional[int] = ..., values: _Optional[bool] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+
+class SessionStateTrailer(_message.Message):
+    __slots__ = ("sha256",)
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    sha256: bytes
+    def __init__(self, sha256: _Optional[bytes] = ...) -> None: ...
+
+class SessionStateChunk(_message.Message):
+    __slots__ = ("header", "data", "trailer")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
+    header: SessionStateHeader
+    data: SessionStateData
+    trailer: SessionStateTrailer
+    def __init__(self, header: _Optional[_Union[SessionStateHeader, _Mapping]] = ..., data: _Optional[_Union[SessionStateData, _Mapping]] = ..., trailer: _Optional[_Union[SessionStateTrailer, _Mapping]] = ...) -> None: ...
+
+class ImportSessionResponse(_message.Message):
+    __slots__ = ("import_id", "positions", "bytes")
+    IMPORT_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    import_id: str
+    positions: int
+    bytes: int
+    def __init__(self, import_id: _Optional[str] = ..., positions: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
 class WorkerLoad(_message.Message):
     __slots__ = ("active_sessions", "capacity", "free_capacity", "kv_cache_bytes", "kv_budget_bytes", "kv_free_bytes", "prompt_cache_bytes", "sessions", "chip", "peak_memory_bandwidth_bytes_per_s", "decode_profile", "prefill_seconds_per_token")
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]

@@ -213,6 +213,16 @@ class WorkerStub:
                 request_serializer=flashfleet_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=flashfleet_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
                 _registered_method=True)
+        self.ExportSession = channel.unary_stream(
+                '/flashfleet.v1.Worker/ExportSession',
+                request_serializer=flashfleet_dot_v1_dot_worker__pb2.ExportSessionRequest.SerializeToString,
+                response_deserializer=flashfleet_dot_v1_dot_worker__pb2.SessionStateChunk.FromString,
+                _registered_method=True)
+        self.ImportSession = channel.stream_unary(
+                '/flashfleet.v1.Worker/ImportSession',
+                request_serializer=flashfleet_dot_v1_dot_worker__pb2.SessionStateChunk.SerializeToString,
+                response_deserializer=flashfleet_dot_v1_dot_worker__pb2.ImportSessionResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -238,6 +248,28 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportSession(self, request, context):
+        """Session migration by KV transfer (set up by the coordinator, docs/migration.md): a snapshot
+        of a running session's KV cache at its committed length, streamed as a header, data chunks
+        and a trailer. The session keeps decoding. NOT_FOUND: no such running session (unknown,
+        finished, or not decoding yet); FAILED_PRECONDITION: its decoding method has no exportable
+        state (classic and cross-tokenizer drafts); UNIMPLEMENTED: this worker's engine cannot export.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportSession(self, request_iterator, context):
+        """Stages another worker's export for one later Generate that names its import_id. Refused with
+        FAILED_PRECONDITION (format version, model, dtype or shapes differ from this worker's: the
+        message says which), RESOURCE_EXHAUSTED (the state does not fit the KV budget now: the
+        message has the numbers), DATA_LOSS (a chunk's crc32 or the trailer's sha256 is wrong, or
+        the stream is incomplete), INVALID_ARGUMENT (chunks out of order). Nothing is kept on error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -255,6 +287,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=flashfleet_dot_v1_dot_worker__pb2.GetLoadRequest.FromString,
                     response_serializer=flashfleet_dot_v1_dot_worker__pb2.WorkerLoad.SerializeToString,
+            ),
+            'ExportSession': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportSession,
+                    request_deserializer=flashfleet_dot_v1_dot_worker__pb2.ExportSessionRequest.FromString,
+                    response_serializer=flashfleet_dot_v1_dot_worker__pb2.SessionStateChunk.SerializeToString,
+            ),
+            'ImportSession': grpc.stream_unary_rpc_method_handler(
+                    servicer.ImportSession,
+                    request_deserializer=flashfleet_dot_v1_dot_worker__pb2.SessionStateChunk.FromString,
+                    response_serializer=flashfleet_dot_v1_dot_worker__pb2.ImportSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -339,6 +381,60 @@ class Worker:
             '/flashfleet.v1.Worker/GetLoad',
             flashfleet_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
             flashfleet_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/flashfleet.v1.Worker/ExportSession',
+            flashfleet_dot_v1_dot_worker__pb2.ExportSessionRequest.SerializeToString,
+            flashfleet_dot_v1_dot_worker__pb2.SessionStateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/flashfleet.v1.Worker/ImportSession',
+            flashfleet_dot_v1_dot_worker__pb2.SessionStateChunk.SerializeToString,
+            flashfleet_dot_v1_dot_worker__pb2.ImportSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

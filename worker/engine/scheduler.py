@@ -17,6 +17,10 @@ Each iteration (`iterate`) does, in order:
      advance one step each;
   5. emits each session's tokens; finished sessions leave their batch, and their caches go to the
      prompt cache.
+A running session's state can be exported (`export`) and imported on another worker
+(`reserve_import`, `stage_import`; worker/engine/kv_transfer.py): a request that claims an
+imported state starts as a prompt-cache hit on it. Staged imports count against the KV budget
+until claimed, dropped, or expired (`expire_imports`).
 Everything here runs on the engine thread, the only thread that touches MLX.
 """
 from __future__ import annotations
@@ -33,10 +37,11 @@ from worker.capture import HiddenCapture
 from worker.engine.batch import Batch, Row, dflash_cycle, plain_step, prefill_chunk
 from worker.engine.block_policy import Acceptance, BatchBlockPolicy
 from worker.engine.profile import DecodeProfile
+from worker.engine.kv_transfer import CacheBytes, Layout, StagedImport, snapshot
 from worker.engine.prompt_cache import PromptCache
 from worker.caches.rows import STEP, RowKVCache, make_row_caches
 from worker.engine.session import Session
-from worker.engine.types import ErrorEvent
+from worker.engine.types import ErrorEvent, NotExportable, Overloaded, StateMismatch, UnknownSession
 from worker.decoding.base import Sampler, Step
 
 log = logging.getLogger(__name__)
@@ -64,6 +69,7 @@ class Sequence:
         target / draft: its one-row caches while it prefills (None otherwise).
         prefilled: positions of tokens[:-1] in those caches.
         row: its `Row` while it decodes.
+        import_id: an imported state it claims at admission ("" for none).
     """
 
     session: Session
@@ -77,6 +83,7 @@ class Sequence:
     draft: Optional[list[RowKVCache]] = None
     prefilled: int = 0
     row: Optional[Row] = None
+    import_id: str = ""
 
     @property
     def request_id(self) -> str:
@@ -128,6 +135,8 @@ class Scheduler:
             self.capture = HiddenCapture(models.target, models.draft.target_layer_ids)
         self.policy = BatchBlockPolicy(block_size) if adaptive and models.draft_kind == "dflash" else None
         self.prompt_cache = PromptCache(prompt_cache_entries, kv_budget_bytes)
+        self.imports: dict[str, StagedImport] = {}
+        self.layouts: dict[str, list[tuple]] = {}  # per mode, `Layout.per_position` of each cache
         self.pooled = Acceptance(decay=0.98)  # every session's cycles: new sessions' prior
         self.bytes_per_position = self._measure_bytes_per_position()
         smallest = self.row_bytes("plain", 1)
@@ -161,6 +170,7 @@ class Scheduler:
         mx.eval([c.state for c in caches])
         target = sum(c.nbytes for c in caches) // STEP
         out = {"plain": target}
+        self.layouts["plain"] = [lay.per_position() for lay in _layouts(caches, "target")]
         if self.m.draft_kind == "dflash":
             d = self._draft_caches(1)
             with self.capture:
@@ -168,6 +178,7 @@ class Scheduler:
             self.m.draft.extend_context(self.capture.hidden(), d)
             mx.eval([c.state for c in d])
             out["dflash"] = target + sum(c.nbytes for c in d) // STEP
+            self.layouts["dflash"] = self.layouts["plain"] + [lay.per_position() for lay in _layouts(d, "draft")]
         return out
 
     def row_bytes(self, mode: str, positions: int) -> int:
@@ -181,6 +192,7 @@ class Scheduler:
         """Bytes the sessions' KV caches hold now (the prompt cache's not included)."""
         total = sum(b.nbytes() for b in self.batches.values())
         total += sum(c.nbytes for s in self.prefilling for c in (s.target or []) + (s.draft or []))
+        total += sum(i.nbytes for i in self.imports.values())
         return total + sum(c.nbytes for s in self.generators.values() for c in s.caches)
 
     def projected_bytes(self, extra: Optional[Sequence] = None) -> int:
@@ -204,6 +216,8 @@ class Scheduler:
             total += b + sum(self.row_bytes(mode, len(s.tokens)) for s in rows)
             one_layer = max(one_layer, b // max(1, len(batch.caches)))
         total += 2 * one_layer
+        claimed = extra.import_id if extra is not None else ""
+        total += sum(i.nbytes for k, i in self.imports.items() if k != claimed)
         return total + sum(c.nbytes for s in self.generators.values() for c in s.caches)
 
     def fits_alone(self, mode: str, positions: int) -> bool:
@@ -224,7 +238,7 @@ class Scheduler:
         req = session.request
         a = self.pooled.rate  # a new session starts from the worker's recent acceptance
         self.waiting.append(Sequence(session, mode, sampler, list(req.prompt_tokens), self._order,
-                                     Acceptance(2 * a, 2 * (1 - a))))
+                                     Acceptance(2 * a, 2 * (1 - a)), import_id=req.import_id))
 
     def add_generator(self, session: Session) -> None:
         """Adds a session decoded by its own generator (modes without a batched path)."""
@@ -239,6 +253,7 @@ class Scheduler:
         for s in list(self.waiting):
             if s.request_id == request_id:
                 self.waiting.remove(s)
+                self.drop_import(s.import_id)
                 return s.session
         for s in self.prefilling:
             if s.request_id == request_id:
@@ -262,6 +277,8 @@ class Scheduler:
     def iterate(self) -> None:
         """One scheduler iteration (module docstring)."""
         self._iterations += 1
+        if self.imports:
+            self.expire_imports()
         self._admit()
         self._prefill_chunk()
         self._fit_budget()
@@ -296,11 +313,16 @@ class Scheduler:
 
     def _start_prefill(self, seq: Sequence) -> None:
         head = seq.tokens[:-1]
-        cached, k = self.prompt_cache.fetch(seq.mode, head) if not seq.prefilled else (None, 0)
+        cached, k = self._claim_import(seq)
+        if cached is not None:
+            seq.session.stats.transferred_tokens = k
+        else:
+            cached, k = self.prompt_cache.fetch(seq.mode, head) if not seq.prefilled else (None, 0)
+            if cached is not None:
+                seq.session.stats.cached_tokens = k
         n_target = len(self.batches["plain"].target)
         if cached is not None:
             seq.target, seq.draft = cached[:n_target], (cached[n_target:] or None)
-            seq.session.stats.cached_tokens = k
         else:
             seq.target = make_row_caches(self.m.target, 1)
             seq.draft = self._draft_caches(1) if seq.mode == "dflash" else None
@@ -434,12 +456,22 @@ class Scheduler:
         committed tokens (a row cut at an EOS or max_tokens inside a block holds more: trimmed)."""
         if not self.prompt_cache.max_entries:
             return
-        batch, seq = self.batches[mode], self.decoding[mode][index]
+        seq = self.decoding[mode][index]
         n = seq.row.n - 1
         entry = self.row_bytes(mode, n)
         self.prompt_cache.trim_to(self.budget - self.kv_bytes() - entry)
         if self.kv_bytes() + self.prompt_cache.nbytes + entry > self.budget:
             return
+        caches = self._row_caches(mode, index)
+        if caches is not None:
+            self.prompt_cache.insert(mode, seq.tokens[:n], caches)
+
+    def _row_caches(self, mode: str, index: int) -> Optional[list[RowKVCache]]:
+        """One-row copies of a decoding row's caches, target then draft, holding positions
+        [0, n-1) of its n committed tokens (a DFlash row's pending taps folded into its draft
+        cache), evaluated; None when the row holds fewer."""
+        batch, seq = self.batches[mode], self.decoding[mode][index]
+        n = seq.row.n - 1
         caches = [c.row(index) for c in batch.target]
         if batch.draft is not None:
             draft = [c.row(index) for c in batch.draft]
@@ -448,11 +480,146 @@ class Scheduler:
                 self.m.draft.extend_context(batch.pending[index: index + 1, :S], draft)
             caches += draft
         if n < 1 or any(c.host_lengths[0] < n for c in caches):
-            return
+            return None
         for c in caches:
             c.trim(c.host_lengths[0] - n)
         mx.eval([c.state for c in caches])
-        self.prompt_cache.insert(mode, seq.tokens[:n], caches)
+        return caches
+
+    # ----- session state out and in (KV transfer) ------------------------------------------------
+
+    def export(self, request_id: str) -> tuple[str, tuple[int, ...], list[CacheBytes]]:
+        """A host copy of a decoding session's state (the session goes on decoding).
+
+        Returns:
+            (mode, its n0 committed token ids, its caches' bytes holding positions [0, n0-1):
+            target layers, then the draft's).
+
+        Raises:
+            UnknownSession: no such session, or it is not decoding yet (waiting or prefilling).
+            NotExportable: it decodes with its own generator (classic or cross-tokenizer draft).
+        """
+        for mode in BATCHED_MODES:
+            for i, seq in enumerate(self.decoding[mode]):
+                if seq.request_id != request_id:
+                    continue
+                caches = self._row_caches(mode, i)
+                if caches is None:
+                    raise UnknownSession(f"request {request_id!r} has no state to export yet")
+                n = seq.row.n - 1
+                parts = ["target"] * len(self.batches[mode].target)
+                parts += ["draft"] * (len(caches) - len(parts))
+                return mode, tuple(seq.tokens[: n + 1]), snapshot(caches, parts, n)
+        if request_id in self.generators:
+            raise NotExportable(f"request {request_id!r} decodes in mode "
+                                f"{self.generators[request_id].stats.mode!r}, which has no exportable state")
+        if any(s.request_id == request_id for s in (*self.waiting, *self.prefilling)):
+            raise UnknownSession(f"request {request_id!r} is not decoding yet")
+        raise UnknownSession(f"no running request {request_id!r}")
+
+    def reserve_import(self, import_id: str, request_id: str, mode: str, positions: int,
+                       layouts: list[Layout], expires_s: float) -> StagedImport:
+        """Reserves KV budget for a state about to arrive (its data is not here yet).
+
+        Args:
+            import_id: its name, unique on this worker.
+            request_id: its session's request (an earlier import of the same request is dropped).
+            mode: "plain" or "dflash".
+            positions: positions its caches hold, >= 1.
+            layouts: its caches' layouts (target then draft), checked against this worker's.
+            expires_s: clock time when it is dropped unless claimed.
+
+        Raises:
+            StateMismatch: a mode this worker cannot decode, or layouts (count, dtype, heads,
+                head sizes) other than this worker's; the message says which.
+            Overloaded: its bytes do not fit the KV budget now (the message has the numbers).
+        """
+        if positions < 1:
+            raise StateMismatch(f"a state of {positions} positions")
+        mine = self.layouts.get(mode)
+        if mine is None:
+            raise StateMismatch(f"mode {mode!r}: this worker decodes {sorted(self.layouts)}")
+        theirs = [lay.per_position() for lay in layouts]
+        if len(theirs) != len(mine):
+            raise StateMismatch(f"{len(theirs)} caches, this worker's {mode} sessions have {len(mine)}")
+        for a, b in zip(theirs, mine):
+            if a != b:
+                raise StateMismatch(f"cache layout (part, layer, dtype, key shape, value shape) {a}, "
+                                    f"this worker's {b}")
+        self.drop_imports_of(request_id)
+        need = self.row_bytes(mode, positions)
+        over = self.projected_bytes() + need - self.budget
+        if over > 0:
+            self.prompt_cache.trim_to(self.prompt_cache.nbytes - over)
+        have = self.budget - self.projected_bytes()
+        if need > have:
+            raise Overloaded(f"the state needs {need:,} bytes of KV cache; {max(0, have):,} of this worker's "
+                             f"{self.budget:,} are free")
+        imp = StagedImport(import_id, request_id, mode, positions, need, expires_s)
+        self.imports[import_id] = imp
+        return imp
+
+    def stage_import(self, import_id: str, tokens: tuple[int, ...], caches: list[RowKVCache]) -> None:
+        """Attaches an arrived state's caches (from `kv_transfer.restore`) to its reservation.
+
+        Raises:
+            UnknownSession: the reservation is gone (expired or dropped).
+        """
+        imp = self.imports.get(import_id)
+        if imp is None:
+            raise UnknownSession(f"import {import_id!r} expired or was dropped before its data arrived")
+        imp.tokens, imp.caches = tuple(tokens), caches
+
+    def drop_import(self, import_id: str) -> bool:
+        """Forgets a staged or reserved import; False when there is none of that name."""
+        return self.imports.pop(import_id, None) is not None if import_id else False
+
+    def drop_imports_of(self, request_id: str) -> int:
+        """Forgets every import of a request; returns how many."""
+        gone = [k for k, i in self.imports.items() if i.request_id == request_id]
+        for k in gone:
+            del self.imports[k]
+        return len(gone)
+
+    def expire_imports(self) -> int:
+        """Drops imports past their expiry; returns how many."""
+        now = self.clock()
+        gone = [k for k, i in self.imports.items() if i.expires_s <= now]
+        for k in gone:
+            log.info("import %s of request %s expired unclaimed", k, self.imports[k].request_id)
+            del self.imports[k]
+        return len(gone)
+
+    def next_expiry_in(self) -> Optional[float]:
+        """Seconds until the next import expires (None when none is held)."""
+        if not self.imports:
+            return None
+        return max(0.0, min(i.expires_s for i in self.imports.values()) - self.clock())
+
+    def _claim_import(self, seq: Sequence) -> tuple[Optional[list[RowKVCache]], int]:
+        """The caches of the import `seq` names, cut to the longest prefix of its tokens they
+        cover (at most all but its last token), and that prefix's length; (None, 0) when there is
+        none, it is not staged, its mode differs, or it shares no prefix with the tokens."""
+        imp = self.imports.pop(seq.import_id, None) if seq.import_id else None
+        seq.import_id = ""
+        if imp is None or imp.caches is None:
+            return None, 0
+        if imp.mode != seq.mode:
+            log.info("request %s: its imported state is %s, the request decodes %s: prefilling",
+                     seq.request_id, imp.mode, seq.mode)
+            return None, 0
+        same = 0
+        for a, b in zip(imp.tokens, seq.tokens):
+            if a != b:
+                break
+            same += 1
+        usable = min(same, imp.positions, len(seq.tokens) - 1)
+        if usable < 1:
+            log.info("request %s: its imported state's tokens are not its own: prefilling", seq.request_id)
+            return None, 0
+        for c in imp.caches:
+            c.trim(c.host_lengths[0] - usable)
+        return imp.caches, usable
 
     def _advance_generator(self, s: Session) -> None:
         rid = s.request.request_id
@@ -483,6 +650,11 @@ class Scheduler:
             s.emit(event)
         except Exception:
             log.exception("emit failed for %s", rid)
+
+
+def _layouts(caches: list[RowKVCache], part: str) -> list[Layout]:
+    dtype = (lambda c: str(c.keys.dtype).removeprefix("mlx.core."))
+    return [Layout(part, i, dtype(c), tuple(c.keys.shape), tuple(c.values.shape)) for i, c in enumerate(caches)]
 
 
 def _close(s: Session) -> None:

@@ -11,6 +11,8 @@ import logging
 import queue
 import threading
 import time
+import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
@@ -22,6 +24,8 @@ from worker.detokenize import TextAssembler
 from worker.engine.modes import MODES, LoadedModels, Mode, draft_kind_of, resolve_mode
 from worker.models.dflash_checkpoint import DraftCheckpointError
 from worker.engine.budget import default_kv_budget_bytes
+from worker.engine import kv_transfer
+from worker.engine.kv_transfer import FORMAT_VERSION, CacheBytes, SessionState
 from worker.engine.load import draft_label, load_models, read_model_config
 from worker.engine.profile import DecodeProfile, LoadBoard, SessionRates, scheduler_sessions
 from worker.engine.scheduler import BATCHED_MODES, Scheduler
@@ -37,7 +41,9 @@ from worker.engine.types import (
     ModelDescription,
     Overloaded,
     SamplingParams,
+    StateMismatch,
     TokenEvent,
+    UnknownSession,
 )
 from worker.metrics import model_footprint  # observability: bytes a decode step reads
 from worker.sampling import sampler_for, validate_sampling
@@ -73,7 +79,15 @@ class Shutdown:
     """Cancel every session, free the models and end the thread."""
 
 
-Command = Submit | Abort | Shutdown
+@dataclass(frozen=True)
+class Call:
+    """Run fn(models, scheduler) on the engine thread; its result or exception goes to `future`."""
+
+    fn: Callable[[LoadedModels, Scheduler], Any]
+    future: Future
+
+
+Command = Submit | Abort | Shutdown | Call
 
 
 class Engine:
@@ -176,6 +190,8 @@ class Engine:
             num_draft_tokens=self._draft_tokens_per_cycle(config, draft_cfg) if draft_fp else 0,
         )
         self._encode_tokenizer = load_tokenizer(config.model_path)
+        self.import_ttl_s = kv_transfer.DEFAULT_IMPORT_TTL_S  # unclaimed imported states live this long
+        self._fingerprints: dict[str, str] = {}  # set by the engine thread once the models load
 
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._thread.start()
@@ -320,16 +336,96 @@ class Engine:
             self._commands.put(Submit(request, mode, emit, self._clock()))
 
     def abort(self, request_id: str) -> bool:
-        """Cancels a request: it ends with DoneEvent("cancelled") unless it ended first.
+        """Cancels a request: it ends with DoneEvent("cancelled") unless it ended first. Any
+        imported state staged for it (`import_session`) is dropped too.
 
         Returns:
             False when no such request is admitted.
         """
         with self._lock:
             known = request_id in self._admitted
-        if known:
-            self._commands.put(Abort(request_id))
+        self._commands.put(Abort(request_id))
         return known
+
+    # ----- KV transfer (session migration; worker/engine/kv_transfer.py) ----------------------
+
+    def _call(self, fn: Callable[[LoadedModels, Scheduler], Any]) -> Future:
+        future: Future = Future()
+        with self._lock:
+            if not self._accepting:
+                future.set_exception(Draining("engine is not serving (starting or shutting down)"))
+                return future
+            self._commands.put(Call(fn, future))
+        return future
+
+    def export_session(self, request_id: str) -> Future:
+        """Snapshots a decoding session's state at its committed length; it keeps decoding.
+
+        Returns:
+            A Future of `kv_transfer.SessionState` (host bytes; resolved by the engine thread
+            between two iterations). Its exception: `UnknownSession` (no such decoding session),
+            `NotExportable` (a mode without exportable state) or `Draining`.
+        """
+        def run(m: LoadedModels, sched: Scheduler) -> SessionState:
+            mode, tokens, caches = sched.export(request_id)
+            return SessionState(request_id, mode, tokens, len(tokens) - 1, caches,
+                                self._fingerprints["target"],
+                                self._fingerprints["draft"] if mode == "dflash" else "")
+        return self._call(run)
+
+    def reserve_import(self, header: SessionState) -> Future:
+        """Checks an incoming state's header (`header.caches` hold layouts, no data) against this
+        worker and reserves KV budget for it for `import_ttl_s` seconds.
+
+        Returns:
+            A Future of the import id. Its exception: `StateMismatch` (format version, model or
+            draft fingerprint, mode, dtype or shapes differ: the message says which), `Overloaded`
+            (it does not fit the KV budget now) or `Draining`.
+        """
+        def run(m: LoadedModels, sched: Scheduler) -> str:
+            if header.format_version != FORMAT_VERSION:
+                raise StateMismatch(f"format version {header.format_version}, this worker reads {FORMAT_VERSION}")
+            mine = self._fingerprints["target"]
+            if header.model_fingerprint != mine:
+                raise StateMismatch(f"model {header.model_fingerprint!r}, this worker runs {mine!r}")
+            if header.mode == "dflash" and header.draft_fingerprint != self._fingerprints["draft"]:
+                raise StateMismatch(f"draft {header.draft_fingerprint!r}, this worker's is "
+                                    f"{self._fingerprints['draft']!r}")
+            if len(header.tokens) != header.positions + 1:
+                raise StateMismatch(f"{len(header.tokens)} tokens for {header.positions} positions")
+            if self._vocab_size is not None and not all(0 <= t < self._vocab_size for t in header.tokens):
+                raise StateMismatch(f"token ids outside this model's vocabulary [0, {self._vocab_size})")
+            if any(lay.key_shape[2] != header.positions or lay.value_shape[2] != header.positions
+                   for lay in header.layouts):
+                raise StateMismatch(f"cache shapes other than {header.positions} positions")
+            import_id = uuid.uuid4().hex
+            sched.reserve_import(import_id, header.request_id, header.mode, header.positions, header.layouts,
+                                 self._clock() + self.import_ttl_s)
+            return import_id
+        return self._call(run)
+
+    def stage_import(self, import_id: str, tokens: tuple[int, ...], caches: list[CacheBytes]) -> Future:
+        """Loads a reserved import's verified bytes into caches; a GenerationRequest naming
+        `import_id` then claims them (`GenerationRequest.import_id`).
+
+        Returns:
+            A Future of None. Its exception: `UnknownSession` (the reservation expired or was
+            dropped) or `Draining`; the import is dropped on any error.
+        """
+        def run(m: LoadedModels, sched: Scheduler) -> None:
+            imp = sched.imports.get(import_id)
+            if imp is None:
+                raise UnknownSession(f"import {import_id!r} expired or was dropped before its data arrived")
+            try:
+                sched.stage_import(import_id, tokens, kv_transfer.restore(caches, imp.positions))
+            except BaseException:
+                sched.drop_import(import_id)
+                raise
+        return self._call(run)
+
+    def drop_import(self, import_id: str) -> None:
+        """Forgets a reserved or staged import (no-op when unknown); never waits."""
+        self._call(lambda m, sched: sched.drop_import(import_id))
 
     def load(self) -> EngineLoad:
         """Admitted sessions, capacity, bytes held by running sessions' KV caches and by the prompt
@@ -398,6 +494,10 @@ class Engine:
         try:
             models = load_models(self.config, self._draft_kind)
             sched = self._scheduler = self._make_scheduler(models)
+            dtype = str(sched.layouts["plain"][0][2])
+            self._fingerprints = {"target": kv_transfer.fingerprint(self.config.model_path, dtype),
+                                  "draft": kv_transfer.fingerprint(self.config.draft_path, dtype)
+                                  if models.draft_kind == "dflash" else ""}
             if self.config.warmup:
                 self._warmup(models, sched)
             self._publish(sched)  # the budget is known before the first request
@@ -426,6 +526,8 @@ class Engine:
                     sched.cancel(s.request.request_id)
                     self._end_cancelled(s)
             self._cancel_queued()
+            if sched is not None:
+                sched.imports.clear()
             self._scheduler = None
             del models, sched
             self._free()
@@ -465,8 +567,8 @@ class Engine:
 
     def _handle_commands(self, m: LoadedModels, sched: Scheduler, block: bool) -> bool:
         """Drains the command queue (waiting for one command when `block`); False on Shutdown."""
-        try:
-            cmd = self._commands.get(block=block)
+        try:  # staged imports expire even while no session runs
+            cmd = self._commands.get(block=block, timeout=sched.next_expiry_in() if block else None)
         except queue.Empty:
             return True
         while True:
@@ -475,9 +577,16 @@ class Engine:
             if isinstance(cmd, Submit):
                 self._start_session(m, sched, cmd)
             elif isinstance(cmd, Abort):
+                sched.drop_imports_of(cmd.request_id)
                 s = sched.cancel(cmd.request_id)
                 if s is not None:
                     self._end_cancelled(s)
+            elif isinstance(cmd, Call):
+                if cmd.future.set_running_or_notify_cancel():
+                    try:
+                        cmd.future.set_result(cmd.fn(m, sched))
+                    except Exception as e:
+                        cmd.future.set_exception(e)
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
@@ -494,6 +603,8 @@ class Engine:
                               max_tokens=req.max_tokens - len(req.resume_tokens), resume_tokens=(),
                               resume_text="")
             sampler = sampler_for(req.sampling)
+            if req.import_id and cmd.mode not in BATCHED_MODES:  # its own generator prefills
+                sched.drop_import(req.import_id)
             if cmd.mode in BATCHED_MODES:
                 s = Session(req, cmd.emit, iter(()), [], text, m.eos_ids, cmd.received_s,
                             new_stats(req, cmd.mode))
@@ -505,6 +616,7 @@ class Engine:
                 sched.add_generator(s)
         except Exception as e:
             log.exception("request %s failed to start", req.request_id)
+            sched.drop_import(req.import_id)
             self._release(req.request_id)
             _safe_emit(cmd.emit, ErrorEvent(req.request_id, e))
             return
@@ -527,6 +639,8 @@ class Engine:
                 self._release(cmd.request.request_id)
                 done = DoneEvent(cmd.request.request_id, "cancelled", new_stats(cmd.request, cmd.mode))
                 _safe_emit(cmd.emit, done)
+            elif isinstance(cmd, Call) and cmd.future.set_running_or_notify_cancel():
+                cmd.future.set_exception(Draining("engine shut down"))
 
     def _release(self, request_id: str) -> None:
         with self._lock:

@@ -27,6 +27,24 @@ class Draining(EngineError):
     """The worker is shutting down or not ready (UNAVAILABLE)."""
 
 
+class UnknownSession(EngineError):
+    """No running session of that request id has a state to export (NOT_FOUND): unknown,
+    finished, or not decoding yet."""
+
+
+class NotExportable(EngineError):
+    """The session's decoding method keeps no exportable state (FAILED_PRECONDITION)."""
+
+
+class StateMismatch(EngineError):
+    """An imported state was written for another format, model, dtype or layout
+    (FAILED_PRECONDITION); the message says what differs."""
+
+
+class CorruptState(EngineError):
+    """An imported state's bytes fail their checksums or are incomplete (DATA_LOSS)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Token selection.
@@ -57,6 +75,8 @@ class GenerationRequest:
             fewer than max_tokens, which counts them): decoding continues after
             prompt_tokens + resume_tokens.
         resume_text: the text the client received with resume_tokens (a prefix of their text).
+        import_id: a state staged by `Engine.import_session` to use instead of prefilling the
+            tokens it covers ("" for none; `worker.engine.kv_transfer`).
     """
 
     request_id: str
@@ -67,6 +87,7 @@ class GenerationRequest:
     mode: str = "auto"
     resume_tokens: tuple[int, ...] = ()
     resume_text: str = ""
+    import_id: str = ""
 
 
 @dataclass
@@ -76,7 +97,8 @@ class GenerationStats:
     Fields as in `flashfleet.types.GenerationStats` (the GenerationStats proto): ttft_s from
     `Engine.submit` accepting the request; tokens_per_s over the decode phase (tokens after the
     first step); cached_tokens: prompt tokens whose KV came from the worker's prompt cache (not
-    prefilled); preemptions: times the session was paused for memory and resumed by recomputing;
+    prefilled); transferred_tokens: positions whose KV came from another worker by KV transfer;
+    preemptions: times the session was paused for memory and resumed by recomputing;
     cycles / drafted_tokens / accepted_tokens count speculative cycles only
     (accepted excludes the bonus token); accepted_per_position[i] = cycles whose draft token at
     block position i+1 was accepted.
@@ -97,6 +119,7 @@ class GenerationStats:
     accepted_per_position: list[int] = field(default_factory=list)
     cached_tokens: int = 0
     preemptions: int = 0
+    transferred_tokens: int = 0
 
     @property
     def acceptance_length(self) -> float:
