@@ -44,11 +44,13 @@ decoding draws each token with a key of its sequence position (plain and DFlash 
 worker/sampling.py `sample_rows`), so the continuation is the one it would have had; a classic
 draft or cross-tokenizer draft advances one random stream per call and is never moved seeded.
 
-**Mechanism** (by recomputation): at a chunk boundary the coordinator opens the same request on
-the destination with `resume_token_ids` (every token the client received) and `resume_text`; the
-destination prefills prompt + those tokens and streams on from the next token. Only when its
-first message arrives is the source call cancelled; if the destination refuses, the stream stays
-on the source and nothing was lost. Greedy output is the one unmigrated decoding gives.
+**Mechanism** (coordinator/kv_transfer.py, docs/migration.md): by default the session's KV state
+is copied to the destination while the stream goes on, then the destination gets the request with
+`resume_token_ids` (every token the client received), `resume_text` and the staged state's
+`import_id`, and prefills only the tokens generated during the copy; re-prefill of prompt + those
+tokens is the fallback (and `migrate_method = "reprefill"`). Only when the destination's first
+message arrives is the source call cancelled; if the destination refuses, the stream stays on the
+source and nothing was lost. Greedy output is the one unmigrated decoding gives.
 """
 from __future__ import annotations
 
