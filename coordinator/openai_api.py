@@ -21,6 +21,7 @@ from coordinator.openai_format import OpenAIError, ParsedRequest, ResponseBuilde
     parse_request
 from coordinator.servicer import CoordinatorServicer, GenerateFailed
 from flashfleet.auth import BAD_KEY, bearer, matches
+from flashfleet.errors import short_details
 from flashfleet.requests import MAX_REQUEST_BYTES
 
 log = logging.getLogger("flashfleet.coordinator.http")
@@ -59,10 +60,17 @@ def _sse(obj) -> bytes:
 
 
 async def _body(request: web.Request):
+    """The request's JSON body; OpenAIError 400 when it is not JSON, not in its declared charset
+    (or one Python does not know), or nested too deep for the parser."""
     try:
         return await request.json()
     except (ValueError, UnicodeDecodeError) as e:
-        raise OpenAIError(400, f"the request body is not JSON: {e}") from None
+        raise OpenAIError(400, short_details(f"the request body is not JSON: {e}")) from None
+    except LookupError:
+        raise OpenAIError(400, short_details(f"the request body's charset {request.charset!r} is unknown: "
+                                             "send UTF-8 JSON")) from None
+    except RecursionError:
+        raise OpenAIError(400, "the request body's JSON is nested too deeply") from None
 
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:

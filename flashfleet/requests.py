@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from flashfleet.errors import InvalidArgument
+from flashfleet.errors import InvalidArgument, short_details
 from flashfleet.types import DECODE_MODES
 from flashfleet.v1 import common_pb2
 
@@ -15,6 +15,9 @@ WORKER_DEFAULT_MAX_TOKENS = 256
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 # gRPC's default limit on a received message; larger requests are refused by the server.
 MAX_REQUEST_BYTES = 4 * 1024 * 1024
+# Longest request deadline, seconds: gRPC's deadline arithmetic overflows far below float's range
+# (1e12 s ends a call at once).
+MAX_TIMEOUT_S = 1e8  # about three years
 
 
 def _utf8(name: str, text: str) -> str:
@@ -66,7 +69,7 @@ def build_request(
     try:
         req = _build(model, prompt, messages, max_tokens, temperature, top_p, seed, stop,
                      session_id, request_id, mode)
-    except (ValueError, TypeError) as e:  # protobuf range and type checks
+    except (ValueError, TypeError, OverflowError) as e:  # protobuf range and type checks
         raise InvalidArgument(f"bad request field: {e} (max_tokens must fit int32, seed must be in "
                               "[0, 2**64), temperature/top_p must be numbers)") from None
     size = req.ByteSize()
@@ -134,8 +137,8 @@ def _set_number(req, name: str, value, rule: str) -> None:
     the field and its rule."""
     try:
         setattr(req, name, value)
-    except (ValueError, TypeError):
-        raise InvalidArgument(f"{name} {rule}, got {value!r}") from None
+    except (ValueError, TypeError, OverflowError):  # OverflowError: an int past float's range
+        raise InvalidArgument(short_details(f"{name} {rule}, got {value!r}")) from None
 
 
 def validate_request(req: common_pb2.GenerateRequest) -> None:

@@ -160,6 +160,27 @@ def test_errors_have_openais_shape_and_status(fake_http):
     assert client.completions.create(model="fake-model", prompt="abc", max_tokens=2).usage.completion_tokens == 2
 
 
+@pytest.mark.parametrize("body, content_type, fragment", [
+    (b"[" * 100_000 + b"]" * 100_000, "application/json", "nested too deeply"),  # was a 500 (RecursionError)
+    (b'{"model": "fake-model"}', "application/json; charset=no-such-charset", "charset 'no-such-charset'"),
+    (json.dumps({"model": "fake-model", "prompt": "x", "temperature": 10**400}).encode(), "application/json",
+     "temperature must be a number"),  # was a 500 (OverflowError)
+    (json.dumps({"model": "fake-model", "prompt": "x", "timeout_s": 10**400}).encode(), "application/json",
+     "timeout_s must be"),  # was a 500 (OverflowError)
+    (json.dumps({"model": "fake-model", "prompt": "x", "timeout_s": 1e12}).encode(), "application/json",
+     "at most 1e+08"),  # was a 504 at once: gRPC's deadline overflowed
+], ids=["deep-nesting", "unknown-charset", "huge-int-temperature", "huge-int-timeout", "timeout-1e12"])
+def test_bodies_that_once_failed_with_500_or_504_are_400(fake_http, body, content_type, fragment):
+    cluster, engine = fake_http
+    status, answer = post(base_url(cluster) + "/completions", body, content_type)
+    assert status == 400 and fragment in answer["error"]["message"], answer
+    assert set(answer["error"]) == {"message", "type", "param", "code"}
+    assert engine.submitted == []
+    status, answer = post(base_url(cluster) + "/completions",
+                          json.dumps({"model": "fake-model", "prompt": "x", "max_tokens": 2, "timeout_s": 1e8}).encode())
+    assert status == 200 and answer["usage"]["completion_tokens"] == 2
+
+
 def test_overloaded_is_429_and_a_passed_deadline_504():
     cluster = start_cluster({"w1": FakeEngine(refuse=EngineOverloaded)}, http_port=0, max_queued=0)
     try:
