@@ -13,6 +13,9 @@ MAX_TEMPERATURE = 100.0  # past this softmax(logits / T) is uniform to float pre
 WORKER_DEFAULT_MAX_TOKENS = 256
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+# Most stop strings a request may carry: the worker checks every one against the text after each
+# token on its engine thread (300,000 stops took 0.1 s a token there, stalling every session).
+MAX_STOP_STRINGS = 64
 # gRPC's default limit on a received message; larger requests are refused by the server.
 MAX_REQUEST_BYTES = 4 * 1024 * 1024
 # Longest request deadline, seconds: gRPC's deadline arithmetic overflows far below float's range
@@ -171,5 +174,7 @@ def validate_request(req: common_pb2.GenerateRequest) -> None:
         raise InvalidArgument(f"top_p must be in (0, 1], got {req.top_p:.6g}")
     if any(s == "" for s in req.stop):
         raise InvalidArgument("stop strings must not be empty")
+    if len(req.stop) > MAX_STOP_STRINGS:
+        raise InvalidArgument(f"{len(req.stop):,} stop strings; at most {MAX_STOP_STRINGS} are served")
     if req.mode not in DECODE_MODES.values():
         raise InvalidArgument(f"unknown decode mode {req.mode}")

@@ -94,14 +94,25 @@ def checker(cluster, channel):
 # ----- gRPC ------------------------------------------------------------------------------------
 
 
-def generate(channel, payload: bytes, metadata, timeout: float):
-    """(responses, RpcError or None) of one Generate call sent as raw bytes."""
-    call = channel.unary_stream(GENERATE)  # no serializers: bytes in, bytes out
+def generate(channel, payload: bytes, metadata, timeout: float, method: str = GENERATE,
+             cancel_after: int | None = None):
+    """(responses, RpcError or None) of one Generate call sent as raw bytes; with
+    `cancel_after`, the client cancels the call once it has that many responses (then
+    (responses, None))."""
+    call = channel.unary_stream(method)(payload, metadata=metadata, timeout=timeout)  # bytes in, bytes out
     responses = []
     try:
-        for raw in call(payload, metadata=metadata, timeout=timeout):
+        if cancel_after == 0:
+            call.cancel()
+            return responses, None
+        for raw in call:
             responses.append(common_pb2.GenerateResponse.FromString(raw))
+            if len(responses) == cancel_after:
+                call.cancel()
+                return responses, None
     except grpc.RpcError as e:
+        if cancel_after is not None and e.code() == grpc.StatusCode.CANCELLED:
+            return responses, None
         return responses, e
     return responses, None
 
@@ -133,7 +144,8 @@ def surrogate_free(text: str) -> str:
 
 texts = st.one_of(
     st.text(max_size=40).map(surrogate_free),
-    st.sampled_from(["", " ", "\n\t ", "\x00", "hello", "\ufffd" * 3, "\U0001f600 emoji", "a" * 5000]),
+    st.sampled_from(["", " ", "\n\t ", "\x00", "hello", "\ufffd" * 3, "\U0001f600 emoji"]),
+    st.integers(1000, 6000).map(lambda n: "long " * n),
 )
 # Strings protobuf refuses to serialize (lone surrogates) are sent as field bytes that are not UTF-8.
 not_utf8 = st.sampled_from([b"\xff\xfe", b"abc\xc3", b"\xed\xa0\x80", b"\xc0\xaf", b"ok\x80ok"])
@@ -181,8 +193,9 @@ def generate_requests(draw) -> tuple[common_pb2.GenerateRequest, bool]:
             kind = draw(st.sampled_from(["prompt", "messages", "none"]))
             if kind == "prompt":
                 req.prompt = draw(texts)
-            elif kind == "messages":
-                req.messages.CopyFrom(common_pb2.ChatMessages(messages=draw(messages)))
+            elif kind == "messages":  # a few turns, or more than the tiny model's 512-token context
+                req.messages.CopyFrom(common_pb2.ChatMessages(messages=draw(st.one_of(
+                    messages, st.integers(500, 600).map(lambda n: [common_pb2.ChatMessage(role="user", content="x")] * n)))))
             else:
                 req.ClearField("prompt")
                 req.ClearField("messages")
@@ -196,7 +209,8 @@ def generate_requests(draw) -> tuple[common_pb2.GenerateRequest, bool]:
         elif name == "seed":
             req.seed = draw(st.integers(0, 2**64 - 1))
         elif name == "stop":
-            req.stop[:] = draw(st.lists(texts, max_size=3))
+            req.stop[:] = draw(st.one_of(st.lists(texts, max_size=3),
+                                         st.integers(60, 70).map(lambda n: [f"s{i}" for i in range(n)])))
         elif name == "session_id":
             req.session_id = draw(texts)
         elif name == "request_id":
@@ -206,7 +220,7 @@ def generate_requests(draw) -> tuple[common_pb2.GenerateRequest, bool]:
         elif name == "resume_token_ids":  # set by the coordinator only
             req.resume_token_ids.extend(draw(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=4)))
         else:
-            req.resume_text = draw(texts.filter(bool))
+            req.resume_text = draw(st.text(min_size=1, max_size=20).map(surrogate_free))
     return req, not corrupt
 
 
@@ -265,14 +279,83 @@ def check_grpc_outcome(responses, error, *, authorized: bool, timeout: float, va
 
 
 @FUZZ
-@given(case=payloads(), key=KEYS_MOSTLY_RIGHT, timeout=DEADLINES)
+@given(case=payloads(), key=KEYS_MOSTLY_RIGHT, timeout=DEADLINES,
+       cancel_after=st.one_of(st.none(), st.none(), st.none(), st.integers(0, 2)))
 def test_grpc_generate_answers_every_request_with_a_completion_or_a_documented_status(cluster, channel, checker,
-                                                                                      case, key, timeout):
+                                                                                      case, key, timeout,
+                                                                                      cancel_after):
+    # cancel_after: the client cancels after that many responses (its sessions must not leak:
+    # `checker` looks every CHECK_EVERY cases).
     payload, valid = case
     metadata, authorized = key
-    responses, error = generate(channel, payload, metadata, timeout)
+    responses, error = generate(channel, payload, metadata, timeout, cancel_after=cancel_after)
+    event("cancelled by the client" if cancel_after is not None and error is None
+          else "completed" if error is None else error.code().name)
+    if cancel_after is None or error is not None:
+        check_grpc_outcome(responses, error, authorized=authorized, timeout=timeout, valid=valid)
+    checker.tick()
+
+
+OTHER_METHODS = ("/flashfleet.v1.Coordinator/ListModels", "/flashfleet.v1.Coordinator/GetClusterStatus")
+
+
+@FUZZ
+@given(method=st.sampled_from(OTHER_METHODS + ("/flashfleet.v1.Coordinator/NoSuchMethod",)),
+       payload=st.one_of(st.just(b""), st.binary(max_size=100)), key=KEYS_MOSTLY_RIGHT)
+def test_grpc_other_methods_answer_random_payloads(channel, method, payload, key):
+    metadata, authorized = key
+    call = channel.unary_unary(method)  # bytes in, bytes out
+    try:
+        call(payload, metadata=metadata, timeout=GENEROUS_S)
+    except grpc.RpcError as e:
+        event(e.code().name)
+        want = ({grpc.StatusCode.UNIMPLEMENTED} if method not in OTHER_METHODS
+                else {grpc.StatusCode.INVALID_ARGUMENT} if authorized else {grpc.StatusCode.UNAUTHENTICATED})
+        assert e.code() in want, f"{e.code()}: {e.details()}"
+        assert e.details()
+    else:
+        event("answered")
+        assert authorized and method in OTHER_METHODS
+
+
+WORKER_GENERATE = "/flashfleet.v1.Worker/Generate"
+VOCAB = 512  # tests/tiny_models.py's BPE tokenizer
+
+
+@st.composite
+def worker_requests(draw) -> bytes:
+    """A GenerateRequest as the coordinator sends a worker, resume fields (session migration)
+    included: token ids in and out of the vocabulary, text that does and does not match them."""
+    req, _ = draw(generate_requests())
+    if draw(st.booleans()):
+        req.max_tokens = draw(st.integers(1, 8))
+        req.resume_token_ids[:] = draw(st.lists(st.one_of(st.integers(0, VOCAB - 1), st.integers(0, 2**32 - 1)),
+                                                max_size=7))
+        req.resume_text = draw(st.one_of(st.just(""), texts))
+    data = req.SerializeToString()
+    if draw(st.integers(0, 5)) == 0:
+        i = draw(st.integers(0, max(0, len(data) - 1)))
+        data = data[:i]
+    return data
+
+
+@FUZZ
+@given(payload=worker_requests(), which=st.integers(0, 1), timeout=DEADLINES)
+def test_worker_generate_answers_every_request_with_a_completion_or_a_documented_status(cluster, checker, payload,
+                                                                                        which, timeout):
+    # A worker's own API (the coordinator's calls): its resume fields reach the engine here.
+    with grpc.insecure_channel(cluster.workers[which].advertise_address) as ch:
+        responses, error = generate(ch, payload, (), timeout, method=WORKER_GENERATE)
     event("completed" if error is None else error.code().name)
-    check_grpc_outcome(responses, error, authorized=authorized, timeout=timeout, valid=valid)
+    if error is None:
+        assert responses and responses[-1].WhichOneof("kind") == "complete"
+    else:
+        assert error.code() in {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+                                grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED}, \
+            f"{error.code()}: {error.details()}"
+        assert error.details()
+        if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            assert timeout <= SHORT_MAX_S, error.details()
     checker.tick()
 
 
@@ -416,9 +499,11 @@ def http_requests(draw):
     return "POST", path, data, content_type, auth, body, valid
 
 
-def http_call(cluster, method: str, path: str, data: bytes, content_type: str, auth: str | None):
+def http_call(cluster, method: str, path: str, data: bytes, content_type: str, auth: str | None,
+              hang_up_after: int | None = None):
     """(status, headers, body bytes) of one request on a fresh connection; a dropped connection
-    or a stream that does not end raises."""
+    or a stream that does not end raises. With `hang_up_after`, the client closes the connection
+    after reading that many bytes of the body (then the body is those bytes)."""
     port = urllib.parse.urlsplit(cluster.coordinator.http_url).port
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=GENEROUS_S)
     headers = {"Content-Type": content_type} if content_type else {}
@@ -427,6 +512,8 @@ def http_call(cluster, method: str, path: str, data: bytes, content_type: str, a
     try:
         conn.request(method, path, body=data if method not in ("GET", "HEAD") or data else None, headers=headers)
         resp = conn.getresponse()
+        if hang_up_after is not None:
+            return resp.status, resp.headers, resp.read(hang_up_after)
         return resp.status, resp.headers, resp.read()
     finally:
         conn.close()
@@ -502,12 +589,18 @@ def check_http_outcome(method, path, status, headers, raw, auth, body, valid):
 
 
 @FUZZ
-@given(case=http_requests())
-def test_http_api_answers_every_request_with_a_completion_or_an_openai_error(cluster, checker, case):
+@given(case=http_requests(), hang_up_after=st.one_of(st.none(), st.none(), st.none(), st.integers(0, 300)))
+def test_http_api_answers_every_request_with_a_completion_or_an_openai_error(cluster, checker, case, hang_up_after):
+    # hang_up_after: the client closes the connection after that many bytes of the answer (its
+    # sessions must not leak: `checker` looks every CHECK_EVERY cases).
     method, path, data, content_type, auth, body, valid = case
-    status, headers, raw = http_call(cluster, method, path, data, content_type, auth)
-    event(f"{status} {headers.get('Content-Type', '').split(';')[0]}")
-    check_http_outcome(method, path, status, headers, raw, auth, body, valid)
+    status, headers, raw = http_call(cluster, method, path, data, content_type, auth, hang_up_after)
+    event(f"{status} {headers.get('Content-Type', '').split(';')[0]}"
+          + (" (client hung up)" if hang_up_after is not None else ""))
+    if hang_up_after is None:
+        check_http_outcome(method, path, status, headers, raw, auth, body, valid)
+    else:
+        assert status == 200 or status in HTTP_ERRORS | {504}, status
     checker.tick()
 
 

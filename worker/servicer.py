@@ -98,7 +98,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         waits until the engine has ended that one (`ABORTED_WAIT_S` at most).
 
         Aborts the call with:
-            INVALID_ARGUMENT: `validate_request` fails, or the engine's `InvalidRequest`
+            INVALID_ARGUMENT: `validate_request` fails, more chat turns than the model's context
+                has tokens, or the engine's `InvalidRequest`
                 (tokenization, context length, sampling parameters, mode, resume tokens).
             NOT_FOUND: the request names a model this worker does not serve.
             RESOURCE_EXHAUSTED: the engine is at capacity (`Overloaded`).
@@ -115,6 +116,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if request.model != model.name:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 short_details(f"this worker serves {model.name!r}, not {request.model!r}"))
+        turns = len(request.messages.messages) if request.WhichOneof("input") == "messages" else 0
+        if turns > model.max_context_tokens:  # each turn renders to a token or more: refused before templating
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{turns:,} chat turns cannot fit the model's context of "
+                                f"{model.max_context_tokens:,} tokens")
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
         loop = asyncio.get_running_loop()
