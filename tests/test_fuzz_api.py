@@ -20,10 +20,13 @@ a minute on two CPU cores.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import gzip
 import http.client
 import json
 import math
 import urllib.parse
+import zlib
 
 import grpc
 import pytest
@@ -49,9 +52,10 @@ FUZZ = settings(max_examples=160, deadline=None, derandomize=True, database=None
 GRPC_ANSWERS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAUTHENTICATED,
                 grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED,
                 grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE}
-# HTTP statuses of refusals (coordinator/openai_format.py HTTP_ERRORS, aiohttp's own 404/405/413);
+# HTTP statuses of refusals (coordinator/openai_format.py HTTP_ERRORS, coordinator/http_body.py's
+# 413/415, aiohttp's own 404/405/413);
 # 504 only for a request with a short timeout_s.
-HTTP_ERRORS = {400, 401, 404, 405, 413, 429}
+HTTP_ERRORS = {400, 401, 404, 405, 413, 415, 429}
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +190,7 @@ def generate_requests(draw) -> tuple[common_pb2.GenerateRequest, bool]:
         req.seed = draw(st.integers(0, 2**64 - 1))
     req.stop.extend(draw(st.lists(words, max_size=2)))
     corrupt = draw(st.sets(st.sampled_from(GRPC_FIELDS), max_size=3))
-    for name in corrupt:
+    for name in sorted(corrupt):  # sets of str iterate in a per-process order
         if name == "model":
             req.model = draw(texts)
         elif name == "input":
@@ -294,6 +298,27 @@ def test_grpc_generate_answers_every_request_with_a_completion_or_a_documented_s
     if cancel_after is None or error is not None:
         check_grpc_outcome(responses, error, authorized=authorized, timeout=timeout, valid=valid)
     checker.tick()
+
+
+@settings(FUZZ, max_examples=20)
+@given(cases=st.lists(st.tuples(payloads(), DEADLINES, st.one_of(st.none(), st.integers(0, 2))),
+                      min_size=8, max_size=24))
+def test_grpc_generate_concurrent_bursts_end_well_and_leave_no_session(cluster, channel, cases):
+    # More requests at once than the two workers' 8 slots: the admission queue, concurrent
+    # duplicates of an id, cancels and deadlines mid-burst.
+    meta = (("authorization", f"Bearer {KEY}"),)
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        futures = [pool.submit(generate, channel, payload, meta, timeout, GENERATE, cancel_after)
+                   for (payload, _), timeout, cancel_after in cases]
+        outcomes = [f.result(timeout=2 * GENEROUS_S) for f in futures]
+    for ((_, valid), timeout, cancel_after), (responses, error) in zip(cases, outcomes):
+        if cancel_after is not None and error is None:
+            continue
+        if valid and error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            assert "already in flight" in error.details(), error.details()  # its id's twin ran at once
+            continue
+        check_grpc_outcome(responses, error, authorized=True, timeout=timeout, valid=valid)
+    assert_healthy(cluster, channel)
 
 
 OTHER_METHODS = ("/flashfleet.v1.Coordinator/ListModels", "/flashfleet.v1.Coordinator/GetClusterStatus")
@@ -435,7 +460,7 @@ def good_bodies(draw, chat: bool) -> tuple[dict, bool]:
     else:
         body["prompt"] = "The river flows"
     corrupt = draw(st.sets(st.sampled_from(sorted(OPENAI_FIELDS)), max_size=3))
-    for name in corrupt:
+    for name in sorted(corrupt):  # sets of str iterate in a per-process order
         if name in body and draw(st.integers(0, 3)) == 0:
             del body[name]
         else:
@@ -451,6 +476,7 @@ AUTHS = st.sampled_from([f"Bearer {KEY}", f"Bearer {KEY}", f"Bearer {KEY}", None
                          "Bearer", f"Basic {KEY}"])
 AUTHS_MOSTLY_RIGHT = st.one_of(st.just(f"Bearer {KEY}"), AUTHS)
 GEN_PATHS = ("/v1/chat/completions", "/v1/completions")
+JSON = {"Content-Type": "application/json"}
 
 
 def nested(depth: int) -> bytes:
@@ -459,22 +485,22 @@ def nested(depth: int) -> bytes:
 
 @st.composite
 def http_requests(draw):
-    """(method, path, body bytes, content type, authorization header or None, the body sent as
-    JSON or None, whether the request is valid)."""
+    """(method, path, body bytes, headers (Content-Type, Content-Encoding), authorization header
+    or None, the body sent as JSON or None, whether the request is valid)."""
     auth = draw(AUTHS_MOSTLY_RIGHT)
     target = draw(st.sampled_from(["gen"] * 6 + ["models", "model", "other"]))
     if target == "models":
-        return "GET", "/v1/models", b"", "", auth, None, True
+        return "GET", "/v1/models", b"", {}, auth, None, True
     if target == "model":
         name = draw(st.one_of(st.just(MODEL), st.text(min_size=1, max_size=20).map(surrogate_free)))
-        return "GET", "/v1/models/" + urllib.parse.quote(name, safe=""), b"", "", auth, None, name == MODEL
+        return "GET", "/v1/models/" + urllib.parse.quote(name, safe=""), b"", {}, auth, None, name == MODEL
     if target == "other":
         method = draw(st.sampled_from(["GET", "PUT", "DELETE", "PATCH", "POST", "OPTIONS", "HEAD"]))
         path = draw(st.sampled_from(["/", "/v1", "/v1/", "/v1/embeddings", "/v1/chat/completions",
                                      "/v1/models", "/v1/completions/x", "/v2/completions", "/%ff%fe"]))
         if method == "POST" and path in ("/v1/chat/completions", "/v1/models"):
             method = "GET"  # a wrong method on a known path
-        return method, path, b"{}", "application/json", auth, None, False
+        return method, path, b"{}", {"Content-Type": "application/json"}, auth, None, False
     path = draw(st.sampled_from(GEN_PATHS))
     shape = draw(st.sampled_from(["good"] * 4 + ["openai", "json", "bytes", "nested"]))
     body, valid, content_type = None, False, "application/json"
@@ -496,17 +522,25 @@ def http_requests(draw):
                                                                         b'{"model": "\xff"}', b"null"])))
     else:
         data = nested(draw(st.sampled_from([100, 5000, 100_000])))
-    return "POST", path, data, content_type, auth, body, valid
+    headers = {"Content-Type": content_type} if content_type else {}
+    encoding = draw(st.sampled_from([None] * 6 + ["gzip", "gzip", "deflate", "deflate", "identity", "br", "bogus"]))
+    if encoding is not None:
+        headers["Content-Encoding"] = encoding
+        if encoding in ("gzip", "deflate") and draw(st.booleans()):
+            data = gzip.compress(data) if encoding == "gzip" else zlib.compress(data)
+        elif encoding != "identity":
+            valid = False  # a body that does not decode as it says, or an encoding not served
+    return "POST", path, data, headers, auth, body, valid
 
 
-def http_call(cluster, method: str, path: str, data: bytes, content_type: str, auth: str | None,
+def http_call(cluster, method: str, path: str, data: bytes, headers: dict, auth: str | None,
               hang_up_after: int | None = None):
     """(status, headers, body bytes) of one request on a fresh connection; a dropped connection
     or a stream that does not end raises. With `hang_up_after`, the client closes the connection
     after reading that many bytes of the body (then the body is those bytes)."""
     port = urllib.parse.urlsplit(cluster.coordinator.http_url).port
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=GENEROUS_S)
-    headers = {"Content-Type": content_type} if content_type else {}
+    headers = dict(headers)
     if auth is not None:
         headers["Authorization"] = auth
     try:
@@ -593,8 +627,8 @@ def check_http_outcome(method, path, status, headers, raw, auth, body, valid):
 def test_http_api_answers_every_request_with_a_completion_or_an_openai_error(cluster, checker, case, hang_up_after):
     # hang_up_after: the client closes the connection after that many bytes of the answer (its
     # sessions must not leak: `checker` looks every CHECK_EVERY cases).
-    method, path, data, content_type, auth, body, valid = case
-    status, headers, raw = http_call(cluster, method, path, data, content_type, auth, hang_up_after)
+    method, path, data, request_headers, auth, body, valid = case
+    status, headers, raw = http_call(cluster, method, path, data, request_headers, auth, hang_up_after)
     event(f"{status} {headers.get('Content-Type', '').split(';')[0]}"
           + (" (client hung up)" if hang_up_after is not None else ""))
     if hang_up_after is None:
@@ -606,14 +640,14 @@ def test_http_api_answers_every_request_with_a_completion_or_an_openai_error(clu
 
 def test_http_body_over_the_size_limit_is_413_in_openai_shape(cluster):
     body = json.dumps({"model": MODEL, "prompt": "x" * (9 * 1024 * 1024), "max_tokens": 2}).encode()
-    status, _, raw = http_call(cluster, "POST", "/v1/completions", body, "application/json", f"Bearer {KEY}")
+    status, _, raw = http_call(cluster, "POST", "/v1/completions", body, JSON, f"Bearer {KEY}")
     assert status == 413
     assert assert_openai_error(status, raw)["type"] == "invalid_request_error"
 
 
 def test_http_prompt_over_the_request_limit_is_400(cluster):
     body = json.dumps({"model": MODEL, "prompt": "x" * (5 * 1024 * 1024), "max_tokens": 2}).encode()
-    status, _, raw = http_call(cluster, "POST", "/v1/completions", body, "application/json", f"Bearer {KEY}")
+    status, _, raw = http_call(cluster, "POST", "/v1/completions", body, JSON, f"Bearer {KEY}")
     assert status == 400
     assert "4 MiB" in assert_openai_error(status, raw)["message"]
 
@@ -629,6 +663,6 @@ def test_cluster_still_serves_and_holds_no_session_after_the_fuzzing(cluster, ch
     status, headers, raw = http_call(cluster, "POST", GEN_PATHS[0],
                                      json.dumps({"model": MODEL, "max_tokens": 3, "messages": [
                                          {"role": "user", "content": "Name a river."}]}).encode(),
-                                     "application/json", f"Bearer {KEY}")
+                                     JSON, f"Bearer {KEY}")
     assert status == 200
     assert_completion(json.loads(raw), chat=True)
