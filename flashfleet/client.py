@@ -27,8 +27,6 @@ DEFAULT_GENERATE_TIMEOUT_S = 600.0
 DEFAULT_CONTROL_TIMEOUT_S = 10.0
 
 
-
-
 def _check_address(address) -> None:
     """Raises TypeError for an address that is not a "host:port" string (e.g. a bare port number)."""
     if not isinstance(address, str):

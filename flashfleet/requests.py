@@ -14,7 +14,8 @@ WORKER_DEFAULT_MAX_TOKENS = 256
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 # Most stop strings a request may carry: the worker checks every one against the text after each
-# token on its engine thread (300,000 stops took 0.1 s a token there, stalling every session).
+# token on its engine thread (300,000 stops: 0.1 s a token with the tiny test model on a CPU,
+# stalling every session of that worker).
 MAX_STOP_STRINGS = 64
 # gRPC's default limit on a received message; larger requests are refused by the server.
 MAX_REQUEST_BYTES = 4 * 1024 * 1024

@@ -12,11 +12,15 @@ bodies that are not JSON, odd content types, streamed and not, bad bearer tokens
 and methods. Every answer is a 200 with a valid completion (an SSE stream ending in [DONE]) or a
 documented error status with OpenAI's error object; never a 500, never a dropped connection.
 
-Every `CHECK_EVERY` cases and at the end, the cluster still serves a normal request, and its
-workers hold no session and no session KV bytes within a few seconds.
+Besides: client cancels and hang-ups mid-stream, concurrent bursts past the workers' slots, the
+other Coordinator methods, and the workers' own Generate (the coordinator's calls, session
+migration's resume fields included). Every `CHECK_EVERY` cases and at the end, the cluster still
+gives a normal greedy request its reference tokens, and its workers hold no session and no
+session KV bytes within a few seconds.
 
-CI: examples are derandomized (the same cases on every run) and bounded; the file runs in about
-a minute on two CPU cores.
+CI: examples are derandomized (the same inputs on every run; outcomes near a short deadline may
+differ) and bounded; the file took 16 s on two CPU cores. For a longer hunt, raise max_examples
+and set derandomize=False in FUZZ.
 """
 from __future__ import annotations
 
@@ -40,10 +44,11 @@ from harness import start_cluster, wait_until
 MODEL = "tiny-llama"
 KEY = "sk-fuzz-right-key"
 GENERATE = "/flashfleet.v1.Coordinator/Generate"
+WORKER_GENERATE = "/flashfleet.v1.Worker/Generate"
 GENEROUS_S = 30.0  # a call with this deadline that still runs past it is a hang
 SHORT_MAX_S = 0.3  # deadlines up to this long may run out: DEADLINE_EXCEEDED is then an answer
 CHECK_EVERY = 40  # cases between two checks that the cluster still serves and holds no session
-FUZZ = settings(max_examples=160, deadline=None, derandomize=True, database=None,
+FUZZ = settings(max_examples=300, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.function_scoped_fixture])
 
@@ -81,18 +86,18 @@ def channel(cluster):
 class Checker:
     """Counts cases and, every CHECK_EVERY of them, checks that the cluster is healthy."""
 
-    def __init__(self, cluster, channel):
-        self.cluster, self.channel, self.cases = cluster, channel, 0
+    def __init__(self, cluster, channel, want: list[int]):
+        self.cluster, self.channel, self.want, self.cases = cluster, channel, want, 0
 
     def tick(self) -> None:
         self.cases += 1
         if self.cases % CHECK_EVERY == 0:
-            assert_healthy(self.cluster, self.channel)
+            assert_healthy(self.cluster, self.channel, self.want)
 
 
 @pytest.fixture(scope="module")
-def checker(cluster, channel):
-    return Checker(cluster, channel)
+def checker(cluster, channel, reference):
+    return Checker(cluster, channel, reference)
 
 
 # ----- gRPC ------------------------------------------------------------------------------------
@@ -129,15 +134,33 @@ def worker_loads(cluster) -> list[worker_pb2.WorkerLoad]:
     return loads
 
 
-def assert_healthy(cluster, channel) -> None:
-    """A normal request completes with text, and within a few seconds every worker holds no
-    session and no session KV bytes."""
-    req = common_pb2.GenerateRequest(model=MODEL, prompt="The river flows", max_tokens=4, temperature=0.0)
-    responses, error = generate(channel, req.SerializeToString(), (("authorization", f"Bearer {KEY}"),),
-                                GENEROUS_S)
+NORMAL = common_pb2.GenerateRequest(model=MODEL, prompt="The river flows", max_tokens=6, temperature=0.0)
+
+
+def greedy_ids(channel, method: str = GENERATE, metadata=(("authorization", f"Bearer {KEY}"),)) -> list[int]:
+    """The token ids of NORMAL (greedy) through `method`."""
+    responses, error = generate(channel, NORMAL.SerializeToString(), metadata, GENEROUS_S, method=method)
     assert error is None, f"{error.code()}: {error.details()}"
     assert responses[-1].WhichOneof("kind") == "complete"
-    assert responses[-1].complete.stats.generated_tokens >= 1
+    return [t for r in responses[:-1] for t in r.chunk.token_ids]
+
+
+@pytest.fixture(scope="module")
+def reference(cluster) -> list[int]:
+    """NORMAL's greedy token ids, from each worker before any fuzzing (the DFlash worker's greedy
+    output equals the plain one's)."""
+    answers = []
+    for w in cluster.workers:
+        with grpc.insecure_channel(w.advertise_address) as ch:
+            answers.append(greedy_ids(ch, WORKER_GENERATE, ()))
+    assert answers[0] and all(a == answers[0] for a in answers), answers
+    return answers[0]
+
+
+def assert_healthy(cluster, channel, want: list[int]) -> None:
+    """A normal request gives the greedy tokens `want`, and within a few seconds every worker
+    holds no session and no session KV bytes."""
+    assert greedy_ids(channel) == want
     assert wait_until(lambda: all(load.active_sessions == 0 and load.kv_cache_bytes == 0
                                   for load in worker_loads(cluster)), timeout=5.0), worker_loads(cluster)
 
@@ -303,7 +326,7 @@ def test_grpc_generate_answers_every_request_with_a_completion_or_a_documented_s
 @settings(FUZZ, max_examples=20)
 @given(cases=st.lists(st.tuples(payloads(), DEADLINES, st.one_of(st.none(), st.integers(0, 2))),
                       min_size=8, max_size=24))
-def test_grpc_generate_concurrent_bursts_end_well_and_leave_no_session(cluster, channel, cases):
+def test_grpc_generate_concurrent_bursts_end_well_and_leave_no_session(cluster, channel, reference, cases):
     # More requests at once than the two workers' 8 slots: the admission queue, concurrent
     # duplicates of an id, cancels and deadlines mid-burst.
     meta = (("authorization", f"Bearer {KEY}"),)
@@ -318,13 +341,13 @@ def test_grpc_generate_concurrent_bursts_end_well_and_leave_no_session(cluster, 
             assert "already in flight" in error.details(), error.details()  # its id's twin ran at once
             continue
         check_grpc_outcome(responses, error, authorized=True, timeout=timeout, valid=valid)
-    assert_healthy(cluster, channel)
+    assert_healthy(cluster, channel, reference)
 
 
 OTHER_METHODS = ("/flashfleet.v1.Coordinator/ListModels", "/flashfleet.v1.Coordinator/GetClusterStatus")
 
 
-@FUZZ
+@settings(FUZZ, max_examples=100)
 @given(method=st.sampled_from(OTHER_METHODS + ("/flashfleet.v1.Coordinator/NoSuchMethod",)),
        payload=st.one_of(st.just(b""), st.binary(max_size=100)), key=KEYS_MOSTLY_RIGHT)
 def test_grpc_other_methods_answer_random_payloads(channel, method, payload, key):
@@ -343,7 +366,6 @@ def test_grpc_other_methods_answer_random_payloads(channel, method, payload, key
         assert authorized and method in OTHER_METHODS
 
 
-WORKER_GENERATE = "/flashfleet.v1.Worker/Generate"
 VOCAB = 512  # tests/tiny_models.py's BPE tokenizer
 
 
@@ -439,6 +461,7 @@ OPENAI_FIELDS = {
     "presence_penalty": field(st.floats(-2, 2)),
     "tools": field(st.just([])),
     "user": json_values,
+    "top_k": json_values,  # not OpenAI's: ignored as any unknown field
     "extra_field": json_values,
 }
 openai_bodies = st.fixed_dictionaries({}, optional=OPENAI_FIELDS)
@@ -658,8 +681,8 @@ def test_grpc_request_over_the_message_limit_is_resource_exhausted(cluster, chan
     assert error is not None and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and error.details()
 
 
-def test_cluster_still_serves_and_holds_no_session_after_the_fuzzing(cluster, channel):
-    assert_healthy(cluster, channel)
+def test_cluster_still_serves_and_holds_no_session_after_the_fuzzing(cluster, channel, reference):
+    assert_healthy(cluster, channel, reference)
     status, headers, raw = http_call(cluster, "POST", GEN_PATHS[0],
                                      json.dumps({"model": MODEL, "max_tokens": 3, "messages": [
                                          {"role": "user", "content": "Name a river."}]}).encode(),

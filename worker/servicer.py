@@ -117,7 +117,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 short_details(f"this worker serves {model.name!r}, not {request.model!r}"))
         turns = len(request.messages.messages) if request.WhichOneof("input") == "messages" else 0
-        if turns > model.max_context_tokens:  # each turn renders to a token or more: refused before templating
+        if model.max_context_tokens and turns > model.max_context_tokens:  # each turn renders to a token or more
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{turns:,} chat turns cannot fit the model's context of "
                                 f"{model.max_context_tokens:,} tokens")
