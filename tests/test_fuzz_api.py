@@ -301,7 +301,8 @@ def check_grpc_outcome(responses, error, *, authorized: bool, timeout: float, va
         assert timeout <= SHORT_MAX_S, f"a call with a {timeout} s deadline hung: {details}"
     elif not authorized:
         assert code == grpc.StatusCode.UNAUTHENTICATED, f"{code}: {details}"
-    if valid and timeout > SHORT_MAX_S and authorized:
+    if valid and timeout > SHORT_MAX_S and authorized and "already in flight" not in details:
+        # (a client that cancels and at once reuses the id may find the first call still in flight)
         pytest.fail(f"a valid request failed: {code}: {details}")
 
 
@@ -336,9 +337,6 @@ def test_grpc_generate_concurrent_bursts_end_well_and_leave_no_session(cluster, 
         outcomes = [f.result(timeout=2 * GENEROUS_S) for f in futures]
     for ((_, valid), timeout, cancel_after), (responses, error) in zip(cases, outcomes):
         if cancel_after is not None and error is None:
-            continue
-        if valid and error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT:
-            assert "already in flight" in error.details(), error.details()  # its id's twin ran at once
             continue
         check_grpc_outcome(responses, error, authorized=True, timeout=timeout, valid=valid)
     assert_healthy(cluster, channel, reference)
@@ -408,7 +406,8 @@ def test_worker_generate_answers_every_request_with_a_completion_or_a_documented
 
 def test_grpc_duplicate_request_id_in_flight_is_invalid_argument_and_the_first_completes(cluster, channel):
     meta = (("authorization", f"Bearer {KEY}"),)
-    req = common_pb2.GenerateRequest(model=MODEL, prompt="A long road", max_tokens=64, request_id="dup-id",
+    # 400 tokens: about 0.7 s on a CPU, the second call comes well before the first ends
+    req = common_pb2.GenerateRequest(model=MODEL, prompt="A long road", max_tokens=400, request_id="dup-id",
                                      mode=common_pb2.DECODE_MODE_PLAIN)
     first = channel.unary_stream(GENERATE)(req.SerializeToString(), metadata=meta, timeout=GENEROUS_S)
     head = common_pb2.GenerateResponse.FromString(next(first))  # in flight from here
