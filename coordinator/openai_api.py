@@ -17,6 +17,7 @@ import time
 
 from aiohttp import web
 
+from coordinator.http_body import read_json
 from coordinator.openai_format import OpenAIError, ParsedRequest, ResponseBuilder, model_list, model_object, \
     parse_request
 from coordinator.servicer import CoordinatorServicer, GenerateFailed
@@ -58,15 +59,8 @@ def _sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def _body(request: web.Request):
-    try:
-        return await request.json()
-    except (ValueError, UnicodeDecodeError) as e:
-        raise OpenAIError(400, f"the request body is not JSON: {e}") from None
-
-
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
-    parsed = parse_request(await _body(request), chat)
+    parsed = parse_request(await read_json(request), chat)
     servicer = request.app[_SERVICER]
     deadline = None if parsed.timeout_s is None else time.monotonic() + parsed.timeout_s
     responses = servicer.generate(parsed.request,
@@ -189,8 +183,9 @@ async def start_http(servicer: CoordinatorServicer, host: str, port: int, shutdo
     Raises:
         RuntimeError: the port could not be bound.
     """
+    # auto_decompress off: request bodies are decoded by coordinator/http_body.py, not while parsing.
     runner = web.AppRunner(build_app(servicer, api_keys), handler_cancellation=True, access_log=None,
-                           shutdown_timeout=shutdown_timeout_s)
+                           shutdown_timeout=shutdown_timeout_s, auto_decompress=False)
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     try:

@@ -13,15 +13,14 @@ echo, ...) are refused with 400 rather than ignored.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 import uuid
 from typing import Any
 
 import grpc
 
-from flashfleet.errors import InvalidArgument
-from flashfleet.requests import build_request
+from flashfleet.errors import InvalidArgument, short_details
+from flashfleet.requests import MAX_TIMEOUT_S, build_request
 from flashfleet.types import DECODE_MODE_NAMES, FINISH_REASONS, GenerationStats
 from flashfleet.v1 import common_pb2, coordinator_pb2
 
@@ -157,7 +156,8 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     Raises:
         OpenAIError: 400 for a body that is not a JSON object, a missing or mistyped field, a
             field flashfleet cannot honour set to a value that asks for it (`UNSUPPORTED_OFF`),
-            or what `flashfleet.requests.build_request` refuses (InvalidArgument).
+            a timeout_s outside (0, `MAX_TIMEOUT_S`] seconds, or what
+            `flashfleet.requests.build_request` refuses (InvalidArgument).
     """
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
@@ -173,8 +173,9 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     temperature, top_p = _number(body, "temperature"), _number(body, "top_p")
     seed = _number(body, "seed", int)
     timeout_s = _number(body, "timeout_s")
-    if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
-        raise bad(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}", "timeout_s")
+    if timeout_s is not None and not (0 < timeout_s <= MAX_TIMEOUT_S):  # NaN fails too; no float() of a huge int
+        raise bad(short_details(f"timeout_s must be a number of seconds > 0 and at most {MAX_TIMEOUT_S:.0e}, "
+                                f"got {timeout_s!r}"), "timeout_s")
     stream = body.get("stream") or False
     options = body.get("stream_options") or {}
     if not isinstance(stream, bool) or not isinstance(options, dict):

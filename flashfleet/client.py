@@ -18,17 +18,13 @@ import grpc
 
 from flashfleet.auth import api_key_metadata, client_api_key, with_metadata
 from flashfleet.errors import InvalidArgument, from_rpc_error
-from flashfleet.requests import build_request
+from flashfleet.requests import MAX_TIMEOUT_S, build_request
 from flashfleet.transport import CHANNEL_OPTIONS
 from flashfleet.types import FINISH_REASONS, Chunk, Completion, GenerationStats
 from flashfleet.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 DEFAULT_GENERATE_TIMEOUT_S = 600.0
 DEFAULT_CONTROL_TIMEOUT_S = 10.0
-
-
-# gRPC's deadline arithmetic overflows far below float's range (1e12 s ends a call at once).
-MAX_TIMEOUT_S = 1e8  # about three years
 
 
 def _check_address(address) -> None:

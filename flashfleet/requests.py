@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from flashfleet.errors import InvalidArgument
+from flashfleet.errors import InvalidArgument, short_details
 from flashfleet.types import DECODE_MODES
 from flashfleet.v1 import common_pb2
 
@@ -13,8 +13,15 @@ MAX_TEMPERATURE = 100.0  # past this softmax(logits / T) is uniform to float pre
 WORKER_DEFAULT_MAX_TOKENS = 256
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+# Most stop strings a request may carry: the worker checks every one against the text after each
+# token on its engine thread (300,000 stops: 0.1 s a token with the tiny test model on a CPU,
+# stalling every session of that worker).
+MAX_STOP_STRINGS = 64
 # gRPC's default limit on a received message; larger requests are refused by the server.
 MAX_REQUEST_BYTES = 4 * 1024 * 1024
+# Longest request deadline, seconds: gRPC's deadline arithmetic overflows far below float's range
+# (1e12 s ends a call at once).
+MAX_TIMEOUT_S = 1e8  # about three years
 
 
 def _utf8(name: str, text: str) -> str:
@@ -66,7 +73,7 @@ def build_request(
     try:
         req = _build(model, prompt, messages, max_tokens, temperature, top_p, seed, stop,
                      session_id, request_id, mode)
-    except (ValueError, TypeError) as e:  # protobuf range and type checks
+    except (ValueError, TypeError, OverflowError) as e:  # protobuf range and type checks
         raise InvalidArgument(f"bad request field: {e} (max_tokens must fit int32, seed must be in "
                               "[0, 2**64), temperature/top_p must be numbers)") from None
     size = req.ByteSize()
@@ -134,8 +141,8 @@ def _set_number(req, name: str, value, rule: str) -> None:
     the field and its rule."""
     try:
         setattr(req, name, value)
-    except (ValueError, TypeError):
-        raise InvalidArgument(f"{name} {rule}, got {value!r}") from None
+    except (ValueError, TypeError, OverflowError):  # OverflowError: an int past float's range
+        raise InvalidArgument(short_details(f"{name} {rule}, got {value!r}")) from None
 
 
 def validate_request(req: common_pb2.GenerateRequest) -> None:
@@ -168,5 +175,7 @@ def validate_request(req: common_pb2.GenerateRequest) -> None:
         raise InvalidArgument(f"top_p must be in (0, 1], got {req.top_p:.6g}")
     if any(s == "" for s in req.stop):
         raise InvalidArgument("stop strings must not be empty")
+    if len(req.stop) > MAX_STOP_STRINGS:
+        raise InvalidArgument(f"{len(req.stop):,} stop strings; at most {MAX_STOP_STRINGS} are served")
     if req.mode not in DECODE_MODES.values():
         raise InvalidArgument(f"unknown decode mode {req.mode}")

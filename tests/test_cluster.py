@@ -365,6 +365,8 @@ def test_deregistered_worker_is_marked_down_and_forgets_sessions():
     (dict(prompt="hi", max_tokens=2.5), "max_tokens must be an int"),
     (dict(prompt="hi", temperature="hot"), "temperature must be a number (0 = greedy), got 'hot'"),
     (dict(prompt="hi", top_p="x"), "top_p must be a number in (0, 1]"),
+    (dict(prompt="hi", temperature=10**400), "temperature must be a number"),  # was OverflowError
+    (dict(prompt="hi", top_p=-(10**400)), "top_p must be a number in (0, 1]"),
     (dict(prompt="abc\ud800def"), "prompt is not valid text"),
     (dict(messages=[{"role": "user", "content": "x\udfff"}]), "messages[0].content"),
     (dict(prompt="a " * 2_500_000), "4 MiB"),
@@ -888,3 +890,36 @@ def test_a_stream_whose_worker_dies_resumes_on_another_worker():
             {"model": "fake-model", "reason": "failure", "outcome": "failover", "method": "reprefill"}) == 1
     finally:
         c.close()
+
+
+def test_a_request_id_reused_right_after_its_deadline_waits_for_the_engine_to_end_the_old_one():
+    # The engine frees an aborted request at its next turn (here 1 s after the abort), after the
+    # coordinator has let the id go: a client retrying at once with the same id is served once
+    # the old one has ended, not refused as a duplicate of a request it no longer has.
+    engine = FakeEngine(token_delay_s=0.05, abort_delay_s=1.0)
+    c = start_cluster({"w1": engine})
+    try:
+        with Client(c.address) as client:
+            with pytest.raises(DeadlineExceeded):
+                client.complete("fake-model", prompt="slow", max_tokens=200, request_id="retry-1", timeout_s=0.2)
+            assert "retry-1" in engine.active  # still running on the worker
+            done = client.complete("fake-model", prompt="again", max_tokens=3, request_id="retry-1")
+            assert done.finish_reason == "length" and len(done.token_ids) == 3
+            assert engine.aborted == ["retry-1"]
+            assert c.workers[0].servicer._ending == {}
+    finally:
+        c.close()
+
+
+def test_too_many_stop_strings_or_chat_turns_are_refused_before_any_work(cluster):
+    # 300,000 stop strings held the engine thread 0.1 s a token; 400,000 empty chat turns held
+    # the worker's tokenizer 19 s before the context check refused them.
+    with Client(cluster.address) as client:
+        with pytest.raises(InvalidArgument, match="65 stop strings; at most 64"):
+            client.complete("fake-model", prompt="hi", max_tokens=2, stop=[f"s{i}" for i in range(65)])
+        assert client.complete("fake-model", prompt="hi", max_tokens=2,
+                               stop=[f"s{i}" for i in range(64)]).finish_reason == "length"
+        turns = [{"role": "user", "content": "x"}] * 4097  # FakeEngine's context: 4096 tokens
+        with pytest.raises(InvalidArgument, match="4,097 chat turns cannot fit the model's context of 4,096"):
+            client.complete("fake-model", messages=turns, max_tokens=2)
+    assert sum(len(w.engine.submitted) for w in cluster.workers) == 1  # only the one with 64 stops

@@ -5,12 +5,14 @@ deadlines, a client that disconnects)."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import shutil
 import subprocess
 import time
 import urllib.error
 import urllib.request
+import zlib
 
 import openai
 import pytest
@@ -49,9 +51,9 @@ def base_url(cluster) -> str:
 
 
 
-def post(url: str, body: bytes, content_type="application/json"):
+def post(url: str, body: bytes, content_type="application/json", headers=None):
     """(status, parsed JSON body) of a POST, error statuses included."""
-    req = urllib.request.Request(url, data=body, headers={"Content-Type": content_type})
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": content_type, **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
             return resp.status, json.loads(resp.read())
@@ -158,6 +160,60 @@ def test_errors_have_openais_shape_and_status(fake_http):
     assert status == 404 and "no such endpoint" in body["error"]["message"]
     # The server keeps serving after every refusal.
     assert client.completions.create(model="fake-model", prompt="abc", max_tokens=2).usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize("body, content_type, fragment", [
+    (b"[" * 100_000 + b"]" * 100_000, "application/json", "nested too deeply"),  # was a 500 (RecursionError)
+    (b'{"model": "fake-model"}', "application/json; charset=no-such-charset", "charset 'no-such-charset'"),
+    (json.dumps({"model": "fake-model", "prompt": "x", "temperature": 10**400}).encode(), "application/json",
+     "temperature must be a number"),  # was a 500 (OverflowError)
+    (json.dumps({"model": "fake-model", "prompt": "x", "timeout_s": 10**400}).encode(), "application/json",
+     "timeout_s must be"),  # was a 500 (OverflowError)
+    (json.dumps({"model": "fake-model", "prompt": "x", "timeout_s": 1e12}).encode(), "application/json",
+     "at most 1e+08"),  # was a 504 at once: gRPC's deadline overflowed
+], ids=["deep-nesting", "unknown-charset", "huge-int-temperature", "huge-int-timeout", "timeout-1e12"])
+def test_bodies_that_once_failed_with_500_or_504_are_400(fake_http, body, content_type, fragment):
+    cluster, engine = fake_http
+    status, answer = post(base_url(cluster) + "/completions", body, content_type)
+    assert status == 400 and fragment in answer["error"]["message"], answer
+    assert set(answer["error"]) == {"message", "type", "param", "code"}
+    assert engine.submitted == []
+    status, answer = post(base_url(cluster) + "/completions",
+                          json.dumps({"model": "fake-model", "prompt": "x", "max_tokens": 2, "timeout_s": 1e8}).encode())
+    assert status == 200 and answer["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+def test_a_body_that_does_not_decode_as_its_content_encoding_is_400_every_time(fake_http, encoding):
+    # Decoded by aiohttp's parser, such a body got a 500, a plain-text 400, or (deflate, about
+    # one time in ten) no answer at all.
+    cluster, engine = fake_http
+    for _ in range(20):
+        status, answer = post(base_url(cluster) + "/completions", b"[" * 100 + b"]" * 100,
+                              headers={"Content-Encoding": encoding})
+        assert status == 400 and f"Content-Encoding {encoding!r}" in answer["error"]["message"]
+    body = json.dumps({"model": "fake-model", "prompt": "x", "max_tokens": 2}).encode()
+    for packed in (gzip.compress(body) if encoding == "gzip" else zlib.compress(body),):
+        status, answer = post(base_url(cluster) + "/completions", packed, headers={"Content-Encoding": encoding})
+        assert status == 200 and answer["usage"]["completion_tokens"] == 2
+    status, answer = post(base_url(cluster) + "/completions", body, headers={"Content-Encoding": "br"})
+    assert status == 415 and answer["error"]["code"] == "unsupported_content_encoding"
+    assert len(engine.submitted) == 1
+
+
+def test_decode_content_bounds_its_output_and_takes_raw_deflate():
+    from coordinator.http_body import decode_content
+    from coordinator.openai_format import OpenAIError
+
+    assert decode_content(b"abc", None) == decode_content(b"abc", " Identity ") == b"abc"
+    assert decode_content(gzip.compress(b"abc"), "x-gzip") == b"abc"
+    raw = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    assert decode_content(raw.compress(b"abc") + raw.flush(), "deflate") == b"abc"
+    for data, encoding, status in ((gzip.compress(b" " * 2000), "gzip", 413), (gzip.compress(b"abc") + b"x", "gzip", 400),
+                                   (gzip.compress(b"abc")[:-4], "gzip", 400), (b"abc", "compress", 415)):
+        with pytest.raises(OpenAIError) as e:
+            decode_content(data, encoding, limit=1000)
+        assert e.value.status == status, (encoding, e.value.message)
 
 
 def test_overloaded_is_429_and_a_passed_deadline_504():

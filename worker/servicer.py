@@ -17,7 +17,7 @@ import asyncio
 import dataclasses
 import logging
 import uuid
-from contextlib import aclosing
+from contextlib import aclosing, suppress
 from dataclasses import dataclass
 
 import grpc
@@ -32,6 +32,9 @@ from worker.engine.types import (CorruptState, DoneEvent, Draining, EngineProtoc
 log = logging.getLogger("flashfleet.worker")
 MIGRATED = "migrated"  # CancelRequest.reason of a stream the coordinator moved to another worker
 MOVED_WAIT_S = 10.0  # how long a moved stream's handler waits for the coordinator's cancel
+# How long a request waits for the engine to end an aborted request with the same id (a client
+# retrying right after its deadline or cancel); the engine does so at its next turn.
+ABORTED_WAIT_S = 10.0
 _MOVED = object()  # queued instead of the DoneEvent of a request cancelled for a migration
 _UNASKED = object()  # queued instead of a DoneEvent("cancelled") no one asked for: the engine stopped
 
@@ -75,6 +78,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # Request ids this servicer aborted (Cancel RPC, a handler that ended early): their
         # DoneEvent("cancelled") was asked for; any other one means the engine stopped.
         self._aborting: set[str] = set()
+        # Aborted requests still admitted in the engine, set when their DoneEvent comes: a new
+        # request with the same id waits for it instead of being refused as a duplicate.
+        self._ending: dict[str, asyncio.Event] = {}
         self._streams: set[asyncio.Queue] = set()  # event queues of the open Generate handlers
         self._gone: str | None = None  # set by fail_streams: why no request can be served
 
@@ -95,10 +101,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         then one Complete (finish reason, stats, this worker's id).
 
         Unset max_tokens becomes `WORKER_DEFAULT_MAX_TOKENS` capped by the context the prompt
-        leaves (at least 1). The request is aborted in the engine if the stream ends early.
+        leaves (at least 1). The request is aborted in the engine if the stream ends early. A
+        request reusing the id of one aborted that way (a client retrying after its deadline)
+        waits until the engine has ended that one (`ABORTED_WAIT_S` at most).
 
         Aborts the call with:
-            INVALID_ARGUMENT: `validate_request` fails, or the engine's `InvalidRequest`
+            INVALID_ARGUMENT: `validate_request` fails, more chat turns than the model's context
+                has tokens, or the engine's `InvalidRequest`
                 (tokenization, context length, sampling parameters, mode, resume tokens).
             NOT_FOUND: the request names a model this worker does not serve.
             RESOURCE_EXHAUSTED: the engine is at capacity (`Overloaded`).
@@ -115,6 +124,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if request.model != model.name:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 short_details(f"this worker serves {model.name!r}, not {request.model!r}"))
+        turns = len(request.messages.messages) if request.WhichOneof("input") == "messages" else 0
+        if model.max_context_tokens and turns > model.max_context_tokens:  # each turn renders to a token or more
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{turns:,} chat turns cannot fit the model's context of "
+                                f"{model.max_context_tokens:,} tokens")
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
         loop = asyncio.get_running_loop()
@@ -128,6 +142,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 self._migrated.discard(event.request_id)  # with or without metrics: no id is kept
                 asked = event.request_id in self._aborting
                 self._aborting.discard(event.request_id)
+                if asked:
+                    try:
+                        loop.call_soon_threadsafe(self._ended, event.request_id)
+                    except RuntimeError:  # loop closed during shutdown
+                        pass
                 if metrics is not None:
                     # Recorded here, not in the handler: a request whose client left still ends
                     # with DoneEvent("cancelled") and its tokens count.
@@ -155,6 +174,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def _serve(self, request, context, model, events: asyncio.Queue, emit):
         """Generate's body once its event queue is open: submit, then stream the events."""
         try:
+            await self._wait_aborted(request.request_id)
             prompt_tokens = await asyncio.to_thread(
                 self.engine.encode_prompt,
                 request.prompt if request.WhichOneof("input") == "prompt" else None,
@@ -206,7 +226,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         known = self.engine.abort(request_id)
         if not known:
             self._aborting.discard(request_id)
+        else:  # its DoneEvent follows (the engine releases a request before emitting it)
+            self._ending.setdefault(request_id, asyncio.Event())
         return known
+
+    def _ended(self, request_id: str) -> None:
+        """On the loop: an aborted request's DoneEvent came; a request waiting to reuse its id may go."""
+        ending = self._ending.pop(request_id, None)
+        if ending is not None:
+            ending.set()
+
+    async def _wait_aborted(self, request_id: str) -> None:
+        """Waits (at most ABORTED_WAIT_S) until the engine has ended an aborted request with
+        this id, if there is one: the client of that request left (its deadline, a cancel), so
+        the id is free to reuse, but the engine holds it until its next turn."""
+        ending = self._ending.get(request_id)
+        if ending is not None:
+            with suppress(TimeoutError):
+                await asyncio.wait_for(ending.wait(), ABORTED_WAIT_S)
 
     async def Cancel(self, request, context):
         """Aborts a running request by id; `cancelled` is False when the id is unknown here.
