@@ -17,6 +17,8 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 # token on its engine thread (300,000 stops: 0.1 s a token with the tiny test model on a CPU,
 # stalling every session of that worker).
 MAX_STOP_STRINGS = 64
+# Longest stop string, characters: the held-back text and the per-token search grow with it.
+MAX_STOP_STRING_CHARS = 1024
 # gRPC's default limit on a received message; larger requests are refused by the server.
 MAX_REQUEST_BYTES = 4 * 1024 * 1024
 # Longest request deadline, seconds: gRPC's deadline arithmetic overflows far below float's range
@@ -177,5 +179,8 @@ def validate_request(req: common_pb2.GenerateRequest) -> None:
         raise InvalidArgument("stop strings must not be empty")
     if len(req.stop) > MAX_STOP_STRINGS:
         raise InvalidArgument(f"{len(req.stop):,} stop strings; at most {MAX_STOP_STRINGS} are served")
+    longest = max((len(s) for s in req.stop), default=0)
+    if longest > MAX_STOP_STRING_CHARS:
+        raise InvalidArgument(f"a stop string of {longest:,} characters; at most {MAX_STOP_STRING_CHARS:,} are served")
     if req.mode not in DECODE_MODES.values():
         raise InvalidArgument(f"unknown decode mode {req.mode}")

@@ -912,13 +912,15 @@ def test_a_request_id_reused_right_after_its_deadline_waits_for_the_engine_to_en
 
 
 def test_too_many_stop_strings_or_chat_turns_are_refused_before_any_work(cluster):
-    # 300,000 stop strings held the engine thread 0.1 s a token; 400,000 empty chat turns held
-    # the worker's tokenizer 19 s before the context check refused them.
+    # Each stop string is searched for after every token on the engine thread, and chat turns are
+    # templated before the context check: both are bounded before any work.
     with Client(cluster.address) as client:
         with pytest.raises(InvalidArgument, match="65 stop strings; at most 64"):
             client.complete("fake-model", prompt="hi", max_tokens=2, stop=[f"s{i}" for i in range(65)])
         assert client.complete("fake-model", prompt="hi", max_tokens=2,
                                stop=[f"s{i}" for i in range(64)]).finish_reason == "length"
+        with pytest.raises(InvalidArgument, match="a stop string of 1,025 characters; at most 1,024"):
+            client.complete("fake-model", prompt="hi", max_tokens=2, stop=["x" * 1025])
         turns = [{"role": "user", "content": "x"}] * 4097  # FakeEngine's context: 4096 tokens
         with pytest.raises(InvalidArgument, match="4,097 chat turns cannot fit the model's context of 4,096"):
             client.complete("fake-model", messages=turns, max_tokens=2)

@@ -6,6 +6,8 @@ import random
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from tiny_models import CASES_DIR
@@ -98,6 +100,29 @@ def test_stop_prefix_released_when_it_does_not_complete():
     assert s.feed("!") == "</answer!"
     assert s.feed("tail </") == "tail "
     assert s.flush() == "</" and not s.stopped
+
+
+def _naive_stream_cut(chunks, stops):
+    """The released text of a stream cut before its first stop string, from the whole text."""
+    text = "".join(chunks)
+    cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return text[:min(cuts)] if cuts else text
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(chunks=st.lists(st.text(alphabet="ab</>", max_size=6), max_size=12),
+       stops=st.lists(st.text(alphabet="ab</>", min_size=1, max_size=5), min_size=1, max_size=4))
+def test_stop_strings_release_exactly_the_text_before_the_first_stop(chunks, stops):
+    s = StopStrings(stops)
+    released = []
+    for c in chunks:
+        out = s.feed(c)
+        released.append(out)
+        # Held back: at most the longest tail that could still start a stop string.
+        assert len(s._held) < max(map(len, stops))
+    if not s.stopped:
+        released.append(s.flush())
+    assert "".join(released) == _naive_stream_cut(chunks, stops)
 
 
 def test_stop_strings_validation_and_passthrough():

@@ -106,12 +106,19 @@ class StopStrings:
         return held
 
     def _partial_tail(self, buf: str) -> int:
-        """Length of the longest tail of buf that is a proper prefix of a stop string."""
-        for n in range(min(len(buf), max(map(len, self._stops)) - 1), 0, -1):
-            tail = buf[-n:]
-            if any(s.startswith(tail) for s in self._stops):
-                return n
-        return 0
+        """Length of the longest tail of buf that is a proper prefix of a stop string. Only tails
+        that start with some stop string's first character are tried (one `find` scan per stop),
+        so ordinary text costs a few C-level scans per token, not one comparison per tail length."""
+        best = 0
+        for s in self._stops:
+            end = len(buf) - best  # a tail must start before this to beat the best so far
+            i = buf.find(s[0], max(len(buf) - len(s) + 1, 0), end)
+            while i >= 0:
+                if s.startswith(buf[i:]):
+                    best = len(buf) - i  # the first hit is this stop's longest tail
+                    break
+                i = buf.find(s[0], i + 1, end)
+        return best
 
 
 class TextAssembler:
