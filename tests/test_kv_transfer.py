@@ -14,8 +14,8 @@ from harness import run_request, wait_until
 from worker import kv_wire
 from worker.config import EngineConfig
 from worker.engine.thread import Engine
-from worker.engine.types import (CorruptState, DoneEvent, GenerationRequest, Overloaded, StateMismatch,
-                                 TokenEvent, UnknownSession)
+from worker.engine.types import (CorruptState, DoneEvent, Draining, GenerationRequest, Overloaded,
+                                 StateMismatch, TokenEvent, UnknownSession)
 
 PROMPT = "The river flows"
 MAX_TOKENS = 200
@@ -337,20 +337,30 @@ def test_a_session_moved_twice_keeps_its_greedy_output(pair, method):
         assert all(m.bytes_moved == 0 for m in ok) and done.stats.transferred_tokens == 0
 
 
-def test_a_dflash_session_moved_twice_by_kv_transfer_keeps_its_greedy_output(tiny_models, dflash_dir):
+@pytest.fixture(scope="module")
+def dflash_pair(tiny_models, dflash_dir):
     from harness import start_cluster
     engines = {w: _engine(tiny_models.llama, dflash_dir) for w in ("w1", "w2")}
     for e in engines.values():
         _slow(e)
     cluster = start_cluster(engines)
-    try:
-        ref = _ref(engines["w1"], mode="dflash")
-        done, moves = _run(cluster, engines, ScriptedPolicy([30, 110]), mode="dflash")
-        assert done.token_ids == ref and done.stats.migrations == 2 and done.stats.mode == "dflash"
-        assert [m.method for m in moves if m.outcome == "ok"] == ["kv", "kv"], moves
+    yield cluster, engines
+    cluster.close()
+
+
+@pytest.mark.parametrize("method", ["kv", "reprefill"])
+def test_a_dflash_session_moved_twice_keeps_its_greedy_output(dflash_pair, method):
+    cluster, engines = dflash_pair
+    ref = _ref(engines["w1"], mode="dflash")
+    done, moves = _run(cluster, engines, ScriptedPolicy([30, 110]), method=method, mode="dflash")
+    assert done.token_ids == ref and done.stats.migrations == 2 and done.stats.mode == "dflash"
+    assert done.stats.generated_tokens == MAX_TOKENS
+    ok = [m for m in moves if m.outcome == "ok"]
+    assert [m.method for m in ok] == [method, method], moves
+    if method == "kv":
         assert done.stats.transferred_tokens > 0
-    finally:
-        cluster.close()
+    else:  # the destinations prefilled prompt + output into the target and the draft
+        assert all(m.bytes_moved == 0 for m in ok) and done.stats.transferred_tokens == 0
 
 
 def _inject(monkeypatch, fault):
@@ -379,13 +389,16 @@ def _inject(monkeypatch, fault):
     monkeypatch.setattr(kv_transfer, "relay_chunks", relay_chunks)
 
 
-@pytest.mark.parametrize("fault", ["export", "cut", "checksum", "import_refused"])
+@pytest.mark.parametrize("fault", ["export", "cut", "checksum", "import_refused", "import_unavailable"])
 def test_a_failed_transfer_falls_back_to_reprefill(pair, monkeypatch, fault):
     cluster, engines = pair
     ref = _ref(engines["w1"])
     if fault == "import_refused":
         for e in engines.values():  # the destination has no room for the state
             monkeypatch.setattr(e, "reserve_import", lambda header: _failed(Overloaded("no room for it")))
+    elif fault == "import_unavailable":
+        for e in engines.values():  # the destination's ImportSession fails UNAVAILABLE (its engine stops)
+            monkeypatch.setattr(e, "reserve_import", lambda header: _failed(Draining("shutting down")))
     else:
         _inject(monkeypatch, fault)
     done, moves = _run(cluster, engines, ScriptedPolicy([30]))
@@ -456,6 +469,64 @@ def test_a_source_that_dies_during_the_transfer_fails_over_to_the_staged_state(t
         assert done.worker_id == survivor
         assert wait_until(lambda: engines[survivor].load().kv_cache_bytes == 0
                           and engines[survivor].load().active_sessions == 0)
+    finally:
+        kv_transfer.relay_chunks = real
+        cluster.close()
+        for e in engines.values():
+            e.close()
+
+
+def test_a_destination_that_dies_during_the_transfer_leaves_the_session_on_its_source(tiny_models):
+    """The destination's server stops (no deregistration, as a killed process) while the state is
+    being relayed, after it reserved room for the import: the transfer fails, the move is given up
+    and the stream goes on from its source with its full greedy output; the dead worker's engine
+    dropped the reservation with the failed call, and nothing stays on the source."""
+    import asyncio
+    import dataclasses
+
+    from coordinator import kv_transfer
+    from flashfleet import Client
+    from harness import start_cluster
+    engines = {w: _engine(tiny_models.llama) for w in ("w1", "w2")}
+    for e in engines.values():
+        _slow(e)
+    cluster = start_cluster(engines, heartbeat_interval_s=0.1)
+    real = kv_transfer.relay_chunks
+    policy = ScriptedPolicy([30], attempts=2)
+    reserved = []
+
+    async def relay_chunks(export_call, relayed):
+        async for chunk in real(export_call, relayed):
+            yield chunk
+            if chunk.WhichOneof("kind") == "data" and not reserved:  # the header is through: room reserved
+                dest_id = ({"w1", "w2"} - {policy.sources[-1]}).pop()
+                dest = cluster.workers[list(engines).index(dest_id)]
+                for _ in range(250):
+                    if engines[dest_id].load().kv_cache_bytes > 0:
+                        break
+                    await asyncio.sleep(0.02)
+                reserved.append(engines[dest_id].load().kv_cache_bytes)
+                dest._heartbeat_task.cancel()
+                await dest.server.stop(0)  # the destination is gone, mid-import
+
+    kv_transfer.relay_chunks = relay_chunks
+    try:
+        ref = _ref(engines["w1"])
+        svc = cluster.coordinator.servicer
+        svc.config = dataclasses.replace(svc.config, migration=policy)
+        with Client(cluster.address) as client:
+            done = client.complete("tiny-llama", prompt=PROMPT, max_tokens=MAX_TOKENS, mode="plain")
+        source = policy.sources[0]
+        assert reserved and reserved[0] > 0, reserved  # the destination held room for the state
+        assert done.token_ids == ref and done.finish_reason == "length"
+        assert done.worker_id == source and done.stats.migrations == 0 and done.stats.transferred_tokens == 0
+        moves = list(svc.moves)
+        assert moves and (moves[0].outcome, moves[0].method) == ("aborted", "kv"), moves
+        assert all(m.outcome == "aborted" for m in moves), moves  # the fallback's re-prefill found it gone too
+        assert wait_until(lambda: all(e.load().kv_cache_bytes == 0 and e.load().active_sessions == 0
+                                      for e in engines.values()), 10), [e.load() for e in engines.values()]
+        live = cluster.coordinator.registry.live()
+        assert all(w.in_flight == 0 for w in live)
     finally:
         kv_transfer.relay_chunks = real
         cluster.close()

@@ -304,3 +304,90 @@ def test_coordinator_flags_and_cluster_config_set_the_policy(tmp_path):
     toml.write_text(toml.read_text().replace("= 9", "= 0"))
     with pytest.raises(ConfigError, match="migrate_min_remaining_tokens"):
         load_cluster_config(toml)
+
+
+def _slowed_engine(path, slowdown, **kw):
+    os.environ["FLASHFLEET_TEST_SLOWDOWN"] = str(slowdown)
+    try:
+        return Engine(EngineConfig(model_path=path, model_name="tiny-llama", capacity=3, **kw))
+    finally:
+        os.environ.pop("FLASHFLEET_TEST_SLOWDOWN", None)
+
+
+def _complete_in_background(cluster, results, name, prompt, max_tokens, session_id):
+    def run():
+        with Client(cluster.address) as client:
+            results[name] = client.complete("tiny-llama", prompt=prompt, max_tokens=max_tokens, mode="plain",
+                                            session_id=session_id, request_id=name)
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "MigrationPolicy.kv_need_bytes takes a session's bytes per token as its allocated KV bytes (whole "
+    "256-position buffers) over its context, so a fresh session's growth is overestimated many times: the short "
+    "session moves for memory while alone on a worker it fits; and the estimate leaves out what the engine "
+    "projects besides the sessions' own positions (rows padded to the batch's longest, attention's working "
+    "memory), so a correct per-token estimate would not move the long one before the batch preempts"))
+def test_a_session_outgrowing_its_workers_kv_budget_moves_before_it_is_preempted(tiny_models):
+    """Two sessions on a worker whose KV budget holds both only while they are short: the one with
+    the most growth left moves (reason "memory") to the worker with room before the source must
+    preempt, and both keep their greedy output."""
+    from worker.metrics import model_footprint
+
+    per_position = model_footprint(tiny_models.llama).kv_bytes_per_token
+    # Two rows of 256 positions fit "small" with attention's working memory; two of 512 do not,
+    # so the batch preempts when the long session passes 256 positions unless it moved.
+    engines = {"small": _slowed_engine(tiny_models.llama, 3.0, kv_budget_bytes=1500 * per_position),
+               "roomy": _slowed_engine(tiny_models.llama, 3.0, kv_budget_bytes=32768 * per_position)}
+    policy = MigrationPolicy(min_remaining_tokens=8, cooldown_s=60.0, check_interval_s=0.0, min_speedup=1000.0)
+    cluster = start_cluster(engines, migration=policy, heartbeat_interval_s=0.1)
+    try:
+        short_prompt, long_prompt = PROMPTS[1], PROMPTS[0]
+        _, short_ref, _ = _reference(engines["roomy"], short_prompt, 150)
+        ids, long_ref, _ = _reference(engines["roomy"], long_prompt, 490)
+        assert len(short_ref) == 150 and len(long_ref) == 490, "the tiny model ended early; pick other prompts"
+        assert len(ids) + 490 > 256  # the long session outgrows its first 256-position buffer
+        svc = cluster.coordinator.servicer
+        svc.affinity.bind("user-1", "small")  # both sessions' earlier turns were on "small"
+        svc.moves.clear()
+        results = {}
+        short = _complete_in_background(cluster, results, "short", short_prompt, 150, "user-1")
+        assert wait_until(lambda: engines["small"].load().active_sessions == 1, 30)
+        long = _complete_in_background(cluster, results, "long", long_prompt, 490, "user-1")
+        short.join(60)
+        long.join(60)
+        assert results["short"].token_ids == short_ref and results["short"].worker_id == "small"
+        assert results["long"].token_ids == long_ref and results["long"].worker_id == "roomy"
+        assert results["long"].stats.migrations == 1 and results["short"].stats.migrations == 0
+        assert results["long"].stats.preemptions == 0 and results["short"].stats.preemptions == 0
+        assert engines["small"]._scheduler.preemptions == 0
+        assert [(m.outcome, m.reason) for m in svc.moves] == [("ok", "memory")], list(svc.moves)
+    finally:
+        cluster.close()
+
+
+def test_a_session_between_two_equally_fast_workers_does_not_ping_pong(tiny_models):
+    """Migration on (the default policy, checked at every chunk), two workers of equal measured
+    speed, one long session: over its whole stream the session moves at most once, and its greedy
+    output is the reference."""
+    engines = {w: _slowed_engine(tiny_models.llama, 3.0) for w in ("w1", "w2")}
+    policy = MigrationPolicy(min_remaining_tokens=8, check_interval_s=0.0)
+    cluster = start_cluster(engines, migration=policy, heartbeat_interval_s=0.1)
+    try:
+        refs = {w: _reference(e, PROMPTS[0], 490) for w, e in engines.items()}  # both measure their profile
+        ids, ref, _ = refs["w1"]
+        assert len(ref) == 490 and refs["w2"][1] == ref
+        live = {w.worker_id: w for w in cluster.coordinator.registry.live()}
+        assert wait_until(lambda: all(len(w.load.decode_profile) for w in live.values()), 10)
+        svc = cluster.coordinator.servicer
+        svc.moves.clear()
+        with Client(cluster.address) as client:
+            done = client.complete("tiny-llama", prompt=PROMPTS[0], max_tokens=490, mode="plain")
+        assert done.token_ids == ref and done.stats.generated_tokens == 490
+        assert done.stats.migrations <= 1, list(svc.moves)
+        assert sum(m.outcome == "ok" for m in svc.moves) == done.stats.migrations, list(svc.moves)
+        assert all(w.in_flight == 0 for w in cluster.coordinator.registry.live())
+    finally:
+        cluster.close()
