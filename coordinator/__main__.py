@@ -16,6 +16,7 @@ DEFAULTS = {"host": "127.0.0.1", "port": 50051, "lease_ttl_s": 10.0, "heartbeat_
             "route_attempts": 3, "max_queued": 64, "queue_timeout_s": 30.0, "log_level": "INFO", "migrate": True,
             "migrate_min_remaining_tokens": 64, "shutdown_grace_s": 25.0, "migrate_cooldown_s": 5.0,
             "migrate_link_bandwidth_gbps": 1.0, "migrate_hysteresis": 1.5, "migrate_min_speedup": 1.1,
+            "migrate_min_saving_s": 1.0,
             "migrate_method": "kv"}
 
 
@@ -61,6 +62,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="a speed move needs a predicted saving of this many times its cost (default 1.5)")
     p.add_argument("--migrate-min-speedup", type=float, default=None,
                    help="... and a destination predicting this many times the source's tokens/s (default 1.1)")
+    p.add_argument("--migrate-min-saving-s", type=float, default=None,
+                   help="... and a predicted saving of at least this many seconds (default 1)")
     p.add_argument("--migrate-method", choices=("kv", "reprefill"), default=None,
                    help="how a session moves: kv (default) copies its KV cache to the destination while "
                    "it decodes on, falling back to reprefill when the copy fails; reprefill has the "
@@ -92,7 +95,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = settings_problems(a.lease_ttl_s, a.heartbeat_interval_s, a.route_attempts, a.max_queued,
                             a.queue_timeout_s, a.migrate_min_remaining_tokens, a.shutdown_grace_s)
     bad += migration_problems(a.migrate_cooldown_s, a.migrate_link_bandwidth_gbps, a.migrate_hysteresis,
-                              a.migrate_min_speedup)
+                              a.migrate_min_speedup, a.migrate_min_saving_s)
     if bad:  # named as flags: a value from --config passes the file's own check first
         p.error(re.sub(r"\b([a-z]+(?:_[a-z]+)+)\b", lambda m: "--" + m[1].replace("_", "-"), bad[0]))
     return a
@@ -132,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                                                          cooldown_s=a.migrate_cooldown_s,
                                                          link_bandwidth_bytes_per_s=a.migrate_link_bandwidth_gbps * 1e9 / 8,
                                                          hysteresis=a.migrate_hysteresis,
-                                                         min_speedup=a.migrate_min_speedup),
+                                                         min_speedup=a.migrate_min_speedup,
+                                                         min_saving_s=a.migrate_min_saving_s),
                                migration_method=a.migrate_method,
                                http_port=a.http_port or None, api_keys=api_keys, join_token=join_token)
     try:

@@ -93,7 +93,7 @@ def settings_problems(lease_ttl_s: float, heartbeat_interval_s: float, route_att
 
 
 def migration_problems(cooldown_s: float, link_bandwidth_gbps: float, hysteresis: float,
-                       min_speedup: float) -> list[str]:
+                       min_speedup: float, min_saving_s: float = 1.0) -> list[str]:
     """What is wrong with the migration policy's settings (keys as in the cluster config), one
     message per bad value; empty when all are usable (`MigrationPolicy` would accept them)."""
     bad = []
@@ -101,7 +101,8 @@ def migration_problems(cooldown_s: float, link_bandwidth_gbps: float, hysteresis
             ("migrate_cooldown_s", cooldown_s, cooldown_s >= 0, "a number of seconds >= 0"),
             ("migrate_link_bandwidth_gbps", link_bandwidth_gbps, link_bandwidth_gbps > 0, "a number of Gb/s > 0"),
             ("migrate_hysteresis", hysteresis, hysteresis >= 0, "a number >= 0"),
-            ("migrate_min_speedup", min_speedup, min_speedup >= 1, "a number >= 1")):
+            ("migrate_min_speedup", min_speedup, min_speedup >= 1, "a number >= 1"),
+            ("migrate_min_saving_s", min_saving_s, min_saving_s >= 0, "a number of seconds >= 0")):
         if not (math.isfinite(value) and ok):
             bad.append(f"{key} must be {rule}, got {value!r}")
     return bad

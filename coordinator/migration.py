@@ -33,7 +33,8 @@ draft kind, s counts as 1.
 - *speed* / *load*: with R tokens left (R >= `min_remaining_tokens`), a candidate d is worth it
   when tps_d >= `min_speedup` x tps_src and the time saved R / tps_src - R / tps_d exceeds
   `hysteresis` x the move's cost, min(KV bytes / `link_bandwidth_bytes_per_s`, C x d's seconds
-  per prefilled token); the one saving the most net of the cost wins. "speed" when d would be
+  per prefilled token), and at least `min_saving_s` (measured profiles carry noise: on equally
+  fast workers a cheap move could otherwise win on it now and then); the one saving the most net of the cost wins. "speed" when d would be
   that much faster even at the source's batch size (a faster machine), "load" otherwise (the
   gain comes from a smaller batch: a shared worker to an idle one).
 
@@ -60,6 +61,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 from coordinator.registry import WorkerRecord
+from flashfleet.kv_need import final_need_bytes
 from flashfleet.requests import WORKER_DEFAULT_MAX_TOKENS
 from flashfleet.v1 import common_pb2, worker_pb2
 
@@ -116,11 +118,14 @@ def session_load(worker: WorkerRecord, request_id: str) -> worker_pb2.SessionLoa
     return next((s for s in worker.load.sessions if s.request_id == request_id), None)
 
 
-def _bytes_per_token(worker: WorkerRecord, s: worker_pb2.SessionLoad, model: str) -> float:
-    """KV bytes a token of this session takes: its own bytes over its context, else the model's."""
-    if s.kv_bytes and s.context_tokens:
-        return s.kv_bytes / s.context_tokens
-    return float(worker.kv_bytes_per_token(model))
+def _bytes_per_position(worker: WorkerRecord, s: worker_pb2.SessionLoad, model: str) -> int:
+    """KV bytes one position of this session takes, as its worker reports it, else the model's
+    registered bytes per token on that worker."""
+    return s.kv_bytes_per_position or worker.kv_bytes_per_token(model)
+
+
+def _final_rows(worker: WorkerRecord, sessions: Iterable[worker_pb2.SessionLoad], model: str) -> list[tuple[int, int]]:
+    return [(s.context_tokens + s.remaining_tokens, _bytes_per_position(worker, s, model)) for s in sessions]
 
 
 def _draft_mode(worker: WorkerRecord, model: str) -> int:
@@ -153,6 +158,7 @@ class MigrationPolicy:
         link_bandwidth_bytes_per_s: the network between workers (default 1 Gb/s): moving a KV
             cache of b bytes costs b / this.
         hysteresis: a speed or load move needs a predicted saving of this many times its cost.
+        min_saving_s: ... and of at least this many seconds.
         min_speedup: ... and a destination predicting at least this many times the source's tokens/s.
     """
 
@@ -162,13 +168,15 @@ class MigrationPolicy:
     check_interval_s: float = 0.25
     link_bandwidth_bytes_per_s: float = 125e6
     hysteresis: float = 1.5
+    min_saving_s: float = 1.0
     min_speedup: float = 1.1
 
     def __post_init__(self) -> None:
         if (self.min_remaining_tokens < 1 or self.cooldown_s < 0 or self.check_interval_s < 0
-                or not self.link_bandwidth_bytes_per_s > 0 or not self.hysteresis >= 0 or not self.min_speedup >= 1):
+                or not self.link_bandwidth_bytes_per_s > 0 or not self.hysteresis >= 0 or not self.min_speedup >= 1
+                or not self.min_saving_s >= 0):
             raise ValueError("MigrationPolicy: min_remaining_tokens >= 1, cooldown_s and check_interval_s >= 0, "
-                             "link_bandwidth_bytes_per_s > 0, hysteresis >= 0, min_speedup >= 1")
+                             "link_bandwidth_bytes_per_s > 0, hysteresis >= 0, min_speedup >= 1, min_saving_s >= 0")
 
     # ----- predictions ---------------------------------------------------------------------------
 
@@ -194,18 +202,23 @@ class MigrationPolicy:
         """Predicted pause of moving `session` to `dest`: min(KV bytes over the link, `dest`'s
         re-prefill of its context); inf when neither is known."""
         costs = []
-        if session.kv_bytes:
-            costs.append(session.kv_bytes / self.link_bandwidth_bytes_per_s)
+        moved = session.context_tokens * session.kv_bytes_per_position or session.kv_bytes
+        if moved:
+            costs.append(moved / self.link_bandwidth_bytes_per_s)
         if dest.load.prefill_seconds_per_token > 0:
             costs.append(session.context_tokens * dest.load.prefill_seconds_per_token)
         return min(costs, default=math.inf)
 
     @staticmethod
-    def kv_need_bytes(worker: WorkerRecord, model: str, extra: worker_pb2.SessionLoad | None = None) -> float:
-        """KV bytes the worker's sessions (plus `extra`) will hold when each reaches its
-        context + remaining tokens."""
-        sessions = list(worker.load.sessions) + ([extra] if extra is not None else [])
-        return sum((s.context_tokens + s.remaining_tokens) * _bytes_per_token(worker, s, model) for s in sessions)
+    def kv_need_bytes(worker: WorkerRecord, model: str, extra: worker_pb2.SessionLoad | None = None,
+                      without: str = "") -> int:
+        """KV bytes the worker's sessions (plus `extra`, less request `without`) will need when
+        each reaches its context + remaining tokens: the engine's own arithmetic (batches padded
+        to their longest row in whole buffer buckets, attention's working memory;
+        flashfleet/kv_need.py)."""
+        sessions = [s for s in worker.load.sessions if s.request_id != without]
+        sessions += [extra] if extra is not None else []
+        return final_need_bytes(_final_rows(worker, sessions, model), worker.load.kv_layers)
 
     def _has_room(self, dest: WorkerRecord, session: worker_pb2.SessionLoad | None, model: str) -> bool:
         if session is None or dest.load.kv_budget_bytes <= 0:
@@ -284,9 +297,11 @@ class MigrationPolicy:
         if not self.enabled or (moved_s is not None and now_s - moved_s < self.cooldown_s) or session is None:
             return None
         budget = source.load.kv_budget_bytes
-        if budget > 0 and self.kv_need_bytes(source, request.model) > budget:
+        need = self.kv_need_bytes(source, request.model) if budget > 0 else 0
+        if need > budget:  # the session whose leaving frees the most moves (a long row pads its whole batch)
             victim = max(source.load.sessions,
-                         key=lambda s: (s.remaining_tokens * _bytes_per_token(source, s, request.model), s.request_id))
+                         key=lambda s: (need - self.kv_need_bytes(source, request.model, without=s.request_id),
+                                        s.request_id))
             if victim.request_id == request.request_id and session.remaining_tokens > 0:
                 dest = self.fastest(request, source, session, cands, peers)
                 if dest is not None:
@@ -314,7 +329,7 @@ class MigrationPolicy:
                 continue
             saved = remaining / tps_src - remaining / tps
             cost = self.move_cost_s(session, d)
-            if saved > self.hysteresis * cost and (best is None or saved - cost > best.saved_s - best.cost_s):
+            if saved > max(self.hysteresis * cost, self.min_saving_s) and (best is None or saved - cost > best.saved_s - best.cost_s):
                 # "speed": faster at the source's own batch size (a faster machine); else "load"
                 same = self._tps(d, max(1, source.busy), context, s, peers)
                 best = Decision(d, "speed" if same is not None and same >= self.min_speedup * tps_src else "load",

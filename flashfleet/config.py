@@ -66,8 +66,9 @@ class CoordinatorSection:
             fleet is full, and for how long (coordinator/admission.py).
         migrate, migrate_min_remaining_tokens: session migration on or off, and the budget a
             session must have left to be moved (coordinator/migration.py, MigrationPolicy).
-        migrate_cooldown_s, migrate_link_bandwidth_gbps, migrate_hysteresis, migrate_min_speedup:
-            MigrationPolicy's cooldown_s, link bandwidth (Gb/s), hysteresis and min_speedup.
+        migrate_cooldown_s, migrate_link_bandwidth_gbps, migrate_hysteresis, migrate_min_speedup,
+        migrate_min_saving_s: MigrationPolicy's cooldown_s, link bandwidth (Gb/s), hysteresis,
+            min_speedup and min_saving_s.
         migrate_method: how a session moves: "kv" (copy its KV cache, falling back to
             re-prefill) or "reprefill" (coordinator/kv_transfer.py).
         shutdown_grace_s: how long in-flight streams may finish on SIGTERM (as in
@@ -94,6 +95,7 @@ class CoordinatorSection:
     migrate_link_bandwidth_gbps: float = 1.0
     migrate_hysteresis: float = 1.5
     migrate_min_speedup: float = 1.1
+    migrate_min_saving_s: float = 1.0
     migrate_method: str = "kv"
     shutdown_grace_s: float = 25.0
     api_keys_file: str = ""
@@ -327,6 +329,7 @@ class ClusterConfig:
                 "migrate_cooldown_s": c.migrate_cooldown_s,
                 "migrate_link_bandwidth_gbps": c.migrate_link_bandwidth_gbps,
                 "migrate_hysteresis": c.migrate_hysteresis, "migrate_min_speedup": c.migrate_min_speedup,
+                "migrate_min_saving_s": c.migrate_min_saving_s,
                 "migrate_method": c.migrate_method,
                 "shutdown_grace_s": c.shutdown_grace_s, "api_keys_file": c.api_keys_file or None,
                 "join_token_file": c.join_token_file or None}
@@ -412,7 +415,7 @@ def _check(cfg: ClusterConfig) -> None:
     bad = settings_problems(c.lease_ttl_s, c.heartbeat_interval_s, c.route_attempts, c.max_queued,
                             c.queue_timeout_s, c.migrate_min_remaining_tokens, c.shutdown_grace_s)
     bad += migration_problems(c.migrate_cooldown_s, c.migrate_link_bandwidth_gbps, c.migrate_hysteresis,
-                              c.migrate_min_speedup)
+                              c.migrate_min_speedup, c.migrate_min_saving_s)
     if bad:
         raise ConfigError(f"{p}: [coordinator] {bad[0]}")
     if c.migrate_method not in ("kv", "reprefill"):

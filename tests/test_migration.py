@@ -249,7 +249,7 @@ def test_a_refusing_destination_leaves_the_stream_where_it_was(tiny_models):
     for e in engines.values():
         e.seconds_per_iteration = 0.01  # a batch of B costs B x 10 ms: the idle worker predicts 2x
     cluster = start_cluster(engines, heartbeat_interval_s=0.05, migration=MigrationPolicy(
-        min_remaining_tokens=4, cooldown_s=60.0, check_interval_s=0.0))
+        min_remaining_tokens=4, cooldown_s=60.0, check_interval_s=0.0, min_saving_s=0.0))
     try:
         results = {}
 
@@ -324,12 +324,6 @@ def _complete_in_background(cluster, results, name, prompt, max_tokens, session_
     return t
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "MigrationPolicy.kv_need_bytes takes a session's bytes per token as its allocated KV bytes (whole "
-    "256-position buffers) over its context, so a fresh session's growth is overestimated many times: the short "
-    "session moves for memory while alone on a worker it fits; and the estimate leaves out what the engine "
-    "projects besides the sessions' own positions (rows padded to the batch's longest, attention's working "
-    "memory), so a correct per-token estimate would not move the long one before the batch preempts"))
 def test_a_session_outgrowing_its_workers_kv_budget_moves_before_it_is_preempted(tiny_models):
     """Two sessions on a worker whose KV budget holds both only while they are short: the one with
     the most growth left moves (reason "memory") to the worker with room before the source must

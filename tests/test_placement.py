@@ -185,6 +185,30 @@ def test_a_session_whose_growth_exceeds_the_kv_budget_moves_before_it_does():
     assert p.decide(_req("grows"), src, 10, fleet.live(), None, 0.0) is None
 
 
+def test_kv_need_counts_the_engines_padding_buckets_and_working_memory():
+    from flashfleet.kv_need import POSITION_BUCKET, final_need_bytes
+    from worker.caches.rows import STEP
+
+    assert POSITION_BUCKET == STEP  # the formula's buffers are the engine's
+    # One batch pads every row to its longest, in whole buckets; 4 layers: 2/4 of it as working memory.
+    assert final_need_bytes([(10, 100), (300, 100)], layers=4) == 2 * 512 * 100 * 3 // 2
+    # Two methods are two batches; the working memory is of the larger one.
+    assert final_need_bytes([(10, 100), (10, 300)], layers=2) == 256 * 100 + 256 * 300 + 256 * 300
+    assert final_need_bytes([], layers=2) == 0
+
+
+def test_a_fresh_session_that_fits_alone_does_not_move_for_memory():
+    fleet = Fleet()
+    # One 256-position buffer and, with 2 layers, its working memory of as much again.
+    src = fleet.add("src", budget=512 * BYTES_PER_TOKEN)
+    fleet.add("dest", step_s=0.02, budget=10_000_000)
+    src.load.kv_layers = 2
+    fleet.place("src", "fresh", context=17, remaining=140)  # 157 positions at the end: one buffer
+    src.load.sessions[0].kv_bytes = 256 * BYTES_PER_TOKEN  # it holds a whole buffer at 17 tokens
+    assert MigrationPolicy().kv_need_bytes(src, "m") == src.load.kv_budget_bytes
+    assert MigrationPolicy().decide(_req("fresh"), src, 10, fleet.live(), None, 0.0) is None
+
+
 def test_drain_moves_every_session_even_when_migration_is_off_or_cooling_down():
     fleet = Fleet()
     src, fast, slow = fleet.add("src", step_s=0.01), fleet.add("fast", step_s=0.01), fleet.add("slow", step_s=0.05)

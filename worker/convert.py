@@ -90,8 +90,9 @@ def load_proto(load: EngineLoad, chip: str = "", peak_bandwidth_bytes_per_s: flo
         sessions=[worker_pb2.SessionLoad(request_id=s.request_id, context_tokens=s.context_tokens,
                                          kv_bytes=s.kv_bytes, tokens_per_s=s.tokens_per_s,
                                          speculative_speedup=s.speculative_speedup,
-                                         remaining_tokens=s.remaining_tokens) for s in load.sessions],
+                                         remaining_tokens=s.remaining_tokens,
+                                         kv_bytes_per_position=s.kv_bytes_per_position) for s in load.sessions],
         chip=chip, peak_memory_bandwidth_bytes_per_s=peak_bandwidth_bytes_per_s or 0.0,
         decode_profile=[worker_pb2.DecodeCost(batch_size=c.batch_size, context_tokens=c.context_tokens,
                                               seconds=c.seconds, samples=c.samples) for c in load.decode_profile],
-        prefill_seconds_per_token=load.prefill_seconds_per_token)
+        prefill_seconds_per_token=load.prefill_seconds_per_token, kv_layers=load.kv_layers)

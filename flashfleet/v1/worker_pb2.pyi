@@ -90,7 +90,7 @@ class ImportSessionResponse(_message.Message):
     def __init__(self, import_id: _Optional[str] = ..., positions: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("active_sessions", "capacity", "free_capacity", "kv_cache_bytes", "kv_budget_bytes", "kv_free_bytes", "prompt_cache_bytes", "sessions", "chip", "peak_memory_bandwidth_bytes_per_s", "decode_profile", "prefill_seconds_per_token")
+    __slots__ = ("active_sessions", "capacity", "free_capacity", "kv_cache_bytes", "kv_budget_bytes", "kv_free_bytes", "prompt_cache_bytes", "sessions", "chip", "peak_memory_bandwidth_bytes_per_s", "decode_profile", "prefill_seconds_per_token", "kv_layers")
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     FREE_CAPACITY_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class WorkerLoad(_message.Message):
     PEAK_MEMORY_BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_PROFILE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYERS_FIELD_NUMBER: _ClassVar[int]
     active_sessions: int
     capacity: int
     free_capacity: int
@@ -115,23 +116,26 @@ class WorkerLoad(_message.Message):
     peak_memory_bandwidth_bytes_per_s: float
     decode_profile: _containers.RepeatedCompositeFieldContainer[DecodeCost]
     prefill_seconds_per_token: float
-    def __init__(self, active_sessions: _Optional[int] = ..., capacity: _Optional[int] = ..., free_capacity: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., kv_free_bytes: _Optional[int] = ..., prompt_cache_bytes: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionLoad, _Mapping]]] = ..., chip: _Optional[str] = ..., peak_memory_bandwidth_bytes_per_s: _Optional[float] = ..., decode_profile: _Optional[_Iterable[_Union[DecodeCost, _Mapping]]] = ..., prefill_seconds_per_token: _Optional[float] = ...) -> None: ...
+    kv_layers: int
+    def __init__(self, active_sessions: _Optional[int] = ..., capacity: _Optional[int] = ..., free_capacity: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., kv_free_bytes: _Optional[int] = ..., prompt_cache_bytes: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionLoad, _Mapping]]] = ..., chip: _Optional[str] = ..., peak_memory_bandwidth_bytes_per_s: _Optional[float] = ..., decode_profile: _Optional[_Iterable[_Union[DecodeCost, _Mapping]]] = ..., prefill_seconds_per_token: _Optional[float] = ..., kv_layers: _Optional[int] = ...) -> None: ...
 
 class SessionLoad(_message.Message):
-    __slots__ = ("request_id", "context_tokens", "kv_bytes", "tokens_per_s", "speculative_speedup", "remaining_tokens")
+    __slots__ = ("request_id", "context_tokens", "kv_bytes", "tokens_per_s", "speculative_speedup", "remaining_tokens", "kv_bytes_per_position")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_SPEEDUP_FIELD_NUMBER: _ClassVar[int]
     REMAINING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     context_tokens: int
     kv_bytes: int
     tokens_per_s: float
     speculative_speedup: float
     remaining_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., context_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., speculative_speedup: _Optional[float] = ..., remaining_tokens: _Optional[int] = ...) -> None: ...
+    kv_bytes_per_position: int
+    def __init__(self, request_id: _Optional[str] = ..., context_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., speculative_speedup: _Optional[float] = ..., remaining_tokens: _Optional[int] = ..., kv_bytes_per_position: _Optional[int] = ...) -> None: ...
 
 class DecodeCost(_message.Message):
     __slots__ = ("batch_size", "context_tokens", "seconds", "samples")

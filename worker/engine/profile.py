@@ -140,6 +140,7 @@ class SessionSnapshot:
         tokens_per_s: recent generated tokens per second (0 before two steps).
         speculative_speedup: estimated tokens/s over plain decoding's (1.0 plain).
         remaining_tokens: tokens of max_tokens still to generate.
+        kv_bytes_per_position: KV bytes one position of it takes (its method's caches; 0 unknown).
     """
 
     request_id: str
@@ -148,6 +149,7 @@ class SessionSnapshot:
     tokens_per_s: float
     speculative_speedup: float
     remaining_tokens: int
+    kv_bytes_per_position: int = 0
 
 
 class SessionRates:
@@ -219,6 +221,7 @@ class LoadBoard:
     def __init__(self, min_interval_s: float = 0.2):
         self.min_interval_s = min_interval_s
         self.sessions: tuple[SessionSnapshot, ...] = ()
+        self.kv_layers = 0  # the target's attention layers, once the engine has loaded it
         self._next_s = 0.0
 
     def due(self, now_s: float) -> bool:
@@ -251,7 +254,8 @@ def scheduler_sessions(sched, rates: SessionRates, now_s: float) -> list[Session
         st = s.session.stats
         rates.observe(s.request_id, st.generated_tokens, now_s)
         out.append(SessionSnapshot(s.request_id, len(s.tokens), sched.row_bytes(s.mode, len(s.tokens)),
-                                   rates.rate(s.request_id), speedups.get(s.request_id, 1.0), max(0, s.remaining)))
+                                   rates.rate(s.request_id), speedups.get(s.request_id, 1.0), max(0, s.remaining),
+                                   sched.bytes_per_position.get(s.mode, 0)))
     for rid, g in sched.generators.items():
         st = g.stats
         rates.observe(rid, st.generated_tokens, now_s)

@@ -437,7 +437,8 @@ class Engine:
                           kv_cache_bytes=self._kv_bytes, kv_budget_bytes=self._kv_budget,
                           prompt_cache_bytes=self._prompt_cache_bytes, sessions=self._board.sessions,
                           decode_profile=tuple(self._profile.snapshot()),
-                          prefill_seconds_per_token=self._profile.prefill_seconds_per_token)
+                          prefill_seconds_per_token=self._profile.prefill_seconds_per_token,
+                          kv_layers=self._board.kv_layers)
 
     # ----- validation (caller's thread, pure Python) ------------------------------------------
 
@@ -500,6 +501,7 @@ class Engine:
                                   if models.draft_kind == "dflash" else ""}
             if self.config.warmup:
                 self._warmup(models, sched)
+            self._board.kv_layers = len(sched.batches["plain"].caches)
             self._publish(sched)  # the budget is known before the first request
         except BaseException as e:  # re-raised by the constructor
             self._startup_error = e

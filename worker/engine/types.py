@@ -188,6 +188,7 @@ class EngineLoad:
     sessions: tuple = ()
     decode_profile: tuple = ()
     prefill_seconds_per_token: float = 0.0
+    kv_layers: int = 0  # the target's attention layers (flashfleet/kv_need.py); 0 = not loaded yet
 
     @property
     def kv_free_bytes(self) -> int:
