@@ -11,7 +11,6 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
@@ -24,11 +23,10 @@ from worker.detokenize import TextAssembler
 from worker.engine.modes import MODES, LoadedModels, Mode, draft_kind_of, resolve_mode
 from worker.models.dflash_checkpoint import DraftCheckpointError
 from worker.engine.budget import default_kv_budget_bytes
-from worker.engine import kv_transfer
-from worker.engine.kv_transfer import FORMAT_VERSION, CacheBytes, SessionState
 from worker.engine.load import draft_label, load_models, read_model_config
 from worker.engine.profile import DecodeProfile, LoadBoard, SessionRates, scheduler_sessions
 from worker.engine.scheduler import BATCHED_MODES, Scheduler
+from worker.engine.transfer import SessionTransfer
 from worker.engine.session import Session, new_stats
 from worker.engine.types import (
     DoneEvent,
@@ -41,9 +39,7 @@ from worker.engine.types import (
     ModelDescription,
     Overloaded,
     SamplingParams,
-    StateMismatch,
     TokenEvent,
-    UnknownSession,
 )
 from worker.metrics import model_footprint  # observability: bytes a decode step reads
 from worker.sampling import sampler_for, validate_sampling
@@ -97,7 +93,8 @@ class Engine:
       - The engine thread (named "flashfleet-engine", a daemon) loads the models, warms them up,
         runs every session and frees the models at the end. No other thread touches MLX.
       - Callers (the gRPC servicer) talk to it only through a command queue: `submit` and
-        `abort` put `Submit` / `Abort`, `close` puts `Shutdown`. None of them waits for MLX.
+        `abort` put `Submit` / `Abort`, `close` puts `Shutdown`, and the KV-transfer API
+        `transfer` (worker/engine/transfer.py) puts `Call`s. None of them waits for MLX.
       - Sessions are data held by one `Scheduler` (worker/engine/scheduler.py, docs/engine.md):
         each pass of the thread's loop drains the queue, then runs one scheduler iteration (a
         prefill chunk, one batched forward per decoding method, one step of each session whose
@@ -190,8 +187,8 @@ class Engine:
             num_draft_tokens=self._draft_tokens_per_cycle(config, draft_cfg) if draft_fp else 0,
         )
         self._encode_tokenizer = load_tokenizer(config.model_path)
-        self.import_ttl_s = kv_transfer.DEFAULT_IMPORT_TTL_S  # unclaimed imported states live this long
-        self._fingerprints: dict[str, str] = {}  # set by the engine thread once the models load
+        # Session migration's KV transfer (export, import), run through `_call`.
+        self.transfer = SessionTransfer(self._call, clock, self._vocab_size)
 
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._thread.start()
@@ -337,7 +334,7 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Cancels a request: it ends with DoneEvent("cancelled") unless it ended first. Any
-        imported state staged for it (`import_session`) is dropped too.
+        imported state staged for it (`transfer.reserve_import`) is dropped too.
 
         Returns:
             False when no such request is admitted.
@@ -347,9 +344,11 @@ class Engine:
         self._commands.put(Abort(request_id))
         return known
 
-    # ----- KV transfer (session migration; worker/engine/kv_transfer.py) ----------------------
+    # ----- engine-thread calls (the KV-transfer API, `transfer`) ------------------------------
 
     def _call(self, fn: Callable[[LoadedModels, Scheduler], Any]) -> Future:
+        """Queues fn(models, scheduler) for the engine thread; a Future of its result (of
+        `Draining` while the engine is not serving)."""
         future: Future = Future()
         with self._lock:
             if not self._accepting:
@@ -357,75 +356,6 @@ class Engine:
                 return future
             self._commands.put(Call(fn, future))
         return future
-
-    def export_session(self, request_id: str) -> Future:
-        """Snapshots a decoding session's state at its committed length; it keeps decoding.
-
-        Returns:
-            A Future of `kv_transfer.SessionState` (host bytes; resolved by the engine thread
-            between two iterations). Its exception: `UnknownSession` (no such decoding session),
-            `NotExportable` (a mode without exportable state) or `Draining`.
-        """
-        def run(m: LoadedModels, sched: Scheduler) -> SessionState:
-            mode, tokens, caches = sched.export(request_id)
-            return SessionState(request_id, mode, tokens, len(tokens) - 1, caches,
-                                self._fingerprints["target"],
-                                self._fingerprints["draft"] if mode == "dflash" else "")
-        return self._call(run)
-
-    def reserve_import(self, header: SessionState) -> Future:
-        """Checks an incoming state's header (`header.caches` hold layouts, no data) against this
-        worker and reserves KV budget for it for `import_ttl_s` seconds.
-
-        Returns:
-            A Future of the import id. Its exception: `StateMismatch` (format version, model or
-            draft fingerprint, mode, dtype or shapes differ: the message says which), `Overloaded`
-            (it does not fit the KV budget now) or `Draining`.
-        """
-        def run(m: LoadedModels, sched: Scheduler) -> str:
-            if header.format_version != FORMAT_VERSION:
-                raise StateMismatch(f"format version {header.format_version}, this worker reads {FORMAT_VERSION}")
-            mine = self._fingerprints["target"]
-            if header.model_fingerprint != mine:
-                raise StateMismatch(f"model {header.model_fingerprint!r}, this worker runs {mine!r}")
-            if header.mode == "dflash" and header.draft_fingerprint != self._fingerprints["draft"]:
-                raise StateMismatch(f"draft {header.draft_fingerprint!r}, this worker's is "
-                                    f"{self._fingerprints['draft']!r}")
-            if len(header.tokens) != header.positions + 1:
-                raise StateMismatch(f"{len(header.tokens)} tokens for {header.positions} positions")
-            if self._vocab_size is not None and not all(0 <= t < self._vocab_size for t in header.tokens):
-                raise StateMismatch(f"token ids outside this model's vocabulary [0, {self._vocab_size})")
-            if any(lay.key_shape[2] != header.positions or lay.value_shape[2] != header.positions
-                   for lay in header.layouts):
-                raise StateMismatch(f"cache shapes other than {header.positions} positions")
-            import_id = uuid.uuid4().hex
-            sched.reserve_import(import_id, header.request_id, header.mode, header.positions, header.layouts,
-                                 self._clock() + self.import_ttl_s)
-            return import_id
-        return self._call(run)
-
-    def stage_import(self, import_id: str, tokens: tuple[int, ...], caches: list[CacheBytes]) -> Future:
-        """Loads a reserved import's verified bytes into caches; a GenerationRequest naming
-        `import_id` then claims them (`GenerationRequest.import_id`).
-
-        Returns:
-            A Future of None. Its exception: `UnknownSession` (the reservation expired or was
-            dropped) or `Draining`; the import is dropped on any error.
-        """
-        def run(m: LoadedModels, sched: Scheduler) -> None:
-            imp = sched.imports.get(import_id)
-            if imp is None:
-                raise UnknownSession(f"import {import_id!r} expired or was dropped before its data arrived")
-            try:
-                sched.stage_import(import_id, tokens, kv_transfer.restore(caches, imp.positions))
-            except BaseException:
-                sched.drop_import(import_id)
-                raise
-        return self._call(run)
-
-    def drop_import(self, import_id: str) -> None:
-        """Forgets a reserved or staged import (no-op when unknown); never waits."""
-        self._call(lambda m, sched: sched.drop_import(import_id))
 
     def load(self) -> EngineLoad:
         """Admitted sessions, capacity, bytes held by running sessions' KV caches and by the prompt
@@ -494,10 +424,7 @@ class Engine:
         try:
             models = load_models(self.config, self._draft_kind)
             sched = self._scheduler = self._make_scheduler(models)
-            dtype = str(sched.layouts["plain"][0][2])
-            self._fingerprints = {"target": kv_transfer.fingerprint(self.config.model_path, dtype),
-                                  "draft": kv_transfer.fingerprint(self.config.draft_path, dtype)
-                                  if models.draft_kind == "dflash" else ""}
+            self.transfer.loaded(self.config, models.draft_kind, sched)
             if self.config.warmup:
                 self._warmup(models, sched)
             self._publish(sched)  # the budget is known before the first request
@@ -568,7 +495,7 @@ class Engine:
     def _handle_commands(self, m: LoadedModels, sched: Scheduler, block: bool) -> bool:
         """Drains the command queue (waiting for one command when `block`); False on Shutdown."""
         try:  # staged imports expire even while no session runs
-            cmd = self._commands.get(block=block, timeout=sched.next_expiry_in() if block else None)
+            cmd = self._commands.get(block=block, timeout=sched.imports.next_expiry_in() if block else None)
         except queue.Empty:
             return True
         while True:
@@ -577,7 +504,7 @@ class Engine:
             if isinstance(cmd, Submit):
                 self._start_session(m, sched, cmd)
             elif isinstance(cmd, Abort):
-                sched.drop_imports_of(cmd.request_id)
+                sched.imports.drop_request(cmd.request_id)
                 s = sched.cancel(cmd.request_id)
                 if s is not None:
                     self._end_cancelled(s)
@@ -604,7 +531,7 @@ class Engine:
                               resume_text="")
             sampler = sampler_for(req.sampling)
             if req.import_id and cmd.mode not in BATCHED_MODES:  # its own generator prefills
-                sched.drop_import(req.import_id)
+                sched.imports.drop(req.import_id)
             if cmd.mode in BATCHED_MODES:
                 s = Session(req, cmd.emit, iter(()), [], text, m.eos_ids, cmd.received_s,
                             new_stats(req, cmd.mode))
@@ -616,7 +543,7 @@ class Engine:
                 sched.add_generator(s)
         except Exception as e:
             log.exception("request %s failed to start", req.request_id)
-            sched.drop_import(req.import_id)
+            sched.imports.drop(req.import_id)
             self._release(req.request_id)
             _safe_emit(cmd.emit, ErrorEvent(req.request_id, e))
             return
