@@ -26,6 +26,7 @@ from worker.engine.budget import default_kv_budget_bytes
 from worker.engine.load import draft_label, load_models, read_model_config
 from worker.engine.profile import DecodeProfile, LoadBoard, SessionRates, scheduler_sessions
 from worker.engine.scheduler import BATCHED_MODES, Scheduler
+from worker.engine.intake import Intake
 from worker.engine.transfer import SessionTransfer
 from worker.engine.session import Session, new_stats
 from worker.engine.types import (
@@ -42,15 +43,11 @@ from worker.engine.types import (
     TokenEvent,
 )
 from worker.metrics import model_footprint  # observability: bytes a decode step reads
-from worker.sampling import sampler_for, validate_sampling
+from worker.sampling import sampler_for
 
 log = logging.getLogger(__name__)
 
 THREAD_NAME = "flashfleet-engine"
-CHAT_ROLES = ("system", "user", "assistant", "tool")
-# Bytes of text per token that no tokenizer exceeds on real text (BPE tokens of mlx-lm's models
-# hold at most a few dozen bytes; whitespace runs in code are the longest): a bound, not an estimate.
-MAX_PROMPT_BYTES_PER_TOKEN = 64
 
 
 @dataclass(frozen=True)
@@ -104,8 +101,9 @@ class Engine:
         the accepting flag. It is held for a few set operations, never across MLX work or
         callbacks, so `submit` can answer Overloaded / Draining synchronously. Capacity is
         released before a session's final event is emitted, so a client may resubmit at once.
-      - `encode_prompt` runs on the caller's thread with its own tokenizer instance (the engine
-        thread decodes with another), serialized by `_encode_lock`.
+      - `encode_prompt` and the checks of `submit` run on the caller's thread
+        (worker/engine/intake.py), with a tokenizer instance of their own (the engine thread
+        decodes with another); encoding is serialized by a lock of its own.
 
     Args:
         config: what to load and how to decode.
@@ -150,7 +148,6 @@ class Engine:
         self._closed = False
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
-        self._encode_lock = threading.Lock()
         self._scheduler: Scheduler | None = None  # the engine thread's
         # Published by the engine thread for load(): sessions' KV bytes, the prompt cache's, the budget.
         self._kv_bytes = self._prompt_cache_bytes = self._kv_budget = 0
@@ -186,7 +183,8 @@ class Engine:
             draft_kv_bytes_per_token=draft_fp.kv_bytes_per_token if draft_fp else 0,
             num_draft_tokens=self._draft_tokens_per_cycle(config, draft_cfg) if draft_fp else 0,
         )
-        self._encode_tokenizer = load_tokenizer(config.model_path)
+        self._encode_tokenizer = load_tokenizer(config.model_path)  # the callers' (the engine thread has its own)
+        self._intake = Intake(self._encode_tokenizer, self._model, self._vocab_size, self._draft_kind, self._modes)
         # Session migration's KV transfer (export, import), run through `_call`.
         self.transfer = SessionTransfer(self._call, clock, self._vocab_size)
 
@@ -250,59 +248,9 @@ class Engine:
         return config.num_draft_tokens
 
     def encode_prompt(self, prompt: str | None, messages: list[dict] | None) -> list[int]:
-        """Tokenizes raw text (with the tokenizer's special tokens, e.g. BOS), or renders chat
-        messages with the model's chat template (generation prompt appended) and tokenizes them.
-
-        Args:
-            prompt: raw text; exactly one of prompt and messages is given.
-            messages: [{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...].
-
-        Returns:
-            Prompt token ids, non-empty.
-
-        Raises:
-            InvalidRequest: neither or both inputs, empty text, a malformed message (the message
-                names its index and field), no chat template, or a template that rejects them.
-        """
-        if (prompt is None) == (messages is None):
-            raise InvalidRequest("give exactly one of prompt or messages")
-        self._check_prompt_size(prompt, messages)
-        tok = self._encode_tokenizer
-        if prompt is not None:
-            if not isinstance(prompt, str) or not prompt:
-                raise InvalidRequest("prompt must be a non-empty string")
-            with self._encode_lock:
-                ids = tok.encode(prompt)
-        else:
-            _check_messages(messages)
-            if not getattr(tok, "chat_template", None):
-                raise InvalidRequest(f"model {self.model.name!r} has no chat template; send a raw prompt")
-            with self._encode_lock:
-                try:
-                    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-                except Exception as e:  # jinja2.TemplateError and the template's raise_exception
-                    raise InvalidRequest(f"the chat template rejected the messages: {e}") from e
-                ids = tok.encode(text, add_special_tokens=False)
-        if not ids:
-            raise InvalidRequest("the prompt encodes to no tokens")
-        return list(ids)
-
-    def _check_prompt_size(self, prompt: Any, messages: Any) -> None:
-        """Refuses text that cannot fit the context before tokenizing it (a multi-megabyte prompt
-        would hold this worker's tokenizer for seconds and grow its memory for nothing): no
-        tokenizer here makes fewer than one token of `MAX_PROMPT_BYTES_PER_TOKEN` bytes."""
-        if isinstance(prompt, str):
-            size = len(prompt.encode("utf-8", "surrogatepass"))
-        elif isinstance(messages, list):
-            size = sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages
-                       if isinstance(m, Mapping) and isinstance(m.get("content"), str))
-        else:
-            return
-        limit = MAX_PROMPT_BYTES_PER_TOKEN * self.model.max_context_tokens
-        if size > limit:
-            raise InvalidRequest(
-                f"the prompt is {size:,} bytes; the model's context of {self.model.max_context_tokens:,} tokens "
-                f"takes at most {limit:,} bytes of text: shorten the prompt")
+        """Prompt token ids of raw text or of chat messages rendered with the model's chat
+        template (`Intake.encode_prompt`, worker/engine/intake.py: arguments and errors)."""
+        return self._intake.encode_prompt(prompt, messages)
 
     def submit(self, request: GenerationRequest, emit: EmitFn) -> None:
         """Validates a request and queues it for the engine thread; never waits for MLX.
@@ -321,7 +269,7 @@ class Engine:
         """
         if not self._accepting:
             raise Draining("engine is not serving (starting or shutting down)")
-        mode = self._validate(request)
+        mode = self._intake.validate(request, self._scheduler)
         with self._lock:
             if not self._accepting:
                 raise Draining("engine is shutting down")
@@ -368,55 +316,6 @@ class Engine:
                           prompt_cache_bytes=self._prompt_cache_bytes, sessions=self._board.sessions,
                           decode_profile=tuple(self._profile.snapshot()),
                           prefill_seconds_per_token=self._profile.prefill_seconds_per_token)
-
-    # ----- validation (caller's thread, pure Python) ------------------------------------------
-
-    def _validate(self, r: GenerationRequest) -> str:
-        """Checks a request against the model; returns the mode key that will serve it."""
-        if not r.request_id:
-            raise InvalidRequest("request_id is empty")
-        n = len(r.prompt_tokens)
-        if n == 0:
-            raise InvalidRequest("prompt is empty (no prompt tokens)")
-        if self._vocab_size is not None and (min(r.prompt_tokens) < 0 or max(r.prompt_tokens) >= self._vocab_size):
-            raise InvalidRequest(f"prompt token ids must be in [0, {self._vocab_size})")
-        if r.max_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be >= 1, got {r.max_tokens}")
-        if r.resume_tokens:
-            if len(r.resume_tokens) >= r.max_tokens:
-                raise InvalidRequest(f"resume_token_ids ({len(r.resume_tokens)}) must be fewer than "
-                                     f"max_tokens ({r.max_tokens}): nothing is left to generate")
-            if self._vocab_size is not None and not all(0 <= t < self._vocab_size for t in r.resume_tokens):
-                raise InvalidRequest(f"resume_token_ids must be in [0, {self._vocab_size})")
-            if set(self._encode_tokenizer.eos_token_ids).intersection(r.resume_tokens):
-                raise InvalidRequest("resume_token_ids contain an end-of-sequence token")
-            try:  # the engine thread primes its own assembler the same way
-                TextAssembler(self._encode_tokenizer, r.stop).resume(r.resume_tokens, r.resume_text)
-            except ValueError as e:
-                raise InvalidRequest(str(e)) from None
-        elif r.resume_text:
-            raise InvalidRequest("resume_text without resume_token_ids")
-        ctx = self.model.max_context_tokens
-        if n + r.max_tokens > ctx:
-            raise InvalidRequest(
-                f"prompt ({n} tokens) + max_tokens ({r.max_tokens}) = {n + r.max_tokens} tokens "
-                f"exceeds the model's context of {ctx} tokens: "
-                + (f"ask for max_tokens <= {ctx - n}, or leave it unset" if n < ctx else "shorten the prompt")
-            )
-        validate_sampling(r.sampling.temperature, r.sampling.top_p, r.sampling.seed)
-        if any(not isinstance(s, str) or not s for s in r.stop):
-            raise InvalidRequest("stop strings must be non-empty strings")
-        mode = resolve_mode(r.mode, self._draft_kind, self._modes)
-        sched = self._scheduler
-        if sched is not None and mode in BATCHED_MODES:
-            positions = n + r.max_tokens + sched.max_block(mode)
-            if not sched.fits_alone(mode, positions):
-                need = sched.row_bytes(mode, positions)
-                raise InvalidRequest(
-                    f"prompt ({n} tokens) + max_tokens ({r.max_tokens}) needs {need / 1e6:.1f} MB of KV cache, "
-                    f"more than this worker's KV budget of {sched.budget / 1e6:.1f} MB: "
-                    "ask for fewer tokens, or raise the worker's --kv-cache-limit-bytes")
-        return mode
 
     # ----- the engine thread -----------------------------------------------------------------
 
@@ -597,16 +496,3 @@ def _safe_emit(emit: EmitFn, event: Any) -> None:
     except Exception:
         log.exception("emit failed for %s", getattr(event, "request_id", "?"))
 
-
-def _check_messages(messages: Any) -> None:
-    """Raises InvalidRequest naming the first malformed chat message and what is wrong with it."""
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("messages must be a non-empty list of {'role', 'content'} objects")
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, Mapping):
-            raise InvalidRequest(f"messages[{i}] must be an object with 'role' and 'content', got {type(msg).__name__}")
-        role = msg.get("role")
-        if role not in CHAT_ROLES:
-            raise InvalidRequest(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {role!r}")
-        if not isinstance(msg.get("content"), str):
-            raise InvalidRequest(f"messages[{i}].content must be a string; got {type(msg.get('content')).__name__}")
