@@ -510,8 +510,8 @@ class Scheduler:
             expires_s: clock time when it is dropped unless claimed.
 
         Raises:
-            StateMismatch: a mode this worker cannot decode, or layouts (count, dtype, heads,
-                head sizes) other than this worker's; the message says which.
+            StateMismatch: positions < 1, a mode this worker cannot decode, or layouts (count,
+                dtype, heads, head sizes) other than this worker's (`StagedImports.check`).
             Overloaded: its bytes do not fit the KV budget now (the message has the numbers).
         """
         self.imports.check(mode, positions, layouts)
