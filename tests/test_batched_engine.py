@@ -279,7 +279,7 @@ def test_a_draft_that_does_not_pay_is_mostly_not_run(tiny_models, dflash_dir):
 def test_prompt_text_beyond_the_context_is_refused_before_tokenizing(tiny_models):
     """A prompt of more bytes than the context can hold gets a clear error without being tokenized
     (the worker's tokenizer would otherwise spend seconds and memory on it)."""
-    from worker.engine.thread import MAX_PROMPT_BYTES_PER_TOKEN
+    from worker.engine.intake import MAX_PROMPT_BYTES_PER_TOKEN
 
     with Engine(EngineConfig(model_path=tiny_models.llama, warmup=False)) as engine:
         limit = MAX_PROMPT_BYTES_PER_TOKEN * engine.model.max_context_tokens

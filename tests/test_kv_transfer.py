@@ -62,25 +62,25 @@ def _import(engine, chunks):
         for msg in chunks:
             kind = msg.WhichOneof("kind")
             if kind == "header":
-                import_id = engine.reserve_import(rx.header(msg.header)).result(30)
+                import_id = engine.transfer.reserve_import(rx.header(msg.header)).result(30)
                 rx.allocate()
             elif kind == "data":
                 rx.data(msg.data)
             else:
                 state = rx.finish(msg.trailer)
-                engine.stage_import(import_id, state.tokens, state.caches).result(30)
+                engine.transfer.stage_import(import_id, state.tokens, state.caches).result(30)
                 return import_id, state
         raise CorruptState("no trailer")
     except BaseException:
         if import_id:
-            engine.drop_import(import_id)
+            engine.transfer.drop_import(import_id)
         raise
 
 
 def _export_running(engine, request, after_tokens=20):
     s = SlowSession(engine, request)
     assert wait_until(lambda: len(s.tokens) >= after_tokens, 30)
-    state = engine.export_session(request.request_id).result(30)
+    state = engine.transfer.export_session(request.request_id).result(30)
     return s, state
 
 
@@ -180,7 +180,7 @@ def test_mismatched_corrupt_and_unknown_states_are_refused_and_nothing_stays(eng
     assert wait_until(lambda: b.load().kv_cache_bytes == 0)  # no reservation left by any of them
 
     with pytest.raises(UnknownSession):
-        a.export_session("no-such-request").result(30)
+        a.transfer.export_session("no-such-request").result(30)
 
 
 def test_an_unclaimed_import_expires_and_frees_its_reservation(engines):
@@ -188,14 +188,14 @@ def test_an_unclaimed_import_expires_and_frees_its_reservation(engines):
     ids = a.encode_prompt(PROMPT, None)
     s, state = _export_running(a, GenerationRequest("ttl-1", tuple(ids), MAX_TOKENS, mode="plain"))
     s.done.get(60)
-    b.import_ttl_s = 0.5
+    b.transfer.import_ttl_s = 0.5
     try:
         _import(b, kv_wire.state_chunks(state))
         assert b.load().kv_cache_bytes > 0
         assert wait_until(lambda: b.load().kv_cache_bytes == 0, 5)  # with no session running
     finally:
         from worker.engine.kv_transfer import DEFAULT_IMPORT_TTL_S
-        b.import_ttl_s = DEFAULT_IMPORT_TTL_S
+        b.transfer.import_ttl_s = DEFAULT_IMPORT_TTL_S
     # A Cancel of the request drops its staged state too.
     _import(b, kv_wire.state_chunks(state))
     assert b.load().kv_cache_bytes > 0
@@ -395,10 +395,10 @@ def test_a_failed_transfer_falls_back_to_reprefill(pair, monkeypatch, fault):
     ref = _ref(engines["w1"])
     if fault == "import_refused":
         for e in engines.values():  # the destination has no room for the state
-            monkeypatch.setattr(e, "reserve_import", lambda header: _failed(Overloaded("no room for it")))
+            monkeypatch.setattr(e.transfer, "reserve_import", lambda header: _failed(Overloaded("no room for it")))
     elif fault == "import_unavailable":
         for e in engines.values():  # the destination's ImportSession fails UNAVAILABLE (its engine stops)
-            monkeypatch.setattr(e, "reserve_import", lambda header: _failed(Draining("shutting down")))
+            monkeypatch.setattr(e.transfer, "reserve_import", lambda header: _failed(Draining("shutting down")))
     else:
         _inject(monkeypatch, fault)
     done, moves = _run(cluster, engines, ScriptedPolicy([30]))

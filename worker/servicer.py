@@ -183,8 +183,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 1, min(WORKER_DEFAULT_MAX_TOKENS, model.max_context_tokens - len(prompt_tokens)))
             self.engine.submit(convert.generation_request(request, prompt_tokens, max_tokens), emit)
         except tuple(ENGINE_ERROR_CODES) as e:
-            if request.import_id and hasattr(self.engine, "drop_import"):
-                self.engine.drop_import(request.import_id)  # refused: its staged state goes too
+            transfer = getattr(self.engine, "transfer", None)
+            if request.import_id and transfer is not None:
+                transfer.drop_import(request.import_id)  # refused: its staged state goes too
             self._outcome(type(e).__name__.lower())
             await context.abort(ENGINE_ERROR_CODES[type(e)], short_details(str(e)))
         finished = False
@@ -266,11 +267,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             UNIMPLEMENTED: this worker's engine cannot export.
             UNAVAILABLE: the engine is starting or shutting down.
         """
-        export = getattr(self.engine, "export_session", None)
-        if export is None:
+        transfer = getattr(self.engine, "transfer", None)
+        if transfer is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this worker's engine cannot export sessions")
         try:
-            state = await asyncio.wrap_future(export(request.request_id))
+            state = await asyncio.wrap_future(transfer.export_session(request.request_id))
         except tuple(STATE_ERROR_CODES) as e:
             await context.abort(STATE_ERROR_CODES[type(e)], short_details(str(e)))
         chunks = kv_wire.state_chunks(state)
@@ -293,7 +294,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             UNIMPLEMENTED: this worker's engine cannot import.
             UNAVAILABLE: the engine is starting or shutting down.
         """
-        if not hasattr(self.engine, "reserve_import"):
+        transfer = getattr(self.engine, "transfer", None)
+        if transfer is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this worker's engine cannot import sessions")
         receiver = kv_wire.StateReceiver()
         import_id = ""
@@ -303,7 +305,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 kind = msg.WhichOneof("kind")
                 if kind == "header":
                     header = receiver.header(msg.header)
-                    import_id = await asyncio.wrap_future(self.engine.reserve_import(header))
+                    import_id = await asyncio.wrap_future(transfer.reserve_import(header))
                     await asyncio.to_thread(receiver.allocate)
                 elif kind == "data":
                     if not import_id:
@@ -311,7 +313,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     await asyncio.to_thread(receiver.data, msg.data)
                 elif kind == "trailer":
                     state = receiver.finish(msg.trailer)
-                    await asyncio.wrap_future(self.engine.stage_import(import_id, state.tokens, state.caches))
+                    await asyncio.wrap_future(transfer.stage_import(import_id, state.tokens, state.caches))
                     staged = True
                     return worker_pb2.ImportSessionResponse(import_id=import_id, positions=state.positions,
                                                             bytes=receiver.received)
@@ -321,7 +323,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(STATE_ERROR_CODES[type(e)], short_details(str(e)))
         finally:
             if import_id and not staged:
-                self.engine.drop_import(import_id)
+                transfer.drop_import(import_id)
 
     async def GetLoad(self, request, context):
         """The engine's current load (`load`)."""

@@ -164,27 +164,3 @@ def restore(caches: list[CacheBytes], positions: int) -> list[RowKVCache]:
         out.append(rc)
     return out
 
-
-@dataclass
-class StagedImport:
-    """An imported state on the destination's scheduler, from reservation to claim.
-
-    Attributes:
-        import_id: what a GenerateRequest names to claim it.
-        request_id: its session's request (a Cancel of it drops the import).
-        mode: "plain" or "dflash".
-        positions: positions its caches hold.
-        nbytes: KV bytes reserved for it (its caches at their buffer size).
-        expires_s: clock time after which it is dropped unclaimed.
-        tokens: the token ids its caches cover (None until staged).
-        caches: its one-row caches, target then draft (None until staged).
-    """
-
-    import_id: str
-    request_id: str
-    mode: str
-    positions: int
-    nbytes: int
-    expires_s: float
-    tokens: Optional[tuple[int, ...]] = None
-    caches: Optional[list[RowKVCache]] = None

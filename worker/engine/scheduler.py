@@ -17,10 +17,10 @@ Each iteration (`iterate`) does, in order:
      advance one step each;
   5. emits each session's tokens; finished sessions leave their batch, and their caches go to the
      prompt cache.
-A running session's state can be exported (`export`) and imported on another worker
-(`reserve_import`, `stage_import`; worker/engine/kv_transfer.py): a request that claims an
-imported state starts as a prompt-cache hit on it. Staged imports count against the KV budget
-until claimed, dropped, or expired (`expire_imports`).
+A running session's state can be exported (`export`; worker/engine/kv_transfer.py) and imported
+on another worker (`reserve_import`, then `imports`, a `StagedImports` of worker/engine/imports.py):
+a request that claims an imported state starts as a prompt-cache hit on it. Staged imports count
+against the KV budget until claimed, dropped, or expired.
 Everything here runs on the engine thread, the only thread that touches MLX.
 """
 from __future__ import annotations
@@ -37,21 +37,19 @@ from worker.capture import HiddenCapture
 from worker.engine.batch import Batch, Row, dflash_cycle, plain_step, prefill_chunk
 from worker.engine.block_policy import Acceptance, BatchBlockPolicy
 from worker.engine.profile import DecodeProfile
-from worker.engine.kv_transfer import CacheBytes, Layout, StagedImport, snapshot
+from worker.engine.imports import StagedImport, StagedImports
+from worker.engine import kv_layout
+from worker.engine.kv_transfer import CacheBytes, Layout, snapshot
 from worker.engine.prompt_cache import PromptCache
-from worker.caches.rows import STEP, RowKVCache, make_row_caches
+from worker.caches.rows import STEP, RowKVCache, _bucket, make_row_caches
 from worker.engine.session import Session
-from worker.engine.types import ErrorEvent, NotExportable, Overloaded, StateMismatch, UnknownSession
+from worker.engine.types import ErrorEvent, NotExportable, Overloaded, UnknownSession
 from worker.decoding.base import Sampler, Step
 
 log = logging.getLogger(__name__)
 
 BATCHED_MODES = ("plain", "dflash")
 CLEAR_CACHE_EVERY = 256  # iterations between returning freed buffers to the allocator
-
-
-def _bucket(n: int) -> int:
-    return max(STEP, -(-n // STEP) * STEP)
 
 
 @dataclass
@@ -135,10 +133,10 @@ class Scheduler:
             self.capture = HiddenCapture(models.target, models.draft.target_layer_ids)
         self.policy = BatchBlockPolicy(block_size) if adaptive and models.draft_kind == "dflash" else None
         self.prompt_cache = PromptCache(prompt_cache_entries, kv_budget_bytes)
-        self.imports: dict[str, StagedImport] = {}
-        self.layouts: dict[str, list[tuple]] = {}  # per mode, `Layout.per_position` of each cache
         self.pooled = Acceptance(decay=0.98)  # every session's cycles: new sessions' prior
-        self.bytes_per_position = self._measure_bytes_per_position()
+        # Per mode: KV bytes of one row position; `Layout.per_position` of each cache.
+        self.bytes_per_position, self.layouts = kv_layout.measure(models, self.capture)
+        self.imports = StagedImports(self.layouts, clock)  # imported states until claimed
         smallest = self.row_bytes("plain", 1)
         if kv_budget_bytes < smallest:
             raise ValueError(f"the KV budget of {kv_budget_bytes:,} bytes holds less than one session of "
@@ -162,25 +160,6 @@ class Scheduler:
     def _draft_caches(self, batch: int) -> list[RowKVCache]:
         return [RowKVCache(batch) for _ in self.m.draft.layers]
 
-    def _measure_bytes_per_position(self) -> dict[str, int]:
-        """KV bytes one row position costs per mode (every layer's keys and values), measured by
-        writing one position (dtypes and head layouts vary by model)."""
-        caches = make_row_caches(self.m.target, 1)
-        self.m.target(mx.array([[0]], dtype=mx.uint32), cache=caches)
-        mx.eval([c.state for c in caches])
-        target = sum(c.nbytes for c in caches) // STEP
-        out = {"plain": target}
-        self.layouts["plain"] = [lay.per_position() for lay in _layouts(caches, "target")]
-        if self.m.draft_kind == "dflash":
-            d = self._draft_caches(1)
-            with self.capture:
-                self.m.target(mx.array([[0]], dtype=mx.uint32), cache=make_row_caches(self.m.target, 1))
-            self.m.draft.extend_context(self.capture.hidden(), d)
-            mx.eval([c.state for c in d])
-            out["dflash"] = target + sum(c.nbytes for c in d) // STEP
-            self.layouts["dflash"] = self.layouts["plain"] + [lay.per_position() for lay in _layouts(d, "draft")]
-        return out
-
     def row_bytes(self, mode: str, positions: int) -> int:
         """Bytes of one row holding `positions` positions (in whole buffer buckets)."""
         return _bucket(positions) * self.bytes_per_position.get(mode, self.bytes_per_position["plain"])
@@ -192,7 +171,7 @@ class Scheduler:
         """Bytes the sessions' KV caches hold now (the prompt cache's not included)."""
         total = sum(b.nbytes() for b in self.batches.values())
         total += sum(c.nbytes for s in self.prefilling for c in (s.target or []) + (s.draft or []))
-        total += sum(i.nbytes for i in self.imports.values())
+        total += self.imports.nbytes()
         return total + sum(c.nbytes for s in self.generators.values() for c in s.caches)
 
     def projected_bytes(self, extra: Optional[Sequence] = None) -> int:
@@ -217,7 +196,7 @@ class Scheduler:
             one_layer = max(one_layer, b // max(1, len(batch.caches)))
         total += 2 * one_layer
         claimed = extra.import_id if extra is not None else ""
-        total += sum(i.nbytes for k, i in self.imports.items() if k != claimed)
+        total += self.imports.nbytes(excluding=claimed)
         return total + sum(c.nbytes for s in self.generators.values() for c in s.caches)
 
     def fits_alone(self, mode: str, positions: int) -> bool:
@@ -253,7 +232,7 @@ class Scheduler:
         for s in list(self.waiting):
             if s.request_id == request_id:
                 self.waiting.remove(s)
-                self.drop_import(s.import_id)
+                self.imports.drop(s.import_id)
                 return s.session
         for s in self.prefilling:
             if s.request_id == request_id:
@@ -278,7 +257,7 @@ class Scheduler:
         """One scheduler iteration (module docstring)."""
         self._iterations += 1
         if self.imports:
-            self.expire_imports()
+            self.imports.expire()
         self._admit()
         self._prefill_chunk()
         self._fit_budget()
@@ -313,7 +292,8 @@ class Scheduler:
 
     def _start_prefill(self, seq: Sequence) -> None:
         head = seq.tokens[:-1]
-        cached, k = self._claim_import(seq)
+        cached, k = self.imports.claim(seq.import_id, seq.request_id, seq.mode, seq.tokens)
+        seq.import_id = ""
         if cached is not None:
             seq.session.stats.transferred_tokens = k
         else:
@@ -530,23 +510,12 @@ class Scheduler:
             expires_s: clock time when it is dropped unless claimed.
 
         Raises:
-            StateMismatch: a mode this worker cannot decode, or layouts (count, dtype, heads,
-                head sizes) other than this worker's; the message says which.
+            StateMismatch: positions < 1, a mode this worker cannot decode, or layouts (count,
+                dtype, heads, head sizes) other than this worker's (`StagedImports.check`).
             Overloaded: its bytes do not fit the KV budget now (the message has the numbers).
         """
-        if positions < 1:
-            raise StateMismatch(f"a state of {positions} positions")
-        mine = self.layouts.get(mode)
-        if mine is None:
-            raise StateMismatch(f"mode {mode!r}: this worker decodes {sorted(self.layouts)}")
-        theirs = [lay.per_position() for lay in layouts]
-        if len(theirs) != len(mine):
-            raise StateMismatch(f"{len(theirs)} caches, this worker's {mode} sessions have {len(mine)}")
-        for a, b in zip(theirs, mine):
-            if a != b:
-                raise StateMismatch(f"cache layout (part, layer, dtype, key shape, value shape) {a}, "
-                                    f"this worker's {b}")
-        self.drop_imports_of(request_id)
+        self.imports.check(mode, positions, layouts)
+        self.imports.drop_request(request_id)
         need = self.row_bytes(mode, positions)
         over = self.projected_bytes() + need - self.budget
         if over > 0:
@@ -555,71 +524,7 @@ class Scheduler:
         if need > have:
             raise Overloaded(f"the state needs {need:,} bytes of KV cache; {max(0, have):,} of this worker's "
                              f"{self.budget:,} are free")
-        imp = StagedImport(import_id, request_id, mode, positions, need, expires_s)
-        self.imports[import_id] = imp
-        return imp
-
-    def stage_import(self, import_id: str, tokens: tuple[int, ...], caches: list[RowKVCache]) -> None:
-        """Attaches an arrived state's caches (from `kv_transfer.restore`) to its reservation.
-
-        Raises:
-            UnknownSession: the reservation is gone (expired or dropped).
-        """
-        imp = self.imports.get(import_id)
-        if imp is None:
-            raise UnknownSession(f"import {import_id!r} expired or was dropped before its data arrived")
-        imp.tokens, imp.caches = tuple(tokens), caches
-
-    def drop_import(self, import_id: str) -> bool:
-        """Forgets a staged or reserved import; False when there is none of that name."""
-        return self.imports.pop(import_id, None) is not None if import_id else False
-
-    def drop_imports_of(self, request_id: str) -> int:
-        """Forgets every import of a request; returns how many."""
-        gone = [k for k, i in self.imports.items() if i.request_id == request_id]
-        for k in gone:
-            del self.imports[k]
-        return len(gone)
-
-    def expire_imports(self) -> int:
-        """Drops imports past their expiry; returns how many."""
-        now = self.clock()
-        gone = [k for k, i in self.imports.items() if i.expires_s <= now]
-        for k in gone:
-            log.info("import %s of request %s expired unclaimed", k, self.imports[k].request_id)
-            del self.imports[k]
-        return len(gone)
-
-    def next_expiry_in(self) -> Optional[float]:
-        """Seconds until the next import expires (None when none is held)."""
-        if not self.imports:
-            return None
-        return max(0.0, min(i.expires_s for i in self.imports.values()) - self.clock())
-
-    def _claim_import(self, seq: Sequence) -> tuple[Optional[list[RowKVCache]], int]:
-        """The caches of the import `seq` names, cut to the longest prefix of its tokens they
-        cover (at most all but its last token), and that prefix's length; (None, 0) when there is
-        none, it is not staged, its mode differs, or it shares no prefix with the tokens."""
-        imp = self.imports.pop(seq.import_id, None) if seq.import_id else None
-        seq.import_id = ""
-        if imp is None or imp.caches is None:
-            return None, 0
-        if imp.mode != seq.mode:
-            log.info("request %s: its imported state is %s, the request decodes %s: prefilling",
-                     seq.request_id, imp.mode, seq.mode)
-            return None, 0
-        same = 0
-        for a, b in zip(imp.tokens, seq.tokens):
-            if a != b:
-                break
-            same += 1
-        usable = min(same, imp.positions, len(seq.tokens) - 1)
-        if usable < 1:
-            log.info("request %s: its imported state's tokens are not its own: prefilling", seq.request_id)
-            return None, 0
-        for c in imp.caches:
-            c.trim(c.host_lengths[0] - usable)
-        return imp.caches, usable
+        return self.imports.reserve(StagedImport(import_id, request_id, mode, positions, need, expires_s))
 
     def _advance_generator(self, s: Session) -> None:
         rid = s.request.request_id
@@ -650,11 +555,6 @@ class Scheduler:
             s.emit(event)
         except Exception:
             log.exception("emit failed for %s", rid)
-
-
-def _layouts(caches: list[RowKVCache], part: str) -> list[Layout]:
-    dtype = (lambda c: str(c.keys.dtype).removeprefix("mlx.core."))
-    return [Layout(part, i, dtype(c), tuple(c.keys.shape), tuple(c.values.shape)) for i, c in enumerate(caches)]
 
 
 def _close(s: Session) -> None:

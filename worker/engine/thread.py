@@ -11,7 +11,6 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
@@ -24,11 +23,11 @@ from worker.detokenize import TextAssembler
 from worker.engine.modes import MODES, LoadedModels, Mode, draft_kind_of, resolve_mode
 from worker.models.dflash_checkpoint import DraftCheckpointError
 from worker.engine.budget import default_kv_budget_bytes
-from worker.engine import kv_transfer
-from worker.engine.kv_transfer import FORMAT_VERSION, CacheBytes, SessionState
 from worker.engine.load import draft_label, load_models, read_model_config
 from worker.engine.profile import DecodeProfile, LoadBoard, SessionRates, scheduler_sessions
 from worker.engine.scheduler import BATCHED_MODES, Scheduler
+from worker.engine.intake import Intake
+from worker.engine.transfer import SessionTransfer
 from worker.engine.session import Session, new_stats
 from worker.engine.types import (
     DoneEvent,
@@ -41,20 +40,14 @@ from worker.engine.types import (
     ModelDescription,
     Overloaded,
     SamplingParams,
-    StateMismatch,
     TokenEvent,
-    UnknownSession,
 )
 from worker.metrics import model_footprint  # observability: bytes a decode step reads
-from worker.sampling import sampler_for, validate_sampling
+from worker.sampling import sampler_for
 
 log = logging.getLogger(__name__)
 
 THREAD_NAME = "flashfleet-engine"
-CHAT_ROLES = ("system", "user", "assistant", "tool")
-# Bytes of text per token that no tokenizer exceeds on real text (BPE tokens of mlx-lm's models
-# hold at most a few dozen bytes; whitespace runs in code are the longest): a bound, not an estimate.
-MAX_PROMPT_BYTES_PER_TOKEN = 64
 
 
 @dataclass(frozen=True)
@@ -97,7 +90,8 @@ class Engine:
       - The engine thread (named "flashfleet-engine", a daemon) loads the models, warms them up,
         runs every session and frees the models at the end. No other thread touches MLX.
       - Callers (the gRPC servicer) talk to it only through a command queue: `submit` and
-        `abort` put `Submit` / `Abort`, `close` puts `Shutdown`. None of them waits for MLX.
+        `abort` put `Submit` / `Abort`, `close` puts `Shutdown`, and the KV-transfer API
+        `transfer` (worker/engine/transfer.py) puts `Call`s. None of them waits for MLX.
       - Sessions are data held by one `Scheduler` (worker/engine/scheduler.py, docs/engine.md):
         each pass of the thread's loop drains the queue, then runs one scheduler iteration (a
         prefill chunk, one batched forward per decoding method, one step of each session whose
@@ -107,8 +101,9 @@ class Engine:
         the accepting flag. It is held for a few set operations, never across MLX work or
         callbacks, so `submit` can answer Overloaded / Draining synchronously. Capacity is
         released before a session's final event is emitted, so a client may resubmit at once.
-      - `encode_prompt` runs on the caller's thread with its own tokenizer instance (the engine
-        thread decodes with another), serialized by `_encode_lock`.
+      - `encode_prompt` and the checks of `submit` run on the caller's thread
+        (worker/engine/intake.py), with a tokenizer instance of their own (the engine thread
+        decodes with another); encoding is serialized by a lock of its own.
 
     Args:
         config: what to load and how to decode.
@@ -153,7 +148,6 @@ class Engine:
         self._closed = False
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
-        self._encode_lock = threading.Lock()
         self._scheduler: Scheduler | None = None  # the engine thread's
         # Published by the engine thread for load(): sessions' KV bytes, the prompt cache's, the budget.
         self._kv_bytes = self._prompt_cache_bytes = self._kv_budget = 0
@@ -189,9 +183,10 @@ class Engine:
             draft_kv_bytes_per_token=draft_fp.kv_bytes_per_token if draft_fp else 0,
             num_draft_tokens=self._draft_tokens_per_cycle(config, draft_cfg) if draft_fp else 0,
         )
-        self._encode_tokenizer = load_tokenizer(config.model_path)
-        self.import_ttl_s = kv_transfer.DEFAULT_IMPORT_TTL_S  # unclaimed imported states live this long
-        self._fingerprints: dict[str, str] = {}  # set by the engine thread once the models load
+        self._encode_tokenizer = load_tokenizer(config.model_path)  # the callers' (the engine thread has its own)
+        self._intake = Intake(self._encode_tokenizer, self._model, self._vocab_size, self._draft_kind, self._modes)
+        # Session migration's KV transfer (export, import), run through `_call`.
+        self.transfer = SessionTransfer(self._call, clock, self._vocab_size)
 
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._thread.start()
@@ -253,59 +248,9 @@ class Engine:
         return config.num_draft_tokens
 
     def encode_prompt(self, prompt: str | None, messages: list[dict] | None) -> list[int]:
-        """Tokenizes raw text (with the tokenizer's special tokens, e.g. BOS), or renders chat
-        messages with the model's chat template (generation prompt appended) and tokenizes them.
-
-        Args:
-            prompt: raw text; exactly one of prompt and messages is given.
-            messages: [{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...].
-
-        Returns:
-            Prompt token ids, non-empty.
-
-        Raises:
-            InvalidRequest: neither or both inputs, empty text, a malformed message (the message
-                names its index and field), no chat template, or a template that rejects them.
-        """
-        if (prompt is None) == (messages is None):
-            raise InvalidRequest("give exactly one of prompt or messages")
-        self._check_prompt_size(prompt, messages)
-        tok = self._encode_tokenizer
-        if prompt is not None:
-            if not isinstance(prompt, str) or not prompt:
-                raise InvalidRequest("prompt must be a non-empty string")
-            with self._encode_lock:
-                ids = tok.encode(prompt)
-        else:
-            _check_messages(messages)
-            if not getattr(tok, "chat_template", None):
-                raise InvalidRequest(f"model {self.model.name!r} has no chat template; send a raw prompt")
-            with self._encode_lock:
-                try:
-                    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-                except Exception as e:  # jinja2.TemplateError and the template's raise_exception
-                    raise InvalidRequest(f"the chat template rejected the messages: {e}") from e
-                ids = tok.encode(text, add_special_tokens=False)
-        if not ids:
-            raise InvalidRequest("the prompt encodes to no tokens")
-        return list(ids)
-
-    def _check_prompt_size(self, prompt: Any, messages: Any) -> None:
-        """Refuses text that cannot fit the context before tokenizing it (a multi-megabyte prompt
-        would hold this worker's tokenizer for seconds and grow its memory for nothing): no
-        tokenizer here makes fewer than one token of `MAX_PROMPT_BYTES_PER_TOKEN` bytes."""
-        if isinstance(prompt, str):
-            size = len(prompt.encode("utf-8", "surrogatepass"))
-        elif isinstance(messages, list):
-            size = sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages
-                       if isinstance(m, Mapping) and isinstance(m.get("content"), str))
-        else:
-            return
-        limit = MAX_PROMPT_BYTES_PER_TOKEN * self.model.max_context_tokens
-        if size > limit:
-            raise InvalidRequest(
-                f"the prompt is {size:,} bytes; the model's context of {self.model.max_context_tokens:,} tokens "
-                f"takes at most {limit:,} bytes of text: shorten the prompt")
+        """Prompt token ids of raw text or of chat messages rendered with the model's chat
+        template (`Intake.encode_prompt`, worker/engine/intake.py: arguments and errors)."""
+        return self._intake.encode_prompt(prompt, messages)
 
     def submit(self, request: GenerationRequest, emit: EmitFn) -> None:
         """Validates a request and queues it for the engine thread; never waits for MLX.
@@ -324,7 +269,7 @@ class Engine:
         """
         if not self._accepting:
             raise Draining("engine is not serving (starting or shutting down)")
-        mode = self._validate(request)
+        mode = self._intake.validate(request, self._scheduler)
         with self._lock:
             if not self._accepting:
                 raise Draining("engine is shutting down")
@@ -337,7 +282,7 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Cancels a request: it ends with DoneEvent("cancelled") unless it ended first. Any
-        imported state staged for it (`import_session`) is dropped too.
+        imported state staged for it (`transfer.reserve_import`) is dropped too.
 
         Returns:
             False when no such request is admitted.
@@ -347,9 +292,11 @@ class Engine:
         self._commands.put(Abort(request_id))
         return known
 
-    # ----- KV transfer (session migration; worker/engine/kv_transfer.py) ----------------------
+    # ----- engine-thread calls (the KV-transfer API, `transfer`) ------------------------------
 
     def _call(self, fn: Callable[[LoadedModels, Scheduler], Any]) -> Future:
+        """Queues fn(models, scheduler) for the engine thread; a Future of its result (of
+        `Draining` while the engine is not serving)."""
         future: Future = Future()
         with self._lock:
             if not self._accepting:
@@ -357,75 +304,6 @@ class Engine:
                 return future
             self._commands.put(Call(fn, future))
         return future
-
-    def export_session(self, request_id: str) -> Future:
-        """Snapshots a decoding session's state at its committed length; it keeps decoding.
-
-        Returns:
-            A Future of `kv_transfer.SessionState` (host bytes; resolved by the engine thread
-            between two iterations). Its exception: `UnknownSession` (no such decoding session),
-            `NotExportable` (a mode without exportable state) or `Draining`.
-        """
-        def run(m: LoadedModels, sched: Scheduler) -> SessionState:
-            mode, tokens, caches = sched.export(request_id)
-            return SessionState(request_id, mode, tokens, len(tokens) - 1, caches,
-                                self._fingerprints["target"],
-                                self._fingerprints["draft"] if mode == "dflash" else "")
-        return self._call(run)
-
-    def reserve_import(self, header: SessionState) -> Future:
-        """Checks an incoming state's header (`header.caches` hold layouts, no data) against this
-        worker and reserves KV budget for it for `import_ttl_s` seconds.
-
-        Returns:
-            A Future of the import id. Its exception: `StateMismatch` (format version, model or
-            draft fingerprint, mode, dtype or shapes differ: the message says which), `Overloaded`
-            (it does not fit the KV budget now) or `Draining`.
-        """
-        def run(m: LoadedModels, sched: Scheduler) -> str:
-            if header.format_version != FORMAT_VERSION:
-                raise StateMismatch(f"format version {header.format_version}, this worker reads {FORMAT_VERSION}")
-            mine = self._fingerprints["target"]
-            if header.model_fingerprint != mine:
-                raise StateMismatch(f"model {header.model_fingerprint!r}, this worker runs {mine!r}")
-            if header.mode == "dflash" and header.draft_fingerprint != self._fingerprints["draft"]:
-                raise StateMismatch(f"draft {header.draft_fingerprint!r}, this worker's is "
-                                    f"{self._fingerprints['draft']!r}")
-            if len(header.tokens) != header.positions + 1:
-                raise StateMismatch(f"{len(header.tokens)} tokens for {header.positions} positions")
-            if self._vocab_size is not None and not all(0 <= t < self._vocab_size for t in header.tokens):
-                raise StateMismatch(f"token ids outside this model's vocabulary [0, {self._vocab_size})")
-            if any(lay.key_shape[2] != header.positions or lay.value_shape[2] != header.positions
-                   for lay in header.layouts):
-                raise StateMismatch(f"cache shapes other than {header.positions} positions")
-            import_id = uuid.uuid4().hex
-            sched.reserve_import(import_id, header.request_id, header.mode, header.positions, header.layouts,
-                                 self._clock() + self.import_ttl_s)
-            return import_id
-        return self._call(run)
-
-    def stage_import(self, import_id: str, tokens: tuple[int, ...], caches: list[CacheBytes]) -> Future:
-        """Loads a reserved import's verified bytes into caches; a GenerationRequest naming
-        `import_id` then claims them (`GenerationRequest.import_id`).
-
-        Returns:
-            A Future of None. Its exception: `UnknownSession` (the reservation expired or was
-            dropped) or `Draining`; the import is dropped on any error.
-        """
-        def run(m: LoadedModels, sched: Scheduler) -> None:
-            imp = sched.imports.get(import_id)
-            if imp is None:
-                raise UnknownSession(f"import {import_id!r} expired or was dropped before its data arrived")
-            try:
-                sched.stage_import(import_id, tokens, kv_transfer.restore(caches, imp.positions))
-            except BaseException:
-                sched.drop_import(import_id)
-                raise
-        return self._call(run)
-
-    def drop_import(self, import_id: str) -> None:
-        """Forgets a reserved or staged import (no-op when unknown); never waits."""
-        self._call(lambda m, sched: sched.drop_import(import_id))
 
     def load(self) -> EngineLoad:
         """Admitted sessions, capacity, bytes held by running sessions' KV caches and by the prompt
@@ -440,65 +318,13 @@ class Engine:
                           prefill_seconds_per_token=self._profile.prefill_seconds_per_token,
                           kv_layers=self._board.kv_layers)
 
-    # ----- validation (caller's thread, pure Python) ------------------------------------------
-
-    def _validate(self, r: GenerationRequest) -> str:
-        """Checks a request against the model; returns the mode key that will serve it."""
-        if not r.request_id:
-            raise InvalidRequest("request_id is empty")
-        n = len(r.prompt_tokens)
-        if n == 0:
-            raise InvalidRequest("prompt is empty (no prompt tokens)")
-        if self._vocab_size is not None and (min(r.prompt_tokens) < 0 or max(r.prompt_tokens) >= self._vocab_size):
-            raise InvalidRequest(f"prompt token ids must be in [0, {self._vocab_size})")
-        if r.max_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be >= 1, got {r.max_tokens}")
-        if r.resume_tokens:
-            if len(r.resume_tokens) >= r.max_tokens:
-                raise InvalidRequest(f"resume_token_ids ({len(r.resume_tokens)}) must be fewer than "
-                                     f"max_tokens ({r.max_tokens}): nothing is left to generate")
-            if self._vocab_size is not None and not all(0 <= t < self._vocab_size for t in r.resume_tokens):
-                raise InvalidRequest(f"resume_token_ids must be in [0, {self._vocab_size})")
-            if set(self._encode_tokenizer.eos_token_ids).intersection(r.resume_tokens):
-                raise InvalidRequest("resume_token_ids contain an end-of-sequence token")
-            try:  # the engine thread primes its own assembler the same way
-                TextAssembler(self._encode_tokenizer, r.stop).resume(r.resume_tokens, r.resume_text)
-            except ValueError as e:
-                raise InvalidRequest(str(e)) from None
-        elif r.resume_text:
-            raise InvalidRequest("resume_text without resume_token_ids")
-        ctx = self.model.max_context_tokens
-        if n + r.max_tokens > ctx:
-            raise InvalidRequest(
-                f"prompt ({n} tokens) + max_tokens ({r.max_tokens}) = {n + r.max_tokens} tokens "
-                f"exceeds the model's context of {ctx} tokens: "
-                + (f"ask for max_tokens <= {ctx - n}, or leave it unset" if n < ctx else "shorten the prompt")
-            )
-        validate_sampling(r.sampling.temperature, r.sampling.top_p, r.sampling.seed)
-        if any(not isinstance(s, str) or not s for s in r.stop):
-            raise InvalidRequest("stop strings must be non-empty strings")
-        mode = resolve_mode(r.mode, self._draft_kind, self._modes)
-        sched = self._scheduler
-        if sched is not None and mode in BATCHED_MODES:
-            positions = n + r.max_tokens + sched.max_block(mode)
-            if not sched.fits_alone(mode, positions):
-                need = sched.row_bytes(mode, positions)
-                raise InvalidRequest(
-                    f"prompt ({n} tokens) + max_tokens ({r.max_tokens}) needs {need / 1e6:.1f} MB of KV cache, "
-                    f"more than this worker's KV budget of {sched.budget / 1e6:.1f} MB: "
-                    "ask for fewer tokens, or raise the worker's --kv-cache-limit-bytes")
-        return mode
-
     # ----- the engine thread -----------------------------------------------------------------
 
     def _run(self) -> None:
         try:
             models = load_models(self.config, self._draft_kind)
             sched = self._scheduler = self._make_scheduler(models)
-            dtype = str(sched.layouts["plain"][0][2])
-            self._fingerprints = {"target": kv_transfer.fingerprint(self.config.model_path, dtype),
-                                  "draft": kv_transfer.fingerprint(self.config.draft_path, dtype)
-                                  if models.draft_kind == "dflash" else ""}
+            self.transfer.loaded(self.config, models.draft_kind, sched)
             if self.config.warmup:
                 self._warmup(models, sched)
             self._board.kv_layers = len(sched.batches["plain"].caches)
@@ -570,7 +396,7 @@ class Engine:
     def _handle_commands(self, m: LoadedModels, sched: Scheduler, block: bool) -> bool:
         """Drains the command queue (waiting for one command when `block`); False on Shutdown."""
         try:  # staged imports expire even while no session runs
-            cmd = self._commands.get(block=block, timeout=sched.next_expiry_in() if block else None)
+            cmd = self._commands.get(block=block, timeout=sched.imports.next_expiry_in() if block else None)
         except queue.Empty:
             return True
         while True:
@@ -579,7 +405,7 @@ class Engine:
             if isinstance(cmd, Submit):
                 self._start_session(m, sched, cmd)
             elif isinstance(cmd, Abort):
-                sched.drop_imports_of(cmd.request_id)
+                sched.imports.drop_request(cmd.request_id)
                 s = sched.cancel(cmd.request_id)
                 if s is not None:
                     self._end_cancelled(s)
@@ -606,7 +432,7 @@ class Engine:
                               resume_text="")
             sampler = sampler_for(req.sampling)
             if req.import_id and cmd.mode not in BATCHED_MODES:  # its own generator prefills
-                sched.drop_import(req.import_id)
+                sched.imports.drop(req.import_id)
             if cmd.mode in BATCHED_MODES:
                 s = Session(req, cmd.emit, iter(()), [], text, m.eos_ids, cmd.received_s,
                             new_stats(req, cmd.mode))
@@ -618,7 +444,7 @@ class Engine:
                 sched.add_generator(s)
         except Exception as e:
             log.exception("request %s failed to start", req.request_id)
-            sched.drop_import(req.import_id)
+            sched.imports.drop(req.import_id)
             self._release(req.request_id)
             _safe_emit(cmd.emit, ErrorEvent(req.request_id, e))
             return
@@ -672,16 +498,3 @@ def _safe_emit(emit: EmitFn, event: Any) -> None:
     except Exception:
         log.exception("emit failed for %s", getattr(event, "request_id", "?"))
 
-
-def _check_messages(messages: Any) -> None:
-    """Raises InvalidRequest naming the first malformed chat message and what is wrong with it."""
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("messages must be a non-empty list of {'role', 'content'} objects")
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, Mapping):
-            raise InvalidRequest(f"messages[{i}] must be an object with 'role' and 'content', got {type(msg).__name__}")
-        role = msg.get("role")
-        if role not in CHAT_ROLES:
-            raise InvalidRequest(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {role!r}")
-        if not isinstance(msg.get("content"), str):
-            raise InvalidRequest(f"messages[{i}].content must be a string; got {type(msg.get('content')).__name__}")

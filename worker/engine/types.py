@@ -75,7 +75,7 @@ class GenerationRequest:
             fewer than max_tokens, which counts them): decoding continues after
             prompt_tokens + resume_tokens.
         resume_text: the text the client received with resume_tokens (a prefix of their text).
-        import_id: a state staged by `Engine.import_session` to use instead of prefilling the
+        import_id: a state staged by `Engine.transfer.stage_import` to use instead of prefilling the
             tokens it covers ("" for none; `worker.engine.kv_transfer`).
     """
 
