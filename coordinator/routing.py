@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import OrderedDict
 from typing import Callable, Iterable
 
 from coordinator.registry import WorkerRecord
@@ -104,6 +105,10 @@ class PowerOfTwoRouter:
 class SessionAffinity:
     """Remembers which worker served each session, forgetting sessions unused for ttl_s.
 
+    Entries are kept in the order they were last bound, so each `bind` drops the expired ones
+    from the front: memory stays bounded by the sessions bound within ttl_s, however many
+    session ids clients ever send.
+
     Args:
         ttl_s: seconds after which an unused session's affinity is dropped.
         clock: monotonic seconds.
@@ -112,7 +117,7 @@ class SessionAffinity:
     def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic):
         self.ttl_s = ttl_s
         self._clock = clock
-        self._by_session: dict[str, tuple[str, float]] = {}
+        self._by_session: OrderedDict[str, tuple[str, float]] = OrderedDict()  # oldest bind first
 
     def lookup(self, session_id: str) -> str | None:
         """The worker id of a session, or None (empty id, unknown, or unused for over ttl_s,
@@ -129,8 +134,16 @@ class SessionAffinity:
 
     def bind(self, session_id: str, worker_id: str) -> None:
         """Binds a session to a worker and restarts its ttl_s; an empty session_id is ignored."""
-        if session_id:
-            self._by_session[session_id] = (worker_id, self._clock())
+        if not session_id:
+            return
+        now = self._clock()
+        self._by_session[session_id] = (worker_id, now)
+        self._by_session.move_to_end(session_id)
+        while self._by_session:
+            oldest, (_, t) = next(iter(self._by_session.items()))
+            if now - t <= self.ttl_s:
+                break
+            del self._by_session[oldest]
 
     def forget_worker(self, worker_id: str) -> None:
         """Drops every session bound to a worker (it expired or left)."""

@@ -104,3 +104,17 @@ def test_session_affinity_holds_unless_its_worker_lacks_room(sticky_free, other_
     affinity.bind("s", "sticky")
     workers = [worker("sticky", free_bytes=sticky_free, in_flight=2), worker("other", free_bytes=other_free)]
     assert pick(workers, tokens=100, session_id="s", affinity=affinity) == {expected}
+
+
+def test_session_affinity_forgets_expired_sessions_without_being_asked_for_them():
+    now = [0.0]
+    affinity = SessionAffinity(ttl_s=10.0, clock=lambda: now[0])
+    for i in range(1000):  # one-turn sessions never looked up again
+        now[0] = i * 0.1
+        affinity.bind(f"s{i}", "w1")
+    assert len(affinity._by_session) <= 101  # only those bound within the last 10 s are kept
+    assert affinity.lookup("s999") == "w1" and affinity.lookup("s0") is None
+    affinity.bind("s990", "w2")  # a rebind refreshes its place
+    now[0] += 9.95
+    affinity.bind("new", "w1")
+    assert affinity.lookup("s990") == "w2" and affinity.lookup("s989") is None
