@@ -110,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         flags or settings).
     """
     from flashfleet.config import ConfigError
+    from flashfleet.malloc import return_large_buffers
 
+    return_large_buffers()  # relayed KV state must not leave the heap at its high-water mark
     try:
         a = parse_args(argv)
     except ConfigError as e:

@@ -259,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     from flashfleet.models.drafts import NoShippedDraftError
 
     _restart_with_openblas(argv)
+    from flashfleet.malloc import return_large_buffers
 
+    return_large_buffers()  # exported and imported KV state must not leave the heap at its high-water mark
     try:
         a = parse_args(argv)
     except (ConfigError, NoShippedDraftError) as e:
