@@ -17,6 +17,10 @@ from flashfleet.v1 import common_pb2, worker_pb2
 Clock = Callable[[], float]
 
 
+class WorkerIdInUse(Exception):
+    """A registration under a worker id another live worker holds."""
+
+
 @dataclass
 class WorkerRecord:
     """One registered worker.
@@ -117,22 +121,32 @@ class Registry:
         self.frozen = True
 
     def register(self, req: worker_pb2.RegisterRequest) -> WorkerRecord:
-        """Adds (or replaces) a worker and starts a new lease.
+        """Adds a worker, or renews one that registers again (it restarted, or its lease ran
+        out), and starts a new lease. A worker registering again keeps its record, so the
+        streams open to it stay counted on the record they will be released from.
 
         Raises:
             ValueError: empty worker_id, address or model list.
+            WorkerIdInUse: another worker at another address holds a live lease under this id
+                and was not found unreachable (two workers given one --worker-id).
         """
         if not req.worker_id or not req.address:
             raise ValueError("worker_id and address are required")
         if not req.models:
             raise ValueError("a worker must serve at least one model")
-        old = self._workers.get(req.worker_id)
-        rec = WorkerRecord(
-            worker_id=req.worker_id, address=req.address, lease_id=uuid.uuid4().hex,
-            models=list(req.models), load=req.load, last_heartbeat_s=self._clock(),
-            in_flight=old.in_flight if old else 0, served_requests=old.served_requests if old else 0,
-            model_names=frozenset(m.name for m in req.models), draining=old.draining if old else False)
-        self._workers[req.worker_id] = rec
+        self.expire()
+        now = self._clock()
+        rec = self._workers.get(req.worker_id)
+        if rec is None:
+            rec = self._workers[req.worker_id] = WorkerRecord(req.worker_id, req.address, "", [], req.load, now)
+        elif rec.address != req.address and not rec.unreachable:
+            raise WorkerIdInUse(
+                f"worker id {req.worker_id!r} is in use by the worker at {rec.address} (its lease is live): "
+                f"give this worker another --worker-id, or stop that one (its lease ends "
+                f"{max(0.0, self.lease_ttl_s - (now - rec.last_heartbeat_s)):.0f} s after its last heartbeat)")
+        rec.address, rec.lease_id, rec.models, rec.load = req.address, uuid.uuid4().hex, list(req.models), req.load
+        rec.model_names = frozenset(m.name for m in req.models)
+        rec.last_heartbeat_s, rec.unreachable = now, False
         return rec
 
     def heartbeat(self, worker_id: str, lease_id: str, load: worker_pb2.WorkerLoad) -> WorkerRecord:

@@ -30,7 +30,7 @@ from coordinator import kv_transfer
 from coordinator.admission import AdmissionQueue
 from coordinator.config import CoordinatorConfig
 from coordinator.migration import Decision, StreamProgress, session_load
-from coordinator.registry import Registry, UnknownLease, WorkerRecord
+from coordinator.registry import Registry, UnknownLease, WorkerIdInUse, WorkerRecord
 from coordinator.routing import (AllBusy, NoWorker, PowerOfTwoRouter, SessionAffinity, request_tokens_bound,
                                  route)
 from flashfleet.errors import FlashfleetError, short_details
@@ -879,12 +879,17 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
         """Registers (or re-registers) a worker and returns its new lease, the lease TTL and the
         heartbeat interval (seconds).
 
-        Aborts the call with INVALID_ARGUMENT when worker_id, address or the model list is empty.
+        Aborts the call with INVALID_ARGUMENT when worker_id, address or the model list is empty,
+        and with ALREADY_EXISTS when another live worker at another address holds the id (the
+        worker retries, so it joins once that one's lease ends).
         """
         try:
             rec = self.registry.register(request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, short_details(str(e)))
+        except WorkerIdInUse as e:
+            log.warning("refused a registration from %s: %s", request.address, e)
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, short_details(str(e)))
         log.info("worker %s registered at %s serving %s", rec.worker_id, rec.address,
                  sorted(rec.model_names))
         if self.admission:

@@ -63,6 +63,31 @@ def test_registry_heartbeat_carries_free_kv_bytes():
     assert registry.get("a").kv_free_bytes == 2000
 
 
+def test_a_worker_registering_again_keeps_its_record_and_another_cannot_take_its_id():
+    from coordinator.registry import WorkerIdInUse
+
+    now = [0.0]
+    registry = Registry(lease_ttl_s=10.0, clock=lambda: now[0])
+
+    def register(address):
+        return registry.register(worker_pb2.RegisterRequest(
+            worker_id="a", address=address, models=[common_pb2.ModelInfo(name=MODEL)],
+            load=worker_pb2.WorkerLoad(capacity=2)))
+
+    rec = register("a:1")
+    rec.in_flight, rec.served_requests = 2, 7  # streams open to it
+    again = register("a:1")  # the same worker (restarted, or its lease ran out)
+    assert again is rec and again.in_flight == 2 and again.served_requests == 7
+    assert again.lease_id != "" and registry.get("a") is rec
+    with pytest.raises(WorkerIdInUse, match="in use by the worker at a:1"):
+        register("a:2")  # a second worker given the same id
+    assert registry.get("a").address == "a:1"
+    rec.unreachable = True  # the first one's calls fail: a replacement may take over
+    assert register("a:2") is rec and rec.address == "a:2" and not rec.unreachable
+    now[0] = 20.0  # its lease ran out: the id is free for anyone
+    assert register("a:3").address == "a:3"
+
+
 def test_a_worker_without_room_is_passed_over_while_another_has_room():
     tight, roomy = worker("tight", free_bytes=50 * PER_TOKEN), worker("roomy", free_bytes=500 * PER_TOKEN,
                                                                       in_flight=3)

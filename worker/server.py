@@ -198,9 +198,10 @@ def _warn_while_unreachable(coordinator: str):
             return
         last[0] = state.seconds_since_start
         e = state.outcome.exception()
-        log.warning("cannot register with the coordinator at %s (%s: %s) for %.0f s; retrying "
-                    "until it answers (check --coordinator and that it is running)", coordinator,
-                    e.code().name, e.details(), state.seconds_since_start)
+        hint = ("another worker holds this --worker-id" if e.code() == grpc.StatusCode.ALREADY_EXISTS
+                else "check --coordinator and that it is running")
+        log.warning("cannot register with the coordinator at %s (%s: %s) for %.0f s; retrying (%s)",
+                    coordinator, e.code().name, e.details(), state.seconds_since_start, hint)
 
     return before_sleep
 
