@@ -51,11 +51,12 @@ def decode_content(data: bytes, encoding: str | None, limit: int = MAX_DECODED_B
         except zlib.error:
             continue
         if len(out) > limit:
-            raise OpenAIError(413, f"the request body decodes to more than {limit:,} bytes", "invalid_request_error")
+            raise OpenAIError(413, f"the request body decodes to more than {limit:,} bytes", "invalid_request_error",
+                              None, "request_too_large")
         if inflater.eof and not inflater.unused_data:
             return out
     raise OpenAIError(400, short_details(f"the request body does not decode as its Content-Encoding {encoding!r} "
-                                         "says"))
+                                         "says"), code="invalid_argument")
 
 
 async def read_json(request: web.Request) -> Any:
@@ -71,9 +72,9 @@ async def read_json(request: web.Request) -> Any:
     try:
         return json.loads(data.decode(request.charset or "utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
-        raise OpenAIError(400, short_details(f"the request body is not JSON: {e}")) from None
+        raise OpenAIError(400, short_details(f"the request body is not JSON: {e}"), code="invalid_argument") from None
     except LookupError:
         raise OpenAIError(400, short_details(f"the request body's charset {request.charset!r} is unknown: "
-                                             "send UTF-8 JSON")) from None
+                                             "send UTF-8 JSON"), code="invalid_argument") from None
     except RecursionError:
-        raise OpenAIError(400, "the request body's JSON is nested too deeply") from None
+        raise OpenAIError(400, "the request body's JSON is nested too deeply", code="invalid_argument") from None

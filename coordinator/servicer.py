@@ -660,15 +660,20 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             await context.abort(e.code, e.details)
 
     async def move_session(self, request_id: str, to_worker_id: str = "") -> coordinator_pb2.MoveSessionResponse:
-        """`MoveSession` as a coroutine (see there).
+        """`MoveSession` as a coroutine (see there). `request_id` may also be the `id` of an HTTP
+        API response (`chatcmpl-<request id>`, `cmpl-<request id>`).
 
         Raises:
             GenerateFailed: with the status codes `MoveSession` aborts with.
         """
         stream = self._streams.get(request_id)
+        for prefix in ("chatcmpl-", "cmpl-"):
+            if stream is None and request_id.startswith(prefix):
+                stream = self._streams.get(request_id[len(prefix):])
         if stream is None or stream.worker is None:
             raise GenerateFailed(grpc.StatusCode.NOT_FOUND, f"no request {request_id!r} is streaming")
         req, source = stream.request, stream.worker
+        request_id = req.request_id
         policy = self.config.migration
         live = self.registry.live()
         candidates = policy.candidates(req, source, live)
@@ -700,8 +705,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def DrainWorker(self, request: coordinator_pb2.DrainWorkerRequest, context):
         """Drains a worker (`drain_worker`), writing its progress whenever it changes.
 
-        Aborts the call with NOT_FOUND (no live worker with that id) or FAILED_PRECONDITION (it
-        runs sessions and no other live, undrained worker serves its model).
+        Aborts the call with NOT_FOUND (no live worker with that id) or FAILED_PRECONDITION (no
+        other live, undrained worker serves its models: its sessions could not move, and the
+        models would go unserved).
         """
         try:
             async for progress in self.drain_worker(request.worker_id):
@@ -724,10 +730,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             raise GenerateFailed(grpc.StatusCode.NOT_FOUND, f"no live worker {worker_id!r}")
         others = [w for w in self.registry.live() if w is not rec and not w.draining
                   and any(w.serves(m) for m in rec.model_names)]
-        if rec.in_flight and not others:
+        if not others:  # its sessions could not move, and its models would go unserved
             raise GenerateFailed(grpc.StatusCode.FAILED_PRECONDITION,
-                                 f"worker {worker_id!r} runs {rec.in_flight} session(s) and no other live worker "
-                                 f"serves {', '.join(sorted(rec.model_names))}: start one, or wait for them to end")
+                                 f"worker {worker_id!r} is the last live worker serving "
+                                 f"{', '.join(sorted(rec.model_names))}: start another first, or stop this one")
         if not rec.draining:
             rec.draining = True
             self._drain_moved[worker_id] = 0

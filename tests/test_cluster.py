@@ -510,7 +510,12 @@ def test_cli_generate_prints_whole_lines_and_stats_on_stderr(cluster, capsys):
     assert main(["abc", "--model", "fake-model", "--raw", "--max-tokens", "5", "--address", cluster.address]) == 0
     out, err = capsys.readouterr()
     assert out and out.endswith("\n") and not out.endswith("\n\n")  # piped output ends with one whole line
-    assert err.startswith("-- length; worker ") and "tok/s" in err
+    first, last = err.splitlines()
+    assert len(first.split()) == 3 and first.startswith("-- request ")  # the id `flashfleet move` takes
+    assert last.startswith("-- length; worker ") and "tok/s" in last
+    assert main(["abc", "--model", "fake-model", "--max-tokens", "2", "--request-id", "mine",
+                 "--address", cluster.address]) == 0
+    assert capsys.readouterr().err.startswith("-- request mine\n")
     assert main(["abc", "--model", "no-such-model", "--address", cluster.address]) == 1
     assert "NOT_FOUND" in capsys.readouterr().err
 

@@ -181,20 +181,23 @@ def test_drain_and_move_errors():
             with pytest.raises(FailedPrecondition, match="no other worker"):
                 client.move_session("long")
             w1.in_flight = 0
-            moved = client.move_session("long")  # the policy's choice: the only other worker
-            assert moved.to_worker_id == "w1"
+            moved = client.move_session("chatcmpl-long")  # an HTTP response's id names it too
+            assert moved.to_worker_id == "w1" and moved.request_id == "long"  # the policy's choice
         t.join(30)
         assert results["long"].token_ids == _expected("ab", 300) and results["long"].stats.migrations == 2
-        # A worker with sessions and no other worker for them cannot be drained.
+        # The last worker serving a model cannot be drained, busy or idle.
         cluster.coordinator.registry.get("w2").draining = True
         cluster.coordinator.servicer.affinity.bind("s", "w1")
         t = _stream_in_background(cluster, results, "again", "cd", max_tokens=200)
         assert wait_until(lambda: "again" in cluster.coordinator.servicer._streams, 10)
         with Client(cluster.address) as client:
-            with pytest.raises(FailedPrecondition, match="no other live worker"):
+            with pytest.raises(FailedPrecondition, match="the last live worker serving"):
                 list(client.drain_worker("w1"))
         t.join(30)
         assert not isinstance(results.get("again"), FlashfleetError)
+        with Client(cluster.address) as client:
+            with pytest.raises(FailedPrecondition, match="start another first, or stop this one"):
+                list(client.drain_worker("w1"))
     finally:
         cluster.close()
 

@@ -154,6 +154,7 @@ def test_errors_have_openais_shape_and_status(fake_http):
     url = base_url(cluster)
     status, body = post(url + "/chat/completions", b"{not json")
     assert status == 400 and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == "invalid_argument"  # as for every other bad request
     status, body = post(url + "/completions", json.dumps({"model": "fake-model", "prompt": [1, 2]}).encode())
     assert status == 400 and body["error"]["param"] == "prompt"
     status, body = post(url + "/embeddings", b"{}")
@@ -192,6 +193,7 @@ def test_a_body_that_does_not_decode_as_its_content_encoding_is_400_every_time(f
         status, answer = post(base_url(cluster) + "/completions", b"[" * 100 + b"]" * 100,
                               headers={"Content-Encoding": encoding})
         assert status == 400 and f"Content-Encoding {encoding!r}" in answer["error"]["message"]
+        assert answer["error"]["code"] == "invalid_argument"
     body = json.dumps({"model": "fake-model", "prompt": "x", "max_tokens": 2}).encode()
     for packed in (gzip.compress(body) if encoding == "gzip" else zlib.compress(body),):
         status, answer = post(base_url(cluster) + "/completions", packed, headers={"Content-Encoding": encoding})

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import uuid
 
 from flashfleet.cli._common import add_connection_args, credentials
 from flashfleet.config import ConfigError
@@ -40,6 +41,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--mode", default="auto", choices=["auto", "plain", "draft", "dflash", "uag"],
                    help="decoding mode: auto uses the worker's draft, plain none")
     p.add_argument("--timeout-s", type=float, default=600.0, help="deadline of the whole answer, seconds")
+    p.add_argument("--request-id", default="",
+                   help="the request's id (default: a new one, printed to stderr first: `flashfleet move` takes it)")
     a = p.parse_args(argv)
     from flashfleet.client import Client
 
@@ -48,13 +51,15 @@ def main(argv: list[str]) -> int:
     else:
         messages = ([{"role": "system", "content": a.system}] if a.system else [])
         kwargs = {"messages": messages + [{"role": "user", "content": a.prompt}]}
+    request_id = a.request_id or uuid.uuid4().hex
+    print(f"-- request {request_id}", file=sys.stderr, flush=True)
     try:
         last, text_ended_line = None, False
         with Client(a.address, credentials=credentials(a.config)) as client:
             for chunk in client.generate(a.model, max_tokens=a.max_tokens, temperature=a.temperature,
                                          top_p=a.top_p, seed=a.seed, stop=a.stop,
                                          session_id=a.session_id, mode=a.mode,
-                                         timeout_s=a.timeout_s, **kwargs):
+                                         timeout_s=a.timeout_s, request_id=request_id, **kwargs):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 if chunk.text:

@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
                      f"{w.prompt_cache_bytes / 2**20:.1f} MiB", str(w.served_requests),
                      f"{w.heartbeat_age_s:.1f}s",
                      # unreachable: a call failed UNAVAILABLE since its last heartbeat; routing passes it over
-                     "unreachable" if w.unreachable else "live"])
+                     "unreachable" if w.unreachable else "draining" if w.draining else "live"])
     # Columns as wide as their widest cell; text left-aligned, numbers right-aligned.
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     for r in [head, *rows]:
