@@ -115,7 +115,7 @@ class StopStrings:
             i = buf.find(s[0], max(len(buf) - len(s) + 1, 0), end)
             while i >= 0:
                 if s.startswith(buf[i:]):
-                    best = len(buf) - i  # the first hit is this stop's longest tail
+                    best = len(buf) - i  # the first hit is the longest tail for this stop string
                     break
                 i = buf.find(s[0], i + 1, end)
         return best

@@ -17,11 +17,10 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-STEP = 256  # buffer positions are allocated in buckets of this many
+from flashfleet.kv_need import POSITION_BUCKET, bucket
 
-
-def _bucket(n: int) -> int:
-    return max(STEP, -(-n // STEP) * STEP)
+STEP = POSITION_BUCKET  # buffer positions are allocated in buckets of this many
+_bucket = bucket  # positions rounded up to whole buckets (the formula the coordinator shares)
 
 
 class RowKVCache:

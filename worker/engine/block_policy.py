@@ -59,7 +59,8 @@ def expected_tokens(a: float, L: int) -> float:
     return float(L) if a >= 1.0 else (1.0 - a ** L) / (1.0 - a)
 
 
-def _pow2_bucket(n: int, floor: int = 1) -> int:
+def pow2_bucket(n: int, floor: int = 1) -> int:
+    """The power-of-two bucket of `n` (its upper bound), at least `floor`."""
     return max(floor, 1 << max(0, int(n) - 1).bit_length())
 
 
@@ -98,7 +99,7 @@ class BatchBlockPolicy:
     @staticmethod
     def key(batch_size: int, context: int) -> tuple[int, int]:
         """(batch-size bucket, context bucket) that costs are kept under."""
-        return _pow2_bucket(batch_size), _pow2_bucket(context, 256)
+        return pow2_bucket(batch_size), pow2_bucket(context, 256)
 
     def cost(self, batch_size: int, context: int, L: int) -> Optional[float]:
         """Estimated seconds of an iteration at block size L (None: never measured in this bucket)."""

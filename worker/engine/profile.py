@@ -23,15 +23,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-from worker.engine.block_policy import expected_tokens
+from worker.engine.block_policy import expected_tokens, pow2_bucket
 
 SLOWDOWN_ENV = "FLASHFLEET_TEST_SLOWDOWN"
 CONTEXT_FLOOR = 256  # the smallest context bucket, tokens
-
-
-def bucket(n: int, floor: int = 1) -> int:
-    """The power-of-two bucket of `n` (its upper bound), at least `floor`."""
-    return max(floor, 1 << max(0, int(n) - 1).bit_length())
 
 
 @dataclass(frozen=True)
@@ -100,7 +95,7 @@ class DecodeProfile:
         seconds = self._slow(seconds)
         if block != 1 or batch_size < 1 or seconds <= 0:
             return
-        key = (bucket(batch_size), bucket(context, CONTEXT_FLOOR))
+        key = (pow2_bucket(batch_size), pow2_bucket(context, CONTEXT_FLOOR))
         table = dict(self._decode)
         old = table.get(key)
         if key not in self._seen:  # the first iteration of a bucket is warm-up (graph set-up, compiles)

@@ -385,11 +385,12 @@ class Scheduler:
             else:
                 L = self._block_for(seqs)
                 res = dflash_cycle(self.m.target, self.m.draft, self.capture, batch, L)
-                if self.policy is not None:
-                    self.policy.observe(len(seqs), max(s.row.n for s in seqs), L, self.clock() - t0)
                 results = [(t, L - 1, a) for t, a in zip(res.tokens, res.accepted)]
+            elapsed, context = self.clock() - t0, max(s.row.n for s in seqs)
+            if mode != "plain" and self.policy is not None:
+                self.policy.observe(len(seqs), context, L, elapsed)
             if self.profile is not None:
-                self.profile.decode(len(seqs), max(s.row.n for s in seqs), L, self.clock() - t0)
+                self.profile.decode(len(seqs), context, L, elapsed)
         except Exception as e:
             log.exception("a batched %s iteration failed; ending its %d sessions", mode, len(seqs))
             self._leave(mode, list(range(len(seqs))))
