@@ -4,7 +4,8 @@ stream chunks and errors built from flashfleet's. Pure functions, no I/O.
 
 Mapping (OpenAI field -> GenerateRequest): model, messages (text content; "developer" turns are
 system turns) / prompt (one string), max_completion_tokens or max_tokens, temperature (unset =
-greedy, as in flashfleet's own API), top_p, seed, stop (a string or a list). flashfleet's own
+greedy, as in flashfleet's own API), top_p, seed, stop (a string or a list), response_format
+(json_object, json_schema: decoded under a grammar). flashfleet's own
 fields ride along in the body (`extra_body` in the openai client): mode ("auto", "plain",
 "draft", "dflash", "uag"), session_id (worker affinity across turns) and timeout_s (the request's
 deadline, seconds). Fields flashfleet cannot honour (n other than 1, logprobs, tools, penalties,
@@ -55,7 +56,7 @@ REQUEST_FIELDS: dict[str, str | tuple] = {
     "user": NOOP, "safety_identifier": NOOP, "metadata": NOOP, "store": NOOP, "service_tier": NOOP,
     "prompt_cache_key": NOOP, "prompt_cache_retention": NOOP, "prompt_cache_options": NOOP,
     "parallel_tool_calls": NOOP,  # tools are refused, so no call is made in parallel or otherwise
-    "response_format": (None, {"type": "text"}),
+    "response_format": SERVED,
     "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
     "logprobs": (None, False, 0), "top_logprobs": (None, 0), "logit_bias": (None, {}),
     "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
@@ -200,9 +201,10 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
         request = build_request(
             model, None if chat else _prompt(body), messages=_messages(body) if chat else None,
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-            stop=body.get("stop"), session_id=session_id, request_id=uuid.uuid4().hex, mode=mode)
+            stop=body.get("stop"), session_id=session_id, request_id=uuid.uuid4().hex, mode=mode,
+            response_format=body.get("response_format"))
     except InvalidArgument as e:
-        raise bad(e.details) from None
+        raise bad(e.details, "response_format" if "response_format" in e.details else None) from None
     return ParsedRequest(request, chat, stream, bool(options.get("include_usage")), timeout_s)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import numbers
-from typing import AsyncIterator, Iterable, Iterator, Mapping
+from typing import Any, AsyncIterator, Iterable, Iterator, Mapping
 
 import grpc
 
@@ -138,6 +138,7 @@ class Client:
                  temperature: float | None = None, top_p: float | None = None,
                  seed: int | None = None, stop: str | Iterable[str] = (), session_id: str = "",
                  request_id: str = "", mode: str = "auto",
+                 response_format: Mapping[str, Any] | None = None, json_schema: Mapping[str, Any] | None = None,
                  timeout_s: float | None = None) -> Iterator[Chunk]:
         """Streams a generation.
 
@@ -151,6 +152,9 @@ class Client:
             stop: output ends before the first of these strings (one string, or several).
             session_id: requests of one session go to the same worker.
             mode: "auto", "plain", "draft", "dflash" or "uag".
+            json_schema: a JSON Schema (dict): the output is JSON valid against it (decoded under
+                a grammar in modes plain and dflash); or response_format, OpenAI's object
+                ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"schema": ...}}).
             timeout_s: deadline of the whole stream, seconds (default: the client's).
 
         Yields:
@@ -158,7 +162,8 @@ class Client:
 
         Raises:
             InvalidArgument: arguments `build_request` rejects, or timeout_s <= 0 (raised at the
-                first iteration, before any RPC), or a request the server rejects.
+                first iteration, before any RPC), or a request the server rejects (a schema the
+                worker's grammar library cannot compile: the message says why).
             ModelNotFound: no worker serves `model` (or none has a draft for `mode`).
             Overloaded: every worker serving it is full and the coordinator's queue is full or
                 its wait timed out.
@@ -169,7 +174,8 @@ class Client:
         """
         req = build_request(model, prompt, messages=messages, max_tokens=max_tokens,
                             temperature=temperature, top_p=top_p, seed=seed, stop=stop,
-                            session_id=session_id, request_id=request_id, mode=mode)
+                            session_id=session_id, request_id=request_id, mode=mode,
+                            response_format=response_format, json_schema=json_schema)
         call = self._stub.Generate(req, timeout=_deadline(timeout_s, self.timeout_s))
         try:
             for resp in call:

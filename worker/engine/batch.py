@@ -16,7 +16,9 @@ the target's own choice, commits them and the target's bonus token, and keeps j_
 verified positions (its cache length moves; nothing is copied). One host synchronisation per
 iteration reads every row's tokens. Output is the target's own choice at every position
 (greedy: its argmax; sampled: its draw keyed by sequence position, `worker.sampling.sample_rows`),
-so each row's output does not depend on the rows beside it.
+so each row's output does not depend on the rows beside it. A row with a grammar (structured
+output, worker/engine/grammar.py) chooses among the tokens its grammar allows at each position,
+and its draft proposes only such tokens.
 """
 from __future__ import annotations
 
@@ -24,8 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from worker.caches.rows import RowKVCache, as_attention_mask
+from worker.engine.grammar import RowGrammar, allowed
 from worker.sampling import greedy, sample_rows
 from worker.decoding.base import Sampler
 
@@ -41,20 +45,27 @@ class Row:
         n: committed sequence length (prompt + generated), tokens.
         last: the last committed token id (b).
         request_id: the session's request (for logs and tests).
+        grammar: the row's grammar matcher (structured output, worker/engine/grammar.py), or None.
     """
 
     sampler: Sampler
     n: int
     last: int
     request_id: str = ""
+    grammar: Optional[RowGrammar] = None
 
     def commit(self, tokens: list[int], eos_ids, remaining: int) -> tuple[list[int], bool]:
         """A forward's new tokens for this row, cut after the first EOS and to `remaining`;
-        advances n and last. Returns (the tokens kept, whether an EOS ended the row)."""
+        advances n, last and the grammar. Returns (the tokens kept, whether an EOS ended the row).
+
+        Raises:
+            RuntimeError: the grammar refused a token (`RowGrammar.advance`)."""
         stop = next((i for i, t in enumerate(tokens) if t in eos_ids), None)
         kept = tokens[: (len(tokens) if stop is None else stop + 1)][:remaining]
         self.n += len(kept)
         self.last = kept[-1]
+        if self.grammar is not None:
+            self.grammar.advance(kept)
         return kept, stop is not None and stop < remaining
 
 
@@ -144,25 +155,41 @@ def prefill_chunk(target: Any, tokens: Sequence[int], cache: list[RowKVCache], d
     mx.eval([c.state for c in cache + (draft_cache or [])])
 
 
-def choose(logits: mx.array, rows: Sequence[Row]) -> mx.array:
+def choose(logits: mx.array, rows: Sequence[Row], masks: Optional[dict[int, np.ndarray]] = None) -> mx.array:
     """Each row's tokens at its L positions: (B, L, V) logits -> (B, L) uint32. Greedy rows take
-    the argmax; sampled rows draw keyed by the sequence position of each token."""
+    the argmax; sampled rows draw keyed by the sequence position of each token. A row with
+    `masks[i]` ((L, W) int32 bit masks, worker/engine/grammar.py) chooses among the tokens its
+    mask allows at each position; the other rows' choices are computed as without it."""
+    masks = masks or {}
     chosen = greedy(logits).astype(mx.uint32)
-    sampled = [i for i, r in enumerate(rows) if r.sampler is not greedy]
-    if not sampled:
+    special = [i for i, r in enumerate(rows) if r.sampler is not greedy or i in masks]
+    if not special:
         return chosen
-    parts = [chosen[i] if rows[i].sampler is greedy else
-             sample_rows(rows[i].sampler, logits[i], rows[i].n).astype(mx.uint32) for i in range(len(rows))]
+    parts = []
+    for i, r in enumerate(rows):
+        if i not in special:
+            parts.append(chosen[i])
+            continue
+        lg = logits[i]
+        if i in masks:
+            lg = mx.where(allowed(masks[i], lg.shape[-1]), lg, -mx.inf)
+        parts.append((greedy(lg) if r.sampler is greedy else sample_rows(r.sampler, lg, r.n)).astype(mx.uint32))
     return mx.stack(parts)
+
+
+def grammar_masks(rows: Sequence[Row]) -> dict[int, np.ndarray]:
+    """The next token's (1, W) mask of every constrained row, by row index."""
+    return {i: r.grammar.masks() for i, r in enumerate(rows) if r.grammar is not None}
 
 
 def plain_step(target: Any, batch: Batch) -> list[list[int]]:
     """One decode step of every row: (B, 1) last tokens through the target; returns each row's
-    one new token. The caches gain the last tokens' positions."""
+    one new token (a constrained row's among the tokens its grammar allows). The caches gain the
+    last tokens' positions."""
     batch.reserve(1)
     x = mx.array([[r.last] for r in batch.rows], dtype=mx.uint32)
     logits = target(x, cache=batch.target)
-    tokens = choose(logits[:, -1:, :], batch.rows)
+    tokens = choose(logits[:, -1:, :], batch.rows, grammar_masks(batch.rows))
     mx.eval(tokens)
     return tokens.tolist()
 
@@ -201,7 +228,8 @@ def draft_block(draft: Any, batch: Batch, L: int) -> mx.array:
 
     Injects each row's pending taps into its draft context (written at [T_r, T_r + S_r); padding
     taps land past the block, beyond every mask) and attends the block [b, MASK x (L-1)] to the
-    row's context; the block's K/V are dropped afterwards (lengths move to T_r + S_r).
+    row's context; the block's K/V are dropped afterwards (lengths move to T_r + S_r). A
+    constrained row drafts along its grammar (`RowGrammar.draft`): its logits come to the host.
     """
     cache = batch.draft
     rows = batch.rows
@@ -241,7 +269,22 @@ def draft_block(draft: Any, batch: Batch, L: int) -> mx.array:
         c.set_lengths(new_T, start)
     batch.pending, batch.pending_len = None, [0] * B
     logits = draft._head(draft.norm(h)[:, 1:])
-    return mx.concatenate([first, draft.draft_tokens(logits).astype(mx.uint32)], axis=1)
+    drafted = draft.draft_tokens(logits).astype(mx.uint32)
+    constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+    if constrained:
+        scores = np.array(logits[mx.array(constrained)].astype(mx.float32))
+        vocab = None if draft.vocab is None else np.array(draft.vocab)
+        legal = [rows[i].grammar.draft(scores[k], vocab) for k, i in enumerate(constrained)]
+        drafted = _replace_rows(drafted, constrained, legal)
+    return mx.concatenate([first, drafted], axis=1)
+
+
+def _replace_rows(x: mx.array, indices: list[int], values: list[list[int]]) -> mx.array:
+    """x (B, N) uint32 with rows `indices` replaced by `values`."""
+    index = mx.array(indices, dtype=mx.int32)
+    out = mx.array(x)
+    out[index] = mx.array(values, dtype=mx.uint32)
+    return out
 
 
 def flush_pending(draft: Any, batch: Batch) -> None:
@@ -299,12 +342,16 @@ def dflash_cycle(target: Any, draft: Any, capture: Any, batch: Batch, L: int) ->
                                           or len(set(batch.pending_len)) > 1):
             flush_pending(draft, batch)
         blocks = mx.array([[r.last] for r in rows], dtype=mx.uint32)
+        masks = grammar_masks(rows)
     else:
         blocks = draft_block(draft, batch, L)
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        drafts = np.array(blocks[mx.array(constrained), 1:]).tolist() if constrained else []
+        masks = {i: rows[i].grammar.verify_masks(d) for i, d in zip(constrained, drafts)}
     with capture:
         logits = target(blocks, cache=batch.target)
     taps = capture.hidden()
-    chosen = choose(logits, rows)
+    chosen = choose(logits, rows, masks)
     if L > 1:
         accepted = mx.cumprod((blocks[:, 1:] == chosen[:, :-1]).astype(mx.int32), axis=1).sum(axis=1)
     else:

@@ -61,6 +61,19 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class ResponseFormat:
+    """What the output must be (structured output, worker/engine/grammar.py).
+
+    Attributes:
+        type: "json_object" (any JSON object) or "json_schema" (JSON valid against `json_schema`).
+        json_schema: the JSON Schema as JSON text ("json_schema" only).
+    """
+
+    type: str
+    json_schema: str = ""
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """One generation, already tokenized.
 
@@ -77,6 +90,7 @@ class GenerationRequest:
         resume_text: the text the client received with resume_tokens (a prefix of their text).
         import_id: a state staged by `Engine.transfer.stage_import` to use instead of prefilling the
             tokens it covers ("" for none; `worker.engine.kv_transfer`).
+        response_format: constrains the output to JSON (worker/engine/grammar.py); None: free text.
     """
 
     request_id: str
@@ -88,6 +102,7 @@ class GenerationRequest:
     resume_tokens: tuple[int, ...] = ()
     resume_text: str = ""
     import_id: str = ""
+    response_format: ResponseFormat | None = None
 
 
 @dataclass
