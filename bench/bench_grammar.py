@@ -151,6 +151,9 @@ def main() -> None:
         except ImportError:
             print(f"{name:<14} not installed")
             continue
+        if name not in LIBRARIES:
+            print(f"{name:<14} not measured here (one of {', '.join(LIBRARIES)})")
+            continue
         compiles, masks, ok = [], [], 0
         for case, schema, tokens in cases:
             try:

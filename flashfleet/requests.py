@@ -8,7 +8,8 @@ from flashfleet.errors import InvalidArgument, short_details
 from flashfleet.types import DECODE_MODES
 from flashfleet.v1 import common_pb2
 
-MAX_TEMPERATURE = 100.0  # past this softmax(logits / T) is uniform to float precision for any model
+MAX_TEMPERATURE = 100.0
+MAX_TOP_LOGPROBS = 20  # alternatives a token's log-probabilities list at most (OpenAI's bound)  # past this softmax(logits / T) is uniform to float precision for any model
 
 # A worker's generation budget when a request leaves max_tokens unset (capped by the context left).
 WORKER_DEFAULT_MAX_TOKENS = 256
@@ -59,6 +60,7 @@ def build_request(
     mode: str = "auto",
     response_format: Mapping[str, Any] | None = None,
     json_schema: Mapping[str, Any] | None = None,
+    top_logprobs: int | None = None,
 ) -> common_pb2.GenerateRequest:
     """Makes a GenerateRequest from keyword arguments.
 
@@ -68,6 +70,8 @@ def build_request(
     Structured output: `json_schema` (a JSON Schema as a dict: the output is JSON valid against
     it), or `response_format` in OpenAI's shape ({"type": "text"}, {"type": "json_object"}, or
     {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": true}}).
+    top_logprobs (0..20): every chunk carries its tokens' log-probabilities with that many
+    alternatives; None: none.
     Validation of values happens on the server (see validate_request); this converts and checks
     types.
 
@@ -88,6 +92,8 @@ def build_request(
                               "[0, 2**64), temperature/top_p must be numbers)") from None
     if fmt is not None:
         req.response_format.CopyFrom(fmt)
+    if top_logprobs is not None:
+        _set_number(req, "top_logprobs", top_logprobs, f"must be an int in [0, {MAX_TOP_LOGPROBS}]")
     size = req.ByteSize()
     if size > MAX_REQUEST_BYTES:
         raise InvalidArgument(f"request is {size} bytes; the limit is {MAX_REQUEST_BYTES} "
@@ -232,6 +238,8 @@ def validate_request(req: common_pb2.GenerateRequest) -> None:
         raise InvalidArgument(f"a stop string of {longest:,} characters; at most {MAX_STOP_STRING_CHARS:,} are served")
     if req.mode not in DECODE_MODES.values():
         raise InvalidArgument(f"unknown decode mode {req.mode}")
+    if req.HasField("top_logprobs") and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
     if req.HasField("response_format"):
         fmt = req.response_format
         if fmt.type not in RESPONSE_FORMATS:

@@ -10,7 +10,11 @@ the same batch decode as they do alone. The API tests use the tiny random-weight
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import jsonschema
@@ -20,6 +24,7 @@ import pytest
 from harness import start_cluster
 from real_models import fetched
 
+ROOT = Path(__file__).resolve().parent.parent
 SCHEMAS = sorted((Path(__file__).parent / "data" / "schemas").glob("*.json"))
 SMOL = "SmolLM2-135M-Instruct"
 SHIPPED_DRAFT = Path(__file__).resolve().parent.parent / "flashfleet" / "drafts" / SMOL
@@ -67,19 +72,6 @@ def _run_batch(engine, requests) -> dict[str, tuple[list[int], str, str]]:
     return {rid: (tokens, "".join(text), reason) for rid, (tokens, text, reason) in out.items()}
 
 
-@pytest.fixture(scope="module")
-def smol_engine():
-    if not SHIPPED_DRAFT.is_dir():
-        pytest.skip(f"no shipped DFlash draft for {SMOL}")
-    from worker.config import EngineConfig
-    from worker.engine.thread import Engine
-
-    engine = Engine(EngineConfig(model_path=fetched(SMOL), draft_path=SHIPPED_DRAFT, capacity=64,
-                                 prompt_cache_entries=0))
-    yield engine
-    engine.close()
-
-
 def _requests(engine, mode: str, temperature: float, with_free: bool):
     from worker.engine.types import GenerationRequest, ResponseFormat, SamplingParams
 
@@ -97,44 +89,155 @@ def _requests(engine, mode: str, temperature: float, with_free: bool):
     return reqs
 
 
+def run_engine(model_dir: str, draft_dir: str, part: str) -> dict:
+    """The child process's work. Part "schemas": every schema in one batch per (mode,
+    temperature), free-text rows beside the greedy ones, then each free-text row alone: {run:
+    {request_id: [tokens, text, finish reason]}}, and a refused schema's message under "refused".
+    Part "logprobs": greedy free text's log-probabilities in plain and DFlash rows, and mlx-lm's."""
+    from worker.config import EngineConfig
+    from worker.engine.thread import Engine
+    from worker.engine.types import GenerationRequest, InvalidRequest, ResponseFormat
+
+    out: dict = {}
+    with Engine(EngineConfig(model_path=Path(model_dir), draft_path=Path(draft_dir), capacity=64,
+                             prompt_cache_entries=0)) as engine:
+        if part == "logprobs":
+            for mode in ("plain", "dflash"):
+                reqs = [replace(r, request_id=f"lp-{r.request_id}", top_logprobs=2)
+                        for r in _requests(engine, mode, 0.0, True) if r.response_format is None]
+                out[f"logprobs-{mode}"] = {r.request_id: [[lp.logprob for lp in lps], tokens]
+                                           for r in reqs for tokens, lps in [_run_logprobs(engine, r)]}
+            out["logprobs-mlx-lm"] = _mlx_lm_logprobs(model_dir, [r.prompt_tokens for r in reqs])
+            return out
+        for mode in ("plain", "dflash"):
+            for temperature in (0.0, 0.8):
+                out[f"{mode}-{temperature}"] = _run_batch(engine, _requests(engine, mode, temperature, temperature == 0))
+            for r in _requests(engine, mode, 0.0, True):
+                if r.response_format is None:
+                    out[f"{mode}-alone-{r.request_id}"] = _run_batch(engine, [r])
+        prompt = tuple(engine.encode_prompt("{", None))
+        out["refused"] = []
+        for schema in ('{"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}', '{"type": "strin"}',
+                       "[1, 2]", "{not json"):
+            try:
+                engine.submit(GenerationRequest("bad", prompt, 8, response_format=ResponseFormat("json_schema", schema)),
+                              lambda e: None)
+                out["refused"].append("")
+            except InvalidRequest as e:
+                out["refused"].append(str(e))
+        try:
+            engine.submit(GenerationRequest("bad", prompt, 8, mode="uag", response_format=ResponseFormat("json_object")),
+                          lambda e: None)
+        except InvalidRequest as e:
+            out["refused"].append(str(e))
+    return out
+
+
+def _run_logprobs(engine, request) -> tuple[list[int], list]:
+    """(token ids, TokenLogprobs) of one request run alone."""
+    from worker.engine.types import TokenEvent
+
+    tokens, lps, done = [], [], threading.Event()
+
+    def emit(e):
+        if isinstance(e, TokenEvent):
+            tokens.extend(e.token_ids)
+            lps.extend(e.logprobs)
+        else:
+            done.set()
+
+    engine.submit(request, emit)
+    assert done.wait(600)
+    return tokens, lps
+
+
+def _mlx_lm_logprobs(model_dir: str, prompts) -> list[list]:
+    """mlx-lm's own greedy decoding of each prompt (`generate_step`, the model in float32 as the
+    worker computes on a CPU): [[the chosen tokens' logprobs], [tokens]] per prompt, 24 tokens."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    model, _ = load(model_dir)
+    model.set_dtype(mx.float32)
+    out = []
+    for prompt in prompts:
+        tokens, lps = [], []
+        for token, logprobs in generate_step(mx.array(list(prompt)), model, max_tokens=24):
+            tokens.append(int(token))
+            lps.append(logprobs[int(token)].item())
+        out.append([lps, tokens])
+    return out
+
+
+def _child(part: str) -> dict:
+    """`run_engine(part)` on SmolLM2 and its shipped draft, in a child process with the workers'
+    environment (OpenBLAS preloaded on Linux, as workers run)."""
+    if not SHIPPED_DRAFT.is_dir():
+        pytest.skip(f"no shipped DFlash draft for {SMOL}")
+    from flashfleet.cli.up import worker_env
+
+    model_dir = fetched(SMOL)
+    env = {**worker_env(), "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    proc = subprocess.run([sys.executable, __file__, str(model_dir), str(SHIPPED_DRAFT), part], env=env,
+                          capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def smol_runs():
+    return _child("schemas")
+
+
+@pytest.fixture(scope="module")
+def smol_logprobs():
+    return _child("logprobs")
+
+
 @pytest.mark.real_model
-def test_fifty_schemas_validate_plain_and_dflash_greedy_and_sampled_and_greedy_modes_agree(smol_engine):
+@pytest.mark.timeout(1600)
+def test_fifty_schemas_validate_plain_and_dflash_greedy_and_sampled_and_greedy_modes_agree(smol_runs):
     docs = _docs()
-    greedy = {}
     for mode in ("plain", "dflash"):
         for temperature in (0.0, 0.8):
-            results = _run_batch(smol_engine, _requests(smol_engine, mode, temperature, with_free=temperature == 0))
+            results = smol_runs[f"{mode}-{temperature}"]
             for i, doc in enumerate(docs):
                 tokens, text, reason = results[f"{mode}-{temperature}-{i}"]
                 assert reason == "stop", (mode, temperature, SCHEMAS[i].name, reason, text)
                 jsonschema.validate(json.loads(text), doc["schema"])
-            if temperature == 0:
-                greedy[mode] = results
-    for rid, (tokens, _, _) in greedy["plain"].items():
-        assert greedy["dflash"][rid.replace("plain", "dflash", 1)][0] == tokens, rid
+    plain, dflash = smol_runs["plain-0.0"], smol_runs["dflash-0.0"]
+    for rid, (tokens, _, _) in plain.items():
+        assert dflash[rid.replace("plain", "dflash", 1)][0] == tokens, rid
     # Unconstrained rows decode in a batch of constrained ones as they do alone.
-    for mode in ("plain", "dflash"):
-        free = [r for r in _requests(smol_engine, mode, 0.0, with_free=True) if r.response_format is None]
-        for r in free:
-            alone = _run_batch(smol_engine, [r])[r.request_id][0]
-            assert alone == greedy[mode][r.request_id][0], r.request_id
+    for mode, batch in (("plain", plain), ("dflash", dflash)):
+        for i in range(len(FREE_PROMPTS)):
+            rid = f"{mode}-free-{i}"
+            assert smol_runs[f"{mode}-alone-{rid}"][rid][0] == batch[rid][0], rid
 
 
 @pytest.mark.real_model
-def test_a_schema_the_library_cannot_compile_is_refused_with_its_reason(smol_engine):
-    from worker.engine.types import GenerationRequest, InvalidRequest, ResponseFormat
+@pytest.mark.timeout(1600)
+def test_greedy_logprobs_equal_between_plain_and_dflash_and_mlx_lm(smol_logprobs):
+    runs = smol_logprobs
+    plain, dflash, ref = runs["logprobs-plain"], runs["logprobs-dflash"], runs["logprobs-mlx-lm"]
+    assert len(plain) == len(ref) == len(FREE_PROMPTS)
+    for i, (ref_lps, ref_tokens) in enumerate(ref):
+        lps, tokens = plain[f"lp-plain-free-{i}"]
+        d_lps, d_tokens = dflash[f"lp-dflash-free-{i}"]
+        n = len(tokens)  # an EOS ends the engine's stream without an entry
+        assert n >= 8 and tokens == ref_tokens[:n] == d_tokens
+        assert lps == pytest.approx(ref_lps[:n], abs=1e-4)
+        assert d_lps == pytest.approx(lps, abs=1e-4)
 
-    prompt = tuple(smol_engine.encode_prompt("{", None))
-    for schema, fragment in (('{"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}', "cannot be compiled"),
-                             ('{"type": "strin"}', "cannot be compiled"),
-                             ("[1, 2]", "must be a JSON object"),
-                             ("{not json", "not valid JSON")):
-        with pytest.raises(InvalidRequest, match=fragment):
-            smol_engine.submit(GenerationRequest("bad", prompt, 8, response_format=ResponseFormat("json_schema", schema)),
-                               lambda e: None)
-    with pytest.raises(InvalidRequest, match="plain and dflash"):
-        smol_engine.submit(GenerationRequest("bad", prompt, 8, mode="uag",
-                                             response_format=ResponseFormat("json_object")), lambda e: None)
+
+@pytest.mark.real_model
+@pytest.mark.timeout(1600)
+def test_a_schema_the_library_cannot_compile_is_refused_with_its_reason(smol_runs):
+    ref, typo, array, not_json, uag = smol_runs["refused"]
+    assert "cannot be compiled" in ref and "cannot be compiled" in typo
+    assert "must be a JSON object" in array and "not valid JSON" in not_json
+    assert "plain and dflash" in uag
 
 
 # ----- the APIs, on the tiny random-weight model ----------------------------------------------------
@@ -195,3 +298,7 @@ def test_json_schema_through_the_grpc_sdk(tiny_cluster):
             client.complete(MODEL, prompt="x", json_schema={"type": "strin"})
         with pytest.raises(InvalidArgument, match="not both"):
             client.complete(MODEL, prompt="x", json_schema=WEATHER, response_format={"type": "json_object"})
+
+
+if __name__ == "__main__":  # the child process of the real-model tests: MODEL_DIR DRAFT_DIR PART
+    print(json.dumps(run_engine(sys.argv[1], sys.argv[2], sys.argv[3])))

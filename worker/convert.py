@@ -33,14 +33,18 @@ def generation_request(request: common_pb2.GenerateRequest, prompt_tokens: list[
                              resume_tokens=tuple(request.resume_token_ids), resume_text=request.resume_text,
                              import_id=request.import_id,
                              response_format=ResponseFormat(request.response_format.type, request.response_format.json_schema)
-                             if request.HasField("response_format") else None)
+                             if request.HasField("response_format") else None,
+                             top_logprobs=request.top_logprobs if request.HasField("top_logprobs") else -1)
 
 
 def chunk_response(event: TokenEvent) -> common_pb2.GenerateResponse:
     """A GenerateResponse carrying one Chunk (text and token ids) of a TokenEvent."""
     return common_pb2.GenerateResponse(
         request_id=event.request_id,
-        chunk=common_pb2.Chunk(text=event.text, token_ids=event.token_ids))
+        chunk=common_pb2.Chunk(text=event.text, token_ids=event.token_ids, logprobs=[
+            common_pb2.TokenLogprob(token_id=lp.token_id, token=lp.text, logprob=lp.logprob, top=[
+                common_pb2.TopLogprob(token_id=t, token=text, logprob=v) for (t, v), text in zip(lp.top, lp.top_text)])
+            for lp in event.logprobs]))
 
 
 def stats_proto(s: GenerationStats) -> common_pb2.GenerationStats:

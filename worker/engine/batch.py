@@ -30,10 +30,12 @@ import numpy as np
 
 from worker.caches.rows import RowKVCache, as_attention_mask
 from worker.engine.grammar import RowGrammar, allowed
+from worker.engine.types import TokenLogprob
 from worker.sampling import greedy, sample_rows
 from worker.decoding.base import Sampler
 
 FLUSH_PENDING = 32  # pending taps a row may hold while the batch decodes plainly
+GRAMMAR_CANDIDATES = 16  # a constrained row's draft candidates a position, walked along its grammar
 
 
 @dataclass
@@ -46,6 +48,7 @@ class Row:
         last: the last committed token id (b).
         request_id: the session's request (for logs and tests).
         grammar: the row's grammar matcher (structured output, worker/engine/grammar.py), or None.
+        top_logprobs: -1, or the alternatives each of its tokens' `TokenLogprob` lists.
     """
 
     sampler: Sampler
@@ -53,6 +56,7 @@ class Row:
     last: int
     request_id: str = ""
     grammar: Optional[RowGrammar] = None
+    top_logprobs: int = -1
 
     def commit(self, tokens: list[int], eos_ids, remaining: int) -> tuple[list[int], bool]:
         """A forward's new tokens for this row, cut after the first EOS and to `remaining`;
@@ -79,6 +83,8 @@ class Batch:
         pending: (B, P, n_taps * D) target taps not yet in the draft's context, or None (P = 0).
         pending_len: real taps per row (<= P); the rest of a row is padding.
         rows: per row, `Row`.
+        logprobs: the last forward's `TokenLogprob`s of each row that asks for them, by row index,
+            one per verified position (the committed ones are its first).
     """
 
     target: list[RowKVCache]
@@ -86,6 +92,7 @@ class Batch:
     pending: Optional[mx.array] = None
     pending_len: list[int] = field(default_factory=list)
     rows: list[Row] = field(default_factory=list)
+    logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -177,6 +184,38 @@ def choose(logits: mx.array, rows: Sequence[Row], masks: Optional[dict[int, np.n
     return mx.stack(parts)
 
 
+def logprobs_of(logits: mx.array, chosen: mx.array, rows: Sequence[Row]) -> Optional[tuple]:
+    """Log-probabilities of the chosen tokens, and the most likely tokens, of the rows that ask
+    for them (`Row.top_logprobs` >= 0), from the target's raw logits (B, L, V) and choices
+    (B, L): (row indices, chosen logprobs (b, L), top ids (b, L, k), top logprobs (b, L, k)) as
+    lazy arrays, k the largest number asked (at least 1); None when no row asks."""
+    want = [i for i, r in enumerate(rows) if r.top_logprobs >= 0]
+    if not want:
+        return None
+    index = mx.array(want, dtype=mx.int32)
+    lg = logits[index].astype(mx.float32)
+    lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
+    picked = mx.take_along_axis(lp, chosen[index].astype(mx.int32)[..., None], axis=-1)[..., 0]
+    k = max(1, max(rows[i].top_logprobs for i in want))
+    top = mx.argpartition(-lp, kth=k - 1, axis=-1)[..., :k]
+    return want, picked, top, mx.take_along_axis(lp, top, axis=-1)
+
+
+def _host_logprobs(parts: Optional[tuple], chosen: list[list[int]], rows: Sequence[Row]) -> dict[int, list[TokenLogprob]]:
+    """`logprobs_of`'s arrays (evaluated) as `TokenLogprob`s by row index, per position."""
+    if parts is None:
+        return {}
+    want, picked, top, top_lp = parts
+    picked, top, top_lp = picked.tolist(), top.tolist(), top_lp.tolist()
+    out = {}
+    for k, i in enumerate(want):
+        n = rows[i].top_logprobs
+        out[i] = [TokenLogprob(chosen[i][j], picked[k][j],
+                               tuple(sorted(zip(top[k][j], top_lp[k][j]), key=lambda p: -p[1])[:n]))
+                  for j in range(len(picked[k]))]
+    return out
+
+
 def grammar_masks(rows: Sequence[Row]) -> dict[int, np.ndarray]:
     """The next token's (1, W) mask of every constrained row, by row index."""
     return {i: r.grammar.masks() for i, r in enumerate(rows) if r.grammar is not None}
@@ -190,8 +229,11 @@ def plain_step(target: Any, batch: Batch) -> list[list[int]]:
     x = mx.array([[r.last] for r in batch.rows], dtype=mx.uint32)
     logits = target(x, cache=batch.target)
     tokens = choose(logits[:, -1:, :], batch.rows, grammar_masks(batch.rows))
-    mx.eval(tokens)
-    return tokens.tolist()
+    parts = logprobs_of(logits[:, -1:, :], tokens, batch.rows)
+    mx.eval(tokens, *(parts[1:] if parts else ()))
+    out = tokens.tolist()
+    batch.logprobs = _host_logprobs(parts, out, batch.rows)
+    return out
 
 
 def _concat_pending(batch: Batch, taps: mx.array, kept: Sequence[int]) -> None:
@@ -271,10 +313,15 @@ def draft_block(draft: Any, batch: Batch, L: int) -> mx.array:
     logits = draft._head(draft.norm(h)[:, 1:])
     drafted = draft.draft_tokens(logits).astype(mx.uint32)
     constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
-    if constrained:
-        scores = np.array(logits[mx.array(constrained)].astype(mx.float32))
-        vocab = None if draft.vocab is None else np.array(draft.vocab)
-        legal = [rows[i].grammar.draft(scores[k], vocab) for k, i in enumerate(constrained)]
+    if constrained:  # only their C best candidates a position come to the host
+        sub = logits[mx.array(constrained)]
+        C = min(GRAMMAR_CANDIDATES, sub.shape[-1])
+        top = mx.argpartition(-sub, kth=C - 1, axis=-1)[..., :C]
+        scores = mx.take_along_axis(sub, top, axis=-1).astype(mx.float32)
+        if draft.vocab is not None:
+            top = draft.vocab[top]
+        top, scores = np.array(top), np.array(scores)
+        legal = [rows[i].grammar.draft(top[k], scores[k]) for k, i in enumerate(constrained)]
         drafted = _replace_rows(drafted, constrained, legal)
     return mx.concatenate([first, drafted], axis=1)
 
@@ -352,13 +399,15 @@ def dflash_cycle(target: Any, draft: Any, capture: Any, batch: Batch, L: int) ->
         logits = target(blocks, cache=batch.target)
     taps = capture.hidden()
     chosen = choose(logits, rows, masks)
+    parts = logprobs_of(logits, chosen, rows)
     if L > 1:
         accepted = mx.cumprod((blocks[:, 1:] == chosen[:, :-1]).astype(mx.int32), axis=1).sum(axis=1)
     else:
         accepted = mx.zeros((len(rows),), mx.int32)
-    mx.eval(chosen, accepted, taps)  # the iteration's one host sync
+    mx.eval(chosen, accepted, taps, *(parts[1:] if parts else ()))  # the iteration's one host sync
     acc = accepted.tolist()
     toks = chosen.tolist()
+    batch.logprobs = _host_logprobs(parts, toks, rows)
     kept = [j + 1 for j in acc]
     new_len = [n - L + k for n, k in zip(batch.target[0].host_lengths, kept)]
     device_len = batch.target[0].lengths - L + accepted + 1

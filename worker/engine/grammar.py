@@ -10,8 +10,9 @@ the engine thread keeps one `RowGrammar` per constrained row.
 A row's matcher holds the grammar state after its committed tokens. A plain step masks the row's
 logits with the mask of that state. A DFlash iteration (worker/engine/batch.py) walks the draft
 block: each drafted token is the draft's best legal token in the state the tokens before it reach
-(`RowGrammar.draft`), so the draft proposes only legal tokens and where the grammar allows one
-token (a key, a bracket, the tail of an enum value) the draft proposes exactly it, a draft the
+(`RowGrammar.draft`, among the draft's best candidates at each position), so the draft proposes
+only legal tokens and where the grammar allows one token (a key, a bracket, the tail of an enum
+value) the draft proposes exactly it, a draft the
 target's masked choice accepts by construction. The verify masks position j of the block with
 the state after the block's first j drafted tokens, and the matcher then advances by the
 committed tokens only (the walk is rolled back). Every committed token is therefore the target's
@@ -121,32 +122,38 @@ class RowGrammar:
         """(1, W) int32: the mask of the next token."""
         return self._mask()[None]
 
-    def draft(self, scores: np.ndarray, vocab: Optional[np.ndarray]) -> list[int]:
-        """The draft's block under the grammar: at each position the best-scored token the
-        grammar allows after the tokens drafted before it. The masks met on the way are kept for
-        `verify_masks`; the matcher is left where it was.
+    def draft(self, candidates: np.ndarray, scores: np.ndarray) -> list[int]:
+        """The draft's block under the grammar: at each position the best-scored candidate the
+        grammar allows after the tokens drafted before it, or, when none of them is legal, the
+        first legal token (where the grammar forces one token, that token). The masks met on the
+        way are kept for `verify_masks`; the matcher is left where it was.
 
         Args:
-            scores: (L-1, K) float32, the draft's logits at the block's drafted positions.
-            vocab: (K,) target ids of the draft's logits, or None (K = V).
+            candidates: (L-1, C) target ids, the draft's C best tokens at each drafted position.
+            scores: (L-1, C) float32, their logits.
 
         Returns:
             The L-1 drafted target ids.
         """
         masks = [self._mask()]
         tokens: list[int] = []
-        for j in range(scores.shape[0]):
-            legal = _unpacked(masks[-1])
-            legal = legal[vocab] if vocab is not None else legal[: scores.shape[1]]
-            if not legal.any():  # nothing the draft can name is legal: the verify rejects here
-                tokens += [int(vocab[0]) if vocab is not None else 0] * (scores.shape[0] - j)
+        n = candidates.shape[0]
+        for j in range(n):
+            legal = _unpacked(masks[-1])[: self.vocab_size]
+            ok = legal[candidates[j]]
+            if ok.any():
+                token = int(candidates[j][np.argmax(np.where(ok, scores[j], -np.inf))])
+            else:
+                allowed_ids = np.flatnonzero(legal)
+                if not allowed_ids.size:  # nothing is legal (a matcher in error): the verify rejects here
+                    tokens += [int(candidates[j][0])] * (n - j)
+                    break
+                token = int(allowed_ids[0])
+            tokens.append(token)
+            if token in self.eos_ids:  # the row ends here: later positions never commit
+                tokens += [token] * (n - 1 - j)
                 break
-            pick = int(np.argmax(np.where(legal, scores[j], -np.inf)))
-            tokens.append(int(vocab[pick]) if vocab is not None else pick)
-            if tokens[-1] in self.eos_ids:  # the row ends here: later positions never commit
-                tokens += [tokens[-1]] * (scores.shape[0] - 1 - j)
-                break
-            self.matcher.consume_token(tokens[-1])
+            self.matcher.consume_token(token)
             masks.append(self._mask())
         if len(masks) > 1:
             self.matcher.rollback(len(masks) - 1)

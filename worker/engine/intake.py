@@ -10,7 +10,7 @@ from worker.detokenize import TextAssembler
 from worker.engine.grammar import GrammarCompiler
 from worker.engine.modes import AUTO, Mode, resolve_mode
 from worker.engine.scheduler import BATCHED_MODES, Scheduler
-from worker.engine.types import GenerationRequest, InvalidRequest, ModelDescription
+from worker.engine.types import MAX_TOP_LOGPROBS, GenerationRequest, InvalidRequest, ModelDescription
 from worker.sampling import validate_sampling
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -160,10 +160,14 @@ class Intake:
         if any(not isinstance(s, str) or not s for s in r.stop):
             raise InvalidRequest("stop strings must be non-empty strings")
         mode = resolve_mode(r.mode, self._draft_kind, self._modes)
-        if r.response_format is not None and mode not in BATCHED_MODES:
+        if not -1 <= r.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {r.top_logprobs}")
+        asks = [name for name, on in (("response_format", r.response_format is not None),
+                                      ("logprobs", r.top_logprobs >= 0)) if on]
+        if asks and mode not in BATCHED_MODES:
             if r.mode != AUTO:
-                raise InvalidRequest(f"response_format is served in modes plain and dflash, not {mode!r}")
-            mode = "plain"  # this worker's draft decodes without a grammar
+                raise InvalidRequest(f"{' and '.join(asks)}: served in modes plain and dflash only, not {mode!r}")
+            mode = "plain"  # this worker's draft decodes without grammars and log-probabilities
         if sched is not None and mode in BATCHED_MODES:
             positions = n + r.max_tokens + sched.max_block(mode)
             if not sched.fits_alone(mode, positions):

@@ -340,7 +340,8 @@ class Scheduler:
             return
         if seq.prefilled >= end:
             self.prefilling.remove(seq)
-            seq.row = Row(seq.sampler, len(seq.tokens), seq.tokens[-1], seq.request_id, seq.grammar)
+            seq.row = Row(seq.sampler, len(seq.tokens), seq.tokens[-1], seq.request_id, seq.grammar,
+                          seq.session.request.top_logprobs)
             self.batches[seq.mode].join(seq.row, seq.target, seq.draft)
             seq.target = seq.draft = None
             seq.phase = "decode"
@@ -408,7 +409,7 @@ class Scheduler:
             if drafted:
                 seq.acceptance.observe(drafted, accepted)
                 self.pooled.observe(drafted, accepted)
-            if not self._commit(seq, tokens, drafted, accepted):
+            if not self._commit(seq, tokens, drafted, accepted, batch.logprobs.get(i, ())):
                 done.append(i)
         if done:
             for i in done:
@@ -426,8 +427,9 @@ class Scheduler:
             return max(1, min(self.block_size, 1 << max(0, useful - 1).bit_length()))
         return self.policy.choose([s.acceptance.rate for s in seqs], max(s.row.n for s in seqs), useful)
 
-    def _commit(self, seq: Sequence, tokens: list[int], drafted: int, accepted: int) -> bool:
-        """Emits a row's new tokens (cut after an EOS and at max_tokens); False when it is done."""
+    def _commit(self, seq: Sequence, tokens: list[int], drafted: int, accepted: int, logprobs=()) -> bool:
+        """Emits a row's new tokens (cut after an EOS and at max_tokens), with their
+        log-probabilities when it asked for them; False when it is done."""
         try:
             tokens, _ = seq.row.commit(tokens, self.m.eos_ids, seq.remaining)
         except RuntimeError as e:  # its grammar refused a token: the session ends with the error
@@ -436,7 +438,7 @@ class Scheduler:
             return False
         s = seq.session
         try:
-            s.on_step(Step(tokens, drafted, accepted), self.clock())
+            s.on_step(Step(tokens, drafted, accepted, logprobs=tuple(logprobs[: len(tokens)])), self.clock())
         except Exception:
             log.exception("request %s: emitting its tokens failed", seq.request_id)
             s.done_reason = s.done_reason or "cancelled"

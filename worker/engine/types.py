@@ -73,6 +73,29 @@ class ResponseFormat:
     json_schema: str = ""
 
 
+MAX_TOP_LOGPROBS = 20  # most alternatives a token's log-probabilities list (OpenAI's bound)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the target's own distribution at its position
+    (log-softmax of the target's logits: no temperature, top-p or grammar applied), and the most
+    likely tokens there.
+
+    Attributes:
+        token_id: the token.
+        logprob: its natural-log probability (float32 arithmetic).
+        top: (token id, logprob) of the `top_logprobs` most likely tokens, most likely first.
+        text: the token's text on its own; top_text: the top tokens' (filled when emitted).
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    text: str = ""
+    top_text: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """One generation, already tokenized.
@@ -91,6 +114,8 @@ class GenerationRequest:
         import_id: a state staged by `Engine.transfer.stage_import` to use instead of prefilling the
             tokens it covers ("" for none; `worker.engine.kv_transfer`).
         response_format: constrains the output to JSON (worker/engine/grammar.py); None: free text.
+        top_logprobs: -1: no log-probabilities; 0..MAX_TOP_LOGPROBS: each token's `TokenLogprob`
+            with that many alternatives (batched modes only).
     """
 
     request_id: str
@@ -103,6 +128,7 @@ class GenerationRequest:
     resume_text: str = ""
     import_id: str = ""
     response_format: ResponseFormat | None = None
+    top_logprobs: int = -1
 
 
 @dataclass
@@ -144,11 +170,13 @@ class GenerationStats:
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """New tokens of a request. `text` holds only complete UTF-8 characters (may be "")."""
+    """New tokens of a request. `text` holds only complete UTF-8 characters (may be "").
+    `logprobs`: one `TokenLogprob` per token id when the request asked for them, else empty."""
 
     request_id: str
     token_ids: tuple[int, ...]
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
