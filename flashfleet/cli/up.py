@@ -65,6 +65,8 @@ class LocalCluster:
         http_port: the coordinator's OpenAI-compatible HTTP API port (None = off, or the config
             file's `http_port`).
         worker_args: extra flags for every worker (they override the config file's values).
+        coordinator_args: extra flags for the coordinator (e.g. `--state etcd --etcd-endpoints
+            ...`; they override the config file's values).
         config: a cluster config file (flashfleet/config.py). Each of its [[workers]] entries
             becomes a local worker process reading its model, draft and capacity from the file
             (the first `workers` entries when `workers` is given); addresses stay local.
@@ -83,8 +85,9 @@ class LocalCluster:
                  host: str = "127.0.0.1", draft: str | None = None, capacity: int = 8,
                  log_dir: str | Path | None = None, metrics_port: int | None = None,
                  worker_args: tuple[str, ...] = (), config: str | Path | None = None,
-                 http_port: int | None = None):
+                 http_port: int | None = None, coordinator_args: tuple[str, ...] = ()):
         self.config = self.worker_ids = None
+        self.coordinator_args = coordinator_args
         self.http_port = http_port
         if config is not None:
             from flashfleet.config import ConfigError, load_cluster_config
@@ -175,6 +178,7 @@ class LocalCluster:
                  "--metrics-port", str(self.metrics_port or 0)]
         if self.http_port:
             coord += ["--http-port", str(self.http_port)]
+        coord += list(self.coordinator_args)
         self._spawn("coordinator", coord)
         # The workers share this machine's memory: each one's default KV budget is its share.
         env = {**worker_env(), "FLASHFLEET_DEVICE_SHARE": str(self.n_workers)}
@@ -400,8 +404,12 @@ def main(argv: list[str]) -> int:
                    help="coordinator /metrics port; worker i gets this + i")
     p.add_argument("--http-port", type=tcp_port, default=None,
                    help="serve the OpenAI-compatible HTTP API (/v1/chat/completions...) on this port")
+    p.add_argument("--etcd-endpoints", default=None,
+                   help="comma-separated etcd members: the coordinator keeps the fleet's state in etcd "
+                   "(shared with other coordinators) instead of in memory (docs/operations.md)")
     p.add_argument("--log-dir", default=None)
     a = p.parse_args(argv)
+    coordinator_args = ("--state", "etcd", "--etcd-endpoints", a.etcd_endpoints) if a.etcd_endpoints else ()
     for flag in ("workers", "capacity"):  # 0 would otherwise mean "the default"
         if getattr(a, flag) is not None and getattr(a, flag) < 1:
             p.error(f"--{flag} must be >= 1, got {getattr(a, flag)}")
@@ -421,7 +429,7 @@ def main(argv: list[str]) -> int:
                 host=a.host, log_dir=a.log_dir,
                 metrics_port=a.metrics_port or cfg.coordinator.metrics_port,
                 worker_args=tuple(overrides), config=a.config,
-                http_port=a.http_port or cfg.coordinator.http_port)
+                http_port=a.http_port or cfg.coordinator.http_port, coordinator_args=coordinator_args)
         except (ConfigError, ValueError, NoShippedDraftError) as e:
             print(f"flashfleet up: {e}", file=sys.stderr)
             return 2
@@ -434,7 +442,8 @@ def main(argv: list[str]) -> int:
             print(f"flashfleet up: {e}", file=sys.stderr)
             return 2
         cluster = LocalCluster(a.model or DEFAULT_MODEL, a.workers or 2, a.port or 50051, a.host,
-                               a.draft, a.capacity or 8, a.log_dir, a.metrics_port, http_port=a.http_port)
+                               a.draft, a.capacity or 8, a.log_dir, a.metrics_port, http_port=a.http_port,
+                               coordinator_args=coordinator_args)
     stop = {"now": False}
 
     def on_signal(signum, frame):
