@@ -1,9 +1,10 @@
 """Access control: API keys for clients, a join token for workers.
 
 - API keys: clients send gRPC metadata `authorization: Bearer <key>` (the HTTP API: the header
-  `Authorization: Bearer <key>`). A coordinator with keys configured (`--api-keys-file`, env
-  `FLASHFLEET_API_KEYS`) refuses its public Coordinator service to any other caller with
-  UNAUTHENTICATED before the request is routed.
+  `Authorization: Bearer <key>`); the SDK and CLI take the key from `api_key=` or env
+  `FLASHFLEET_API_KEY`. A coordinator with keys configured (`--api-keys-file`, env
+  `FLASHFLEET_COORDINATOR_API_KEYS`) refuses its public Coordinator service to any other caller
+  with UNAUTHENTICATED before the request is routed.
 - Join token: one shared secret (`--join-token-file`, env `FLASHFLEET_JOIN_TOKEN`) sent as
   metadata `x-flashfleet-join-token`. A coordinator with a token refuses Register / Heartbeat /
   Deregister without it; a worker with a token serves its Worker service only to a caller that
@@ -20,8 +21,8 @@ from typing import Iterable, Sequence
 
 import grpc
 
-API_KEYS_ENV = "FLASHFLEET_API_KEYS"  # coordinator: comma-separated keys
-API_KEY_ENV = "FLASHFLEET_API_KEY"  # clients (SDK, CLI): the key they send
+API_KEYS_ENV = "FLASHFLEET_COORDINATOR_API_KEYS"  # coordinator: the keys it accepts, comma-separated
+API_KEY_ENV = "FLASHFLEET_API_KEY"  # clients (SDK, CLI): the one key they send
 JOIN_TOKEN_ENV = "FLASHFLEET_JOIN_TOKEN"
 AUTHORIZATION = "authorization"
 JOIN_TOKEN_HEADER = "x-flashfleet-join-token"
@@ -41,7 +42,7 @@ def read_secrets_file(path: str | Path) -> list[str]:
 
 def load_api_keys(path: str | Path | None = None, env: dict | None = None) -> tuple[str, ...]:
     """The coordinator's API keys: those in `path` (`read_secrets_file`) plus the comma-separated
-    ones in env FLASHFLEET_API_KEYS. Empty: no key required.
+    ones in env FLASHFLEET_COORDINATOR_API_KEYS. Empty: no key required.
 
     Raises:
         OSError: `path` cannot be read.
@@ -72,6 +73,31 @@ def client_api_key(api_key: str | None = None, env: dict | None = None) -> str |
     """The key a client sends: `api_key`, else env FLASHFLEET_API_KEY, else None."""
     env = os.environ if env is None else env
     return api_key or env.get(API_KEY_ENV, "").strip() or None
+
+
+def access_summary(api_keys: Sequence[str], join_token: str | None, tls: bool) -> str:
+    """One log line saying which protections a server has on (never the secrets themselves),
+    e.g. "access control: API keys on (2 keys), join token on, TLS off"."""
+    keys = f"on ({len(api_keys)} key{'s' if len(api_keys) != 1 else ''})" if api_keys else "off"
+    return (f"access control: API keys {keys}, join token {'on' if join_token else 'off'}, "
+            f"TLS {'on' if tls else 'off'}")
+
+
+def access_warnings(host_is_loopback: bool, api_keys: Sequence[str], join_token: str | None,
+                    tls: bool) -> list[str]:
+    """Warnings for a coordinator that others can reach (a non-loopback `host`): no API keys and
+    no TLS (anyone may send requests), no join token (anyone may register a worker and receive
+    prompts). Empty on a loopback host."""
+    if host_is_loopback:
+        return []
+    out = []
+    if not api_keys and not tls:
+        out.append("neither API keys nor TLS: anyone who can reach this coordinator may use it "
+                   "(--api-keys-file; docs/operations.md, section 9)")
+    if not join_token:
+        out.append("no join token: anyone who can reach this coordinator may register a worker and "
+                   "receive prompts (--join-token-file; docs/operations.md, section 9)")
+    return out
 
 
 def matches(given: str | None, accepted: Iterable[str]) -> bool:
