@@ -6,7 +6,7 @@ a realistic load report (one SessionLoad per running stream, a decode profile), 
 Generate by streaming `tokens_per_chunk` token ids every `tokens_per_chunk / tokens_per_s`
 seconds until `max_tokens` (a resumed request counts its `resume_token_ids`), then a Complete.
 A worker at `capacity` refuses with RESOURCE_EXHAUSTED, as a full engine does; Cancel ends a
-stream with FINISH_REASON_CANCELLED. ExportSession and ImportSession answer UNIMPLEMENTED (no
+stream with FINISH_REASON_CANCELLED. ExportSession and PullSession answer UNIMPLEMENTED (no
 state to move). The decode profile reports the same seconds per iteration at every batch size,
 which is what a simulated worker does, so the migration policy runs its full check and finds no
 worker faster.
@@ -150,7 +150,7 @@ class SimWorker(worker_pb2_grpc.WorkerServicer):
         """UNIMPLEMENTED: a simulated worker has no state to export."""
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "a simulated worker has no session state")
 
-    async def ImportSession(self, request_iterator, context):
+    async def PullSession(self, request, context):
         """UNIMPLEMENTED: a simulated worker takes no session state."""
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "a simulated worker takes no session state")
 
