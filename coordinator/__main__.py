@@ -72,7 +72,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="on SIGTERM, how long running streams may finish before they are cut, "
                    "seconds (default 25: under the 30 s systemd and launchd allow a stop)")
     p.add_argument("--api-keys-file", default=None,
-                   help="file of API keys clients must send, one a line, # comments (also env "
+                   help="file of API keys clients must send, one a line as '<key>' or '<key> admin' "
+                   "(admin keys may also drain workers and move sessions), # comments (also env "
                    "FLASHFLEET_API_KEYS, comma-separated; none: no key required)")
     p.add_argument("--join-token-file", default=None,
                    help="file holding the token workers must send to register (also env "
@@ -140,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
                                                          min_speedup=a.migrate_min_speedup,
                                                          min_saving_s=a.migrate_min_saving_s),
                                migration_method=a.migrate_method,
-                               http_port=a.http_port or None, api_keys=api_keys, join_token=join_token)
+                               http_port=a.http_port or None, api_keys=tuple(api_keys),
+                               admin_keys=tuple(k for k, role in api_keys.items() if role == "admin"),
+                               join_token=join_token)
     try:
         asyncio.run(serve(config, a.metrics_port or None, getattr(a, "tls", None)))
     except RuntimeError as e:

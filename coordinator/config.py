@@ -30,6 +30,8 @@ class CoordinatorConfig:
             0 = a free port, None = no HTTP API).
         api_keys: keys clients must send (`authorization: Bearer <key>` metadata, the HTTP
             API's Authorization header; flashfleet/auth.py); empty = none required.
+        admin_keys: those of `api_keys` with the `admin` role: DrainWorker and MoveSession
+            refuse any other key with PERMISSION_DENIED (with no `api_keys`, nothing is refused).
         join_token: the secret workers must send to register and heartbeat, which the
             coordinator also sends on every call to a worker (None = none required).
     """
@@ -49,9 +51,12 @@ class CoordinatorConfig:
     migration_method: str = "kv"
     http_port: int | None = None
     api_keys: tuple[str, ...] = field(default=(), repr=False)
+    admin_keys: tuple[str, ...] = field(default=(), repr=False)
     join_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if not set(self.admin_keys) <= set(self.api_keys):
+            raise ValueError("CoordinatorConfig.admin_keys must be among api_keys")
         if self.migration_method not in METHODS:
             raise ValueError(f"CoordinatorConfig.migration_method must be one of {METHODS}, "
                              f"got {self.migration_method!r}")

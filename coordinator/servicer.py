@@ -30,9 +30,9 @@ from coordinator import kv_transfer
 from coordinator.admission import AdmissionQueue
 from coordinator.config import CoordinatorConfig
 from coordinator.migration import Decision, StreamProgress, session_load
-from coordinator.registry import Registry, UnknownLease, WorkerIdInUse, WorkerRecord
-from coordinator.routing import (AllBusy, NoWorker, PowerOfTwoRouter, SessionAffinity, request_tokens_bound,
-                                 route)
+from coordinator.registry import UnknownLease, WorkerIdInUse, WorkerRecord
+from coordinator.routing import AllBusy, NoWorker, PowerOfTwoRouter, request_tokens_bound, route
+from coordinator.state import FleetState, NotLive
 from flashfleet.errors import FlashfleetError, short_details
 from flashfleet.requests import validate_request
 from flashfleet.auth import join_token_metadata, with_metadata
@@ -184,14 +184,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     """Public API: routes Generate to a worker and proxies its stream; lists models and status;
     drains workers and moves sessions on an operator's command."""
 
-    def __init__(self, config: CoordinatorConfig, registry: Registry, pool: WorkerPool,
-                 router: PowerOfTwoRouter | None = None, affinity: SessionAffinity | None = None,
-                 metrics=None):
+    def __init__(self, config: CoordinatorConfig, state: FleetState, pool: WorkerPool,
+                 router: PowerOfTwoRouter | None = None, metrics=None):
         self.config = config
-        self.registry = registry
+        self.state = state  # the fleet's state (coordinator/state/): workers, drains, placements
+        self.registry = state.registry
         self.pool = pool
         self.router = router or PowerOfTwoRouter()
-        self.affinity = affinity or SessionAffinity(config.session_ttl_s)
+        self.affinity = state.affinity
         self.metrics = metrics
         self.admission = AdmissionQueue(config.max_queued, config.queue_timeout_s)
         self._in_flight: set[str] = set()  # request ids of streams running now (duplicates refused)
@@ -308,6 +308,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if self.metrics:
             self.metrics.observe_queue(request.model, queue_s)
         self.affinity.bind(request.session_id, worker.worker_id)
+        self.state.place(request.request_id, worker.worker_id, 0)
         progress = StreamProgress()
         stream = self._streams[request.request_id] = _Stream(request, progress, worker)
         outcome = "cancelled"
@@ -360,6 +361,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         finally:
             self._abandon_transfer(request.request_id)
             self._streams.pop(request.request_id, None)
+            self.state.unplace(request.request_id)
             self._settle_move_request(progress, worker, None, ended=True)
             call.cancel()
             self._release(worker)
@@ -510,6 +512,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                        pause_s=first_s - cut_s, total_s=first_s - started_s)
         progress.moved()
         self.affinity.bind(request.session_id, dest.worker_id)
+        self.state.place(request.request_id, dest.worker_id, len(progress.token_ids))
         log.info("session %s (request %s) moved from %s to %s after %d tokens (%s, %d bytes, pause %.3f s)",
                  request.session_id or "-", request.request_id, source.worker_id, dest.worker_id,
                  len(progress.token_ids), method, bytes_moved, first_s - cut_s)
@@ -589,6 +592,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                            total_s=now - (transfer.started_s if claim else started_s))
             progress.moved()
             self.affinity.bind(request.session_id, dest.worker_id)
+            self.state.place(request.request_id, dest.worker_id, len(progress.token_ids))
             log.warning("worker %s failed mid-stream (%s); request %s resumed on %s after %d tokens%s",
                         dead.worker_id, error.details(), request.request_id, dest.worker_id, len(progress.token_ids),
                         " from its transferred KV state" if claim else "")
@@ -619,10 +623,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def _move_decision(self, request: common_pb2.GenerateRequest, worker: WorkerRecord,
                        progress: StreamProgress) -> Decision | None:
         """An operator's pending move of this stream, else the policy's decision when a check is
-        due (coordinator/migration.py), else None."""
+        due (coordinator/migration.py), else None. Of the policy's moves, a coordinator that does
+        not own the stream's worker (coordinator/state/: with several coordinators, each worker
+        has one owner) makes only drain moves, which every stream off a draining worker needs:
+        speed, load and memory moves off a worker are decided by its owner alone, so two
+        coordinators never both act on one worker's load."""
         pending = progress.move_request
         if pending is not None:
             return Decision(pending.dest, "manual")
+        if not worker.draining and not self.state.owns(worker.worker_id):
+            return None
         policy = self.config.migration
         if not progress.due(policy.check_interval_s):
             return None
@@ -734,7 +744,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                                  f"worker {worker_id!r} is the last live worker serving "
                                  f"{', '.join(sorted(rec.model_names))}: start another first, or stop this one")
         if not rec.draining:
-            rec.draining = True
+            try:
+                rec = await self.state.set_draining(worker_id)
+            except NotLive:
+                raise GenerateFailed(grpc.StatusCode.NOT_FOUND, f"no live worker {worker_id!r}") from None
             self._drain_moved[worker_id] = 0
             if self.metrics:
                 self.metrics.draining.labels(worker=worker_id).set(1)
@@ -873,10 +886,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 class RegistryServicer(worker_pb2_grpc.RegistryServicer):
     """Internal API: workers register, heartbeat and deregister."""
 
-    def __init__(self, config: CoordinatorConfig, registry: Registry, pool: WorkerPool,
+    def __init__(self, config: CoordinatorConfig, state: FleetState, pool: WorkerPool,
                  admission: AdmissionQueue | None = None):
         self.config = config
-        self.registry = registry
+        self.state = state
         self.pool = pool
         self.admission = admission  # woken on every registration and heartbeat: capacity may have grown
 
@@ -889,7 +902,7 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
         worker retries, so it joins once that one's lease ends).
         """
         try:
-            rec = self.registry.register(request)
+            rec = await self.state.register(request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, short_details(str(e)))
         except WorkerIdInUse as e:
@@ -905,18 +918,21 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
 
     async def Heartbeat(self, request, context):
         """Renews a worker's lease, records its load and clears its `unreachable` mark; tells a
-        drained worker that runs no stream any more to leave (`leave`).
+        drained worker that runs no session any more (no stream from this coordinator, none in
+        its own load report) to leave (`leave`).
 
         Aborts the call with NOT_FOUND when the lease is unknown or expired (the worker must
         register again).
         """
         try:
-            rec = self.registry.heartbeat(request.worker_id, request.lease_id, request.load)
+            rec = await self.state.heartbeat(request.worker_id, request.lease_id, request.load)
         except UnknownLease as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, short_details(str(e)))
         if self.admission:
             self.admission.notify()
-        leave = rec.draining and rec.in_flight == 0
+        # Its own count of sessions too: another coordinator sharing the fleet's state may still
+        # stream from it, and a session moved off it ends there at the engine's next turn.
+        leave = rec.draining and rec.in_flight == 0 and request.load.active_sessions == 0
         if leave:
             log.info("worker %s is drained: telling it to leave", rec.worker_id)
         return worker_pb2.HeartbeatResponse(leave=leave)
@@ -927,7 +943,7 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
         Aborts the call with NOT_FOUND when the lease is unknown or expired.
         """
         try:
-            rec = self.registry.deregister(request.worker_id, request.lease_id)
+            rec = await self.state.deregister(request.worker_id, request.lease_id)
         except UnknownLease as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, short_details(str(e)))
         if rec.in_flight == 0:  # else the last stream's handler closes it (closing cancels them)

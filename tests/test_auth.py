@@ -150,9 +150,16 @@ def test_nothing_configured_everything_works_as_before(monkeypatch):
 
 def test_secrets_files_and_environment(tmp_path):
     keys = tmp_path / "keys"
-    keys.write_text("# clients\nsk-a\n\nsk-b  # the batch jobs\n")
-    assert load_api_keys(keys, env={"FLASHFLEET_API_KEYS": "sk-c, sk-a"}) == ("sk-a", "sk-b", "sk-c")
-    assert load_api_keys(None, env={}) == ()
+    keys.write_text("# clients\nsk-a\n\nsk-b  # the batch jobs\nsk-ops admin  # the operators\n")
+    assert load_api_keys(keys, env={"FLASHFLEET_API_KEYS": "sk-c, sk-a"}) == {
+        "sk-a": "client", "sk-b": "client", "sk-ops": "admin", "sk-c": "client"}
+    assert load_api_keys(None, env={"FLASHFLEET_API_KEYS": "sk-d admin"}) == {"sk-d": "admin"}
+    assert load_api_keys(None, env={}) == {}
+    for bad in ("sk-e root", "sk-e admin extra"):
+        (tmp_path / "bad").write_text(bad + "\n")
+        with pytest.raises(ValueError) as e:
+            load_api_keys(tmp_path / "bad", env={})
+        assert "sk-e" not in str(e.value)  # a key never appears in a message
     token = tmp_path / "token"
     token.write_text("# join token\ns3cret\n")
     assert load_join_token(token, env={"FLASHFLEET_JOIN_TOKEN": "other"}) == "s3cret"
@@ -199,3 +206,52 @@ def test_cluster_config_passes_the_secrets_files_to_coordinator_and_workers(tmp_
     assert config_api_key(str(cfg_path)) == "sk-first"  # what `flashfleet up` checks readiness with
     monkeypatch.setenv("FLASHFLEET_API_KEY", "sk-env")
     assert config_api_key(str(cfg_path)) == "sk-env"
+
+
+ADMIN = "sk-test-admin-key"
+
+
+@pytest.fixture
+def with_admin():
+    engine = FakeEngine()
+    cluster = start_cluster({"w1": engine}, http_port=0, api_keys=(KEY, ADMIN), admin_keys=(ADMIN,))
+    yield cluster, engine
+    cluster.close()
+
+
+def test_drain_and_move_need_an_admin_key(with_admin, monkeypatch):
+    from flashfleet.errors import FailedPrecondition, ModelNotFound, PermissionDenied
+
+    cluster, _ = with_admin
+    monkeypatch.delenv("FLASHFLEET_API_KEY", raising=False)
+    with Client(cluster.address, api_key=KEY) as client:
+        assert client.complete("fake-model", "hello", max_tokens=3).text  # a client key serves requests
+        with pytest.raises(PermissionDenied, match="DrainWorker needs an API key with the admin role"):
+            list(client.drain_worker("w1", timeout_s=5))
+        with pytest.raises(PermissionDenied, match="MoveSession needs an API key with the admin role"):
+            client.move_session("no-such-request", timeout_s=5)
+    assert cluster.coordinator.registry.get("w1").draining is False
+    with Client(cluster.address, api_key=ADMIN) as client:
+        # Past the key check, the servicer answers: the last worker of its model cannot drain.
+        with pytest.raises(FailedPrecondition, match="last live worker"):
+            list(client.drain_worker("w1", timeout_s=5))
+        with pytest.raises(ModelNotFound, match="no request 'no-such-request' is streaming"):
+            client.move_session("no-such-request", timeout_s=5)
+        assert client.complete("fake-model", "hello", max_tokens=3).text  # an admin key serves requests too
+
+
+@pytest.mark.parametrize("variant", [KEY[:-1], KEY + "x", "x" + KEY, KEY[1:], KEY.upper(), f" {KEY}x",
+                                     ADMIN[:-1], ADMIN + "!"])
+def test_a_keys_prefix_or_suffix_is_never_accepted(with_admin, variant, monkeypatch):
+    from flashfleet.auth import matches
+
+    cluster, engine = with_admin
+    monkeypatch.delenv("FLASHFLEET_API_KEY", raising=False)
+    assert not matches(variant, (KEY, ADMIN))
+    with Client(cluster.address, api_key=variant) as client:
+        with pytest.raises(Unauthenticated):
+            client.complete("fake-model", "hello", max_tokens=3)
+        with pytest.raises(Unauthenticated):
+            list(client.drain_worker("w1", timeout_s=5))
+    assert http(cluster, "/v1/models", key=variant)[0] == 401
+    assert engine.submitted == []

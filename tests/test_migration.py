@@ -205,7 +205,7 @@ def test_drain_and_move_errors():
 def test_cli_move_and_drain_with_an_api_key(capsys, monkeypatch):
     from flashfleet.cli import main
 
-    cluster, _ = _fake_cluster(api_keys=("k1",))
+    cluster, _ = _fake_cluster(api_keys=("k1", "k-admin"), admin_keys=("k-admin",))
     try:
         cluster.coordinator.servicer.affinity.bind("s", "w1")
         results = {}
@@ -214,7 +214,12 @@ def test_cli_move_and_drain_with_an_api_key(capsys, monkeypatch):
         monkeypatch.delenv("FLASHFLEET_API_KEY", raising=False)
         assert main(["move", "cli", "--to", "w2", "--address", cluster.address]) == 1
         assert "UNAUTHENTICATED" in capsys.readouterr().err
-        monkeypatch.setenv("FLASHFLEET_API_KEY", "k1")
+        monkeypatch.setenv("FLASHFLEET_API_KEY", "k1")  # a client key: refused, nothing moves
+        assert main(["move", "cli", "--to", "w2", "--address", cluster.address]) == 1
+        assert "PERMISSION_DENIED: MoveSession needs an API key with the admin role" in capsys.readouterr().err
+        assert main(["drain", "w1", "--address", cluster.address]) == 1
+        assert "PERMISSION_DENIED: DrainWorker needs" in capsys.readouterr().err
+        monkeypatch.setenv("FLASHFLEET_API_KEY", "k-admin")
         assert main(["move", "cli", "--to", "w2", "--address", cluster.address]) == 0
         assert capsys.readouterr().out.strip() == "cli: w1 -> w2"
         assert main(["drain", "nope", "--address", cluster.address]) == 1

@@ -177,3 +177,33 @@ def test_session_affinity_forgets_expired_sessions_without_being_asked_for_them(
     now[0] += 9.95
     affinity.bind("new", "w1")
     assert affinity.lookup("s990") == "w2" and affinity.lookup("s989") is None
+
+
+def test_session_affinity_is_bounded_in_count_within_its_ttl():
+    # Clients choose session ids: a flood of new ids within one ttl must not grow the map past
+    # its cap; the least recently bound go first and a recent rebind survives.
+    affinity = SessionAffinity(ttl_s=3600.0, clock=lambda: 0.0, max_sessions=50)
+    affinity.bind("kept", "w1")
+    for i in range(49):
+        affinity.bind(f"s{i}", "w1")
+    affinity.bind("kept", "w2")  # rebinding moves it to the back
+    for i in range(49, 98):  # 49 more: the 49 older ids go, "kept" stays
+        affinity.bind(f"s{i}", "w1")
+    assert len(affinity._by_session) == 50
+    assert affinity.lookup("kept") == "w2"
+    assert affinity.lookup("s0") is None and affinity.lookup("s48") is None and affinity.lookup("s97") == "w1"
+    with pytest.raises(ValueError):
+        SessionAffinity(ttl_s=1.0, max_sessions=0)
+
+
+def test_session_affinity_tells_on_bind_but_not_on_remember():
+    told = []
+    affinity = SessionAffinity(ttl_s=60.0)
+    affinity.on_bind = lambda s, w: told.append((s, w))
+    affinity.bind("a", "w1")
+    affinity.bind("", "w1")  # no session: nothing to bind or tell
+    affinity.remember("b", "w2")  # another coordinator's binding
+    assert told == [("a", "w1")]
+    assert affinity.lookup("b") == "w2"
+    affinity.forget("b")
+    assert affinity.lookup("b") is None

@@ -45,6 +45,6 @@ def config_api_key(config_path: str | None) -> str | None:
         keys_file = load_cluster_config(config_path).coordinator.api_keys_file or None
     try:
         keys = load_api_keys(keys_file)
-    except OSError:
+    except (OSError, ValueError):
         return None
-    return keys[0] if keys else None
+    return next(iter(keys), None)
