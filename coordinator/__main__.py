@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     from flashfleet.config import ConfigError
     from flashfleet.malloc import return_large_buffers
 
-    return_large_buffers()  # relayed KV state must not leave the heap at its high-water mark
+    return_large_buffers()  # large HTTP bodies must not leave the heap at its high-water mark
     try:
         a = parse_args(argv)
     except ConfigError as e:
