@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--api-keys-file", default=None,
                    help="file of API keys clients must send, one a line as '<key>' or '<key> admin' "
                    "(admin keys may also drain workers and move sessions), # comments (also env "
-                   "FLASHFLEET_API_KEYS, comma-separated; none: no key required)")
+                   "FLASHFLEET_COORDINATOR_API_KEYS, comma-separated; none: no key required)")
     p.add_argument("--join-token-file", default=None,
                    help="file holding the token workers must send to register (also env "
                    "FLASHFLEET_JOIN_TOKEN; none: any worker may register)")
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     from flashfleet.config import ConfigError
     from flashfleet.malloc import return_large_buffers
 
-    return_large_buffers()  # relayed KV state must not leave the heap at its high-water mark
+    return_large_buffers()  # large HTTP bodies must not leave the heap at its high-water mark
     try:
         a = parse_args(argv)
     except ConfigError as e:

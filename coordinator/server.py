@@ -23,7 +23,7 @@ from coordinator.routing import SessionAffinity
 from coordinator.servicer import CoordinatorServicer, RegistryServicer, WorkerPool
 from coordinator.state import FleetState, MemoryState
 from flashfleet.auth import (AUTHORIZATION, BAD_JOIN_TOKEN, BAD_KEY, JOIN_TOKEN_HEADER, RequireRole,
-                             RequireSecret, is_loopback)
+                             RequireSecret, access_summary, access_warnings, is_loopback)
 from flashfleet.bad_messages import RejectUndecodable
 from flashfleet.transport import SERVER_OPTIONS, add_port
 from flashfleet.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -105,9 +105,9 @@ async def start_coordinator(config: CoordinatorConfig,
         RuntimeError: the port (or the HTTP API's) could not be bound, or etcd could not be reached.
         flashfleet.config.ConfigError: unreadable or non-PEM TLS files (`add_port`).
     """
-    if not is_loopback(config.host) and not config.api_keys and tls is None:
-        log.warning("the coordinator listens on %s with neither API keys nor TLS: anyone who can "
-                    "reach it may use it (docs/operations.md, section 9)", config.host)
+    log.info(access_summary(config.api_keys, config.join_token, tls is not None))
+    for warning in access_warnings(is_loopback(config.host), config.api_keys, config.join_token, tls is not None):
+        log.warning("the coordinator listens on %s with %s", config.host, warning)
     metrics = CoordinatorMetrics(metrics_registry or CollectorRegistry())
     pool = WorkerPool(tls, config.join_token)
     affinity = SessionAffinity(config.session_ttl_s)

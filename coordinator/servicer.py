@@ -4,9 +4,9 @@ Concurrency: everything runs on one asyncio event loop; the registry and session
 objects touched only from that loop, so no locks. A client's Generate is proxied to one worker
 stream; the client going away cancels the handler task, whose `finally` cancels the worker call,
 which in turn aborts the request in the worker's engine. Between two chunks the stream may move
-to another worker (session migration, coordinator/migration.py): the session's KV state is
-copied to the destination while the stream goes on (coordinator/kv_transfer.py), then the same
-request, resumed after the tokens already sent and naming the imported state, opens on the
+to another worker (session migration, coordinator/migration.py): the destination pulls the
+session's KV state straight from the source while the stream goes on (coordinator/kv_transfer.py),
+then the same request, resumed after the tokens already sent and naming the imported state, opens on the
 destination (or, without a state, prefills everything there), and the source call is cancelled
 once the destination answers. Operators drain a worker (`DrainWorker`: its sessions move, then it
 is told to leave) or move one request (`MoveSession`); both are Coordinator RPCs, so API keys
@@ -134,7 +134,7 @@ class Move:
         outcome: "ok", "aborted", "failover" or "failover_failed" (as the migrations metric).
         reason: why it moved (coordinator.migration.REASONS).
         method: "kv" (the state was copied) or "reprefill" (the destination prefilled it all).
-        bytes_moved: KV bytes relayed (0 for re-prefill).
+        bytes_moved: KV bytes the destination received from the source (0 for re-prefill).
         pause_s: the gap the client saw: last source token forwarded to the destination's first
             message (0 when the session did not move).
         total_s: from the start of the move (the transfer's start, for "kv") to the destination's
@@ -378,8 +378,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         """Starts moving a stream from `source` to `dest` for `reason` (coordinator.migration.REASONS,
         which labels its metrics).
 
-        With `migration_method` "kv" (the default) this starts relaying the session's KV state
-        to `dest` (coordinator/kv_transfer.py) and returns None: the stream goes on from the
+        With `migration_method` "kv" (the default) this has `dest` start pulling the session's KV
+        state from `source` (coordinator/kv_transfer.py) and returns None: the stream goes on from the
         source, and `_transfer_due` completes the move at a chunk boundary once the state is
         staged. With "reprefill" the move happens now (`_move`). One move at a time per stream.
 
@@ -391,8 +391,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if self.config.migration_method == "kv":
             dest.in_flight += 1  # reserved now, so no other stream takes the idle worker meanwhile
             self._transfers[request.request_id] = kv_transfer.start(
-                self.pool.stub(source.address), self.pool.stub(dest.address), request.request_id, dest,
-                time_remaining(), reason)
+                self.pool.stub(dest.address), source.address, request.request_id, dest, time_remaining(), reason)
             log.info("moving %s from %s to %s (%s): KV transfer started", request.request_id, source.worker_id,
                      dest.worker_id, reason)
             return None
@@ -417,10 +416,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         staged = t.staged()
         if staged is not None:
             return await self._move(request, time_remaining, progress, source, source_call, t.dest, reason=t.reason,
-                                    method="kv", import_id=staged.import_id, bytes_moved=t.relayed.bytes,
+                                    method="kv", import_id=staged.import_id, bytes_moved=t.bytes,
                                     started_s=t.started_s)
         log.info("KV transfer of %s to %s failed (%s)", request.request_id, t.dest.worker_id, t.error())
-        self._migrated(request.model, "aborted", reason=t.reason, method="kv", bytes_moved=t.relayed.bytes,
+        self._migrated(request.model, "aborted", reason=t.reason, method="kv", bytes_moved=t.bytes,
                        total_s=time.monotonic() - t.started_s)
         if t.reason in ("load", "speed"):  # the re-prefill's cost may not pay where the copy's did
             again = self.config.migration.decide(request, source, len(progress.token_ids), [source, t.dest], None,
@@ -589,7 +588,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 raise
             now = time.monotonic()
             self._migrated(request.model, "failover", method="kv" if claim else "reprefill",
-                           bytes_moved=transfer.relayed.bytes if claim else 0, pause_s=now - started_s,
+                           bytes_moved=transfer.bytes if claim else 0, pause_s=now - started_s,
                            total_s=now - (transfer.started_s if claim else started_s))
             progress.moved()
             self.affinity.bind(request.session_id, dest.worker_id)

@@ -774,3 +774,26 @@ def test_launchd_etcd_plist_describes_one_member_of_a_three_node_cluster():
     # The coordinators' etcd_endpoints in the docs name the three members' client URLs.
     host = flags["--advertise-client-urls"].removeprefix("http://").split(":")[0]
     assert f"http://{host}:2379" in docs
+
+
+def test_up_counts_only_its_own_workers_as_ready(tmp_path):
+    """A worker from outside (started by hand against the same coordinator) that registers
+    before `up`'s own does not make the cluster ready: `_wait_ready` waits for `up`'s worker ids."""
+    from fakes import FakeEngine
+    from flashfleet.cli.up import LocalCluster
+    from harness import start_cluster
+
+    outside = start_cluster({"outside-1": FakeEngine()})
+    try:
+        port = int(outside.address.rsplit(":", 1)[1])
+        cluster = LocalCluster(port=port, workers=1, log_dir=tmp_path)
+        cluster.own_ids = ["worker-1"]  # as start() sets them, without spawning processes
+        said = []
+        with pytest.raises(RuntimeError, match="workers not ready"):
+            cluster._wait_ready(3.0, said.append, lambda: False)
+        assert said == []
+        outside.add_worker(FakeEngine(), "worker-1")
+        cluster._wait_ready(10.0, said.append, lambda: False)
+        assert said == [f"  1/1 workers ready: worker-1 at {outside.workers[-1].advertise_address}"]
+    finally:
+        outside.close()

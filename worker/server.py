@@ -18,7 +18,7 @@ from flashfleet.auth import BAD_JOIN_TOKEN, JOIN_TOKEN_HEADER, RequireSecret, jo
 from flashfleet.bad_messages import RejectUndecodable
 from flashfleet.transport import SERVER_OPTIONS, add_port, aio_channel
 from flashfleet.v1 import worker_pb2, worker_pb2_grpc
-from worker import convert
+from worker import convert, kv_pull
 from worker.engine.types import EngineProtocol
 from worker.servicer import WorkerServicer
 from worker.watchdog import ENGINE_DIED_EXIT, POLL_S, watch_engine
@@ -130,14 +130,14 @@ async def start_worker(engine: EngineProtocol, worker_id: str, host: str = "127.
         worker_id: unique name in the fleet.
         host, port: where to listen (port 0 = a free port).
         coordinator: "host:port" of the coordinator's Registry, or None for a standalone worker.
-        advertise_host: host the coordinator should dial (default: host).
+        advertise_host: host the coordinator and other workers should dial (default: host).
         metrics: optional WorkerMetrics for the servicer.
         tls: flashfleet.config.TLSConfig: serve, and dial the coordinator, over mutual TLS.
         engine_poll_s: seconds between the watchdog's looks at `engine.alive`; once it is False
             the worker leaves the fleet (`RunningWorker.leave_after_engine_death`).
-        join_token: sent to the coordinator's Registry, and required (metadata
-            `x-flashfleet-join-token`) of every caller of the Worker service, else
-            UNAUTHENTICATED (flashfleet/auth.py); None: neither.
+        join_token: sent to the coordinator's Registry and to the workers it pulls session
+            states from, and required (metadata `x-flashfleet-join-token`) of every caller of
+            the Worker service, else UNAUTHENTICATED (flashfleet/auth.py); None: neither.
 
     Raises:
         RuntimeError: the port could not be bound.
@@ -145,7 +145,7 @@ async def start_worker(engine: EngineProtocol, worker_id: str, host: str = "127.
     """
     guards = [RequireSecret((SERVICE_NAME,), JOIN_TOKEN_HEADER, (join_token,), BAD_JOIN_TOKEN)] if join_token else []
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[*guards, RejectUndecodable()])
-    servicer = WorkerServicer(engine, worker_id, metrics)
+    servicer = WorkerServicer(engine, worker_id, metrics, kv_pull.Peers(tls, join_token))
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
