@@ -127,6 +127,8 @@ class EtcdState(FleetState):
         return revision
 
     async def _follow(self, revision: int) -> None:
+        """Applies every change from `revision` on, for as long as the coordinator runs: a
+        broken watch resumes (etcd_client.py), a compacted one reads the whole state anew."""
         while True:
             try:
                 async for events in self.client.watch_prefix(PREFIX, revision):
@@ -139,8 +141,8 @@ class EtcdState(FleetState):
                     try:
                         revision = await self._load() + 1
                         break
-                    except EtcdUnavailable as e:
-                        log.warning("%s", e)
+                    except (EtcdUnavailable, grpc.aio.AioRpcError) as e:
+                        log.warning("cannot read the fleet state from etcd: %s", e)
                         await asyncio.sleep(1.0)
 
     def _apply(self, ev: Event) -> None:
@@ -194,8 +196,8 @@ class EtcdState(FleetState):
                     log.warning("coordinator %s lost its etcd lease; took a new one", self.coordinator_id)
                 if self._affinity_lease and await self.client.keepalive(self._affinity_lease) <= 0:
                     self._affinity_lease = 0
-            except EtcdUnavailable as e:
-                log.warning("%s", e)
+            except (EtcdUnavailable, grpc.aio.AioRpcError) as e:
+                log.warning("cannot renew coordinator %s's etcd lease: %s", self.coordinator_id, e)
 
     async def _current_affinity_lease(self) -> int:
         now = time.monotonic()
