@@ -70,6 +70,8 @@ class LocalCluster:
         join_token_file: file holding the join token the coordinator requires of workers and
             every worker sends (None: the config file's `join_token_file`, or env
             FLASHFLEET_JOIN_TOKEN, or none).
+        coordinator_args: extra flags for the coordinator (e.g. `--state etcd --etcd-endpoints
+            ...`; they override the config file's values).
         config: a cluster config file (flashfleet/config.py). Each of its [[workers]] entries
             becomes a local worker process reading its model, draft and capacity from the file
             (the first `workers` entries when `workers` is given); addresses stay local.
@@ -89,10 +91,11 @@ class LocalCluster:
                  log_dir: str | Path | None = None, metrics_port: int | None = None,
                  worker_args: tuple[str, ...] = (), config: str | Path | None = None,
                  http_port: int | None = None, api_keys_file: str | Path | None = None,
-                 join_token_file: str | Path | None = None):
+                 join_token_file: str | Path | None = None, coordinator_args: tuple[str, ...] = ()):
         self.config = self.worker_ids = None
         self.api_keys_file = str(Path(api_keys_file).resolve()) if api_keys_file else None
         self.join_token_file = str(Path(join_token_file).resolve()) if join_token_file else None
+        self.coordinator_args = coordinator_args
         self.http_port = http_port
         if config is not None:
             from flashfleet.config import ConfigError, load_cluster_config
@@ -186,6 +189,7 @@ class LocalCluster:
             coord += ["--http-port", str(self.http_port)]
         if self.api_keys_file:
             coord += ["--api-keys-file", self.api_keys_file]
+        coord += list(self.coordinator_args)
         token = ["--join-token-file", self.join_token_file] if self.join_token_file else []
         self._spawn("coordinator", coord + token)
         # The workers share this machine's memory: each one's default KV budget is its share.
@@ -425,8 +429,12 @@ def main(argv: list[str]) -> int:
                    help="require this file's token of every worker that registers (the local "
                    "workers send it; default: the config's join_token_file, or env "
                    "FLASHFLEET_JOIN_TOKEN, else none)")
+    p.add_argument("--etcd-endpoints", default=None,
+                   help="comma-separated etcd members: the coordinator keeps the fleet's state in etcd "
+                   "(shared with other coordinators) instead of in memory (docs/operations.md)")
     p.add_argument("--log-dir", default=None)
     a = p.parse_args(argv)
+    coordinator_args = ("--state", "etcd", "--etcd-endpoints", a.etcd_endpoints) if a.etcd_endpoints else ()
     for flag in ("workers", "capacity"):  # 0 would otherwise mean "the default"
         if getattr(a, flag) is not None and getattr(a, flag) < 1:
             p.error(f"--{flag} must be >= 1, got {getattr(a, flag)}")
@@ -447,7 +455,8 @@ def main(argv: list[str]) -> int:
                 metrics_port=a.metrics_port or cfg.coordinator.metrics_port,
                 worker_args=tuple(overrides), config=a.config,
                 http_port=a.http_port or cfg.coordinator.http_port,
-                api_keys_file=a.api_keys_file, join_token_file=a.join_token_file)
+                api_keys_file=a.api_keys_file, join_token_file=a.join_token_file,
+                coordinator_args=coordinator_args)
         except (ConfigError, ValueError, NoShippedDraftError) as e:
             print(f"flashfleet up: {e}", file=sys.stderr)
             return 2
@@ -461,7 +470,8 @@ def main(argv: list[str]) -> int:
             return 2
         cluster = LocalCluster(a.model or DEFAULT_MODEL, a.workers or 2, a.port or 50051, a.host,
                                a.draft, a.capacity or 8, a.log_dir, a.metrics_port, http_port=a.http_port,
-                               api_keys_file=a.api_keys_file, join_token_file=a.join_token_file)
+                               api_keys_file=a.api_keys_file, join_token_file=a.join_token_file,
+                               coordinator_args=coordinator_args)
     stop = {"now": False}
 
     def on_signal(signum, frame):
