@@ -160,6 +160,8 @@ class EtcdState(FleetState):
                 self._leaving.discard(name)
                 rec = self.registry.upsert(entry.worker, _lease_hex(ev.lease))
                 rec.draining = name in self._drained
+                if self.on_worker_change is not None:
+                    self.on_worker_change()
             else:
                 reason = "deregistered" if name in self._leaving else "expired"
                 self._leaving.discard(name)
