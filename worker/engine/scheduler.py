@@ -419,6 +419,8 @@ class Scheduler:
                 done.append(i)
         if done:
             for i in done:
+                if seqs[i].error is not None:  # its row's length and tokens disagree: nothing to keep
+                    continue
                 try:
                     self._keep_prompt_cache(mode, i)
                 except Exception:  # the cache is an optimisation: never lose the session for it
