@@ -7,6 +7,7 @@ ReplicaQueueLengthCache does).
 """
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -39,6 +40,8 @@ class WorkerRecord:
             first on every request until its lease runs out.
         draining: an operator drains it (Coordinator.DrainWorker): routing sends it nothing new
             and the migration policy moves its sessions away; kept across re-registration.
+        profile_cache: (the load it was parsed from, its parsed decode profile), kept by the
+            migration policy (coordinator/migration.py) so a profile is parsed once per heartbeat.
     """
 
     worker_id: str
@@ -52,6 +55,7 @@ class WorkerRecord:
     model_names: frozenset[str] = field(default=frozenset())
     unreachable: bool = False
     draining: bool = False
+    profile_cache: tuple = field(default=(None, None), repr=False, compare=False)
 
     def serves(self, model: str, mode: int = common_pb2.DECODE_MODE_AUTO) -> bool:
         """True when the worker serves `model` and, for a speculative mode (DRAFT, DFLASH, UAG),
@@ -115,6 +119,11 @@ class Registry:
         self._clock = clock
         self._on_remove = on_remove
         self._workers: dict[str, WorkerRecord] = {}
+        # No worker's latest heartbeat is older than this clock reading: the oldest at the last
+        # sweep, or a later registration's. Heartbeats only make them newer, so it stays a bound
+        # and `expire` sweeps the workers only once a lease may really have run out, not on every
+        # call (every heartbeat and routing decision calls it).
+        self._oldest_heartbeat_s = math.inf
         self.frozen = not expires
 
     def freeze(self) -> None:
@@ -161,6 +170,7 @@ class Registry:
         rec.address, rec.lease_id, rec.models, rec.load = req.address, lease_id, list(req.models), req.load
         rec.model_names = frozenset(m.name for m in req.models)
         rec.last_heartbeat_s, rec.unreachable = now, False
+        self._oldest_heartbeat_s = min(self._oldest_heartbeat_s, now)
         return rec
 
     def drop(self, worker_id: str, reason: str) -> WorkerRecord | None:
@@ -196,11 +206,14 @@ class Registry:
         if self.frozen:
             return []
         now = self._clock()
+        if now - self._oldest_heartbeat_s <= self.lease_ttl_s:  # also for no workers (inf)
+            return []
         gone = [r for r in self._workers.values() if now - r.last_heartbeat_s > self.lease_ttl_s]
         for rec in gone:
             del self._workers[rec.worker_id]
             if self._on_remove:
                 self._on_remove(rec, "expired")
+        self._oldest_heartbeat_s = min((r.last_heartbeat_s for r in self._workers.values()), default=math.inf)
         return gone
 
     def live(self) -> list[WorkerRecord]:

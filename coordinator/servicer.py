@@ -4,9 +4,9 @@ Concurrency: everything runs on one asyncio event loop; the registry and session
 objects touched only from that loop, so no locks. A client's Generate is proxied to one worker
 stream; the client going away cancels the handler task, whose `finally` cancels the worker call,
 which in turn aborts the request in the worker's engine. Between two chunks the stream may move
-to another worker (session migration, coordinator/migration.py): the session's KV state is
-copied to the destination while the stream goes on (coordinator/kv_transfer.py), then the same
-request, resumed after the tokens already sent and naming the imported state, opens on the
+to another worker (session migration, coordinator/migration.py): the destination pulls the
+session's KV state straight from the source while the stream goes on (coordinator/kv_transfer.py),
+then the same request, resumed after the tokens already sent and naming the imported state, opens on the
 destination (or, without a state, prefills everything there), and the source call is cancelled
 once the destination answers. Operators drain a worker (`DrainWorker`: its sessions move, then it
 is told to leave) or move one request (`MoveSession`); both are Coordinator RPCs, so API keys
@@ -134,7 +134,7 @@ class Move:
         outcome: "ok", "aborted", "failover" or "failover_failed" (as the migrations metric).
         reason: why it moved (coordinator.migration.REASONS).
         method: "kv" (the state was copied) or "reprefill" (the destination prefilled it all).
-        bytes_moved: KV bytes relayed (0 for re-prefill).
+        bytes_moved: KV bytes the destination received from the source (0 for re-prefill).
         pause_s: the gap the client saw: last source token forwarded to the destination's first
             message (0 when the session did not move).
         total_s: from the start of the move (the transfer's start, for "kv") to the destination's
@@ -378,8 +378,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         """Starts moving a stream from `source` to `dest` for `reason` (coordinator.migration.REASONS,
         which labels its metrics).
 
-        With `migration_method` "kv" (the default) this starts relaying the session's KV state
-        to `dest` (coordinator/kv_transfer.py) and returns None: the stream goes on from the
+        With `migration_method` "kv" (the default) this has `dest` start pulling the session's KV
+        state from `source` (coordinator/kv_transfer.py) and returns None: the stream goes on from the
         source, and `_transfer_due` completes the move at a chunk boundary once the state is
         staged. With "reprefill" the move happens now (`_move`). One move at a time per stream.
 
@@ -391,8 +391,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if self.config.migration_method == "kv":
             dest.in_flight += 1  # reserved now, so no other stream takes the idle worker meanwhile
             self._transfers[request.request_id] = kv_transfer.start(
-                self.pool.stub(source.address), self.pool.stub(dest.address), request.request_id, dest,
-                time_remaining(), reason)
+                self.pool.stub(dest.address), source.address, request.request_id, dest, time_remaining(), reason)
             log.info("moving %s from %s to %s (%s): KV transfer started", request.request_id, source.worker_id,
                      dest.worker_id, reason)
             return None
@@ -417,10 +416,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         staged = t.staged()
         if staged is not None:
             return await self._move(request, time_remaining, progress, source, source_call, t.dest, reason=t.reason,
-                                    method="kv", import_id=staged.import_id, bytes_moved=t.relayed.bytes,
+                                    method="kv", import_id=staged.import_id, bytes_moved=t.bytes,
                                     started_s=t.started_s)
         log.info("KV transfer of %s to %s failed (%s)", request.request_id, t.dest.worker_id, t.error())
-        self._migrated(request.model, "aborted", reason=t.reason, method="kv", bytes_moved=t.relayed.bytes,
+        self._migrated(request.model, "aborted", reason=t.reason, method="kv", bytes_moved=t.bytes,
                        total_s=time.monotonic() - t.started_s)
         if t.reason in ("load", "speed"):  # the re-prefill's cost may not pay where the copy's did
             again = self.config.migration.decide(request, source, len(progress.token_ids), [source, t.dest], None,
@@ -589,7 +588,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 raise
             now = time.monotonic()
             self._migrated(request.model, "failover", method="kv" if claim else "reprefill",
-                           bytes_moved=transfer.relayed.bytes if claim else 0, pause_s=now - started_s,
+                           bytes_moved=transfer.bytes if claim else 0, pause_s=now - started_s,
                            total_s=now - (transfer.started_s if claim else started_s))
             progress.moved()
             self.affinity.bind(request.session_id, dest.worker_id)
@@ -717,7 +716,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
         Aborts the call with NOT_FOUND (no live worker with that id) or FAILED_PRECONDITION (no
         other live, undrained worker serves its models: its sessions could not move, and the
-        models would go unserved).
+        models would go unserved), or UNAVAILABLE (the shared fleet state, etcd, does not answer).
         """
         try:
             async for progress in self.drain_worker(request.worker_id):
@@ -749,6 +748,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 rec = await self.state.set_draining(worker_id)
             except NotLive:
                 raise GenerateFailed(grpc.StatusCode.NOT_FOUND, f"no live worker {worker_id!r}") from None
+            except ConnectionError as e:  # the shared state's store (etcd) does not answer
+                raise GenerateFailed(grpc.StatusCode.UNAVAILABLE, f"cannot mark {worker_id!r} draining: {e}") from None
             self._drain_moved[worker_id] = 0
             if self.metrics:
                 self.metrics.draining.labels(worker=worker_id).set(1)
@@ -899,8 +900,9 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
         heartbeat interval (seconds).
 
         Aborts the call with INVALID_ARGUMENT when worker_id, address or the model list is empty,
-        and with ALREADY_EXISTS when another live worker at another address holds the id (the
-        worker retries, so it joins once that one's lease ends).
+        with ALREADY_EXISTS when another live worker at another address holds the id (the
+        worker retries, so it joins once that one's lease ends), and with UNAVAILABLE when the
+        shared fleet state (etcd) does not answer (the worker retries).
         """
         try:
             rec = await self.state.register(request)
@@ -909,6 +911,8 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
         except WorkerIdInUse as e:
             log.warning("refused a registration from %s: %s", request.address, e)
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, short_details(str(e)))
+        except ConnectionError as e:  # the shared state's store (etcd) does not answer: the worker retries
+            await context.abort(grpc.StatusCode.UNAVAILABLE, short_details(f"fleet state unavailable: {e}"))
         log.info("worker %s registered at %s serving %s", rec.worker_id, rec.address,
                  sorted(rec.model_names))
         if self.admission:
@@ -923,12 +927,14 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
         its own load report) to leave (`leave`).
 
         Aborts the call with NOT_FOUND when the lease is unknown or expired (the worker must
-        register again).
+        register again), UNAVAILABLE when the shared fleet state (etcd) does not answer.
         """
         try:
             rec = await self.state.heartbeat(request.worker_id, request.lease_id, request.load)
         except UnknownLease as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, short_details(str(e)))
+        except ConnectionError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, short_details(f"fleet state unavailable: {e}"))
         if self.admission:
             self.admission.notify()
         # Its own count of sessions too: another coordinator sharing the fleet's state may still
@@ -941,12 +947,15 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
     async def Deregister(self, request, context):
         """Removes a worker (clean shutdown); its channel closes now, or when its last open stream ends.
 
-        Aborts the call with NOT_FOUND when the lease is unknown or expired.
+        Aborts the call with NOT_FOUND when the lease is unknown or expired, UNAVAILABLE when the
+        shared fleet state (etcd) does not answer.
         """
         try:
             rec = await self.state.deregister(request.worker_id, request.lease_id)
         except UnknownLease as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, short_details(str(e)))
+        except ConnectionError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, short_details(f"fleet state unavailable: {e}"))
         if rec.in_flight == 0:  # else the last stream's handler closes it (closing cancels them)
             await self.pool.drop(rec.address)
         log.info("worker %s deregistered", rec.worker_id)

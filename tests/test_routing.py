@@ -63,6 +63,40 @@ def test_registry_heartbeat_carries_free_kv_bytes():
     assert registry.get("a").kv_free_bytes == 2000
 
 
+def test_leases_run_out_on_time_with_expiry_swept_only_when_one_may_have():
+    """The registry sweeps its workers only once the oldest heartbeat it knows is past the TTL;
+    each lease still ends exactly when it runs out, whatever registered or heartbeat since."""
+    now = [0.0]
+    gone = []
+    registry = Registry(lease_ttl_s=10.0, clock=lambda: now[0], on_remove=lambda rec, why: gone.append((rec.worker_id, why)))
+
+    def register(wid):
+        return registry.register(worker_pb2.RegisterRequest(
+            worker_id=wid, address=f"{wid}:1", models=[common_pb2.ModelInfo(name=MODEL)],
+            load=worker_pb2.WorkerLoad(capacity=2)))
+
+    a = register("a")
+    now[0] = 5.0
+    register("b")
+    now[0] = 9.0
+    registry.heartbeat("a", a.lease_id, worker_pb2.WorkerLoad(capacity=2))
+    now[0] = 10.5  # a's first lease would be over, but it heartbeat at 9
+    assert sorted(w.worker_id for w in registry.live()) == ["a", "b"] and gone == []
+    now[0] = 15.0
+    assert sorted(w.worker_id for w in registry.live()) == ["a", "b"]
+    now[0] = 15.5  # b: 10.5 s since its registration
+    assert [w.worker_id for w in registry.live()] == ["a"] and gone == [("b", "expired")]
+    now[0] = 19.0
+    assert registry.get("a") is a
+    now[0] = 19.5
+    assert registry.get("a") is None and registry.live() == [] and gone[-1] == ("a", "expired")
+    now[0] = 100.0
+    c = register("c")  # a registry emptied by expiry tracks a new worker's lease again
+    now[0] = 110.5
+    assert registry.get("c") is None and gone[-1] == ("c", "expired")
+    assert c.worker_id == "c"
+
+
 def test_a_worker_registering_again_keeps_its_record_and_another_cannot_take_its_id():
     from coordinator.registry import WorkerIdInUse
 
