@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.engine.block_policy import Acceptance, BatchBlockPolicy, expected_length, expected_tokens
+from worker.engine.block_policy import Acceptance, BatchBlockPolicy, expected_length
 
 
 def run(policy: BatchBlockPolicy, cost, accept: list[float], iterations: int = 200, context: int = 300) -> dict:
@@ -18,10 +18,12 @@ def run(policy: BatchBlockPolicy, cost, accept: list[float], iterations: int = 2
     return seen
 
 
-def test_expected_tokens():
-    assert expected_tokens(0.0, 16) == 1.0
-    assert expected_tokens(1.0, 8) == 8.0
-    assert expected_tokens(0.5, 2) == pytest.approx(1.5)
+def test_expected_tokens_of_geometric_acceptance():
+    """A row keeping each draft with probability a commits (1 - a^L) / (1 - a) tokens a block of L."""
+    assert Acceptance.known(0.0).expected(16) == pytest.approx(1.0)
+    assert Acceptance.known(1.0).expected(8) == pytest.approx(8.0)
+    assert Acceptance.known(0.5).expected(2) == pytest.approx(1.5)
+    assert Acceptance.known(0.8).expected(16) == pytest.approx((1 - 0.8 ** 16) / 0.2)
 
 
 def test_a_good_draft_on_a_bandwidth_bound_device_speculates_at_the_largest_block():
@@ -70,17 +72,16 @@ def test_acceptance_counts_decay():
 
 def test_acceptance_is_estimated_per_position_from_censored_cycles():
     """A bursty draft: half the cycles keep nothing, half keep the whole block. E(L) follows the
-    observed positions (1 + 0.5 (L - 1)), where a geometric fit of the same counts (a = kept /
-    (kept + rejections)) would put E(16) at 2.9; and a cycle cut at position j says nothing of
-    the positions after it."""
+    observed positions (1 + 0.5 (L - 1)), where the rate of the first position alone (what blocks
+    of 2 show) would give the geometric E(16) = 2; and a cycle cut at position j says nothing of
+    the positions after it (they keep the last estimate)."""
     a = Acceptance(weight=0.01, decay=0.999)
     for _ in range(40):
         a.observe(15, 0)
         a.observe(15, 15)
     assert a.expected(8) == pytest.approx(4.5, rel=0.02)
     assert a.expected(16) == pytest.approx(8.5, rel=0.02)
-    geometric = 15 / (15 + 1)
-    assert expected_tokens(geometric, 16) == pytest.approx(2 * (1 - geometric ** 16) / (1 - geometric) / 2)
+    assert Acceptance.known(0.5).expected(16) == pytest.approx(2.0, abs=1e-3)
     r = a.rates(15)
     assert r[0] == pytest.approx(0.5, abs=0.01) and min(r[1:]) > 0.99
     b = Acceptance(prior=[0.3], weight=2.0)

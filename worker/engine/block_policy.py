@@ -114,12 +114,6 @@ def expected_length(rates: Sequence[float], L: int) -> float:
     return total
 
 
-def expected_tokens(a: float, L: int) -> float:
-    """E(L) = (1 - a^L) / (1 - a): mean tokens committed by a block of L (bonus included) when
-    each draft is kept with probability a."""
-    return float(L) if a >= 1.0 else (1.0 - a ** L) / (1.0 - a)
-
-
 def pow2_bucket(n: int, floor: int = 1) -> int:
     """The power-of-two bucket of `n` (its upper bound), at least `floor`."""
     return max(floor, 1 << max(0, int(n) - 1).bit_length())
