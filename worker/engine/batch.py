@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 
-from worker.caches.rows import RowKVCache, as_attention_mask
+from worker.caches.rows import RowKVCache, as_attention_mask, share_lengths
 from worker.sampling import greedy, sample_rows
 from worker.decoding.base import Sampler
 
@@ -95,6 +95,8 @@ class Batch:
         for mine, theirs in zip(self.caches, target + (draft or [])):
             mine.extend(theirs)
             mx.eval(mine.state)
+        share_lengths(self.target)
+        share_lengths(self.draft or [])
         if self.draft is not None:
             if self.pending is not None:
                 pad = mx.zeros((1, *self.pending.shape[1:]), self.pending.dtype)
@@ -108,6 +110,8 @@ class Batch:
         for c in self.caches:  # layer by layer: one layer's buffer of transient memory
             c.keep_rows(indices)
             mx.eval(c.state)
+        share_lengths(self.target)
+        share_lengths(self.draft or [])
         if self.draft is not None:
             self.pending_len = [self.pending_len[i] for i in indices]
             if self.pending is not None:
