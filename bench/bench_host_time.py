@@ -4,7 +4,7 @@ With a tiny random target (`--layers` layers of width 64, `tests/tiny_models.py`
 DFlash draft, a forward costs almost nothing on the device, so what an iteration costs is the
 host's: building the forward's graph, scheduling, sampling and the verdict, detokenizing, and
 handing each session's tokens to its stream. Per (mode, rows) and per path the table gives the
-mean milliseconds of one decode iteration with every row decoding (prefills excluded):
+median milliseconds of one decode iteration with every row decoding (prefills excluded):
 
   - loop:    one pass of the engine thread's loop (its commands, one scheduler iteration, the
              load it publishes for heartbeats), from one iteration's start to the next's
@@ -15,7 +15,7 @@ mean milliseconds of one decode iteration with every row decoding (prefills excl
              the graph, op by op; on a GPU, the device's time not hidden behind the host's
   - emit:    `Session.on_step` of every row (statistics, detokenizing, stop strings, the event to
              the stream); `detok` is its detokenizing part
-  - other:   loop - build - sync - emit (admission, the KV budget's accounting, bookkeeping, commands,
+  - other:   host - build - emit (admission, the KV budget's accounting, bookkeeping, commands,
              publishing, and waits for the interpreter lock held by the gRPC threads)
   - tok/it:  tokens committed per iteration, all rows (DFlash: rows x tau, about 1 with a random draft)
   - msg/it:  stream messages per row and iteration the client received (over gRPC)
@@ -214,15 +214,17 @@ class Probe:
 
 
 def summarize(samples: list[Sample]) -> dict:
-    """Mean milliseconds (and tokens) per counted iteration; the first few dropped as warm-up."""
+    """Median milliseconds per counted iteration of each part (medians: a 2-core host shared with
+    other jobs preempts the engine now and then), the first few iterations dropped as warm-up;
+    `other` is host - build - emit of those medians, so the parts add up to `host` only roughly."""
     s = samples[min(len(samples) // 4, 5):] or samples
     if not s:
         return {}
-    mean = lambda f: statistics.fmean(f(x) for x in s)  # noqa: E731
-    out = {"iterations": len(s), "loop": mean(lambda x: x.loop) * 1e3, "sync": mean(lambda x: x.sync) * 1e3,
-           "build": mean(lambda x: x.step - x.sync) * 1e3, "emit": mean(lambda x: x.emit) * 1e3,
-           "detok": mean(lambda x: x.detok) * 1e3, "tok_per_it": mean(lambda x: x.tokens)}
-    out["host"] = out["loop"] - out["sync"]
+    med = lambda f: statistics.median(f(x) for x in s) * 1e3  # noqa: E731
+    out = {"iterations": len(s), "loop": med(lambda x: x.loop), "sync": med(lambda x: x.sync),
+           "host": med(lambda x: x.loop - x.sync), "build": med(lambda x: x.step - x.sync),
+           "emit": med(lambda x: x.emit), "detok": med(lambda x: x.detok),
+           "tok_per_it": statistics.fmean(x.tokens for x in s)}
     out["other"] = out["host"] - out["build"] - out["emit"]
     return out
 

@@ -19,8 +19,8 @@ def test_rows_parts_and_profile(tmp_path):
         (m, n, p) for p in ("engine", "grpc") for m in ("plain", "dflash") for n in (1, 2)]
     for x in rows:
         assert x["iterations"] > 5 and x["loop"] > 0 and x["sync"] > 0 and x["build"] > 0
-        assert abs(x["host"] - (x["loop"] - x["sync"])) < 1e-6
-        assert 0 < x["detok"] <= x["emit"] < x["loop"]
+        assert 0 < x["host"] < x["loop"] and x["build"] < x["host"]
+        assert 0 < x["detok"] <= x["emit"] < x["host"]
         assert x["tok_per_it"] >= x["rows"]  # every row commits a token or more an iteration
         if x["path"] == "grpc":
             assert abs(x["msg_per_row_it"] - 1) < 0.05 and x["gap"] > 0  # one message a row and iteration
