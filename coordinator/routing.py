@@ -102,20 +102,37 @@ class PowerOfTwoRouter:
         return a if _kv_free_key(a) >= _kv_free_key(b) else b
 
 
+MAX_AFFINITY_SESSIONS = 100_000  # session ids remembered at most (each ~200 bytes)
+
+
 class SessionAffinity:
-    """Remembers which worker served each session, forgetting sessions unused for ttl_s.
+    """Remembers which worker served each session, forgetting sessions unused for ttl_s and,
+    past `max_sessions`, the least recently bound.
 
     Entries are kept in the order they were last bound, so each `bind` drops the expired ones
-    from the front: memory stays bounded by the sessions bound within ttl_s, however many
-    session ids clients ever send.
+    from the front: memory stays bounded by the sessions bound within ttl_s and by
+    `max_sessions`, however many session ids clients ever send (they choose them).
 
     Args:
         ttl_s: seconds after which an unused session's affinity is dropped.
         clock: monotonic seconds.
+        max_sessions: entries kept at most (>= 1).
+
+    Attributes:
+        on_bind: called with (session_id, worker_id) after each `bind` (the shared state
+            records it for the other coordinators, coordinator/state/); None: nothing else to do.
+
+    Raises:
+        ValueError: max_sessions < 1.
     """
 
-    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic,
+                 max_sessions: int = MAX_AFFINITY_SESSIONS):
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
         self.ttl_s = ttl_s
+        self.max_sessions = max_sessions
+        self.on_bind: Callable[[str, str], None] | None = None
         self._clock = clock
         self._by_session: OrderedDict[str, tuple[str, float]] = OrderedDict()  # oldest bind first
 
@@ -133,17 +150,28 @@ class SessionAffinity:
         return entry[0]
 
     def bind(self, session_id: str, worker_id: str) -> None:
-        """Binds a session to a worker and restarts its ttl_s; an empty session_id is ignored."""
+        """Binds a session to a worker and restarts its ttl_s, then tells `on_bind`; an empty
+        session_id is ignored."""
         if not session_id:
             return
+        self.remember(session_id, worker_id)
+        if self.on_bind is not None:
+            self.on_bind(session_id, worker_id)
+
+    def remember(self, session_id: str, worker_id: str) -> None:
+        """`bind` without telling `on_bind`: a binding another coordinator made."""
         now = self._clock()
         self._by_session[session_id] = (worker_id, now)
         self._by_session.move_to_end(session_id)
         while self._by_session:
             oldest, (_, t) = next(iter(self._by_session.items()))
-            if now - t <= self.ttl_s:
+            if now - t <= self.ttl_s and len(self._by_session) <= self.max_sessions:
                 break
             del self._by_session[oldest]
+
+    def forget(self, session_id: str) -> None:
+        """Drops one session's binding (a no-op when it has none)."""
+        self._by_session.pop(session_id, None)
 
     def forget_worker(self, worker_id: str) -> None:
         """Drops every session bound to a worker (it expired or left)."""

@@ -4,9 +4,9 @@ Concurrency: everything runs on one asyncio event loop; the registry and session
 objects touched only from that loop, so no locks. A client's Generate is proxied to one worker
 stream; the client going away cancels the handler task, whose `finally` cancels the worker call,
 which in turn aborts the request in the worker's engine. Between two chunks the stream may move
-to another worker (session migration, coordinator/migration.py): the session's KV state is
-copied to the destination while the stream goes on (coordinator/kv_transfer.py), then the same
-request, resumed after the tokens already sent and naming the imported state, opens on the
+to another worker (session migration, coordinator/migration.py): the destination pulls the
+session's KV state straight from the source while the stream goes on (coordinator/kv_transfer.py),
+then the same request, resumed after the tokens already sent and naming the imported state, opens on the
 destination (or, without a state, prefills everything there), and the source call is cancelled
 once the destination answers. Operators drain a worker (`DrainWorker`: its sessions move, then it
 is told to leave) or move one request (`MoveSession`); both are Coordinator RPCs, so API keys
@@ -30,9 +30,9 @@ from coordinator import kv_transfer
 from coordinator.admission import AdmissionQueue
 from coordinator.config import CoordinatorConfig
 from coordinator.migration import Decision, StreamProgress, session_load
-from coordinator.registry import Registry, UnknownLease, WorkerIdInUse, WorkerRecord
-from coordinator.routing import (AllBusy, NoWorker, PowerOfTwoRouter, SessionAffinity, request_tokens_bound,
-                                 route)
+from coordinator.registry import UnknownLease, WorkerIdInUse, WorkerRecord
+from coordinator.routing import AllBusy, NoWorker, PowerOfTwoRouter, request_tokens_bound, route
+from coordinator.state import FleetState, NotLive
 from flashfleet.errors import FlashfleetError, short_details
 from flashfleet.requests import validate_request
 from flashfleet.auth import join_token_metadata, with_metadata
@@ -134,7 +134,7 @@ class Move:
         outcome: "ok", "aborted", "failover" or "failover_failed" (as the migrations metric).
         reason: why it moved (coordinator.migration.REASONS).
         method: "kv" (the state was copied) or "reprefill" (the destination prefilled it all).
-        bytes_moved: KV bytes relayed (0 for re-prefill).
+        bytes_moved: KV bytes the destination received from the source (0 for re-prefill).
         pause_s: the gap the client saw: last source token forwarded to the destination's first
             message (0 when the session did not move).
         total_s: from the start of the move (the transfer's start, for "kv") to the destination's
@@ -184,14 +184,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     """Public API: routes Generate to a worker and proxies its stream; lists models and status;
     drains workers and moves sessions on an operator's command."""
 
-    def __init__(self, config: CoordinatorConfig, registry: Registry, pool: WorkerPool,
-                 router: PowerOfTwoRouter | None = None, affinity: SessionAffinity | None = None,
-                 metrics=None):
+    def __init__(self, config: CoordinatorConfig, state: FleetState, pool: WorkerPool,
+                 router: PowerOfTwoRouter | None = None, metrics=None):
         self.config = config
-        self.registry = registry
+        self.state = state  # the fleet's state (coordinator/state/): workers, drains, placements
+        self.registry = state.registry
         self.pool = pool
         self.router = router or PowerOfTwoRouter()
-        self.affinity = affinity or SessionAffinity(config.session_ttl_s)
+        self.affinity = state.affinity
         self.metrics = metrics
         self.admission = AdmissionQueue(config.max_queued, config.queue_timeout_s)
         self._in_flight: set[str] = set()  # request ids of streams running now (duplicates refused)
@@ -308,6 +308,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if self.metrics:
             self.metrics.observe_queue(request.model, queue_s)
         self.affinity.bind(request.session_id, worker.worker_id)
+        self.state.place(request.request_id, worker.worker_id, 0)
         progress = StreamProgress()
         stream = self._streams[request.request_id] = _Stream(request, progress, worker)
         outcome = "cancelled"
@@ -360,6 +361,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         finally:
             self._abandon_transfer(request.request_id)
             self._streams.pop(request.request_id, None)
+            self.state.unplace(request.request_id)
             self._settle_move_request(progress, worker, None, ended=True)
             call.cancel()
             self._release(worker)
@@ -376,8 +378,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         """Starts moving a stream from `source` to `dest` for `reason` (coordinator.migration.REASONS,
         which labels its metrics).
 
-        With `migration_method` "kv" (the default) this starts relaying the session's KV state
-        to `dest` (coordinator/kv_transfer.py) and returns None: the stream goes on from the
+        With `migration_method` "kv" (the default) this has `dest` start pulling the session's KV
+        state from `source` (coordinator/kv_transfer.py) and returns None: the stream goes on from the
         source, and `_transfer_due` completes the move at a chunk boundary once the state is
         staged. With "reprefill" the move happens now (`_move`). One move at a time per stream.
 
@@ -389,8 +391,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if self.config.migration_method == "kv":
             dest.in_flight += 1  # reserved now, so no other stream takes the idle worker meanwhile
             self._transfers[request.request_id] = kv_transfer.start(
-                self.pool.stub(source.address), self.pool.stub(dest.address), request.request_id, dest,
-                time_remaining(), reason)
+                self.pool.stub(dest.address), source.address, request.request_id, dest, time_remaining(), reason)
             log.info("moving %s from %s to %s (%s): KV transfer started", request.request_id, source.worker_id,
                      dest.worker_id, reason)
             return None
@@ -415,10 +416,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         staged = t.staged()
         if staged is not None:
             return await self._move(request, time_remaining, progress, source, source_call, t.dest, reason=t.reason,
-                                    method="kv", import_id=staged.import_id, bytes_moved=t.relayed.bytes,
+                                    method="kv", import_id=staged.import_id, bytes_moved=t.bytes,
                                     started_s=t.started_s)
         log.info("KV transfer of %s to %s failed (%s)", request.request_id, t.dest.worker_id, t.error())
-        self._migrated(request.model, "aborted", reason=t.reason, method="kv", bytes_moved=t.relayed.bytes,
+        self._migrated(request.model, "aborted", reason=t.reason, method="kv", bytes_moved=t.bytes,
                        total_s=time.monotonic() - t.started_s)
         if t.reason in ("load", "speed"):  # the re-prefill's cost may not pay where the copy's did
             again = self.config.migration.decide(request, source, len(progress.token_ids), [source, t.dest], None,
@@ -511,6 +512,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                        pause_s=first_s - cut_s, total_s=first_s - started_s)
         progress.moved()
         self.affinity.bind(request.session_id, dest.worker_id)
+        self.state.place(request.request_id, dest.worker_id, len(progress.token_ids))
         log.info("session %s (request %s) moved from %s to %s after %d tokens (%s, %d bytes, pause %.3f s)",
                  request.session_id or "-", request.request_id, source.worker_id, dest.worker_id,
                  len(progress.token_ids), method, bytes_moved, first_s - cut_s)
@@ -586,10 +588,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 raise
             now = time.monotonic()
             self._migrated(request.model, "failover", method="kv" if claim else "reprefill",
-                           bytes_moved=transfer.relayed.bytes if claim else 0, pause_s=now - started_s,
+                           bytes_moved=transfer.bytes if claim else 0, pause_s=now - started_s,
                            total_s=now - (transfer.started_s if claim else started_s))
             progress.moved()
             self.affinity.bind(request.session_id, dest.worker_id)
+            self.state.place(request.request_id, dest.worker_id, len(progress.token_ids))
             log.warning("worker %s failed mid-stream (%s); request %s resumed on %s after %d tokens%s",
                         dead.worker_id, error.details(), request.request_id, dest.worker_id, len(progress.token_ids),
                         " from its transferred KV state" if claim else "")
@@ -620,10 +623,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def _move_decision(self, request: common_pb2.GenerateRequest, worker: WorkerRecord,
                        progress: StreamProgress) -> Decision | None:
         """An operator's pending move of this stream, else the policy's decision when a check is
-        due (coordinator/migration.py), else None."""
+        due (coordinator/migration.py), else None. Of the policy's moves, a coordinator that does
+        not own the stream's worker (coordinator/state/: with several coordinators, each worker
+        has one owner) makes only drain moves, which every stream off a draining worker needs:
+        speed, load and memory moves off a worker are decided by its owner alone, so two
+        coordinators never both act on one worker's load."""
         pending = progress.move_request
         if pending is not None:
             return Decision(pending.dest, "manual")
+        if not worker.draining and not self.state.owns(worker.worker_id):
+            return None
         policy = self.config.migration
         if not progress.due(policy.check_interval_s):
             return None
@@ -707,7 +716,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
         Aborts the call with NOT_FOUND (no live worker with that id) or FAILED_PRECONDITION (no
         other live, undrained worker serves its models: its sessions could not move, and the
-        models would go unserved).
+        models would go unserved), or UNAVAILABLE (the shared fleet state, etcd, does not answer).
         """
         try:
             async for progress in self.drain_worker(request.worker_id):
@@ -735,7 +744,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                                  f"worker {worker_id!r} is the last live worker serving "
                                  f"{', '.join(sorted(rec.model_names))}: start another first, or stop this one")
         if not rec.draining:
-            rec.draining = True
+            try:
+                rec = await self.state.set_draining(worker_id)
+            except NotLive:
+                raise GenerateFailed(grpc.StatusCode.NOT_FOUND, f"no live worker {worker_id!r}") from None
+            except ConnectionError as e:  # the shared state's store (etcd) does not answer
+                raise GenerateFailed(grpc.StatusCode.UNAVAILABLE, f"cannot mark {worker_id!r} draining: {e}") from None
             self._drain_moved[worker_id] = 0
             if self.metrics:
                 self.metrics.draining.labels(worker=worker_id).set(1)
@@ -874,10 +888,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 class RegistryServicer(worker_pb2_grpc.RegistryServicer):
     """Internal API: workers register, heartbeat and deregister."""
 
-    def __init__(self, config: CoordinatorConfig, registry: Registry, pool: WorkerPool,
+    def __init__(self, config: CoordinatorConfig, state: FleetState, pool: WorkerPool,
                  admission: AdmissionQueue | None = None):
         self.config = config
-        self.registry = registry
+        self.state = state
         self.pool = pool
         self.admission = admission  # woken on every registration and heartbeat: capacity may have grown
 
@@ -886,16 +900,19 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
         heartbeat interval (seconds).
 
         Aborts the call with INVALID_ARGUMENT when worker_id, address or the model list is empty,
-        and with ALREADY_EXISTS when another live worker at another address holds the id (the
-        worker retries, so it joins once that one's lease ends).
+        with ALREADY_EXISTS when another live worker at another address holds the id (the
+        worker retries, so it joins once that one's lease ends), and with UNAVAILABLE when the
+        shared fleet state (etcd) does not answer (the worker retries).
         """
         try:
-            rec = self.registry.register(request)
+            rec = await self.state.register(request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, short_details(str(e)))
         except WorkerIdInUse as e:
             log.warning("refused a registration from %s: %s", request.address, e)
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, short_details(str(e)))
+        except ConnectionError as e:  # the shared state's store (etcd) does not answer: the worker retries
+            await context.abort(grpc.StatusCode.UNAVAILABLE, short_details(f"fleet state unavailable: {e}"))
         log.info("worker %s registered at %s serving %s", rec.worker_id, rec.address,
                  sorted(rec.model_names))
         if self.admission:
@@ -906,18 +923,23 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
 
     async def Heartbeat(self, request, context):
         """Renews a worker's lease, records its load and clears its `unreachable` mark; tells a
-        drained worker that runs no stream any more to leave (`leave`).
+        drained worker that runs no session any more (no stream from this coordinator, none in
+        its own load report) to leave (`leave`).
 
         Aborts the call with NOT_FOUND when the lease is unknown or expired (the worker must
-        register again).
+        register again), UNAVAILABLE when the shared fleet state (etcd) does not answer.
         """
         try:
-            rec = self.registry.heartbeat(request.worker_id, request.lease_id, request.load)
+            rec = await self.state.heartbeat(request.worker_id, request.lease_id, request.load)
         except UnknownLease as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, short_details(str(e)))
+        except ConnectionError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, short_details(f"fleet state unavailable: {e}"))
         if self.admission:
             self.admission.notify()
-        leave = rec.draining and rec.in_flight == 0
+        # Its own count of sessions too: another coordinator sharing the fleet's state may still
+        # stream from it, and a session moved off it ends there at the engine's next turn.
+        leave = rec.draining and rec.in_flight == 0 and request.load.active_sessions == 0
         if leave:
             log.info("worker %s is drained: telling it to leave", rec.worker_id)
         return worker_pb2.HeartbeatResponse(leave=leave)
@@ -925,12 +947,15 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
     async def Deregister(self, request, context):
         """Removes a worker (clean shutdown); its channel closes now, or when its last open stream ends.
 
-        Aborts the call with NOT_FOUND when the lease is unknown or expired.
+        Aborts the call with NOT_FOUND when the lease is unknown or expired, UNAVAILABLE when the
+        shared fleet state (etcd) does not answer.
         """
         try:
-            rec = self.registry.deregister(request.worker_id, request.lease_id)
+            rec = await self.state.deregister(request.worker_id, request.lease_id)
         except UnknownLease as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, short_details(str(e)))
+        except ConnectionError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, short_details(f"fleet state unavailable: {e}"))
         if rec.in_flight == 0:  # else the last stream's handler closes it (closing cancels them)
             await self.pool.drop(rec.address)
         log.info("worker %s deregistered", rec.worker_id)

@@ -80,10 +80,12 @@ def parse_args(argv):
                    help="most seconds the start may spend running the batched forwards of every batch "
                    "size up to --capacity and every DFlash block size, so no request waits on a kernel "
                    "compile (default 60; 0: none; the startup log says how many it warmed)")
-    p.add_argument("--coordinator", default=None, help="coordinator host:port (omit: standalone)")
+    p.add_argument("--coordinator", default=None, help="coordinator host:port (omit: standalone); several, "
+                   "comma-separated, for coordinators sharing the fleet's state in etcd: the worker "
+                   "registers with one and moves its heartbeats to the next when that one stops answering")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=tcp_port, default=None, help="gRPC port (default 0 = any free port)")
-    p.add_argument("--advertise-host", default=None, help="host the coordinator dials")
+    p.add_argument("--advertise-host", default=None, help="host the coordinator and other workers dial")
     p.add_argument("--worker-id", default=None, help="id in the fleet (default: hostname)")
     p.add_argument("--metrics-port", type=tcp_port, default=None,
                    help="Prometheus /metrics port (omit or 0: no endpoint)")

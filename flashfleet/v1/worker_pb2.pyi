@@ -79,7 +79,15 @@ class SessionStateChunk(_message.Message):
     trailer: SessionStateTrailer
     def __init__(self, header: _Optional[_Union[SessionStateHeader, _Mapping]] = ..., data: _Optional[_Union[SessionStateData, _Mapping]] = ..., trailer: _Optional[_Union[SessionStateTrailer, _Mapping]] = ...) -> None: ...
 
-class ImportSessionResponse(_message.Message):
+class PullSessionRequest(_message.Message):
+    __slots__ = ("request_id", "source_address")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    source_address: str
+    def __init__(self, request_id: _Optional[str] = ..., source_address: _Optional[str] = ...) -> None: ...
+
+class PullSessionResponse(_message.Message):
     __slots__ = ("import_id", "positions", "bytes")
     IMPORT_ID_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
