@@ -168,7 +168,9 @@ def test_etcd_ownership_moves_only_when_its_owner_is_gone(etcd):
             for _ in range(3):  # heartbeats through b while a lives: a stays the only owner
                 await b.heartbeat("w1", rec.lease_id, worker_pb2.WorkerLoad(capacity=4))
                 assert a.owns("w1") and not b.owns("w1")
+            a.place("r9", "w1", 3)  # queued, not yet written: closing writes it first
             await a.close()  # the owner stops: its lease, and so its ownership, goes at once
+            assert (await b.placement("r9")).tokens == 3
             assert await _wait_for(lambda: "w1" not in b._owners)
             await b.heartbeat("w1", rec.lease_id, worker_pb2.WorkerLoad(capacity=4))
             assert b.owns("w1")

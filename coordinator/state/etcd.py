@@ -44,6 +44,7 @@ log = logging.getLogger("flashfleet.coordinator.state")
 PREFIX = b"/flashfleet/"
 WORKERS, DRAIN, PLACEMENTS, OWNERS, AFFINITY = (b"workers/", b"drain/", b"placements/", b"owners/", b"affinity/")
 WRITE_QUEUE_MAX = 10_000  # background writes waiting at most; beyond that they are dropped (logged)
+CLOSE_FLUSH_S = 2.0  # on close, queued background writes get this long to finish
 
 
 def _key(kind: bytes, name: str) -> bytes:
@@ -99,7 +100,11 @@ class EtcdState(FleetState):
     async def close(self) -> None:
         """Stops following etcd, revokes this coordinator's lease (its ownerships go at once,
         so other coordinators take them over at the workers' next heartbeats) and closes the
-        client."""
+        client. Background writes already queued (a stream's placement removed as it ended)
+        get `CLOSE_FLUSH_S` seconds to finish first."""
+        if self._tasks:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.flush(), CLOSE_FLUSH_S)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -223,6 +228,8 @@ class EtcdState(FleetState):
                 await coro
             except (EtcdUnavailable, grpc.aio.AioRpcError) as e:
                 log.debug("a background etcd write failed: %s", e)
+            except Exception:  # one bad write must not stop the ones after it
+                log.exception("a background etcd write failed")
 
     def _bound(self, session_id: str, worker_id: str) -> None:
         async def write():
