@@ -37,6 +37,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -148,17 +149,26 @@ def _wait_line(proc: subprocess.Popen, prefix: str, what: str) -> str:
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"{what} exited ({proc.wait()}): {proc.stderr.read()[-2000:]}")
+            raise RuntimeError(f"{what} exited ({proc.wait()}): {_err_tail(proc)}")
         if line.startswith(prefix):
             return line.strip()
     raise RuntimeError(f"{what} did not start within {START_TIMEOUT_S:.0f} s")
 
 
 def _start(cmd: list[str], cores, src: Path = ROOT) -> subprocess.Popen:
-    """Starts `cmd` (pinned to `cores`) with `src` as its working directory and import root."""
+    """Starts `cmd` (pinned to `cores`) with `src` as its working directory and import root. Its
+    stderr goes to a temporary file (`_err_tail`): a pipe nobody reads would fill and stall it."""
     env = {**os.environ, "PYTHONPATH": str(src), "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(_pinned(cmd, cores), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=src, env=env)
+    err = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(_pinned(cmd, cores), stdout=subprocess.PIPE, stderr=err, text=True, cwd=src, env=env)
+    proc.err_file = err
+    return proc
+
+
+def _err_tail(proc: subprocess.Popen, n: int = 2000) -> str:
+    """The last `n` characters `proc` wrote to stderr."""
+    proc.err_file.seek(0)
+    return proc.err_file.read()[-n:]
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -211,9 +221,9 @@ def _clients(targets, args, streams_per_coordinator: int, max_tokens: int, t_fro
 def _collect(procs: list[subprocess.Popen], timeout_s: float) -> dict:
     total = {"tokens": 0, "messages": 0, "requests": 0, "errors": 0, "error_codes": {}, "held": 0.0}
     for p in procs:
-        out, err = p.communicate(timeout=timeout_s)
+        out, _ = p.communicate(timeout=timeout_s)
         if p.returncode != 0:
-            raise RuntimeError(f"a load client failed ({p.returncode}): {err[-2000:]}")
+            raise RuntimeError(f"a load client failed ({p.returncode}): {_err_tail(p)}")
         c = json.loads(out.strip().splitlines()[-1])
         for k in ("tokens", "messages", "requests", "errors", "held"):
             total[k] += c[k]
@@ -297,6 +307,9 @@ def run_row(args, coordinators: int, workers: int, src: Path = ROOT, label: str 
         _sleep_until(a_to)
         admit_cpu = _cpu_s(pids) - a0
         admit = _collect(admitters, args.timeout_s + 60)
+        if counts["errors"] or admit["errors"]:  # what the coordinators logged about them
+            for p in procs[:coordinators]:
+                print(f"coordinator log (end):\n{_err_tail(p, 3000)}", file=sys.stderr, flush=True)
     finally:
         _stop(procs)
     d = args.duration_s
