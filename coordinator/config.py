@@ -34,6 +34,9 @@ class CoordinatorConfig:
             refuse any other key with PERMISSION_DENIED (with no `api_keys`, nothing is refused).
         join_token: the secret workers must send to register and heartbeat, which the
             coordinator also sends on every call to a worker (None = none required).
+        state: where the fleet's state lives: "memory" (the default: this coordinator alone) or
+            "etcd" (shared with other coordinators, coordinator/state/etcd.py).
+        etcd_endpoints: the etcd members for state "etcd" ("host:port" or "http://host:port").
     """
 
     host: str = "127.0.0.1"
@@ -53,8 +56,15 @@ class CoordinatorConfig:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     admin_keys: tuple[str, ...] = field(default=(), repr=False)
     join_token: str | None = field(default=None, repr=False)
+    state: str = "memory"
+    etcd_endpoints: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        from flashfleet.config import state_problem
+
+        problem = state_problem(self.state, self.etcd_endpoints)
+        if problem:
+            raise ValueError(f"CoordinatorConfig: {problem}")
         if not set(self.admin_keys) <= set(self.api_keys):
             raise ValueError("CoordinatorConfig.admin_keys must be among api_keys")
         if self.migration_method not in METHODS:

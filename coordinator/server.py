@@ -23,7 +23,7 @@ from coordinator.routing import SessionAffinity
 from coordinator.servicer import CoordinatorServicer, RegistryServicer, WorkerPool
 from coordinator.state import FleetState, MemoryState
 from flashfleet.auth import (AUTHORIZATION, BAD_JOIN_TOKEN, BAD_KEY, JOIN_TOKEN_HEADER, RequireRole,
-                             RequireSecret, is_loopback)
+                             RequireSecret, access_summary, access_warnings, is_loopback)
 from flashfleet.bad_messages import RejectUndecodable
 from flashfleet.transport import SERVER_OPTIONS, add_port
 from flashfleet.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -92,18 +92,22 @@ async def start_coordinator(config: CoordinatorConfig,
     Registry service refuses workers without it (flashfleet/auth.py). Also starts the lease-expiry loop (every min(1, lease_ttl_s / 4) seconds), which updates
     the worker gauges.
 
+    With `config.state` "etcd", the fleet's state is shared through etcd with the other
+    coordinators using the same endpoints (coordinator/state/etcd.py); otherwise it is this
+    process's (coordinator/state/memory.py).
+
     Args:
         metrics_registry: where the metrics are registered (default: a fresh CollectorRegistry).
         tls: flashfleet.config.TLSConfig to serve and dial workers over mutual TLS (None:
             plaintext).
 
     Raises:
-        RuntimeError: the port (or the HTTP API's) could not be bound.
+        RuntimeError: the port (or the HTTP API's) could not be bound, or etcd could not be reached.
         flashfleet.config.ConfigError: unreadable or non-PEM TLS files (`add_port`).
     """
-    if not is_loopback(config.host) and not config.api_keys and tls is None:
-        log.warning("the coordinator listens on %s with neither API keys nor TLS: anyone who can "
-                    "reach it may use it (docs/operations.md, section 9)", config.host)
+    log.info(access_summary(config.api_keys, config.join_token, tls is not None))
+    for warning in access_warnings(is_loopback(config.host), config.api_keys, config.join_token, tls is not None):
+        log.warning("the coordinator listens on %s with %s", config.host, warning)
     metrics = CoordinatorMetrics(metrics_registry or CollectorRegistry())
     pool = WorkerPool(tls, config.join_token)
     affinity = SessionAffinity(config.session_ttl_s)
@@ -122,10 +126,24 @@ async def start_coordinator(config: CoordinatorConfig,
             pass
         affinity.forget_worker(rec.worker_id)
 
-    registry = Registry(config.lease_ttl_s, on_remove=on_remove)
     coordinator_id = f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
-    state = MemoryState(coordinator_id, registry, affinity)
+    if config.state == "etcd":
+        from coordinator.state.etcd import EtcdState
+        from coordinator.state.etcd_client import EtcdUnavailable
+
+        registry = Registry(config.lease_ttl_s, on_remove=on_remove, expires=False)  # etcd's leases decide
+        state = EtcdState(coordinator_id, registry, affinity, config.etcd_endpoints, config.lease_ttl_s,
+                          config.session_ttl_s)
+        try:
+            await state.start()
+        except EtcdUnavailable as e:
+            await state.close()
+            raise RuntimeError(f"cannot reach etcd: {e}") from None
+    else:
+        registry = Registry(config.lease_ttl_s, on_remove=on_remove)
+        state = MemoryState(coordinator_id, registry, affinity)
     servicer = CoordinatorServicer(config, state, pool, metrics=metrics)
+    state.on_worker_change = servicer.admission.notify  # a worker registered through another coordinator
     guards = []
     if config.api_keys:
         guards.append(RequireSecret(SERVICE_NAMES[:1], AUTHORIZATION, config.api_keys, BAD_KEY, is_bearer=True))
@@ -139,16 +157,21 @@ async def start_coordinator(config: CoordinatorConfig,
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(SERVICE_NAMES + (health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = add_port(server, f"{config.host}:{config.port}", tls)
-    if port == 0:
-        raise RuntimeError(f"could not bind {config.host}:{config.port} (in use?)")
-    http_runner = http_port = None
-    if config.http_port is not None:  # before the gRPC server starts: a failure here leaves nothing to stop
-        from coordinator.openai_api import start_http
+    try:  # a failure from here leaves nothing running: the state's watch and leases stop too
+        port = add_port(server, f"{config.host}:{config.port}", tls)
+        if port == 0:
+            raise RuntimeError(f"could not bind {config.host}:{config.port} (in use?)")
+        http_runner = http_port = None
+        if config.http_port is not None:  # before the gRPC server starts: a failure here leaves nothing to stop
+            from coordinator.openai_api import start_http
 
-        http_runner, http_port = await start_http(servicer, config.host, config.http_port, config.shutdown_grace_s,
-                                                  tls.server_ssl_context() if tls is not None else None,
-                                                  config.api_keys)
+            http_runner, http_port = await start_http(servicer, config.host, config.http_port,
+                                                      config.shutdown_grace_s,
+                                                      tls.server_ssl_context() if tls is not None else None,
+                                                      config.api_keys)
+    except BaseException:
+        await state.close()
+        raise
     await server.start()
     for name in SERVICE_NAMES + ("",):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

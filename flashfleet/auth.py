@@ -1,8 +1,9 @@
 """Access control: API keys for clients, a join token for workers.
 
 - API keys: clients send gRPC metadata `authorization: Bearer <key>` (the HTTP API: the header
-  `Authorization: Bearer <key>`). A coordinator with keys configured (`--api-keys-file`, env
-  `FLASHFLEET_API_KEYS`) refuses its public Coordinator service to any other caller with
+  `Authorization: Bearer <key>`). The SDK and CLI send the key of `api_key=` or env
+  `FLASHFLEET_API_KEY`. A coordinator with keys configured (`--api-keys-file`, env
+  `FLASHFLEET_COORDINATOR_API_KEYS`) refuses its public Coordinator service to any other caller with
   UNAUTHENTICATED before the request is routed. Each key has a role, `client` (the default) or
   `admin`: the operator's calls, DrainWorker and MoveSession, need an `admin` key and refuse a
   client key with PERMISSION_DENIED (`RequireRole`; coordinator/server.py ADMIN_METHODS). Without keys configured every call is open.
@@ -22,8 +23,8 @@ from typing import Iterable, Sequence
 
 import grpc
 
-API_KEYS_ENV = "FLASHFLEET_API_KEYS"  # coordinator: comma-separated keys, each "<key>" or "<key> <role>"
-API_KEY_ENV = "FLASHFLEET_API_KEY"  # clients (SDK, CLI): the key they send
+API_KEYS_ENV = "FLASHFLEET_COORDINATOR_API_KEYS"  # coordinator: the keys it accepts, comma-separated, each "<key>" or "<key> <role>"
+API_KEY_ENV = "FLASHFLEET_API_KEY"  # clients (SDK, CLI): the one key they send
 JOIN_TOKEN_ENV = "FLASHFLEET_JOIN_TOKEN"
 AUTHORIZATION = "authorization"
 JOIN_TOKEN_HEADER = "x-flashfleet-join-token"
@@ -61,7 +62,7 @@ def parse_api_key(entry: str) -> tuple[str, str]:
 def load_api_keys(path: str | Path | None = None, env: dict | None = None) -> dict[str, str]:
     """The coordinator's API keys and their roles (key -> "client" or "admin", in file order):
     the entries of `path` (`read_secrets_file`; one a line, "<key>" or "<key> admin") plus the
-    comma-separated entries in env FLASHFLEET_API_KEYS. A key given twice keeps its last role.
+    comma-separated entries in env FLASHFLEET_COORDINATOR_API_KEYS. A key given twice keeps its last role.
     Empty: no key required.
 
     Raises:
@@ -98,6 +99,31 @@ def client_api_key(api_key: str | None = None, env: dict | None = None) -> str |
     """The key a client sends: `api_key`, else env FLASHFLEET_API_KEY, else None."""
     env = os.environ if env is None else env
     return api_key or env.get(API_KEY_ENV, "").strip() or None
+
+
+def access_summary(api_keys: Sequence[str], join_token: str | None, tls: bool) -> str:
+    """One log line saying which protections a server has on (never the secrets themselves),
+    e.g. "access control: API keys on (2 keys), join token on, TLS off"."""
+    keys = f"on ({len(api_keys)} key{'s' if len(api_keys) != 1 else ''})" if api_keys else "off"
+    return (f"access control: API keys {keys}, join token {'on' if join_token else 'off'}, "
+            f"TLS {'on' if tls else 'off'}")
+
+
+def access_warnings(host_is_loopback: bool, api_keys: Sequence[str], join_token: str | None,
+                    tls: bool) -> list[str]:
+    """Warnings for a coordinator that others can reach (a non-loopback `host`): no API keys and
+    no TLS (anyone may send requests), no join token (anyone may register a worker and receive
+    prompts). Empty on a loopback host."""
+    if host_is_loopback:
+        return []
+    out = []
+    if not api_keys and not tls:
+        out.append("neither API keys nor TLS: anyone who can reach this coordinator may use it "
+                   "(--api-keys-file; docs/operations.md, section 9)")
+    if not join_token:
+        out.append("no join token: anyone who can reach this coordinator may register a worker and "
+                   "receive prompts (--join-token-file; docs/operations.md, section 9)")
+    return out
 
 
 def matches(given: str | None, accepted: Iterable[str]) -> bool:

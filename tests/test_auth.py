@@ -151,10 +151,11 @@ def test_nothing_configured_everything_works_as_before(monkeypatch):
 def test_secrets_files_and_environment(tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("# clients\nsk-a\n\nsk-b  # the batch jobs\nsk-ops admin  # the operators\n")
-    assert load_api_keys(keys, env={"FLASHFLEET_API_KEYS": "sk-c, sk-a"}) == {
+    assert load_api_keys(keys, env={"FLASHFLEET_COORDINATOR_API_KEYS": "sk-c, sk-a"}) == {
         "sk-a": "client", "sk-b": "client", "sk-ops": "admin", "sk-c": "client"}
-    assert load_api_keys(None, env={"FLASHFLEET_API_KEYS": "sk-d admin"}) == {"sk-d": "admin"}
+    assert load_api_keys(None, env={"FLASHFLEET_COORDINATOR_API_KEYS": "sk-d admin"}) == {"sk-d": "admin"}
     assert load_api_keys(None, env={}) == {}
+    assert load_api_keys(None, env={"FLASHFLEET_API_KEY": "sk-client"}) == {}  # the client's variable
     for bad in ("sk-e root", "sk-e admin extra"):
         (tmp_path / "bad").write_text(bad + "\n")
         with pytest.raises(ValueError) as e:
@@ -170,19 +171,28 @@ def test_secrets_files_and_environment(tmp_path):
         load_join_token(tmp_path / "empty")
 
 
-@pytest.mark.parametrize("host, keys, warned", [("0.0.0.0", (), True), ("0.0.0.0", (KEY,), False),
-                                                ("127.0.0.1", (), False)])
-def test_warning_when_listening_beyond_loopback_without_keys_or_tls(host, keys, warned, caplog):
+@pytest.mark.parametrize("host, keys, token, warned", [
+    ("0.0.0.0", (), None, {"neither API keys nor TLS", "no join token"}),
+    ("0.0.0.0", (KEY,), None, {"no join token"}),
+    ("0.0.0.0", (KEY,), TOKEN, set()),
+    ("127.0.0.1", (), None, set())])
+def test_warnings_when_listening_beyond_loopback_unprotected(host, keys, token, warned, caplog):
+    """A coordinator says at start which protections are on, and warns on a non-loopback host
+    about missing keys (with no TLS) and a missing join token; no secret is ever logged."""
     loop = LoopThread()
     try:
-        with caplog.at_level(logging.WARNING, logger="flashfleet.coordinator"):
-            running = loop.run(start_coordinator(CoordinatorConfig(host=host, port=0, api_keys=keys)))
+        with caplog.at_level(logging.INFO, logger="flashfleet.coordinator"):
+            running = loop.run(start_coordinator(CoordinatorConfig(host=host, port=0, api_keys=keys,
+                                                                   join_token=token)))
             loop.run(running.stop(grace_s=0.1))
     finally:
         loop.close()
-    messages = [r.getMessage() for r in caplog.records if "neither API keys nor TLS" in r.getMessage()]
-    assert bool(messages) == warned
-    assert not any(KEY in r.getMessage() for r in caplog.records)
+    messages = [r.getMessage() for r in caplog.records]
+    assert {w for w in ("neither API keys nor TLS", "no join token") if any(w in m for m in messages)} == warned
+    summary = [m for m in messages if m.startswith("access control:")]
+    assert summary == [f"access control: API keys {'on (1 key)' if keys else 'off'}, "
+                       f"join token {'on' if token else 'off'}, TLS off"]
+    assert not any(KEY in m or TOKEN in m for m in messages)
 
 
 def test_cluster_config_passes_the_secrets_files_to_coordinator_and_workers(tmp_path, monkeypatch):
@@ -191,7 +201,7 @@ def test_cluster_config_passes_the_secrets_files_to_coordinator_and_workers(tmp_
     from flashfleet.config import load_cluster_config
 
     monkeypatch.delenv("FLASHFLEET_API_KEY", raising=False)
-    monkeypatch.delenv("FLASHFLEET_API_KEYS", raising=False)
+    monkeypatch.delenv("FLASHFLEET_COORDINATOR_API_KEYS", raising=False)
     (tmp_path / "keys").write_text("# keys\nsk-first\nsk-second\n")
     (tmp_path / "token").write_text("tok\n")
     cfg_path = tmp_path / "cluster.toml"
@@ -206,6 +216,44 @@ def test_cluster_config_passes_the_secrets_files_to_coordinator_and_workers(tmp_
     assert config_api_key(str(cfg_path)) == "sk-first"  # what `flashfleet up` checks readiness with
     monkeypatch.setenv("FLASHFLEET_API_KEY", "sk-env")
     assert config_api_key(str(cfg_path)) == "sk-env"
+
+
+def test_up_passes_the_secrets_files_to_the_coordinator_and_its_workers(tmp_path, monkeypatch):
+    """`flashfleet up --api-keys-file K --join-token-file T`: the coordinator gets both, every
+    worker the join token, and the readiness check sends the first key of K."""
+    from flashfleet.cli import up
+
+    monkeypatch.delenv("FLASHFLEET_API_KEY", raising=False)
+    (tmp_path / "keys").write_text("sk-up\n")
+    (tmp_path / "token").write_text("tok\n")
+    spawned, keys_sent = [], []
+    monkeypatch.setattr(up.subprocess, "Popen", lambda argv, **kw: spawned.append(argv))
+
+    def wait_ready(self, timeout_s, progress, should_stop):
+        from flashfleet.cli._common import config_api_key
+        keys_sent.append(config_api_key(self.config, self.api_keys_file))
+
+    monkeypatch.setattr(up.LocalCluster, "_wait_ready", wait_ready)
+    up.LocalCluster(workers=2, port=1, log_dir=tmp_path / "logs", api_keys_file=tmp_path / "keys",
+                    join_token_file=tmp_path / "token").start(progress=lambda line: None)
+    monkeypatch.undo()
+    coordinator = next(a for a in spawned if a[3] == "coordinator")
+    workers = [a for a in spawned if a[3] == "worker"]
+    flag = lambda argv, name: argv[argv.index(name) + 1]  # noqa: E731
+    assert flag(coordinator, "--api-keys-file") == str(tmp_path / "keys")
+    assert flag(coordinator, "--join-token-file") == str(tmp_path / "token")
+    assert len(workers) == 2 and all(flag(w, "--join-token-file") == str(tmp_path / "token") for w in workers)
+    assert not any("--api-keys-file" in w for w in workers)
+    assert keys_sent == ["sk-up"]
+
+
+def test_up_help_names_the_access_control_flags(capsys):
+    from flashfleet.cli.up import main as up_main
+
+    with pytest.raises(SystemExit):
+        up_main(["--help"])
+    out = capsys.readouterr().out
+    assert "--api-keys-file" in out and "--join-token-file" in out and "FLASHFLEET_API_KEY" in out
 
 
 ADMIN = "sk-test-admin-key"
@@ -255,3 +303,25 @@ def test_a_keys_prefix_or_suffix_is_never_accepted(with_admin, variant, monkeypa
             list(client.drain_worker("w1", timeout_s=5))
     assert http(cluster, "/v1/models", key=variant)[0] == 401
     assert engine.submitted == []
+
+
+def test_up_reports_access_control_and_warns_beyond_loopback(tmp_path, monkeypatch):
+    """`flashfleet up` prints what the coordinator's access control is (from its flags, config or
+    environment) and, on a non-loopback host, a warning for each missing protection."""
+    from flashfleet.cli.up import LocalCluster
+
+    for name in ("FLASHFLEET_COORDINATOR_API_KEYS", "FLASHFLEET_JOIN_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "keys").write_text(f"{KEY}\nsk-second\n")
+    (tmp_path / "token").write_text(f"{TOKEN}\n")
+    local = LocalCluster(workers=1, port=1, log_dir=tmp_path / "logs")
+    assert local.access_lines() == ["access control: API keys off, join token off, TLS off"]
+    open_ = LocalCluster(workers=1, port=1, host="0.0.0.0", log_dir=tmp_path / "logs",
+                         api_keys_file=tmp_path / "keys")
+    lines = open_.access_lines()
+    assert lines[0] == "access control: API keys on (2 keys), join token off, TLS off"
+    assert len(lines) == 2 and lines[1].startswith("warning: no join token")
+    monkeypatch.setenv("FLASHFLEET_JOIN_TOKEN", TOKEN)
+    secured = open_.access_lines()
+    assert secured == ["access control: API keys on (2 keys), join token on, TLS off"]
+    assert not any(KEY in line or TOKEN in line for line in lines + secured)

@@ -284,18 +284,21 @@ def test_decode_profile_drops_warm_up_keeps_means_and_skips_speculative_iteratio
     assert prof.snapshot() == [] and prof.prefill_seconds_per_token == 0
 
 
-def test_slowdown_hook_sleeps_and_records_the_slower_time():
+def test_slow_profile_sleeps_and_records_the_slower_time():
+    """The tests' injected SlowProfile (tests/fakes.py): the engine sleeps (F - 1) x each timed
+    iteration and the profile records F x it; the product's DecodeProfile never sleeps."""
+    from fakes import SlowProfile
+
     slept = []
-    prof = DecodeProfile(decay=0.0, slowdown=3.0, sleep=slept.append)
+    prof = SlowProfile(3.0, sleep=slept.append, decay=0.0)
     for _ in range(2):
         prof.decode(1, 10, 1, 0.01)
-    assert slept == pytest.approx([0.02, 0.02])
+    prof.prefill(10, 0.01)
+    assert slept == pytest.approx([0.02, 0.02, 0.02])
     assert prof.snapshot()[0].seconds == pytest.approx(0.03)
-    assert DecodeProfile.from_env({"FLASHFLEET_TEST_SLOWDOWN": "2.5"}).slowdown == 2.5
-    assert DecodeProfile.from_env({}).slowdown == 1.0
-    for bad in ("fast", "0.5"):
-        with pytest.raises(ValueError):
-            DecodeProfile.from_env({"FLASHFLEET_TEST_SLOWDOWN": bad})
+    assert prof.prefill_seconds_per_token == pytest.approx(0.003)
+    with pytest.raises(ValueError):
+        SlowProfile(0.5)
 
 
 def test_session_rates_and_speculative_speedup():

@@ -6,6 +6,7 @@ server stopped; `RunningWorker.left` is then set and the process exits (`worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -108,7 +109,7 @@ class RunningWorker:
         if not (self.coordinator and self._lease):
             return
         try:
-            async with aio_channel(self.coordinator, self.tls) as ch:
+            async with aio_channel(self._lease.get("address") or self.coordinator, self.tls) as ch:
                 await _registry_stub(ch, self.join_token).Deregister(
                     worker_pb2.DeregisterRequest(worker_id=self.worker_id,
                                                  lease_id=self._lease["id"]),
@@ -129,7 +130,9 @@ async def start_worker(engine: EngineProtocol, worker_id: str, host: str = "127.
         engine: a started engine (weights loaded).
         worker_id: unique name in the fleet.
         host, port: where to listen (port 0 = a free port).
-        coordinator: "host:port" of the coordinator's Registry, or None for a standalone worker.
+        coordinator: "host:port" of the coordinator's Registry, or several, comma-separated, of
+            coordinators sharing the fleet's state in etcd (`_keep_registered`); None for a
+            standalone worker.
         advertise_host: host the coordinator and other workers should dial (default: host).
         metrics: optional WorkerMetrics for the servicer.
         tls: flashfleet.config.TLSConfig: serve, and dial the coordinator, over mutual TLS.
@@ -210,28 +213,59 @@ async def _keep_registered(w: RunningWorker) -> None:
     """Registers (retrying for as long as it takes, with a warning a minute while the
     coordinator does not answer), then heartbeats; re-registers when a heartbeat fails
     (lease expired, coordinator restarted or unreachable). Ends after deregistering when a
-    heartbeat's response asks the worker to leave (`RunningWorker.leave_requested`)."""
-    async with aio_channel(w.coordinator, w.tls) as channel:
-        stub = _registry_stub(channel, w.join_token)
+    heartbeat's response asks the worker to leave (`RunningWorker.leave_requested`).
+
+    With several coordinator addresses (coordinators sharing the fleet's state in etcd, where a
+    lease is valid at every coordinator), each failed registration tries the next address, and a
+    heartbeat that finds its coordinator gone (UNAVAILABLE, or no answer in time) goes to the
+    next one under the same lease: the worker stays in the fleet while any coordinator lives."""
+    addresses = [a.strip() for a in w.coordinator.split(",") if a.strip()]
+    at = [0]  # index of the address in use
+    async with contextlib.AsyncExitStack() as stack:
+        stubs: dict[str, object] = {}
+
+        def stub(i: int):
+            address = addresses[i % len(addresses)]
+            if address not in stubs:  # one channel per coordinator, opened on first use
+                channel = aio_channel(address, w.tls)
+                stack.push_async_callback(channel.close)
+                stubs[address] = _registry_stub(channel, w.join_token)
+            return stubs[address]
+
+        def rotate(state: RetryCallState) -> None:
+            at[0] = (at[0] + 1) % len(addresses)
+
         while True:
+            warn = _warn_while_unreachable(w.coordinator)
             async for attempt in AsyncRetrying(
                     retry=retry_if_exception_type(grpc.aio.AioRpcError),
                     wait=wait_exponential_jitter(multiplier=0.2, max=5.0),
-                    before_sleep=_warn_while_unreachable(w.coordinator)):
+                    before_sleep=lambda state: (warn(state), rotate(state))):
                 with attempt:
-                    resp = await stub.Register(worker_pb2.RegisterRequest(
+                    resp = await stub(at[0]).Register(worker_pb2.RegisterRequest(
                         worker_id=w.worker_id, address=w.advertise_address,
                         models=[convert.model_info(w.engine.model)],
                         load=w.servicer.load()), timeout=REGISTER_TIMEOUT_S)
-            w._lease = {"id": resp.lease_id}
+            w._lease = {"id": resp.lease_id, "address": addresses[at[0]]}
             w.registered.set()
-            log.info("registered with %s (lease %s)", w.coordinator, resp.lease_id)
+            log.info("registered with %s (lease %s)", addresses[at[0]], resp.lease_id)
             try:
                 while True:
                     await asyncio.sleep(resp.heartbeat_interval_s)
-                    beat = await stub.Heartbeat(worker_pb2.HeartbeatRequest(
-                        worker_id=w.worker_id, lease_id=resp.lease_id,
-                        load=w.servicer.load()), timeout=REGISTER_TIMEOUT_S)
+                    request = worker_pb2.HeartbeatRequest(worker_id=w.worker_id, lease_id=resp.lease_id,
+                                                          load=w.servicer.load())
+                    for tried in range(len(addresses)):
+                        try:
+                            beat = await stub(at[0]).Heartbeat(request, timeout=REGISTER_TIMEOUT_S)
+                            break
+                        except grpc.aio.AioRpcError as e:
+                            if (tried == len(addresses) - 1 or e.code() not in
+                                    (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)):
+                                raise
+                            log.warning("heartbeat to %s failed (%s); trying %s", addresses[at[0]],
+                                        e.code().name, addresses[(at[0] + 1) % len(addresses)])
+                            at[0] = (at[0] + 1) % len(addresses)
+                            w._lease["address"] = addresses[at[0]]
                     if beat.leave:  # drained (Coordinator.DrainWorker): no session left here
                         log.info("the coordinator drained this worker: deregistering and leaving")
                         await w._deregister()

@@ -55,12 +55,16 @@ class FleetState(abc.ABC):
         registry: the local view of the live workers (routing reads it synchronously).
         affinity: the local view of session affinity; its `bind` also records the binding in
             the shared state.
+        on_worker_change: called (on the event loop) when the view took a worker's entry from
+            the shared store (a registration or heartbeat through any coordinator), so capacity
+            may have grown and the admission queue re-checks; None: nothing to tell.
     """
 
     def __init__(self, coordinator_id: str, registry: Registry, affinity: SessionAffinity):
         self.coordinator_id = coordinator_id
         self.registry = registry
         self.affinity = affinity
+        self.on_worker_change = None
 
     async def start(self) -> None:
         """Connects to the store and loads the current state into the local view (a no-op in
