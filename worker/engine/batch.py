@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from worker.caches.rows import RowKVCache, as_attention_mask
+from worker.caches.rows import RowKVCache, as_attention_mask, share_lengths
 from worker.engine.grammar import RowGrammar, allowed
 from worker.engine.types import TokenLogprob
 from worker.sampling import greedy, sample_rows
@@ -113,6 +113,8 @@ class Batch:
         for mine, theirs in zip(self.caches, target + (draft or [])):
             mine.extend(theirs)
             mx.eval(mine.state)
+        share_lengths(self.target)
+        share_lengths(self.draft or [])
         if self.draft is not None:
             if self.pending is not None:
                 pad = mx.zeros((1, *self.pending.shape[1:]), self.pending.dtype)
@@ -126,6 +128,8 @@ class Batch:
         for c in self.caches:  # layer by layer: one layer's buffer of transient memory
             c.keep_rows(indices)
             mx.eval(c.state)
+        share_lengths(self.target)
+        share_lengths(self.draft or [])
         if self.draft is not None:
             self.pending_len = [self.pending_len[i] for i in indices]
             if self.pending is not None:
@@ -221,6 +225,14 @@ def grammar_masks(rows: Sequence[Row]) -> dict[int, np.ndarray]:
     return {i: r.grammar.masks() for i, r in enumerate(rows) if r.grammar is not None}
 
 
+def read_rows(out: mx.array, *also: mx.array) -> list[list[int]]:
+    """The iteration's one host synchronisation: evaluates `out` (B, N) and `also` (device state
+    the next iteration reads, evaluated with it so its graph does not grow), and reads `out` back
+    with one `tolist`."""
+    mx.eval(out, *also)
+    return out.tolist()
+
+
 def plain_step(target: Any, batch: Batch) -> list[list[int]]:
     """One decode step of every row: (B, 1) last tokens through the target; returns each row's
     one new token (a constrained row's among the tokens its grammar allows). The caches gain the
@@ -230,8 +242,7 @@ def plain_step(target: Any, batch: Batch) -> list[list[int]]:
     logits = target(x, cache=batch.target)
     tokens = choose(logits[:, -1:, :], batch.rows, grammar_masks(batch.rows))
     parts = logprobs_of(logits[:, -1:, :], tokens, batch.rows)
-    mx.eval(tokens, *(parts[1:] if parts else ()))
-    out = tokens.tolist()
+    out = read_rows(tokens, *(parts[1:] if parts else ()))
     batch.logprobs = _host_logprobs(parts, out, batch.rows)
     return out
 
@@ -402,14 +413,16 @@ def dflash_cycle(target: Any, draft: Any, capture: Any, batch: Batch, L: int) ->
         accepted = mx.cumprod((blocks[:, 1:] == chosen[:, :-1]).astype(mx.int32), axis=1).sum(axis=1)
     else:
         accepted = mx.zeros((len(rows),), mx.int32)
-    mx.eval(chosen, accepted, taps, *(parts[1:] if parts else ()))  # the iteration's one host sync
-    acc = accepted.tolist()
-    toks = chosen.tolist()
-    batch.logprobs = _host_logprobs(parts, toks, rows)
+    # One read-back: each row's L chosen tokens, then its accepted count (and the log-probabilities
+    # of the rows that ask for them, evaluated with it).
+    out = read_rows(mx.concatenate([chosen, accepted.astype(mx.uint32)[:, None]], axis=1), taps,
+                    *(parts[1:] if parts else ()))
+    acc = [r[L] for r in out]
+    batch.logprobs = _host_logprobs(parts, [r[:L] for r in out], rows)
     kept = [j + 1 for j in acc]
     new_len = [n - L + k for n, k in zip(batch.target[0].host_lengths, kept)]
     device_len = batch.target[0].lengths - L + accepted + 1
     for c in batch.target:
         c.set_lengths(new_len, device_len)
     _concat_pending(batch, taps, kept)
-    return CycleResult([t[:k] for t, k in zip(toks, kept)], acc, L)
+    return CycleResult([r[:k] for r, k in zip(out, kept)], acc, L)
