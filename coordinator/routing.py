@@ -63,6 +63,11 @@ def _kv_free_key(worker: WorkerRecord) -> int:
     return -1 if free is None else free
 
 
+# Sessions `SessionAffinity` remembers at most: about 100 bytes each (a few MB), and far more
+# than the sessions a fleet's workers can run within a session's ttl.
+MAX_AFFINITY_SESSIONS = 50_000
+
+
 class NoWorker(LookupError):
     """No live worker serves the model (NOT_FOUND)."""
 
@@ -106,16 +111,25 @@ class SessionAffinity:
     """Remembers which worker served each session, forgetting sessions unused for ttl_s.
 
     Entries are kept in the order they were last bound, so each `bind` drops the expired ones
-    from the front: memory stays bounded by the sessions bound within ttl_s, however many
-    session ids clients ever send.
+    from the front, and the least recently bound one while more than `max_sessions` remain:
+    session ids are the clients' choice, so a client sending a new one with every request must
+    not grow the map without end (an evicted session only loses its preference for a worker).
 
     Args:
         ttl_s: seconds after which an unused session's affinity is dropped.
         clock: monotonic seconds.
+        max_sessions: most sessions remembered (>= 1).
+
+    Raises:
+        ValueError: max_sessions < 1.
     """
 
-    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic,
+                 max_sessions: int = MAX_AFFINITY_SESSIONS):
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
         self.ttl_s = ttl_s
+        self.max_sessions = max_sessions
         self._clock = clock
         self._by_session: OrderedDict[str, tuple[str, float]] = OrderedDict()  # oldest bind first
 
@@ -141,7 +155,7 @@ class SessionAffinity:
         self._by_session.move_to_end(session_id)
         while self._by_session:
             oldest, (_, t) = next(iter(self._by_session.items()))
-            if now - t <= self.ttl_s:
+            if now - t <= self.ttl_s and len(self._by_session) <= self.max_sessions:
                 break
             del self._by_session[oldest]
 

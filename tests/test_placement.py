@@ -315,3 +315,17 @@ def test_session_rates_and_speculative_speedup():
     expected = (1 - a ** 4) / (1 - a) * 0.01 / 0.015
     assert speculative_speedup([a], {1: 0.01, 4: 0.015})[0] == pytest.approx(expected)
     assert not math.isnan(expected)
+
+
+def test_a_speed_move_must_save_hysteresis_times_its_cost():
+    fleet = Fleet()
+    slow = fleet.add("slow", step_s=0.012)
+    fleet.add("fast", step_s=0.010)
+    fleet.place("slow", "s", context=1000, remaining=1000)
+    free = MigrationPolicy(hysteresis=0.0, min_saving_s=0.0).decide(_req("s"), slow, 20, fleet.live(), None, 100.0)
+    assert free is not None and 0 < free.cost_s < free.saved_s
+    ratio = free.saved_s / free.cost_s
+    for hysteresis, moves in ((ratio * 0.98, True), (ratio * 1.02, False)):
+        d = MigrationPolicy(hysteresis=hysteresis, min_saving_s=0.0).decide(_req("s"), slow, 20, fleet.live(),
+                                                                            None, 100.0)
+        assert (d is not None) == moves, (hysteresis, ratio, d)

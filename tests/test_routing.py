@@ -143,3 +143,21 @@ def test_session_affinity_forgets_expired_sessions_without_being_asked_for_them(
     now[0] += 9.95
     affinity.bind("new", "w1")
     assert affinity.lookup("s990") == "w2" and affinity.lookup("s989") is None
+
+
+def test_affinity_remembers_at_most_max_sessions_dropping_the_least_recently_bound():
+    # Session ids are the clients' choice: one per request must not grow the map without end.
+    clock = [0.0]
+    affinity = SessionAffinity(ttl_s=3600.0, clock=lambda: clock[0], max_sessions=100)
+    for i in range(1000):
+        clock[0] += 0.001
+        affinity.bind(f"s{i}", "w1")
+    assert len(affinity) == 100
+    assert affinity.lookup("s999") == "w1" and affinity.lookup("s900") == "w1"
+    assert affinity.lookup("s899") is None and affinity.lookup("s0") is None
+    affinity.bind("s900", "w2")  # binding again makes it the most recent
+    clock[0] += 0.001
+    affinity.bind("new", "w1")
+    assert affinity.lookup("s900") == "w2" and affinity.lookup("s901") is None
+    with pytest.raises(ValueError):
+        SessionAffinity(ttl_s=1.0, max_sessions=0)

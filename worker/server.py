@@ -20,7 +20,7 @@ from flashfleet.transport import SERVER_OPTIONS, add_port, aio_channel
 from flashfleet.v1 import worker_pb2, worker_pb2_grpc
 from worker import convert
 from worker.engine.types import EngineProtocol
-from worker.servicer import WorkerServicer
+from worker.servicer import ORPHAN_GRACE_S, WorkerServicer
 from worker.watchdog import ENGINE_DIED_EXIT, POLL_S, watch_engine
 
 log = logging.getLogger("flashfleet.worker")
@@ -36,8 +36,10 @@ class RunningWorker:
 
     Attributes:
         advertise_address: "host:port" it registers under (the address the coordinator dials).
-        coordinator: "host:port" of the coordinator's Registry, or None when standalone.
-        registered: set while the worker holds a lease (cleared when a heartbeat fails).
+        coordinator: "host:port" of the coordinator's Registry, several separated by commas (it
+            registers with each: any of them routes to it), or None when standalone.
+        registered: set while the worker holds a lease with at least one coordinator (cleared
+            when its last one's heartbeat fails).
         engine_died: True once the watchdog found the engine thread dead.
         left: set when the worker, its engine dead, has left the fleet and stopped its server.
         leave_requested: set when the coordinator drained this worker and told it to leave (a
@@ -55,9 +57,9 @@ class RunningWorker:
     tls: object = None
     join_token: str | None = field(default=None, repr=False)
     servicer: WorkerServicer | None = None
-    _heartbeat_task: asyncio.Task | None = None
+    _heartbeat_tasks: list[asyncio.Task] = field(default_factory=list)
     _watchdog_task: asyncio.Task | None = None
-    _lease: dict = field(default_factory=dict)
+    _leases: dict[str, str] = field(default_factory=dict)  # coordinator address -> lease id
     registered: asyncio.Event = field(default_factory=asyncio.Event)
     engine_died: bool = False
     left: asyncio.Event = field(default_factory=asyncio.Event)
@@ -70,8 +72,9 @@ class RunningWorker:
         if self._watchdog_task:  # closing the engine ends its thread: that is no death
             self._watchdog_task.cancel()
         await self.health.enter_graceful_shutdown()
-        if self._heartbeat_task:
-            self._heartbeat_task.cancel()
+        self.stop_heartbeats()
+        if self.servicer is not None:
+            self.servicer.stop_keeping()
         await self._deregister()
         await self.server.stop(grace_s)
         if close_engine:
@@ -89,8 +92,7 @@ class RunningWorker:
                   "with status %d so its supervisor restarts it", self.worker_id, ENGINE_DIED_EXIT)
         try:
             await self.health.enter_graceful_shutdown()
-            if self._heartbeat_task:
-                self._heartbeat_task.cancel()
+            self.stop_heartbeats()
             if self.servicer is not None:
                 self.servicer.fail_streams(f"the engine of worker {self.worker_id} stopped; the "
                                            "worker is restarting")
@@ -100,36 +102,51 @@ class RunningWorker:
             self.left.set()
 
     def stop_heartbeats(self) -> None:
-        """Stops heartbeats without deregistering (tests simulate a hung or partitioned worker)."""
-        if self._heartbeat_task:
-            self._heartbeat_task.cancel()
+        """Stops heartbeats without deregistering (tests simulate a hung or partitioned worker;
+        stop() and leaving the fleet call it first)."""
+        try:
+            current = asyncio.current_task()
+        except RuntimeError:  # called from outside the loop (tests)
+            current = None
+        for task in self._heartbeat_tasks:
+            if task is not current:
+                task.cancel()
+
+    @property
+    def coordinators(self) -> list[str]:
+        """The coordinators' addresses it registers with (none when standalone)."""
+        return coordinator_addresses(self.coordinator)
 
     async def _deregister(self) -> None:
-        if not (self.coordinator and self._lease):
-            return
-        try:
-            async with aio_channel(self.coordinator, self.tls) as ch:
-                await _registry_stub(ch, self.join_token).Deregister(
-                    worker_pb2.DeregisterRequest(worker_id=self.worker_id,
-                                                 lease_id=self._lease["id"]),
-                    timeout=REGISTER_TIMEOUT_S)
-        except grpc.aio.AioRpcError as e:
-            log.warning("deregistration failed: %s", e.details())
-        self._lease = {}  # once: a later stop() does not deregister again
+        leases, self._leases = self._leases, {}  # once: a later stop() does not deregister again
+        for address, lease_id in leases.items():
+            try:
+                async with aio_channel(address, self.tls) as ch:
+                    await _registry_stub(ch, self.join_token).Deregister(
+                        worker_pb2.DeregisterRequest(worker_id=self.worker_id, lease_id=lease_id),
+                        timeout=REGISTER_TIMEOUT_S)
+            except grpc.aio.AioRpcError as e:
+                log.warning("deregistration from %s failed: %s", address, e.details())
+
+
+def coordinator_addresses(coordinator: str | None) -> list[str]:
+    """The addresses in a --coordinator value: "host:port", or several separated by commas."""
+    return [a.strip() for a in (coordinator or "").split(",") if a.strip()]
 
 
 async def start_worker(engine: EngineProtocol, worker_id: str, host: str = "127.0.0.1",
                        port: int = 0, coordinator: str | None = None,
                        advertise_host: str | None = None, metrics=None,
                        tls=None, engine_poll_s: float = POLL_S,
-                       join_token: str | None = None) -> RunningWorker:
+                       join_token: str | None = None, orphan_grace_s: float = ORPHAN_GRACE_S) -> RunningWorker:
     """Serves `engine` on host:port and, when `coordinator` is given, registers with it.
 
     Args:
         engine: a started engine (weights loaded).
         worker_id: unique name in the fleet.
         host, port: where to listen (port 0 = a free port).
-        coordinator: "host:port" of the coordinator's Registry, or None for a standalone worker.
+        coordinator: "host:port" of the coordinator's Registry (several separated by commas:
+            it registers with each), or None for a standalone worker.
         advertise_host: host the coordinator should dial (default: host).
         metrics: optional WorkerMetrics for the servicer.
         tls: flashfleet.config.TLSConfig: serve, and dial the coordinator, over mutual TLS.
@@ -138,6 +155,8 @@ async def start_worker(engine: EngineProtocol, worker_id: str, host: str = "127.
         join_token: sent to the coordinator's Registry, and required (metadata
             `x-flashfleet-join-token`) of every caller of the Worker service, else
             UNAUTHENTICATED (flashfleet/auth.py); None: neither.
+        orphan_grace_s: how long a session whose coordinator vanished is kept for its client to
+            resume (worker/servicer.py), seconds.
 
     Raises:
         RuntimeError: the port could not be bound.
@@ -145,7 +164,7 @@ async def start_worker(engine: EngineProtocol, worker_id: str, host: str = "127.
     """
     guards = [RequireSecret((SERVICE_NAME,), JOIN_TOKEN_HEADER, (join_token,), BAD_JOIN_TOKEN)] if join_token else []
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[*guards, RejectUndecodable()])
-    servicer = WorkerServicer(engine, worker_id, metrics)
+    servicer = WorkerServicer(engine, worker_id, metrics, orphan_grace_s)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -163,9 +182,10 @@ async def start_worker(engine: EngineProtocol, worker_id: str, host: str = "127.
     running._watchdog_task = asyncio.get_running_loop().create_task(
         watch_engine(engine, running.leave_after_engine_death, engine_poll_s))
     running._watchdog_task.add_done_callback(_log_if_watchdog_failed)
-    if coordinator:
-        running._heartbeat_task = asyncio.get_running_loop().create_task(_keep_registered(running))
-        running._heartbeat_task.add_done_callback(_log_if_failed)
+    for address in running.coordinators:
+        task = asyncio.get_running_loop().create_task(_keep_registered(running, address))
+        task.add_done_callback(_log_if_failed)
+        running._heartbeat_tasks.append(task)
     return running
 
 
@@ -206,26 +226,27 @@ def _warn_while_unreachable(coordinator: str):
     return before_sleep
 
 
-async def _keep_registered(w: RunningWorker) -> None:
-    """Registers (retrying for as long as it takes, with a warning a minute while the
-    coordinator does not answer), then heartbeats; re-registers when a heartbeat fails
-    (lease expired, coordinator restarted or unreachable). Ends after deregistering when a
-    heartbeat's response asks the worker to leave (`RunningWorker.leave_requested`)."""
-    async with aio_channel(w.coordinator, w.tls) as channel:
+async def _keep_registered(w: RunningWorker, address: str) -> None:
+    """Registers with the coordinator at `address` (retrying for as long as it takes, with a
+    warning a minute while it does not answer), then heartbeats; re-registers when a heartbeat
+    fails (lease expired, coordinator restarted or unreachable). Ends after deregistering from
+    every coordinator when a heartbeat's response asks the worker to leave
+    (`RunningWorker.leave_requested`)."""
+    async with aio_channel(address, w.tls) as channel:
         stub = _registry_stub(channel, w.join_token)
         while True:
             async for attempt in AsyncRetrying(
                     retry=retry_if_exception_type(grpc.aio.AioRpcError),
-                    wait=wait_exponential_jitter(multiplier=0.2, max=5.0),
-                    before_sleep=_warn_while_unreachable(w.coordinator)):
+                    wait=wait_exponential_jitter(multiplier=0.1, max=2.0, jitter=0.1),
+                    before_sleep=_warn_while_unreachable(address)):
                 with attempt:
                     resp = await stub.Register(worker_pb2.RegisterRequest(
                         worker_id=w.worker_id, address=w.advertise_address,
                         models=[convert.model_info(w.engine.model)],
                         load=w.servicer.load()), timeout=REGISTER_TIMEOUT_S)
-            w._lease = {"id": resp.lease_id}
+            w._leases[address] = resp.lease_id
             w.registered.set()
-            log.info("registered with %s (lease %s)", w.coordinator, resp.lease_id)
+            log.info("registered with %s (lease %s)", address, resp.lease_id)
             try:
                 while True:
                     await asyncio.sleep(resp.heartbeat_interval_s)
@@ -233,12 +254,15 @@ async def _keep_registered(w: RunningWorker) -> None:
                         worker_id=w.worker_id, lease_id=resp.lease_id,
                         load=w.servicer.load()), timeout=REGISTER_TIMEOUT_S)
                     if beat.leave:  # drained (Coordinator.DrainWorker): no session left here
-                        log.info("the coordinator drained this worker: deregistering and leaving")
+                        log.info("the coordinator at %s drained this worker: deregistering and leaving", address)
+                        w.stop_heartbeats()
                         await w._deregister()
                         w.registered.clear()
                         w.leave_requested.set()
                         return
             except grpc.aio.AioRpcError as e:
-                log.warning("heartbeat failed (%s: %s); registering again", e.code().name,
+                log.warning("heartbeat to %s failed (%s: %s); registering again", address, e.code().name,
                             e.details())
-                w.registered.clear()
+                w._leases.pop(address, None)
+                if not w._leases:
+                    w.registered.clear()
