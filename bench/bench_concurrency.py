@@ -40,9 +40,11 @@ Usage (from the repository root):
 `--draft auto` (default) loads the shipped DFlash draft when the model has one (`flashfleet models
 list`), `none` runs the worker without a draft, anything else is passed to the worker's --draft.
 On a GPU host (CUDA or Metal) every system runs on the GPU; the systems run one after another, so
-they never share the device. On a Linux CPU the script restarts itself with Debian's OpenBLAS
+they never share the device. On a Linux CPU the script restarts itself with OpenBLAS
 preloaded where it is installed (`flashfleet.blas`), so mlx-lm, its server and the worker use the
-same BLAS. Exit status: 0, 1 when a system fails, 2 for a bad argument, 130 on Ctrl-C or SIGTERM
+same BLAS. mlx-lm computes in the dtype the worker computes in (`worker.loading`: float32 on a
+CPU, whatever the stored dtype): batch_generate on the model loaded as a worker loads it, the server
+on a copy cast to that dtype in a temporary directory when the stored dtype differs. Exit status: 0, 1 when a system fails, 2 for a bad argument, 130 on Ctrl-C or SIGTERM
 (the cluster and the server are stopped first).
 """
 from __future__ import annotations
@@ -279,6 +281,35 @@ def run_mlx_batch(model, tokenizer, prompt_ids: list[list[int]], max_tokens: int
 
 
 # ---- mlx-lm server ----------------------------------------------------------------------------
+
+def copy_in_worker_dtype(model_dir: Path, out: Path) -> Path:
+    """`model_dir` itself when its weights are stored in the dtype a worker computes in
+    (`worker.loading.compute_dtype`), else a copy under `out` with its floating weights cast to
+    that dtype. mlx-lm's server computes in the stored dtype: a bfloat16 fetch on a CPU, where the
+    worker computes in float32, would measure a dtype, not the servers.
+
+    Returns:
+        The directory to serve.
+    """
+    import shutil
+
+    from mlx_lm import load
+    from mlx_lm.utils import save_model
+
+    from worker.loading import compute_dtype, stored_dtype
+
+    model, _ = load(str(model_dir))
+    stored = stored_dtype(model)
+    want = compute_dtype(stored)
+    if stored is None or stored == want:
+        return model_dir
+    model.set_dtype(want)
+    save_model(out, model)
+    for f in Path(model_dir).iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copy2(f, out / f.name)
+    return out
+
 
 class MlxServer:
     """`python -m mlx_lm server` on a free local port, as a child process; use as a context manager.
@@ -566,20 +597,22 @@ def run_all(a: argparse.Namespace, log=print) -> list[Level]:
         finally:
             cluster.stop()
     if "mlx-lm-batch" in a.systems:
-        from mlx_lm import load
+        from worker.loading import load_target
 
-        model, mlx_tokenizer = load(str(a.model_dir))
+        model, mlx_tokenizer = load_target(a.model_dir)  # in the worker's compute dtype
         run_mlx_batch(model, mlx_tokenizer, ids[:1], WARMUP_TOKENS)
         for n in a.sessions:
             record("mlx-lm-batch", n, run_mlx_batch(model, mlx_tokenizer, session_prompts(ids, n),
                                                     a.max_tokens))
         del model
     if "mlx-lm-server" in a.systems:
-        log("starting mlx_lm server")
-        with MlxServer(a.model_dir, max(32, max_n), tuple(shlex.split(a.server_args))) as server:
-            server.complete(templated[0], WARMUP_TOKENS)
-            for n in a.sessions:
-                record("mlx-lm-server", n, run_server(server, session_prompts(templated, n), a.max_tokens))
+        with tempfile.TemporaryDirectory(prefix="mlx-lm-server-model-") as tmp:
+            served = copy_in_worker_dtype(a.model_dir, Path(tmp))
+            log(f"starting mlx_lm server on {served}")
+            with MlxServer(served, max(32, max_n), tuple(shlex.split(a.server_args))) as server:
+                server.complete(templated[0], WARMUP_TOKENS)
+                for n in a.sessions:
+                    record("mlx-lm-server", n, run_server(server, session_prompts(templated, n), a.max_tokens))
     return levels
 
 

@@ -58,7 +58,11 @@ BASELINE = "plain mlx-lm"
 
 def load_model(path: str, random_weights: bool, dtype, tokenizer: bool = True):
     """mlx_lm.load, or (random_weights) the config's architecture with random weights + tokenizer
-    (None with tokenizer=False: a directory holding only config.json is enough)."""
+    (None with tokenizer=False: a directory holding only config.json is enough), cast to `dtype`;
+    None: the dtype a worker computes in on this device (`worker.loading.compute_dtype`: float32
+    on a CPU, the stored 16-bit dtype on a GPU), so every method runs as a worker would."""
+    from worker.loading import compute_dtype, stored_dtype
+
     if random_weights:
         from mlx_lm.utils import _get_classes, load_config, load_tokenizer
 
@@ -68,8 +72,7 @@ def load_model(path: str, random_weights: bool, dtype, tokenizer: bool = True):
         tokenizer = load_tokenizer(Path(path), eos_token_ids=config.get("eos_token_id")) if tokenizer else None
     else:
         model, tokenizer = load(path)
-    if dtype is not None:
-        model.set_dtype(dtype)
+    model.set_dtype(dtype or compute_dtype(stored_dtype(model)))
     mx.eval(model.parameters())
     return model, tokenizer
 
@@ -187,7 +190,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompts", type=int, default=8, help="prompts per corpus")
     p.add_argument("--max-prompt-tokens", type=int, default=1024)
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="cast the models' weights (default: as stored)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="cast the models' weights (default: the dtype a worker computes in here)")
     p.add_argument("--random-weights", action="store_true",
                    help="random weights in the shape of --target (only its config and tokenizer are read)")
     p.add_argument("--rounds", type=int, default=1, help="measure every method this many times (median)")
@@ -213,7 +216,8 @@ def main(argv=None) -> int:
     print(f"ours: {as_worker_loads(ours)}", flush=True)
     draft = None
     if args.dflash_draft:
-        draft = load_dflash_draft(args.dflash_draft, ours, dtype=dtype)
+        # the target's dtype, as a worker loads a draft, unless --dtype says otherwise
+        draft = load_dflash_draft(args.dflash_draft, ours, **({"dtype": dtype} if dtype else {}))
         dname = f"ours dflash {Path(args.dflash_draft).name}"[:28]
     elif args.dflash_random_layers:
         draft = init_dflash_draft(ours, num_layers=args.dflash_random_layers, block_size=args.block_size or 16,
@@ -257,4 +261,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from flashfleet.blas import restart_with_openblas
+
+    restart_with_openblas()  # on a Linux CPU, the BLAS a worker computes with
     sys.exit(main())

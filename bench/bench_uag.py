@@ -14,8 +14,10 @@ uag run is fully determined by the target's greedy output (a proposal is accepte
 it; the first mismatch commits the output's token), so acceptance, tokens per round and the
 draft's work are those of the real run, at the cost of the draft's forwards only. No timings.
 
-Usage (CPU, OpenBLAS preloaded):
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 \
+Models are loaded as a worker loads them (`worker.loading.load_target`: float32 on a CPU), and on
+a Linux CPU the script restarts itself with the workers' OpenBLAS preloaded (`flashfleet.blas`).
+
+Usage:
     python bench/bench_uag.py --target Qwen2.5-Coder-0.5B-Instruct \
         --drafts SmolLM2-135M-Instruct Gemma-3-270M --prompts 2 --max-tokens 32 -k 3
     # acceptance only, 8 prompts per corpus (the first call per corpus fills the reference cache):
@@ -38,6 +40,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_lm import load  # noqa: E402
 
+from worker.loading import compute_dtype, load_target, stored_dtype  # noqa: E402
 from worker.sampling import greedy  # noqa: E402
 from worker.decoding import plain  # noqa: E402
 from worker.decoding.cross_tokenizer import byte_vocab, generate  # noqa: E402
@@ -145,13 +148,17 @@ def main() -> None:
     ap.add_argument("--refs", default=str(DEFAULT_REFS), help="reference-output cache (--oracle)")
     args = ap.parse_args()
 
-    # --oracle: the target's weights are read only if a reference output is missing
-    tm, tt = load(model_path(args.target), lazy=args.oracle)
+    # --oracle: the target's weights are read only if a reference output is missing; cast lazily
+    # to the dtype a worker computes in, as load_target does
+    tm, tt = load(model_path(args.target), lazy=True)
+    tm.set_dtype(compute_dtype(stored_dtype(tm)))
+    if not args.oracle:
+        mx.eval(tm.parameters())
     eos = set(tt.eos_token_ids)
     vocab_size = len(byte_vocab(tt).bytes_of)
     drafts = {}
     for name in args.drafts:
-        dm, dt = load(model_path(name))
+        dm, dt = load_target(model_path(name))
         byte_vocab(dt)
         drafts[name] = (dm, dt)
     if not args.oracle:  # warm-up (lazy set-up, first-call overheads)
@@ -221,4 +228,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from flashfleet.blas import restart_with_openblas
+
+    restart_with_openblas()
     main()

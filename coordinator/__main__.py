@@ -17,7 +17,7 @@ DEFAULTS = {"host": "127.0.0.1", "port": 50051, "lease_ttl_s": 10.0, "heartbeat_
             "migrate_min_remaining_tokens": 64, "shutdown_grace_s": 25.0, "migrate_cooldown_s": 5.0,
             "migrate_link_bandwidth_gbps": 1.0, "migrate_hysteresis": 1.5, "migrate_min_speedup": 1.1,
             "migrate_min_saving_s": 1.0,
-            "migrate_method": "kv"}
+            "migrate_method": "kv", "state": "memory"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -72,11 +72,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="on SIGTERM, how long running streams may finish before they are cut, "
                    "seconds (default 25: under the 30 s systemd and launchd allow a stop)")
     p.add_argument("--api-keys-file", default=None,
-                   help="file of API keys clients must send, one a line, # comments (also env "
-                   "FLASHFLEET_API_KEYS, comma-separated; none: no key required)")
+                   help="file of API keys clients must send, one a line as '<key>' or '<key> admin' "
+                   "(admin keys may also drain workers and move sessions), # comments (also env "
+                   "FLASHFLEET_COORDINATOR_API_KEYS, comma-separated; none: no key required)")
     p.add_argument("--join-token-file", default=None,
                    help="file holding the token workers must send to register (also env "
                    "FLASHFLEET_JOIN_TOKEN; none: any worker may register)")
+    p.add_argument("--state", choices=("memory", "etcd"), default=None,
+                   help="where the fleet's state lives: memory (default: this coordinator alone) or etcd "
+                   "(shared by several coordinators, all active; needs --etcd-endpoints)")
+    p.add_argument("--etcd-endpoints", default=None,
+                   help="comma-separated etcd members for --state etcd, e.g. "
+                   "http://10.0.0.11:2379,http://10.0.0.12:2379,http://10.0.0.13:2379")
     p.add_argument("--log-level", default=None)
     a = p.parse_args(argv)
     if a.config:
@@ -96,6 +103,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                             a.queue_timeout_s, a.migrate_min_remaining_tokens, a.shutdown_grace_s)
     bad += migration_problems(a.migrate_cooldown_s, a.migrate_link_bandwidth_gbps, a.migrate_hysteresis,
                               a.migrate_min_speedup, a.migrate_min_saving_s)
+    from flashfleet.config import state_problem
+
+    a.etcd_endpoints = tuple(e.strip() for e in (a.etcd_endpoints or "").split(",") if e.strip())
+    problem = state_problem(a.state, a.etcd_endpoints)
+    if problem:
+        bad.append(problem)
     if bad:  # named as flags: a value from --config passes the file's own check first
         p.error(re.sub(r"\b([a-z]+(?:_[a-z]+)+)\b", lambda m: "--" + m[1].replace("_", "-"), bad[0]))
     return a
@@ -112,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     from flashfleet.config import ConfigError
     from flashfleet.malloc import return_large_buffers
 
-    return_large_buffers()  # relayed KV state must not leave the heap at its high-water mark
+    return_large_buffers()  # large HTTP bodies must not leave the heap at its high-water mark
     try:
         a = parse_args(argv)
     except ConfigError as e:
@@ -140,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
                                                          min_speedup=a.migrate_min_speedup,
                                                          min_saving_s=a.migrate_min_saving_s),
                                migration_method=a.migrate_method,
-                               http_port=a.http_port or None, api_keys=api_keys, join_token=join_token)
+                               http_port=a.http_port or None, api_keys=tuple(api_keys),
+                               admin_keys=tuple(k for k, role in api_keys.items() if role == "admin"),
+                               join_token=join_token, state=a.state, etcd_endpoints=a.etcd_endpoints)
     try:
         asyncio.run(serve(config, a.metrics_port or None, getattr(a, "tls", None)))
     except RuntimeError as e:

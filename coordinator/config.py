@@ -30,8 +30,13 @@ class CoordinatorConfig:
             0 = a free port, None = no HTTP API).
         api_keys: keys clients must send (`authorization: Bearer <key>` metadata, the HTTP
             API's Authorization header; flashfleet/auth.py); empty = none required.
+        admin_keys: those of `api_keys` with the `admin` role: DrainWorker and MoveSession
+            refuse any other key with PERMISSION_DENIED (with no `api_keys`, nothing is refused).
         join_token: the secret workers must send to register and heartbeat, which the
             coordinator also sends on every call to a worker (None = none required).
+        state: where the fleet's state lives: "memory" (the default: this coordinator alone) or
+            "etcd" (shared with other coordinators, coordinator/state/etcd.py).
+        etcd_endpoints: the etcd members for state "etcd" ("host:port" or "http://host:port").
     """
 
     host: str = "127.0.0.1"
@@ -49,9 +54,19 @@ class CoordinatorConfig:
     migration_method: str = "kv"
     http_port: int | None = None
     api_keys: tuple[str, ...] = field(default=(), repr=False)
+    admin_keys: tuple[str, ...] = field(default=(), repr=False)
     join_token: str | None = field(default=None, repr=False)
+    state: str = "memory"
+    etcd_endpoints: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        from flashfleet.config import state_problem
+
+        problem = state_problem(self.state, self.etcd_endpoints)
+        if problem:
+            raise ValueError(f"CoordinatorConfig: {problem}")
+        if not set(self.admin_keys) <= set(self.api_keys):
+            raise ValueError("CoordinatorConfig.admin_keys must be among api_keys")
         if self.migration_method not in METHODS:
             raise ValueError(f"CoordinatorConfig.migration_method must be one of {METHODS}, "
                              f"got {self.migration_method!r}")

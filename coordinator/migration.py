@@ -40,7 +40,11 @@ draft kind, s counts as 1.
 
 Candidates: live, reachable, not draining, serving the model and mode, with a free slot and KV
 room for the session's growth (when budgets are known), and not the worker the session left less
-than `cooldown_s` ago (no ping-pong). A seeded sampled session moves only between workers whose
+than `cooldown_s` ago (no ping-pong). A memory, speed or load check weighs at most
+`max_candidates` of them, drawn at random when the fleet has more (power of k choices, as
+routing's power of two): every stream asks every `check_interval_s`, so a check that weighed the
+whole fleet would cost streams x workers per interval, which made the check most of a busy
+coordinator's work (bench/bench_coordinator.py). A drain weighs every worker. A seeded sampled session moves only between workers whose
 decoding draws each token with a key of its sequence position (plain and DFlash batches,
 worker/sampling.py `sample_rows`), so the continuation is the one it would have had; a classic
 draft or cross-tokenizer draft advances one random stream per call and is never moved seeded.
@@ -56,8 +60,9 @@ source and nothing was lost. Greedy output is the one unmigrated decoding gives.
 from __future__ import annotations
 
 import math
+import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 from coordinator.registry import WorkerRecord
@@ -100,17 +105,56 @@ def _interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
     return y1 + max(0.0, (y1 - y0) / (x1 - x0)) * (x - x1)
 
 
+class ProfileTable:
+    """A worker's measured decode profile, parsed once for many predictions (`profile_seconds`).
+
+    Args:
+        profile: DecodeCost entries (worker.proto WorkerLoad.decode_profile); entries with no
+            seconds are skipped.
+    """
+
+    def __init__(self, profile: Iterable[worker_pb2.DecodeCost]):
+        by_batch: dict[int, list[tuple[float, float]]] = {}
+        for c in profile:
+            if c.seconds > 0:
+                by_batch.setdefault(c.batch_size, []).append((c.context_tokens, c.seconds))
+        self._by_batch = sorted((b, sorted(pts)) for b, pts in by_batch.items())
+
+    def __bool__(self) -> bool:
+        return bool(self._by_batch)
+
+    def seconds(self, batch: int, context: int) -> float | None:
+        """Predicted seconds per decode iteration at `batch` rows and `context` tokens (module
+        docstring); None when the profile is empty."""
+        if not self._by_batch:
+            return None
+        return _interpolate([(b, _interpolate(pts, context)) for b, pts in self._by_batch], batch)
+
+
 def profile_seconds(profile: Iterable[worker_pb2.DecodeCost], batch: int, context: int) -> float | None:
     """Predicted seconds per decode iteration at `batch` rows and `context` tokens from a measured
     profile (module docstring); None when the profile is empty."""
-    by_batch: dict[int, list[tuple[float, float]]] = {}
-    for c in profile:
-        if c.seconds > 0:
-            by_batch.setdefault(c.batch_size, []).append((c.context_tokens, c.seconds))
-    if not by_batch:
-        return None
-    per_batch = sorted((b, _interpolate(sorted(pts), context)) for b, pts in by_batch.items())
-    return _interpolate(per_batch, batch)
+    return ProfileTable(profile).seconds(batch, context)
+
+
+def _profile_table(worker: WorkerRecord) -> ProfileTable:
+    """`worker`'s decode profile, parsed once per load report (each heartbeat brings a new one)."""
+    load, table = worker.profile_cache
+    if load is not worker.load:
+        table = ProfileTable(worker.load.decode_profile)
+        worker.profile_cache = (worker.load, table)
+    return table
+
+
+class _Peers:
+    """The workers of `workers` serving `model`, filtered as they are iterated: a prediction
+    borrows the first peer profile it finds, so most never look past the first few."""
+
+    def __init__(self, workers: Sequence[WorkerRecord], model: str):
+        self._workers, self._model = workers, model
+
+    def __iter__(self):
+        return (w for w in self._workers if w.serves(self._model))
 
 
 def session_load(worker: WorkerRecord, request_id: str) -> worker_pb2.SessionLoad | None:
@@ -160,6 +204,9 @@ class MigrationPolicy:
         hysteresis: a speed or load move needs a predicted saving of this many times its cost.
         min_saving_s: ... and of at least this many seconds.
         min_speedup: ... and a destination predicting at least this many times the source's tokens/s.
+        max_candidates: a memory, speed or load check weighs at most this many destinations,
+            drawn at random from the fleet when it has more (a drain weighs every worker).
+        rng: the random source of those draws.
     """
 
     enabled: bool = True
@@ -170,13 +217,16 @@ class MigrationPolicy:
     hysteresis: float = 1.5
     min_saving_s: float = 1.0
     min_speedup: float = 1.1
+    max_candidates: int = 8
+    rng: random.Random = field(default_factory=random.Random, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if (self.min_remaining_tokens < 1 or self.cooldown_s < 0 or self.check_interval_s < 0
                 or not self.link_bandwidth_bytes_per_s > 0 or not self.hysteresis >= 0 or not self.min_speedup >= 1
-                or not self.min_saving_s >= 0):
+                or not self.min_saving_s >= 0 or self.max_candidates < 1):
             raise ValueError("MigrationPolicy: min_remaining_tokens >= 1, cooldown_s and check_interval_s >= 0, "
-                             "link_bandwidth_bytes_per_s > 0, hysteresis >= 0, min_speedup >= 1, min_saving_s >= 0")
+                             "link_bandwidth_bytes_per_s > 0, hysteresis >= 0, min_speedup >= 1, min_saving_s >= 0, "
+                             "max_candidates >= 1")
 
     # ----- predictions ---------------------------------------------------------------------------
 
@@ -185,7 +235,7 @@ class MigrationPolicy:
         """Predicted seconds per decode iteration on `worker` at `batch` rows and `context`
         tokens: from its own profile, else from a peer's profile times the peers' peak-bandwidth
         ratio (both known), else None."""
-        own = profile_seconds(worker.load.decode_profile, batch, context)
+        own = _profile_table(worker).seconds(batch, context)
         if own is not None:
             return own
         bw = worker.load.peak_memory_bandwidth_bytes_per_s
@@ -193,7 +243,7 @@ class MigrationPolicy:
             return None
         for peer in peers:
             peer_bw = peer.load.peak_memory_bandwidth_bytes_per_s
-            t = profile_seconds(peer.load.decode_profile, batch, context) if peer_bw > 0 else None
+            t = _profile_table(peer).seconds(batch, context) if peer_bw > 0 else None
             if t is not None:
                 return t * peer_bw / bw
         return None
@@ -286,15 +336,17 @@ class MigrationPolicy:
         if sent_tokens == 0:
             return None
         workers = list(workers)
-        peers = [w for w in workers if w.serves(request.model)]
+        peers = _Peers(workers, request.model)
         session = session_load(source, request.request_id)
-        cands = self.candidates(request, source, workers, left_worker, left_s, now_s)
-        if not cands:
-            return None
         if source.draining:
-            dest = self.fastest(request, source, session, cands, peers)
+            cands = self.candidates(request, source, workers, left_worker, left_s, now_s)
+            dest = self.fastest(request, source, session, cands, peers) if cands else None
             return Decision(dest, "drain") if dest is not None else None
         if not self.enabled or (moved_s is not None and now_s - moved_s < self.cooldown_s) or session is None:
+            return None
+        cands = self.candidates(request, source, self._sample(workers, source), left_worker, left_s, now_s)
+        cands = cands[:self.max_candidates]
+        if not cands:
             return None
         budget = source.load.kv_budget_bytes
         need = self.kv_need_bytes(source, request.model) if budget > 0 else 0
@@ -308,6 +360,16 @@ class MigrationPolicy:
                     return Decision(dest, "memory", cost_s=self.move_cost_s(session, dest))
         return self._speed(request, source, session, sent_tokens, cands, peers)
 
+    def _sample(self, workers: list[WorkerRecord], source: WorkerRecord) -> list[WorkerRecord]:
+        """The workers a memory, speed or load check looks at: all of them in a fleet of up to
+        `max_candidates` others, else up to 4 x `max_candidates` drawn at random (of which the
+        first `max_candidates` eligible ones count), so a check costs the same in a fleet of any
+        size (power of k choices, as routing's power of two)."""
+        if len(workers) <= self.max_candidates + 1:
+            return workers
+        draws = min(len(workers), 4 * self.max_candidates)
+        return [w for w in self.rng.sample(workers, draws) if w is not source]
+
     def _speed(self, request, source: WorkerRecord, session: worker_pb2.SessionLoad, sent_tokens: int,
                cands: Sequence[WorkerRecord], peers: Sequence[WorkerRecord]) -> Decision | None:
         budget = request.max_tokens if request.HasField("max_tokens") else WORKER_DEFAULT_MAX_TOKENS
@@ -320,16 +382,17 @@ class MigrationPolicy:
         if tps_src is None:
             return None
         best = None
-        for d in cands:
-            if not self._has_room(d, session, request.model):
-                continue
-            s = speedup if _draft_mode(d, request.model) == _draft_mode(source, request.model) else 1.0
+        source_mode = _draft_mode(source, request.model)
+        for d in cands:  # the KV-room check (a sum over d's sessions) last: few get that far
+            s = speedup if _draft_mode(d, request.model) == source_mode else 1.0
             tps = self._tps(d, d.busy + 1, context, s, peers)
             if tps is None or tps < self.min_speedup * tps_src:
                 continue
             saved = remaining / tps_src - remaining / tps
             cost = self.move_cost_s(session, d)
-            if saved > max(self.hysteresis * cost, self.min_saving_s) and (best is None or saved - cost > best.saved_s - best.cost_s):
+            if (saved > max(self.hysteresis * cost, self.min_saving_s)
+                    and (best is None or saved - cost > best.saved_s - best.cost_s)
+                    and self._has_room(d, session, request.model)):
                 # "speed": faster at the source's own batch size (a faster machine); else "load"
                 same = self._tps(d, max(1, source.busy), context, s, peers)
                 best = Decision(d, "speed" if same is not None and same >= self.min_speedup * tps_src else "load",

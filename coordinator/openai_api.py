@@ -29,6 +29,7 @@ log = logging.getLogger("flashfleet.coordinator.http")
 _SERVICER = web.AppKey("servicer", CoordinatorServicer)
 # Status of aiohttp's own refusals (unknown path, wrong method, body too large) -> error type.
 _HTTP_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
+_HTTP_CODES = {413: "request_too_large"}  # ... -> error code (as http_body.py's decoded-size refusal)
 
 
 def _error_response(e: OpenAIError) -> web.Response:
@@ -47,7 +48,8 @@ async def _openai_errors(request: web.Request, handler):
             raise
         return _error_response(OpenAIError(e.status, e.reason if e.status != 404 else
                                            f"no such endpoint: {request.method} {request.path}",
-                                           _HTTP_TYPES.get(e.status, "invalid_request_error")))
+                                           _HTTP_TYPES.get(e.status, "invalid_request_error"), None,
+                                           _HTTP_CODES.get(e.status)))
 
 
 def _deadline_error(parsed: ParsedRequest) -> OpenAIError:

@@ -40,14 +40,29 @@ HTTP_ERRORS = {
 # flashfleet's own reason in the `flashfleet` object.
 OPENAI_FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 
-# Fields OpenAI defines that flashfleet cannot honour: refused when set to anything but these
-# "off" values (a silently ignored penalty or tool list would give answers the client did not ask for).
-UNSUPPORTED_OFF = {
+# Every request field of OpenAI's /v1/chat/completions and /v1/completions, and what flashfleet
+# does with it: SERVED (honoured), NOOP (accepted and has no effect, for the reason in docs/operations.md
+# §12), or a tuple of "off" values: any other value is refused with 400 naming the field (a silently
+# ignored penalty, tool list or response format would give answers the client did not ask for).
+# Fields of neither endpoint (flashfleet's own `mode`, `session_id`, `timeout_s` aside) are ignored.
+SERVED, NOOP = "served", "no-op"
+REQUEST_FIELDS: dict[str, str | tuple] = {
+    "model": SERVED, "messages": SERVED, "prompt": SERVED, "max_completion_tokens": SERVED,
+    "max_tokens": SERVED, "temperature": SERVED, "top_p": SERVED, "seed": SERVED, "stop": SERVED,
+    "stream": SERVED, "stream_options": SERVED,
+    # Nothing is stored or moderated, every request has one service tier, and the worker's prompt
+    # cache reuses prefixes by itself: these change nothing in the answer.
+    "user": NOOP, "safety_identifier": NOOP, "metadata": NOOP, "store": NOOP, "service_tier": NOOP,
+    "prompt_cache_key": NOOP, "prompt_cache_retention": NOOP, "prompt_cache_options": NOOP,
+    "parallel_tool_calls": NOOP,  # tools are refused, so no call is made in parallel or otherwise
+    "response_format": (None, {"type": "text"}),
     "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
     "logprobs": (None, False, 0), "top_logprobs": (None, 0), "logit_bias": (None, {}),
     "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
+    "function_call": (None, "none", "auto"),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+    "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,), "moderation": (None,),
 }
 
 
@@ -155,15 +170,15 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
 
     Raises:
         OpenAIError: 400 for a body that is not a JSON object, a missing or mistyped field, a
-            field flashfleet cannot honour set to a value that asks for it (`UNSUPPORTED_OFF`),
+            field flashfleet cannot honour set to a value that asks for it (`REQUEST_FIELDS`),
             a timeout_s outside (0, `MAX_TIMEOUT_S`] seconds, or what
             `flashfleet.requests.build_request` refuses (InvalidArgument).
     """
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
-    for key, off in UNSUPPORTED_OFF.items():
-        if key in body and body[key] not in off:
-            raise bad(f"{key}={body[key]!r} is not supported by flashfleet (leave it unset)", key)
+    for key, off in REQUEST_FIELDS.items():
+        if isinstance(off, tuple) and key in body and body[key] not in off:
+            raise bad(short_details(f"{key}={body[key]!r} is not supported by flashfleet (leave it unset)"), key)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model must be the name of a served model (GET /v1/models lists them)", "model")

@@ -7,6 +7,7 @@ ReplicaQueueLengthCache does).
 """
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -39,6 +40,8 @@ class WorkerRecord:
             first on every request until its lease runs out.
         draining: an operator drains it (Coordinator.DrainWorker): routing sends it nothing new
             and the migration policy moves its sessions away; kept across re-registration.
+        profile_cache: (the load it was parsed from, its parsed decode profile), kept by the
+            migration policy (coordinator/migration.py) so a profile is parsed once per heartbeat.
     """
 
     worker_id: str
@@ -52,6 +55,7 @@ class WorkerRecord:
     model_names: frozenset[str] = field(default=frozenset())
     unreachable: bool = False
     draining: bool = False
+    profile_cache: tuple = field(default=(None, None), repr=False, compare=False)
 
     def serves(self, model: str, mode: int = common_pb2.DECODE_MODE_AUTO) -> bool:
         """True when the worker serves `model` and, for a speculative mode (DRAFT, DFLASH, UAG),
@@ -104,15 +108,23 @@ class Registry:
         clock: monotonic seconds (time.monotonic by default).
         on_remove: called with each removed record and the reason, "expired" or
             "deregistered" (metrics, session affinity, logging).
+        expires: whether leases expire by this registry's clock; False when the registry is a
+            view of a shared store whose own leases decide (coordinator/state/etcd.py: it then
+            calls `upsert` and `drop`).
     """
 
     def __init__(self, lease_ttl_s: float, clock: Clock = time.monotonic,
-                 on_remove: Callable[[WorkerRecord, str], None] | None = None):
+                 on_remove: Callable[[WorkerRecord, str], None] | None = None, expires: bool = True):
         self.lease_ttl_s = lease_ttl_s
         self._clock = clock
         self._on_remove = on_remove
         self._workers: dict[str, WorkerRecord] = {}
-        self.frozen = False
+        # No worker's latest heartbeat is older than this clock reading: the oldest at the last
+        # sweep, or a later registration's. Heartbeats only make them newer, so it stays a bound
+        # and `expire` sweeps the workers only once a lease may really have run out, not on every
+        # call (every heartbeat and routing decision calls it).
+        self._oldest_heartbeat_s = math.inf
+        self.frozen = not expires
 
     def freeze(self) -> None:
         """Stops lease expiry for good: the coordinator is shutting down and refuses new RPCs,
@@ -130,23 +142,43 @@ class Registry:
             WorkerIdInUse: another worker at another address holds a live lease under this id
                 and was not found unreachable (two workers given one --worker-id).
         """
+        self.check_registration(req)
+        return self.upsert(req, uuid.uuid4().hex)
+
+    def check_registration(self, req: worker_pb2.RegisterRequest) -> None:
+        """Raises what `register` raises for `req`, changing nothing."""
         if not req.worker_id or not req.address:
             raise ValueError("worker_id and address are required")
         if not req.models:
             raise ValueError("a worker must serve at least one model")
         self.expire()
+        rec = self._workers.get(req.worker_id)
+        if rec is not None and rec.address != req.address and not rec.unreachable:
+            raise WorkerIdInUse(
+                f"worker id {req.worker_id!r} is in use by the worker at {rec.address} (its lease is live): "
+                f"give this worker another --worker-id, or stop that one (its lease ends "
+                f"{max(0.0, self.lease_ttl_s - self.heartbeat_age_s(rec)):.0f} s after its last heartbeat)")
+
+    def upsert(self, req: worker_pb2.RegisterRequest, lease_id: str) -> WorkerRecord:
+        """Adds the worker or updates its record (address, models, load, lease) as of now,
+        clearing its `unreachable` mark; what this coordinator counts on the record (streams,
+        served requests, the drain mark) stays. No checks: `register` makes them."""
         now = self._clock()
         rec = self._workers.get(req.worker_id)
         if rec is None:
             rec = self._workers[req.worker_id] = WorkerRecord(req.worker_id, req.address, "", [], req.load, now)
-        elif rec.address != req.address and not rec.unreachable:
-            raise WorkerIdInUse(
-                f"worker id {req.worker_id!r} is in use by the worker at {rec.address} (its lease is live): "
-                f"give this worker another --worker-id, or stop that one (its lease ends "
-                f"{max(0.0, self.lease_ttl_s - (now - rec.last_heartbeat_s)):.0f} s after its last heartbeat)")
-        rec.address, rec.lease_id, rec.models, rec.load = req.address, uuid.uuid4().hex, list(req.models), req.load
+        rec.address, rec.lease_id, rec.models, rec.load = req.address, lease_id, list(req.models), req.load
         rec.model_names = frozenset(m.name for m in req.models)
         rec.last_heartbeat_s, rec.unreachable = now, False
+        self._oldest_heartbeat_s = min(self._oldest_heartbeat_s, now)
+        return rec
+
+    def drop(self, worker_id: str, reason: str) -> WorkerRecord | None:
+        """Removes a worker for `reason` ("expired" or "deregistered", told to `on_remove`);
+        returns its record, or None when it was not there."""
+        rec = self._workers.pop(worker_id, None)
+        if rec is not None and self._on_remove:
+            self._on_remove(rec, reason)
         return rec
 
     def heartbeat(self, worker_id: str, lease_id: str, load: worker_pb2.WorkerLoad) -> WorkerRecord:
@@ -167,21 +199,21 @@ class Registry:
         Raises:
             UnknownLease: as for heartbeat.
         """
-        rec = self._workers.pop(self._get_live(worker_id, lease_id).worker_id)
-        if self._on_remove:
-            self._on_remove(rec, "deregistered")
-        return rec
+        return self.drop(self._get_live(worker_id, lease_id).worker_id, "deregistered")
 
     def expire(self) -> list[WorkerRecord]:
         """Removes every worker whose lease ran out; returns them (none once frozen)."""
         if self.frozen:
             return []
         now = self._clock()
+        if now - self._oldest_heartbeat_s <= self.lease_ttl_s:  # also for no workers (inf)
+            return []
         gone = [r for r in self._workers.values() if now - r.last_heartbeat_s > self.lease_ttl_s]
         for rec in gone:
             del self._workers[rec.worker_id]
             if self._on_remove:
                 self._on_remove(rec, "expired")
+        self._oldest_heartbeat_s = min((r.last_heartbeat_s for r in self._workers.values()), default=math.inf)
         return gone
 
     def live(self) -> list[WorkerRecord]:

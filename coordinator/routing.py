@@ -63,11 +63,6 @@ def _kv_free_key(worker: WorkerRecord) -> int:
     return -1 if free is None else free
 
 
-# Sessions `SessionAffinity` remembers at most: about 100 bytes each (a few MB), and far more
-# than the sessions a fleet's workers can run within a session's ttl.
-MAX_AFFINITY_SESSIONS = 50_000
-
-
 class NoWorker(LookupError):
     """No live worker serves the model (NOT_FOUND)."""
 
@@ -107,18 +102,25 @@ class PowerOfTwoRouter:
         return a if _kv_free_key(a) >= _kv_free_key(b) else b
 
 
+MAX_AFFINITY_SESSIONS = 100_000  # session ids remembered at most (each ~200 bytes)
+
+
 class SessionAffinity:
-    """Remembers which worker served each session, forgetting sessions unused for ttl_s.
+    """Remembers which worker served each session, forgetting sessions unused for ttl_s and,
+    past `max_sessions`, the least recently bound.
 
     Entries are kept in the order they were last bound, so each `bind` drops the expired ones
-    from the front, and the least recently bound one while more than `max_sessions` remain:
-    session ids are the clients' choice, so a client sending a new one with every request must
-    not grow the map without end (an evicted session only loses its preference for a worker).
+    from the front: memory stays bounded by the sessions bound within ttl_s and by
+    `max_sessions`, however many session ids clients ever send (they choose them).
 
     Args:
         ttl_s: seconds after which an unused session's affinity is dropped.
         clock: monotonic seconds.
-        max_sessions: most sessions remembered (>= 1).
+        max_sessions: entries kept at most (>= 1).
+
+    Attributes:
+        on_bind: called with (session_id, worker_id) after each `bind` (the shared state
+            records it for the other coordinators, coordinator/state/); None: nothing else to do.
 
     Raises:
         ValueError: max_sessions < 1.
@@ -130,6 +132,7 @@ class SessionAffinity:
             raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
         self.ttl_s = ttl_s
         self.max_sessions = max_sessions
+        self.on_bind: Callable[[str, str], None] | None = None
         self._clock = clock
         self._by_session: OrderedDict[str, tuple[str, float]] = OrderedDict()  # oldest bind first
 
@@ -147,9 +150,16 @@ class SessionAffinity:
         return entry[0]
 
     def bind(self, session_id: str, worker_id: str) -> None:
-        """Binds a session to a worker and restarts its ttl_s; an empty session_id is ignored."""
+        """Binds a session to a worker and restarts its ttl_s, then tells `on_bind`; an empty
+        session_id is ignored."""
         if not session_id:
             return
+        self.remember(session_id, worker_id)
+        if self.on_bind is not None:
+            self.on_bind(session_id, worker_id)
+
+    def remember(self, session_id: str, worker_id: str) -> None:
+        """`bind` without telling `on_bind`: a binding another coordinator made."""
         now = self._clock()
         self._by_session[session_id] = (worker_id, now)
         self._by_session.move_to_end(session_id)
@@ -158,6 +168,10 @@ class SessionAffinity:
             if now - t <= self.ttl_s and len(self._by_session) <= self.max_sessions:
                 break
             del self._by_session[oldest]
+
+    def forget(self, session_id: str) -> None:
+        """Drops one session's binding (a no-op when it has none)."""
+        self._by_session.pop(session_id, None)
 
     def forget_worker(self, worker_id: str) -> None:
         """Drops every session bound to a worker (it expired or left)."""

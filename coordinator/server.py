@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
+import uuid
 from dataclasses import dataclass
 
 import grpc
@@ -19,8 +21,9 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.registry import Registry
 from coordinator.routing import SessionAffinity
 from coordinator.servicer import CoordinatorServicer, RegistryServicer, WorkerPool
-from flashfleet.auth import (AUTHORIZATION, BAD_JOIN_TOKEN, BAD_KEY, JOIN_TOKEN_HEADER, RequireSecret,
-                             is_loopback)
+from coordinator.state import FleetState, MemoryState
+from flashfleet.auth import (AUTHORIZATION, BAD_JOIN_TOKEN, BAD_KEY, JOIN_TOKEN_HEADER, RequireRole,
+                             RequireSecret, access_summary, access_warnings, is_loopback)
 from flashfleet.bad_messages import RejectUndecodable
 from flashfleet.transport import SERVER_OPTIONS, add_port
 from flashfleet.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -30,6 +33,8 @@ SERVICE_NAMES = (
     coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name,
     worker_pb2.DESCRIPTOR.services_by_name["Registry"].full_name,
 )
+# The operator's calls: with API keys configured, only an admin key may make them.
+ADMIN_METHODS = tuple(f"/{SERVICE_NAMES[0]}/{m}" for m in ("DrainWorker", "MoveSession"))
 
 
 @dataclass
@@ -40,6 +45,7 @@ class RunningCoordinator:
     port: int
     registry: Registry
     servicer: CoordinatorServicer
+    state: FleetState
     health: health.aio.HealthServicer
     metrics: CoordinatorMetrics
     _expiry_task: asyncio.Task
@@ -71,6 +77,7 @@ class RunningCoordinator:
             stopping.append(self._http_runner.cleanup())
         await asyncio.gather(*stopping)
         await self._pool.close()
+        await self.state.close()
 
 
 async def start_coordinator(config: CoordinatorConfig,
@@ -80,9 +87,14 @@ async def start_coordinator(config: CoordinatorConfig,
 
     With `config.http_port` set, also serves the OpenAI-compatible HTTP API on config.host
     (coordinator/openai_api.py). With `config.api_keys`, the Coordinator service and the HTTP API
-    refuse callers without one of them (UNAUTHENTICATED / 401); with `config.join_token`, the
+    refuse callers without one of them (UNAUTHENTICATED / 401), and DrainWorker and MoveSession
+    callers without one of `config.admin_keys` (PERMISSION_DENIED); with `config.join_token`, the
     Registry service refuses workers without it (flashfleet/auth.py). Also starts the lease-expiry loop (every min(1, lease_ttl_s / 4) seconds), which updates
     the worker gauges.
+
+    With `config.state` "etcd", the fleet's state is shared through etcd with the other
+    coordinators using the same endpoints (coordinator/state/etcd.py); otherwise it is this
+    process's (coordinator/state/memory.py).
 
     Args:
         metrics_registry: where the metrics are registered (default: a fresh CollectorRegistry).
@@ -90,18 +102,18 @@ async def start_coordinator(config: CoordinatorConfig,
             plaintext).
 
     Raises:
-        RuntimeError: the port (or the HTTP API's) could not be bound.
+        RuntimeError: the port (or the HTTP API's) could not be bound, or etcd could not be reached.
         flashfleet.config.ConfigError: unreadable or non-PEM TLS files (`add_port`).
     """
-    if not is_loopback(config.host) and not config.api_keys and tls is None:
-        log.warning("the coordinator listens on %s with neither API keys nor TLS: anyone who can "
-                    "reach it may use it (docs/operations.md, section 9)", config.host)
+    log.info(access_summary(config.api_keys, config.join_token, tls is not None))
+    for warning in access_warnings(is_loopback(config.host), config.api_keys, config.join_token, tls is not None):
+        log.warning("the coordinator listens on %s with %s", config.host, warning)
     metrics = CoordinatorMetrics(metrics_registry or CollectorRegistry())
     pool = WorkerPool(tls, config.join_token)
     affinity = SessionAffinity(config.session_ttl_s)
 
     def on_remove(rec, reason: str):
-        if reason == "expired":
+        if reason == "expired" and state.owns(rec.worker_id):  # counted once, by its owner
             log.warning("worker %s lease expired (no heartbeat for %.1f s)", rec.worker_id,
                         config.lease_ttl_s)
             metrics.lease_expiries.inc()
@@ -114,30 +126,51 @@ async def start_coordinator(config: CoordinatorConfig,
             pass
         affinity.forget_worker(rec.worker_id)
 
-    registry = Registry(config.lease_ttl_s, on_remove=on_remove)
-    servicer = CoordinatorServicer(config, registry, pool, affinity=affinity, metrics=metrics)
+    coordinator_id = f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+    if config.state == "etcd":
+        from coordinator.state.etcd import EtcdState
+        from coordinator.state.etcd_client import EtcdUnavailable
+
+        registry = Registry(config.lease_ttl_s, on_remove=on_remove, expires=False)  # etcd's leases decide
+        state = EtcdState(coordinator_id, registry, affinity, config.etcd_endpoints, config.lease_ttl_s,
+                          config.session_ttl_s)
+        try:
+            await state.start()
+        except EtcdUnavailable as e:
+            await state.close()
+            raise RuntimeError(f"cannot reach etcd: {e}") from None
+    else:
+        registry = Registry(config.lease_ttl_s, on_remove=on_remove)
+        state = MemoryState(coordinator_id, registry, affinity)
+    servicer = CoordinatorServicer(config, state, pool, metrics=metrics)
     guards = []
     if config.api_keys:
         guards.append(RequireSecret(SERVICE_NAMES[:1], AUTHORIZATION, config.api_keys, BAD_KEY, is_bearer=True))
+        guards.append(RequireRole(ADMIN_METHODS, config.admin_keys, "admin"))
     if config.join_token:
         guards.append(RequireSecret(SERVICE_NAMES[1:], JOIN_TOKEN_HEADER, (config.join_token,), BAD_JOIN_TOKEN))
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[*guards, RejectUndecodable()])
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
     worker_pb2_grpc.add_RegistryServicer_to_server(
-        RegistryServicer(config, registry, pool, servicer.admission), server)
+        RegistryServicer(config, state, pool, servicer.admission), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(SERVICE_NAMES + (health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = add_port(server, f"{config.host}:{config.port}", tls)
-    if port == 0:
-        raise RuntimeError(f"could not bind {config.host}:{config.port} (in use?)")
-    http_runner = http_port = None
-    if config.http_port is not None:  # before the gRPC server starts: a failure here leaves nothing to stop
-        from coordinator.openai_api import start_http
+    try:  # a failure from here leaves nothing running: the state's watch and leases stop too
+        port = add_port(server, f"{config.host}:{config.port}", tls)
+        if port == 0:
+            raise RuntimeError(f"could not bind {config.host}:{config.port} (in use?)")
+        http_runner = http_port = None
+        if config.http_port is not None:  # before the gRPC server starts: a failure here leaves nothing to stop
+            from coordinator.openai_api import start_http
 
-        http_runner, http_port = await start_http(servicer, config.host, config.http_port, config.shutdown_grace_s,
-                                                  tls.server_ssl_context() if tls is not None else None,
-                                                  config.api_keys)
+            http_runner, http_port = await start_http(servicer, config.host, config.http_port,
+                                                      config.shutdown_grace_s,
+                                                      tls.server_ssl_context() if tls is not None else None,
+                                                      config.api_keys)
+    except BaseException:
+        await state.close()
+        raise
     await server.start()
     for name in SERVICE_NAMES + ("",):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -153,8 +186,8 @@ async def start_coordinator(config: CoordinatorConfig,
                 metrics.worker_heartbeat_age.labels(worker=w.worker_id).set(registry.heartbeat_age_s(w))
 
     task = asyncio.get_running_loop().create_task(expire_loop())
-    return RunningCoordinator(server, port, registry, servicer, health_servicer, metrics, task, pool, http_port,
-                              http_runner, "https" if tls is not None else "http")
+    return RunningCoordinator(server, port, registry, servicer, state, health_servicer, metrics, task, pool,
+                              http_port, http_runner, "https" if tls is not None else "http")
 
 
 async def serve(config: CoordinatorConfig, metrics_port: int | None = None, tls=None) -> None:

@@ -24,8 +24,9 @@ import grpc
 from coordinator.admission import AdmissionQueue
 from coordinator.config import CoordinatorConfig
 from coordinator.migration import session_load
-from coordinator.registry import Registry, UnknownLease, WorkerIdInUse
-from coordinator.routing import PowerOfTwoRouter, SessionAffinity
+from coordinator.registry import UnknownLease, WorkerIdInUse
+from coordinator.routing import PowerOfTwoRouter
+from coordinator.state import FleetState, NotLive
 from coordinator.stream import Fleet, GenerateFailed, MoveRequest, ProxiedStream, TimeRemaining
 from flashfleet.auth import join_token_metadata, with_metadata
 from flashfleet.errors import FlashfleetError, short_details
@@ -76,15 +77,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     """Public API: routes Generate to a worker and proxies its stream; lists models and status;
     drains workers and moves sessions on an operator's command."""
 
-    def __init__(self, config: CoordinatorConfig, registry: Registry, pool: WorkerPool,
-                 router: PowerOfTwoRouter | None = None, affinity: SessionAffinity | None = None,
-                 metrics=None):
-        self.registry = registry
+    def __init__(self, config: CoordinatorConfig, state: FleetState, pool: WorkerPool,
+                 router: PowerOfTwoRouter | None = None, metrics=None):
+        self.state = state  # the fleet's state (coordinator/state/): workers, drains, placements
+        self.registry = state.registry
         self.pool = pool
         self.router = router or PowerOfTwoRouter()
-        self.affinity = affinity or SessionAffinity(config.session_ttl_s)
+        self.affinity = state.affinity
         self.metrics = metrics
-        self.fleet = Fleet(config, registry, pool, self.router, self.affinity, metrics)
+        self.fleet = Fleet(config, state, pool, self.router, metrics)
         self.admission: AdmissionQueue = self.fleet.admission
         self._in_flight: set[str] = set()  # request ids of streams running now (duplicates refused)
         self._streams = self.fleet.streams  # request id -> its ProxiedStream, once placed
@@ -274,7 +275,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                                  f"worker {worker_id!r} is the last live worker serving "
                                  f"{', '.join(sorted(rec.model_names))}: start another first, or stop this one")
         if not rec.draining:
-            rec.draining = True
+            try:
+                rec = await self.state.set_draining(worker_id)
+            except NotLive:
+                raise GenerateFailed(grpc.StatusCode.NOT_FOUND, f"no live worker {worker_id!r}") from None
             self.fleet.drain_moved[worker_id] = 0
             if self.metrics:
                 self.metrics.draining.labels(worker=worker_id).set(1)
@@ -336,10 +340,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 class RegistryServicer(worker_pb2_grpc.RegistryServicer):
     """Internal API: workers register, heartbeat and deregister."""
 
-    def __init__(self, config: CoordinatorConfig, registry: Registry, pool: WorkerPool,
+    def __init__(self, config: CoordinatorConfig, state: FleetState, pool: WorkerPool,
                  admission: AdmissionQueue | None = None):
         self.config = config
-        self.registry = registry
+        self.state = state
         self.pool = pool
         self.admission = admission  # woken on every registration and heartbeat: capacity may have grown
 
@@ -352,7 +356,7 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
         worker retries, so it joins once that one's lease ends).
         """
         try:
-            rec = self.registry.register(request)
+            rec = await self.state.register(request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, short_details(str(e)))
         except WorkerIdInUse as e:
@@ -364,22 +368,26 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
             self.admission.notify()
         return worker_pb2.RegisterResponse(lease_id=rec.lease_id,
                                            lease_ttl_s=self.config.lease_ttl_s,
-                                           heartbeat_interval_s=self.config.heartbeat_interval_s)
+                                           heartbeat_interval_s=self.config.heartbeat_interval_s,
+                                           shared_state=self.state.shared)
 
     async def Heartbeat(self, request, context):
         """Renews a worker's lease, records its load and clears its `unreachable` mark; tells a
-        drained worker that runs no stream any more to leave (`leave`).
+        drained worker that runs no session any more (no stream from this coordinator, none in
+        its own load report) to leave (`leave`).
 
         Aborts the call with NOT_FOUND when the lease is unknown or expired (the worker must
         register again).
         """
         try:
-            rec = self.registry.heartbeat(request.worker_id, request.lease_id, request.load)
+            rec = await self.state.heartbeat(request.worker_id, request.lease_id, request.load)
         except UnknownLease as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, short_details(str(e)))
         if self.admission:
             self.admission.notify()
-        leave = rec.draining and rec.in_flight == 0
+        # Its own count of sessions too: another coordinator sharing the fleet's state may still
+        # stream from it, and a session moved off it ends there at the engine's next turn.
+        leave = rec.draining and rec.in_flight == 0 and request.load.active_sessions == 0
         if leave:
             log.info("worker %s is drained: telling it to leave", rec.worker_id)
         return worker_pb2.HeartbeatResponse(leave=leave)
@@ -390,7 +398,7 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
         Aborts the call with NOT_FOUND when the lease is unknown or expired.
         """
         try:
-            rec = self.registry.deregister(request.worker_id, request.lease_id)
+            rec = await self.state.deregister(request.worker_id, request.lease_id)
         except UnknownLease as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, short_details(str(e)))
         if rec.in_flight == 0:  # else the last stream's handler closes it (closing cancels them)

@@ -17,10 +17,13 @@ looking busier than it is). The gRPC and HTTP servicers only adapt (coordinator/
 coordinator/openai_api.py).
 
 Moves: between two chunks the stream may move to another worker (session migration,
-coordinator/migration.py): the session's KV state is copied to the destination while the stream
-goes on (coordinator/kv_transfer.py), then the same request, resumed after the tokens already
-sent and naming the imported state, opens on the destination (or, without a state, prefills
-everything there), and the source call is cancelled once the destination answers.
+coordinator/migration.py): the destination pulls the session's KV state straight from the source
+while the stream goes on (coordinator/kv_transfer.py), then the same request, resumed after the
+tokens already sent and naming the imported state, opens on the destination (or, without a state,
+prefills everything there), and the source call is cancelled once the destination answers. Of
+the policy's moves, a coordinator that does not own the stream's worker (coordinator/state/:
+with several coordinators sharing the fleet's state, each worker has one owner) makes only drain
+moves.
 
 Ends: a stream that ends before its worker's Complete (its client left, its deadline, an error)
 sends the worker Cancel(request_id) before it closes the call, so the worker frees the session at
@@ -45,8 +48,9 @@ from coordinator import kv_transfer
 from coordinator.admission import AdmissionQueue
 from coordinator.config import CoordinatorConfig
 from coordinator.migration import Decision, StreamProgress
-from coordinator.registry import Registry, WorkerRecord
-from coordinator.routing import AllBusy, NoWorker, PowerOfTwoRouter, SessionAffinity, request_tokens_bound, route
+from coordinator.registry import WorkerRecord
+from coordinator.routing import AllBusy, NoWorker, PowerOfTwoRouter, request_tokens_bound, route
+from coordinator.state import FleetState
 from flashfleet.errors import short_details
 from flashfleet.requests import RESUME_ONLY_HEADER
 from flashfleet.v1 import common_pb2, worker_pb2
@@ -150,7 +154,7 @@ class Move:
         outcome: "ok", "aborted", "failover" or "failover_failed" (as the migrations metric).
         reason: why it moved (coordinator.migration.REASONS).
         method: "kv" (the state was copied) or "reprefill" (the destination prefilled it all).
-        bytes_moved: KV bytes relayed (0 for re-prefill).
+        bytes_moved: KV bytes the destination received from the source (0 for re-prefill).
         pause_s: the gap the client saw: last source token forwarded to the destination's first
             message (0 when the session did not move).
         total_s: from the start of the move (the transfer's start, for "kv") to the destination's
@@ -204,16 +208,17 @@ class Fleet:
 
     Args:
         config: the coordinator's settings.
-        registry: live workers.
+        state: the fleet's state (coordinator/state/): its registry of live workers, session
+            affinity, placements and worker ownership.
         pool: one channel per worker (coordinator/servicer.py WorkerPool).
-        router, affinity: routing's choice and session affinity.
+        router: routing's choice.
         metrics: CoordinatorMetrics, or None.
     """
 
-    def __init__(self, config: CoordinatorConfig, registry: Registry, pool, router: PowerOfTwoRouter,
-                 affinity: SessionAffinity, metrics=None):
-        self.config, self.registry, self.pool = config, registry, pool
-        self.router, self.affinity, self.metrics = router, affinity, metrics
+    def __init__(self, config: CoordinatorConfig, state: FleetState, pool, router: PowerOfTwoRouter, metrics=None):
+        self.config, self.state, self.pool = config, state, pool
+        self.registry, self.affinity = state.registry, state.affinity
+        self.router, self.metrics = router, metrics
         self.admission = AdmissionQueue(config.max_queued, config.queue_timeout_s)
         self.streams: dict[str, ProxiedStream] = {}  # request id -> its stream, once routed
         self.drain_moved: dict[str, int] = {}  # worker id -> sessions moved off it while it drains
@@ -339,6 +344,7 @@ class ProxiedStream:
             self.state = State.DONE
             raise
         fleet.streams[request.request_id] = self
+        fleet.state.place(request.request_id, self.worker.worker_id, len(self.progress.token_ids))
         outcome = "cancelled"
         try:
             resp = first
@@ -384,6 +390,7 @@ class ProxiedStream:
         self.state = State.DONE
         self._abandon_transfer()
         fleet.streams.pop(request.request_id, None)
+        fleet.state.unplace(request.request_id)
         self._settle_move_request(None, ended=True)
         if outcome == "ok":
             self.call.cancel()
@@ -588,6 +595,8 @@ class ProxiedStream:
         due (coordinator/migration.py), else None."""
         if self.move_request is not None:
             return Decision(self.move_request.dest, "manual")
+        if not self.worker.draining and not self.fleet.state.owns(self.worker.worker_id):
+            return None  # speed, load and memory moves off a worker are its owner's alone
         policy = self.fleet.config.migration
         if not self.progress.due(policy.check_interval_s):
             return None
@@ -609,9 +618,8 @@ class ProxiedStream:
         fleet = self.fleet
         if fleet.config.migration_method == "kv":
             with fleet.slot(dest) as slot:  # reserved now, so no other stream takes the idle worker meanwhile
-                self.transfer = kv_transfer.start(
-                    fleet.pool.stub(self.worker.address), fleet.pool.stub(dest.address), self.request.request_id,
-                    dest, self.time_remaining(), reason)
+                self.transfer = kv_transfer.start(fleet.pool.stub(dest.address), self.worker.address,
+                                                  self.request.request_id, dest, self.time_remaining(), reason)
             self._transfer_slot = slot
             log.info("moving %s from %s to %s (%s): KV transfer started", self.request.request_id,
                      self.worker.worker_id, dest.worker_id, reason)
@@ -642,10 +650,10 @@ class ProxiedStream:
         staged = t.staged()
         if staged is not None:
             return await self._move(t.dest, reason=t.reason, method="kv", import_id=staged.import_id,
-                                    bytes_moved=t.relayed.bytes, started_s=t.started_s)
+                                    bytes_moved=t.bytes, started_s=t.started_s)
         log.info("KV transfer of %s to %s failed (%s)", self.request.request_id, t.dest.worker_id, t.error())
         self.fleet.record_move(self.request.model, "aborted", reason=t.reason, method="kv",
-                               bytes_moved=t.relayed.bytes, total_s=time.monotonic() - t.started_s)
+                               bytes_moved=t.bytes, total_s=time.monotonic() - t.started_s)
         if t.reason in ("load", "speed"):  # the re-prefill's cost may not pay where the copy's did
             again = self.fleet.config.migration.decide(self.request, self.worker, len(self.progress.token_ids),
                                                        [self.worker, t.dest], None, time.monotonic())
@@ -686,6 +694,7 @@ class ProxiedStream:
         self.worker, self.slot, self.call, self._moved_first = dest, slot, call, first
         self.progress.moved()
         self.fleet.affinity.bind(self.request.session_id, dest.worker_id)
+        self.fleet.state.place(self.request.request_id, dest.worker_id, len(self.progress.token_ids))
 
     async def _move(self, dest: WorkerRecord, *, reason: str, method: str, import_id: str = "",
                     bytes_moved: int = 0, started_s: float | None = None) -> bool:
@@ -819,7 +828,7 @@ class ProxiedStream:
             self.call.cancel()
             self._switch(dest, slot, call, first)
             fleet.record_move(request.model, "failover", method="kv" if claim else "reprefill",
-                              bytes_moved=transfer.relayed.bytes if claim else 0, pause_s=now - started_s,
+                              bytes_moved=transfer.bytes if claim else 0, pause_s=now - started_s,
                               total_s=now - (transfer.started_s if claim else started_s))
             log.warning("worker %s failed mid-stream (%s); request %s resumed on %s after %d tokens%s",
                         dead.worker_id, error.details(), request.request_id, dest.worker_id,

@@ -29,6 +29,7 @@ _EXPORTS = {
     "DeadlineExceeded": "flashfleet.errors",
     "Cancelled": "flashfleet.errors",
     "Unauthenticated": "flashfleet.errors",
+    "PermissionDenied": "flashfleet.errors",
 }
 
 __all__ = list(_EXPORTS)

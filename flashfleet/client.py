@@ -349,6 +349,7 @@ class Client:
         Raises:
             ModelNotFound (code NOT_FOUND): no live worker has that id.
             FailedPrecondition: it runs sessions and no other worker serves its model.
+            PermissionDenied: the coordinator has API keys and this client's key is not an admin key.
             FlashfleetError subclasses, as for generate() (Unauthenticated without a valid key, ...).
         """
         try:
@@ -366,6 +367,7 @@ class Client:
             ModelNotFound (code NOT_FOUND): no such request is streaming, or no such worker.
             FailedPrecondition: no worker can take it (full, draining, another model, its own).
             FlashfleetError with code ABORTED: the destination refused; the request stays where it was.
+            PermissionDenied: the coordinator has API keys and this client's key is not an admin key.
             FlashfleetError subclasses, as for generate().
         """
         timeout = _deadline(timeout_s, 60.0)

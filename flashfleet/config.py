@@ -74,10 +74,13 @@ class CoordinatorSection:
             re-prefill) or "reprefill" (coordinator/kv_transfer.py).
         shutdown_grace_s: how long in-flight streams may finish on SIGTERM (as in
             CoordinatorConfig).
-        api_keys_file: file of the API keys clients must send, one a line ("" = none required;
-            flashfleet/auth.py).
+        api_keys_file: file of the API keys clients must send, one a line, "<key>" or
+            "<key> admin" ("" = none required; flashfleet/auth.py).
         join_token_file: file holding the token workers must send to register, which the
             coordinator sends on every worker call; workers read the same path ("" = none).
+        state: where the fleet's state lives: "memory" (this coordinator alone) or "etcd"
+            (shared by several coordinators; coordinator/state/etcd.py).
+        etcd_endpoints: the etcd members ("host:port" or "http://host:port") for state "etcd".
     """
 
     host: str = "127.0.0.1"
@@ -101,6 +104,8 @@ class CoordinatorSection:
     shutdown_grace_s: float = 25.0
     api_keys_file: str = ""
     join_token_file: str = ""
+    state: str = "memory"
+    etcd_endpoints: tuple[str, ...] = ()
 
     @property
     def dial_address(self) -> str:
@@ -333,7 +338,8 @@ class ClusterConfig:
                 "migrate_min_saving_s": c.migrate_min_saving_s,
                 "migrate_method": c.migrate_method,
                 "shutdown_grace_s": c.shutdown_grace_s, "api_keys_file": c.api_keys_file or None,
-                "join_token_file": c.join_token_file or None}
+                "join_token_file": c.join_token_file or None, "state": c.state,
+                "etcd_endpoints": ",".join(c.etcd_endpoints) or None}
 
 
 TOP_LEVEL = ("coordinator", "models", "worker", "workers", "tls")
@@ -374,6 +380,27 @@ def load_cluster_config(path: str | Path) -> ClusterConfig:
     cfg = ClusterConfig(path=path, coordinator=coordinator, models=models, workers=workers, tls=tls)
     _check(cfg)
     return cfg
+
+
+STATES = ("memory", "etcd")
+
+
+def state_problem(state: str, etcd_endpoints) -> str | None:
+    """What is wrong with the fleet-state settings (named as in the cluster config), or None."""
+    from coordinator.state.etcd_client import endpoint_target
+
+    if state not in STATES:
+        return f"state must be one of {', '.join(repr(s) for s in STATES)}, got {state!r}"
+    if state == "etcd" and not etcd_endpoints:
+        return 'state = "etcd" needs etcd_endpoints (e.g. ["http://10.0.0.11:2379", "http://10.0.0.12:2379"])'
+    if state == "memory" and etcd_endpoints:
+        return 'etcd_endpoints is set but state is "memory": set state = "etcd" to use them'
+    for e in etcd_endpoints:
+        try:
+            endpoint_target(e)
+        except ValueError as err:
+            return f"etcd_endpoints: {err}"
+    return None
 
 
 def _array(data: dict, key: str, path: Path) -> list:
@@ -419,6 +446,9 @@ def _check(cfg: ClusterConfig) -> None:
                               c.migrate_min_speedup, c.migrate_min_saving_s)
     if bad:
         raise ConfigError(f"{p}: [coordinator] {bad[0]}")
+    problem = state_problem(c.state, c.etcd_endpoints)
+    if problem:
+        raise ConfigError(f"{p}: [coordinator] {problem}")
     if c.migrate_method not in ("kv", "reprefill"):
         raise ConfigError(f"{p}: [coordinator] migrate_method must be \"kv\" or \"reprefill\", "
                           f"got {c.migrate_method!r}")
@@ -478,7 +508,12 @@ def _build(cls, table, path: Path, where: str):
 
 
 def _typed(value, hint, path: Path, where: str):
-    """Checks a TOML value against a field's type (str, int, float, bool, or X | None)."""
+    """Checks a TOML value against a field's type (str, int, float, bool, tuple[str, ...], or
+    X | None)."""
+    if typing.get_origin(hint) is tuple:
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise ConfigError(f"{path}: {where} must be an array of strings, got {value!r}")
     allowed = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
     for t in allowed:
         if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -79,10 +79,17 @@ class Unauthenticated(FlashfleetError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class PermissionDenied(FlashfleetError):
+    """The call's API key is valid but its role may not make it: DrainWorker and MoveSession
+    need a key with the `admin` role."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 _BY_CODE: dict[grpc.StatusCode, type[FlashfleetError]] = {
     cls.code: cls
     for cls in (InvalidArgument, ModelNotFound, Overloaded, Unavailable, DeadlineExceeded,
-                Cancelled, FailedPrecondition, Unauthenticated)
+                Cancelled, FailedPrecondition, Unauthenticated, PermissionDenied)
 }
 
 

@@ -1,11 +1,12 @@
-"""KV bytes a worker needs once every session it runs reaches its final length.
+"""KV bytes a worker needs: the one formula of the engine's budget and the coordinator's moves.
 
-A worker's engine and the coordinator's migration policy compute it with this one formula, so a
-move for memory happens on the same arithmetic the engine admits and preempts by
-(worker/engine/scheduler.py `projected_bytes`): sessions of one decoding method share a batch
-whose KV buffers hold every row at the batch's longest length, in whole buckets of
-`POSITION_BUCKET` positions (worker/caches/rows.py), and attention needs working memory of two
-copies of one layer of the largest batch (grouped K/V heads expanded where no fused kernel runs).
+Sessions of one decoding method share a batch whose KV buffers hold every row at the batch's
+longest length, in whole buckets of `POSITION_BUCKET` positions (worker/caches/rows.py):
+`batch_bytes`. Attention needs working memory of two copies of one target layer of the largest
+batch (grouped K/V heads expanded where no fused kernel runs): `working_bytes`. The engine
+admits and preempts by these two (worker/engine/scheduler.py `projected_bytes`, the next
+iteration's lengths) and the coordinator's migration policy moves for memory by them
+(`final_need_bytes`, every session at its final length), so both sides do the same arithmetic.
 """
 from __future__ import annotations
 
@@ -17,6 +18,18 @@ POSITION_BUCKET = 256  # positions a row's KV buffer grows by (worker/caches/row
 def bucket(positions: int) -> int:
     """`positions` rounded up to whole buckets (at least one)."""
     return max(POSITION_BUCKET, -(-positions // POSITION_BUCKET) * POSITION_BUCKET)
+
+
+def batch_bytes(rows: int, positions: int, per_position: int) -> int:
+    """KV bytes of a batch of `rows` rows whose buffers hold `positions` positions each (rounded
+    up to whole buckets), at `per_position` bytes per position of a row (all its layers)."""
+    return rows * bucket(positions) * per_position
+
+
+def working_bytes(largest_batch_bytes: int, layers: int) -> int:
+    """Attention's working memory beside the caches: two copies of one of the target's `layers`
+    attention layers of the largest batch (0 when `layers` is unknown, 0)."""
+    return 2 * largest_batch_bytes // layers if layers > 0 else 0
 
 
 def final_need_bytes(rows: Iterable[tuple[int, int]], layers: int) -> int:
@@ -36,6 +49,5 @@ def final_need_bytes(rows: Iterable[tuple[int, int]], layers: int) -> int:
     for positions, per_position in rows:
         n, longest = batches.get(per_position, (0, 0))
         batches[per_position] = (n + 1, max(longest, positions))
-    sizes = [n * bucket(longest) * per_position for per_position, (n, longest) in batches.items()]
-    working = 2 * max(sizes, default=0) // layers if layers > 0 else 0
-    return sum(sizes) + working
+    sizes = [batch_bytes(n, longest, per_position) for per_position, (n, longest) in batches.items()]
+    return sum(sizes) + working_bytes(max(sizes, default=0), layers)

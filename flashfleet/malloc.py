@@ -5,8 +5,9 @@ glibc's malloc serves a request of at least M_MMAP_THRESHOLD bytes with its own 
 it on free, but it raises that threshold to the size of every such block freed (up to 32 MiB):
 after the first free of a 2 MiB buffer, 2 MiB buffers come from the heap, whose top is not given
 back while anything above it lives. Session migration streams KV state in 2 MiB messages
-(worker/kv_wire.py) through the coordinator and the workers, so without a fixed threshold their
-resident memory keeps the high-water mark of the busiest moment (a soak shows it as growth).
+(worker/kv_wire.py) from one worker to another, and the coordinator takes HTTP bodies of up to
+8 MiB, so without a fixed threshold their resident memory keeps the high-water mark of the
+busiest moment (a soak shows it as growth).
 Setting the threshold (mallopt) fixes it and turns the dynamic adjustment off; elsewhere (macOS's
 allocator returns large blocks itself) nothing is done.
 """

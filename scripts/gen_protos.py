@@ -1,4 +1,5 @@
-"""Regenerates the gRPC stubs in flashfleet/v1/ from protos/ (run after editing a .proto).
+"""Regenerates the gRPC stubs in flashfleet/v1/ (flashfleet's API) and flashfleet/etcd/ (etcd's v3
+API, for the coordinator's etcd client) from protos/ (run after editing a .proto).
 
     python scripts/gen_protos.py            # write stubs into the source tree
     python scripts/gen_protos.py --out DIR  # write them elsewhere (the staleness test does this)
@@ -11,13 +12,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
+STUB_DIRS = ("flashfleet/v1", "flashfleet/etcd")  # where stubs land, under the output root
 
 
 def generate(out_dir: Path) -> list[Path]:
     """Runs grpcio-tools' protoc on every .proto under protos/.
 
     Args:
-        out_dir: root of the output tree; stubs land in out_dir/flashfleet/v1/.
+        out_dir: root of the output tree; stubs land in out_dir/<one of STUB_DIRS>/.
 
     Returns:
         The generated files.
@@ -35,7 +37,7 @@ def generate(out_dir: Path) -> list[Path]:
             f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}", *protos]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed: {' '.join(args)}")
-    return sorted((out_dir / "flashfleet" / "v1").glob("*_pb2*.py*"))
+    return sorted(p for d in STUB_DIRS for p in (out_dir / d).glob("*_pb2*.py*"))
 
 
 def main() -> None:

@@ -36,3 +36,16 @@ def dflash_dir(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory
     out = tmp_path_factory.mktemp("dflash") / "tiny-dflash"
     save_dflash_draft(init_dflash_draft(target, num_layers=1, block_size=4), out)
     return out
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    """A real etcd on a free loopback port in a temporary directory (tests/etcd_server.py);
+    the test skips when the etcd binary is not installed."""
+    from etcd_server import ETCD, SKIP_REASON, EtcdServer
+
+    if ETCD is None:
+        pytest.skip(SKIP_REASON)
+    server = EtcdServer(tmp_path)
+    yield server
+    server.stop()

@@ -1,13 +1,43 @@
 """A fake engine that speaks EngineProtocol without MLX: deterministic tokens on its own thread,
-so servicer and coordinator tests run fast and need no model."""
+so servicer and coordinator tests run fast and need no model; and `SlowProfile`, which an
+`Engine(profile=...)` takes to run several times slower (a heterogeneous fleet on one machine)."""
 from __future__ import annotations
 
 import threading
 import time
 
-from worker.engine.profile import DecodeCostEntry, SessionSnapshot
+from worker.engine.profile import DecodeCostEntry, DecodeProfile, SessionSnapshot
 from worker.engine.types import (DoneEvent, Draining, EngineLoad, GenerationStats, InvalidRequest,
                                  ModelDescription, Overloaded, TokenEvent)
+
+
+class SlowProfile(DecodeProfile):
+    """A `DecodeProfile` that makes its engine `slowdown` times slower (>= 1): the engine thread
+    records each decode iteration and prefill chunk right after running it, and this sleeps
+    (slowdown - 1) x its measured time there and records slowdown x the time, so the worker's
+    speed and its reported profile agree.
+
+    Args:
+        slowdown: the factor, >= 1.
+        sleep: how to sleep (a test of this class injects a fake).
+    """
+
+    def __init__(self, slowdown: float, sleep=time.sleep, **kwargs):
+        super().__init__(**kwargs)
+        if not slowdown >= 1:
+            raise ValueError(f"slowdown must be >= 1, got {slowdown}")
+        self.slowdown, self._sleep = slowdown, sleep
+
+    def _slow(self, seconds: float) -> float:
+        if seconds > 0:
+            self._sleep((self.slowdown - 1) * seconds)
+        return seconds * self.slowdown
+
+    def decode(self, batch_size: int, context: int, block: int, seconds: float) -> None:
+        super().decode(batch_size, context, block, self._slow(seconds))
+
+    def prefill(self, tokens: int, seconds: float) -> None:
+        super().prefill(tokens, self._slow(seconds))
 
 
 class FakeEngine:

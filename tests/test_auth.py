@@ -150,9 +150,17 @@ def test_nothing_configured_everything_works_as_before(monkeypatch):
 
 def test_secrets_files_and_environment(tmp_path):
     keys = tmp_path / "keys"
-    keys.write_text("# clients\nsk-a\n\nsk-b  # the batch jobs\n")
-    assert load_api_keys(keys, env={"FLASHFLEET_API_KEYS": "sk-c, sk-a"}) == ("sk-a", "sk-b", "sk-c")
-    assert load_api_keys(None, env={}) == ()
+    keys.write_text("# clients\nsk-a\n\nsk-b  # the batch jobs\nsk-ops admin  # the operators\n")
+    assert load_api_keys(keys, env={"FLASHFLEET_COORDINATOR_API_KEYS": "sk-c, sk-a"}) == {
+        "sk-a": "client", "sk-b": "client", "sk-ops": "admin", "sk-c": "client"}
+    assert load_api_keys(None, env={"FLASHFLEET_COORDINATOR_API_KEYS": "sk-d admin"}) == {"sk-d": "admin"}
+    assert load_api_keys(None, env={}) == {}
+    assert load_api_keys(None, env={"FLASHFLEET_API_KEY": "sk-client"}) == {}  # the client's variable
+    for bad in ("sk-e root", "sk-e admin extra"):
+        (tmp_path / "bad").write_text(bad + "\n")
+        with pytest.raises(ValueError) as e:
+            load_api_keys(tmp_path / "bad", env={})
+        assert "sk-e" not in str(e.value)  # a key never appears in a message
     token = tmp_path / "token"
     token.write_text("# join token\ns3cret\n")
     assert load_join_token(token, env={"FLASHFLEET_JOIN_TOKEN": "other"}) == "s3cret"
@@ -163,19 +171,28 @@ def test_secrets_files_and_environment(tmp_path):
         load_join_token(tmp_path / "empty")
 
 
-@pytest.mark.parametrize("host, keys, warned", [("0.0.0.0", (), True), ("0.0.0.0", (KEY,), False),
-                                                ("127.0.0.1", (), False)])
-def test_warning_when_listening_beyond_loopback_without_keys_or_tls(host, keys, warned, caplog):
+@pytest.mark.parametrize("host, keys, token, warned", [
+    ("0.0.0.0", (), None, {"neither API keys nor TLS", "no join token"}),
+    ("0.0.0.0", (KEY,), None, {"no join token"}),
+    ("0.0.0.0", (KEY,), TOKEN, set()),
+    ("127.0.0.1", (), None, set())])
+def test_warnings_when_listening_beyond_loopback_unprotected(host, keys, token, warned, caplog):
+    """A coordinator says at start which protections are on, and warns on a non-loopback host
+    about missing keys (with no TLS) and a missing join token; no secret is ever logged."""
     loop = LoopThread()
     try:
-        with caplog.at_level(logging.WARNING, logger="flashfleet.coordinator"):
-            running = loop.run(start_coordinator(CoordinatorConfig(host=host, port=0, api_keys=keys)))
+        with caplog.at_level(logging.INFO, logger="flashfleet.coordinator"):
+            running = loop.run(start_coordinator(CoordinatorConfig(host=host, port=0, api_keys=keys,
+                                                                   join_token=token)))
             loop.run(running.stop(grace_s=0.1))
     finally:
         loop.close()
-    messages = [r.getMessage() for r in caplog.records if "neither API keys nor TLS" in r.getMessage()]
-    assert bool(messages) == warned
-    assert not any(KEY in r.getMessage() for r in caplog.records)
+    messages = [r.getMessage() for r in caplog.records]
+    assert {w for w in ("neither API keys nor TLS", "no join token") if any(w in m for m in messages)} == warned
+    summary = [m for m in messages if m.startswith("access control:")]
+    assert summary == [f"access control: API keys {'on (1 key)' if keys else 'off'}, "
+                       f"join token {'on' if token else 'off'}, TLS off"]
+    assert not any(KEY in m or TOKEN in m for m in messages)
 
 
 def test_cluster_config_passes_the_secrets_files_to_coordinator_and_workers(tmp_path, monkeypatch):
@@ -184,7 +201,7 @@ def test_cluster_config_passes_the_secrets_files_to_coordinator_and_workers(tmp_
     from flashfleet.config import load_cluster_config
 
     monkeypatch.delenv("FLASHFLEET_API_KEY", raising=False)
-    monkeypatch.delenv("FLASHFLEET_API_KEYS", raising=False)
+    monkeypatch.delenv("FLASHFLEET_COORDINATOR_API_KEYS", raising=False)
     (tmp_path / "keys").write_text("# keys\nsk-first\nsk-second\n")
     (tmp_path / "token").write_text("tok\n")
     cfg_path = tmp_path / "cluster.toml"
@@ -199,3 +216,90 @@ def test_cluster_config_passes_the_secrets_files_to_coordinator_and_workers(tmp_
     assert config_api_key(str(cfg_path)) == "sk-first"  # what `flashfleet up` checks readiness with
     monkeypatch.setenv("FLASHFLEET_API_KEY", "sk-env")
     assert config_api_key(str(cfg_path)) == "sk-env"
+
+
+def test_up_passes_the_secrets_files_to_the_coordinator_and_its_workers(tmp_path, monkeypatch):
+    """`flashfleet up --api-keys-file K --join-token-file T`: the coordinator gets both, every
+    worker the join token, and the readiness check sends the first key of K."""
+    from flashfleet.cli import up
+
+    monkeypatch.delenv("FLASHFLEET_API_KEY", raising=False)
+    (tmp_path / "keys").write_text("sk-up\n")
+    (tmp_path / "token").write_text("tok\n")
+    spawned, keys_sent = [], []
+    monkeypatch.setattr(up.subprocess, "Popen", lambda argv, **kw: spawned.append(argv))
+
+    def wait_ready(self, timeout_s, progress, should_stop):
+        from flashfleet.cli._common import config_api_key
+        keys_sent.append(config_api_key(self.config, self.api_keys_file))
+
+    monkeypatch.setattr(up.LocalCluster, "_wait_ready", wait_ready)
+    up.LocalCluster(workers=2, port=1, log_dir=tmp_path / "logs", api_keys_file=tmp_path / "keys",
+                    join_token_file=tmp_path / "token").start(progress=lambda line: None)
+    monkeypatch.undo()
+    coordinator = next(a for a in spawned if a[3] == "coordinator")
+    workers = [a for a in spawned if a[3] == "worker"]
+    flag = lambda argv, name: argv[argv.index(name) + 1]  # noqa: E731
+    assert flag(coordinator, "--api-keys-file") == str(tmp_path / "keys")
+    assert flag(coordinator, "--join-token-file") == str(tmp_path / "token")
+    assert len(workers) == 2 and all(flag(w, "--join-token-file") == str(tmp_path / "token") for w in workers)
+    assert not any("--api-keys-file" in w for w in workers)
+    assert keys_sent == ["sk-up"]
+
+
+def test_up_help_names_the_access_control_flags(capsys):
+    from flashfleet.cli.up import main as up_main
+
+    with pytest.raises(SystemExit):
+        up_main(["--help"])
+    out = capsys.readouterr().out
+    assert "--api-keys-file" in out and "--join-token-file" in out and "FLASHFLEET_API_KEY" in out
+
+
+ADMIN = "sk-test-admin-key"
+
+
+@pytest.fixture
+def with_admin():
+    engine = FakeEngine()
+    cluster = start_cluster({"w1": engine}, http_port=0, api_keys=(KEY, ADMIN), admin_keys=(ADMIN,))
+    yield cluster, engine
+    cluster.close()
+
+
+def test_drain_and_move_need_an_admin_key(with_admin, monkeypatch):
+    from flashfleet.errors import FailedPrecondition, ModelNotFound, PermissionDenied
+
+    cluster, _ = with_admin
+    monkeypatch.delenv("FLASHFLEET_API_KEY", raising=False)
+    with Client(cluster.address, api_key=KEY) as client:
+        assert client.complete("fake-model", "hello", max_tokens=3).text  # a client key serves requests
+        with pytest.raises(PermissionDenied, match="DrainWorker needs an API key with the admin role"):
+            list(client.drain_worker("w1", timeout_s=5))
+        with pytest.raises(PermissionDenied, match="MoveSession needs an API key with the admin role"):
+            client.move_session("no-such-request", timeout_s=5)
+    assert cluster.coordinator.registry.get("w1").draining is False
+    with Client(cluster.address, api_key=ADMIN) as client:
+        # Past the key check, the servicer answers: the last worker of its model cannot drain.
+        with pytest.raises(FailedPrecondition, match="last live worker"):
+            list(client.drain_worker("w1", timeout_s=5))
+        with pytest.raises(ModelNotFound, match="no request 'no-such-request' is streaming"):
+            client.move_session("no-such-request", timeout_s=5)
+        assert client.complete("fake-model", "hello", max_tokens=3).text  # an admin key serves requests too
+
+
+@pytest.mark.parametrize("variant", [KEY[:-1], KEY + "x", "x" + KEY, KEY[1:], KEY.upper(), f" {KEY}x",
+                                     ADMIN[:-1], ADMIN + "!"])
+def test_a_keys_prefix_or_suffix_is_never_accepted(with_admin, variant, monkeypatch):
+    from flashfleet.auth import matches
+
+    cluster, engine = with_admin
+    monkeypatch.delenv("FLASHFLEET_API_KEY", raising=False)
+    assert not matches(variant, (KEY, ADMIN))
+    with Client(cluster.address, api_key=variant) as client:
+        with pytest.raises(Unauthenticated):
+            client.complete("fake-model", "hello", max_tokens=3)
+        with pytest.raises(Unauthenticated):
+            list(client.drain_worker("w1", timeout_s=5))
+    assert http(cluster, "/v1/models", key=variant)[0] == 401
+    assert engine.submitted == []

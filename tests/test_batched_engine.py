@@ -329,3 +329,23 @@ def test_admission_keeps_sessions_waiting_rather_than_preempting_them(tiny_model
     assert tokens == free_tokens
     assert preemptions == 0 and all(done[f"short-{i}"].stats.preemptions == 0 for i in range(5))
     assert accounted <= budget
+
+
+def test_engine_and_coordinator_count_kv_with_one_formula(tiny_models, dflash_dir):
+    """A session's KV need as the engine admits it (`fits_alone`, `projected_bytes`'s parts) and
+    as the coordinator's migration policy computes it from the heartbeat (`final_need_bytes` with
+    the reported `kv_layers`) is the same number, in plain and DFlash modes."""
+    from flashfleet.kv_need import final_need_bytes, working_bytes
+
+    cfg = EngineConfig(model_path=tiny_models.llama, draft_path=dflash_dir, capacity=2)
+    with Engine(cfg) as engine:
+        sched = engine._scheduler  # idle: read only
+        layers = engine.load().kv_layers
+        assert layers == sched.kv_layers > 0
+        assert sched.bytes_per_position["dflash"] > sched.bytes_per_position["plain"]
+        for mode in ("plain", "dflash"):
+            for n in (1, 256, 257, 1000):
+                row = sched.row_bytes(mode, n)
+                need = final_need_bytes([(n, sched.bytes_per_position[mode])], layers)
+                assert row + working_bytes(row, sched.kv_layers) == need, (mode, n)
+                assert sched.fits_alone(mode, n) == (need <= sched.budget)

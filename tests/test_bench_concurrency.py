@@ -63,3 +63,34 @@ def test_heldout_prompts_are_the_split_of_the_corpus():
         pytest.skip("the HumanEval corpus is not beside this checkout")
     held = split_heldout(read_prompt_files([corpus], max_per_file=450), 8, 0.1)[1]
     assert shipped == [r.text for r in held]
+
+
+def test_mlx_lm_server_gets_a_copy_in_the_workers_dtype(tmp_path, tiny_models):
+    """A bfloat16-stored model is served to mlx-lm's server as a float32 copy (the dtype the
+    workers compute in here, conftest.py), with the same weights; a float32 one is served as is."""
+    import sys
+
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm import load
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import save_model
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_concurrency import copy_in_worker_dtype
+
+    assert copy_in_worker_dtype(tiny_models.llama, tmp_path / "unused") == tiny_models.llama
+    model, _ = load(str(tiny_models.llama))
+    model.set_dtype(mx.bfloat16)
+    stored = tmp_path / "bf16"
+    save_model(stored, model)
+    for f in tiny_models.llama.iterdir():
+        if not f.name.endswith(".safetensors") and f.is_file():
+            (stored / f.name).write_bytes(f.read_bytes())
+    served = copy_in_worker_dtype(stored, tmp_path / "served")
+    assert served == tmp_path / "served" and (served / "config.json").exists()
+    copy, _ = load(str(served))
+    want = dict(tree_flatten(model.parameters()))
+    for name, p in tree_flatten(copy.parameters()):
+        assert p.dtype == mx.float32, name
+        np.testing.assert_array_equal(np.array(p), np.array(want[name].astype(mx.float32)))

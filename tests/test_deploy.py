@@ -754,3 +754,46 @@ def test_up_passes_on_a_workers_bad_model_status(tmp_path, capsys):
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     assert "not a model directory" in capsys.readouterr().err
+
+
+def test_launchd_etcd_plist_describes_one_member_of_a_three_node_cluster():
+    path = DEPLOY / "launchd" / "com.flashfleet.etcd.plist"
+    plist = plistlib.loads(path.read_bytes())
+    assert set(plist) <= LAUNCHD_KEYS, set(plist) - LAUNCHD_KEYS
+    assert plist["Label"] == "com.flashfleet.etcd" and plist["RunAtLoad"] is True
+    argv = plist["ProgramArguments"]
+    assert Path(argv[0]).name == "etcd"
+    flags = dict(zip(argv[1::2], argv[2::2]))
+    members = dict(m.split("=", 1) for m in flags["--initial-cluster"].split(","))
+    assert len(members) == 3 and flags["--name"] in members
+    assert members[flags["--name"]] == flags["--initial-advertise-peer-urls"] == flags["--listen-peer-urls"]
+    assert flags["--advertise-client-urls"] in flags["--listen-client-urls"].split(",")
+    docs = DOCS.read_text()
+    for p in (path.name, flags["--data-dir"], str(Path(plist["StandardOutPath"]).parent)):
+        assert p in docs, f"docs/operations.md never mentions {p}"
+    # The coordinators' etcd_endpoints in the docs name the three members' client URLs.
+    host = flags["--advertise-client-urls"].removeprefix("http://").split(":")[0]
+    assert f"http://{host}:2379" in docs
+
+
+def test_up_counts_only_its_own_workers_as_ready(tmp_path):
+    """A worker from outside (started by hand against the same coordinator) that registers
+    before `up`'s own does not make the cluster ready: `_wait_ready` waits for `up`'s worker ids."""
+    from fakes import FakeEngine
+    from flashfleet.cli.up import LocalCluster
+    from harness import start_cluster
+
+    outside = start_cluster({"outside-1": FakeEngine()})
+    try:
+        port = int(outside.address.rsplit(":", 1)[1])
+        cluster = LocalCluster(port=port, workers=1, log_dir=tmp_path)
+        cluster.own_ids = ["worker-1"]  # as start() sets them, without spawning processes
+        said = []
+        with pytest.raises(RuntimeError, match="workers not ready"):
+            cluster._wait_ready(3.0, said.append, lambda: False)
+        assert said == []
+        outside.add_worker(FakeEngine(), "worker-1")
+        cluster._wait_ready(10.0, said.append, lambda: False)
+        assert said == [f"  1/1 workers ready: worker-1 at {outside.workers[-1].advertise_address}"]
+    finally:
+        outside.close()

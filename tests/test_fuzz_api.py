@@ -664,7 +664,8 @@ def test_http_body_over_the_size_limit_is_413_in_openai_shape(cluster):
     body = json.dumps({"model": MODEL, "prompt": "x" * (9 * 1024 * 1024), "max_tokens": 2}).encode()
     status, _, raw = http_call(cluster, "POST", "/v1/completions", body, JSON, f"Bearer {KEY}")
     assert status == 413
-    assert assert_openai_error(status, raw)["type"] == "invalid_request_error"
+    error = assert_openai_error(status, raw)
+    assert error["type"] == "invalid_request_error" and error["code"] == "request_too_large"
 
 
 def test_http_prompt_over_the_request_limit_is_400(cluster):

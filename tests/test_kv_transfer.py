@@ -1,7 +1,8 @@
 """Session migration by KV transfer: a running session's state exported by one engine, checked and
 staged by another (worker/engine/kv_transfer.py, worker/kv_wire.py), claimed by the resumed
-request; and the coordinator moving live streams that way (coordinator/kv_transfer.py), with
-every failure leaving the session on exactly one worker with its full greedy output."""
+request; and the coordinator moving live streams that way, the destination pulling the state
+straight from the source (coordinator/kv_transfer.py, worker/kv_pull.py), with every failure
+leaving the session on exactly one worker with its full greedy output."""
 from __future__ import annotations
 
 import queue
@@ -54,7 +55,7 @@ def engines(tiny_models):
 
 
 def _import(engine, chunks):
-    """What the worker servicer's ImportSession does with a stream, without gRPC: returns the
+    """What the worker servicer's PullSession does with the export's stream, without gRPC: returns the
     import id, or raises the error it would abort with (dropping the reservation)."""
     rx = kv_wire.StateReceiver()
     import_id = ""
@@ -363,15 +364,78 @@ def test_a_dflash_session_moved_twice_keeps_its_greedy_output(dflash_pair, metho
         assert all(m.bytes_moved == 0 for m in ok) and done.stats.transferred_tokens == 0
 
 
-def _inject(monkeypatch, fault):
-    """Replaces the coordinator's relay of export chunks with one that misbehaves: "export"
-    (the source's export fails at once), "cut" (the stream stops half way), "checksum" (a data
-    chunk's bytes change)."""
+def test_the_state_goes_worker_to_worker_and_never_through_the_coordinator(pair, monkeypatch):
+    """The coordinator only asks the destination to pull (PullSession): it never opens the
+    source's export, so the state's bytes cross no link of the coordinator's."""
+    cluster, engines = pair
+    svc = cluster.coordinator.servicer
+    called: list[str] = []
+    real_stub = svc.pool.stub
+
+    class Recording:
+        def __init__(self, stub):
+            self._stub = stub
+
+        def __getattr__(self, name):
+            called.append(name)
+            return getattr(self._stub, name)
+
+    monkeypatch.setattr(svc.pool, "stub", lambda address: Recording(real_stub(address)))
+    ref = _ref(engines["w1"])
+    done, moves = _run(cluster, engines, ScriptedPolicy([30]))
+    assert done.token_ids == ref and done.stats.migrations == 1 and done.stats.transferred_tokens > 0
+    (move,) = moves
+    assert (move.outcome, move.method) == ("ok", "kv") and move.bytes_moved > 0
+    assert "PullSession" in called and "ExportSession" not in called, called
+
+
+def test_a_pull_between_workers_that_require_a_join_token_carries_it(tiny_models):
+    """Workers with a join token serve only callers that present it: the destination's call to
+    the source's export presents its own, so the move is by KV transfer, not its fallback."""
+    from harness import start_cluster
+    engines = {w: _engine(tiny_models.llama) for w in ("w1", "w2")}
+    for e in engines.values():
+        _slow(e)
+    cluster = start_cluster(engines, join_token="fleet-secret")
+    try:
+        ref = _ref(engines["w1"])
+        done, moves = _run(cluster, engines, ScriptedPolicy([30]))
+        assert done.token_ids == ref and done.stats.transferred_tokens > 0
+        assert [(m.outcome, m.method) for m in moves] == [("ok", "kv")], moves
+    finally:
+        cluster.close()
+        for e in engines.values():
+            e.close()
+
+
+def test_a_pull_of_an_unknown_session_or_without_a_source_is_refused_and_nothing_stays(pair):
     import grpc
 
-    from coordinator import kv_transfer
+    from flashfleet.v1 import worker_pb2, worker_pb2_grpc
+    cluster, engines = pair
+    source, dest = cluster.workers
+    with grpc.insecure_channel(f"127.0.0.1:{dest.port}") as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.PullSession(worker_pb2.PullSessionRequest(request_id="no-such-request",
+                                                           source_address=source.advertise_address), timeout=30)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        assert e.value.details().startswith(f"export from {source.advertise_address} failed:"), e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            stub.PullSession(worker_pb2.PullSessionRequest(request_id="r"), timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "source_address" in e.value.details()
+    assert all(e.load().kv_cache_bytes == 0 for e in engines.values())
 
-    real = kv_transfer.relay_chunks
+
+def _inject(monkeypatch, fault):
+    """Replaces the destination's reading of the source's export (worker/kv_pull.py) with one
+    that misbehaves: "export" (the source's export fails at once), "cut" (the stream stops half
+    way), "checksum" (a data chunk's bytes change)."""
+    import grpc
+
+    from worker import kv_pull
+
+    real = kv_pull.relay_chunks
 
     async def relay_chunks(export_call, relayed):
         if fault == "export":
@@ -386,7 +450,7 @@ def _inject(monkeypatch, fault):
             if fault == "checksum" and chunk.WhichOneof("kind") == "data":
                 chunk.data.data = bytes([chunk.data.data[0] ^ 0xFF]) + chunk.data.data[1:]
             yield chunk
-    monkeypatch.setattr(kv_transfer, "relay_chunks", relay_chunks)
+    monkeypatch.setattr(kv_pull, "relay_chunks", relay_chunks)
 
 
 @pytest.mark.parametrize("fault", ["export", "cut", "checksum", "import_refused", "import_unavailable"])
@@ -397,7 +461,7 @@ def test_a_failed_transfer_falls_back_to_reprefill(pair, monkeypatch, fault):
         for e in engines.values():  # the destination has no room for the state
             monkeypatch.setattr(e.transfer, "reserve_import", lambda header: _failed(Overloaded("no room for it")))
     elif fault == "import_unavailable":
-        for e in engines.values():  # the destination's ImportSession fails UNAVAILABLE (its engine stops)
+        for e in engines.values():  # the destination's PullSession fails UNAVAILABLE (its engine stops)
             monkeypatch.setattr(e.transfer, "reserve_import", lambda header: _failed(Draining("shutting down")))
     else:
         _inject(monkeypatch, fault)
@@ -438,14 +502,14 @@ def test_a_source_that_dies_during_the_transfer_fails_over_to_the_staged_state(t
     import asyncio
     import dataclasses
 
-    from coordinator import kv_transfer
     from flashfleet import Client
     from harness import start_cluster
+    from worker import kv_pull
     engines = {w: _engine(tiny_models.llama) for w in ("w1", "w2")}
     for e in engines.values():
         _slow(e)
     cluster = start_cluster(engines)
-    real = kv_transfer.relay_chunks
+    real = kv_pull.relay_chunks
     policy = ScriptedPolicy([30], attempts=1)
 
     async def relay_chunks(export_call, relayed):
@@ -455,7 +519,7 @@ def test_a_source_that_dies_during_the_transfer_fails_over_to_the_staged_state(t
                 await asyncio.sleep(0.5)  # the stream fails while the import is still open
             yield chunk
 
-    kv_transfer.relay_chunks = relay_chunks
+    kv_pull.relay_chunks = relay_chunks
     try:
         ref = _ref(engines["w1"])
         svc = cluster.coordinator.servicer
@@ -470,7 +534,7 @@ def test_a_source_that_dies_during_the_transfer_fails_over_to_the_staged_state(t
         assert wait_until(lambda: engines[survivor].load().kv_cache_bytes == 0
                           and engines[survivor].load().active_sessions == 0)
     finally:
-        kv_transfer.relay_chunks = real
+        kv_pull.relay_chunks = real
         cluster.close()
         for e in engines.values():
             e.close()
@@ -484,16 +548,17 @@ def test_a_destination_that_dies_during_the_transfer_leaves_the_session_on_its_s
     import asyncio
     import dataclasses
 
-    from coordinator import kv_transfer
     from flashfleet import Client
     from harness import start_cluster
+    from worker import kv_pull
     engines = {w: _engine(tiny_models.llama) for w in ("w1", "w2")}
     for e in engines.values():
         _slow(e)
     cluster = start_cluster(engines, heartbeat_interval_s=0.1)
-    real = kv_transfer.relay_chunks
+    real = kv_pull.relay_chunks
     policy = ScriptedPolicy([30], attempts=2)
     reserved = []
+    stopping = []  # the destination's server stop (held: a task nobody holds may be collected)
 
     async def relay_chunks(export_call, relayed):
         async for chunk in real(export_call, relayed):
@@ -507,9 +572,12 @@ def test_a_destination_that_dies_during_the_transfer_leaves_the_session_on_its_s
                     await asyncio.sleep(0.02)
                 reserved.append(engines[dest_id].load().kv_cache_bytes)
                 dest.stop_heartbeats()
-                await dest.server.stop(0)  # the destination is gone, mid-import
+                # The destination is gone, mid-import: its server stops (this pull's handler, which
+                # runs this, is cancelled with every other call of it).
+                stopping.append(asyncio.ensure_future(dest.server.stop(0)))
+                await asyncio.sleep(30)
 
-    kv_transfer.relay_chunks = relay_chunks
+    kv_pull.relay_chunks = relay_chunks
     try:
         ref = _ref(engines["w1"])
         svc = cluster.coordinator.servicer
@@ -528,7 +596,7 @@ def test_a_destination_that_dies_during_the_transfer_leaves_the_session_on_its_s
         live = cluster.coordinator.registry.live()
         assert all(w.in_flight == 0 for w in live)
     finally:
-        kv_transfer.relay_chunks = real
+        kv_pull.relay_chunks = real
         cluster.close()
         for e in engines.values():
             e.close()

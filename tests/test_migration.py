@@ -4,7 +4,6 @@ losing or repeating a token; operators drain workers and move sessions through g
 The policy itself is tested on simulated fleets in tests/test_placement.py."""
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -12,6 +11,7 @@ import pytest
 
 from coordinator.migration import MigrationPolicy, StreamProgress
 from flashfleet import Client
+from fakes import SlowProfile
 from flashfleet.v1 import common_pb2
 from harness import run_request, start_cluster, wait_until
 from worker.config import EngineConfig
@@ -43,15 +43,11 @@ SLOWDOWN = 4.0
 
 @pytest.fixture(scope="module")
 def fast_and_slow(tiny_models):
-    """Two workers of the tiny llama, "slow" made SLOWDOWN times slower by the test hook."""
+    """Two workers of the tiny llama, "slow" made SLOWDOWN times slower by an injected profile."""
     engines = {}
-    for wid, slowdown in (("fast", None), ("slow", SLOWDOWN)):
-        if slowdown:
-            os.environ["FLASHFLEET_TEST_SLOWDOWN"] = str(slowdown)
-        try:
-            engines[wid] = Engine(EngineConfig(model_path=tiny_models.llama, model_name="tiny-llama", capacity=3))
-        finally:
-            os.environ.pop("FLASHFLEET_TEST_SLOWDOWN", None)
+    for wid, profile in (("fast", None), ("slow", SlowProfile(SLOWDOWN))):
+        engines[wid] = Engine(EngineConfig(model_path=tiny_models.llama, model_name="tiny-llama", capacity=3),
+                              profile=profile)
     policy = MigrationPolicy(min_remaining_tokens=8, cooldown_s=60.0, check_interval_s=0.0)
     cluster = start_cluster(engines, migration=policy, heartbeat_interval_s=0.1)
     yield cluster, engines
@@ -205,7 +201,7 @@ def test_drain_and_move_errors():
 def test_cli_move_and_drain_with_an_api_key(capsys, monkeypatch):
     from flashfleet.cli import main
 
-    cluster, _ = _fake_cluster(api_keys=("k1",))
+    cluster, _ = _fake_cluster(api_keys=("k1", "k-admin"), admin_keys=("k-admin",))
     try:
         cluster.coordinator.servicer.affinity.bind("s", "w1")
         results = {}
@@ -214,7 +210,12 @@ def test_cli_move_and_drain_with_an_api_key(capsys, monkeypatch):
         monkeypatch.delenv("FLASHFLEET_API_KEY", raising=False)
         assert main(["move", "cli", "--to", "w2", "--address", cluster.address]) == 1
         assert "UNAUTHENTICATED" in capsys.readouterr().err
-        monkeypatch.setenv("FLASHFLEET_API_KEY", "k1")
+        monkeypatch.setenv("FLASHFLEET_API_KEY", "k1")  # a client key: refused, nothing moves
+        assert main(["move", "cli", "--to", "w2", "--address", cluster.address]) == 1
+        assert "PERMISSION_DENIED: MoveSession needs an API key with the admin role" in capsys.readouterr().err
+        assert main(["drain", "w1", "--address", cluster.address]) == 1
+        assert "PERMISSION_DENIED: DrainWorker needs" in capsys.readouterr().err
+        monkeypatch.setenv("FLASHFLEET_API_KEY", "k-admin")
         assert main(["move", "cli", "--to", "w2", "--address", cluster.address]) == 0
         assert capsys.readouterr().out.strip() == "cli: w1 -> w2"
         assert main(["drain", "nope", "--address", cluster.address]) == 1
@@ -310,11 +311,8 @@ def test_coordinator_flags_and_cluster_config_set_the_policy(tmp_path):
 
 
 def _slowed_engine(path, slowdown, **kw):
-    os.environ["FLASHFLEET_TEST_SLOWDOWN"] = str(slowdown)
-    try:
-        return Engine(EngineConfig(model_path=path, model_name="tiny-llama", capacity=3, **kw))
-    finally:
-        os.environ.pop("FLASHFLEET_TEST_SLOWDOWN", None)
+    return Engine(EngineConfig(model_path=path, model_name="tiny-llama", capacity=3, **kw),
+                  profile=SlowProfile(slowdown))
 
 
 def _complete_in_background(cluster, results, name, prompt, max_tokens, session_id):

@@ -163,6 +163,49 @@ def test_errors_have_openais_shape_and_status(fake_http):
     assert client.completions.create(model="fake-model", prompt="abc", max_tokens=2).usage.completion_tokens == 2
 
 
+# A value of each field that asks for something (refused fields) or changes nothing (no-ops).
+ASKING = {
+    "response_format": {"type": "json_object"}, "n": 2, "best_of": 2, "echo": True, "suffix": "x",
+    "top_logprobs": 2, "logit_bias": {"1": 5}, "presence_penalty": 0.5, "frequency_penalty": 0.5,
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+    "functions": [{"name": "f", "parameters": {}}], "tool_choice": "required", "function_call": {"name": "f"},
+    "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
+    "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low", "verbosity": "low",
+    "web_search_options": {}, "moderation": {"model": "omni-moderation-latest"},
+    "user": "u", "safety_identifier": "s", "metadata": {"k": "v"}, "store": True, "service_tier": "auto",
+    "prompt_cache_key": "k", "prompt_cache_retention": "24h", "prompt_cache_options": {},
+    "parallel_tool_calls": False,
+}
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_every_openai_request_field_is_served_a_no_op_or_refused_by_name(fake_http, chat):
+    from openai.types import completion_create_params
+    from openai.types.chat import completion_create_params as chat_params
+
+    from coordinator.openai_format import NOOP, REQUEST_FIELDS, SERVED
+
+    cluster, engine = fake_http
+    params = (chat_params if chat else completion_create_params).CompletionCreateParamsBase
+    fields = set(params.__annotations__) | {"stream"}
+    assert fields <= set(REQUEST_FIELDS), fields - set(REQUEST_FIELDS)  # a new OpenAI field is placed
+    url = base_url(cluster) + ("/chat/completions" if chat else "/completions")
+    base = {"model": "fake-model", "max_tokens": 2, **({"messages": CHAT} if chat else {"prompt": "x"})}
+    for name in sorted(fields):
+        kind = REQUEST_FIELDS[name]
+        if kind == SERVED:
+            continue
+        value = ({"logprobs": True if chat else 2}.get(name) or ASKING[name])
+        status, answer = post(url, json.dumps({**base, name: value}).encode())
+        if kind == NOOP:
+            assert status == 200 and answer["usage"]["completion_tokens"] == 2, (name, answer)
+        else:
+            assert value not in kind
+            assert status == 400 and answer["error"]["param"] == name, (name, answer)
+            assert name in answer["error"]["message"] and "not supported" in answer["error"]["message"]
+    assert len(engine.submitted) == sum(REQUEST_FIELDS[f] == NOOP for f in fields)
+
+
 @pytest.mark.parametrize("body, content_type, fragment", [
     (b"[" * 100_000 + b"]" * 100_000, "application/json", "nested too deeply"),  # was a 500 (RecursionError)
     (b'{"model": "fake-model"}', "application/json; charset=no-such-charset", "charset 'no-such-charset'"),

@@ -284,18 +284,21 @@ def test_decode_profile_drops_warm_up_keeps_means_and_skips_speculative_iteratio
     assert prof.snapshot() == [] and prof.prefill_seconds_per_token == 0
 
 
-def test_slowdown_hook_sleeps_and_records_the_slower_time():
+def test_slow_profile_sleeps_and_records_the_slower_time():
+    """The tests' injected SlowProfile (tests/fakes.py): the engine sleeps (F - 1) x each timed
+    iteration and the profile records F x it; the product's DecodeProfile never sleeps."""
+    from fakes import SlowProfile
+
     slept = []
-    prof = DecodeProfile(decay=0.0, slowdown=3.0, sleep=slept.append)
+    prof = SlowProfile(3.0, sleep=slept.append, decay=0.0)
     for _ in range(2):
         prof.decode(1, 10, 1, 0.01)
-    assert slept == pytest.approx([0.02, 0.02])
+    prof.prefill(10, 0.01)
+    assert slept == pytest.approx([0.02, 0.02, 0.02])
     assert prof.snapshot()[0].seconds == pytest.approx(0.03)
-    assert DecodeProfile.from_env({"FLASHFLEET_TEST_SLOWDOWN": "2.5"}).slowdown == 2.5
-    assert DecodeProfile.from_env({}).slowdown == 1.0
-    for bad in ("fast", "0.5"):
-        with pytest.raises(ValueError):
-            DecodeProfile.from_env({"FLASHFLEET_TEST_SLOWDOWN": bad})
+    assert prof.prefill_seconds_per_token == pytest.approx(0.003)
+    with pytest.raises(ValueError):
+        SlowProfile(0.5)
 
 
 def test_session_rates_and_speculative_speedup():
@@ -329,3 +332,41 @@ def test_a_speed_move_must_save_hysteresis_times_its_cost():
         d = MigrationPolicy(hysteresis=hysteresis, min_saving_s=0.0).decide(_req("s"), slow, 20, fleet.live(),
                                                                             None, 100.0)
         assert (d is not None) == moves, (hysteresis, ratio, d)
+
+
+def test_a_check_in_a_large_fleet_weighs_a_bounded_sample_and_still_finds_the_faster_worker(monkeypatch):
+    """100 equally slow workers and one fast idle one: a check predicts at most a handful of
+    workers (its cost does not grow with the fleet), and over repeated checks the draws find the
+    fast one."""
+    import random
+
+    fleet = Fleet()
+    src = fleet.add("src", step_s=0.03)
+    for i in range(99):
+        fleet.add(f"slow{i}", step_s=0.03)
+    fast = fleet.add("fast", step_s=0.01)
+    fleet.place("src", "long", context=300, remaining=1500)
+    policy = MigrationPolicy(max_candidates=8, rng=random.Random(0))
+    predicted: list[str] = []
+    real = MigrationPolicy.seconds_per_iteration
+
+    def counting(self, worker, batch, context, peers=()):
+        predicted.append(worker.worker_id)
+        return real(self, worker, batch, context, peers)
+
+    monkeypatch.setattr(MigrationPolicy, "seconds_per_iteration", counting)
+    decisions = []
+    for t in range(40):
+        predicted.clear()
+        decisions.append(policy.decide(_req("long"), src, 20, fleet.live(), None, float(t)))
+        assert len(predicted) <= 2 * policy.max_candidates + 1, len(predicted)  # source + 2 per candidate
+    found = [d for d in decisions if d is not None]
+    assert found and all(d.dest is fast and d.reason == "speed" for d in found)
+    # A fleet no larger than the sample is weighed whole: the fast worker is found at once.
+    small = Fleet()
+    s = small.add("src", step_s=0.03)
+    for i in range(7):
+        small.add(f"slow{i}", step_s=0.03)
+    f = small.add("fast", step_s=0.01)
+    small.place("src", "long", context=300, remaining=1500)
+    assert policy.decide(_req("long"), s, 20, small.live(), None, 0.0).dest is f

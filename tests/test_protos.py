@@ -1,4 +1,5 @@
-"""The committed stubs in flashfleet/v1/ must match what grpcio-tools generates from protos/."""
+"""The committed stubs in flashfleet/v1/ and flashfleet/etcd/ must match what grpcio-tools generates
+from protos/."""
 from __future__ import annotations
 
 import importlib.util
@@ -15,15 +16,19 @@ def _load_generator():
 
 
 def test_generated_stubs_are_current(tmp_path):
-    fresh = _load_generator().generate(tmp_path)
+    generator = _load_generator()
+    fresh = generator.generate(tmp_path)
     assert fresh, "protoc generated nothing"
-    committed_dir = ROOT / "flashfleet" / "v1"
+    fresh_rel = {str(p.relative_to(tmp_path)) for p in fresh}
+    assert {rel.rsplit("/", 1)[0] for rel in fresh_rel} == set(generator.STUB_DIRS)
     for path in fresh:
-        committed = committed_dir / path.name
-        assert committed.exists(), f"{path.name} missing: run python scripts/gen_protos.py"
+        rel = str(path.relative_to(tmp_path))
+        committed = ROOT / rel
+        assert committed.exists(), f"{rel} missing: run python scripts/gen_protos.py"
         assert committed.read_text() == path.read_text(), (
-            f"flashfleet/v1/{path.name} is stale against protos/: run python scripts/gen_protos.py")
-    stale = {p.name for p in committed_dir.glob("*_pb2*.py*")} - {p.name for p in fresh}
+            f"{rel} is stale against protos/: run python scripts/gen_protos.py")
+    committed_rel = {str(p.relative_to(ROOT)) for d in generator.STUB_DIRS for p in (ROOT / d).glob("*_pb2*.py*")}
+    stale = committed_rel - fresh_rel
     assert not stale, f"stubs without a .proto: {stale}"
 
 

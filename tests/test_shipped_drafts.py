@@ -312,14 +312,14 @@ def greedy_pairs(model_dir: str, draft_dir: str, max_tokens: int = 24) -> list[d
     """Plain and DFlash greedy tokens of the target on each of `case_prompts()`; where they differ,
     the first differing position, the target's logit gap there and whether it is a near tie."""
     import mlx.core as mx
-    from mlx_lm import load
 
     from worker.engine.one_sequence import decode
+    from worker.loading import load_target
     from worker.models.dflash_checkpoint import load_dflash_draft
     from worker.sampling import greedy
     from worker.decoding import plain
 
-    target, tokenizer = load(model_dir)
+    target, tokenizer = load_target(model_dir)  # the worker's compute dtype, not the stored one
     draft = load_dflash_draft(draft_dir, target)
     results = []
     for text in case_prompts():

@@ -9,7 +9,9 @@ import pytest
 
 from coordinator.config import CoordinatorConfig
 from coordinator.registry import Registry
+from coordinator.routing import SessionAffinity
 from coordinator.servicer import CoordinatorServicer, GenerateFailed
+from coordinator.state import MemoryState
 from coordinator.stream import Slot
 from flashfleet.v1 import common_pb2, worker_pb2
 
@@ -35,7 +37,8 @@ def _registry() -> Registry:
 def test_a_channel_that_fails_to_open_leaves_no_slot_taken():
     registry = _registry()
     servicer = CoordinatorServicer(CoordinatorConfig(port=0, route_attempts=2, retry_initial_wait_s=0.01,
-                                                     max_queued=0), registry, _BrokenPool())
+                                                     max_queued=0),
+                                   MemoryState("c1", registry, SessionAffinity(60.0)), _BrokenPool())
 
     async def run():
         request = common_pb2.GenerateRequest(model="m", prompt="hi", max_tokens=4)

@@ -17,6 +17,7 @@ from mlx_lm import load
 
 from real_models import fetched
 from tiny_models import CASES_DIR, build_model_dir, model_config
+from worker.loading import load_target
 from worker.sampling import greedy, make_sampler
 from worker.decoding import plain
 from worker.decoding.cross_tokenizer import UagStep, byte_vocab, generate
@@ -288,7 +289,7 @@ REAL_PAIRS = [("SmolLM2-135M-Instruct", 0), ("Gemma-3-270M", 1)]
 
 @pytest.fixture(scope="module")
 def qwen():
-    return load(str(fetched("Qwen2.5-Coder-0.5B-Instruct")))
+    return load_target(fetched("Qwen2.5-Coder-0.5B-Instruct"))  # the worker's dtype, not the stored one
 
 
 @pytest.mark.real_model
@@ -296,7 +297,7 @@ def qwen():
 def test_real_pair_greedy_equals_plain(qwen, draft_name, prompt_i):
     path = fetched(draft_name)
     tm, tt = qwen
-    dm, dt = load(str(path))
+    dm, dt = load_target(path)
     text = ["Napisz krótko, czym jest żółw błotny.", "Write a Python function that adds two numbers."][prompt_i]
     prompt = tt.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
     ref = plain_tokens(tm, tt, prompt, 16)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import astuple
 from pathlib import Path
 
 import pytest
@@ -159,20 +160,95 @@ def test_demo_with_a_directory_that_is_not_a_model(tmp_path, capsys):
     assert "not a model directory" in capsys.readouterr().err
 
 
-def test_demo_table_shows_each_prompts_worker_moves_and_cached_tokens():
+def _answer(workers, migrations, tokens, tps=8.0, mode="plain", tau=0.0):
+    from flashfleet.cli.demo import Answer
+    from flashfleet.types import Completion, GenerationStats
+
+    stats = GenerationStats(prompt_tokens=12, generated_tokens=tokens, ttft_s=0.25, tokens_per_s=tps,
+                            total_s=12.0, mode=mode, migrations=migrations, cached_tokens=tokens // 8,
+                            acceptance_length=tau)
+    return Answer(Completion(request_id="r", text="x", token_ids=[1] * tokens, finish_reason="length",
+                             stats=stats, worker_id=workers[-1]), tuple(workers))
+
+
+def test_demo_table_names_the_workers_that_served_each_prompt():
     import io
 
     from flashfleet.cli.demo import print_table
-    from flashfleet.types import Completion, GenerationStats
 
-    def done(worker, migrations, tokens):
-        stats = GenerationStats(prompt_tokens=12, generated_tokens=tokens, ttft_s=0.25, tokens_per_s=8.0,
-                                total_s=12.0, mode="plain", migrations=migrations, cached_tokens=tokens // 8)
-        return Completion(request_id="r", text="x", token_ids=[1] * tokens, finish_reason="length",
-                          stats=stats, worker_id=worker)
     out = io.StringIO()
-    print_table([{"id": "code-1"}, {"id": "pl-2"}], [done("worker-2", 1, 96), done("worker-1", 0, 40)], out)
+    print_table([{"id": "code-1"}, {"id": "pl-2"}],
+                [_answer(["worker-1", "worker-2"], 1, 96), _answer(["worker-1"], 0, 40)], out)
     lines = out.getvalue().splitlines()
-    assert lines[1].split()[:3] == ["prompt", "worker", "moves"] and "cached" in lines[1].split()
-    assert lines[2].split()[:7] == ["code-1", "worker-2", "1", "12", "12", "96", "250"]
+    assert lines[1].split()[:3] == ["prompt", "workers", "moves"] and "cached" in lines[1].split()
+    assert lines[2].split()[:8] == ["code-1", "worker-1>worker-2", "1", "12", "12", "96", "250", "8.0"]
+    assert lines[2].split()[-1] == "plain/length"
     assert lines[3].split()[:3] == ["pl-2", "worker-1", "0"]
+    assert "vs plain" not in out.getvalue()
+
+
+def test_demo_table_gives_dflash_speedup_over_the_plain_pass():
+    import io
+
+    from flashfleet.cli.demo import print_table
+
+    out = io.StringIO()
+    print_table([{"id": "code-1"}], [_answer(["worker-1"], 0, 96, tps=30.0, mode="dflash", tau=3.5)], out,
+                plain=[_answer(["worker-1"], 0, 96, tps=12.0)])
+    header, row = out.getvalue().splitlines()[1:3]
+    assert "vs plain" in header and "tau" in header
+    assert row.split()[-3:] == ["2.50x", "3.50", "dflash/length"]
+
+
+def test_demo_plan_on_a_gpu_serves_the_1_5b_with_its_dflash_draft_and_compares():
+    from flashfleet.cli.demo import GPU_MODEL, plan_demo
+
+    plan = plan_demo(gpu=True)
+    assert (plan.model, plan.draft, plan.workers, plan.compare_plain, plan.note) == (GPU_MODEL, "dflash", 1, True, None)
+    assert astuple(plan_demo(True, "SmolLM2-135M-Instruct", 2))[:4] == ("SmolLM2-135M-Instruct", "dflash", 2, True)
+    no_draft = plan_demo(True, "Gemma-3-270M")
+    assert (no_draft.draft, no_draft.compare_plain) == (None, False) and "no shipped DFlash draft" in no_draft.note
+
+
+def test_demo_plan_on_a_cpu_decodes_plainly_and_says_why():
+    from flashfleet.cli.demo import CPU_NOTE, plan_demo
+    from flashfleet.models import DEFAULT_MODEL
+
+    plan = plan_demo(gpu=False)
+    assert (plan.model, plan.draft, plan.workers, plan.compare_plain) == (DEFAULT_MODEL, None, 2, False)
+    assert plan.note == CPU_NOTE and "does not pay" in CPU_NOTE and "GPU" in CPU_NOTE
+    assert astuple(plan_demo(False, "Qwen2.5-Coder-1.5B-Instruct", 1))[:4] == ("Qwen2.5-Coder-1.5B-Instruct", None, 1, False)
+
+
+def test_demo_picks_its_plan_from_the_device_and_says_so_on_a_cpu(monkeypatch, capsys):
+    """`flashfleet demo` asks MLX for the device (on_gpu) and starts the cluster the plan names;
+    on a CPU it prints the note before starting."""
+    import flashfleet.cli.demo as demo
+    import flashfleet.models as models
+
+    started = []
+
+    class Stop(Exception):
+        pass
+
+    def cluster(model, workers, draft):
+        started.append((model, workers, draft))
+        raise Stop
+
+    monkeypatch.setattr(models, "resolve_model", lambda name: Path("/nonexistent"))
+    monkeypatch.setattr(demo, "LocalCluster", cluster)
+    for gpu, want in ((False, ("SmolLM2-135M-Instruct", 2, None)), (True, (demo.GPU_MODEL, 1, "dflash"))):
+        monkeypatch.setattr(demo, "on_gpu", lambda: gpu)
+        with pytest.raises(Stop):
+            demo.main([])
+        assert started[-1] == want
+        out = capsys.readouterr().out
+        assert ("speculative decoding is off" in out) == (not gpu)
+
+
+def test_on_gpu_follows_mlx_default_device():
+    import mlx.core as mx
+
+    from flashfleet.cli.demo import on_gpu
+
+    assert on_gpu() == (mx.default_device().type == mx.DeviceType.gpu)

@@ -80,7 +80,7 @@ def parse_args(argv):
                    "(it registers with each); omit: standalone")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=tcp_port, default=None, help="gRPC port (default 0 = any free port)")
-    p.add_argument("--advertise-host", default=None, help="host the coordinator dials")
+    p.add_argument("--advertise-host", default=None, help="host the coordinator and other workers dial")
     p.add_argument("--worker-id", default=None, help="id in the fleet (default: hostname)")
     p.add_argument("--metrics-port", type=tcp_port, default=None,
                    help="Prometheus /metrics port (omit or 0: no endpoint)")

@@ -7,18 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextlib import suppress
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
+from tenacity import (AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt, stop_never,
+                      wait_exponential_jitter)
 
 from flashfleet.auth import BAD_JOIN_TOKEN, JOIN_TOKEN_HEADER, RequireSecret, join_token_metadata, with_metadata
 from flashfleet.bad_messages import RejectUndecodable
 from flashfleet.transport import SERVER_OPTIONS, add_port, aio_channel
 from flashfleet.v1 import worker_pb2, worker_pb2_grpc
-from worker import convert
+from worker import convert, kv_pull
 from worker.engine.types import EngineProtocol
 from worker.servicer import ORPHAN_GRACE_S, WorkerServicer
 from worker.watchdog import ENGINE_DIED_EXIT, POLL_S, watch_engine
@@ -28,6 +30,9 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 REGISTER_TIMEOUT_S = 5.0
 UNREACHABLE_WARN_EVERY_S = 60.0  # while registration fails, the log says so this often
 FAILED_STREAMS_GRACE_S = 1.0  # after the engine died: time for the streams' UNAVAILABLE to go out
+# Registration attempts with one coordinator of several that share the fleet's state before the
+# worker tries the next one.
+SHARED_REGISTER_ATTEMPTS = 3
 
 
 @dataclass
@@ -61,6 +66,7 @@ class RunningWorker:
     _watchdog_task: asyncio.Task | None = None
     _leases: dict[str, str] = field(default_factory=dict)  # coordinator address -> lease id
     registered: asyncio.Event = field(default_factory=asyncio.Event)
+    shared_state: bool = False  # its coordinators share the fleet's state: one registration serves all
     engine_died: bool = False
     left: asyncio.Event = field(default_factory=asyncio.Event)
     leave_requested: asyncio.Event = field(default_factory=asyncio.Event)
@@ -147,14 +153,14 @@ async def start_worker(engine: EngineProtocol, worker_id: str, host: str = "127.
         host, port: where to listen (port 0 = a free port).
         coordinator: "host:port" of the coordinator's Registry (several separated by commas:
             it registers with each), or None for a standalone worker.
-        advertise_host: host the coordinator should dial (default: host).
+        advertise_host: host the coordinator and other workers should dial (default: host).
         metrics: optional WorkerMetrics for the servicer.
         tls: flashfleet.config.TLSConfig: serve, and dial the coordinator, over mutual TLS.
         engine_poll_s: seconds between the watchdog's looks at `engine.alive`; once it is False
             the worker leaves the fleet (`RunningWorker.leave_after_engine_death`).
-        join_token: sent to the coordinator's Registry, and required (metadata
-            `x-flashfleet-join-token`) of every caller of the Worker service, else
-            UNAUTHENTICATED (flashfleet/auth.py); None: neither.
+        join_token: sent to the coordinator's Registry and to the workers it pulls session
+            states from, and required (metadata `x-flashfleet-join-token`) of every caller of
+            the Worker service, else UNAUTHENTICATED (flashfleet/auth.py); None: neither.
         orphan_grace_s: how long a session whose coordinator vanished is kept for its client to
             resume (worker/servicer.py), seconds.
 
@@ -164,7 +170,7 @@ async def start_worker(engine: EngineProtocol, worker_id: str, host: str = "127.
     """
     guards = [RequireSecret((SERVICE_NAME,), JOIN_TOKEN_HEADER, (join_token,), BAD_JOIN_TOKEN)] if join_token else []
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[*guards, RejectUndecodable()])
-    servicer = WorkerServicer(engine, worker_id, metrics, orphan_grace_s)
+    servicer = WorkerServicer(engine, worker_id, metrics, kv_pull.Peers(tls, join_token), orphan_grace_s)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -226,30 +232,76 @@ def _warn_while_unreachable(coordinator: str):
     return before_sleep
 
 
+async def _register(w: RunningWorker, stub, address: str, attempts: int | None):
+    """Registers with the coordinator at `address`, retrying with a capped backoff (`attempts`
+    times, or for as long as it takes when None; a warning a minute while it does not answer).
+
+    Returns:
+        The RegisterResponse, or None when `attempts` ran out.
+    """
+    try:
+        async for attempt in AsyncRetrying(
+                retry=retry_if_exception_type(grpc.aio.AioRpcError),
+                stop=stop_never if attempts is None else stop_after_attempt(attempts),
+                wait=wait_exponential_jitter(multiplier=0.1, max=2.0, jitter=0.1),
+                before_sleep=_warn_while_unreachable(address)):
+            with attempt:
+                return await stub.Register(worker_pb2.RegisterRequest(
+                    worker_id=w.worker_id, address=w.advertise_address,
+                    models=[convert.model_info(w.engine.model)],
+                    load=w.servicer.load()), timeout=REGISTER_TIMEOUT_S)
+    except grpc.aio.AioRpcError as e:
+        log.warning("cannot register with the coordinator at %s (%s); trying the next one", address, e.code().name)
+        return None
+
+
+async def _next_beat(channel: grpc.aio.Channel, interval_s: float) -> None:
+    """Waits `interval_s` seconds, or less when the connection to the coordinator is lost (its
+    process died: the heartbeat then fails at once and the worker registers again as soon as a
+    coordinator answers, not a heartbeat interval later)."""
+    async def lost() -> None:
+        state = channel.get_state()
+        if state != grpc.ChannelConnectivity.READY:  # not connected now: the usual interval
+            await asyncio.sleep(interval_s)
+        while state == grpc.ChannelConnectivity.READY:
+            await channel.wait_for_state_change(state)
+            state = channel.get_state()
+
+    with suppress(TimeoutError):
+        await asyncio.wait_for(lost(), interval_s)
+
+
 async def _keep_registered(w: RunningWorker, address: str) -> None:
-    """Registers with the coordinator at `address` (retrying for as long as it takes, with a
-    warning a minute while it does not answer), then heartbeats; re-registers when a heartbeat
-    fails (lease expired, coordinator restarted or unreachable). Ends after deregistering from
-    every coordinator when a heartbeat's response asks the worker to leave
-    (`RunningWorker.leave_requested`)."""
-    async with aio_channel(address, w.tls) as channel:
-        stub = _registry_stub(channel, w.join_token)
-        while True:
-            async for attempt in AsyncRetrying(
-                    retry=retry_if_exception_type(grpc.aio.AioRpcError),
-                    wait=wait_exponential_jitter(multiplier=0.1, max=2.0, jitter=0.1),
-                    before_sleep=_warn_while_unreachable(address)):
-                with attempt:
-                    resp = await stub.Register(worker_pb2.RegisterRequest(
-                        worker_id=w.worker_id, address=w.advertise_address,
-                        models=[convert.model_info(w.engine.model)],
-                        load=w.servicer.load()), timeout=REGISTER_TIMEOUT_S)
+    """Registers with the coordinator at `address`, then heartbeats; re-registers when a
+    heartbeat fails (lease expired, coordinator restarted or unreachable). Ends after
+    deregistering from every coordinator when a heartbeat's response asks the worker to leave
+    (`RunningWorker.leave_requested`).
+
+    Coordinators that share the fleet's state (the response's `shared_state`) need one
+    registration: the first to succeed is kept, the other addresses' tasks stop, and when its
+    coordinator stops answering the registration moves to the next address in the list (a few
+    attempts each, round the list for as long as it takes). Otherwise the worker keeps one
+    registration per coordinator, each retried for as long as it takes."""
+    addresses = w.coordinators
+    i = addresses.index(address)
+    while True:
+        address = addresses[i]
+        async with aio_channel(address, w.tls) as channel:
+            stub = _registry_stub(channel, w.join_token)
+            resp = await _register(w, stub, address, SHARED_REGISTER_ATTEMPTS if w.shared_state else None)
+            if resp is None:  # shared state: another coordinator may answer
+                i = (i + 1) % len(addresses)
+                continue
             w._leases[address] = resp.lease_id
+            if resp.shared_state and not w.shared_state:
+                w.shared_state = True  # one registration serves every coordinator: the others stop
+                w.stop_heartbeats()
+                w._leases = {address: resp.lease_id}
             w.registered.set()
             log.info("registered with %s (lease %s)", address, resp.lease_id)
             try:
                 while True:
-                    await asyncio.sleep(resp.heartbeat_interval_s)
+                    await _next_beat(channel, resp.heartbeat_interval_s)
                     beat = await stub.Heartbeat(worker_pb2.HeartbeatRequest(
                         worker_id=w.worker_id, lease_id=resp.lease_id,
                         load=w.servicer.load()), timeout=REGISTER_TIMEOUT_S)
@@ -266,3 +318,5 @@ async def _keep_registered(w: RunningWorker, address: str) -> None:
                 w._leases.pop(address, None)
                 if not w._leases:
                     w.registered.clear()
+                if w.shared_state and e.code() != grpc.StatusCode.NOT_FOUND:  # its coordinator is gone: the next one
+                    i = (i + 1) % len(addresses)

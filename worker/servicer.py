@@ -34,7 +34,7 @@ import grpc
 from flashfleet.errors import FlashfleetError, short_details
 from flashfleet.requests import RESUME_ONLY_HEADER, WORKER_DEFAULT_MAX_TOKENS, validate_request
 from flashfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from worker import convert, kv_wire
+from worker import convert, kv_pull, kv_wire
 from worker.engine.types import (CorruptState, DoneEvent, Draining, EngineProtocol, ErrorEvent, InvalidRequest,
                                  NotExportable, Overloaded, StateMismatch, TokenEvent, UnknownSession)
 
@@ -53,7 +53,7 @@ ENGINE_ERROR_CODES = {
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Draining: grpc.StatusCode.UNAVAILABLE,
 }
-STATE_ERROR_CODES = {  # ExportSession / ImportSession
+STATE_ERROR_CODES = {  # ExportSession / PullSession
     **ENGINE_ERROR_CODES,
     UnknownSession: grpc.StatusCode.NOT_FOUND,
     NotExportable: grpc.StatusCode.FAILED_PRECONDITION,
@@ -146,22 +146,25 @@ def _shift_stats(resp: common_pb2.GenerateResponse, tokens: int) -> common_pb2.G
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """Serves Generate / Cancel / GetLoad, and ExportSession / ImportSession (KV transfer), on top
+    """Serves Generate / Cancel / GetLoad, and ExportSession / PullSession (KV transfer), on top
     of one engine.
 
     Args:
         engine: anything implementing EngineProtocol (the MLX Engine, or a fake in tests).
         worker_id: reported in every Complete message.
         metrics: optional WorkerMetrics (request outcomes, latency histograms).
+        peers: how PullSession dials the source worker (TLS, join token; worker/kv_pull.py);
+            default plaintext without a join token.
         orphan_grace_s: how long a session whose upstream vanished without a Cancel is kept for
             its client to resume (module docstring), seconds (0: not kept).
     """
 
-    def __init__(self, engine: EngineProtocol, worker_id: str, metrics=None,
+    def __init__(self, engine: EngineProtocol, worker_id: str, metrics=None, peers: kv_pull.Peers | None = None,
                  orphan_grace_s: float = ORPHAN_GRACE_S):
         self.engine = engine
         self.worker_id = worker_id
         self.metrics = metrics
+        self._peers = peers or kv_pull.Peers()
         self.orphan_grace_s = orphan_grace_s
         self._sessions: dict[str, _Session] = {}  # request id -> its session, until it ended and nobody reads it
         self._gone: str | None = None  # set by fail_streams: why no request can be served
@@ -462,27 +465,61 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 return
             yield chunk
 
-    async def ImportSession(self, request_iterator, context):
-        """Receives a state (`kv_wire`), checks it and stages it in the engine for one Generate
-        naming the returned import_id. The header is checked and KV budget reserved before any
-        data is taken; nothing stays staged when the call fails.
+    async def PullSession(self, request, context):
+        """Pulls a running session's state from the worker at `request.source_address` (its
+        ExportSession, worker to worker; worker/kv_pull.py), checks it and stages it in the
+        engine for one Generate naming the returned import_id. The header is checked and KV
+        budget reserved before any data is taken; nothing stays staged when the call fails (or
+        is cancelled: the export is cancelled with it).
 
         Aborts the call with:
+            INVALID_ARGUMENT: no request_id or source_address, messages out of order or a
+                malformed header.
             FAILED_PRECONDITION: format version, model, dtype or shapes differ (`StateMismatch`).
             RESOURCE_EXHAUSTED: the state does not fit the KV budget now.
             DATA_LOSS: a CRC-32 or the SHA-256 is wrong, or the stream ended early (`CorruptState`).
-            INVALID_ARGUMENT: messages out of order or a malformed header.
             UNIMPLEMENTED: this worker's engine cannot import.
             UNAVAILABLE: the engine is starting or shutting down.
+            the export's own code (message "export from ADDRESS failed: ..."): the source
+                refused it (NOT_FOUND: no such session decoding there, FAILED_PRECONDITION: a mode
+                without exportable state) or failed during it (UNAVAILABLE: it is gone).
         """
         transfer = getattr(self.engine, "transfer", None)
         if transfer is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this worker's engine cannot import sessions")
+        if not request.request_id or not request.source_address:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PullSession needs request_id and source_address")
+        relayed = kv_pull.Relayed()
+        channel = self._peers.channel(request.source_address)
+        export = self._peers.stub(channel).ExportSession(
+            worker_pb2.ExportSessionRequest(request_id=request.request_id), timeout=context.time_remaining())
+        try:
+            return await self._stage(transfer, kv_pull.relay_chunks(export, relayed))
+        except tuple(STATE_ERROR_CODES) as e:
+            failed = relayed.export_error  # the export's failure caused the import's
+            if failed is not None:
+                log.info("pull of %s from %s: the export failed (%s %s)", request.request_id,
+                         request.source_address, failed.code().name, failed.details())
+                await context.abort(failed.code(), short_details(
+                    f"export from {request.source_address} failed: {failed.details()}"))
+            log.info("pull of %s refused: %s", request.request_id, e)
+            await context.abort(STATE_ERROR_CODES[type(e)], short_details(str(e)))
+        finally:
+            export.cancel()
+            await channel.close()
+
+    @staticmethod
+    async def _stage(transfer, messages) -> worker_pb2.PullSessionResponse:
+        """Receives a state's messages (`kv_wire`), checks them and stages the state.
+
+        Raises:
+            the STATE_ERROR_CODES exceptions (nothing stays staged or reserved then).
+        """
         receiver = kv_wire.StateReceiver()
         import_id = ""
         staged = False
         try:
-            async for msg in request_iterator:
+            async for msg in messages:
                 kind = msg.WhichOneof("kind")
                 if kind == "header":
                     header = receiver.header(msg.header)
@@ -496,12 +533,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     state = receiver.finish(msg.trailer)
                     await asyncio.wrap_future(transfer.stage_import(import_id, state.tokens, state.caches))
                     staged = True
-                    return worker_pb2.ImportSessionResponse(import_id=import_id, positions=state.positions,
-                                                            bytes=receiver.received)
+                    return worker_pb2.PullSessionResponse(import_id=import_id, positions=state.positions,
+                                                          bytes=receiver.received)
             raise CorruptState(f"the stream ended after {receiver.received:,} bytes, without its trailer")
-        except tuple(STATE_ERROR_CODES) as e:
-            log.info("import of a session state refused: %s", e)
-            await context.abort(STATE_ERROR_CODES[type(e)], short_details(str(e)))
         finally:
             if import_id and not staged:
                 transfer.drop_import(import_id)

@@ -26,10 +26,10 @@ def credentials(config_path: str | None):
     return tls.channel_credentials() if tls else None
 
 
-def config_api_key(config_path: str | None) -> str | None:
+def config_api_key(config_path: str | None, api_keys_file: str | None = None) -> str | None:
     """The key a client on the coordinator's own host sends: env FLASHFLEET_API_KEY, else the
-    first key of the config's [coordinator] api_keys_file or of env FLASHFLEET_API_KEYS (None:
-    none configured, or the file is unreadable here).
+    first key of `api_keys_file`, else of the config's [coordinator] api_keys_file, or of env
+    FLASHFLEET_COORDINATOR_API_KEYS (None: none configured, or the file is unreadable here).
 
     Raises:
         flashfleet.config.ConfigError: a bad config.
@@ -38,13 +38,13 @@ def config_api_key(config_path: str | None) -> str | None:
 
     if client_api_key():
         return client_api_key()
-    keys_file = None
-    if config_path:
+    keys_file = api_keys_file
+    if config_path and not keys_file:
         from flashfleet.config import load_cluster_config
 
         keys_file = load_cluster_config(config_path).coordinator.api_keys_file or None
     try:
         keys = load_api_keys(keys_file)
-    except OSError:
+    except (OSError, ValueError):
         return None
-    return keys[0] if keys else None
+    return next(iter(keys), None)

@@ -1,6 +1,12 @@
-"""`flashfleet demo`: the main job end to end. Fetches the default model (once, into the cache),
-starts a local coordinator and 2 workers, sends the real prompts in flashfleet/prompts/demo.jsonl
-at once (the first answer streams live), then prints a table: tokens/s, TTFT, which worker."""
+"""`flashfleet demo`: the main job end to end. Fetches the demo model (once, into the cache),
+starts a local coordinator and workers, sends the real prompts in flashfleet/prompts/demo.jsonl at
+once (the first answer streams live), then prints a table: tokens/s, TTFT, the workers that served
+each prompt.
+
+On a GPU (Metal or CUDA) it serves Qwen2.5-Coder-1.5B-Instruct with its shipped DFlash draft,
+decodes every prompt a second time plainly, and prints DFlash's speedup over plain decoding beside
+each answer. On a CPU it serves SmolLM2-135M-Instruct without a draft and says why: speculative
+decoding does not pay there."""
 from __future__ import annotations
 
 import argparse
@@ -8,24 +14,95 @@ import json
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 from flashfleet.cli.up import DEFAULT_MODEL, LocalCluster, check_model_ref
 
+GPU_MODEL = "Qwen2.5-Coder-1.5B-Instruct"  # the target whose shipped DFlash draft pays on a GPU
+CPU_NOTE = (
+    "speculative decoding is off: on a CPU it does not pay. A draft pays where checking a block "
+    "of drafted tokens in one forward costs about what one plain step costs, as on a GPU, where "
+    "a step is bound by reading the weights; on a CPU the matrix products are bound by arithmetic, "
+    "so the forward's time grows with every token it checks, and a draft would have to be right "
+    "far more often than the shipped ones are (docs/benchmarks.md). On a Mac or a CUDA machine this "
+    f"demo serves {GPU_MODEL} with its DFlash draft and prints the speedup over plain decoding.")
+
+
+@dataclass(frozen=True)
+class DemoPlan:
+    """What the demo runs on this machine.
+
+    Attributes:
+        model: the model the workers serve (catalog name or directory).
+        draft: the workers' --draft ("dflash": the model's shipped DFlash draft) or None.
+        workers: worker processes to start.
+        compare_plain: also decode every prompt plainly and print DFlash's speedup.
+        note: a line to print before starting (why there is no draft), or None.
+    """
+
+    model: str
+    draft: str | None
+    workers: int
+    compare_plain: bool
+    note: str | None
+
+
+def on_gpu() -> bool:
+    """Whether MLX's default device here is a GPU (Metal, or the CUDA build); the workers the
+    demo starts compute on the same device."""
+    import mlx.core as mx
+
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
+def plan_demo(gpu: bool, model: str | None = None, workers: int | None = None) -> DemoPlan:
+    """The demo for a machine with (`gpu`) or without a GPU.
+
+    GPU: `model` (default Qwen2.5-Coder-1.5B-Instruct) with its shipped DFlash draft when it has
+    one, one worker (it batches every session on the one device), and a plain pass to compare.
+    CPU: `model` (default SmolLM2-135M-Instruct) without a draft, 2 workers, and CPU_NOTE.
+
+    Args:
+        gpu: whether the workers compute on a GPU (`on_gpu`).
+        model: --model, or None for the device's default.
+        workers: --workers, or None for the device's default.
+    """
+    from flashfleet.models.drafts import shipped_draft_dir
+
+    if not gpu:
+        return DemoPlan(model or DEFAULT_MODEL, None, workers or 2, False, CPU_NOTE)
+    model = model or GPU_MODEL
+    if shipped_draft_dir(model) is None:
+        return DemoPlan(model, None, workers or 1, False,
+                        f"{model} has no shipped DFlash draft (flashfleet models list): plain decoding")
+    return DemoPlan(model, "dflash", workers or 1, True, None)
+
 
 def load_prompts() -> list[dict]:
-    """The demo prompts: real inputs from shared/cases (code, English, Polish), one per line."""
+    """The demo prompts: real inputs (two HumanEval functions, a Wikipedia paragraph, a news item),
+    one per line of flashfleet/prompts/demo.jsonl, each with its source. All English: the CPU
+    demo's SmolLM2-135M does not understand Polish (its greedy answer loops)."""
     text = resources.files("flashfleet").joinpath("prompts/demo.jsonl").read_text("utf-8")
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
+@dataclass(frozen=True)
+class Answer:
+    """One prompt's answer: the whole completion, and the workers that served it in order (more
+    than one when the coordinator moved the session mid-stream)."""
+
+    completion: object  # flashfleet.Completion
+    workers: tuple[str, ...]
+
+
 def run_prompts(address: str, model: str, prompts: list[dict], max_tokens: int,
-                stream_first=sys.stdout) -> list:
-    """Sends every prompt concurrently; streams the first answer to `stream_first`.
+                stream_first=sys.stdout, mode: str = "auto") -> list[Answer]:
+    """Sends every prompt concurrently (greedy, `mode`); streams the first answer to `stream_first`.
 
     Returns:
-        One flashfleet.Completion per prompt, in order.
+        One Answer per prompt, in order.
 
     Raises:
         RuntimeError: any prompt failed (after all of them finished); the message lists each.
@@ -41,12 +118,13 @@ def run_prompts(address: str, model: str, prompts: list[dict], max_tokens: int,
             with Client(address) as client:
                 chunks = []
                 for chunk in client.generate(model, messages=messages, max_tokens=max_tokens,
-                                             session_id=f"demo-{i}"):
+                                             session_id=f"demo-{mode}-{i}", mode=mode):
                     chunks.append(chunk)
                     if i == 0 and stream_first is not None:
                         stream_first.write(chunk.text)
                         stream_first.flush()
-                results[i] = _accumulate(chunks)
+                served = tuple(dict.fromkeys(c.worker_id for c in chunks if c.worker_id))
+                results[i] = Answer(_accumulate(chunks), served)
         except Exception as e:  # reported after the others finish
             errors.append(f"prompt {p['id']}: {e}")
 
@@ -60,18 +138,31 @@ def run_prompts(address: str, model: str, prompts: list[dict], max_tokens: int,
     return results
 
 
-def print_table(prompts: list[dict], results: list, out=sys.stdout) -> None:
-    """Writes one row per prompt to `out`: the worker that finished it, how many times the
-    coordinator moved it to another worker mid-stream (session migration), prompt tokens, those of
-    them the worker's prompt cache held (not prefilled), generated tokens, TTFT (ms), tokens/s and
-    finish reason. `results` are `run_prompts`' Completions, in
-    prompt order."""
-    print(f"\n{'prompt':<30} {'worker':<10} {'moves':>5} {'prompt tok':>10} {'cached':>6} {'gen tok':>8} {'TTFT ms':>8} "
-          f"{'tok/s':>7}  finish", file=out)
-    for p, r in zip(prompts, results):
-        s = r.stats
-        print(f"{p['id'][:30]:<30} {r.worker_id:<10} {s.migrations:>5} {s.prompt_tokens:>10} "
-              f"{s.cached_tokens:>6} {s.generated_tokens:>8} {s.ttft_s * 1000:>8.0f} {s.tokens_per_s:>7.1f}  {r.finish_reason}", file=out)
+def speedup(answer: Answer, plain: Answer) -> float | None:
+    """Decode tokens/s of `answer` over those of the same prompt decoded plainly (None when
+    either has no decode phase to measure)."""
+    a, b = answer.completion.stats.tokens_per_s, plain.completion.stats.tokens_per_s
+    return a / b if a > 0 and b > 0 else None
+
+
+def print_table(prompts: list[dict], answers: list[Answer], out=sys.stdout,
+                plain: list[Answer] | None = None) -> None:
+    """Writes one row per prompt to `out`: the workers that served it (in order, joined by ">"),
+    how many times the coordinator moved it to another worker mid-stream (session migration),
+    prompt tokens, those of them the worker's prompt cache held (not prefilled), generated
+    tokens, TTFT (ms), decode tokens/s, the decoding mode and finish reason; with `plain` (the
+    same prompts decoded plainly), also DFlash's speedup and tau."""
+    extra = f" {'vs plain':>8} {'tau':>5}" if plain else ""
+    print(f"\n{'prompt':<30} {'workers':<20} {'moves':>5} {'prompt tok':>10} {'cached':>6} {'gen tok':>8} "
+          f"{'TTFT ms':>8} {'tok/s':>7}{extra}  mode/finish", file=out)
+    for i, (p, a) in enumerate(zip(prompts, answers)):
+        r, s = a.completion, a.completion.stats
+        row = (f"{p['id'][:30]:<30} {'>'.join(a.workers)[:20]:<20} {s.migrations:>5} {s.prompt_tokens:>10} "
+               f"{s.cached_tokens:>6} {s.generated_tokens:>8} {s.ttft_s * 1000:>8.0f} {s.tokens_per_s:>7.1f}")
+        if plain:
+            x = speedup(a, plain[i])
+            row += f" {f'{x:.2f}x' if x else '-':>8} {s.acceptance_length:>5.2f}"
+        print(f"{row}  {s.mode}/{r.finish_reason}", file=out)
 
 
 def main(argv: list[str]) -> int:
@@ -83,44 +174,62 @@ def main(argv: list[str]) -> int:
         fetched (argparse exits with 2 itself for bad flags).
     """
     p = argparse.ArgumentParser(prog="flashfleet demo", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=DEFAULT_MODEL, help="model name or local directory")
-    p.add_argument("--workers", type=int, default=2, help="local workers to start")
-    p.add_argument("--max-tokens", type=int, default=96, help="tokens to generate per prompt")
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help=f"model name or local directory (default: {GPU_MODEL} "
+                   f"with its DFlash draft on a GPU, {DEFAULT_MODEL} on a CPU)")
+    p.add_argument("--workers", type=int, default=None, help="local workers to start (default: 1 on a GPU, "
+                   "2 on a CPU)")
+    p.add_argument("--max-tokens", type=int, default=96, help="tokens to generate per prompt (default 96)")
     a = p.parse_args(argv)
     for flag in ("workers", "max_tokens"):  # before any process starts
-        if getattr(a, flag) < 1:
+        if getattr(a, flag) is not None and getattr(a, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")
     from flashfleet.models import fetch_model, resolve_model
 
     try:
         check_model_ref("--model", a.model)
+        plan = plan_demo(on_gpu(), a.model, a.workers)
         try:
-            resolve_model(a.model)
+            resolve_model(plan.model)
         except FileNotFoundError:
-            if Path(a.model).expanduser().is_dir():  # a directory, not a catalog name: nothing to fetch
+            if Path(plan.model).expanduser().is_dir():  # a directory, not a catalog name: nothing to fetch
                 raise
-            print(f"fetching {a.model} (once; cached for later runs)...", flush=True)
-            fetch_model(a.model)
+            print(f"fetching {plan.model} (once; cached for later runs)...", flush=True)
+            fetch_model(plan.model)
     except (OSError, ValueError, RuntimeError) as e:
         print(f"flashfleet demo: {e}", file=sys.stderr)
         return 2
     prompts = load_prompts()
     from flashfleet.blas import openblas_hint
 
-    if (hint := openblas_hint()) is not None:  # demo workers run on the CPU here unless MLX has CUDA
+    if plan.note:
+        print(f"flashfleet demo: {plan.note}", flush=True)
+    if not plan.draft and (hint := openblas_hint()) is not None:  # workers on a Linux CPU
         print(f"flashfleet demo: note: {hint}", file=sys.stderr)
     t0 = time.monotonic()
+    plain = None
     try:
-        with LocalCluster(a.model, workers=a.workers) as cluster:
+        with LocalCluster(plan.model, workers=plan.workers, draft=plan.draft) as cluster:
+            if plan.compare_plain:  # first-call costs (kernel compilation) out of both passes
+                for mode in ("auto", "plain"):
+                    run_prompts(cluster.address, plan.model, prompts[:1], 8, None, mode)
             print(f"\nQ: {prompts[0]['instruction']}\n{prompts[0]['text']}\nA: ", end="", flush=True)
-            results = run_prompts(cluster.address, a.model, prompts, a.max_tokens)
-            for prompt, r in list(zip(prompts, results))[1:]:
-                print(f"\n\nQ: {prompt['instruction']} [{prompt['id']}]\nA: {r.text.strip()}")
-            print_table(prompts, results)
+            answers = run_prompts(cluster.address, plan.model, prompts, a.max_tokens)
+            if plan.compare_plain:
+                plain = run_prompts(cluster.address, plan.model, prompts, a.max_tokens, None, "plain")
+            for i, (prompt, r) in enumerate(zip(prompts, answers)):
+                if i:
+                    print(f"\n\nQ: {prompt['instruction']} [{prompt['id']}]\nA: {r.completion.text.strip()}")
+                if plain:
+                    x, same = speedup(r, plain[i]), r.completion.token_ids == plain[i].completion.token_ids
+                    print(f"\n   [{r.completion.stats.mode}: {r.completion.stats.tokens_per_s:.1f} tok/s, "
+                          f"plain decoding {plain[i].completion.stats.tokens_per_s:.1f} tok/s: "
+                          f"{f'{x:.2f}x' if x else '-'}; "
+                          f"{'the same tokens' if same else 'tokens differ: GPU rounding, docs/gpu.md'}]")
+            print_table(prompts, answers, plain=plain)
     except RuntimeError as e:
         print(f"flashfleet demo: {e}", file=sys.stderr)
         return 1
-    print(f"\n{len(prompts)} prompts in {time.monotonic() - t0:.1f} s on "
-          f"{len({r.worker_id for r in results})} worker(s)")
+    served = sorted({w for r in answers for w in r.workers})
+    print(f"\n{len(prompts)} prompts in {time.monotonic() - t0:.1f} s, served by {', '.join(served)}")
     return 0

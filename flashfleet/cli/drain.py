@@ -1,6 +1,6 @@
 """`flashfleet drain WORKER_ID`: stop routing new requests to a worker, move its running sessions
-to other workers (coordinator/migration.py), then make it leave. Sends the client API key (env
-FLASHFLEET_API_KEY) like every other client command."""
+to other workers (coordinator/migration.py), then make it leave. Sends the API key in env
+FLASHFLEET_API_KEY; a coordinator with API keys needs an admin key for it (flashfleet/auth.py)."""
 from __future__ import annotations
 
 import argparse

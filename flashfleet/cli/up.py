@@ -65,6 +65,13 @@ class LocalCluster:
         http_port: the coordinator's OpenAI-compatible HTTP API port (None = off, or the config
             file's `http_port`).
         worker_args: extra flags for every worker (they override the config file's values).
+        api_keys_file: file of the API keys the coordinator accepts, one a line (None: the config
+            file's `api_keys_file`, or env FLASHFLEET_COORDINATOR_API_KEYS, or no key required).
+        join_token_file: file holding the join token the coordinator requires of workers and
+            every worker sends (None: the config file's `join_token_file`, or env
+            FLASHFLEET_JOIN_TOKEN, or none).
+        coordinator_args: extra flags for the coordinator (e.g. `--state etcd --etcd-endpoints
+            ...`; they override the config file's values).
         config: a cluster config file (flashfleet/config.py). Each of its [[workers]] entries
             becomes a local worker process reading its model, draft and capacity from the file
             (the first `workers` entries when `workers` is given); addresses stay local.
@@ -83,8 +90,12 @@ class LocalCluster:
                  host: str = "127.0.0.1", draft: str | None = None, capacity: int = 8,
                  log_dir: str | Path | None = None, metrics_port: int | None = None,
                  worker_args: tuple[str, ...] = (), config: str | Path | None = None,
-                 http_port: int | None = None):
+                 http_port: int | None = None, api_keys_file: str | Path | None = None,
+                 join_token_file: str | Path | None = None, coordinator_args: tuple[str, ...] = ()):
         self.config = self.worker_ids = None
+        self.api_keys_file = str(Path(api_keys_file).resolve()) if api_keys_file else None
+        self.join_token_file = str(Path(join_token_file).resolve()) if join_token_file else None
+        self.coordinator_args = coordinator_args
         self.http_port = http_port
         if config is not None:
             from flashfleet.config import ConfigError, load_cluster_config
@@ -118,6 +129,7 @@ class LocalCluster:
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="flashfleet-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
+        self.own_ids: list[str] = []  # the ids of the workers this cluster starts
         self.commands: dict[str, tuple[list[str], dict | None]] = {}  # name -> (args, env) it ran with
         self.started: dict[str, float] = {}  # name -> time.monotonic() of its last start
         self.restarts_due: dict[str, float] = {}  # exited child -> time.monotonic() it starts again
@@ -177,14 +189,20 @@ class LocalCluster:
                  "--metrics-port", str(self.metrics_port or 0)]
         if self.http_port:
             coord += ["--http-port", str(self.http_port)]
-        self._spawn("coordinator", coord)
+        if self.api_keys_file:
+            coord += ["--api-keys-file", self.api_keys_file]
+        coord += list(self.coordinator_args)
+        token = ["--join-token-file", self.join_token_file] if self.join_token_file else []
+        self._spawn("coordinator", coord + token)
         # The workers share this machine's memory: each one's default KV budget is its share.
         env = {**worker_env(), "FLASHFLEET_DEVICE_SHARE": str(self.n_workers)}
+        self.own_ids = []
         for i in range(self.n_workers):
             args = ["worker", *conf, "--coordinator", self.address, "--host", self.host,
                     "--port", "0", "--advertise-host", self.host,
-                    "--metrics-port", str(self.metrics_port + 1 + i if self.metrics_port else 0)]
+                    "--metrics-port", str(self.metrics_port + 1 + i if self.metrics_port else 0), *token]
             worker_id = self.worker_ids[i] if self.config else f"worker-{i + 1}"
+            self.own_ids.append(worker_id)
             if self.config:  # model, draft and capacity come from the entry
                 args += ["--worker-id", worker_id, *self.worker_args]
             else:
@@ -207,7 +225,7 @@ class LocalCluster:
         from flashfleet.cli._common import config_api_key, credentials
 
         with Client(self.address, credentials=credentials(self.config),
-                    api_key=config_api_key(self.config)) as client:
+                    api_key=config_api_key(self.config, self.api_keys_file)) as client:
             while time.monotonic() < deadline:
                 if should_stop():
                     self.stop()
@@ -218,11 +236,14 @@ class LocalCluster:
                 except FlashfleetError:
                     time.sleep(0.3)
                     continue
-                if len(status.workers) != seen:
-                    seen = len(status.workers)
+                # only this cluster's workers count: another process may register with the same
+                # coordinator (a worker started by hand) before ours have loaded their models
+                ours = [w for w in status.workers if w.worker_id in self.own_ids]
+                if len(ours) != seen:
+                    seen = len(ours)
                     if seen:  # the coordinator answers before any worker has registered
                         progress(f"  {seen}/{self.n_workers} workers ready: " +
-                                 ", ".join(f"{w.worker_id} at {w.address}" for w in status.workers))
+                                 ", ".join(f"{w.worker_id} at {w.address}" for w in ours))
                 if seen >= self.n_workers:
                     return
                 time.sleep(0.3)
@@ -411,8 +432,20 @@ def main(argv: list[str]) -> int:
                    help="coordinator /metrics port; worker i gets this + i")
     p.add_argument("--http-port", type=tcp_port, default=None,
                    help="serve the OpenAI-compatible HTTP API (/v1/chat/completions...) on this port")
+    p.add_argument("--api-keys-file", default=None,
+                   help="require an API key of clients: this file's keys, one a line, # comments "
+                   "(clients send one: Client(api_key=...) or env FLASHFLEET_API_KEY; default: the "
+                   "config's api_keys_file, or env FLASHFLEET_COORDINATOR_API_KEYS, else none)")
+    p.add_argument("--join-token-file", default=None,
+                   help="require this file's token of every worker that registers (the local "
+                   "workers send it; default: the config's join_token_file, or env "
+                   "FLASHFLEET_JOIN_TOKEN, else none)")
+    p.add_argument("--etcd-endpoints", default=None,
+                   help="comma-separated etcd members: the coordinator keeps the fleet's state in etcd "
+                   "(shared with other coordinators) instead of in memory (docs/operations.md)")
     p.add_argument("--log-dir", default=None)
     a = p.parse_args(argv)
+    coordinator_args = ("--state", "etcd", "--etcd-endpoints", a.etcd_endpoints) if a.etcd_endpoints else ()
     for flag in ("workers", "capacity"):  # 0 would otherwise mean "the default"
         if getattr(a, flag) is not None and getattr(a, flag) < 1:
             p.error(f"--{flag} must be >= 1, got {getattr(a, flag)}")
@@ -432,7 +465,9 @@ def main(argv: list[str]) -> int:
                 host=a.host, log_dir=a.log_dir,
                 metrics_port=a.metrics_port or cfg.coordinator.metrics_port,
                 worker_args=tuple(overrides), config=a.config,
-                http_port=a.http_port or cfg.coordinator.http_port)
+                http_port=a.http_port or cfg.coordinator.http_port,
+                api_keys_file=a.api_keys_file, join_token_file=a.join_token_file,
+                coordinator_args=coordinator_args)
         except (ConfigError, ValueError, NoShippedDraftError) as e:
             print(f"flashfleet up: {e}", file=sys.stderr)
             return 2
@@ -445,7 +480,9 @@ def main(argv: list[str]) -> int:
             print(f"flashfleet up: {e}", file=sys.stderr)
             return 2
         cluster = LocalCluster(a.model or DEFAULT_MODEL, a.workers or 2, a.port or 50051, a.host,
-                               a.draft, a.capacity or 8, a.log_dir, a.metrics_port, http_port=a.http_port)
+                               a.draft, a.capacity or 8, a.log_dir, a.metrics_port, http_port=a.http_port,
+                               api_keys_file=a.api_keys_file, join_token_file=a.join_token_file,
+                               coordinator_args=coordinator_args)
     stop = {"now": False}
 
     def on_signal(signum, frame):

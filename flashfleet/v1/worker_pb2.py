@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from flashfleet.v1 import common_pb2 as flashfleet_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66lashfleet/v1/worker.proto\x12\rflashfleet.v1\x1a\x1a\x66lashfleet/v1/common.proto\"*\n\x14\x45xportSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"a\n\x0b\x43\x61\x63heLayout\x12\x0c\n\x04part\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x11\n\tkey_shape\x18\x04 \x03(\r\x12\x13\n\x0bvalue_shape\x18\x05 \x03(\r\"\xed\x01\n\x12SessionStateHeader\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x19\n\x11\x64raft_fingerprint\x18\x03 \x01(\t\x12\x0c\n\x04mode\x18\x04 \x01(\t\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x11\n\tpositions\x18\x06 \x01(\r\x12*\n\x06\x63\x61\x63hes\x18\x07 \x03(\x0b\x32\x1a.flashfleet.v1.CacheLayout\x12\x15\n\rpayload_bytes\x18\x08 \x01(\x04\x12\x12\n\nrequest_id\x18\t \x01(\t\"^\n\x10SessionStateData\x12\r\n\x05\x63\x61\x63he\x18\x01 \x01(\r\x12\x0e\n\x06values\x18\x02 \x01(\x08\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x05 \x01(\r\"%\n\x13SessionStateTrailer\x12\x0e\n\x06sha256\x18\x01 \x01(\x0c\"\xb8\x01\n\x11SessionStateChunk\x12\x33\n\x06header\x18\x01 \x01(\x0b\x32!.flashfleet.v1.SessionStateHeaderH\x00\x12/\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x1f.flashfleet.v1.SessionStateDataH\x00\x12\x35\n\x07trailer\x18\x03 \x01(\x0b\x32\".flashfleet.v1.SessionStateTrailerH\x00\x42\x06\n\x04kind\"L\n\x15ImportSessionResponse\x12\x11\n\timport_id\x18\x01 \x01(\t\x12\x11\n\tpositions\x18\x02 \x01(\r\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\"\x82\x03\n\nWorkerLoad\x12\x17\n\x0f\x61\x63tive_sessions\x18\x01 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x02 \x01(\r\x12\x15\n\rfree_capacity\x18\x03 \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x04 \x01(\x04\x12\x17\n\x0fkv_budget_bytes\x18\x05 \x01(\x04\x12\x15\n\rkv_free_bytes\x18\x06 \x01(\x04\x12\x1a\n\x12prompt_cache_bytes\x18\x07 \x01(\x04\x12,\n\x08sessions\x18\x08 \x03(\x0b\x32\x1a.flashfleet.v1.SessionLoad\x12\x0c\n\x04\x63hip\x18\t \x01(\t\x12)\n!peak_memory_bandwidth_bytes_per_s\x18\n \x01(\x01\x12\x31\n\x0e\x64\x65\x63ode_profile\x18\x0b \x03(\x0b\x32\x19.flashfleet.v1.DecodeCost\x12!\n\x19prefill_seconds_per_token\x18\x0c \x01(\x01\x12\x11\n\tkv_layers\x18\r \x01(\r\"\xb7\x01\n\x0bSessionLoad\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_tokens\x18\x02 \x01(\r\x12\x10\n\x08kv_bytes\x18\x03 \x01(\x04\x12\x14\n\x0ctokens_per_s\x18\x04 \x01(\x01\x12\x1b\n\x13speculative_speedup\x18\x05 \x01(\x01\x12\x18\n\x10remaining_tokens\x18\x06 \x01(\r\x12\x1d\n\x15kv_bytes_per_position\x18\x07 \x01(\x04\"Z\n\nDecodeCost\x12\x12\n\nbatch_size\x18\x01 \x01(\r\x12\x16\n\x0e\x63ontext_tokens\x18\x02 \x01(\r\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x0f\n\x07samples\x18\x04 \x01(\r\"\x88\x01\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12(\n\x06models\x18\x03 \x03(\x0b\x32\x18.flashfleet.v1.ModelInfo\x12\'\n\x04load\x18\x04 \x01(\x0b\x32\x19.flashfleet.v1.WorkerLoad\"W\n\x10RegisterResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\x01\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\"`\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\'\n\x04load\x18\x03 \x01(\x0b\x32\x19.flashfleet.v1.WorkerLoad\"\"\n\x11HeartbeatResponse\x12\r\n\x05leave\x18\x01 \x01(\x08\"8\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"\x14\n\x12\x44\x65registerResponse\"3\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest2\xfa\x01\n\x08Registry\x12K\n\x08Register\x12\x1e.flashfleet.v1.RegisterRequest\x1a\x1f.flashfleet.v1.RegisterResponse\x12N\n\tHeartbeat\x12\x1f.flashfleet.v1.HeartbeatRequest\x1a .flashfleet.v1.HeartbeatResponse\x12Q\n\nDeregister\x12 .flashfleet.v1.DeregisterRequest\x1a!.flashfleet.v1.DeregisterResponse2\x98\x03\n\x06Worker\x12M\n\x08Generate\x12\x1e.flashfleet.v1.GenerateRequest\x1a\x1f.flashfleet.v1.GenerateResponse0\x01\x12\x45\n\x06\x43\x61ncel\x12\x1c.flashfleet.v1.CancelRequest\x1a\x1d.flashfleet.v1.CancelResponse\x12\x43\n\x07GetLoad\x12\x1d.flashfleet.v1.GetLoadRequest\x1a\x19.flashfleet.v1.WorkerLoad\x12X\n\rExportSession\x12#.flashfleet.v1.ExportSessionRequest\x1a .flashfleet.v1.SessionStateChunk0\x01\x12Y\n\rImportSession\x12 .flashfleet.v1.SessionStateChunk\x1a$.flashfleet.v1.ImportSessionResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66lashfleet/v1/worker.proto\x12\rflashfleet.v1\x1a\x1a\x66lashfleet/v1/common.proto\"*\n\x14\x45xportSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"a\n\x0b\x43\x61\x63heLayout\x12\x0c\n\x04part\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x11\n\tkey_shape\x18\x04 \x03(\r\x12\x13\n\x0bvalue_shape\x18\x05 \x03(\r\"\xed\x01\n\x12SessionStateHeader\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x19\n\x11\x64raft_fingerprint\x18\x03 \x01(\t\x12\x0c\n\x04mode\x18\x04 \x01(\t\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x11\n\tpositions\x18\x06 \x01(\r\x12*\n\x06\x63\x61\x63hes\x18\x07 \x03(\x0b\x32\x1a.flashfleet.v1.CacheLayout\x12\x15\n\rpayload_bytes\x18\x08 \x01(\x04\x12\x12\n\nrequest_id\x18\t \x01(\t\"^\n\x10SessionStateData\x12\r\n\x05\x63\x61\x63he\x18\x01 \x01(\r\x12\x0e\n\x06values\x18\x02 \x01(\x08\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x05 \x01(\r\"%\n\x13SessionStateTrailer\x12\x0e\n\x06sha256\x18\x01 \x01(\x0c\"\xb8\x01\n\x11SessionStateChunk\x12\x33\n\x06header\x18\x01 \x01(\x0b\x32!.flashfleet.v1.SessionStateHeaderH\x00\x12/\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x1f.flashfleet.v1.SessionStateDataH\x00\x12\x35\n\x07trailer\x18\x03 \x01(\x0b\x32\".flashfleet.v1.SessionStateTrailerH\x00\x42\x06\n\x04kind\"@\n\x12PullSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0esource_address\x18\x02 \x01(\t\"J\n\x13PullSessionResponse\x12\x11\n\timport_id\x18\x01 \x01(\t\x12\x11\n\tpositions\x18\x02 \x01(\r\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\"\x82\x03\n\nWorkerLoad\x12\x17\n\x0f\x61\x63tive_sessions\x18\x01 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x02 \x01(\r\x12\x15\n\rfree_capacity\x18\x03 \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x04 \x01(\x04\x12\x17\n\x0fkv_budget_bytes\x18\x05 \x01(\x04\x12\x15\n\rkv_free_bytes\x18\x06 \x01(\x04\x12\x1a\n\x12prompt_cache_bytes\x18\x07 \x01(\x04\x12,\n\x08sessions\x18\x08 \x03(\x0b\x32\x1a.flashfleet.v1.SessionLoad\x12\x0c\n\x04\x63hip\x18\t \x01(\t\x12)\n!peak_memory_bandwidth_bytes_per_s\x18\n \x01(\x01\x12\x31\n\x0e\x64\x65\x63ode_profile\x18\x0b \x03(\x0b\x32\x19.flashfleet.v1.DecodeCost\x12!\n\x19prefill_seconds_per_token\x18\x0c \x01(\x01\x12\x11\n\tkv_layers\x18\r \x01(\r\"\xb7\x01\n\x0bSessionLoad\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_tokens\x18\x02 \x01(\r\x12\x10\n\x08kv_bytes\x18\x03 \x01(\x04\x12\x14\n\x0ctokens_per_s\x18\x04 \x01(\x01\x12\x1b\n\x13speculative_speedup\x18\x05 \x01(\x01\x12\x18\n\x10remaining_tokens\x18\x06 \x01(\r\x12\x1d\n\x15kv_bytes_per_position\x18\x07 \x01(\x04\"Z\n\nDecodeCost\x12\x12\n\nbatch_size\x18\x01 \x01(\r\x12\x16\n\x0e\x63ontext_tokens\x18\x02 \x01(\r\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x0f\n\x07samples\x18\x04 \x01(\r\"\x88\x01\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12(\n\x06models\x18\x03 \x03(\x0b\x32\x18.flashfleet.v1.ModelInfo\x12\'\n\x04load\x18\x04 \x01(\x0b\x32\x19.flashfleet.v1.WorkerLoad\"m\n\x10RegisterResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\x01\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\x12\x14\n\x0cshared_state\x18\x04 \x01(\x08\"`\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\'\n\x04load\x18\x03 \x01(\x0b\x32\x19.flashfleet.v1.WorkerLoad\"\"\n\x11HeartbeatResponse\x12\r\n\x05leave\x18\x01 \x01(\x08\"8\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"\x14\n\x12\x44\x65registerResponse\"3\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest2\xfa\x01\n\x08Registry\x12K\n\x08Register\x12\x1e.flashfleet.v1.RegisterRequest\x1a\x1f.flashfleet.v1.RegisterResponse\x12N\n\tHeartbeat\x12\x1f.flashfleet.v1.HeartbeatRequest\x1a .flashfleet.v1.HeartbeatResponse\x12Q\n\nDeregister\x12 .flashfleet.v1.DeregisterRequest\x1a!.flashfleet.v1.DeregisterResponse2\x93\x03\n\x06Worker\x12M\n\x08Generate\x12\x1e.flashfleet.v1.GenerateRequest\x1a\x1f.flashfleet.v1.GenerateResponse0\x01\x12\x45\n\x06\x43\x61ncel\x12\x1c.flashfleet.v1.CancelRequest\x1a\x1d.flashfleet.v1.CancelResponse\x12\x43\n\x07GetLoad\x12\x1d.flashfleet.v1.GetLoadRequest\x1a\x19.flashfleet.v1.WorkerLoad\x12X\n\rExportSession\x12#.flashfleet.v1.ExportSessionRequest\x1a .flashfleet.v1.SessionStateChunk0\x01\x12T\n\x0bPullSession\x12!.flashfleet.v1.PullSessionRequest\x1a\".flashfleet.v1.PullSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,34 +44,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SESSIONSTATETRAILER']._serialized_end=589
   _globals['_SESSIONSTATECHUNK']._serialized_start=592
   _globals['_SESSIONSTATECHUNK']._serialized_end=776
-  _globals['_IMPORTSESSIONRESPONSE']._serialized_start=778
-  _globals['_IMPORTSESSIONRESPONSE']._serialized_end=854
-  _globals['_WORKERLOAD']._serialized_start=857
-  _globals['_WORKERLOAD']._serialized_end=1243
-  _globals['_SESSIONLOAD']._serialized_start=1246
-  _globals['_SESSIONLOAD']._serialized_end=1429
-  _globals['_DECODECOST']._serialized_start=1431
-  _globals['_DECODECOST']._serialized_end=1521
-  _globals['_REGISTERREQUEST']._serialized_start=1524
-  _globals['_REGISTERREQUEST']._serialized_end=1660
-  _globals['_REGISTERRESPONSE']._serialized_start=1662
-  _globals['_REGISTERRESPONSE']._serialized_end=1749
-  _globals['_HEARTBEATREQUEST']._serialized_start=1751
-  _globals['_HEARTBEATREQUEST']._serialized_end=1847
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1849
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1883
-  _globals['_DEREGISTERREQUEST']._serialized_start=1885
-  _globals['_DEREGISTERREQUEST']._serialized_end=1941
-  _globals['_DEREGISTERRESPONSE']._serialized_start=1943
-  _globals['_DEREGISTERRESPONSE']._serialized_end=1963
-  _globals['_CANCELREQUEST']._serialized_start=1965
-  _globals['_CANCELREQUEST']._serialized_end=2016
-  _globals['_CANCELRESPONSE']._serialized_start=2018
-  _globals['_CANCELRESPONSE']._serialized_end=2053
-  _globals['_GETLOADREQUEST']._serialized_start=2055
-  _globals['_GETLOADREQUEST']._serialized_end=2071
-  _globals['_REGISTRY']._serialized_start=2074
-  _globals['_REGISTRY']._serialized_end=2324
-  _globals['_WORKER']._serialized_start=2327
-  _globals['_WORKER']._serialized_end=2735
+  _globals['_PULLSESSIONREQUEST']._serialized_start=778
+  _globals['_PULLSESSIONREQUEST']._serialized_end=842
+  _globals['_PULLSESSIONRESPONSE']._serialized_start=844
+  _globals['_PULLSESSIONRESPONSE']._serialized_end=918
+  _globals['_WORKERLOAD']._serialized_start=921
+  _globals['_WORKERLOAD']._serialized_end=1307
+  _globals['_SESSIONLOAD']._serialized_start=1310
+  _globals['_SESSIONLOAD']._serialized_end=1493
+  _globals['_DECODECOST']._serialized_start=1495
+  _globals['_DECODECOST']._serialized_end=1585
+  _globals['_REGISTERREQUEST']._serialized_start=1588
+  _globals['_REGISTERREQUEST']._serialized_end=1724
+  _globals['_REGISTERRESPONSE']._serialized_start=1726
+  _globals['_REGISTERRESPONSE']._serialized_end=1835
+  _globals['_HEARTBEATREQUEST']._serialized_start=1837
+  _globals['_HEARTBEATREQUEST']._serialized_end=1933
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1935
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1969
+  _globals['_DEREGISTERREQUEST']._serialized_start=1971
+  _globals['_DEREGISTERREQUEST']._serialized_end=2027
+  _globals['_DEREGISTERRESPONSE']._serialized_start=2029
+  _globals['_DEREGISTERRESPONSE']._serialized_end=2049
+  _globals['_CANCELREQUEST']._serialized_start=2051
+  _globals['_CANCELREQUEST']._serialized_end=2102
+  _globals['_CANCELRESPONSE']._serialized_start=2104
+  _globals['_CANCELRESPONSE']._serialized_end=2139
+  _globals['_GETLOADREQUEST']._serialized_start=2141
+  _globals['_GETLOADREQUEST']._serialized_end=2157
+  _globals['_REGISTRY']._serialized_start=2160
+  _globals['_REGISTRY']._serialized_end=2410
+  _globals['_WORKER']._serialized_start=2413
+  _globals['_WORKER']._serialized_end=2816
 # @@protoc_insertion_point(module_scope)

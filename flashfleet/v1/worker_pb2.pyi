@@ -79,7 +79,15 @@ class SessionStateChunk(_message.Message):
     trailer: SessionStateTrailer
     def __init__(self, header: _Optional[_Union[SessionStateHeader, _Mapping]] = ..., data: _Optional[_Union[SessionStateData, _Mapping]] = ..., trailer: _Optional[_Union[SessionStateTrailer, _Mapping]] = ...) -> None: ...
 
-class ImportSessionResponse(_message.Message):
+class PullSessionRequest(_message.Message):
+    __slots__ = ("request_id", "source_address")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    source_address: str
+    def __init__(self, request_id: _Optional[str] = ..., source_address: _Optional[str] = ...) -> None: ...
+
+class PullSessionResponse(_message.Message):
     __slots__ = ("import_id", "positions", "bytes")
     IMPORT_ID_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -162,14 +170,16 @@ class RegisterRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[_common_pb2.ModelInfo, _Mapping]]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("lease_id", "lease_ttl_s", "heartbeat_interval_s")
+    __slots__ = ("lease_id", "lease_ttl_s", "heartbeat_interval_s", "shared_state")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    SHARED_STATE_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     lease_ttl_s: float
     heartbeat_interval_s: float
-    def __init__(self, lease_id: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+    shared_state: bool
+    def __init__(self, lease_id: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., shared_state: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "lease_id", "load")

@@ -218,10 +218,10 @@ class WorkerStub:
                 request_serializer=flashfleet_dot_v1_dot_worker__pb2.ExportSessionRequest.SerializeToString,
                 response_deserializer=flashfleet_dot_v1_dot_worker__pb2.SessionStateChunk.FromString,
                 _registered_method=True)
-        self.ImportSession = channel.stream_unary(
-                '/flashfleet.v1.Worker/ImportSession',
-                request_serializer=flashfleet_dot_v1_dot_worker__pb2.SessionStateChunk.SerializeToString,
-                response_deserializer=flashfleet_dot_v1_dot_worker__pb2.ImportSessionResponse.FromString,
+        self.PullSession = channel.unary_unary(
+                '/flashfleet.v1.Worker/PullSession',
+                request_serializer=flashfleet_dot_v1_dot_worker__pb2.PullSessionRequest.SerializeToString,
+                response_deserializer=flashfleet_dot_v1_dot_worker__pb2.PullSessionResponse.FromString,
                 _registered_method=True)
 
 
@@ -251,20 +251,25 @@ class WorkerServicer:
     def ExportSession(self, request, context):
         """Session migration by KV transfer (set up by the coordinator, docs/migration.md): a snapshot
         of a running session's KV cache at its committed length, streamed as a header, data chunks
-        and a trailer. The session keeps decoding. NOT_FOUND: no such running session (unknown,
-        finished, or not decoding yet); FAILED_PRECONDITION: its decoding method has no exportable
-        state (classic and cross-tokenizer drafts); UNIMPLEMENTED: this worker's engine cannot export.
+        and a trailer. The session keeps decoding. Called by the worker that pulls the session
+        (PullSession). NOT_FOUND: no such running session (unknown, finished, or not decoding yet);
+        FAILED_PRECONDITION: its decoding method has no exportable state (classic and
+        cross-tokenizer drafts); UNIMPLEMENTED: this worker's engine cannot export.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ImportSession(self, request_iterator, context):
-        """Stages another worker's export for one later Generate that names its import_id. Refused with
-        FAILED_PRECONDITION (format version, model, dtype or shapes differ from this worker's: the
-        message says which), RESOURCE_EXHAUSTED (the state does not fit the KV budget now: the
-        message has the numbers), DATA_LOSS (a chunk's crc32 or the trailer's sha256 is wrong, or
-        the stream is incomplete), INVALID_ARGUMENT (chunks out of order). Nothing is kept on error.
+    def PullSession(self, request, context):
+        """Pulls a running session's state from the worker at source_address (its ExportSession,
+        worker to worker: the state never passes through the coordinator) and stages it for one
+        later Generate that names the returned import_id. Refused with FAILED_PRECONDITION (format
+        version, model, dtype or shapes differ from this worker's: the message says which),
+        RESOURCE_EXHAUSTED (the state does not fit the KV budget now: the message has the numbers),
+        DATA_LOSS (a chunk's crc32 or the trailer's sha256 is wrong, or the stream is incomplete),
+        INVALID_ARGUMENT (chunks out of order, or no request_id / source_address), or the export's
+        own status when the source refused or failed (its message starts "export from"). Nothing
+        is kept on error.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -293,10 +298,10 @@ def add_WorkerServicer_to_server(servicer, server):
                     request_deserializer=flashfleet_dot_v1_dot_worker__pb2.ExportSessionRequest.FromString,
                     response_serializer=flashfleet_dot_v1_dot_worker__pb2.SessionStateChunk.SerializeToString,
             ),
-            'ImportSession': grpc.stream_unary_rpc_method_handler(
-                    servicer.ImportSession,
-                    request_deserializer=flashfleet_dot_v1_dot_worker__pb2.SessionStateChunk.FromString,
-                    response_serializer=flashfleet_dot_v1_dot_worker__pb2.ImportSessionResponse.SerializeToString,
+            'PullSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullSession,
+                    request_deserializer=flashfleet_dot_v1_dot_worker__pb2.PullSessionRequest.FromString,
+                    response_serializer=flashfleet_dot_v1_dot_worker__pb2.PullSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -419,7 +424,7 @@ class Worker:
             _registered_method=True)
 
     @staticmethod
-    def ImportSession(request_iterator,
+    def PullSession(request,
             target,
             options=(),
             channel_credentials=None,
@@ -429,12 +434,12 @@ class Worker:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.stream_unary(
-            request_iterator,
+        return grpc.experimental.unary_unary(
+            request,
             target,
-            '/flashfleet.v1.Worker/ImportSession',
-            flashfleet_dot_v1_dot_worker__pb2.SessionStateChunk.SerializeToString,
-            flashfleet_dot_v1_dot_worker__pb2.ImportSessionResponse.FromString,
+            '/flashfleet.v1.Worker/PullSession',
+            flashfleet_dot_v1_dot_worker__pb2.PullSessionRequest.SerializeToString,
+            flashfleet_dot_v1_dot_worker__pb2.PullSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

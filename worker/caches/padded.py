@@ -4,13 +4,14 @@ on, and a DFlash draft's own cache outside the batched engine (`worker.models.df
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache, create_attention_mask, make_prompt_cache
+
+from flashfleet.kv_need import POSITION_BUCKET
 
 
 def additive_mask(visible: mx.array, dtype: Optional[mx.Dtype]) -> mx.array:
@@ -55,19 +56,17 @@ class PaddedKVCache(KVCache):
     length, with or without cuDNN; a matmul of the same shapes costs 0.2 ms). A speculative
     verify (classic or cross-tokenizer draft) or a DFlash draft call on this cache has a new key
     length every cycle, so every cycle would pay that.
-    Here the buffer grows in `step` (256) position buckets and multi-token updates return the
+    Here the buffer grows in `step` (`flashfleet.kv_need.POSITION_BUCKET`, 256) position buckets and multi-token updates return the
     full buffer, so the key length changes once per 256 positions; `make_mask` returns the
     matching mask (causal, optionally windowed; additive in the keys' dtype once the cache holds
     keys and `additive_ok`, see `additive_mask`), which also hides the unused tail. One-token
     updates (plain decode steps) return the exact slice and need no mask, as in `KVCache`.
     Trimming only moves `offset` (O(1)).
-
-    The bucket (`step`) defaults to 256 positions, or `FLASHFLEET_KV_BUCKET` from the
-    environment: a larger bucket (e.g. 4096 on a GPU) compiles once per 4096 positions at the
-    price of attending over more masked keys, cheap where attention is far from the bottleneck.
+    The bucket is the batched caches' (worker/caches/rows.py), whose size the coordinator's KV
+    estimate assumes (flashfleet/kv_need.py).
     """
 
-    step = int(os.environ.get("FLASHFLEET_KV_BUCKET", "256"))
+    step = POSITION_BUCKET
     additive = True  # False: boolean masks (the same attention, more graph operations)
     additive_ok = False  # also for caches made without __init__ (mlx-lm's `from_state`)
 

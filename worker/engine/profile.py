@@ -11,21 +11,16 @@ a half-updated table).
 over its steps), and `speculative_speedup` is the engine cost model's estimate of a speculating
 row's tokens/s over plain decoding's.
 
-Test hook (heterogeneous fleets on one machine): `FLASHFLEET_TEST_SLOWDOWN=F` (a number >= 1) in
-the environment of a worker makes its engine sleep (F - 1) x each decode iteration's and prefill
-chunk's measured time after it, so the worker is F times slower and its measured profile says so.
-Read when the engine is constructed (`DecodeProfile.from_env`). Never set it in production.
+The engine takes its `DecodeProfile` as an argument (`worker.engine.thread.Engine(profile=...)`),
+so tests of a heterogeneous fleet on one machine can inject one that makes a worker slower.
 """
 from __future__ import annotations
 
-import os
-import time
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from worker.engine.block_policy import expected_tokens, pow2_bucket
 
-SLOWDOWN_ENV = "FLASHFLEET_TEST_SLOWDOWN"
 CONTEXT_FLOOR = 256  # the smallest context bucket, tokens
 
 
@@ -45,54 +40,24 @@ class DecodeProfile:
 
     Args:
         decay: weight of the old mean in each update, [0, 1).
-        slowdown: test hook: after each timed decode iteration or prefill chunk the engine
-            sleeps (slowdown - 1) x its time, and the profile records slowdown x the time (1.0:
-            none; see the module docstring).
-        sleep: how to sleep (tests inject a fake).
 
     Raises:
-        ValueError: decay outside [0, 1) or slowdown < 1.
+        ValueError: decay outside [0, 1).
     """
 
-    def __init__(self, decay: float = 0.8, slowdown: float = 1.0,
-                 sleep: Callable[[float], None] = time.sleep):
+    def __init__(self, decay: float = 0.8):
         if not 0 <= decay < 1:
             raise ValueError(f"decay must be in [0, 1), got {decay}")
-        if not slowdown >= 1:
-            raise ValueError(f"slowdown must be >= 1, got {slowdown}")
         self.decay = decay
-        self.slowdown = slowdown
-        self._sleep = sleep
         self._decode: dict[tuple[int, int], tuple[float, int]] = {}
         self._seen: set[tuple[int, int]] = set()
         self.prefill_seconds_per_token = 0.0
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "DecodeProfile":
-        """A profile whose slowdown comes from env FLASHFLEET_TEST_SLOWDOWN (unset: 1.0).
-
-        Raises:
-            ValueError: the variable is not a number >= 1.
-        """
-        env = os.environ if env is None else env
-        raw = env.get(SLOWDOWN_ENV, "").strip()
-        try:
-            slowdown = float(raw) if raw else 1.0
-        except ValueError:
-            raise ValueError(f"{SLOWDOWN_ENV} must be a number >= 1, got {raw!r}") from None
-        return cls(slowdown=slowdown)
-
-    def _slow(self, seconds: float) -> float:
-        if self.slowdown > 1 and seconds > 0:
-            self._sleep((self.slowdown - 1) * seconds)
-        return seconds * self.slowdown
 
     def decode(self, batch_size: int, context: int, block: int, seconds: float) -> None:
         """Records one decode iteration of `batch_size` rows whose longest holds `context` tokens,
         run at block size `block` (1: a plain step) in `seconds`; only plain steps enter the
         table (a DFlash iteration's cost depends on its block size: the block policy keeps it),
         and the first one of each bucket is dropped as warm-up."""
-        seconds = self._slow(seconds)
         if block != 1 or batch_size < 1 or seconds <= 0:
             return
         key = (pow2_bucket(batch_size), pow2_bucket(context, CONTEXT_FLOOR))
@@ -106,7 +71,6 @@ class DecodeProfile:
 
     def prefill(self, tokens: int, seconds: float) -> None:
         """Records one prefill chunk of `tokens` prompt tokens that took `seconds`."""
-        seconds = self._slow(seconds)
         if tokens < 1 or seconds <= 0:
             return
         per_token = seconds / tokens

@@ -41,6 +41,7 @@ from worker.engine.imports import StagedImport, StagedImports
 from worker.engine import kv_layout
 from worker.engine.kv_transfer import CacheBytes, Layout, snapshot
 from worker.engine.prompt_cache import PromptCache
+from flashfleet.kv_need import batch_bytes, working_bytes
 from worker.caches.rows import STEP, RowKVCache, _bucket, make_row_caches
 from worker.engine.session import Session
 from worker.engine.types import ErrorEvent, NotExportable, Overloaded, UnknownSession
@@ -179,10 +180,10 @@ class Scheduler:
         length after a forward of its largest block, with every prefilling session (and `extra`,
         one not yet admitted) counted as already joined (a joining row's length can raise the
         whole batch's buffer length) and its prefill caches besides; generators as they are;
-        plus attention's working memory, a copy of one layer's keys and values of the largest
-        batch (attention without a fused kernel expands grouped K/V heads)."""
+        plus attention's working memory. Batches and working memory by flashfleet/kv_need.py,
+        the formula the coordinator's migration policy uses."""
         total = self.prompt_cache.nbytes
-        one_layer = 0
+        largest = 0
         joining = self.prefilling + ([extra] if extra is not None else [])
         for mode, batch in self.batches.items():
             L = self.max_block(mode)
@@ -190,19 +191,24 @@ class Scheduler:
             if not (batch.size or rows):
                 continue
             positions = max([batch.positions_after(L) if batch.size else 0]
-                            + [_bucket(len(s.tokens) + L) for s in rows])
-            b = (batch.size + len(rows)) * positions * self.bytes_per_position[mode]
+                            + [len(s.tokens) + L for s in rows])
+            b = batch_bytes(batch.size + len(rows), positions, self.bytes_per_position[mode])
             total += b + sum(self.row_bytes(mode, len(s.tokens)) for s in rows)
-            one_layer = max(one_layer, b // max(1, len(batch.caches)))
-        total += 2 * one_layer
+            largest = max(largest, b)
+        total += working_bytes(largest, self.kv_layers)
         claimed = extra.import_id if extra is not None else ""
         total += self.imports.nbytes(excluding=claimed)
         return total + sum(c.nbytes for s in self.generators.values() for c in s.caches)
 
+    @property
+    def kv_layers(self) -> int:
+        """The target's attention layers (the working memory's divisor, flashfleet/kv_need.py)."""
+        return len(self.batches["plain"].caches)
+
     def fits_alone(self, mode: str, positions: int) -> bool:
         """Whether one session of `positions` positions fits the budget with nothing else."""
-        layers = max(1, len(self.batches[mode].caches))
-        return self.row_bytes(mode, positions) * (layers + 2) // layers <= self.budget
+        row = self.row_bytes(mode, positions)
+        return row + working_bytes(row, self.kv_layers) <= self.budget
 
     # ----- sessions in and out -----------------------------------------------------------------
 

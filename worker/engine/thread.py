@@ -111,6 +111,8 @@ class Engine:
             extra modes here.
         clock: monotonic clock in seconds, for request statistics.
         load_timeout_s: longest wait for loading and warm-up, seconds (None = no limit).
+        profile: where the engine thread records its measured decode and prefill times for the
+            coordinator's migration policy (default: a new `DecodeProfile`); tests inject one.
 
     The constructor reads the model configs, starts the thread and blocks until the models are
     loaded and warm.
@@ -120,8 +122,7 @@ class Engine:
             engine thread, its weights).
         DraftCheckpointError: a DFlash draft checkpoint that cannot be loaded for this target
             (`worker.models.dflash_checkpoint`).
-        ValueError: the model's context length is unknown (set max_context_tokens), or env
-            FLASHFLEET_TEST_SLOWDOWN is not a number >= 1 (worker/engine/profile.py).
+        ValueError: the model's context length is unknown (set max_context_tokens).
         RuntimeError: loading or warm-up failed on the engine thread (the cause is chained), or
             took longer than load_timeout_s.
 
@@ -137,6 +138,7 @@ class Engine:
         modes: Mapping[str, Mode | None] = MODES,
         clock: Callable[[], float] = time.perf_counter,
         load_timeout_s: float | None = None,
+        profile: DecodeProfile | None = None,
     ):
         self.config = config
         self._modes = dict(modes)
@@ -152,7 +154,7 @@ class Engine:
         # Published by the engine thread for load(): sessions' KV bytes, the prompt cache's, the budget.
         self._kv_bytes = self._prompt_cache_bytes = self._kv_budget = 0
         # Measured speed for the coordinator's migration policy (worker/engine/profile.py).
-        self._profile = DecodeProfile.from_env()
+        self._profile = profile if profile is not None else DecodeProfile()
         self._rates = SessionRates()
         self._board = LoadBoard()
 
@@ -327,7 +329,7 @@ class Engine:
             self.transfer.loaded(self.config, models.draft_kind, sched)
             if self.config.warmup:
                 self._warmup(models, sched)
-            self._board.kv_layers = len(sched.batches["plain"].caches)
+            self._board.kv_layers = sched.kv_layers
             self._publish(sched)  # the budget is known before the first request
         except BaseException as e:  # re-raised by the constructor
             self._startup_error = e

@@ -1,0 +1,395 @@
+"""What one coordinator relays: streams held, tokens/s, requests/s admitted, CPU per 1,000 tokens
+and the heartbeat load, with simulated workers (bench/sim_worker.py: no model, tokens at a set rate).
+
+Per row (coordinators x workers), this script starts the coordinator processes (`python -m
+coordinator`, each pinned to its own core where the host has one), the simulated workers (in
+`--sim-procs` processes per coordinator) and load clients (`--client-procs` processes of this
+script, grpc.aio), then measures three phases:
+
+1. idle: the workers only heartbeat (every 2 s, the coordinator's default): the coordinator's CPU
+   share then is the heartbeat load (with its keepalive pings to every worker);
+2. stream: `--streams` streams per coordinator, each a request of `--max-tokens` tokens that the
+   clients open again as soon as it completes; after `--warmup-s`, `--duration-s` seconds are
+   measured: tokens the clients received per second (relayed), Chunk messages per second,
+   requests completed per second, streams held (receiving tokens: past their first message and
+   not complete; the clients' mean over the window),
+   the share of the set rate each stream got ("rate kept": 100 % when the coordinator keeps up),
+   and the coordinators' CPU seconds (psutil) per 1,000 tokens;
+3. admit: `--admit-concurrency` clients per coordinator send one-token requests back to back for
+   `--admit-s` seconds: requests admitted and completed per second.
+
+Several coordinators run independently, each with its own workers (the fleet's state is not
+shared between them here), so their rows show how the relay adds up across processes.
+
+    python bench/bench_coordinator.py --workers 50 200 1000 --coordinators 1 2 3 \\
+        --streams 2000 --tokens-per-s 25 --max-tokens 200 [--json-out F]
+
+The load generators (simulated workers and clients) run on the same host; they are pinned to the
+cores no coordinator has (all cores when every core has a coordinator).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from flashfleet.transport import CHANNEL_OPTIONS  # noqa: E402
+from flashfleet.v1 import common_pb2, coordinator_pb2_grpc  # noqa: E402
+
+HEARTBEAT_INTERVAL_S = 2.0  # the coordinator's default
+START_TIMEOUT_S = 120.0
+
+
+# --- load client (a subprocess of this script) ---------------------------------------------------
+
+async def _client(args) -> dict:
+    """Runs one client process's streams (or one-token requests) against one coordinator and
+    counts what arrives inside [measure_from, measure_to] (wall-clock seconds), and how many
+    streams were receiving tokens (past their first message, not yet complete), sampled twice a
+    second inside it."""
+    channels = [grpc.aio.insecure_channel(args.target, options=[*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(max(1, math.ceil(args.streams / 250)))]
+    stubs = [coordinator_pb2_grpc.CoordinatorStub(c) for c in channels]
+    counts = {"tokens": 0, "messages": 0, "requests": 0, "errors": 0, "error_codes": {}, "held": 0.0}
+    t_from, t_to, t_end = args.measure_from, args.measure_to, args.measure_to + 0.5
+    streaming = [0]
+
+    async def one_stream(i: int) -> None:
+        stub = stubs[i % len(stubs)]
+        if args.ramp_s > 0:
+            await asyncio.sleep(random.uniform(0, args.ramp_s))
+        while time.time() < t_end:
+            req = common_pb2.GenerateRequest(model=args.model, prompt="simulated", max_tokens=args.max_tokens,
+                                             request_id=uuid.uuid4().hex)
+            started = False
+            try:
+                async for resp in stub.Generate(req, timeout=args.timeout_s):
+                    now = time.time()
+                    inside = t_from <= now <= t_to
+                    if resp.WhichOneof("kind") == "chunk":
+                        if not started:
+                            started = True
+                            streaming[0] += 1
+                        if inside:
+                            counts["tokens"] += len(resp.chunk.token_ids)
+                            counts["messages"] += 1
+                    elif inside:
+                        counts["requests"] += 1
+                    if now > t_end:
+                        break
+            except grpc.aio.AioRpcError as e:
+                if time.time() <= t_to:
+                    counts["errors"] += 1
+                    name = e.code().name
+                    counts["error_codes"][name] = counts["error_codes"].get(name, 0) + 1
+                    await asyncio.sleep(0.05)
+            finally:
+                if started:
+                    streaming[0] -= 1
+
+    async def sample_held() -> None:
+        samples = []
+        await asyncio.sleep(max(0.0, t_from - time.time()))
+        while time.time() < t_to:
+            samples.append(streaming[0])
+            await asyncio.sleep(0.5)
+        counts["held"] = sum(samples) / len(samples) if samples else 0.0
+
+    await asyncio.gather(sample_held(), *(one_stream(i) for i in range(args.streams)))
+    for c in channels:
+        await c.close()
+    return counts
+
+
+def run_client(argv) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--target")
+    p.add_argument("--model")
+    p.add_argument("--streams", type=int)
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--measure-from", type=float)
+    p.add_argument("--measure-to", type=float)
+    p.add_argument("--ramp-s", type=float)
+    p.add_argument("--timeout-s", type=float)
+    args = p.parse_args(argv)
+    print(json.dumps(asyncio.run(_client(args))), flush=True)
+    return 0
+
+
+# --- processes -------------------------------------------------------------------------------------
+
+def _pinned(cmd: list[str], cores: list[int] | None) -> list[str]:
+    """`cmd` under `taskset -c CORES` where taskset exists and cores are given."""
+    if cores and _has_taskset():
+        return ["taskset", "-c", ",".join(map(str, cores)), *cmd]
+    return cmd
+
+
+def _has_taskset() -> bool:
+    return subprocess.run(["sh", "-c", "command -v taskset"], capture_output=True).returncode == 0
+
+
+def _wait_line(proc: subprocess.Popen, prefix: str, what: str) -> str:
+    """The first stdout line of `proc` starting with `prefix` (raises if it exits first)."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{what} exited ({proc.wait()}): {proc.stderr.read()[-2000:]}")
+        if line.startswith(prefix):
+            return line.strip()
+    raise RuntimeError(f"{what} did not start within {START_TIMEOUT_S:.0f} s")
+
+
+def _start(cmd: list[str], cores, src: Path = ROOT) -> subprocess.Popen:
+    """Starts `cmd` (pinned to `cores`) with `src` as its working directory and import root."""
+    env = {**os.environ, "PYTHONPATH": str(src), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(_pinned(cmd, cores), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=src, env=env)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _cpu_s(pids: list[int]) -> float:
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        t = psutil.Process(pid).cpu_times()
+        total += t.user + t.system
+    return total
+
+
+def _coordinator_pid(proc: subprocess.Popen) -> int:
+    """The coordinator's own pid (taskset execs it, so the Popen's pid is the coordinator's)."""
+    return proc.pid
+
+
+def _sleep_until(t: float) -> None:
+    time.sleep(max(0.0, t - time.time()))
+
+
+def _clients(targets, args, streams_per_coordinator: int, max_tokens: int, t_from: float, t_to: float,
+             ramp_s: float, cores) -> list[subprocess.Popen]:
+    procs = []
+    for target in targets:
+        per = [streams_per_coordinator // args.client_procs + (i < streams_per_coordinator % args.client_procs)
+               for i in range(args.client_procs)]
+        for n in per:
+            if n == 0:
+                continue
+            procs.append(_start([sys.executable, str(Path(__file__).resolve()), "--client", "--target", target,
+                                 "--model", args.model, "--streams", str(n), "--max-tokens", str(max_tokens),
+                                 "--measure-from", repr(t_from), "--measure-to", repr(t_to),
+                                 "--ramp-s", repr(ramp_s), "--timeout-s", repr(args.timeout_s)], cores))
+    return procs
+
+
+def _collect(procs: list[subprocess.Popen], timeout_s: float) -> dict:
+    total = {"tokens": 0, "messages": 0, "requests": 0, "errors": 0, "error_codes": {}, "held": 0.0}
+    for p in procs:
+        out, err = p.communicate(timeout=timeout_s)
+        if p.returncode != 0:
+            raise RuntimeError(f"a load client failed ({p.returncode}): {err[-2000:]}")
+        c = json.loads(out.strip().splitlines()[-1])
+        for k in ("tokens", "messages", "requests", "errors", "held"):
+            total[k] += c[k]
+        for k, v in c["error_codes"].items():
+            total["error_codes"][k] = total["error_codes"].get(k, 0) + v
+    return total
+
+
+def run_row(args, coordinators: int, workers: int, src: Path = ROOT, label: str = "this") -> dict:
+    """Starts `coordinators` coordinators (the code of the repository at `src`) with `workers`
+    simulated workers in all, runs the three phases and returns the row's measurements."""
+    ncpu = os.cpu_count() or 1
+    coord_cores = [[c % ncpu] for c in range(coordinators)]
+    free = [c for c in range(ncpu) if c >= coordinators]
+    load_cores = free or list(range(ncpu))
+    if args.coordinator_core is not None:
+        coord_cores = [[(args.coordinator_core + c) % ncpu] for c in range(coordinators)]
+        used = {c[0] for c in coord_cores}
+        load_cores = [c for c in range(ncpu) if c not in used] or list(range(ncpu))
+    procs: list[subprocess.Popen] = []
+    try:
+        targets, pids = [], []
+        for c in range(coordinators):
+            proc = _start([sys.executable, "-m", "coordinator", "--port", "0", "--log-level", "WARNING",
+                           "--max-queued", str(max(64, args.streams)),
+                           "--heartbeat-interval-s", repr(HEARTBEAT_INTERVAL_S)], coord_cores[c], src)
+            procs.append(proc)
+            line = _wait_line(proc, "coordinator ready on", "the coordinator")
+            targets.append(line.rsplit(" ", 1)[1].replace("0.0.0.0", "127.0.0.1"))
+            pids.append(_coordinator_pid(proc))
+        per_coord = [workers // coordinators + (i < workers % coordinators) for i in range(coordinators)]
+        capacity = max(2, math.ceil(args.streams * 1.25 / max(1, min(per_coord))))
+        sims = []
+        for c, (target, n) in enumerate(zip(targets, per_coord)):
+            nprocs = max(1, min(args.sim_procs, n))
+            for i in range(nprocs):
+                k = n // nprocs + (i < n % nprocs)
+                sims.append(_start([sys.executable, str(ROOT / "bench" / "sim_worker.py"), "--coordinator", target,
+                                    "--workers", str(k), "--capacity", str(capacity),
+                                    "--tokens-per-s", repr(args.tokens_per_s),
+                                    "--tokens-per-chunk", str(args.tokens_per_chunk), "--model", args.model,
+                                    "--prefix", f"sim{c}.{i}"], load_cores))
+        procs.extend(sims)
+        for s in sims:
+            _wait_line(s, "ready", "a simulated worker process")
+
+        # 1. idle: heartbeats only
+        time.sleep(HEARTBEAT_INTERVAL_S)  # every worker's heartbeat cycle has begun
+        c0, t0 = _cpu_s(pids), time.time()
+        time.sleep(args.idle_s)
+        idle_cpu = (_cpu_s(pids) - c0) / (time.time() - t0)
+
+        # 2. stream
+        start = time.time() + 1.0
+        t_from = start + args.warmup_s
+        t_to = t_from + args.duration_s
+        clients = _clients(targets, args, args.streams, args.max_tokens, t_from, t_to,
+                           min(args.warmup_s, args.max_tokens / args.tokens_per_s), load_cores)
+        procs.extend(clients)
+        _sleep_until(t_from)
+        c0 = _cpu_s(pids)
+        spy = None
+        if args.py_spy:  # samples the first coordinator through the measured window
+            spy = subprocess.Popen(["py-spy", "record", "--pid", str(pids[0]), "--duration", str(int(args.duration_s)),
+                                    "--format", "raw", "--rate", "200", "--nonblocking", "--output",
+                                    f"{args.py_spy}-{label}-c{coordinators}-w{workers}.txt"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _sleep_until(t_to)
+        stream_cpu = _cpu_s(pids) - c0
+        counts = _collect(clients, args.timeout_s + 60)
+        if spy is not None:
+            spy.wait(60)
+
+        # 3. admit: one-token requests back to back
+        a_from = time.time() + 2.0
+        a_to = a_from + args.admit_s
+        admitters = _clients(targets, args, args.admit_concurrency, 1, a_from, a_to, 0.0, load_cores)
+        procs.extend(admitters)
+        _sleep_until(a_from)
+        a0 = _cpu_s(pids)
+        _sleep_until(a_to)
+        admit_cpu = _cpu_s(pids) - a0
+        admit = _collect(admitters, args.timeout_s + 60)
+    finally:
+        _stop(procs)
+    d = args.duration_s
+    offered = coordinators * args.streams
+    tokens_s = counts["tokens"] / d
+    return {
+        "code": label, "coordinators": coordinators, "workers": workers, "capacity": capacity, "streams": offered,
+        "held": round(counts["held"]), "tokens_per_s": tokens_s, "messages_per_s": counts["messages"] / d,
+        "rate_kept": tokens_s / (offered * args.tokens_per_s), "requests_per_s": counts["requests"] / d,
+        "cpu_s_per_1k_tokens": 1000 * stream_cpu / counts["tokens"] if counts["tokens"] else float("nan"),
+        "coordinator_cpu": stream_cpu / d / coordinators, "errors": counts["errors"],
+        "error_codes": counts["error_codes"], "admitted_per_s": admit["requests"] / args.admit_s,
+        "admit_cpu": admit_cpu / args.admit_s / coordinators, "admit_errors": admit["errors"],
+        "heartbeats_per_s": workers / HEARTBEAT_INTERVAL_S, "idle_cpu": idle_cpu / coordinators,
+    }
+
+
+def print_table(rows: list[dict], args) -> None:
+    print(f"\n{args.tokens_per_s:g} tokens/s per stream, {args.tokens_per_chunk} token(s) per message, "
+          f"{args.max_tokens} tokens per request; {args.duration_s:g} s measured per row; "
+          f"host: {os.cpu_count()} cores, load generators on the same host\n")
+    head = ("code", "coord", "workers", "streams", "held", "tokens/s", "rate kept", "msgs/s", "req/s",
+            "CPU s/1k tok", "coord CPU", "admitted req/s", "heartbeats/s", "idle CPU", "errors")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---:|" * len(head))
+    for r in rows:
+        errs = r["errors"] + r["admit_errors"]
+        print(f"| {r['code']} | {r['coordinators']} | {r['workers']} | {r['streams']} | {r['held']} | {r['tokens_per_s']:,.0f} | "
+              f"{100 * r['rate_kept']:.0f} % | {r['messages_per_s']:,.0f} | {r['requests_per_s']:,.0f} | "
+              f"{r['cpu_s_per_1k_tokens']:.3f} | {100 * r['coordinator_cpu']:.0f} % | {r['admitted_per_s']:,.0f} | "
+              f"{r['heartbeats_per_s']:,.0f} | {100 * r['idle_cpu']:.1f} % | {errs} |")
+    print("\ncoord CPU and idle CPU: per coordinator, 100 % = one core; idle: heartbeats only")
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--client"]:
+        return run_client(argv[1:])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", type=int, nargs="+", default=[50, 200, 1000], help="simulated workers in all")
+    p.add_argument("--coordinators", type=int, nargs="+", default=[1], help="coordinator processes")
+    p.add_argument("--streams", type=int, default=2000, help="concurrent streams per coordinator")
+    p.add_argument("--tokens-per-s", type=float, default=25.0, help="tokens per second of each stream")
+    p.add_argument("--tokens-per-chunk", type=int, default=1, help="token ids per message from a worker")
+    p.add_argument("--max-tokens", type=int, default=200, help="tokens per request")
+    p.add_argument("--warmup-s", type=float, default=5.0)
+    p.add_argument("--duration-s", type=float, default=20.0, help="measured seconds of the stream phase")
+    p.add_argument("--idle-s", type=float, default=4.0, help="measured seconds of the heartbeat-only phase")
+    p.add_argument("--admit-s", type=float, default=5.0, help="measured seconds of the admission phase")
+    p.add_argument("--admit-concurrency", type=int, default=64, help="one-token clients per coordinator")
+    p.add_argument("--sim-procs", type=int, default=2, help="simulated-worker processes per coordinator")
+    p.add_argument("--client-procs", type=int, default=2, help="client processes per coordinator")
+    p.add_argument("--coordinator-core", type=int, default=None,
+                   help="core of the first coordinator (default 0); the next ones take the following cores")
+    p.add_argument("--timeout-s", type=float, default=120.0, help="deadline of each request")
+    p.add_argument("--model", default="sim")
+    p.add_argument("--json-out", type=Path, default=None)
+    p.add_argument("--baseline-src", type=Path, default=None, metavar="DIR",
+                   help="a checkout of another version (e.g. `git worktree add DIR COMMIT`): each row runs its "
+                   "coordinator first (code \"baseline\"), then this one's (\"this\"), side by side")
+    p.add_argument("--py-spy", default=None, metavar="PREFIX",
+                   help="profile the first coordinator through each row's measured stream window with py-spy "
+                   "(pip install py-spy): collapsed stacks in PREFIX-c<coordinators>-w<workers>.txt")
+    args = p.parse_args(argv)
+    bad = [n for n in (*args.workers, *args.coordinators, args.streams, args.max_tokens, args.tokens_per_chunk,
+                       args.sim_procs, args.client_procs, args.admit_concurrency) if n < 1]
+    if bad or args.tokens_per_s <= 0 or args.duration_s <= 0:
+        p.error("counts must be >= 1 and --tokens-per-s, --duration-s > 0")
+    if args.baseline_src is not None and not (args.baseline_src / "coordinator" / "__main__.py").is_file():
+        p.error(f"--baseline-src {args.baseline_src}: no coordinator/__main__.py there")
+    try:
+        import psutil  # noqa: F401
+    except ImportError:
+        p.error("psutil is needed (pip install psutil; it is in the test extra)")
+    rows = []
+    failed = 0
+    for c in args.coordinators:
+        for w in args.workers:
+            if w < c:
+                p.error(f"{w} workers cannot be split over {c} coordinators")
+            for src, label in ([(args.baseline_src.resolve(), "baseline")] if args.baseline_src else []) + [(ROOT, "this")]:
+                try:
+                    rows.append(run_row(args, c, w, src, label))
+                except (RuntimeError, subprocess.TimeoutExpired) as e:  # the row is lost, not the run
+                    print(f"row {label} {c} coordinator(s) x {w} workers failed: {e}", file=sys.stderr, flush=True)
+                    failed += 1
+                    continue
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    print_table(rows, args)
+    if args.json_out:
+        args.json_out.write_text(json.dumps(rows, indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""Simulated workers: the Worker gRPC service with no model, for measuring a coordinator.
+
+Each simulated worker is its own gRPC server on its own port (so the coordinator holds one
+channel per worker, as with real ones), registers with the coordinator's Registry and heartbeats
+a realistic load report (one SessionLoad per running stream, a decode profile), and answers
+Generate by streaming `tokens_per_chunk` token ids every `tokens_per_chunk / tokens_per_s`
+seconds until `max_tokens` (a resumed request counts its `resume_token_ids`), then a Complete.
+A worker at `capacity` refuses with RESOURCE_EXHAUSTED, as a full engine does; Cancel ends a
+stream with FINISH_REASON_CANCELLED. ExportSession and PullSession answer UNIMPLEMENTED (no
+state to move). The decode profile reports the same seconds per iteration at every batch size,
+which is what a simulated worker does, so the migration policy runs its full check and finds no
+worker faster.
+
+The workers of one process share one channel to the coordinator's Registry (each still sends its
+own Register and Heartbeat calls); real workers each have their own.
+
+    python bench/sim_worker.py --coordinator 127.0.0.1:50051 --workers 200 --capacity 16 \\
+        --tokens-per-s 25 [--tokens-per-chunk 1] [--model sim]
+
+prints "ready N" once its N workers are registered and runs until SIGINT/SIGTERM (then
+deregisters them).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flashfleet.transport import CHANNEL_OPTIONS, SERVER_OPTIONS  # noqa: E402
+from flashfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
+
+DEFAULT_MAX_TOKENS = 16  # an unset max_tokens (the real worker's default is larger; the bench sets it)
+CONTEXT_TOKENS = 4096
+PROMPT_TOKENS = 32  # the prompt every simulated request is said to have (stats, context in heartbeats)
+KV_BYTES_PER_TOKEN = 4096
+
+
+@dataclass
+class _Stream:
+    """One running simulated request."""
+
+    request_id: str
+    total: int  # tokens to emit, resumed ones included
+    done: int  # tokens emitted (resumed ones included)
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class SimWorker(worker_pb2_grpc.WorkerServicer):
+    """A Worker that emits tokens at a set rate with no model (module docstring).
+
+    Args:
+        worker_id: its id (reported in every Complete and to the Registry).
+        model: the model name it serves.
+        capacity: streams it runs at once; one more is RESOURCE_EXHAUSTED.
+        tokens_per_s: tokens per second each stream emits (> 0).
+        tokens_per_chunk: token ids per Chunk message (>= 1).
+    """
+
+    def __init__(self, worker_id: str, model: str, capacity: int, tokens_per_s: float, tokens_per_chunk: int = 1):
+        if tokens_per_s <= 0 or tokens_per_chunk < 1 or capacity < 1:
+            raise ValueError("tokens_per_s must be > 0, tokens_per_chunk and capacity >= 1")
+        self.worker_id, self.model, self.capacity = worker_id, model, capacity
+        self.tokens_per_s, self.tokens_per_chunk = tokens_per_s, tokens_per_chunk
+        self.streams: dict[str, _Stream] = {}
+        self.served = 0
+
+    def model_info(self) -> common_pb2.ModelInfo:
+        """The ModelInfo it registers."""
+        return common_pb2.ModelInfo(name=self.model, max_context_tokens=CONTEXT_TOKENS,
+                                    kv_bytes_per_token=KV_BYTES_PER_TOKEN)
+
+    def load(self) -> worker_pb2.WorkerLoad:
+        """Its WorkerLoad: running streams, KV as if each held its context, a flat decode profile."""
+        sessions = [worker_pb2.SessionLoad(
+            request_id=s.request_id, context_tokens=PROMPT_TOKENS + s.done,
+            kv_bytes=(PROMPT_TOKENS + s.done) * KV_BYTES_PER_TOKEN, tokens_per_s=self.tokens_per_s,
+            speculative_speedup=1.0, remaining_tokens=s.total - s.done, kv_bytes_per_position=KV_BYTES_PER_TOKEN)
+            for s in self.streams.values()]
+        budget = self.capacity * CONTEXT_TOKENS * KV_BYTES_PER_TOKEN
+        used = sum(s.kv_bytes for s in sessions)
+        step_s = 1.0 / self.tokens_per_s
+        profile = [worker_pb2.DecodeCost(batch_size=b, context_tokens=c, seconds=step_s, samples=100)
+                   for b in (1, 2, 4, 8, 16, 32, 64) for c in (256, 1024, 4096)]
+        return worker_pb2.WorkerLoad(
+            active_sessions=len(sessions), capacity=self.capacity, free_capacity=max(0, self.capacity - len(sessions)),
+            kv_cache_bytes=used, kv_budget_bytes=budget, kv_free_bytes=max(0, budget - used), sessions=sessions,
+            decode_profile=profile, prefill_seconds_per_token=1e-4, kv_layers=24)
+
+    async def Generate(self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        """Streams chunks at the set rate, then a Complete (or CANCELLED after a Cancel)."""
+        if request.model != self.model:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"this worker serves {self.model!r}")
+        if len(self.streams) >= self.capacity:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{len(self.streams)} of {self.capacity} sessions running")
+        if request.request_id in self.streams:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {request.request_id!r} is running")
+        total = request.max_tokens if request.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+        stream = self.streams[request.request_id] = _Stream(request.request_id, total, len(request.resume_token_ids))
+        started = time.monotonic()
+        period = self.tokens_per_chunk / self.tokens_per_s
+        resumed = stream.done
+        reason = common_pb2.FINISH_REASON_LENGTH
+        try:
+            due = started
+            while stream.done < stream.total:
+                due += period
+                delay = due - time.monotonic()
+                if delay > 0:  # no sleep when behind: catches up to the set rate
+                    await asyncio.sleep(delay)
+                if stream.cancelled.is_set():
+                    reason = common_pb2.FINISH_REASON_CANCELLED
+                    break
+                n = min(self.tokens_per_chunk, stream.total - stream.done)
+                ids = [(stream.done + i) % 30000 for i in range(n)]
+                stream.done += n
+                yield common_pb2.GenerateResponse(request_id=request.request_id, chunk=common_pb2.Chunk(
+                    text=" tok" * n, token_ids=ids))
+            elapsed = time.monotonic() - started
+            generated = stream.done - resumed
+            stats = common_pb2.GenerationStats(
+                prompt_tokens=PROMPT_TOKENS + resumed, generated_tokens=generated, ttft_s=period,
+                tokens_per_s=generated / elapsed if elapsed > 0 else 0.0, total_s=elapsed, mode="plain")
+            self.served += 1
+            yield common_pb2.GenerateResponse(request_id=request.request_id, complete=common_pb2.Complete(
+                finish_reason=reason, stats=stats, worker_id=self.worker_id))
+        finally:
+            self.streams.pop(request.request_id, None)
+
+    async def Cancel(self, request: worker_pb2.CancelRequest, context) -> worker_pb2.CancelResponse:
+        """Ends a running stream with FINISH_REASON_CANCELLED at its next chunk."""
+        stream = self.streams.get(request.request_id)
+        if stream is not None:
+            stream.cancelled.set()
+        return worker_pb2.CancelResponse(cancelled=stream is not None)
+
+    async def GetLoad(self, request, context) -> worker_pb2.WorkerLoad:
+        """`load()`."""
+        return self.load()
+
+    async def ExportSession(self, request, context):
+        """UNIMPLEMENTED: a simulated worker has no state to export."""
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "a simulated worker has no session state")
+
+    async def PullSession(self, request, context):
+        """UNIMPLEMENTED: a simulated worker takes no session state."""
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "a simulated worker takes no session state")
+
+
+@dataclass
+class SimFleet:
+    """Simulated workers started in this process (`start_fleet`)."""
+
+    workers: list[SimWorker]
+    servers: list[grpc.aio.Server]
+    addresses: list[str]
+    channel: grpc.aio.Channel
+    tasks: list[asyncio.Task]
+    leases: dict[str, str] = field(default_factory=dict)  # worker id -> lease id
+    heartbeats: int = 0
+
+    async def stop(self) -> None:
+        """Stops heartbeats, deregisters every worker (best effort) and stops the servers."""
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        stub = worker_pb2_grpc.RegistryStub(self.channel)
+        await asyncio.gather(*(stub.Deregister(worker_pb2.DeregisterRequest(worker_id=w, lease_id=lease), timeout=5)
+                               for w, lease in self.leases.items()), return_exceptions=True)
+        await asyncio.gather(*(s.stop(0) for s in self.servers))
+        await self.channel.close()
+
+
+async def _keep_registered(fleet: SimFleet, stub, worker: SimWorker, address: str, registered: asyncio.Event) -> None:
+    """Registers `worker`, then heartbeats at the interval the coordinator asks for; registers
+    again when a heartbeat is refused."""
+    while True:
+        try:
+            resp = await stub.Register(worker_pb2.RegisterRequest(
+                worker_id=worker.worker_id, address=address, models=[worker.model_info()], load=worker.load()),
+                timeout=30)
+        except grpc.aio.AioRpcError:
+            await asyncio.sleep(0.5)
+            continue
+        fleet.leases[worker.worker_id] = resp.lease_id
+        registered.set()
+        # Heartbeats of many workers spread over the interval, as independent workers' are.
+        await asyncio.sleep(resp.heartbeat_interval_s * (hash(worker.worker_id) % 1000) / 1000)
+        try:
+            while True:
+                await stub.Heartbeat(worker_pb2.HeartbeatRequest(
+                    worker_id=worker.worker_id, lease_id=resp.lease_id, load=worker.load()), timeout=30)
+                fleet.heartbeats += 1
+                await asyncio.sleep(resp.heartbeat_interval_s)
+        except grpc.aio.AioRpcError:
+            continue
+
+
+async def start_fleet(coordinator: str, n: int, capacity: int, tokens_per_s: float, tokens_per_chunk: int = 1,
+                      model: str = "sim", prefix: str = "sim") -> SimFleet:
+    """Starts `n` simulated workers on 127.0.0.1 (free ports) and registers each with the
+    coordinator's Registry at `coordinator` ("host:port"); returns once all are registered.
+
+    Raises:
+        RuntimeError: a port could not be bound.
+    """
+    workers, servers, addresses = [], [], []
+    for i in range(n):
+        w = SimWorker(f"{prefix}-{i}", model, capacity, tokens_per_s, tokens_per_chunk)
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        worker_pb2_grpc.add_WorkerServicer_to_server(w, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        if port == 0:
+            raise RuntimeError("could not bind a port for a simulated worker")
+        await server.start()
+        workers.append(w)
+        servers.append(server)
+        addresses.append(f"127.0.0.1:{port}")
+    channel = grpc.aio.insecure_channel(coordinator, options=CHANNEL_OPTIONS)
+    fleet = SimFleet(workers, servers, addresses, channel, [])
+    stub = worker_pb2_grpc.RegistryStub(channel)
+    events = [asyncio.Event() for _ in workers]
+    fleet.tasks = [asyncio.ensure_future(_keep_registered(fleet, stub, w, a, e))
+                   for w, a, e in zip(workers, addresses, events)]
+    await asyncio.gather(*(e.wait() for e in events))
+    return fleet
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--coordinator", required=True, help="host:port of the coordinator's Registry")
+    p.add_argument("--workers", type=int, required=True)
+    p.add_argument("--capacity", type=int, default=16, help="streams per worker")
+    p.add_argument("--tokens-per-s", type=float, default=25.0, help="tokens per second of each stream")
+    p.add_argument("--tokens-per-chunk", type=int, default=1)
+    p.add_argument("--model", default="sim")
+    p.add_argument("--prefix", default="sim", help="worker ids are PREFIX-0, PREFIX-1, ...")
+    args = p.parse_args(argv)
+    if args.workers < 1 or args.capacity < 1 or args.tokens_per_s <= 0 or args.tokens_per_chunk < 1:
+        p.error("--workers, --capacity and --tokens-per-chunk must be >= 1, --tokens-per-s > 0")
+
+    async def run() -> None:
+        fleet = await start_fleet(args.coordinator, args.workers, args.capacity, args.tokens_per_s,
+                                  args.tokens_per_chunk, args.model, args.prefix)
+        print(f"ready {len(fleet.workers)}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await fleet.stop()
+
+    asyncio.run(run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""The fleet's state behind one small interface: membership and worker leases, drain flags,
+session placements, session affinity, and which coordinator owns each worker's once-only duties.
+
+Every coordinator keeps a local view of the state (`registry`, `affinity`) that routing reads
+without awaiting: a request's path never waits on the store. Writes go through a `FleetState`:
+
+- `MemoryState` (coordinator/state/memory.py, the default): the view is the state; one
+  coordinator, nothing else to run.
+- `EtcdState` (coordinator/state/etcd.py): the state lives in etcd, shared by several active
+  coordinators; each one's view follows etcd through watches, and a worker's liveness is an etcd
+  lease that the coordinator receiving its heartbeats keeps alive.
+
+What stays per coordinator either way: the streams it proxies (`WorkerRecord.in_flight`, which is
+why a worker's own RESOURCE_EXHAUSTED is the capacity check that holds across coordinators), and
+`unreachable` marks from its own failed calls.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+from coordinator.registry import Registry, WorkerRecord
+from coordinator.routing import SessionAffinity
+from flashfleet.v1 import worker_pb2
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a request's stream runs.
+
+    Attributes:
+        request_id: the request.
+        worker_id: the worker decoding it.
+        coordinator_id: the coordinator proxying its stream.
+        tokens: tokens the coordinator had forwarded to the client when it wrote this (the
+            client's own count may be higher: placements are written when a stream is placed or
+            moves, not per token).
+    """
+
+    request_id: str
+    worker_id: str
+    coordinator_id: str
+    tokens: int = 0
+
+
+class NotLive(LookupError):
+    """No live worker has the id."""
+
+
+class FleetState(abc.ABC):
+    """The fleet's state as one coordinator sees and changes it.
+
+    Attributes:
+        coordinator_id: this coordinator's id (unique among those sharing the state).
+        registry: the local view of the live workers (routing reads it synchronously).
+        affinity: the local view of session affinity; its `bind` also records the binding in
+            the shared state.
+        shared: other coordinators see this state (a worker registers with one of them; its
+            RegisterResponse says so).
+    """
+
+    shared = False
+
+    def __init__(self, coordinator_id: str, registry: Registry, affinity: SessionAffinity):
+        self.coordinator_id = coordinator_id
+        self.registry = registry
+        self.affinity = affinity
+
+    async def start(self) -> None:
+        """Connects to the store and loads the current state into the local view (a no-op in
+        memory). Raises ConnectionError when the store cannot be reached."""
+
+    async def close(self) -> None:
+        """Stops following the store and gives up this coordinator's ownerships."""
+
+    @abc.abstractmethod
+    async def register(self, req: worker_pb2.RegisterRequest) -> WorkerRecord:
+        """Adds or renews a worker and starts its lease (`Registry.register` semantics).
+
+        Raises:
+            ValueError: empty worker_id, address or model list.
+            coordinator.registry.WorkerIdInUse: another live worker at another address holds the id.
+        """
+
+    @abc.abstractmethod
+    async def heartbeat(self, worker_id: str, lease_id: str, load: worker_pb2.WorkerLoad) -> WorkerRecord:
+        """Renews a worker's lease and records its load.
+
+        Raises:
+            coordinator.registry.UnknownLease: the lease is unknown or expired.
+        """
+
+    @abc.abstractmethod
+    async def deregister(self, worker_id: str, lease_id: str) -> WorkerRecord:
+        """Removes a worker (clean shutdown).
+
+        Raises:
+            coordinator.registry.UnknownLease: the lease is unknown or expired.
+        """
+
+    @abc.abstractmethod
+    async def set_draining(self, worker_id: str) -> WorkerRecord:
+        """Marks a live worker draining for every coordinator (routing sends it nothing new, the
+        migration policy moves its sessions); the mark lasts while its lease does, across
+        re-registration.
+
+        Raises:
+            NotLive: no live worker has the id.
+        """
+
+    @abc.abstractmethod
+    def owns(self, worker_id: str) -> bool:
+        """Whether this coordinator runs the once-only duties for the worker: the migration
+        policy's own moves of sessions off it, and counting its lease's expiry. At most one
+        coordinator owns a worker at a time."""
+
+    @abc.abstractmethod
+    def place(self, request_id: str, worker_id: str, tokens: int) -> None:
+        """Records that this coordinator streams `request_id` from `worker_id` (after routing,
+        and after each move), `tokens` forwarded so far. Does not wait for the store."""
+
+    @abc.abstractmethod
+    def unplace(self, request_id: str) -> None:
+        """Forgets a request's placement (its stream ended). Does not wait for the store."""
+
+    @abc.abstractmethod
+    async def placement(self, request_id: str) -> Placement | None:
+        """The request's placement, or None (unknown, ended, or its worker left)."""

@@ -1,0 +1,26 @@
+"""bench/bench_coordinator.py end to end at a tiny size: one coordinator, three simulated workers
+(bench/sim_worker.py), a few streams; its table row and JSON carry measured tokens, streams held
+and admitted requests with no error, and bad arguments are one line (exit 2)."""
+import json
+
+from bench_scripts import run_bench
+
+
+def test_table_json_and_bad_arguments(tmp_path):
+    out = tmp_path / "c.json"
+    r = run_bench("bench_coordinator.py", "--workers", 3, "--streams", 8, "--max-tokens", 20, "--tokens-per-s", 40,
+                  "--warmup-s", 1, "--duration-s", 3, "--idle-s", 0.5, "--admit-s", 1, "--admit-concurrency", 2,
+                  "--sim-procs", 1, "--client-procs", 1, "--json-out", out, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| this |")]
+    assert len(rows) == 1, r.stdout
+    (row,) = json.loads(out.read_text())
+    assert row["coordinators"] == 1 and row["workers"] == 3 and row["streams"] == 8
+    assert row["tokens_per_s"] > 0 and row["messages_per_s"] > 0 and row["rate_kept"] > 0.25, row
+    assert 1 <= row["held"] <= 8 and row["errors"] == 0 and row["admit_errors"] == 0, row
+    assert row["admitted_per_s"] > 0 and row["cpu_s_per_1k_tokens"] > 0 and row["heartbeats_per_s"] == 1.5
+    bad = run_bench("bench_coordinator.py", "--workers", 0)
+    assert bad.returncode == 2 and "must be >= 1" in bad.stderr and "Traceback" not in bad.stderr
+    bad = run_bench("bench_coordinator.py", "--baseline-src", tmp_path)
+    assert bad.returncode == 2 and "no coordinator/__main__.py there" in bad.stderr

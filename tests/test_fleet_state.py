@@ -1,0 +1,222 @@
+"""The fleet state's contract (coordinator/state/), for each implementation: membership and
+leases, drain flags, placements, affinity and ownership."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from coordinator.registry import Registry, UnknownLease, WorkerIdInUse
+from coordinator.routing import SessionAffinity
+from coordinator.state import MemoryState, NotLive
+from flashfleet.v1 import common_pb2, worker_pb2
+
+
+def registration(worker_id: str, address: str = "127.0.0.1:1", capacity: int = 4) -> worker_pb2.RegisterRequest:
+    return worker_pb2.RegisterRequest(worker_id=worker_id, address=address,
+                                      models=[common_pb2.ModelInfo(name="m")],
+                                      load=worker_pb2.WorkerLoad(capacity=capacity))
+
+
+def memory_state(lease_ttl_s: float = 10.0, clock=None) -> MemoryState:
+    registry = Registry(lease_ttl_s, **({"clock": clock} if clock else {}))
+    return MemoryState("c1", registry, SessionAffinity(60.0))
+
+
+def test_memory_state_membership_drain_and_placements():
+    now = [0.0]
+    state = memory_state(clock=lambda: now[0])
+
+    async def scenario():
+        rec = await state.register(registration("w1"))
+        assert state.registry.get("w1") is rec and state.owns("w1")
+        with pytest.raises(WorkerIdInUse):
+            await state.register(registration("w1", address="127.0.0.1:2"))
+        with pytest.raises(ValueError):
+            await state.register(worker_pb2.RegisterRequest(worker_id="w2"))
+        await state.heartbeat("w1", rec.lease_id, worker_pb2.WorkerLoad(capacity=6))
+        assert rec.capacity == 6
+        with pytest.raises(UnknownLease):
+            await state.heartbeat("w1", "not-the-lease", worker_pb2.WorkerLoad())
+        with pytest.raises(NotLive):
+            await state.set_draining("nope")
+        assert (await state.set_draining("w1")).draining
+        old_lease = rec.lease_id
+        again = await state.register(registration("w1"))  # re-registration keeps the drain
+        assert again.draining and again.lease_id != old_lease
+        state.place("r1", "w1", 0)
+        state.place("r1", "w1", 12)  # after a move: the latest wins
+        assert (await state.placement("r1")).tokens == 12
+        state.unplace("r1")
+        assert await state.placement("r1") is None
+        state.place("r2", "w1", 3)
+        now[0] = 11.0  # the lease runs out: the worker and the placements on it go
+        assert state.registry.get("w1") is None
+        assert await state.placement("r2") is None
+        with pytest.raises(UnknownLease):
+            await state.deregister("w1", again.lease_id)
+
+    asyncio.run(scenario())
+
+
+async def _wait_for(pred, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        await asyncio.sleep(0.02)
+    return pred()
+
+
+async def _etcd_states(endpoint: str, n: int = 2, lease_ttl_s: float = 10.0):
+    """`n` coordinators' EtcdStates over one etcd, each recording its registry's removals."""
+    from coordinator.state.etcd import EtcdState
+
+    states = []
+    for i in range(n):
+        removed: list[tuple[str, str]] = []
+        registry = Registry(lease_ttl_s, on_remove=lambda rec, why, removed=removed: removed.append((rec.worker_id, why)),
+                            expires=False)
+        state = EtcdState(f"c{i + 1}", registry, SessionAffinity(60.0), [endpoint], lease_ttl_s, 60.0)
+        state.removed = removed
+        await state.start()
+        states.append(state)
+    return states
+
+
+def test_etcd_state_one_registration_is_seen_by_every_coordinator(etcd):
+    async def scenario():
+        a, b = await _etcd_states(etcd.endpoint)
+        try:
+            rec = await a.register(registration("w1"))
+            assert await _wait_for(lambda: b.registry.get("w1") is not None)
+            assert b.registry.get("w1").lease_id == rec.lease_id and b.registry.get("w1").capacity == 4
+            # Exactly one owner: the coordinator it registered with.
+            assert await _wait_for(lambda: b._owners.get("w1") == "c1")
+            assert a.owns("w1") and not b.owns("w1")
+            # Heartbeats may reach any coordinator: the lease is etcd's.
+            await b.heartbeat("w1", rec.lease_id, worker_pb2.WorkerLoad(capacity=7))
+            assert await _wait_for(lambda: a.registry.get("w1").capacity == 7)
+            assert a.owns("w1") and not b.owns("w1")  # a live owner keeps its worker
+            # Another worker under the same id elsewhere is refused, by either coordinator.
+            with pytest.raises(WorkerIdInUse):
+                await b.register(registration("w1", address="127.0.0.1:2"))
+            with pytest.raises(UnknownLease):
+                await b.heartbeat("w1", "ff", worker_pb2.WorkerLoad())
+            # A drain set through one coordinator is seen by the other, and outlives re-registration.
+            await a.set_draining("w1")
+            assert await _wait_for(lambda: b.registry.get("w1").draining)
+            first_lease = rec.lease_id
+            again = await b.register(registration("w1"))
+            assert again.draining and again.lease_id != first_lease
+            assert await _wait_for(lambda: a.registry.get("w1").lease_id == again.lease_id)
+            assert a.registry.get("w1").draining
+            with pytest.raises(NotLive):
+                await b.set_draining("nope")
+            # Placements and affinity written by one coordinator are read by the other.
+            a.place("r1", "w1", 0)
+            a.place("r1", "w1", 5)
+            a.affinity.bind("session-1", "w1")
+            await a.flush()
+            placed = await b.placement("r1")
+            assert (placed.worker_id, placed.coordinator_id, placed.tokens) == ("w1", "c1", 5)
+            assert await _wait_for(lambda: b.affinity.lookup("session-1") == "w1")
+            a.unplace("r1")
+            await a.flush()
+            assert await b.placement("r1") is None
+            # A clean leave through either coordinator is a leave everywhere, not an expiry.
+            b.place("r2", "w1", 1)
+            await b.flush()
+            await b.deregister("w1", again.lease_id)
+            assert await _wait_for(lambda: a.registry.get("w1") is None)
+            assert ("w1", "deregistered") in a.removed and ("w1", "expired") not in a.removed
+            assert await b.placement("r2") is None  # placements go with the worker's lease
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(scenario())
+
+
+def test_etcd_lease_expiry_removes_a_dead_worker_everywhere_and_its_owner_alone_counts_it(etcd):
+    async def scenario():
+        a, b = await _etcd_states(etcd.endpoint, lease_ttl_s=2.0)
+        try:
+            await a.register(registration("w1"))
+            assert await _wait_for(lambda: b.registry.get("w1") is not None)
+            t0 = time.monotonic()
+            # No heartbeat: etcd ends the lease and both views drop the worker.
+            assert await _wait_for(lambda: a.registry.get("w1") is None and b.registry.get("w1") is None, 15)
+            assert time.monotonic() - t0 >= 1.0
+            assert a.removed == [("w1", "expired")] and b.removed == [("w1", "expired")]
+            # Each view saw it; the owner alone runs the duty: it releases the ownership.
+            assert await _wait_for(lambda: "w1" not in a._owners and "w1" not in b._owners)
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(scenario())
+
+
+def test_etcd_ownership_moves_only_when_its_owner_is_gone(etcd):
+    async def scenario():
+        a, b = await _etcd_states(etcd.endpoint)
+        try:
+            rec = await a.register(registration("w1"))
+            assert await _wait_for(lambda: b._owners.get("w1") == "c1")
+            for _ in range(3):  # heartbeats through b while a lives: a stays the only owner
+                await b.heartbeat("w1", rec.lease_id, worker_pb2.WorkerLoad(capacity=4))
+                assert a.owns("w1") and not b.owns("w1")
+            await a.close()  # the owner stops: its lease, and so its ownership, goes at once
+            assert await _wait_for(lambda: "w1" not in b._owners)
+            await b.heartbeat("w1", rec.lease_id, worker_pb2.WorkerLoad(capacity=4))
+            assert b.owns("w1")
+        finally:
+            await b.close()
+
+    asyncio.run(scenario())
+
+
+def test_state_settings_from_the_cluster_config_and_flags(tmp_path):
+    from coordinator.__main__ import parse_args
+    from coordinator.config import CoordinatorConfig
+    from flashfleet.config import ConfigError, load_cluster_config
+
+    base = '[[models]]\nname = "m"\npath = "/nonexistent"\n\n[[workers]]\nid = "w1"\nmodel = "m"\n'
+    cfg_path = tmp_path / "cluster.toml"
+    cfg_path.write_text('[coordinator]\nstate = "etcd"\netcd_endpoints = ["http://10.0.0.11:2379", "10.0.0.12:2379"]\n'
+                        + base)
+    a = parse_args(["--config", str(cfg_path)])
+    assert (a.state, a.etcd_endpoints) == ("etcd", ("http://10.0.0.11:2379", "10.0.0.12:2379"))
+    assert parse_args(["--config", str(cfg_path), "--etcd-endpoints", "h:1"]).etcd_endpoints == ("h:1",)
+    assert parse_args([]).state == "memory" and CoordinatorConfig().state == "memory"  # the default
+    for table, message in (('state = "etcd"\n', "needs etcd_endpoints"),
+                           ('state = "redis"\n', "state must be one of"),
+                           ('etcd_endpoints = ["h:1"]\n', 'set state = "etcd"'),
+                           ('state = "etcd"\netcd_endpoints = "h:1"\n', "must be an array of strings"),
+                           ('state = "etcd"\netcd_endpoints = ["https://h:1"]\n', "TLS to etcd is not supported"),
+                           ('state = "etcd"\netcd_endpoints = ["h"]\n', "must be host:port")):
+        cfg_path.write_text("[coordinator]\n" + table + base)
+        with pytest.raises(ConfigError, match=message):
+            load_cluster_config(cfg_path)
+    with pytest.raises(SystemExit):
+        parse_args(["--state", "etcd"])  # no endpoints
+
+
+def test_a_coordinator_without_etcd_configured_keeps_its_state_in_memory_and_one_that_cannot_reach_etcd_stops():
+    from coordinator.config import CoordinatorConfig
+    from coordinator.server import start_coordinator
+    from etcd_server import free_port
+    from harness import LoopThread
+
+    loop = LoopThread()
+    try:
+        running = loop.run(start_coordinator(CoordinatorConfig(port=0)))
+        assert isinstance(running.state, MemoryState) and running.registry.frozen is False
+        loop.run(running.stop(grace_s=0.1))
+        nobody = f"127.0.0.1:{free_port()}"
+        with pytest.raises(RuntimeError, match=f"cannot reach etcd.*{nobody}"):
+            loop.run(start_coordinator(CoordinatorConfig(port=0, state="etcd", etcd_endpoints=(nobody,))))
+    finally:
+        loop.close()
