@@ -143,6 +143,7 @@ async def start_coordinator(config: CoordinatorConfig,
         registry = Registry(config.lease_ttl_s, on_remove=on_remove)
         state = MemoryState(coordinator_id, registry, affinity)
     servicer = CoordinatorServicer(config, state, pool, metrics=metrics)
+    state.on_worker_change = servicer.admission.notify  # a worker registered through another coordinator
     guards = []
     if config.api_keys:
         guards.append(RequireSecret(SERVICE_NAMES[:1], AUTHORIZATION, config.api_keys, BAD_KEY, is_bearer=True))

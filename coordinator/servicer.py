@@ -247,7 +247,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
         Aborts the call with NOT_FOUND (no live worker with that id) or FAILED_PRECONDITION (no
         other live, undrained worker serves its models: its sessions could not move, and the
-        models would go unserved).
+        models would go unserved), or UNAVAILABLE (the shared fleet state, etcd, does not answer).
         """
         try:
             async for progress in self.drain_worker(request.worker_id):
@@ -279,6 +279,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 rec = await self.state.set_draining(worker_id)
             except NotLive:
                 raise GenerateFailed(grpc.StatusCode.NOT_FOUND, f"no live worker {worker_id!r}") from None
+            except ConnectionError as e:  # the shared state's store (etcd) does not answer
+                raise GenerateFailed(grpc.StatusCode.UNAVAILABLE, f"cannot mark {worker_id!r} draining: {e}") from None
             self.fleet.drain_moved[worker_id] = 0
             if self.metrics:
                 self.metrics.draining.labels(worker=worker_id).set(1)
@@ -352,8 +354,9 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
         heartbeat interval (seconds).
 
         Aborts the call with INVALID_ARGUMENT when worker_id, address or the model list is empty,
-        and with ALREADY_EXISTS when another live worker at another address holds the id (the
-        worker retries, so it joins once that one's lease ends).
+        with ALREADY_EXISTS when another live worker at another address holds the id (the
+        worker retries, so it joins once that one's lease ends), and with UNAVAILABLE when the
+        shared fleet state (etcd) does not answer (the worker retries).
         """
         try:
             rec = await self.state.register(request)
@@ -362,6 +365,8 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
         except WorkerIdInUse as e:
             log.warning("refused a registration from %s: %s", request.address, e)
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, short_details(str(e)))
+        except ConnectionError as e:  # the shared state's store (etcd) does not answer: the worker retries
+            await context.abort(grpc.StatusCode.UNAVAILABLE, short_details(f"fleet state unavailable: {e}"))
         log.info("worker %s registered at %s serving %s", rec.worker_id, rec.address,
                  sorted(rec.model_names))
         if self.admission:
@@ -377,12 +382,14 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
         its own load report) to leave (`leave`).
 
         Aborts the call with NOT_FOUND when the lease is unknown or expired (the worker must
-        register again).
+        register again), UNAVAILABLE when the shared fleet state (etcd) does not answer.
         """
         try:
             rec = await self.state.heartbeat(request.worker_id, request.lease_id, request.load)
         except UnknownLease as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, short_details(str(e)))
+        except ConnectionError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, short_details(f"fleet state unavailable: {e}"))
         if self.admission:
             self.admission.notify()
         # Its own count of sessions too: another coordinator sharing the fleet's state may still
@@ -395,12 +402,15 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
     async def Deregister(self, request, context):
         """Removes a worker (clean shutdown); its channel closes now, or when its last open stream ends.
 
-        Aborts the call with NOT_FOUND when the lease is unknown or expired.
+        Aborts the call with NOT_FOUND when the lease is unknown or expired, UNAVAILABLE when the
+        shared fleet state (etcd) does not answer.
         """
         try:
             rec = await self.state.deregister(request.worker_id, request.lease_id)
         except UnknownLease as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, short_details(str(e)))
+        except ConnectionError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, short_details(f"fleet state unavailable: {e}"))
         if rec.in_flight == 0:  # else the last stream's handler closes it (closing cancels them)
             await self.pool.drop(rec.address)
         log.info("worker %s deregistered", rec.worker_id)

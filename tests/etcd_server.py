@@ -21,18 +21,34 @@ def free_port() -> int:
 class EtcdServer:
     """One etcd member listening on 127.0.0.1 (`endpoint`); `stop()` kills it."""
 
-    def __init__(self, data_dir: Path, name: str = "test"):
-        self.client_port, self.peer_port = free_port(), free_port()
+    def __init__(self, data_dir: Path, name: str = "test", peers: dict[str, int] | None = None,
+                 client_port: int | None = None, wait: bool = True):
+        """One member; `peers` (name -> peer port, this one's included) makes it one of a cluster."""
+        self.client_port = client_port or free_port()
+        self.peer_port = (peers or {}).get(name) or free_port()
         self.endpoint = f"127.0.0.1:{self.client_port}"
-        self.log = open(data_dir / "etcd.log", "wb")
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.log = open(data_dir / "etcd.log", "ab")
         peer = f"http://127.0.0.1:{self.peer_port}"
-        self.proc = subprocess.Popen(
-            [ETCD, "--name", name, "--data-dir", str(data_dir / "data"),
-             "--listen-client-urls", f"http://{self.endpoint}", "--advertise-client-urls", f"http://{self.endpoint}",
-             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"{name}={peer}", "--logger", "zap", "--log-level", "warn"],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        self._wait_ready()
+        cluster = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in (peers or {name: self.peer_port}).items())
+        self.argv = [ETCD, "--name", name, "--data-dir", str(data_dir / "data"),
+                     "--listen-client-urls", f"http://{self.endpoint}",
+                     "--advertise-client-urls", f"http://{self.endpoint}",
+                     "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                     "--initial-cluster", cluster, "--initial-cluster-token", "test",
+                     "--logger", "zap", "--log-level", "warn"]
+        self.start(wait)
+
+    def start(self, wait: bool = True) -> None:
+        """Starts (or restarts, on the same ports and data) the member; with `wait`, until it listens."""
+        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT)
+        if wait:
+            self._wait_ready()
+
+    def kill(self) -> None:
+        """SIGKILL, keeping the data directory (`start` brings the same member back)."""
+        self.proc.kill()
+        self.proc.wait(10)
 
     def _wait_ready(self, timeout_s: float = 20.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -47,6 +63,14 @@ class EtcdServer:
         raise RuntimeError(f"etcd did not listen on {self.endpoint} within {timeout_s} s")
 
     def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait(10)
+        self.kill()
         self.log.close()
+
+
+def start_cluster_of_three(root: Path) -> list[EtcdServer]:
+    """Three members on loopback forming one etcd cluster (started together: each waits for a quorum)."""
+    peers = {f"m{i}": free_port() for i in range(3)}
+    members = [EtcdServer(root / name, name, peers, wait=False) for name in peers]
+    for m in members:
+        m._wait_ready()
+    return members

@@ -303,3 +303,25 @@ def test_a_keys_prefix_or_suffix_is_never_accepted(with_admin, variant, monkeypa
             list(client.drain_worker("w1", timeout_s=5))
     assert http(cluster, "/v1/models", key=variant)[0] == 401
     assert engine.submitted == []
+
+
+def test_up_reports_access_control_and_warns_beyond_loopback(tmp_path, monkeypatch):
+    """`flashfleet up` prints what the coordinator's access control is (from its flags, config or
+    environment) and, on a non-loopback host, a warning for each missing protection."""
+    from flashfleet.cli.up import LocalCluster
+
+    for name in ("FLASHFLEET_COORDINATOR_API_KEYS", "FLASHFLEET_JOIN_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "keys").write_text(f"{KEY}\nsk-second\n")
+    (tmp_path / "token").write_text(f"{TOKEN}\n")
+    local = LocalCluster(workers=1, port=1, log_dir=tmp_path / "logs")
+    assert local.access_lines() == ["access control: API keys off, join token off, TLS off"]
+    open_ = LocalCluster(workers=1, port=1, host="0.0.0.0", log_dir=tmp_path / "logs",
+                         api_keys_file=tmp_path / "keys")
+    lines = open_.access_lines()
+    assert lines[0] == "access control: API keys on (2 keys), join token off, TLS off"
+    assert len(lines) == 2 and lines[1].startswith("warning: no join token")
+    monkeypatch.setenv("FLASHFLEET_JOIN_TOKEN", TOKEN)
+    secured = open_.access_lines()
+    assert secured == ["access control: API keys on (2 keys), join token on, TLS off"]
+    assert not any(KEY in line or TOKEN in line for line in lines + secured)

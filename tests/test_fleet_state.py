@@ -168,7 +168,9 @@ def test_etcd_ownership_moves_only_when_its_owner_is_gone(etcd):
             for _ in range(3):  # heartbeats through b while a lives: a stays the only owner
                 await b.heartbeat("w1", rec.lease_id, worker_pb2.WorkerLoad(capacity=4))
                 assert a.owns("w1") and not b.owns("w1")
+            a.place("r9", "w1", 3)  # queued, not yet written: closing writes it first
             await a.close()  # the owner stops: its lease, and so its ownership, goes at once
+            assert (await b.placement("r9")).tokens == 3
             assert await _wait_for(lambda: "w1" not in b._owners)
             await b.heartbeat("w1", rec.lease_id, worker_pb2.WorkerLoad(capacity=4))
             assert b.owns("w1")
@@ -220,3 +222,85 @@ def test_a_coordinator_without_etcd_configured_keeps_its_state_in_memory_and_one
             loop.run(start_coordinator(CoordinatorConfig(port=0, state="etcd", etcd_endpoints=(nobody,))))
     finally:
         loop.close()
+
+
+def test_etcd_state_rides_out_an_etcd_restart(etcd):
+    # etcd killed and started again (its data kept): heartbeats fail as UNAVAILABLE-like
+    # connection errors meanwhile, then work again on the same lease, and each coordinator's
+    # watch resumes where it stopped.
+    from coordinator.state.etcd_client import EtcdUnavailable
+
+    async def scenario():
+        a, b = await _etcd_states(etcd.endpoint)
+        try:
+            rec = await a.register(registration("w1"))
+            assert await _wait_for(lambda: b.registry.get("w1") is not None)
+            etcd.kill()
+            with pytest.raises(EtcdUnavailable):
+                await a.heartbeat("w1", rec.lease_id, worker_pb2.WorkerLoad(capacity=4))
+            await asyncio.get_running_loop().run_in_executor(None, etcd.start)
+            for _ in range(50):  # the first calls may still find the channel reconnecting
+                try:
+                    await a.heartbeat("w1", rec.lease_id, worker_pb2.WorkerLoad(capacity=9))
+                    break
+                except EtcdUnavailable:
+                    await asyncio.sleep(0.2)
+            assert await _wait_for(lambda: b.registry.get("w1") is not None and b.registry.get("w1").capacity == 9, 15)
+            await a.set_draining("w1")
+            assert await _wait_for(lambda: b.registry.get("w1").draining, 10)
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(scenario())
+
+
+def test_etcd_state_keeps_working_while_any_one_of_three_members_is_killed(tmp_path):
+    # Each member in turn is killed (one of them is the leader when it goes: leadership moves
+    # only when its holder dies) and restarted: heartbeats keep the worker's lease on the
+    # survivors, changes keep reaching the other coordinator, and no worker expires.
+    from coordinator.state.etcd_client import EtcdUnavailable
+    from etcd_server import ETCD, SKIP_REASON, start_cluster_of_three
+
+    if ETCD is None:
+        pytest.skip(SKIP_REASON)
+    members = start_cluster_of_three(tmp_path)
+
+    async def scenario():
+        from coordinator.state.etcd import EtcdState
+
+        states = []
+        for i in range(2):
+            registry = Registry(3.0, expires=False)
+            endpoints = [m.endpoint for m in members[i:] + members[:i]]  # each starts on another member
+            state = EtcdState(f"c{i + 1}", registry, SessionAffinity(60.0), endpoints, 3.0, 60.0)
+            await state.start()
+            states.append(state)
+        a, b = states
+        try:
+            rec = await a.register(registration("w1"))
+            assert await _wait_for(lambda: b.registry.get("w1") is not None)
+            for n, member in enumerate(members):
+                member.kill()
+                t0 = time.monotonic()
+                while True:  # a new leader is elected within a couple of seconds
+                    try:
+                        await a.heartbeat("w1", rec.lease_id, worker_pb2.WorkerLoad(capacity=10 + n))
+                        break
+                    except EtcdUnavailable:
+                        assert time.monotonic() - t0 < 15, "no etcd member answered after one died"
+                        await asyncio.sleep(0.1)
+                assert await _wait_for(lambda: b.registry.get("w1") and b.registry.get("w1").capacity == 10 + n, 15)
+                await asyncio.get_running_loop().run_in_executor(None, member.start)
+            assert b.registry.get("w1").lease_id == rec.lease_id  # the same lease throughout
+            await b.set_draining("w1")
+            assert await _wait_for(lambda: a.registry.get("w1").draining, 10)
+        finally:
+            await a.close()
+            await b.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for m in members:
+            m.stop()

@@ -193,27 +193,78 @@ def test_a_tiny_model_worker_registered_with_a_serves_greedy_requests_through_b(
         f.close()
 
 
-def test_a_worker_given_both_coordinators_keeps_one_registration_and_moves_it_when_that_one_stops(fleet):
-    # Shared state: one registration makes the worker visible to both; registering with each
-    # would give it two etcd leases that supersede each other.
-    import time
+def test_a_worker_given_both_coordinators_stays_in_the_fleet_when_its_coordinator_is_killed(etcd, tmp_path):
+    # Coordinator A is a process (`python -m coordinator --state etcd ...`), B in this one. The
+    # worker registers with A and heartbeats there; A gets SIGKILL. The worker's heartbeats move to
+    # B under the same lease, so the worker never leaves the fleet; B takes over its ownership
+    # once A's own etcd lease has run out, and keeps serving through it.
+    import socket
+    import subprocess
+    import sys
 
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = open(tmp_path / "coordinator-a.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "coordinator", "--port", str(port), "--state", "etcd",
+                             "--etcd-endpoints", f"http://{etcd.endpoint}", "--lease-ttl-s", "2",
+                             "--heartbeat-interval-s", "0.1"], stdout=log, stderr=subprocess.STDOUT)
+    loop = LoopThread()
+    b = loop.run(start_coordinator(CoordinatorConfig(port=0, state="etcd", etcd_endpoints=(etcd.endpoint,),
+                                                     lease_ttl_s=2.0, heartbeat_interval_s=0.1),
+                                   CollectorRegistry()))
     engine = FakeEngine()
-    addresses = {name: c.address for name, c in fleet.coordinators.items()}
-    w = fleet.loop.run(start_worker(engine, "w1", coordinator=f"{addresses['A']},{addresses['B']}",
-                                    metrics=WorkerMetrics(CollectorRegistry(), engine)))
-    fleet.workers["w1"] = w
-    fleet.loop.run(asyncio.wait_for(w.registered.wait(), 10))
-    assert wait_until(lambda: w.shared_state and len(w._leases) == 1, 10)
-    leases = dict(w._leases)
-    time.sleep(1.0)  # five heartbeats: the one registration holds
-    assert w._leases == leases
-    assert wait_until(lambda: fleet.sees("A", "w1") is not None and fleet.sees("B", "w1") is not None, 5)
-    holder = next(name for name, a in addresses.items() if a in leases)
-    other = "B" if holder == "A" else "A"
-    fleet.loop.run(fleet.coordinators.pop(holder).stop(grace_s=0.5))
-    assert wait_until(lambda: list(w._leases) == [addresses[other]], 10)
-    time.sleep(2.5)  # past the lease TTL: the worker stays live through the other coordinator
-    assert fleet.sees(other, "w1") is not None
-    with Client(addresses[other]) as client:
-        assert client.complete("fake-model", prompt="hello", max_tokens=5).token_ids == _expected("hello", 5)
+    w = None
+    try:
+        a_address = f"127.0.0.1:{port}"
+        assert wait_until(lambda: b"coordinator ready" in (tmp_path / "coordinator-a.log").read_bytes(), 60)
+        w = loop.run(start_worker(engine, "w1", coordinator=f"{a_address},{b.address}",
+                                  metrics=WorkerMetrics(CollectorRegistry(), engine)))
+        loop.run(asyncio.wait_for(w.registered.wait(), 60))
+        assert list(w._leases) == [a_address] and w.shared_state, (tmp_path / "coordinator-a.log").read_text()
+        lease = w._leases[a_address]
+        assert wait_until(lambda: b.registry.get("w1") is not None, 10)
+        assert not b.state.owns("w1")
+        proc.kill()
+        proc.wait(10)
+        assert wait_until(lambda: list(w._leases) == [b.address], 10)
+        assert wait_until(lambda: b.state.owns("w1"), 10)  # A's ownership went with A's lease
+        loop.run(asyncio.sleep(2.5))  # longer than the lease TTL: heartbeats through B kept it
+        assert b.registry.get("w1") is not None and b.registry.get("w1").lease_id == lease
+        assert b.metrics.lease_expiries._value.get() == 0
+        with Client(b.address) as client:
+            assert client.complete("fake-model", prompt="still here", max_tokens=3).worker_id == "w1"
+    finally:
+        proc.kill()
+        proc.wait(10)
+        log.close()
+        if w is not None:
+            loop.run(w.stop(grace_s=0.5))
+        loop.run(b.stop(grace_s=0.5))
+        loop.close()
+
+
+def test_a_request_waiting_at_one_coordinator_takes_a_worker_that_registers_with_the_other(fleet):
+    fleet.add_worker("w1", FakeEngine(capacity=1, token_delay_s=0.02), via="A")
+    b = fleet.coordinators["B"]
+    assert wait_until(lambda: fleet.sees("B", "w1") is not None, 10)
+    results = {}
+
+    def run(name, prompt, max_tokens):
+        with Client(b.address) as client:
+            results[name] = client.complete("fake-model", prompt=prompt, max_tokens=max_tokens)
+
+    long = threading.Thread(target=run, args=("long", "lll", 600))  # ~12 s on w1, B's only worker
+    long.start()
+    try:
+        assert wait_until(lambda: fleet.sees("B", "w1").in_flight == 1, 10)
+        waiting = threading.Thread(target=run, args=("waiting", "www", 3))
+        waiting.start()
+        assert wait_until(lambda: b.servicer.admission.waiting == 1, 10)  # B's view is full: it queues
+        fleet.add_worker("w2", FakeEngine(), via="A")  # registers with A; B learns of it from etcd
+        waiting.join(8)
+        assert not waiting.is_alive() and results["waiting"].worker_id == "w2"
+        assert "long" not in results  # it was not the end of the long stream that let it through
+    finally:
+        long.join(30)
+    assert results["long"].token_ids == _expected("lll", 600)

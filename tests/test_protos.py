@@ -40,7 +40,8 @@ def test_declared_grpcio_is_new_enough_for_the_stubs():
 
     from packaging.version import Version
 
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps = project["dependencies"] + project["optional-dependencies"]["server"]
     floor = {m["name"]: Version(m["v"]) for d in deps
              if (m := re.fullmatch(r"(?P<name>grpcio[a-z-]*)(>=|==)(?P<v>[0-9.]+)", d))}
     generated = re.search(r"GRPC_GENERATED_VERSION = '([0-9.]+)'",

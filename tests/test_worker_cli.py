@@ -252,3 +252,21 @@ def test_on_gpu_follows_mlx_default_device():
     from flashfleet.cli.demo import on_gpu
 
     assert on_gpu() == (mx.default_device().type == mx.DeviceType.gpu)
+
+def test_server_commands_without_the_server_extra_name_it(monkeypatch, capsys):
+    """Where the server extra is missing, a server command says what to install (exit 2) and a
+    client command runs as ever."""
+    import flashfleet.cli as cli
+
+    monkeypatch.setattr(cli, "missing_server_packages", lambda: ["mlx", "mlx_lm"])
+    for command in cli.SERVER_COMMANDS:
+        assert cli.main([command]) == 2
+        err = capsys.readouterr().err
+        assert f"flashfleet {command} needs the server packages, and mlx, mlx_lm is not installed" in err
+        assert "pip install 'flashfleet[server]'" in err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["status", "--help"])
+    assert e.value.code == 0 and "--address" in capsys.readouterr().out
+    assert set(cli.SERVER_COMMANDS) < set(cli.COMMANDS)
+    monkeypatch.undo()
+    assert cli.missing_server_packages() == []  # this environment has the extra

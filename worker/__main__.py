@@ -76,8 +76,9 @@ def parse_args(argv):
                    help="finished turns whose KV caches stay for follow-up prompts that extend them "
                    "(default 8; 0: none), within the KV budget")
     p.add_argument("--max-context-tokens", type=int, default=None)
-    p.add_argument("--coordinator", default=None, help="coordinator host:port, several separated by commas "
-                   "(it registers with each); omit: standalone")
+    p.add_argument("--coordinator", default=None, help="coordinator host:port (omit: standalone); several, "
+                   "comma-separated: the worker registers with each, or, when they share the fleet's state "
+                   "in etcd, with one, moving its heartbeats to the next when that one stops answering")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=tcp_port, default=None, help="gRPC port (default 0 = any free port)")
     p.add_argument("--advertise-host", default=None, help="host the coordinator and other workers dial")

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from contextlib import suppress
+from contextlib import AsyncExitStack, suppress
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from tenacity import (AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt, stop_never,
-                      wait_exponential_jitter)
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
 
 from flashfleet.auth import BAD_JOIN_TOKEN, JOIN_TOKEN_HEADER, RequireSecret, join_token_metadata, with_metadata
 from flashfleet.bad_messages import RejectUndecodable
@@ -30,9 +29,6 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 REGISTER_TIMEOUT_S = 5.0
 UNREACHABLE_WARN_EVERY_S = 60.0  # while registration fails, the log says so this often
 FAILED_STREAMS_GRACE_S = 1.0  # after the engine died: time for the streams' UNAVAILABLE to go out
-# Registration attempts with one coordinator of several that share the fleet's state before the
-# worker tries the next one.
-SHARED_REGISTER_ATTEMPTS = 3
 
 
 @dataclass
@@ -41,8 +37,8 @@ class RunningWorker:
 
     Attributes:
         advertise_address: "host:port" it registers under (the address the coordinator dials).
-        coordinator: "host:port" of the coordinator's Registry, several separated by commas (it
-            registers with each: any of them routes to it), or None when standalone.
+        coordinator: "host:port" of the coordinator's Registry, several comma-separated
+            (`_keep_registered`), or None when standalone.
         registered: set while the worker holds a lease with at least one coordinator (cleared
             when its last one's heartbeat fails).
         engine_died: True once the watchdog found the engine thread dead.
@@ -151,8 +147,10 @@ async def start_worker(engine: EngineProtocol, worker_id: str, host: str = "127.
         engine: a started engine (weights loaded).
         worker_id: unique name in the fleet.
         host, port: where to listen (port 0 = a free port).
-        coordinator: "host:port" of the coordinator's Registry (several separated by commas:
-            it registers with each), or None for a standalone worker.
+        coordinator: "host:port" of the coordinator's Registry, or several, comma-separated
+            (`_keep_registered`: it registers with each, or, when they share the fleet's state in
+            etcd, with one and moves its heartbeats on when that one stops answering); None for
+            a standalone worker.
         advertise_host: host the coordinator and other workers should dial (default: host).
         metrics: optional WorkerMetrics for the servicer.
         tls: flashfleet.config.TLSConfig: serve, and dial the coordinator, over mutual TLS.
@@ -188,8 +186,8 @@ async def start_worker(engine: EngineProtocol, worker_id: str, host: str = "127.
     running._watchdog_task = asyncio.get_running_loop().create_task(
         watch_engine(engine, running.leave_after_engine_death, engine_poll_s))
     running._watchdog_task.add_done_callback(_log_if_watchdog_failed)
-    for address in running.coordinators:
-        task = asyncio.get_running_loop().create_task(_keep_registered(running, address))
+    if coordinator:
+        task = asyncio.get_running_loop().create_task(_keep_registered(running))
         task.add_done_callback(_log_if_failed)
         running._heartbeat_tasks.append(task)
     return running
@@ -232,27 +230,56 @@ def _warn_while_unreachable(coordinator: str):
     return before_sleep
 
 
-async def _register(w: RunningWorker, stub, address: str, attempts: int | None):
-    """Registers with the coordinator at `address`, retrying with a capped backoff (`attempts`
-    times, or for as long as it takes when None; a warning a minute while it does not answer).
+async def _register(w: RunningWorker, addresses: list[str], at: int, channels: "_Channels",
+                    rotate: bool) -> tuple[int, worker_pb2.RegisterResponse]:
+    """Registers with the coordinator at `addresses[at]`, retrying for as long as it takes with a
+    capped backoff (a warning a minute while none answers); with `rotate`, each retry tries the
+    next address.
 
     Returns:
-        The RegisterResponse, or None when `attempts` ran out.
+        (index of the address that answered, its RegisterResponse).
     """
-    try:
-        async for attempt in AsyncRetrying(
-                retry=retry_if_exception_type(grpc.aio.AioRpcError),
-                stop=stop_never if attempts is None else stop_after_attempt(attempts),
-                wait=wait_exponential_jitter(multiplier=0.1, max=2.0, jitter=0.1),
-                before_sleep=_warn_while_unreachable(address)):
-            with attempt:
-                return await stub.Register(worker_pb2.RegisterRequest(
-                    worker_id=w.worker_id, address=w.advertise_address,
-                    models=[convert.model_info(w.engine.model)],
-                    load=w.servicer.load()), timeout=REGISTER_TIMEOUT_S)
-    except grpc.aio.AioRpcError as e:
-        log.warning("cannot register with the coordinator at %s (%s); trying the next one", address, e.code().name)
-        return None
+    warn = _warn_while_unreachable(",".join(addresses) if rotate else addresses[at])
+    spot = [at]
+
+    def before_sleep(state: RetryCallState) -> None:
+        warn(state)
+        if rotate:
+            spot[0] = (spot[0] + 1) % len(addresses)
+
+    async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(grpc.aio.AioRpcError),
+            wait=wait_exponential_jitter(multiplier=0.1, max=2.0, jitter=0.1), before_sleep=before_sleep):
+        with attempt:
+            resp = await channels.stub(addresses[spot[0]]).Register(worker_pb2.RegisterRequest(
+                worker_id=w.worker_id, address=w.advertise_address, models=[convert.model_info(w.engine.model)],
+                load=w.servicer.load()), timeout=REGISTER_TIMEOUT_S)
+    return spot[0], resp
+
+
+class _Channels:
+    """One Registry channel per coordinator address, opened on first use, closed together."""
+
+    def __init__(self, w: RunningWorker, stack: AsyncExitStack):
+        self._w, self._stack, self.channels = w, stack, {}
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self.channels:
+            self.channels[address] = aio_channel(address, self._w.tls)
+            self._stack.push_async_callback(self.channels[address].close)
+        return self.channels[address]
+
+    def stub(self, address: str):
+        return _registry_stub(self.channel(address), self._w.join_token)
+
+
+async def _leave(w: RunningWorker, address: str) -> None:
+    """A heartbeat's response asked the worker to leave (it was drained): deregisters everywhere."""
+    log.info("the coordinator at %s drained this worker: deregistering and leaving", address)
+    w.stop_heartbeats()
+    await w._deregister()
+    w.registered.clear()
+    w.leave_requested.set()
 
 
 async def _next_beat(channel: grpc.aio.Channel, interval_s: float) -> None:
@@ -271,46 +298,55 @@ async def _next_beat(channel: grpc.aio.Channel, interval_s: float) -> None:
         await asyncio.wait_for(lost(), interval_s)
 
 
-async def _keep_registered(w: RunningWorker, address: str) -> None:
-    """Registers with the coordinator at `address`, then heartbeats; re-registers when a
+async def _keep_registered(w: RunningWorker) -> None:
+    """Keeps the worker registered with its coordinators, then heartbeating; re-registers when a
     heartbeat fails (lease expired, coordinator restarted or unreachable). Ends after
-    deregistering from every coordinator when a heartbeat's response asks the worker to leave
+    deregistering when a heartbeat's response asks the worker to leave
     (`RunningWorker.leave_requested`).
 
-    Coordinators that share the fleet's state (the response's `shared_state`) need one
-    registration: the first to succeed is kept, the other addresses' tasks stop, and when its
-    coordinator stops answering the registration moves to the next address in the list (a few
-    attempts each, round the list for as long as it takes). Otherwise the worker keeps one
-    registration per coordinator, each retried for as long as it takes."""
+    The first registration goes to the first address that answers (each retry tries the next).
+    Its response says whether the coordinators share the fleet's state (etcd, `shared_state`):
+      - shared: that one registration serves every coordinator; a heartbeat that finds its
+        coordinator gone (UNAVAILABLE, or no answer in time) goes to the next address under the
+        same lease, so the worker stays in the fleet while any coordinator lives;
+      - not shared: each coordinator knows only the workers registered with it, so the worker
+        registers and heartbeats with every address, each retried on its own."""
     addresses = w.coordinators
-    i = addresses.index(address)
-    while True:
-        address = addresses[i]
-        async with aio_channel(address, w.tls) as channel:
-            stub = _registry_stub(channel, w.join_token)
-            resp = await _register(w, stub, address, SHARED_REGISTER_ATTEMPTS if w.shared_state else None)
-            if resp is None:  # shared state: another coordinator may answer
-                i = (i + 1) % len(addresses)
-                continue
+    async with AsyncExitStack() as stack:
+        channels = _Channels(w, stack)
+        at, resp = await _register(w, addresses, 0, channels, rotate=True)
+        if resp.shared_state:
+            w.shared_state = True
+            await _heartbeat_shared(w, addresses, at, resp, channels)
+            return
+        for address in addresses:
+            if address != addresses[at]:
+                task = asyncio.get_running_loop().create_task(_keep_registered_with(w, address))
+                task.add_done_callback(_log_if_failed)
+                w._heartbeat_tasks.append(task)
+        await _keep_registered_with(w, addresses[at], resp, channels)
+
+
+async def _keep_registered_with(w: RunningWorker, address: str, resp: worker_pb2.RegisterResponse | None = None,
+                                channels: _Channels | None = None) -> None:
+    """One coordinator's registration (coordinators that share nothing): registers (unless
+    `resp` is its registration), heartbeats, registers again when a heartbeat fails."""
+    async with AsyncExitStack() as stack:
+        channels = channels or _Channels(w, stack)
+        while True:
+            if resp is None:
+                _, resp = await _register(w, [address], 0, channels, rotate=False)
             w._leases[address] = resp.lease_id
-            if resp.shared_state and not w.shared_state:
-                w.shared_state = True  # one registration serves every coordinator: the others stop
-                w.stop_heartbeats()
-                w._leases = {address: resp.lease_id}
             w.registered.set()
             log.info("registered with %s (lease %s)", address, resp.lease_id)
             try:
                 while True:
-                    await _next_beat(channel, resp.heartbeat_interval_s)
-                    beat = await stub.Heartbeat(worker_pb2.HeartbeatRequest(
-                        worker_id=w.worker_id, lease_id=resp.lease_id,
-                        load=w.servicer.load()), timeout=REGISTER_TIMEOUT_S)
+                    await _next_beat(channels.channel(address), resp.heartbeat_interval_s)
+                    beat = await channels.stub(address).Heartbeat(worker_pb2.HeartbeatRequest(
+                        worker_id=w.worker_id, lease_id=resp.lease_id, load=w.servicer.load()),
+                        timeout=REGISTER_TIMEOUT_S)
                     if beat.leave:  # drained (Coordinator.DrainWorker): no session left here
-                        log.info("the coordinator at %s drained this worker: deregistering and leaving", address)
-                        w.stop_heartbeats()
-                        await w._deregister()
-                        w.registered.clear()
-                        w.leave_requested.set()
+                        await _leave(w, address)
                         return
             except grpc.aio.AioRpcError as e:
                 log.warning("heartbeat to %s failed (%s: %s); registering again", address, e.code().name,
@@ -318,5 +354,39 @@ async def _keep_registered(w: RunningWorker, address: str) -> None:
                 w._leases.pop(address, None)
                 if not w._leases:
                     w.registered.clear()
-                if w.shared_state and e.code() != grpc.StatusCode.NOT_FOUND:  # its coordinator is gone: the next one
-                    i = (i + 1) % len(addresses)
+                resp = None
+
+
+async def _heartbeat_shared(w: RunningWorker, addresses: list[str], at: int, resp: worker_pb2.RegisterResponse,
+                            channels: _Channels) -> None:
+    """Heartbeats of a worker whose coordinators share the fleet's state (`_keep_registered`)."""
+    while True:
+        w._leases = {addresses[at]: resp.lease_id}
+        w.registered.set()
+        log.info("registered with %s (lease %s)", addresses[at], resp.lease_id)
+        try:
+            while True:
+                await _next_beat(channels.channel(addresses[at]), resp.heartbeat_interval_s)
+                request = worker_pb2.HeartbeatRequest(worker_id=w.worker_id, lease_id=resp.lease_id,
+                                                      load=w.servicer.load())
+                for tried in range(len(addresses)):
+                    try:
+                        beat = await channels.stub(addresses[at]).Heartbeat(request, timeout=REGISTER_TIMEOUT_S)
+                        break
+                    except grpc.aio.AioRpcError as e:
+                        if (tried == len(addresses) - 1 or e.code() not in
+                                (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)):
+                            raise
+                        log.warning("heartbeat to %s failed (%s); trying %s", addresses[at], e.code().name,
+                                    addresses[(at + 1) % len(addresses)])
+                        at = (at + 1) % len(addresses)
+                        w._leases = {addresses[at]: resp.lease_id}
+                if beat.leave:  # drained (Coordinator.DrainWorker): no session left here
+                    await _leave(w, addresses[at])
+                    return
+        except grpc.aio.AioRpcError as e:
+            log.warning("heartbeat to %s failed (%s: %s); registering again", addresses[at], e.code().name,
+                        e.details())
+            w._leases = {}
+            w.registered.clear()
+            at, resp = await _register(w, addresses, at, channels, rotate=True)

@@ -57,6 +57,9 @@ class FleetState(abc.ABC):
             the shared state.
         shared: other coordinators see this state (a worker registers with one of them; its
             RegisterResponse says so).
+        on_worker_change: called (on the event loop) when the view took a worker's entry from
+            the shared store (a registration or heartbeat through any coordinator), so capacity
+            may have grown and the admission queue re-checks; None: nothing to tell.
     """
 
     shared = False
@@ -65,6 +68,7 @@ class FleetState(abc.ABC):
         self.coordinator_id = coordinator_id
         self.registry = registry
         self.affinity = affinity
+        self.on_worker_change = None
 
     async def start(self) -> None:
         """Connects to the store and loads the current state into the local view (a no-op in

@@ -44,6 +44,7 @@ log = logging.getLogger("flashfleet.coordinator.state")
 PREFIX = b"/flashfleet/"
 WORKERS, DRAIN, PLACEMENTS, OWNERS, AFFINITY = (b"workers/", b"drain/", b"placements/", b"owners/", b"affinity/")
 WRITE_QUEUE_MAX = 10_000  # background writes waiting at most; beyond that they are dropped (logged)
+CLOSE_FLUSH_S = 2.0  # on close, queued background writes get this long to finish
 
 
 def _key(kind: bytes, name: str) -> bytes:
@@ -101,7 +102,11 @@ class EtcdState(FleetState):
     async def close(self) -> None:
         """Stops following etcd, revokes this coordinator's lease (its ownerships go at once,
         so other coordinators take them over at the workers' next heartbeats) and closes the
-        client."""
+        client. Background writes already queued (a stream's placement removed as it ended)
+        get `CLOSE_FLUSH_S` seconds to finish first."""
+        if self._tasks:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.flush(), CLOSE_FLUSH_S)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -129,6 +134,8 @@ class EtcdState(FleetState):
         return revision
 
     async def _follow(self, revision: int) -> None:
+        """Applies every change from `revision` on, for as long as the coordinator runs: a
+        broken watch resumes (etcd_client.py), a compacted one reads the whole state anew."""
         while True:
             try:
                 async for events in self.client.watch_prefix(PREFIX, revision):
@@ -141,8 +148,8 @@ class EtcdState(FleetState):
                     try:
                         revision = await self._load() + 1
                         break
-                    except EtcdUnavailable as e:
-                        log.warning("%s", e)
+                    except (EtcdUnavailable, grpc.aio.AioRpcError) as e:
+                        log.warning("cannot read the fleet state from etcd: %s", e)
                         await asyncio.sleep(1.0)
 
     def _apply(self, ev: Event) -> None:
@@ -160,6 +167,8 @@ class EtcdState(FleetState):
                 self._leaving.discard(name)
                 rec = self.registry.upsert(entry.worker, _lease_hex(ev.lease))
                 rec.draining = name in self._drained
+                if self.on_worker_change is not None:
+                    self.on_worker_change()
             else:
                 reason = "deregistered" if name in self._leaving else "expired"
                 self._leaving.discard(name)
@@ -196,8 +205,8 @@ class EtcdState(FleetState):
                     log.warning("coordinator %s lost its etcd lease; took a new one", self.coordinator_id)
                 if self._affinity_lease and await self.client.keepalive(self._affinity_lease) <= 0:
                     self._affinity_lease = 0
-            except EtcdUnavailable as e:
-                log.warning("%s", e)
+            except (EtcdUnavailable, grpc.aio.AioRpcError) as e:
+                log.warning("cannot renew coordinator %s's etcd lease: %s", self.coordinator_id, e)
 
     async def _current_affinity_lease(self) -> int:
         now = time.monotonic()
@@ -221,6 +230,8 @@ class EtcdState(FleetState):
                 await coro
             except (EtcdUnavailable, grpc.aio.AioRpcError) as e:
                 log.debug("a background etcd write failed: %s", e)
+            except Exception:  # one bad write must not stop the ones after it
+                log.exception("a background etcd write failed")
 
     def _bound(self, session_id: str, worker_id: str) -> None:
         async def write():

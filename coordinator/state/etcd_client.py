@@ -239,7 +239,7 @@ class EtcdClient:
                                     ev.kv.lease, ev.kv.mod_revision) for ev in resp.events]
                     next_rev = events[-1].revision + 1
                     yield events
-            except (grpc.aio.AioRpcError, EOFError) as e:
+            except (grpc.aio.AioRpcError, EOFError, grpc.aio.UsageError) as e:
                 attempt += 1
                 log.warning("etcd watch on %s broke (%s); resuming from revision %d", self._targets[i], e, next_rev)
                 await asyncio.sleep(min(1.0, 0.1 * attempt))

@@ -7,8 +7,8 @@ import os
 import sys
 
 COMMANDS = {
-    "demo": ("flashfleet.cli.demo", "fetch the default model, start a 2-worker local cluster, "
-             "answer the prompts in prompts/demo.jsonl and print a table"),
+    "demo": ("flashfleet.cli.demo", "start a local cluster and answer the prompts in prompts/demo.jsonl "
+             "(on a GPU with DFlash and its speedup over plain decoding)"),
     "up": ("flashfleet.cli.up", "start a coordinator and N workers on this machine"),
     "generate": ("flashfleet.cli.generate", "stream one generation from a running cluster"),
     "status": ("flashfleet.cli.status", "show the workers of a running cluster"),
@@ -20,6 +20,19 @@ COMMANDS = {
     "coordinator": ("coordinator.__main__", "run a coordinator (as a service)"),
     "worker": ("worker.__main__", "run a worker (as a service)"),
 }
+
+# Commands that run a server, load models or train: they need the `server` extra
+# (`pip install 'flashfleet[server]'`); the others are the client's and need only gRPC.
+SERVER_COMMANDS = ("demo", "up", "models", "draft", "coordinator", "worker")
+SERVER_PACKAGES = ("mlx", "mlx_lm", "transformers", "tokenizers", "aiohttp", "prometheus_client", "gguf",
+                   "numpy", "tqdm", "tenacity", "grpc_health", "grpc_reflection")
+
+
+def missing_server_packages() -> list[str]:
+    """The `server` extra's import names that are not installed here (empty when all are)."""
+    from importlib.util import find_spec
+
+    return [name for name in SERVER_PACKAGES if find_spec(name) is None]
 
 
 INVOKED_AS = "FLASHFLEET_INVOKED_AS"  # a restarted service's usage name (worker/__main__.py)
@@ -64,6 +77,11 @@ def _dispatch(argv: list[str] | None) -> int:
         return 0
     if argv[0] not in COMMANDS:
         print(f"flashfleet: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    if argv[0] in SERVER_COMMANDS and (missing := missing_server_packages()):
+        print(f"flashfleet {argv[0]} needs the server packages, and {', '.join(missing)} "
+              "is not installed: pip install 'flashfleet[server]' (from a checkout: "
+              "pip install -e '.[server]')", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[argv[0]][0])
     return module.main(argv[1:]) or 0

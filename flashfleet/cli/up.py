@@ -250,6 +250,27 @@ class LocalCluster:
         self.stop()
         raise RuntimeError(f"workers not ready after {timeout_s:.0f} s; see logs in {self.log_dir}")
 
+    def access_lines(self) -> list[str]:
+        """What the coordinator's access control is (`flashfleet.auth.access_summary`, from the
+        same files, config and environment it read), then a warning for each protection missing
+        on a non-loopback host; the secrets themselves never appear."""
+        from flashfleet.auth import access_summary, access_warnings, is_loopback, load_api_keys, load_join_token
+
+        keys_file, token_file, tls = self.api_keys_file, self.join_token_file, False
+        if self.config is not None:
+            from flashfleet.config import load_cluster_config
+
+            cfg = load_cluster_config(self.config)
+            keys_file = keys_file or cfg.coordinator.api_keys_file or None
+            token_file = token_file or cfg.coordinator.join_token_file or None
+            tls = cfg.tls is not None
+        try:
+            keys, token = load_api_keys(keys_file), load_join_token(token_file)
+        except (OSError, ValueError):  # the coordinator has read them; this is only a report
+            return []
+        return [access_summary(keys, token, tls)] + [
+            f"warning: {w}" for w in access_warnings(is_loopback(self.host), keys, token, tls)]
+
     def check_alive(self) -> None:
         """Raises RuntimeError (with the exit code and the last 2000 characters of its log) if a
         child process has exited, after stopping every other child."""
@@ -503,6 +524,8 @@ def main(argv: list[str]) -> int:
           f"\"What is a GPU?\"", flush=True)
     if cluster.http_port:
         print(f"  OpenAI-compatible API: {cluster.http_url}/v1", flush=True)
+    for line in cluster.access_lines():
+        print(f"  {line}", flush=True)
     print("Ctrl-C stops everything.", flush=True)
     backoff = RestartBackoff()
     try:

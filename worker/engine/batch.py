@@ -208,7 +208,7 @@ def draft_block(draft: Any, batch: Batch, L: int) -> mx.array:
     B = len(rows)
     first = mx.array([[r.last] for r in rows], dtype=mx.uint32)
     block = mx.concatenate([first, mx.full((B, L - 1), draft.mask_token_id, mx.uint32)], axis=1)
-    h = draft._block_embeddings(block)
+    h = draft.block_embeddings(block)
     T = cache[0].lengths
     S = mx.array(batch.pending_len, dtype=mx.int32)
     P = 0 if batch.pending is None else batch.pending.shape[1]
@@ -223,24 +223,22 @@ def draft_block(draft: Any, batch: Batch, L: int) -> mx.array:
     for layer, c in zip(draft.layers, cache):
         a = layer.self_attn
         x = layer.input_layernorm(h)
-        kb, vb = a._kv_unroped(x)
-        kb = a.rope(kb, offset=start)
+        kb, vb = a.keys_values(x, start)
         if P:
-            kc, vc = a._kv_unroped(ctx)
-            kc = a.rope(kc, offset=T)
+            kc, vc = a.keys_values(ctx, T)
             kb, vb = mx.concatenate([kc, kb], axis=2), mx.concatenate([vc, vb], axis=2)
         c.write(kb, vb, positions, extent)
         kind = (a.window, a.causal)
         if kind not in masks:
             masks[kind] = _draft_layer_mask(a, start[:, None] + arangeL, start + L, c.keys.shape[2], None)
-        q = a._queries(x, start)
-        h = h + a._attend(q, c.keys, c.values, masks[kind])
+        q = a.queries(x, start)
+        h = h + a.attend(q, c.keys, c.values, masks[kind])
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     new_T = [t + s for t, s in zip(cache[0].host_lengths, batch.pending_len)]
     for c in cache:
         c.set_lengths(new_T, start)
     batch.pending, batch.pending_len = None, [0] * B
-    logits = draft._head(draft.norm(h)[:, 1:])
+    logits = draft.head(draft.norm(h)[:, 1:])
     return mx.concatenate([first, draft.draft_tokens(logits).astype(mx.uint32)], axis=1)
 
 
@@ -259,8 +257,8 @@ def flush_pending(draft: Any, batch: Batch) -> None:
     ctx = draft.context(batch.pending)
     for layer, c in zip(draft.layers, cache):
         a = layer.self_attn
-        k, v = a._kv_unroped(ctx)
-        c.write(a.rope(k, offset=T), v, positions, P)
+        k, v = a.keys_values(ctx, T)
+        c.write(k, v, positions, P)
     new_T = [t + s for t, s in zip(cache[0].host_lengths, batch.pending_len)]
     for c in cache:
         c.set_lengths(new_T, T + S)

@@ -170,22 +170,28 @@ class Attention(nn.Module):
         self.window = args.sliding_window if sliding else None
         self.causal = sliding if args.is_causal is None else bool(args.is_causal)
 
-    def _kv_unroped(self, x: mx.array):
+    # Public per-layer pieces, for callers that keep the K/V themselves (the batched engine,
+    # worker/engine/batch.py, writes them into per-row caches). Offsets may be one int or one per
+    # row, shape (B,) int32, for rows at different positions.
+
+    def keys_values(self, x: mx.array, offset) -> tuple[mx.array, mx.array]:
+        """This layer's keys (RoPE at `offset` + i) and values of x (B, L, D): each
+        (B, n_kv_heads, L, head_dim), in x's dtype."""
         B, L, _ = x.shape
         k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        return k, v
-
-    def _kv(self, x: mx.array, offset: int):
-        k, v = self._kv_unroped(x)
         return self.rope(k, offset=offset), v
 
-    def _queries(self, x: mx.array, offset) -> mx.array:
+    def queries(self, x: mx.array, offset) -> mx.array:
+        """This layer's queries of x (B, L, D), RoPE at `offset` + i: (B, n_heads, L, head_dim)."""
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         return self.rope(q, offset=offset)
 
-    def _attend(self, q: mx.array, keys: mx.array, values: mx.array, mask) -> mx.array:
+    def attend(self, q: mx.array, keys: mx.array, values: mx.array, mask) -> mx.array:
+        """Attention of q (B, n_heads, L, hd) over keys / values (B, n_kv_heads, N, hd) under
+        `mask` (None, boolean, or additive; broadcast to (B, n_heads, L, N)), through the
+        output projection: (B, L, D)."""
         B, _, L, _ = q.shape
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
@@ -193,7 +199,7 @@ class Attention(nn.Module):
     def extend(self, ctx: mx.array, cache: KVCache) -> None:
         """Appends context K/V for ctx (B, S, D), the fused context feature, at positions
         cache.offset..cache.offset+S-1 without running the block."""
-        k, v = self._kv(ctx, cache.offset)
+        k, v = self.keys_values(ctx, cache.offset)
         cache.update_and_fetch(k, v)
 
     def __call__(
@@ -204,12 +210,12 @@ class Attention(nn.Module):
         S = 0 if ctx is None else ctx.shape[1]
         # One projection over [new context; block]: their positions are contiguous (T .. T+S+L-1).
         kv_in = x if S == 0 else mx.concatenate([ctx, x], axis=1)
-        k, v = self._kv(kv_in, T)
-        q = self._queries(x, T + S)
+        k, v = self.keys_values(kv_in, T)
+        q = self.queries(x, T + S)
         # The block K/V are written after the context and trimmed off by the caller (Model),
         # which avoids concatenating the whole cached context with the block in every layer.
         keys, values = cache.update_and_fetch(k, v)
-        return self._attend(q, keys, values, mask)
+        return self.attend(q, keys, values, mask)
 
     def make_mask(self, L: int, n_valid: int, n_keys: int,
                   dtype: Optional[mx.Dtype] = None) -> Optional[mx.array]:
@@ -402,7 +408,7 @@ class Model(nn.Module):
         Returns:
             (B, L, D) after the final norm.
         """
-        h = self._block_embeddings(inputs)
+        h = self.block_embeddings(inputs)
         ctx = None if target_hidden is None else self.context(target_hidden)
         L = inputs.shape[1]
         n_new = L + (0 if ctx is None else ctx.shape[1])
@@ -414,7 +420,13 @@ class Model(nn.Module):
             c.trim(L)
         return self.norm(h)
 
-    def _block_embeddings(self, inputs: mx.array) -> mx.array:
+    def block_embeddings(self, inputs: mx.array) -> mx.array:
+        """The block's input: the target's embedding of `inputs` (B, L) int ids (the last
+        committed token, then MASK ids), scaled as the draft was trained: (B, L, D).
+
+        Raises:
+            RuntimeError: the draft is not bound to a target (`bind`).
+        """
         if self._embed is None:
             raise RuntimeError("DFlash draft is not bound to a target; call bind(target)")
         h = self._embed(inputs)
@@ -431,9 +443,15 @@ class Model(nn.Module):
                 masks[kind] = a.make_mask(L, n_valid, n_keys, dtype if PaddedKVCache.additive else None)
         return [masks[(layer.self_attn.window, layer.self_attn.causal)] for layer in self.layers]
 
+    def head(self, h: mx.array) -> mx.array:
+        """Logits of final-normed hidden states h (..., D) through the target's head: (..., V),
+        V being the draft vocabulary's size K when it has one (`draft_tokens` maps them to
+        target ids)."""
+        return self._head(h)
+
     def __call__(
         self, inputs: mx.array, target_hidden: Optional[mx.array], cache: list[KVCache]
     ) -> mx.array:
         """Draft logits for block positions 1..L-1: (B, L-1, V), through the target's head; V is
         the draft vocabulary's size K when it has one (`draft_tokens` maps them to target ids)."""
-        return self._head(self.hidden_states(inputs, target_hidden, cache)[:, 1:])
+        return self.head(self.hidden_states(inputs, target_hidden, cache)[:, 1:])

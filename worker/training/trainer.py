@@ -162,7 +162,7 @@ class Trainer:
         params = cast_tree(draft.parameters(), self.cdt)
         blocks = block_inputs(tokens, anchors, self.B, draft.mask_token_id)
         h = block_hidden(draft, params, taps, blocks, anchors)  # (Bsz*N, B, D)
-        logits = draft._head(h[:, 1:])
+        logits = draft.head(h[:, 1:])
         labels, weights = block_targets(tokens, lengths, anchors, keep, self.B, self.gamma)
         labels = draft.draft_index(labels)  # -1 outside a draft vocabulary: scored as a miss
         return logits, labels.reshape(-1, self.B - 1), weights.reshape(-1, self.B - 1)
