@@ -9,6 +9,7 @@ import pytest
 from coordinator.migration import MigrationPolicy, position_keyed, profile_seconds
 from coordinator.registry import WorkerRecord
 from flashfleet.v1 import common_pb2, worker_pb2
+from worker.engine.block_policy import Acceptance
 from worker.engine.profile import DecodeProfile, SessionRates, speculative_speedup
 
 BYTES_PER_TOKEN = 1000
@@ -310,13 +311,14 @@ def test_session_rates_and_speculative_speedup():
     rates.keep(set())
     assert rates.rate("a") == 0.0
     # Block 4 costs twice a plain step; a row accepting everything commits 4 tokens: 2x.
-    assert speculative_speedup([1.0], {1: 0.01, 4: 0.02}) == pytest.approx([2.0])
+    known = Acceptance.known
+    assert speculative_speedup([known(1.0)], {1: 0.01, 4: 0.02}) == pytest.approx([2.0])
     # Drafts that are never accepted: the batch steps plainly.
-    assert speculative_speedup([0.0, 0.0], {1: 0.01, 4: 0.02}) == [1.0, 1.0]
-    assert speculative_speedup([0.9], {4: 0.02}) == [1.0]  # no plain cost measured: unknown
+    assert speculative_speedup([known(0.0), known(0.0)], {1: 0.01, 4: 0.02}) == [1.0, 1.0]
+    assert speculative_speedup([known(0.9)], {4: 0.02}) == [1.0]  # no plain cost measured: unknown
     a = 0.8
     expected = (1 - a ** 4) / (1 - a) * 0.01 / 0.015
-    assert speculative_speedup([a], {1: 0.01, 4: 0.015})[0] == pytest.approx(expected)
+    assert speculative_speedup([known(a)], {1: 0.01, 4: 0.015})[0] == pytest.approx(expected)
     assert not math.isnan(expected)
 
 
@@ -370,3 +372,27 @@ def test_a_check_in_a_large_fleet_weighs_a_bounded_sample_and_still_finds_the_fa
     f = small.add("fast", step_s=0.01)
     small.place("src", "long", context=300, remaining=1500)
     assert policy.decide(_req("long"), s, 20, small.live(), None, 0.0).dest is f
+
+
+def test_a_parsed_profile_predicts_exactly_what_interpolating_every_bucket_does():
+    """ProfileTable interpolates only the batch buckets around the batch asked for: the result is
+    the same float as interpolating every bucket's context first, below, between, on and above
+    the measured batch sizes and contexts."""
+    import random
+
+    from coordinator.migration import ProfileTable, _interpolate
+
+    rng = random.Random(1)
+    for _ in range(50):
+        batches = sorted(rng.sample([1, 2, 3, 4, 8, 16, 32, 64], rng.randint(1, 6)))
+        prof = [worker_pb2.DecodeCost(batch_size=b, context_tokens=c, seconds=rng.uniform(0.005, 0.05))
+                for b in batches for c in sorted(rng.sample([256, 512, 1024, 4096, 8192], rng.randint(1, 4)))]
+        table = ProfileTable(prof)
+        by_batch = {}
+        for c in prof:
+            by_batch.setdefault(c.batch_size, []).append((c.context_tokens, c.seconds))
+        for batch in (1, 2, 3, 5, 8, 13, 64, 100):
+            for context in (1, 256, 300, 1024, 5000, 20000):
+                every = _interpolate(sorted((b, _interpolate(sorted(p), context)) for b, p in by_batch.items()), batch)
+                assert table.seconds(batch, context) == every
+    assert ProfileTable([]).seconds(1, 256) is None
