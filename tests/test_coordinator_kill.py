@@ -167,7 +167,7 @@ def test_killing_a_coordinator_mid_stream_loses_no_token(tiny_models, tmp_path):
 
 
 def test_a_coordinator_restarted_by_up_resumes_the_sdk_streams(tiny_models, tmp_path):
-    cluster = LocalCluster(str(tiny_models.llama), workers=2, capacity=4, log_dir=tmp_path,
+    cluster = LocalCluster(str(tiny_models.llama), workers=1, capacity=4, log_dir=tmp_path,
                            worker_args=("--model-name", MODEL))
     cluster.start(timeout_s=300, progress=lambda line: None)
     try:
