@@ -1,9 +1,11 @@
 """The worker's gRPC servicer: thin. Validates, converts, submits to the engine, streams events.
 
 Concurrency: handlers run on the asyncio loop; the engine runs MLX on its own thread and calls
-the per-request `emit` callback there, which only hands each event to the loop
-(`call_soon_threadsafe`). Everything a request's end depends on (was it aborted, moved, who
-reads it) lives in its `_Session` and is read and written on the loop alone.
+the per-request `emit` callback there, which only hands each event to the loop through `_Handoff`:
+events wait in a list, and the loop is woken once per burst (one `call_soon_threadsafe` for every
+session's events of an engine iteration, not one per session). Everything a request's end
+depends on (was it aborted, moved, who reads it) lives in its `_Session` and is read and written
+on the loop alone.
 
 A request is a `_Session` from submit to its end: the responses the engine's events became, and
 the Generate call reading them (at most one). A call that ends before the session does:
@@ -25,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
 import uuid
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -62,6 +65,44 @@ STATE_ERROR_CODES = {  # ExportSession / PullSession
 }
 _MOVED = "moved"  # a session's end: the coordinator cancelled it to move it (its reader writes nothing more)
 _COMPLETE = "complete"  # a session's end: its last response is the Complete
+
+
+class _Handoff:
+    """Events from the engine thread to the event loop, the loop woken once per burst.
+
+    `put` (any thread) appends (session, event) and schedules one drain on the loop unless one is
+    already scheduled; the drain (on the loop) hands every waiting event to `deliver` in order.
+    An engine iteration emits one event per session, so the loop wakes about once per iteration
+    instead of once per session (each wake-up is a write to the loop's self-pipe). The lock is
+    held for a list append or swap only.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, deliver):
+        self._loop, self._deliver = loop, deliver
+        self._lock = threading.Lock()
+        self._items: list[tuple[object, object]] = []
+        self._scheduled = False
+
+    def put(self, session, event) -> None:
+        """Hands `event` of `session` to the loop (dropped when the loop is closed: nobody listens)."""
+        with self._lock:
+            self._items.append((session, event))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self._loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # loop closed during shutdown
+            with self._lock:
+                self._items.clear()
+                self._scheduled = False
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+            self._scheduled = False
+        for session, event in items:
+            self._deliver(session, event)
 
 
 @dataclass
@@ -168,6 +209,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.orphan_grace_s = orphan_grace_s
         self._sessions: dict[str, _Session] = {}  # request id -> its session, until it ended and nobody reads it
         self._gone: str | None = None  # set by fail_streams: why no request can be served
+        self._handoff: _Handoff | None = None  # made on the loop by the first Generate
 
     def stop_keeping(self) -> None:
         """From now on a call that ends early aborts its session (the worker is stopping: no
@@ -268,14 +310,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             with suppress(TimeoutError):
                 await asyncio.wait_for(old.ended.wait(), ABORTED_WAIT_S)
             self._forget(old)
-        loop = asyncio.get_running_loop()
+        if self._handoff is None:
+            self._handoff = _Handoff(asyncio.get_running_loop(), lambda s, e: self._on_event(s, e))
+        handoff = self._handoff
         session = _Session(request)
 
         def emit(event) -> None:  # engine thread: hand over, nothing else
-            try:
-                loop.call_soon_threadsafe(self._on_event, session, event)
-            except RuntimeError:  # loop closed during shutdown: nobody is listening
-                pass
+            handoff.put(session, event)
 
         try:
             prompt_tokens = await asyncio.to_thread(
