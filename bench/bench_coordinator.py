@@ -18,8 +18,10 @@ script, grpc.aio), then measures three phases:
 3. admit: `--admit-concurrency` clients per coordinator send one-token requests back to back for
    `--admit-s` seconds: requests admitted and completed per second.
 
-Several coordinators run independently, each with its own workers (the fleet's state is not
-shared between them here), so their rows show how the relay adds up across processes.
+Several coordinators run independently, each with its own workers and clients, so their rows
+show how the relay adds up across processes; with `--etcd` they share the fleet's state in etcd
+(`--state etcd`, a member this script starts): each worker registers with one coordinator and
+every coordinator routes its clients to all of them.
 
     python bench/bench_coordinator.py --workers 50 200 1000 --coordinators 1 2 3 \\
         --streams 2000 --tokens-per-s 25 --max-tokens 200 [--json-out F]
@@ -35,8 +37,11 @@ import json
 import math
 import os
 import random
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -148,17 +153,26 @@ def _wait_line(proc: subprocess.Popen, prefix: str, what: str) -> str:
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"{what} exited ({proc.wait()}): {proc.stderr.read()[-2000:]}")
+            raise RuntimeError(f"{what} exited ({proc.wait()}): {_err_tail(proc)}")
         if line.startswith(prefix):
             return line.strip()
     raise RuntimeError(f"{what} did not start within {START_TIMEOUT_S:.0f} s")
 
 
 def _start(cmd: list[str], cores, src: Path = ROOT) -> subprocess.Popen:
-    """Starts `cmd` (pinned to `cores`) with `src` as its working directory and import root."""
+    """Starts `cmd` (pinned to `cores`) with `src` as its working directory and import root. Its
+    stderr goes to a temporary file (`_err_tail`): a pipe nobody reads would fill and stall it."""
     env = {**os.environ, "PYTHONPATH": str(src), "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(_pinned(cmd, cores), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=src, env=env)
+    err = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(_pinned(cmd, cores), stdout=subprocess.PIPE, stderr=err, text=True, cwd=src, env=env)
+    proc.err_file = err
+    return proc
+
+
+def _err_tail(proc: subprocess.Popen, n: int = 2000) -> str:
+    """The last `n` characters `proc` wrote to stderr."""
+    proc.err_file.seek(0)
+    return proc.err_file.read()[-n:]
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -171,6 +185,44 @@ def _stop(procs: list[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+class EtcdMember:
+    """One etcd member (the `etcd` binary) on free loopback ports in a temporary directory,
+    pinned to `cores`; `stop()` kills it and removes its data."""
+
+    def __init__(self, cores):
+        self.dir = tempfile.mkdtemp(prefix="bench-etcd-")
+        client, peer = _free_port(), _free_port()
+        self.endpoint = f"127.0.0.1:{client}"
+        self.proc = subprocess.Popen(_pinned([
+            shutil.which("etcd"), "--name", "bench", "--data-dir", os.path.join(self.dir, "data"),
+            "--listen-client-urls", f"http://{self.endpoint}", "--advertise-client-urls", f"http://{self.endpoint}",
+            "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+            "--initial-cluster", f"bench=http://127.0.0.1:{peer}", "--logger", "zap", "--log-level", "warn"], cores),
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", client), timeout=0.2):
+                    return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("etcd did not start") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _cpu_s(pids: list[int]) -> float:
@@ -211,9 +263,9 @@ def _clients(targets, args, streams_per_coordinator: int, max_tokens: int, t_fro
 def _collect(procs: list[subprocess.Popen], timeout_s: float) -> dict:
     total = {"tokens": 0, "messages": 0, "requests": 0, "errors": 0, "error_codes": {}, "held": 0.0}
     for p in procs:
-        out, err = p.communicate(timeout=timeout_s)
+        out, _ = p.communicate(timeout=timeout_s)
         if p.returncode != 0:
-            raise RuntimeError(f"a load client failed ({p.returncode}): {err[-2000:]}")
+            raise RuntimeError(f"a load client failed ({p.returncode}): {_err_tail(p)}")
         c = json.loads(out.strip().splitlines()[-1])
         for k in ("tokens", "messages", "requests", "errors", "held"):
             total[k] += c[k]
@@ -234,12 +286,17 @@ def run_row(args, coordinators: int, workers: int, src: Path = ROOT, label: str 
         used = {c[0] for c in coord_cores}
         load_cores = [c for c in range(ncpu) if c not in used] or list(range(ncpu))
     procs: list[subprocess.Popen] = []
+    etcd = None
     try:
+        state = []
+        if args.etcd:  # one etcd member holds the fleet's state for every coordinator of the row
+            etcd = EtcdMember(load_cores)
+            state = ["--state", "etcd", "--etcd-endpoints", etcd.endpoint]
         targets, pids = [], []
         for c in range(coordinators):
             proc = _start([sys.executable, "-m", "coordinator", "--port", "0", "--log-level", "WARNING",
                            "--max-queued", str(max(64, args.streams)),
-                           "--heartbeat-interval-s", repr(HEARTBEAT_INTERVAL_S)], coord_cores[c], src)
+                           "--heartbeat-interval-s", repr(HEARTBEAT_INTERVAL_S), *state], coord_cores[c], src)
             procs.append(proc)
             line = _wait_line(proc, "coordinator ready on", "the coordinator")
             targets.append(line.rsplit(" ", 1)[1].replace("0.0.0.0", "127.0.0.1"))
@@ -297,8 +354,13 @@ def run_row(args, coordinators: int, workers: int, src: Path = ROOT, label: str 
         _sleep_until(a_to)
         admit_cpu = _cpu_s(pids) - a0
         admit = _collect(admitters, args.timeout_s + 60)
+        if counts["errors"] or admit["errors"]:  # what the coordinators logged about them
+            for p in procs[:coordinators]:
+                print(f"coordinator log (end):\n{_err_tail(p, 3000)}", file=sys.stderr, flush=True)
     finally:
         _stop(procs)
+        if etcd is not None:
+            etcd.stop()
     d = args.duration_s
     offered = coordinators * args.streams
     tokens_s = counts["tokens"] / d
@@ -354,6 +416,10 @@ def main(argv=None) -> int:
     p.add_argument("--timeout-s", type=float, default=120.0, help="deadline of each request")
     p.add_argument("--model", default="sim")
     p.add_argument("--json-out", type=Path, default=None)
+    p.add_argument("--etcd", action="store_true",
+                   help="the coordinators share the fleet's state in etcd (`--state etcd`; the bench starts one etcd "
+                   "member, the `etcd` binary): each worker registers with one coordinator and serves all; without "
+                   "it every coordinator has its own workers")
     p.add_argument("--baseline-src", type=Path, default=None, metavar="DIR",
                    help="a checkout of another version (e.g. `git worktree add DIR COMMIT`): each row runs its "
                    "coordinator first (code \"baseline\"), then this one's (\"this\"), side by side")
@@ -365,6 +431,8 @@ def main(argv=None) -> int:
                        args.sim_procs, args.client_procs, args.admit_concurrency) if n < 1]
     if bad or args.tokens_per_s <= 0 or args.duration_s <= 0:
         p.error("counts must be >= 1 and --tokens-per-s, --duration-s > 0")
+    if args.etcd and not shutil.which("etcd"):
+        p.error("--etcd needs the etcd binary (apt-get install etcd-server)")
     if args.baseline_src is not None and not (args.baseline_src / "coordinator" / "__main__.py").is_file():
         p.error(f"--baseline-src {args.baseline_src}: no coordinator/__main__.py there")
     try:

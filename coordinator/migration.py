@@ -59,6 +59,7 @@ source and nothing was lost. Greedy output is the one unmigrated decoding gives.
 """
 from __future__ import annotations
 
+import bisect
 import math
 import random
 import time
@@ -119,6 +120,7 @@ class ProfileTable:
             if c.seconds > 0:
                 by_batch.setdefault(c.batch_size, []).append((c.context_tokens, c.seconds))
         self._by_batch = sorted((b, sorted(pts)) for b, pts in by_batch.items())
+        self._batches = [b for b, _ in self._by_batch]
 
     def __bool__(self) -> bool:
         return bool(self._by_batch)
@@ -126,9 +128,14 @@ class ProfileTable:
     def seconds(self, batch: int, context: int) -> float | None:
         """Predicted seconds per decode iteration at `batch` rows and `context` tokens (module
         docstring); None when the profile is empty."""
-        if not self._by_batch:
+        rows = self._by_batch
+        if not rows:
             return None
-        return _interpolate([(b, _interpolate(pts, context)) for b, pts in self._by_batch], batch)
+        # Only the batch buckets around `batch` count (the one below `batch`'s segment, or the
+        # last two above the largest): their contexts are interpolated, not every bucket's.
+        i = bisect.bisect_left(self._batches, batch)
+        near = rows[:1] if i == 0 else rows[i - 1:i + 1] if i < len(rows) else rows[-2:]
+        return _interpolate([(b, _interpolate(pts, context)) for b, pts in near], batch)
 
 
 def profile_seconds(profile: Iterable[worker_pb2.DecodeCost], batch: int, context: int) -> float | None:
@@ -279,8 +286,9 @@ class MigrationPolicy:
 
     def candidates(self, request: common_pb2.GenerateRequest, source: WorkerRecord, workers: Iterable[WorkerRecord],
                    left_worker: str | None = None, left_s: float | None = None,
-                   now_s: float = 0.0) -> list[WorkerRecord]:
-        """Workers the stream may move to (module docstring), without the KV-room check."""
+                   now_s: float = 0.0, limit: int | None = None) -> list[WorkerRecord]:
+        """Workers the stream may move to (module docstring), without the KV-room check: the
+        first `limit` of them in `workers`' order (all with None)."""
         if not position_keyed(request, source):
             return []
         out = []
@@ -291,6 +299,8 @@ class MigrationPolicy:
             if w.worker_id == left_worker and left_s is not None and now_s - left_s < self.cooldown_s:
                 continue
             out.append(w)
+            if len(out) == limit:
+                break
         return out
 
     def _tps(self, w: WorkerRecord, batch: int, context: int, speedup: float, peers) -> float | None:
@@ -344,8 +354,8 @@ class MigrationPolicy:
             return Decision(dest, "drain") if dest is not None else None
         if not self.enabled or (moved_s is not None and now_s - moved_s < self.cooldown_s) or session is None:
             return None
-        cands = self.candidates(request, source, self._sample(workers, source), left_worker, left_s, now_s)
-        cands = cands[:self.max_candidates]
+        cands = self.candidates(request, source, self._sample(workers, source), left_worker, left_s, now_s,
+                                self.max_candidates)
         if not cands:
             return None
         budget = source.load.kv_budget_bytes

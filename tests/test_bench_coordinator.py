@@ -24,3 +24,19 @@ def test_table_json_and_bad_arguments(tmp_path):
     assert bad.returncode == 2 and "must be >= 1" in bad.stderr and "Traceback" not in bad.stderr
     bad = run_bench("bench_coordinator.py", "--baseline-src", tmp_path)
     assert bad.returncode == 2 and "no coordinator/__main__.py there" in bad.stderr
+
+
+def test_two_coordinators_sharing_the_fleet_state_in_etcd(tmp_path):
+    import shutil
+
+    import pytest
+    if not shutil.which("etcd"):
+        pytest.skip("the etcd binary is not installed (apt-get install etcd-server; .ci/run installs it)")
+    out = tmp_path / "e.json"
+    r = run_bench("bench_coordinator.py", "--etcd", "--coordinators", 2, "--workers", 4, "--streams", 6,
+                  "--max-tokens", 20, "--tokens-per-s", 40, "--warmup-s", 1, "--duration-s", 3, "--idle-s", 0.5,
+                  "--admit-s", 1, "--admit-concurrency", 2, "--sim-procs", 1, "--client-procs", 1, "--json-out", out,
+                  timeout=300)
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads(out.read_text())
+    assert row["coordinators"] == 2 and row["streams"] == 12 and row["tokens_per_s"] > 0 and row["errors"] == 0, row

@@ -358,3 +358,27 @@ def test_a_check_in_a_large_fleet_weighs_a_bounded_sample_and_still_finds_the_fa
     f = small.add("fast", step_s=0.01)
     small.place("src", "long", context=300, remaining=1500)
     assert policy.decide(_req("long"), s, 20, small.live(), None, 0.0).dest is f
+
+
+def test_a_parsed_profile_predicts_exactly_what_interpolating_every_bucket_does():
+    """ProfileTable interpolates only the batch buckets around the batch asked for: the result is
+    the same float as interpolating every bucket's context first, below, between, on and above
+    the measured batch sizes and contexts."""
+    import random
+
+    from coordinator.migration import ProfileTable, _interpolate
+
+    rng = random.Random(1)
+    for _ in range(50):
+        batches = sorted(rng.sample([1, 2, 3, 4, 8, 16, 32, 64], rng.randint(1, 6)))
+        prof = [worker_pb2.DecodeCost(batch_size=b, context_tokens=c, seconds=rng.uniform(0.005, 0.05))
+                for b in batches for c in sorted(rng.sample([256, 512, 1024, 4096, 8192], rng.randint(1, 4)))]
+        table = ProfileTable(prof)
+        by_batch = {}
+        for c in prof:
+            by_batch.setdefault(c.batch_size, []).append((c.context_tokens, c.seconds))
+        for batch in (1, 2, 3, 5, 8, 13, 64, 100):
+            for context in (1, 256, 300, 1024, 5000, 20000):
+                every = _interpolate(sorted((b, _interpolate(sorted(p), context)) for b, p in by_batch.items()), batch)
+                assert table.seconds(batch, context) == every
+    assert ProfileTable([]).seconds(1, 256) is None
