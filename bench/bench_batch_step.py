@@ -11,8 +11,14 @@ all in one process, interleaved over `--rounds` rounds (median), with OpenBLAS p
 Linux CPU as workers run. It measures the engine's step alone: the gap between this and a
 cluster's throughput is scheduling and streaming.
 
+`--kernels` measures instead what the worker's load-time layer changes do to these batched
+forwards: per batch size, the plain step and (with `--draft`) a DFlash iteration at block
+`--block`, on copies of the target with its layers as loaded, with fused projections
+(`worker/fusion.py`), and fused with small_gemm (`worker/small_gemm.py`, CUDA only).
+
 Usage:
   python bench/bench_batch_step.py --model SmolLM2-135M-Instruct --draft dflash --batch 1,4,8
+  python bench/bench_batch_step.py --model DIR --draft DRAFT --batch 1,8,16 --kernels --block 16
 """
 from __future__ import annotations
 
@@ -94,6 +100,71 @@ def measure(model_dir: Path, draft_dir: Path | None, batches: list[int], context
     return rows
 
 
+def measure_kernels(model_dir: Path, draft_dir: Path | None, batches: list[int], context: int, reps: int,
+                    rounds: int, block: int) -> list[dict]:
+    """Rows {"batch", "variant", "plain", "dflash"} in ms: the engine's plain step and DFlash
+    iteration at block `block` (rows of `context` positions, rolled back after each iteration,
+    its pending taps dropped) on target copies with the worker's load-time layer changes
+    (`variants`), interleaved over `rounds` rounds of `reps` (median)."""
+
+    from worker import small_gemm
+    from worker.capture import HiddenCapture
+    from worker.engine.batch import dflash_cycle, plain_step
+    from worker.engine.warm import dummy_batch
+    from worker.fusion import fuse_projections
+    from worker.loading import load_target
+    from worker.models.dflash_checkpoint import load_dflash_draft
+
+    variants = ["as loaded", "fused"] + (["fused + small_gemm"] if small_gemm.available() else [])
+    models = {}
+    for v in variants:
+        model, _ = load_target(model_dir)
+        if v != "as loaded":
+            fuse_projections(model)
+        draft = load_dflash_draft(draft_dir, model) if draft_dir else None
+        if v == "fused + small_gemm":
+            small_gemm.use_small_gemm(model)
+            if draft is not None:
+                small_gemm.use_small_gemm(draft)
+        models[v] = (model, draft, HiddenCapture(model, draft.target_layer_ids) if draft else None)
+    rows = []
+    for B in batches:
+        steps = {}
+        for v, (model, draft, capture) in models.items():
+            plain = dummy_batch(model, B, context)
+            steps[(v, "plain")] = lambda m=model, b=plain: plain_step(m, b)
+            if draft is not None:
+                spec = dummy_batch(model, B, context, draft, capture)
+
+                def cycle(m=model, d=draft, c=capture, b=spec):
+                    dflash_cycle(m, d, c, b, block)
+                    for cache in b.caches:  # back to the context: every iteration alike
+                        cache.set_lengths([context] * B)
+                    b.pending, b.pending_len = None, [0] * B
+                steps[(v, "dflash")] = cycle
+        for fn in steps.values():  # warm-up
+            fn()
+        samples: dict = {k: [] for k in steps}
+        for _ in range(rounds):
+            for k, fn in steps.items():
+                samples[k].append(_time(fn, reps))
+        for v in models:
+            rows.append({"batch": B, "variant": v, "plain": statistics.median(samples[(v, "plain")]),
+                         "dflash": statistics.median(samples[(v, "dflash")]) if (v, "dflash") in samples else None})
+    return rows
+
+
+def format_kernels(rows: list[dict], block: int) -> str:
+    base = {r["batch"]: r for r in rows if r["variant"] == "as loaded"}
+    lines = [f"| batch | layers | plain ms | x as loaded | DFlash L={block} ms | x as loaded |", "|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        b = base[r["batch"]]
+        d = "-" if r["dflash"] is None else f"{r['dflash']:.2f} | {r['dflash'] / b['dflash']:.2f}"
+        lines.append(f"| {r['batch']} | {r['variant']} | {r['plain']:.2f} | {r['plain'] / b['plain']:.2f} | "
+                     + (d if r["dflash"] is not None else "- | -") + " |")
+    return "\n".join(lines)
+
+
 def format_table(rows: list[dict]) -> str:
     cols = [c for c in ("ours", "mlx_lm", "build", "dflash_1", "dflash_2") if c in rows[0]]
     head = "| batch | " + " | ".join(f"{c} ms" for c in cols) + " | ours / mlx-lm |"
@@ -112,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=300, help="tokens each row holds")
     p.add_argument("--reps", type=int, default=10, help="steps per timing")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median)")
+    p.add_argument("--kernels", action="store_true",
+                   help="compare the target's layers as loaded, fused, and fused with small_gemm (CUDA)")
+    p.add_argument("--block", type=int, default=16, help="DFlash block size of --kernels")
     a = p.parse_args(argv)
     from flashfleet.blas import restart_with_openblas
     from flashfleet.models import resolve_model
@@ -121,6 +195,15 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = Path(resolve_model(a.model))
     draft = resolve_draft_arg(a.draft, a.model)
+    if a.kernels:
+        import mlx.core as mx
+
+        rows = measure_kernels(model_dir, Path(draft) if draft else None, [int(b) for b in a.batch.split(",")],
+                               a.context, a.reps, a.rounds, a.block)
+        print(f"model {model_dir}; device {mx.default_device()}; context {a.context}; {a.reps} steps x "
+              f"{a.rounds} rounds (median)")
+        print(format_kernels(rows, a.block))
+        return 0
     rows = measure(model_dir, Path(draft) if draft else None, [int(b) for b in a.batch.split(",")],
                    a.context, a.reps, a.rounds)
     print(f"model {model_dir}; context {a.context}; {a.reps} steps x {a.rounds} rounds (median)")

@@ -307,6 +307,44 @@ def test_a_budget_smaller_than_one_session_is_refused_at_start(tiny_models):
         Engine(EngineConfig(model_path=tiny_models.llama, kv_budget_bytes=1000, warmup=False))
 
 
+def test_a_batchs_layers_share_their_lengths_through_joins_leaves_and_forwards(tiny_models, dflash_dir):
+    """Every layer of a batch holds one lengths array (the next forward's layers then build their
+    positions once), and sharing changes no token: the batch's rows decode as they do alone."""
+    from mlx_lm import load
+
+    from worker.capture import HiddenCapture
+    from worker.engine.batch import Batch, Row, dflash_cycle, plain_step
+    from worker.engine.warm import dummy_batch
+    from worker.sampling import greedy
+    from worker.models.dflash_checkpoint import load_dflash_draft
+
+    target, _ = load(str(tiny_models.llama))
+    draft = load_dflash_draft(dflash_dir, target)
+    capture = HiddenCapture(target, draft.target_layer_ids)
+
+    def shared(caches):
+        return all(c.lengths is caches[0].lengths for c in caches)
+
+    plain = dummy_batch(target, 3, 9)
+    spec = dummy_batch(target, 2, 9, draft, capture)
+    alone = [Batch([c.row(i) for c in plain.target], rows=[Row(greedy, r.n, r.last)])
+             for i, r in enumerate(plain.rows)]
+    out = [plain_step(target, plain) for _ in range(2)]
+    assert shared(plain.target) and shared(spec.target) and shared(spec.draft)
+    for i, a in enumerate(alone):
+        assert [plain_step(target, a)[0] for _ in range(2)] == [o[i] for o in out]
+    plain.keep([2, 0])
+    assert shared(plain.target)
+    plain.join(alone[1].rows[0], alone[1].target, None)
+    assert shared(plain.target) and plain.size == 3
+    plain_step(target, plain)
+    assert shared(plain.target)
+    for L in (4, 1, 2):
+        dflash_cycle(target, draft, capture, spec, L)
+        assert shared(spec.target) and shared(spec.draft)
+    assert mx.array_equal(spec.target[0].lengths, mx.array(spec.target[-1].host_lengths))
+
+
 def test_engine_and_coordinator_count_kv_with_one_formula(tiny_models, dflash_dir):
     """A session's KV need as the engine admits it (`fits_alone`, `projected_bytes`'s parts) and
     as the coordinator's migration policy computes it from the heartbeat (`final_need_bytes` with

@@ -3,23 +3,27 @@ from __future__ import annotations
 
 import pytest
 
-from worker.engine.block_policy import Acceptance, BatchBlockPolicy, expected_tokens
+from worker.engine.block_policy import Acceptance, BatchBlockPolicy, expected_length
 
 
 def run(policy: BatchBlockPolicy, cost, accept: list[float], iterations: int = 200, context: int = 300) -> dict:
-    """Drives the policy for `iterations` with cost(L, B) seconds; returns how often each L ran."""
+    """Drives the policy for `iterations` with cost(L, B) seconds and rows of known geometric
+    acceptance `accept`; returns how often each L ran."""
     seen: dict = {}
+    rows = [Acceptance.known(a) for a in accept]
     for _ in range(iterations):
-        L = policy.choose(accept, context, max_useful=64)
+        L = policy.choose(rows, context, max_useful=64)
         policy.observe(len(accept), context, L, cost(L, len(accept)))
         seen[L] = seen.get(L, 0) + 1
     return seen
 
 
-def test_expected_tokens():
-    assert expected_tokens(0.0, 16) == 1.0
-    assert expected_tokens(1.0, 8) == 8.0
-    assert expected_tokens(0.5, 2) == pytest.approx(1.5)
+def test_expected_tokens_of_geometric_acceptance():
+    """A row keeping each draft with probability a commits (1 - a^L) / (1 - a) tokens a block of L."""
+    assert Acceptance.known(0.0).expected(16) == pytest.approx(1.0)
+    assert Acceptance.known(1.0).expected(8) == pytest.approx(8.0)
+    assert Acceptance.known(0.5).expected(2) == pytest.approx(1.5)
+    assert Acceptance.known(0.8).expected(16) == pytest.approx((1 - 0.8 ** 16) / 0.2)
 
 
 def test_a_good_draft_on_a_bandwidth_bound_device_speculates_at_the_largest_block():
@@ -60,10 +64,79 @@ def test_acceptance_counts_decay():
     a = Acceptance()
     for _ in range(50):
         a.observe(15, 15)
-    assert a.rate > 0.95
-    for _ in range(50):
+    assert a.expected(16) > 12
+    for _ in range(100):
         a.observe(15, 0)
-    assert a.rate < 0.1
+    assert a.rates(1)[0] < 0.1 and a.expected(16) < 2
+
+
+def test_acceptance_is_estimated_per_position_from_censored_cycles():
+    """A bursty draft: half the cycles keep nothing, half keep the whole block. E(L) follows the
+    observed positions (1 + 0.5 (L - 1)), where the rate of the first position alone (what blocks
+    of 2 show) would give the geometric E(16) = 2; and a cycle cut at position j says nothing of
+    the positions after it (they keep the last estimate)."""
+    a = Acceptance(weight=0.01, decay=0.999)
+    for _ in range(40):
+        a.observe(15, 0)
+        a.observe(15, 15)
+    assert a.expected(8) == pytest.approx(4.5, rel=0.02)
+    assert a.expected(16) == pytest.approx(8.5, rel=0.02)
+    assert Acceptance.known(0.5).expected(16) == pytest.approx(2.0, abs=1e-3)
+    r = a.rates(15)
+    assert r[0] == pytest.approx(0.5, abs=0.01) and min(r[1:]) > 0.99
+    b = Acceptance(prior=[0.3], weight=2.0)
+    b.observe(3, 3)  # positions 0-2 kept (a block of 4): position 3 onwards never verified
+    assert b.rates(6)[3:] == pytest.approx([b.rates(6)[2]] * 3)  # the last estimate carries on
+    assert b.rates(6, optimistic=True)[0] == b.rates(6)[0]  # verified: no bonus
+    assert b.rates(6, optimistic=True)[3] > b.rates(6)[3]  # never verified: could be better
+    assert expected_length([1.0] * 3, 4) == 4.0 and expected_length([0.0] * 3, 4) == 1.0
+    with pytest.raises(ValueError):
+        Acceptance(prior=[1.5])
+
+
+def drive(policy: BatchBlockPolicy, cost, cycles: list[int], rows: int, iterations: int = 300) -> tuple[dict, float]:
+    """Drives the policy with rows that learn their acceptance: row r's i-th cycle would keep
+    cycles[(i + 7 r) % len(cycles)] drafts at block 16 (min(that, L - 1) at block L). Returns how
+    often each L ran and the tokens committed per second."""
+    accs = [Acceptance() for _ in range(rows)]
+    seen: dict = {}
+    tokens = seconds = 0.0
+    for i in range(iterations):
+        L = policy.choose(accs, 300, max_useful=64)
+        seconds += cost(L, rows)
+        policy.observe(rows, 300, L, cost(L, rows))
+        seen[L] = seen.get(L, 0) + 1
+        for r, a in enumerate(accs):
+            k = min(cycles[(i + 7 * r) % len(cycles)], L - 1) if L > 1 else 0
+            if L > 1:
+                a.observe(L - 1, k)
+            tokens += k + 1
+    return seen, tokens / seconds
+
+
+BURSTY = [0, 0, 15, 1, 0, 3, 0, 15, 2, 0, 7, 0, 1, 15, 0, 4]  # tau 4.0 at block 16, 2.3 at block 4
+
+
+def test_a_bursty_draft_runs_long_blocks_where_short_ones_do_not_pay():
+    """A device whose iteration costs about the same at every block size, 2.4x a plain step (the
+    draft forward and the host's work per iteration): blocks of 2 or 4 lose to plain steps, a
+    block of 16 commits 4 tokens and wins 1.6x. The policy measures the long blocks and runs them."""
+    def cost(L, B):
+        return 0.0096 if L == 1 else 0.023 + 0.0001 * L
+    seen, tps = drive(BatchBlockPolicy(16), cost, BURSTY, rows=8)
+    assert max(seen, key=seen.get) == 16
+    plain = 8 / cost(1, 8)
+    assert tps > 1.4 * plain
+
+
+def test_a_bursty_draft_on_a_cpu_stays_plain_and_probes_small_blocks_only():
+    """Cost linear in B x L (a CPU) at 8 rows: the same draft does not pay at any block; the
+    policy stops probing once the measured costs grow past what the acceptance could repay."""
+    def cost(L, B):
+        return 0.004 + 0.001 * B * L + (0.002 if L > 1 else 0.0)
+    seen, _ = drive(BatchBlockPolicy(16), cost, BURSTY, rows=8)
+    assert seen.get(1, 0) >= 280
+    assert set(seen) <= {1, 2, 4}
 
 
 def test_a_size_that_did_not_pay_elsewhere_is_not_measured_again_in_a_new_bucket():
@@ -82,7 +155,7 @@ def test_re_measurements_thin_out_while_the_choice_holds():
     p = BatchBlockPolicy(16, explore_every=64)
     probes = []
     for i in range(1000):
-        L = p.choose([0.1], 300, max_useful=64)
+        L = p.choose([Acceptance.known(0.1)], 300, max_useful=64)
         p.observe(1, 300, L, 0.010 if L == 1 else 0.030)
         if L != 1 and i > 10:
             probes.append(i)

@@ -797,3 +797,25 @@ def test_up_counts_only_its_own_workers_as_ready(tmp_path):
         assert said == [f"  1/1 workers ready: worker-1 at {outside.workers[-1].advertise_address}"]
     finally:
         outside.close()
+
+
+def test_up_passes_etcd_endpoints_to_its_coordinator(tmp_path, monkeypatch):
+    from flashfleet.cli import up
+
+    spawned = []
+
+    def ready(self, timeout_s, progress, should_stop):
+        raise up.StartupCancelled("test: stop after spawning")
+
+    monkeypatch.setattr(up.LocalCluster, "_wait_ready", ready)
+    monkeypatch.setattr(up.subprocess, "Popen", lambda argv, **kw: spawned.append(argv))
+    monkeypatch.setattr(up, "port_is_free", lambda host, port: True)
+    monkeypatch.setattr(up.signal, "signal", lambda sig, handler: None)  # up installs its own: not here
+    assert up.main(["--workers", "1", "--log-dir", str(tmp_path), "--etcd-endpoints",
+                    "http://10.0.0.11:2379,http://10.0.0.12:2379"]) == 0
+    coordinator = next(argv for argv in spawned if argv[3] == "coordinator")
+    i = coordinator.index("--state")
+    assert coordinator[i:i + 4] == ["--state", "etcd", "--etcd-endpoints", "http://10.0.0.11:2379,http://10.0.0.12:2379"]
+    spawned.clear()
+    assert up.main(["--workers", "1", "--log-dir", str(tmp_path)]) == 0
+    assert "--state" not in next(argv for argv in spawned if argv[3] == "coordinator")  # memory by default

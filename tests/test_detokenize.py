@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from tiny_models import CASES_DIR
-from worker.detokenize import IncrementalDetokenizer, StopStrings, TextAssembler
+from worker.detokenize import IncrementalDetokenizer, StopStrings, TextAssembler, decoder_of
 
 EMOJI = " 🙂👍🏽🇵🇱 ok"
 
@@ -80,6 +80,26 @@ def test_random_ids_match_decode(tokenizer):
             ids += rng.choice(chars) if rng.random() < 0.3 else [rng.choice(plain_ids)]
         sizes = iter(lambda: rng.randrange(1, 4), None)
         assert "".join(stream(tokenizer, ids, sizes)) == tokenizer.decode(ids)
+
+
+def test_decoder_of_equals_decode_and_falls_back_when_decode_cleans_up(tokenizer, tiny_models):
+    """The backend's decode stands in for `decode` (special tokens and byte tokens included),
+    also behind mlx-lm's TokenizerWrapper; with clean-up on, `decode` itself is used."""
+    from mlx_lm.utils import load_tokenizer
+
+    rng = random.Random(1)
+    wrapped = load_tokenizer(tiny_models.llama)
+    for tok in (tokenizer, wrapped):
+        fast = decoder_of(tok)
+        assert fast is not tok.decode
+        for _ in range(50):
+            ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(0, 12))]
+            assert fast(ids) == tok.decode(ids)
+    tokenizer.clean_up_tokenization_spaces = True
+    try:
+        assert decoder_of(tokenizer) == tokenizer.decode
+    finally:
+        tokenizer.clean_up_tokenization_spaces = False
 
 
 def test_stop_string_within_and_across_chunks():

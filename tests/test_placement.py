@@ -9,6 +9,7 @@ import pytest
 from coordinator.migration import MigrationPolicy, position_keyed, profile_seconds
 from coordinator.registry import WorkerRecord
 from flashfleet.v1 import common_pb2, worker_pb2
+from worker.engine.block_policy import Acceptance
 from worker.engine.profile import DecodeProfile, SessionRates, speculative_speedup
 
 BYTES_PER_TOKEN = 1000
@@ -310,13 +311,14 @@ def test_session_rates_and_speculative_speedup():
     rates.keep(set())
     assert rates.rate("a") == 0.0
     # Block 4 costs twice a plain step; a row accepting everything commits 4 tokens: 2x.
-    assert speculative_speedup([1.0], {1: 0.01, 4: 0.02}) == pytest.approx([2.0])
+    known = Acceptance.known
+    assert speculative_speedup([known(1.0)], {1: 0.01, 4: 0.02}) == pytest.approx([2.0])
     # Drafts that are never accepted: the batch steps plainly.
-    assert speculative_speedup([0.0, 0.0], {1: 0.01, 4: 0.02}) == [1.0, 1.0]
-    assert speculative_speedup([0.9], {4: 0.02}) == [1.0]  # no plain cost measured: unknown
+    assert speculative_speedup([known(0.0), known(0.0)], {1: 0.01, 4: 0.02}) == [1.0, 1.0]
+    assert speculative_speedup([known(0.9)], {4: 0.02}) == [1.0]  # no plain cost measured: unknown
     a = 0.8
     expected = (1 - a ** 4) / (1 - a) * 0.01 / 0.015
-    assert speculative_speedup([a], {1: 0.01, 4: 0.015})[0] == pytest.approx(expected)
+    assert speculative_speedup([known(a)], {1: 0.01, 4: 0.015})[0] == pytest.approx(expected)
     assert not math.isnan(expected)
 
 

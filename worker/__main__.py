@@ -28,7 +28,8 @@ from flashfleet.config import tcp_port
 
 # Built-in defaults; a --config file's values come before them, command-line flags before both.
 DEFAULTS = {"model_name": "", "num_draft_tokens": 3, "capacity": 8, "host": "127.0.0.1",
-            "port": 0, "log_level": "INFO", "drain_timeout_s": 25.0, "prompt_cache_entries": 8}
+            "port": 0, "log_level": "INFO", "drain_timeout_s": 25.0, "prompt_cache_entries": 8,
+            "warmup_shapes_s": 60.0}
 MODEL_SETTINGS = ("model", "model_name", "draft", "num_draft_tokens", "max_context_tokens")
 
 
@@ -75,6 +76,10 @@ def parse_args(argv):
                    help="finished turns whose KV caches stay for follow-up prompts that extend them "
                    "(default 8; 0: none), within the KV budget")
     p.add_argument("--max-context-tokens", type=int, default=None)
+    p.add_argument("--warmup-shapes-s", type=float, default=None,
+                   help="most seconds the start may spend running the batched forwards of every batch "
+                   "size up to --capacity and every DFlash block size, so no request waits on a kernel "
+                   "compile (default 60; 0: none; the startup log says how many it warmed)")
     p.add_argument("--coordinator", default=None, help="coordinator host:port (omit: standalone); several, "
                    "comma-separated, for coordinators sharing the fleet's state in etcd: the worker "
                    "registers with one and moves its heartbeats to the next when that one stops answering")
@@ -127,6 +132,8 @@ def parse_args(argv):
         p.error(f"--prompt-cache-entries must be >= 0, got {a.prompt_cache_entries}")
     if not (math.isfinite(a.drain_timeout_s) and a.drain_timeout_s >= 0):
         p.error(f"--drain-timeout must be a finite number of seconds >= 0, got {a.drain_timeout_s}")
+    if not (math.isfinite(a.warmup_shapes_s) and a.warmup_shapes_s >= 0):
+        p.error(f"--warmup-shapes-s must be a finite number of seconds >= 0, got {a.warmup_shapes_s}")
     for key in ("peak_memory_bandwidth_gbs", "kv_cache_limit_bytes", "max_context_tokens"):
         value = getattr(a, key)
         if value is not None and not (math.isfinite(value) and value > 0):
@@ -152,7 +159,7 @@ def build_engine(a):
                           block_size=a.block_size, adaptive_block_size=a.adaptive_block_size,
                           max_context_tokens=a.max_context_tokens, fuse_projections=a.fuse_projections,
                           small_gemm=a.small_gemm, kv_budget_bytes=a.kv_cache_limit_bytes,
-                          prompt_cache_entries=a.prompt_cache_entries)
+                          prompt_cache_entries=a.prompt_cache_entries, warmup_shapes_s=a.warmup_shapes_s)
     return Engine(config)
 
 

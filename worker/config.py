@@ -32,7 +32,11 @@ class EngineConfig:
         prefill_step_tokens: prompt tokens per prefill forward (chunked prefill), >= 1.
         max_context_tokens: context limit override in tokens; None takes the model's
             `max_position_embeddings` from config.json.
-        warmup: run a few tokens through each loaded model before reporting ready.
+        warmup: run a few tokens through each loaded model before reporting ready, then the
+            batched forwards of every batch size up to `capacity` and every DFlash block size
+            (worker/engine/warm.py), so no session waits on a kernel compile.
+        warmup_shapes_s: most seconds the warm-up of batched shapes may take (the shapes left
+            are met cold by the first sessions that need them); 0 warms none, >= 0.
         fuse_projections: after loading, compute each decoder layer's q/k/v projections with one
             matmul and its MLP's gate/up with one (worker/fusion.py): the same outputs to float
             rounding with three fewer kernels a layer, which is what a launch-bound GPU pays for.
@@ -56,6 +60,7 @@ class EngineConfig:
     prefill_step_tokens: int = 512
     max_context_tokens: int | None = None
     warmup: bool = True
+    warmup_shapes_s: float = 60.0
     fuse_projections: bool = True
     small_gemm: bool = True
     kv_budget_bytes: int | None = None
@@ -67,6 +72,8 @@ class EngineConfig:
             object.__setattr__(self, "draft_path", Path(self.draft_path))
         if self.kv_budget_bytes is not None and self.kv_budget_bytes < 1:
             raise ValueError(f"EngineConfig.kv_budget_bytes must be >= 1, got {self.kv_budget_bytes}")
+        if not self.warmup_shapes_s >= 0:
+            raise ValueError(f"EngineConfig.warmup_shapes_s must be >= 0, got {self.warmup_shapes_s}")
         if self.prompt_cache_entries < 0:
             raise ValueError(f"EngineConfig.prompt_cache_entries must be >= 0, got {self.prompt_cache_entries}")
         for name in ("num_draft_tokens", "capacity", "prefill_step_tokens"):

@@ -13,9 +13,25 @@ grow into one. `TextAssembler` chains the two for the engine.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 REPLACEMENT = "\ufffd"
+
+
+def decoder_of(tokenizer: Any) -> Callable[[list[int]], str]:
+    """`tokenizer.decode` as a function of a list of ids, without Python layers that change nothing.
+
+    A Hugging Face fast tokenizer (also behind mlx-lm's `TokenizerWrapper`) decodes with its Rust
+    backend, `backend_tokenizer.decode(ids, skip_special_tokens=False)`, then cleans up
+    tokenization spaces when configured to; without the clean-up, the backend's call is the whole
+    of `decode` and costs a fifth of it (the wrapper converts and checks its arguments each
+    call), which matters at one call per session and engine iteration. Anything else (a slow
+    tokenizer, clean-up on): `tokenizer.decode` itself.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return tokenizer.decode
+    return lambda ids: backend.decode(ids, skip_special_tokens=False)
 
 
 class IncrementalDetokenizer:
@@ -32,11 +48,12 @@ class IncrementalDetokenizer:
         tokenizer: anything with `decode(ids: list[int]) -> str` (a Hugging Face tokenizer or
             mlx-lm's `TokenizerWrapper`). Special tokens are rendered as `decode` renders them.
 
-    Cost: two `decode` calls over a few tokens per `add` (one while text is held back).
+    Cost: two `decode` calls over a few tokens per `add` (one while text is held back), through
+    the tokenizer's backend where that is the same (`decoder_of`).
     """
 
     def __init__(self, tokenizer: Any):
-        self._decode = tokenizer.decode
+        self._decode = decoder_of(tokenizer)
         self.tokens: list[int] = []
         self._prefix = 0  # window start: tokens before it are emitted and no longer decoded
         self._read = 0  # tokens before it are emitted

@@ -1,8 +1,10 @@
 """The worker's gRPC servicer: thin. Validates, converts, submits to the engine, streams events.
 
 Concurrency: handlers run on the asyncio loop; the engine runs MLX on its own thread and calls
-the per-request `emit` callback there, which hands each event to the loop with
-`call_soon_threadsafe` into the request's own asyncio.Queue. No lock is shared with the loop.
+the per-request `emit` callback there, which hands each event to the loop through `_Handoff`:
+events wait in a list, and the loop is woken once per burst (one `call_soon_threadsafe` for every
+session's events of an engine iteration, not one per session) to put each into its request's own
+asyncio.Queue. The handoff's lock is held for a list append or swap only.
 A handler that ends for any reason other than the engine's final event (client gone, deadline,
 error) aborts its request in `finally`, which frees the engine's slot and KV cache.
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
 import uuid
 from contextlib import aclosing, suppress
 from dataclasses import dataclass
@@ -59,6 +62,43 @@ class _EngineGone:
     reason: str
 
 
+class _Handoff:
+    """Events from the engine thread to the event loop, the loop woken once per burst.
+
+    `put` (any thread) appends (queue, event) and schedules one drain on the loop unless one is
+    already scheduled; the drain (on the loop) puts every waiting event into its queue in order.
+    An engine iteration emits one event per session, so the loop wakes about once per iteration
+    instead of once per session (each wake-up is a write to the loop's self-pipe).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue, object]] = []
+        self._scheduled = False
+
+    def put(self, events: asyncio.Queue, event: object) -> None:
+        """Hands `event` to `events` on the loop (dropped when the loop is closed: nobody listens)."""
+        with self._lock:
+            self._items.append((events, event))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self._loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # loop closed during shutdown
+            with self._lock:
+                self._items.clear()
+                self._scheduled = False
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+            self._scheduled = False
+        for events, event in items:
+            events.put_nowait(event)
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Serves Generate / Cancel / GetLoad, and ExportSession / PullSession (KV transfer), on top
     of one engine.
@@ -86,6 +126,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._ending: dict[str, asyncio.Event] = {}
         self._streams: set[asyncio.Queue] = set()  # event queues of the open Generate handlers
         self._gone: str | None = None  # set by fail_streams: why no request can be served
+        self._handoff: _Handoff | None = None  # made on the loop by the first Generate
 
     def fail_streams(self, reason: str) -> int:
         """Ends every open Generate stream with UNAVAILABLE(`reason`), and every later call at its
@@ -136,6 +177,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             request.request_id = uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
+        if self._handoff is None:
+            self._handoff = _Handoff(loop)
+        handoff = self._handoff
 
         metrics = self.metrics
 
@@ -159,10 +203,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     event = _MOVED
                 elif event.finish_reason == "cancelled" and not asked:
                     event = _UNASKED
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, event)
-            except RuntimeError:  # loop closed during shutdown: nobody is listening
-                pass
+            handoff.put(events, event)
 
         if self._gone is not None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, self._gone)

@@ -13,6 +13,7 @@ forwards attend over the whole buffer; the mask hides the padding.
 """
 from __future__ import annotations
 
+import threading
 from typing import Optional, Sequence
 
 import mlx.core as mx
@@ -21,6 +22,10 @@ from flashfleet.kv_need import POSITION_BUCKET, bucket
 
 STEP = POSITION_BUCKET  # buffer positions are allocated in buckets of this many
 _bucket = bucket  # positions rounded up to whole buckets (the formula the coordinator shares)
+# Arrays one forward's layers would each build alike (positions, advanced lengths, scatter
+# indices), kept by the first layer for the next ones; per thread (each engine thread its own).
+# An entry is used only for the very input arrays it was built from, so it is never stale.
+_shared = threading.local()
 
 
 class RowKVCache:
@@ -77,23 +82,40 @@ class RowKVCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Writes keys (B, H, L, Dk) / values (B, H, L, Dv) at each row's [length, length + L),
-        advances the lengths by L, and returns the whole buffers (B, H, S, D*)."""
+        advances the lengths by L, and returns the whole buffers (B, H, S, D*).
+
+        Every layer of a forward starts from the same lengths: the positions and the advanced
+        lengths are built by the first layer and shared by the next ones (`_shared`), so a
+        forward builds them once, not once per layer (host time on a launch-bound GPU)."""
         L = keys.shape[2]
-        positions = self.lengths[:, None] + mx.arange(L, dtype=mx.int32)[None]
+        memo = getattr(_shared, "advance", None)
+        if memo is not None and memo[0] is self.lengths and memo[1] == L and memo[2] == self.host_lengths:
+            positions, lengths, host = memo[3:]
+        else:
+            positions = self.lengths[:, None] + mx.arange(L, dtype=mx.int32)[None]
+            lengths, host = self.lengths + L, [n + L for n in self.host_lengths]
+            _shared.advance = (self.lengths, L, self.host_lengths, positions, lengths, host)
         self.write(keys, values, positions, L)
-        self.lengths = self.lengths + L
-        self.host_lengths = [n + L for n in self.host_lengths]
+        self.lengths, self.host_lengths = lengths, host
         return self.keys, self.values
 
     def write(self, keys: mx.array, values: mx.array, positions: mx.array, extent: int) -> None:
         """Scatters keys (B, H, L, Dk) / values (B, H, L, Dv) to per-row positions (B, L) int32,
         distinct within a row and below (longest row's length + extent); the buffer grows to
-        `buffer_length(extent)`. Lengths are left to the caller."""
+        `buffer_length(extent)`. Lengths are left to the caller. The scatter indices of one
+        `positions` array and shape are built once for every layer (`_shared`)."""
         B, H, _, _ = keys.shape
         self._grow(B, H, keys.shape[3], values.shape[3], keys.dtype, extent)
-        idx = positions[:, None, :, None]
-        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(idx, keys.shape), keys, axis=2)
-        self.values = mx.put_along_axis(self.values, mx.broadcast_to(idx, values.shape), values, axis=2)
+        memo = getattr(_shared, "index", None)
+        if memo is not None and memo[0] is positions and memo[1] == keys.shape and memo[2] == values.shape:
+            kidx, vidx = memo[3:]
+        else:
+            idx = positions[:, None, :, None]
+            kidx = mx.broadcast_to(idx, keys.shape)
+            vidx = kidx if values.shape == keys.shape else mx.broadcast_to(idx, values.shape)
+            _shared.index = (positions, keys.shape, values.shape, kidx, vidx)
+        self.keys = mx.put_along_axis(self.keys, kidx, keys, axis=2)
+        self.values = mx.put_along_axis(self.values, vidx, values, axis=2)
 
     def reserve(self, new_tokens: int) -> None:
         """Grows the buffer now for a write of `new_tokens` positions a row, evaluated at once, so
@@ -137,8 +159,11 @@ class RowKVCache:
         """Sets every row's length (speculative rollback: O(1)); `device_lengths` when the device
         already has them (no host-to-device copy)."""
         self.host_lengths = [int(n) for n in host_lengths]
-        self.lengths = (device_lengths.astype(mx.int32) if device_lengths is not None
-                        else mx.array(self.host_lengths, dtype=mx.int32))
+        if device_lengths is None:
+            device_lengths = mx.array(self.host_lengths, dtype=mx.int32)
+        # The same array for every layer given it (no per-layer cast), so a forward's layers share
+        # their positions (`update_and_fetch`).
+        self.lengths = device_lengths if device_lengths.dtype == mx.int32 else device_lengths.astype(mx.int32)
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Keeps the given rows in this order (sessions leaving the batch); the buffer shrinks to
@@ -186,6 +211,17 @@ class RowKVCache:
         return out
 
 
+def share_lengths(caches: Sequence[RowKVCache]) -> None:
+    """Gives every cache the first one's device lengths array where they hold the same lengths
+    (the layers of one model always do), so the next forward's layers share their positions
+    (`RowKVCache.update_and_fetch`); call after changing the caches' rows layer by layer."""
+    if caches:
+        first = caches[0]
+        for c in caches[1:]:
+            if c.host_lengths == first.host_lengths:
+                c.lengths = first.lengths
+
+
 def as_attention_mask(visible: mx.array, dtype: Optional[mx.Dtype]) -> mx.array:
     """A boolean mask as attention takes it: unchanged when dtype is None, else additive in
     `dtype` (0 where visible, -inf elsewhere; every query sees at least its own key)."""
@@ -210,4 +246,6 @@ def make_row_caches(model, batch: int = 1, additive_dtype: Optional[mx.Dtype] = 
     bad = sorted({k.__name__ for k in kinds if k not in (KVCache, RotatingKVCache)})
     if bad:
         raise ValueError(f"the batched engine serves attention models only; this model's caches include {bad}")
-    return [RowKVCache(batch, additive_dtype) for _ in kinds]
+    caches = [RowKVCache(batch, additive_dtype) for _ in kinds]
+    share_lengths(caches)
+    return caches

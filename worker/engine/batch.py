@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 
-from worker.caches.rows import RowKVCache, as_attention_mask
+from worker.caches.rows import RowKVCache, as_attention_mask, share_lengths
 from worker.sampling import greedy, sample_rows
 from worker.decoding.base import Sampler
 
@@ -95,6 +95,8 @@ class Batch:
         for mine, theirs in zip(self.caches, target + (draft or [])):
             mine.extend(theirs)
             mx.eval(mine.state)
+        share_lengths(self.target)
+        share_lengths(self.draft or [])
         if self.draft is not None:
             if self.pending is not None:
                 pad = mx.zeros((1, *self.pending.shape[1:]), self.pending.dtype)
@@ -108,6 +110,8 @@ class Batch:
         for c in self.caches:  # layer by layer: one layer's buffer of transient memory
             c.keep_rows(indices)
             mx.eval(c.state)
+        share_lengths(self.target)
+        share_lengths(self.draft or [])
         if self.draft is not None:
             self.pending_len = [self.pending_len[i] for i in indices]
             if self.pending is not None:
@@ -156,15 +160,21 @@ def choose(logits: mx.array, rows: Sequence[Row]) -> mx.array:
     return mx.stack(parts)
 
 
+def read_rows(out: mx.array, *also: mx.array) -> list[list[int]]:
+    """The iteration's one host synchronisation: evaluates `out` (B, N) and `also` (device state
+    the next iteration reads, evaluated with it so its graph does not grow), and reads `out` back
+    with one `tolist`."""
+    mx.eval(out, *also)
+    return out.tolist()
+
+
 def plain_step(target: Any, batch: Batch) -> list[list[int]]:
     """One decode step of every row: (B, 1) last tokens through the target; returns each row's
     one new token. The caches gain the last tokens' positions."""
     batch.reserve(1)
     x = mx.array([[r.last] for r in batch.rows], dtype=mx.uint32)
     logits = target(x, cache=batch.target)
-    tokens = choose(logits[:, -1:, :], batch.rows)
-    mx.eval(tokens)
-    return tokens.tolist()
+    return read_rows(choose(logits[:, -1:, :], batch.rows))
 
 
 def _concat_pending(batch: Batch, taps: mx.array, kept: Sequence[int]) -> None:
@@ -307,13 +317,13 @@ def dflash_cycle(target: Any, draft: Any, capture: Any, batch: Batch, L: int) ->
         accepted = mx.cumprod((blocks[:, 1:] == chosen[:, :-1]).astype(mx.int32), axis=1).sum(axis=1)
     else:
         accepted = mx.zeros((len(rows),), mx.int32)
-    mx.eval(chosen, accepted, taps)  # the iteration's one host sync
-    acc = accepted.tolist()
-    toks = chosen.tolist()
+    # One read-back: each row's L chosen tokens, then its accepted count.
+    out = read_rows(mx.concatenate([chosen, accepted.astype(mx.uint32)[:, None]], axis=1), taps)
+    acc = [r[L] for r in out]
     kept = [j + 1 for j in acc]
     new_len = [n - L + k for n, k in zip(batch.target[0].host_lengths, kept)]
     device_len = batch.target[0].lengths - L + accepted + 1
     for c in batch.target:
         c.set_lengths(new_len, device_len)
     _concat_pending(batch, taps, kept)
-    return CycleResult([t[:k] for t, k in zip(toks, kept)], acc, L)
+    return CycleResult([r[:k] for r, k in zip(out, kept)], acc, L)

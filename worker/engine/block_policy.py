@@ -1,14 +1,11 @@
 """The block size of each batched DFlash iteration, from measured costs at this batch size and context.
 
-Model (Leviathan, Kalman & Matias 2023, "Fast Inference from Transformers via Speculative
-Decoding", ICML, §3.1 eq. (1)): a row whose drafted tokens are each accepted with probability
-a_r, acceptance stopping at the first rejection, commits on average
-
-    E_r(L) = (1 - a_r^L) / (1 - a_r)      tokens per iteration at block size L (= L when a_r = 1)
-
-and the batch commits sum_r E_r(L) tokens in c(L | B, context) seconds, the measured wall time of
-one iteration (draft forward + verify of B x L tokens + the host sync). The policy picks
-L* = argmax_L sum_r E_r(L) / c(L), and plain steps (L = 1) whenever R(L*) < min_gain * R(1).
+Model (after Leviathan, Kalman & Matias 2023, "Fast Inference from Transformers via Speculative
+Decoding", ICML, §3.1): row r commits on average E_r(L) tokens per iteration at block size L
+(accepted drafts + the bonus, `Acceptance.expected`), and the batch commits sum_r E_r(L) tokens
+in c(L | B, context) seconds, the measured wall time of one iteration (draft forward + verify of
+B x L tokens + the host sync). The policy picks L* = argmax_L sum_r E_r(L) / c(L), and plain
+steps (L = 1) whenever R(L*) < min_gain * R(1).
 
 Why measured per batch size: a verify of B x L tokens costs about one decode step while the
 device is bound by reading the weights (small B x L), then grows with B x L once it is bound by
@@ -16,47 +13,105 @@ arithmetic; on a CPU it grows almost linearly from the start. vLLM turns specula
 batch size for the same reason (`speculative_disable_by_batch_size`). Costs are exponential
 means per (batch-size bucket, context bucket, L), buckets being powers of two; an L not measured
 in a bucket is explored (its first sample dropped as warm-up: graph set-up, kernel compiles) in
-increasing order while it could still pay (`choose`), and from time to time (`explore_every`
-iterations, doubling while the choice holds) the policy re-measures a neighbouring size so the
-estimates follow the context as it grows.
+increasing order while it or a larger size could still pay (`choose`), and from time to time
+(`explore_every` iterations, doubling while the choice holds) the policy re-measures a
+neighbouring size (while plain, the speculative size that could pay most) so the estimates
+follow the context and the rows' acceptance.
 
-Acceptance a_r comes from each row's own decayed counts (`Acceptance`): a truncated geometric
-observation per cycle (j successes, plus one failure when j < L - 1).
+A DFlash draft's acceptance is not geometric: the draft is right in bursts (a row that keeps its
+first drafts tends to keep many), so the chance of keeping draft i given drafts 0..i-1 were kept
+rises with i, and a rate fitted from short blocks underestimates what a long block commits. Each
+row's `Acceptance` therefore keeps decayed counts per draft position (a censored estimate: a
+cycle that rejected at position j says nothing of the positions after j) and E_r(L) is the sum
+over k < L of prod_{i<k} h_r,i, h_r,i the row's conditional acceptance at position i. A position
+the row has not verified yet takes the previous position's rate as its prior, so before any long
+block ran, E_r(L) is the geometric curve of the short blocks' rate; `choose` measures an unknown
+size when an optimistic E_r(L) (the rates of positions not verified yet raised by one standard
+deviation of their prior) could pay, so a good draft is measured at long blocks even where short ones do not pay (a device whose
+verify of 16 tokens costs what one of 2 costs), and a draft rarely right is never run at long
+blocks.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
 from typing import Optional, Sequence
 
 
-@dataclass
 class Acceptance:
-    """A row's decayed acceptance counts (maximum-likelihood a = succ / (succ + fail)).
+    """A row's (or the worker's) acceptance by draft position, from decayed counts.
 
-    Attributes:
-        succ: decayed accepted draft tokens.
-        fail: decayed cycles that ended on a rejection.
+    Position i (0 = the first draft token) counts the cycles that verified it (`reached`: every
+    earlier draft was kept and the block had a draft at i) and those that kept it (`passed`).
+    Its conditional acceptance is the posterior mean (passed_i + w p_i) / (reached_i + w), where
+    the prior p_i is `prior[i]`, or past the prior's end the estimate at position i - 1.
+
+    Args:
+        prior: prior conditional acceptance by position, each in [0, 1] (the last one is extended
+            by the estimates themselves); default [0.5].
+        weight: the prior's weight w, in cycles (> 0).
+        decay: weight of a position's old counts each time a cycle reaches it, [0, 1).
+
+    Raises:
+        ValueError: weight <= 0, a prior outside [0, 1], decay outside [0, 1).
     """
 
-    succ: float = 1.0
-    fail: float = 1.0
-    decay: float = 0.9
+    def __init__(self, prior: Sequence[float] = (0.5,), weight: float = 2.0, decay: float = 0.95):
+        if weight <= 0 or not 0 <= decay < 1 or not prior or any(not 0 <= p <= 1 for p in prior):
+            raise ValueError(f"bad acceptance prior {list(prior)} / weight {weight} / decay {decay}")
+        self.prior = [float(p) for p in prior]
+        self.weight = float(weight)
+        self.decay = decay
+        self.reached: list[float] = []
+        self.passed: list[float] = []
+
+    @classmethod
+    def known(cls, rate: float) -> "Acceptance":
+        """A row that keeps each draft with probability `rate` (geometric acceptance), known for
+        certain (simulations and tests)."""
+        return cls([rate], weight=1e12)
 
     def observe(self, drafted: int, accepted: int) -> None:
-        """One cycle: `accepted` of `drafted` draft tokens kept."""
-        if drafted <= 0:
-            return
-        self.succ = self.succ * self.decay + accepted
-        self.fail = self.fail * self.decay + (1.0 if accepted < drafted else 0.0)
+        """One cycle: its first `accepted` of `drafted` draft tokens kept."""
+        for i in range(min(accepted + 1, drafted)):
+            if i == len(self.reached):
+                self.reached.append(0.0)
+                self.passed.append(0.0)
+            self.reached[i] = self.reached[i] * self.decay + 1.0
+            self.passed[i] = self.passed[i] * self.decay + (1.0 if i < accepted else 0.0)
 
-    @property
-    def rate(self) -> float:
-        return self.succ / (self.succ + self.fail)
+    def rates(self, n: int, optimistic: bool = False) -> list[float]:
+        """Conditional acceptance at positions 0..n-1: posterior means; `optimistic`: a position
+        with less than one cycle's weight of its own counts raised by one standard deviation of its
+        prior (w pseudo-cycles at its mean)."""
+        out, prev = [], self.prior[0]
+        for i in range(n):
+            p = self.prior[i] if i < len(self.prior) else prev
+            seen = self.reached[i] if i < len(self.reached) else 0.0
+            kept = self.passed[i] if i < len(self.passed) else 0.0
+            m = (kept + self.weight * p) / (seen + self.weight)
+            prev = m
+            if optimistic and seen < 1.0:  # never (or long not) verified: its prior could be low
+                m = min(1.0, m + math.sqrt(m * (1.0 - m) / (self.weight + 1.0)))
+            out.append(m)
+        return out
+
+    def expected(self, L: int, optimistic: bool = False) -> float:
+        """E(L): mean tokens a block of L commits (bonus included), >= 1."""
+        return expected_length(self.rates(max(0, L - 1), optimistic), L)
+
+    def as_prior(self, n: int, weight: float = 2.0) -> "Acceptance":
+        """A new row's acceptance whose prior is this one's estimates at positions 0..n-1."""
+        return Acceptance(self.rates(max(1, n)), weight=weight)
 
 
-def expected_tokens(a: float, L: int) -> float:
-    """E(L) = (1 - a^L) / (1 - a): mean tokens committed by a block of L (bonus included)."""
-    return float(L) if a >= 1.0 else (1.0 - a ** L) / (1.0 - a)
+def expected_length(rates: Sequence[float], L: int) -> float:
+    """Mean tokens a block of L commits when draft i is kept with conditional probability
+    rates[i] (len(rates) >= L - 1): sum over k < L of prod_{i<k} rates[i]."""
+    total, survive = 1.0, 1.0
+    for i in range(L - 1):
+        survive *= rates[i]
+        total += survive
+    return total
 
 
 def pow2_bucket(n: int, floor: int = 1) -> int:
@@ -121,18 +176,34 @@ class BatchBlockPolicy:
             old = self._ratios.get(L)
             self._ratios[L] = ratio if old is None else self.cost_decay * old + (1 - self.cost_decay) * ratio
 
-    def choose(self, acceptance: Sequence[float], context: int, max_useful: int) -> int:
+    def _cost_bound(self, costs: dict[int, float], L: int) -> float:
+        """A lower bound of c(L) in a bucket with these measured costs (`choose`)."""
+        below = sorted(c for c in costs if c < L)
+        bound = max(costs[c] for c in below)
+        bound = max([bound] + [costs[1] * r for c, r in self._ratios.items() if c <= L])
+        spec = [c for c in below if c > 1]
+        if len(spec) >= 2:
+            a, b = spec[-2:]
+            bound = max(bound, costs[b] + (costs[b] - costs[a]) / (b - a) * (L - b))
+        return bound
+
+    def choose(self, acceptance: Sequence[Acceptance], context: int, max_useful: int) -> int:
         """The block size of the next iteration.
 
-        Sizes are explored in increasing order, and only while they could pay: an iteration's
-        cost does not fall as L grows, so the dearest measured smaller size bounds c(L) from
-        below, and a size whose expected tokens over that bound cannot reach min_gain x R(1) is
-        not tried (a draft that is rarely right is never run at large blocks). A size measured
-        in other buckets but not this one is estimated from there (its cost relative to a plain
-        step) and measured here only if that estimate says it pays.
+        Sizes not measured in this bucket are measured smallest first, each when it or a larger
+        size could pay: c(L) is bounded from below by the dearest measured smaller size, by its
+        cost relative to a plain step where other buckets measured it, and by the line through
+        the two largest measured sizes below it (an iteration's cost is flat while the device
+        reads weights, then grows with L: convex, so the line stays under it), and by the cost
+        relative to a plain step that other buckets measured for it or a smaller size; a size could pay
+        when the rows' optimistic E_r(L) over that bound reaches both min_gain x R(1) and the best
+        measured rate. So a draft rarely right is probed at small blocks and then left alone,
+        sizes whose cost grows with L (a CPU) stop being probed early, and a good draft is
+        measured at long blocks even where short ones do not pay (a verify of 16 tokens costing
+        what one of 2 costs).
 
         Args:
-            acceptance: each row's acceptance rate a_r in [0, 1].
+            acceptance: each row's `Acceptance`.
             context: the longest row's committed tokens.
             max_useful: the largest L any row can still use (its remaining tokens).
         """
@@ -141,21 +212,19 @@ class BatchBlockPolicy:
         costs = self._costs.get(self.key(len(acceptance), context), {})
         if 1 not in costs:
             return 1
+        n = cands[-1] - 1
+        means = [a.rates(n) for a in acceptance]
+        hopes = [a.rates(n, optimistic=True) for a in acceptance]
         plain = len(acceptance) / costs[1]
-        floor = costs[1]
         rates = {1: plain}
         for c in cands[1:]:
-            bound = sum(expected_tokens(a, c) for a in acceptance) / floor
-            if bound < self.min_gain * plain:
-                break  # larger blocks gain at most what this one could
-            tokens = sum(expected_tokens(a, c) for a in acceptance)
             if c in costs:
-                floor = max(floor, costs[c])
-                rates[c] = tokens / costs[c]
+                rates[c] = sum(expected_length(m, c) for m in means) / costs[c]
                 continue
-            if c not in self._ratios or tokens / (costs[1] * self._ratios[c]) >= self.min_gain * plain:
-                return c  # unknown, or estimated to pay: measure it in this bucket
-            floor = max(floor, costs[1] * self._ratios[c])
+            goal = max(self.min_gain * plain, max(rates.values()))
+            if any(sum(expected_length(h, d) for h in hopes) / self._cost_bound(costs, d) >= goal
+                   for d in cands if d >= c):
+                return c  # it or a larger size could pay: measure it in this bucket
         best = max(rates, key=rates.get)
         if best != 1 and rates[best] < self.min_gain * plain:
             best = 1
@@ -167,6 +236,11 @@ class BatchBlockPolicy:
             # the choice holds, the next re-measurement comes twice as late (at most 16x).
             self._gap = min(16 * self.explore_every, 2 * self._gap)
             self._next_explore = self._iterations + self._gap
+            if best == 1 and len(rates) > 1:
+                # Plain steps learn nothing of the drafts: re-measure the size that could pay most,
+                # so rows whose acceptance dipped are seen again at the blocks that need it.
+                return max((c for c in rates if c > 1),
+                           key=lambda c: sum(expected_length(h, c) for h in hopes) / costs[c])
             i = cands.index(best)
             self._explore_turn += 1
             return cands[i + 1] if (self._explore_turn % 2 and i + 1 < len(cands)) or i == 0 else cands[i - 1]

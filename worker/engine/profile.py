@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from worker.engine.block_policy import expected_tokens, pow2_bucket
+from worker.engine.block_policy import Acceptance, pow2_bucket
 
 CONTEXT_FLOOR = 256  # the smallest context bucket, tokens
 
@@ -144,7 +144,7 @@ class SessionRates:
             self._rate.pop(rid, None)
 
 
-def speculative_speedup(acceptance: Sequence[float], costs: Mapping[int, float]) -> list[float]:
+def speculative_speedup(acceptance: Sequence[Acceptance], costs: Mapping[int, float]) -> list[float]:
     """Each row's estimated speculative tokens/s over plain decoding's in one batch.
 
     The block policy's model (worker/engine/block_policy.py): at block size L the batch commits
@@ -152,7 +152,7 @@ def speculative_speedup(acceptance: Sequence[float], costs: Mapping[int, float])
     rate; row r then gains E_r(L*) x c(1) / c(L*) over a plain step (1.0 when L* = 1).
 
     Args:
-        acceptance: each row's acceptance rate a_r in [0, 1].
+        acceptance: each row's `Acceptance` (its E_r(L)).
         costs: measured seconds per iteration by block size L in the batch's bucket; without
             c(1) nothing is known and every row gets 1.0.
     """
@@ -161,12 +161,12 @@ def speculative_speedup(acceptance: Sequence[float], costs: Mapping[int, float])
     best, best_rate = 1, len(acceptance) / costs[1]
     for L, c in costs.items():
         if L > 1 and c > 0:
-            r = sum(expected_tokens(a, L) for a in acceptance) / c
+            r = sum(a.expected(L) for a in acceptance) / c
             if r > best_rate:
                 best, best_rate = L, r
     if best == 1:
         return [1.0] * len(acceptance)
-    return [expected_tokens(a, best) * costs[1] / costs[best] for a in acceptance]
+    return [a.expected(best) * costs[1] / costs[best] for a in acceptance]
 
 
 class LoadBoard:
@@ -206,7 +206,7 @@ def scheduler_sessions(sched, rates: SessionRates, now_s: float) -> list[Session
     if dflash and sched.policy is not None:
         B, ctx = len(dflash), max(len(s.tokens) for s in dflash)
         costs = {L: c for L in sched.policy.candidates if (c := sched.policy.cost(B, ctx, L)) is not None}
-        for s, x in zip(dflash, speculative_speedup([s.acceptance.rate for s in dflash], costs)):
+        for s, x in zip(dflash, speculative_speedup([s.acceptance for s in dflash], costs)):
             speedups[s.request_id] = x
     seqs = [*sched.waiting, *sched.prefilling, *(s for m in sched.decoding for s in sched.decoding[m])]
     for s in seqs:

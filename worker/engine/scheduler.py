@@ -63,7 +63,7 @@ class Sequence:
         sampler: its sampler.
         tokens: committed token ids, prompt then generated.
         order: admission order; the newest session is preempted first.
-        acceptance: its DFlash acceptance counts (the block-size policy's a_r).
+        acceptance: its DFlash acceptance by draft position (the block-size policy's E_r(L)).
         phase: "waiting", "prefill" or "decode".
         target / draft: its one-row caches while it prefills (None otherwise).
         prefilled: positions of tokens[:-1] in those caches.
@@ -221,9 +221,9 @@ class Scheduler:
         """Queues a batched-mode session (its request already validated)."""
         self._order += 1
         req = session.request
-        a = self.pooled.rate  # a new session starts from the worker's recent acceptance
+        prior = self.pooled.as_prior(self.max_block(mode) - 1)  # the worker's recent acceptance
         self.waiting.append(Sequence(session, mode, sampler, list(req.prompt_tokens), self._order,
-                                     Acceptance(2 * a, 2 * (1 - a)), import_id=req.import_id))
+                                     prior, import_id=req.import_id))
 
     def add_generator(self, session: Session) -> None:
         """Adds a session decoded by its own generator (modes without a batched path)."""
@@ -424,7 +424,7 @@ class Scheduler:
         useful = max(s.remaining for s in seqs)
         if self.policy is None:
             return max(1, min(self.block_size, 1 << max(0, useful - 1).bit_length()))
-        return self.policy.choose([s.acceptance.rate for s in seqs], max(s.row.n for s in seqs), useful)
+        return self.policy.choose([s.acceptance for s in seqs], max(s.row.n for s in seqs), useful)
 
     def _commit(self, seq: Sequence, tokens: list[int], drafted: int, accepted: int) -> bool:
         """Emits a row's new tokens (cut after an EOS and at max_tokens); False when it is done."""

@@ -22,12 +22,14 @@ from worker.config import EngineConfig
 from worker.detokenize import TextAssembler
 from worker.engine.modes import MODES, LoadedModels, Mode, draft_kind_of, resolve_mode
 from worker.models.dflash_checkpoint import DraftCheckpointError
+from worker.engine.block_policy import BatchBlockPolicy
 from worker.engine.budget import default_kv_budget_bytes
 from worker.engine.load import draft_label, load_models, read_model_config
 from worker.engine.profile import DecodeProfile, LoadBoard, SessionRates, scheduler_sessions
 from worker.engine.scheduler import BATCHED_MODES, Scheduler
 from worker.engine.intake import Intake
 from worker.engine.transfer import SessionTransfer
+from worker.engine.warm import warm_shapes
 from worker.engine.session import Session, new_stats
 from worker.engine.types import (
     DoneEvent,
@@ -391,9 +393,23 @@ class Engine:
                     self._start_session(m, sched, Submit(req, key, lambda e: None, self._clock()))
         while not sched.idle:
             sched.iterate()
+        self._warm_shapes(m, sched)
         sched.reset_measurements()
         self._profile.reset()
         mx.clear_cache()
+
+    def _warm_shapes(self, m: LoadedModels, sched: Scheduler) -> None:
+        """Every batch size up to capacity x every DFlash block size, within the configured time
+        (worker/engine/warm.py); logged, as startup time."""
+        blocks = BatchBlockPolicy(sched.block_size).candidates if m.draft_kind == "dflash" else [1]
+        sizes = range(1, self.config.capacity + 1)
+        report = warm_shapes(m, sched.capture, sizes, blocks, self.config.warmup_shapes_s, self._clock)
+        log.info("warm-up: %d of %d batched shapes (batch sizes 1-%d x %s) in %.1f s (budget %g s)%s",
+                 len(report.warmed), report.planned, self.config.capacity,
+                 "plain" if m.draft_kind != "dflash" else "plain and DFlash blocks " + ",".join(map(str, blocks)),
+                 report.seconds, self.config.warmup_shapes_s,
+                 "" if len(report.warmed) == report.planned else
+                 "; the rest compile when first met (raise --warmup-shapes-s to warm them)")
 
     def _handle_commands(self, m: LoadedModels, sched: Scheduler, block: bool) -> bool:
         """Drains the command queue (waiting for one command when `block`); False on Shutdown."""
