@@ -4,7 +4,8 @@ stream chunks and errors built from flashfleet's. Pure functions, no I/O.
 
 Mapping (OpenAI field -> GenerateRequest): model, messages (text content; "developer" turns are
 system turns) / prompt (one string), max_completion_tokens or max_tokens, temperature (unset =
-greedy, as in flashfleet's own API), top_p, seed, stop (a string or a list). flashfleet's own
+greedy, as in flashfleet's own API), top_p, seed, stop (a string or a list), response_format
+(json_object, json_schema: decoded under a grammar). flashfleet's own
 fields ride along in the body (`extra_body` in the openai client): mode ("auto", "plain",
 "draft", "dflash", "uag"), session_id (worker affinity across turns) and timeout_s (the request's
 deadline, seconds). Fields flashfleet cannot honour (n other than 1, logprobs, tools, penalties,
@@ -20,7 +21,7 @@ from typing import Any
 import grpc
 
 from flashfleet.errors import InvalidArgument, short_details
-from flashfleet.requests import MAX_TIMEOUT_S, build_request
+from flashfleet.requests import MAX_TIMEOUT_S, MAX_TOP_LOGPROBS, build_request
 from flashfleet.types import DECODE_MODE_NAMES, FINISH_REASONS, GenerationStats
 from flashfleet.v1 import common_pb2, coordinator_pb2
 
@@ -55,9 +56,9 @@ REQUEST_FIELDS: dict[str, str | tuple] = {
     "user": NOOP, "safety_identifier": NOOP, "metadata": NOOP, "store": NOOP, "service_tier": NOOP,
     "prompt_cache_key": NOOP, "prompt_cache_retention": NOOP, "prompt_cache_options": NOOP,
     "parallel_tool_calls": NOOP,  # tools are refused, so no call is made in parallel or otherwise
-    "response_format": (None, {"type": "text"}),
+    "response_format": SERVED,
     "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "logit_bias": (None, {}),
+    "logprobs": SERVED, "top_logprobs": SERVED, "logit_bias": (None, {}),
     "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
     "function_call": (None, "none", "auto"),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
@@ -107,6 +108,7 @@ class ParsedRequest:
         stream: whether to answer with server-sent events.
         include_usage: stream_options.include_usage (a last chunk with `usage`).
         timeout_s: the request's deadline in seconds, or None.
+        logprobs: whether the answer lists its tokens' log-probabilities.
     """
 
     request: common_pb2.GenerateRequest
@@ -114,6 +116,7 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     timeout_s: float | None = None
+    logprobs: bool = False
 
 
 def _number(body: dict, key: str, kind=(int, float)):
@@ -196,14 +199,38 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     if not isinstance(stream, bool) or not isinstance(options, dict):
         raise bad("stream must be true or false and stream_options an object", "stream")
     mode, session_id = body.get("mode", "auto"), body.get("session_id", "")
+    top_logprobs = _top_logprobs(body, chat)
     try:
         request = build_request(
             model, None if chat else _prompt(body), messages=_messages(body) if chat else None,
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-            stop=body.get("stop"), session_id=session_id, request_id=uuid.uuid4().hex, mode=mode)
+            stop=body.get("stop"), session_id=session_id, request_id=uuid.uuid4().hex, mode=mode,
+            response_format=body.get("response_format"), top_logprobs=top_logprobs)
     except InvalidArgument as e:
-        raise bad(e.details) from None
-    return ParsedRequest(request, chat, stream, bool(options.get("include_usage")), timeout_s)
+        raise bad(e.details, "response_format" if "response_format" in e.details else None) from None
+    return ParsedRequest(request, chat, stream, bool(options.get("include_usage")), timeout_s,
+                         top_logprobs is not None)
+
+
+def _top_logprobs(body: dict, chat: bool) -> int | None:
+    """The alternatives a token's log-probabilities list, or None for none: chat's `logprobs`
+    (true/false) and `top_logprobs` (0..20, with logprobs true); completions' `logprobs` (0..20)."""
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if chat:
+        if logprobs not in (None, True, False):
+            raise bad(f"logprobs must be true or false, got {logprobs!r:.40}", "logprobs")
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
+            raise bad(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top!r:.40}", "top_logprobs")
+        if top and not logprobs:
+            raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+        return (top or 0) if logprobs else None
+    if top is not None:
+        raise bad("top_logprobs is a chat field; completions take logprobs: N", "top_logprobs")
+    if logprobs is None or logprobs is False:
+        return None
+    if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise bad(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {logprobs!r:.40}", "logprobs")
+    return logprobs
 
 
 def _stats_dict(complete: common_pb2.Complete) -> dict:
@@ -249,18 +276,40 @@ class ResponseBuilder:
         self.request_id = rid
         self.created = int(time.time())
         self.started = False  # whether a chunk with text went out (the first chat delta names the role)
+        self.want_logprobs = parsed.logprobs
+        self.offset = 0  # characters of completion text before the next token (completions' text_offset)
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def response(self, text: str, complete: common_pb2.Complete) -> dict:
-        """The whole answer of a request that was not streamed: one choice, usage and the
-        top-level `flashfleet` object."""
+    def logprobs(self, items) -> dict | None:
+        """OpenAI's `logprobs` object of some tokens (TokenLogprob protos), None when the request
+        did not ask: chat's {"content": [{token, logprob, bytes, top_logprobs}]}; completions'
+        {tokens, token_logprobs, top_logprobs, text_offset} (offsets in characters of the
+        completion's text, counted on from the previous chunks')."""
+        if not self.want_logprobs:
+            return None
+        if self.chat:
+            return {"content": [{"token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token.encode()),
+                                 "top_logprobs": [{"token": t.token, "logprob": t.logprob,
+                                                   "bytes": list(t.token.encode())} for t in lp.top]}
+                                for lp in items], "refusal": None}
+        offsets = []
+        for lp in items:
+            offsets.append(self.offset)
+            self.offset += len(lp.token)
+        return {"tokens": [lp.token for lp in items], "token_logprobs": [lp.logprob for lp in items],
+                "top_logprobs": [{t.token: t.logprob for t in lp.top} for lp in items], "text_offset": offsets}
+
+    def response(self, text: str, complete: common_pb2.Complete, logprobs=()) -> dict:
+        """The whole answer of a request that was not streamed: one choice (with the tokens'
+        log-probabilities when asked for), usage and the top-level `flashfleet` object."""
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": finish_reason(complete), "logprobs": None}
+                      "finish_reason": finish_reason(complete), "logprobs": self.logprobs(logprobs)}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": finish_reason(complete), "logprobs": None}
+            choice = {"index": 0, "text": text, "finish_reason": finish_reason(complete),
+                      "logprobs": self.logprobs(logprobs)}
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
                 "usage": usage(complete), "flashfleet": flashfleet_fields(self.request_id, complete)}
 
@@ -270,13 +319,14 @@ class ResponseBuilder:
             out["usage"] = None
         return out
 
-    def delta(self, text: str, include_usage: bool = False) -> dict:
-        """A stream chunk carrying new text (the first chat chunk also carries the role)."""
+    def delta(self, text: str, include_usage: bool = False, logprobs=()) -> dict:
+        """A stream chunk carrying new text (the first chat chunk also carries the role) and its
+        tokens' log-probabilities when asked for."""
         if self.chat:
             delta = {"content": text} if self.started else {"role": "assistant", "content": text}
-            choice = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}
+            choice = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": self.logprobs(logprobs)}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": None, "logprobs": None}
+            choice = {"index": 0, "text": text, "finish_reason": None, "logprobs": self.logprobs(logprobs)}
         self.started = True
         return self._chunk(choice, include_usage)
 

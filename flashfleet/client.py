@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import numbers
-from typing import AsyncIterator, Iterable, Iterator, Mapping
+from typing import Any, AsyncIterator, Iterable, Iterator, Mapping
 
 import grpc
 
@@ -58,17 +58,18 @@ def _to_chunk(resp: common_pb2.GenerateResponse) -> Chunk:
                      finish_reason=FINISH_REASONS.get(c.finish_reason, "unspecified"),
                      stats=GenerationStats.from_proto(c.stats), worker_id=c.worker_id)
     return Chunk(request_id=resp.request_id, text=resp.chunk.text,
-                 token_ids=tuple(resp.chunk.token_ids))
+                 token_ids=tuple(resp.chunk.token_ids), logprobs=tuple(resp.chunk.logprobs))
 
 
 def _accumulate(chunks: Iterable[Chunk]) -> Completion:
-    text, ids, last = [], [], None
+    text, ids, logprobs, last = [], [], [], None
     for chunk in chunks:
         text.append(chunk.text)
         ids.extend(chunk.token_ids)
+        logprobs.extend(chunk.logprobs)
         last = chunk
     return Completion(request_id=last.request_id if last else "", text="".join(text),
-                      token_ids=ids, finish_reason=last.finish_reason or "" if last else "",
+                      token_ids=ids, logprobs=logprobs, finish_reason=last.finish_reason or "" if last else "",
                       stats=last.stats if last else None, worker_id=last.worker_id if last else "")
 
 
@@ -138,7 +139,8 @@ class Client:
                  temperature: float | None = None, top_p: float | None = None,
                  seed: int | None = None, stop: str | Iterable[str] = (), session_id: str = "",
                  request_id: str = "", mode: str = "auto",
-                 timeout_s: float | None = None) -> Iterator[Chunk]:
+                 response_format: Mapping[str, Any] | None = None, json_schema: Mapping[str, Any] | None = None,
+                 top_logprobs: int | None = None, timeout_s: float | None = None) -> Iterator[Chunk]:
         """Streams a generation.
 
         Args:
@@ -151,6 +153,11 @@ class Client:
             stop: output ends before the first of these strings (one string, or several).
             session_id: requests of one session go to the same worker.
             mode: "auto", "plain", "draft", "dflash" or "uag".
+            json_schema: a JSON Schema (dict): the output is JSON valid against it (decoded under
+                a grammar in modes plain and dflash); or response_format, OpenAI's object
+                ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"schema": ...}}).
+            top_logprobs: 0..20: each chunk's `logprobs` (one per token: its log-probability under
+                the model and this many most likely alternatives); None: none.
             timeout_s: deadline of the whole stream, seconds (default: the client's).
 
         Yields:
@@ -158,7 +165,8 @@ class Client:
 
         Raises:
             InvalidArgument: arguments `build_request` rejects, or timeout_s <= 0 (raised at the
-                first iteration, before any RPC), or a request the server rejects.
+                first iteration, before any RPC), or a request the server rejects (a schema the
+                worker's grammar library cannot compile: the message says why).
             ModelNotFound: no worker serves `model` (or none has a draft for `mode`).
             Overloaded: every worker serving it is full and the coordinator's queue is full or
                 its wait timed out.
@@ -169,7 +177,9 @@ class Client:
         """
         req = build_request(model, prompt, messages=messages, max_tokens=max_tokens,
                             temperature=temperature, top_p=top_p, seed=seed, stop=stop,
-                            session_id=session_id, request_id=request_id, mode=mode)
+                            session_id=session_id, request_id=request_id, mode=mode,
+                            response_format=response_format, json_schema=json_schema,
+                            top_logprobs=top_logprobs)
         call = self._stub.Generate(req, timeout=_deadline(timeout_s, self.timeout_s))
         try:
             for resp in call:

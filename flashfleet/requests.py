@@ -1,13 +1,15 @@
 """Builds and validates GenerateRequest protos (shared by the SDK and the coordinator)."""
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+import json
+from typing import Any, Iterable, Mapping
 
 from flashfleet.errors import InvalidArgument, short_details
 from flashfleet.types import DECODE_MODES
 from flashfleet.v1 import common_pb2
 
-MAX_TEMPERATURE = 100.0  # past this softmax(logits / T) is uniform to float precision for any model
+MAX_TEMPERATURE = 100.0
+MAX_TOP_LOGPROBS = 20  # alternatives a token's log-probabilities list at most (OpenAI's bound)  # past this softmax(logits / T) is uniform to float precision for any model
 
 # A worker's generation budget when a request leaves max_tokens unset (capped by the context left).
 WORKER_DEFAULT_MAX_TOKENS = 256
@@ -56,12 +58,20 @@ def build_request(
     session_id: str = "",
     request_id: str = "",
     mode: str = "auto",
+    response_format: Mapping[str, Any] | None = None,
+    json_schema: Mapping[str, Any] | None = None,
+    top_logprobs: int | None = None,
 ) -> common_pb2.GenerateRequest:
     """Makes a GenerateRequest from keyword arguments.
 
     Exactly one of prompt (raw text) or messages (chat turns: dicts with "role" and "content")
     must be given; `stop` is one stop string or several (None: none). max_tokens None: the
     worker's default, `WORKER_DEFAULT_MAX_TOKENS` capped by the context the prompt leaves.
+    Structured output: `json_schema` (a JSON Schema as a dict: the output is JSON valid against
+    it), or `response_format` in OpenAI's shape ({"type": "text"}, {"type": "json_object"}, or
+    {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": true}}).
+    top_logprobs (0..20): every chunk carries its tokens' log-probabilities with that many
+    alternatives; None: none.
     Validation of values happens on the server (see validate_request); this converts and checks
     types.
 
@@ -70,19 +80,63 @@ def build_request(
             messages that is not a list of mappings with string role/content, a stop that is not a
             str or a list of them, a session_id or request_id that is not a str, text that is not
             valid Unicode (lone surrogates), a value out of its field's range (max_tokens beyond int32, seed outside [0, 2**64)), a request over
-            4 MiB, or an unknown mode.
+            4 MiB, an unknown mode, or a response_format / json_schema that is not one of the
+            shapes above (both given, an unknown type, a schema that is not a JSON object).
     """
+    fmt = response_format_proto(response_format, json_schema)
     try:
         req = _build(model, prompt, messages, max_tokens, temperature, top_p, seed, stop,
                      session_id, request_id, mode)
     except (ValueError, TypeError, OverflowError) as e:  # protobuf range and type checks
         raise InvalidArgument(f"bad request field: {e} (max_tokens must fit int32, seed must be in "
                               "[0, 2**64), temperature/top_p must be numbers)") from None
+    if fmt is not None:
+        req.response_format.CopyFrom(fmt)
+    if top_logprobs is not None:
+        _set_number(req, "top_logprobs", top_logprobs, f"must be an int in [0, {MAX_TOP_LOGPROBS}]")
     size = req.ByteSize()
     if size > MAX_REQUEST_BYTES:
         raise InvalidArgument(f"request is {size} bytes; the limit is {MAX_REQUEST_BYTES} "
                               "(4 MiB): shorten the prompt")
     return req
+
+
+RESPONSE_FORMATS = ("json_object", "json_schema")
+
+
+def response_format_proto(response_format: Any, json_schema: Any = None) -> common_pb2.ResponseFormat | None:
+    """The ResponseFormat proto of OpenAI's `response_format` object or of a bare JSON Schema
+    (dicts); None for free text ({"type": "text"} or neither given).
+
+    Raises:
+        InvalidArgument: both given, a value that is not a dict, an unknown type, or a json_schema
+            without a `schema` object; the message names the field.
+    """
+    if json_schema is not None:
+        if response_format is not None:
+            raise InvalidArgument("give response_format or json_schema, not both")
+        response_format = {"type": "json_schema", "json_schema": {"schema": json_schema}}
+    if response_format is None:
+        return None
+    if not isinstance(response_format, Mapping):
+        raise InvalidArgument(f"response_format must be an object with a 'type', got {response_format!r:.80}")
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return common_pb2.ResponseFormat(type=kind)
+    if kind != "json_schema":
+        raise InvalidArgument(f"response_format.type must be one of text, json_object, json_schema; got {kind!r:.40}")
+    spec = response_format.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, Mapping) else None
+    if not isinstance(schema, Mapping):
+        raise InvalidArgument("response_format.json_schema.schema must be a JSON Schema object "
+                              "({'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}})")
+    try:
+        text = json.dumps(schema)
+    except (TypeError, ValueError) as e:
+        raise InvalidArgument(f"response_format.json_schema.schema is not JSON: {e}") from None
+    return common_pb2.ResponseFormat(type=kind, json_schema=text)
 
 
 def _build(model, prompt, messages, max_tokens, temperature, top_p, seed, stop, session_id,
@@ -184,3 +238,11 @@ def validate_request(req: common_pb2.GenerateRequest) -> None:
         raise InvalidArgument(f"a stop string of {longest:,} characters; at most {MAX_STOP_STRING_CHARS:,} are served")
     if req.mode not in DECODE_MODES.values():
         raise InvalidArgument(f"unknown decode mode {req.mode}")
+    if req.HasField("top_logprobs") and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
+    if req.HasField("response_format"):
+        fmt = req.response_format
+        if fmt.type not in RESPONSE_FORMATS:
+            raise InvalidArgument(f"response_format.type must be one of {', '.join(RESPONSE_FORMATS)}, got {fmt.type!r:.40}")
+        if (fmt.type == "json_schema") != bool(fmt.json_schema):
+            raise InvalidArgument("response_format.json_schema is required with type json_schema, and only with it")

@@ -95,8 +95,9 @@ class Chunk:
     """Streamed piece of a generation.
 
     text: new text (complete UTF-8 characters only); token_ids: the tokens generated since the
-    previous chunk. The last chunk of a stream has finish_reason and stats set, and may have no
-    text.
+    previous chunk; logprobs: one `TokenLogprob` proto per token id when the request set
+    top_logprobs (token_id, token, logprob, top: the most likely tokens). The last chunk of a
+    stream has finish_reason and stats set, and may have no text.
     """
 
     request_id: str
@@ -105,6 +106,7 @@ class Chunk:
     finish_reason: str | None = None
     stats: GenerationStats | None = None
     worker_id: str = ""
+    logprobs: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,7 @@ class Completion:
     request_id: str
     text: str
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # TokenLogprob protos, one per token id (top_logprobs set)
     finish_reason: str = ""
     stats: GenerationStats | None = None
     worker_id: str = ""

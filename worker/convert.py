@@ -4,7 +4,7 @@ from __future__ import annotations
 from flashfleet.types import DECODE_MODE_NAMES, DECODE_MODES
 from flashfleet.v1 import common_pb2, worker_pb2
 from worker.engine.types import (DoneEvent, EngineLoad, GenerationRequest, GenerationStats,
-                                 ModelDescription, SamplingParams, TokenEvent)
+                                 ModelDescription, ResponseFormat, SamplingParams, TokenEvent)
 
 FINISH_REASON_PROTO = {
     "stop": common_pb2.FINISH_REASON_STOP,
@@ -31,14 +31,20 @@ def generation_request(request: common_pb2.GenerateRequest, prompt_tokens: list[
                              max_tokens=max_tokens, sampling=sampling, stop=tuple(request.stop),
                              mode=DECODE_MODE_NAMES[request.mode],
                              resume_tokens=tuple(request.resume_token_ids), resume_text=request.resume_text,
-                             import_id=request.import_id)
+                             import_id=request.import_id,
+                             response_format=ResponseFormat(request.response_format.type, request.response_format.json_schema)
+                             if request.HasField("response_format") else None,
+                             top_logprobs=request.top_logprobs if request.HasField("top_logprobs") else -1)
 
 
 def chunk_response(event: TokenEvent) -> common_pb2.GenerateResponse:
     """A GenerateResponse carrying one Chunk (text and token ids) of a TokenEvent."""
     return common_pb2.GenerateResponse(
         request_id=event.request_id,
-        chunk=common_pb2.Chunk(text=event.text, token_ids=event.token_ids))
+        chunk=common_pb2.Chunk(text=event.text, token_ids=event.token_ids, logprobs=[
+            common_pb2.TokenLogprob(token_id=lp.token_id, token=lp.text, logprob=lp.logprob, top=[
+                common_pb2.TopLogprob(token_id=t, token=text, logprob=v) for (t, v), text in zip(lp.top, lp.top_text)])
+            for lp in event.logprobs]))
 
 
 def stats_proto(s: GenerationStats) -> common_pb2.GenerationStats:

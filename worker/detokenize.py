@@ -151,8 +151,14 @@ class TextAssembler:
 
     def __init__(self, tokenizer: Any, stops: Sequence[str] = ()):
         self._detok = IncrementalDetokenizer(tokenizer)
+        self._decode_one = tokenizer.decode
         self._stops = StopStrings(stops)
         self._skip = 0  # characters the client already has (a resumed request), not yet released here
+
+    def piece(self, token_id: int) -> str:
+        """One token's text on its own (a token holding part of a UTF-8 character reads U+FFFD),
+        for log-probability listings."""
+        return self._decode_one([token_id])
 
     @property
     def stopped(self) -> bool:

@@ -36,6 +36,8 @@ class Step:
         verify_s: wall time of the target's verify forward, seconds (0 when not measured).
         translate_s: time spent translating tokens between vocabularies (cross-tokenizer drafts
             only), seconds.
+        logprobs: one `worker.engine.types.TokenLogprob` per token when the request asked for
+            log-probabilities (batched modes), else empty.
     """
 
     tokens: list[int]
@@ -44,6 +46,7 @@ class Step:
     draft_s: float = 0.0
     verify_s: float = 0.0
     translate_s: float = 0.0
+    logprobs: tuple = ()
 
 
 DecodeFn = Callable[..., Iterator[Step]]

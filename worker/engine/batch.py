@@ -16,7 +16,9 @@ the target's own choice, commits them and the target's bonus token, and keeps j_
 verified positions (its cache length moves; nothing is copied). One host synchronisation per
 iteration reads every row's tokens. Output is the target's own choice at every position
 (greedy: its argmax; sampled: its draw keyed by sequence position, `worker.sampling.sample_rows`),
-so each row's output does not depend on the rows beside it.
+so each row's output does not depend on the rows beside it. A row with a grammar (structured
+output, worker/engine/grammar.py) chooses among the tokens its grammar allows at each position,
+and its draft proposes only such tokens.
 """
 from __future__ import annotations
 
@@ -24,12 +26,16 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from worker.caches.rows import RowKVCache, as_attention_mask, share_lengths
+from worker.engine.grammar import RowGrammar, allowed
+from worker.engine.types import TokenLogprob
 from worker.sampling import greedy, sample_rows
 from worker.decoding.base import Sampler
 
 FLUSH_PENDING = 32  # pending taps a row may hold while the batch decodes plainly
+GRAMMAR_CANDIDATES = 16  # a constrained row's draft candidates a position, walked along its grammar
 
 
 @dataclass
@@ -41,20 +47,29 @@ class Row:
         n: committed sequence length (prompt + generated), tokens.
         last: the last committed token id (b).
         request_id: the session's request (for logs and tests).
+        grammar: the row's grammar matcher (structured output, worker/engine/grammar.py), or None.
+        top_logprobs: -1, or the alternatives each of its tokens' `TokenLogprob` lists.
     """
 
     sampler: Sampler
     n: int
     last: int
     request_id: str = ""
+    grammar: Optional[RowGrammar] = None
+    top_logprobs: int = -1
 
     def commit(self, tokens: list[int], eos_ids, remaining: int) -> tuple[list[int], bool]:
         """A forward's new tokens for this row, cut after the first EOS and to `remaining`;
-        advances n and last. Returns (the tokens kept, whether an EOS ended the row)."""
+        advances n, last and the grammar. Returns (the tokens kept, whether an EOS ended the row).
+
+        Raises:
+            RuntimeError: the grammar refused a token (`RowGrammar.advance`)."""
         stop = next((i for i, t in enumerate(tokens) if t in eos_ids), None)
         kept = tokens[: (len(tokens) if stop is None else stop + 1)][:remaining]
         self.n += len(kept)
         self.last = kept[-1]
+        if self.grammar is not None:
+            self.grammar.advance(kept)
         return kept, stop is not None and stop < remaining
 
 
@@ -68,6 +83,8 @@ class Batch:
         pending: (B, P, n_taps * D) target taps not yet in the draft's context, or None (P = 0).
         pending_len: real taps per row (<= P); the rest of a row is padding.
         rows: per row, `Row`.
+        logprobs: the last forward's `TokenLogprob`s of each row that asks for them, by row index,
+            one per verified position (the committed ones are its first).
     """
 
     target: list[RowKVCache]
@@ -75,6 +92,7 @@ class Batch:
     pending: Optional[mx.array] = None
     pending_len: list[int] = field(default_factory=list)
     rows: list[Row] = field(default_factory=list)
+    logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -148,16 +166,63 @@ def prefill_chunk(target: Any, tokens: Sequence[int], cache: list[RowKVCache], d
     mx.eval([c.state for c in cache + (draft_cache or [])])
 
 
-def choose(logits: mx.array, rows: Sequence[Row]) -> mx.array:
+def choose(logits: mx.array, rows: Sequence[Row], masks: Optional[dict[int, np.ndarray]] = None) -> mx.array:
     """Each row's tokens at its L positions: (B, L, V) logits -> (B, L) uint32. Greedy rows take
-    the argmax; sampled rows draw keyed by the sequence position of each token."""
+    the argmax; sampled rows draw keyed by the sequence position of each token. A row with
+    `masks[i]` ((L, W) int32 bit masks, worker/engine/grammar.py) chooses among the tokens its
+    mask allows at each position; the other rows' choices are computed as without it."""
+    masks = masks or {}
     chosen = greedy(logits).astype(mx.uint32)
-    sampled = [i for i, r in enumerate(rows) if r.sampler is not greedy]
-    if not sampled:
+    special = [i for i, r in enumerate(rows) if r.sampler is not greedy or i in masks]
+    if not special:
         return chosen
-    parts = [chosen[i] if rows[i].sampler is greedy else
-             sample_rows(rows[i].sampler, logits[i], rows[i].n).astype(mx.uint32) for i in range(len(rows))]
+    parts = []
+    for i, r in enumerate(rows):
+        if i not in special:
+            parts.append(chosen[i])
+            continue
+        lg = logits[i]
+        if i in masks:
+            lg = mx.where(allowed(masks[i], lg.shape[-1]), lg, -mx.inf)
+        parts.append((greedy(lg) if r.sampler is greedy else sample_rows(r.sampler, lg, r.n)).astype(mx.uint32))
     return mx.stack(parts)
+
+
+def logprobs_of(logits: mx.array, chosen: mx.array, rows: Sequence[Row]) -> Optional[tuple]:
+    """Log-probabilities of the chosen tokens, and the most likely tokens, of the rows that ask
+    for them (`Row.top_logprobs` >= 0), from the target's raw logits (B, L, V) and choices
+    (B, L): (row indices, chosen logprobs (b, L), top ids (b, L, k), top logprobs (b, L, k)) as
+    lazy arrays, k the largest number asked (at least 1); None when no row asks."""
+    want = [i for i, r in enumerate(rows) if r.top_logprobs >= 0]
+    if not want:
+        return None
+    index = mx.array(want, dtype=mx.int32)
+    lg = logits[index].astype(mx.float32)
+    lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
+    picked = mx.take_along_axis(lp, chosen[index].astype(mx.int32)[..., None], axis=-1)[..., 0]
+    k = max(1, max(rows[i].top_logprobs for i in want))
+    top = mx.argpartition(-lp, kth=k - 1, axis=-1)[..., :k]
+    return want, picked, top, mx.take_along_axis(lp, top, axis=-1)
+
+
+def _host_logprobs(parts: Optional[tuple], chosen: list[list[int]], rows: Sequence[Row]) -> dict[int, list[TokenLogprob]]:
+    """`logprobs_of`'s arrays (evaluated) as `TokenLogprob`s by row index, per position."""
+    if parts is None:
+        return {}
+    want, picked, top, top_lp = parts
+    picked, top, top_lp = picked.tolist(), top.tolist(), top_lp.tolist()
+    out = {}
+    for k, i in enumerate(want):
+        n = rows[i].top_logprobs
+        out[i] = [TokenLogprob(chosen[i][j], picked[k][j],
+                               tuple(sorted(zip(top[k][j], top_lp[k][j]), key=lambda p: -p[1])[:n]))
+                  for j in range(len(picked[k]))]
+    return out
+
+
+def grammar_masks(rows: Sequence[Row]) -> dict[int, np.ndarray]:
+    """The next token's (1, W) mask of every constrained row, by row index."""
+    return {i: r.grammar.masks() for i, r in enumerate(rows) if r.grammar is not None}
 
 
 def read_rows(out: mx.array, *also: mx.array) -> list[list[int]]:
@@ -170,11 +235,16 @@ def read_rows(out: mx.array, *also: mx.array) -> list[list[int]]:
 
 def plain_step(target: Any, batch: Batch) -> list[list[int]]:
     """One decode step of every row: (B, 1) last tokens through the target; returns each row's
-    one new token. The caches gain the last tokens' positions."""
+    one new token (a constrained row's among the tokens its grammar allows). The caches gain the
+    last tokens' positions."""
     batch.reserve(1)
     x = mx.array([[r.last] for r in batch.rows], dtype=mx.uint32)
     logits = target(x, cache=batch.target)
-    return read_rows(choose(logits[:, -1:, :], batch.rows))
+    tokens = choose(logits[:, -1:, :], batch.rows, grammar_masks(batch.rows))
+    parts = logprobs_of(logits[:, -1:, :], tokens, batch.rows)
+    out = read_rows(tokens, *(parts[1:] if parts else ()))
+    batch.logprobs = _host_logprobs(parts, out, batch.rows)
+    return out
 
 
 def _concat_pending(batch: Batch, taps: mx.array, kept: Sequence[int]) -> None:
@@ -211,7 +281,8 @@ def draft_block(draft: Any, batch: Batch, L: int) -> mx.array:
 
     Injects each row's pending taps into its draft context (written at [T_r, T_r + S_r); padding
     taps land past the block, beyond every mask) and attends the block [b, MASK x (L-1)] to the
-    row's context; the block's K/V are dropped afterwards (lengths move to T_r + S_r).
+    row's context; the block's K/V are dropped afterwards (lengths move to T_r + S_r). A
+    constrained row drafts along its grammar (`RowGrammar.draft`): its logits come to the host.
     """
     cache = batch.draft
     rows = batch.rows
@@ -249,7 +320,27 @@ def draft_block(draft: Any, batch: Batch, L: int) -> mx.array:
         c.set_lengths(new_T, start)
     batch.pending, batch.pending_len = None, [0] * B
     logits = draft.head(draft.norm(h)[:, 1:])
-    return mx.concatenate([first, draft.draft_tokens(logits).astype(mx.uint32)], axis=1)
+    drafted = draft.draft_tokens(logits).astype(mx.uint32)
+    constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+    if constrained:  # only their C best candidates a position come to the host
+        sub = logits[mx.array(constrained)]
+        C = min(GRAMMAR_CANDIDATES, sub.shape[-1])
+        top = mx.argpartition(-sub, kth=C - 1, axis=-1)[..., :C]
+        scores = mx.take_along_axis(sub, top, axis=-1).astype(mx.float32)
+        if draft.vocab is not None:
+            top = draft.vocab[top]
+        top, scores = np.array(top), np.array(scores)
+        legal = [rows[i].grammar.draft(top[k], scores[k]) for k, i in enumerate(constrained)]
+        drafted = _replace_rows(drafted, constrained, legal)
+    return mx.concatenate([first, drafted], axis=1)
+
+
+def _replace_rows(x: mx.array, indices: list[int], values: list[list[int]]) -> mx.array:
+    """x (B, N) uint32 with rows `indices` replaced by `values`."""
+    index = mx.array(indices, dtype=mx.int32)
+    out = mx.array(x)
+    out[index] = mx.array(values, dtype=mx.uint32)
+    return out
 
 
 def flush_pending(draft: Any, batch: Batch) -> None:
@@ -307,19 +398,27 @@ def dflash_cycle(target: Any, draft: Any, capture: Any, batch: Batch, L: int) ->
                                           or len(set(batch.pending_len)) > 1):
             flush_pending(draft, batch)
         blocks = mx.array([[r.last] for r in rows], dtype=mx.uint32)
+        masks = grammar_masks(rows)
     else:
         blocks = draft_block(draft, batch, L)
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        drafts = np.array(blocks[mx.array(constrained), 1:]).tolist() if constrained else []
+        masks = {i: rows[i].grammar.verify_masks(d) for i, d in zip(constrained, drafts)}
     with capture:
         logits = target(blocks, cache=batch.target)
     taps = capture.hidden()
-    chosen = choose(logits, rows)
+    chosen = choose(logits, rows, masks)
+    parts = logprobs_of(logits, chosen, rows)
     if L > 1:
         accepted = mx.cumprod((blocks[:, 1:] == chosen[:, :-1]).astype(mx.int32), axis=1).sum(axis=1)
     else:
         accepted = mx.zeros((len(rows),), mx.int32)
-    # One read-back: each row's L chosen tokens, then its accepted count.
-    out = read_rows(mx.concatenate([chosen, accepted.astype(mx.uint32)[:, None]], axis=1), taps)
+    # One read-back: each row's L chosen tokens, then its accepted count (and the log-probabilities
+    # of the rows that ask for them, evaluated with it).
+    out = read_rows(mx.concatenate([chosen, accepted.astype(mx.uint32)[:, None]], axis=1), taps,
+                    *(parts[1:] if parts else ()))
     acc = [r[L] for r in out]
+    batch.logprobs = _host_logprobs(parts, [r[:L] for r in out], rows)
     kept = [j + 1 for j in acc]
     new_len = [n - L + k for n, k in zip(batch.target[0].host_lengths, kept)]
     device_len = batch.target[0].lengths - L + accepted + 1

@@ -7,9 +7,10 @@ import threading
 from typing import Any, Mapping, Optional
 
 from worker.detokenize import TextAssembler
-from worker.engine.modes import Mode, resolve_mode
+from worker.engine.grammar import GrammarCompiler
+from worker.engine.modes import AUTO, Mode, resolve_mode
 from worker.engine.scheduler import BATCHED_MODES, Scheduler
-from worker.engine.types import GenerationRequest, InvalidRequest, ModelDescription
+from worker.engine.types import MAX_TOP_LOGPROBS, GenerationRequest, InvalidRequest, ModelDescription
 from worker.sampling import validate_sampling
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -38,6 +39,23 @@ class Intake:
         self._draft_kind = draft_kind
         self._modes = modes
         self._lock = threading.Lock()
+        self._grammars: Optional[GrammarCompiler] = None  # built at the first constrained request
+
+    def grammar(self, r: GenerationRequest) -> Optional[Any]:
+        """The grammar matcher of a request with a response format (compiled here, on the
+        caller's thread: worker/engine/grammar.py), or None for free text.
+
+        Raises:
+            InvalidRequest: a format or schema the grammar library cannot compile (why, in its words).
+        """
+        if r.response_format is None:
+            return None
+        with self._lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer._tokenizer,
+                                                 self._vocab_size or len(self.tokenizer.vocab),
+                                                 self.tokenizer.eos_token_ids)
+        return self._grammars.matcher(r.response_format)
 
     def encode_prompt(self, prompt: str | None, messages: list[dict] | None) -> list[int]:
         """Tokenizes raw text (with the tokenizer's special tokens, e.g. BOS), or renders chat
@@ -105,8 +123,8 @@ class Intake:
             InvalidRequest: empty request_id or prompt, token ids outside the vocabulary,
                 max_tokens < 1, prompt + max_tokens beyond the context or (batched modes) the KV
                 budget, bad sampling parameters, an empty stop string, a mode this worker cannot
-                serve, or resume tokens that are not fewer than max_tokens, hold an EOS or do not
-                match resume_text.
+                serve (a response format in a mode other than plain and dflash), or resume tokens
+                that are not fewer than max_tokens, hold an EOS or do not match resume_text.
         """
         if not r.request_id:
             raise InvalidRequest("request_id is empty")
@@ -142,6 +160,14 @@ class Intake:
         if any(not isinstance(s, str) or not s for s in r.stop):
             raise InvalidRequest("stop strings must be non-empty strings")
         mode = resolve_mode(r.mode, self._draft_kind, self._modes)
+        if not -1 <= r.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {r.top_logprobs}")
+        asks = [name for name, on in (("response_format", r.response_format is not None),
+                                      ("logprobs", r.top_logprobs >= 0)) if on]
+        if asks and mode not in BATCHED_MODES:
+            if r.mode != AUTO:
+                raise InvalidRequest(f"{' and '.join(asks)}: served in modes plain and dflash only, not {mode!r}")
+            mode = "plain"  # this worker's draft decodes without grammars and log-probabilities
         if sched is not None and mode in BATCHED_MODES:
             positions = n + r.max_tokens + sched.max_block(mode)
             if not sched.fits_alone(mode, positions):

@@ -36,6 +36,7 @@ import mlx.core as mx
 from worker.capture import HiddenCapture
 from worker.engine.batch import Batch, Row, dflash_cycle, plain_step, prefill_chunk
 from worker.engine.block_policy import Acceptance, BatchBlockPolicy
+from worker.engine.grammar import RowGrammar
 from worker.engine.profile import DecodeProfile
 from worker.engine.imports import StagedImport, StagedImports
 from worker.engine import kv_layout
@@ -69,6 +70,8 @@ class Sequence:
         prefilled: positions of tokens[:-1] in those caches.
         row: its `Row` while it decodes.
         import_id: an imported state it claims at admission ("" for none).
+        grammar: its grammar matcher (structured output, worker/engine/grammar.py), or None.
+        error: what ended it, when something did (a grammar that refused a token).
     """
 
     session: Session
@@ -83,6 +86,8 @@ class Sequence:
     prefilled: int = 0
     row: Optional[Row] = None
     import_id: str = ""
+    grammar: Optional[RowGrammar] = None
+    error: Optional[Exception] = None
 
     @property
     def request_id(self) -> str:
@@ -217,13 +222,14 @@ class Scheduler:
         return not (self.waiting or self.prefilling or self.generators
                     or any(self.decoding[m] for m in BATCHED_MODES))
 
-    def add(self, session: Session, mode: str, sampler: Sampler) -> None:
-        """Queues a batched-mode session (its request already validated)."""
+    def add(self, session: Session, mode: str, sampler: Sampler, grammar: Optional[RowGrammar] = None) -> None:
+        """Queues a batched-mode session (its request already validated), with its grammar
+        matcher when its output is constrained."""
         self._order += 1
         req = session.request
         prior = self.pooled.as_prior(self.max_block(mode) - 1)  # the worker's recent acceptance
         self.waiting.append(Sequence(session, mode, sampler, list(req.prompt_tokens), self._order,
-                                     prior, import_id=req.import_id))
+                                     prior, import_id=req.import_id, grammar=grammar))
 
     def add_generator(self, session: Session) -> None:
         """Adds a session decoded by its own generator (modes without a batched path)."""
@@ -340,7 +346,8 @@ class Scheduler:
             return
         if seq.prefilled >= end:
             self.prefilling.remove(seq)
-            seq.row = Row(seq.sampler, len(seq.tokens), seq.tokens[-1], seq.request_id)
+            seq.row = Row(seq.sampler, len(seq.tokens), seq.tokens[-1], seq.request_id, seq.grammar,
+                          seq.session.request.top_logprobs)
             self.batches[seq.mode].join(seq.row, seq.target, seq.draft)
             seq.target = seq.draft = None
             seq.phase = "decode"
@@ -408,17 +415,19 @@ class Scheduler:
             if drafted:
                 seq.acceptance.observe(drafted, accepted)
                 self.pooled.observe(drafted, accepted)
-            if not self._commit(seq, tokens, drafted, accepted):
+            if not self._commit(seq, tokens, drafted, accepted, batch.logprobs.get(i, ())):
                 done.append(i)
         if done:
             for i in done:
+                if seqs[i].error is not None:  # its row's length and tokens disagree: nothing to keep
+                    continue
                 try:
                     self._keep_prompt_cache(mode, i)
                 except Exception:  # the cache is an optimisation: never lose the session for it
                     log.exception("request %s: keeping its prompt cache failed", seqs[i].request_id)
             self._leave(mode, done)
             for i in done:
-                self._finish(seqs[i].session)
+                self._finish(seqs[i].session, error=seqs[i].error)
 
     def _block_for(self, seqs: list[Sequence]) -> int:
         useful = max(s.remaining for s in seqs)
@@ -426,12 +435,18 @@ class Scheduler:
             return max(1, min(self.block_size, 1 << max(0, useful - 1).bit_length()))
         return self.policy.choose([s.acceptance for s in seqs], max(s.row.n for s in seqs), useful)
 
-    def _commit(self, seq: Sequence, tokens: list[int], drafted: int, accepted: int) -> bool:
-        """Emits a row's new tokens (cut after an EOS and at max_tokens); False when it is done."""
-        tokens, _ = seq.row.commit(tokens, self.m.eos_ids, seq.remaining)
+    def _commit(self, seq: Sequence, tokens: list[int], drafted: int, accepted: int, logprobs=()) -> bool:
+        """Emits a row's new tokens (cut after an EOS and at max_tokens), with their
+        log-probabilities when it asked for them; False when it is done."""
+        try:
+            tokens, _ = seq.row.commit(tokens, self.m.eos_ids, seq.remaining)
+        except RuntimeError as e:  # its grammar refused a token: the session ends with the error
+            log.exception("request %s: committing its tokens failed", seq.request_id)
+            seq.error = e
+            return False
         s = seq.session
         try:
-            s.on_step(Step(tokens, drafted, accepted), self.clock())
+            s.on_step(Step(tokens, drafted, accepted, logprobs=tuple(logprobs[: len(tokens)])), self.clock())
         except Exception:
             log.exception("request %s: emitting its tokens failed", seq.request_id)
             s.done_reason = s.done_reason or "cancelled"

@@ -1,11 +1,11 @@
 """One admitted request on the engine thread: its decoding generator, text assembly and statistics."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
 from worker.detokenize import TextAssembler
-from worker.engine.types import DoneEvent, EmitFn, GenerationRequest, GenerationStats, TokenEvent
+from worker.engine.types import DoneEvent, EmitFn, GenerationRequest, GenerationStats, TokenEvent, TokenLogprob
 from worker.decoding.base import Step
 
 
@@ -77,7 +77,13 @@ class Session:
         if self.done_reason and not self.text.stopped:
             text += self.text.finish()
         if visible or text:
-            self.emit(TokenEvent(self.request.request_id, tuple(visible), text))
+            self.emit(TokenEvent(self.request.request_id, tuple(visible), text,
+                                 tuple(self._named(lp) for lp in step.logprobs[: len(visible)])))
+
+    def _named(self, lp: TokenLogprob) -> TokenLogprob:
+        """`lp` with its tokens' texts."""
+        piece = self.text.piece
+        return replace(lp, text=piece(lp.token_id), top_text=tuple(piece(t) for t, _ in lp.top))
 
     def flush(self) -> None:
         """Emits the text still held back; for a generator that ended without a final step."""

@@ -20,6 +20,7 @@ from mlx_lm.utils import load_tokenizer
 
 from worker.config import EngineConfig
 from worker.detokenize import TextAssembler
+from worker.engine.grammar import RowGrammar
 from worker.engine.modes import MODES, LoadedModels, Mode, draft_kind_of, resolve_mode
 from worker.models.dflash_checkpoint import DraftCheckpointError
 from worker.engine.block_policy import BatchBlockPolicy
@@ -60,6 +61,7 @@ class Submit:
     mode: str
     emit: EmitFn
     received_s: float
+    grammar: Any = None  # the request's grammar matcher (worker/engine/grammar.py), or None
 
 
 @dataclass(frozen=True)
@@ -274,6 +276,7 @@ class Engine:
         if not self._accepting:
             raise Draining("engine is not serving (starting or shutting down)")
         mode = self._intake.validate(request, self._scheduler)
+        grammar = self._intake.grammar(request)
         with self._lock:
             if not self._accepting:
                 raise Draining("engine is shutting down")
@@ -282,7 +285,7 @@ class Engine:
             if len(self._admitted) >= self.config.capacity:
                 raise Overloaded(f"worker at capacity ({self.config.capacity} sessions)")
             self._admitted.add(request.request_id)
-            self._commands.put(Submit(request, mode, emit, self._clock()))
+            self._commands.put(Submit(request, mode, emit, self._clock(), grammar))
 
     def abort(self, request_id: str) -> bool:
         """Cancels a request: it ends with DoneEvent("cancelled") unless it ended first. Any
@@ -449,12 +452,16 @@ class Engine:
                               max_tokens=req.max_tokens - len(req.resume_tokens), resume_tokens=(),
                               resume_text="")
             sampler = sampler_for(req.sampling)
+            grammar = None
+            if cmd.grammar is not None:
+                grammar = RowGrammar(cmd.grammar, self._vocab_size or len(m.tokenizer.vocab), m.eos_ids)
+                grammar.advance(cmd.request.resume_tokens)  # a migrated session's output so far
             if req.import_id and cmd.mode not in BATCHED_MODES:  # its own generator prefills
                 sched.imports.drop(req.import_id)
             if cmd.mode in BATCHED_MODES:
                 s = Session(req, cmd.emit, iter(()), [], text, m.eos_ids, cmd.received_s,
                             new_stats(req, cmd.mode))
-                sched.add(s, cmd.mode, sampler)
+                sched.add(s, cmd.mode, sampler, grammar)
             else:
                 steps, caches = self._modes[cmd.mode].start(m, self.config, req, sampler)
                 s = Session(req, cmd.emit, steps, caches, text, m.eos_ids, cmd.received_s,

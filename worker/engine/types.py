@@ -61,6 +61,42 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class ResponseFormat:
+    """What the output must be (structured output, worker/engine/grammar.py).
+
+    Attributes:
+        type: "json_object" (any JSON object) or "json_schema" (JSON valid against `json_schema`).
+        json_schema: the JSON Schema as JSON text ("json_schema" only).
+    """
+
+    type: str
+    json_schema: str = ""
+
+
+MAX_TOP_LOGPROBS = 20  # most alternatives a token's log-probabilities list (OpenAI's bound)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the target's own distribution at its position
+    (log-softmax of the target's logits: no temperature, top-p or grammar applied), and the most
+    likely tokens there.
+
+    Attributes:
+        token_id: the token.
+        logprob: its natural-log probability (float32 arithmetic).
+        top: (token id, logprob) of the `top_logprobs` most likely tokens, most likely first.
+        text: the token's text on its own; top_text: the top tokens' (filled when emitted).
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    text: str = ""
+    top_text: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """One generation, already tokenized.
 
@@ -77,6 +113,9 @@ class GenerationRequest:
         resume_text: the text the client received with resume_tokens (a prefix of their text).
         import_id: a state staged by `Engine.transfer.stage_import` to use instead of prefilling the
             tokens it covers ("" for none; `worker.engine.kv_transfer`).
+        response_format: constrains the output to JSON (worker/engine/grammar.py); None: free text.
+        top_logprobs: -1: no log-probabilities; 0..MAX_TOP_LOGPROBS: each token's `TokenLogprob`
+            with that many alternatives (batched modes only).
     """
 
     request_id: str
@@ -88,6 +127,8 @@ class GenerationRequest:
     resume_tokens: tuple[int, ...] = ()
     resume_text: str = ""
     import_id: str = ""
+    response_format: ResponseFormat | None = None
+    top_logprobs: int = -1
 
 
 @dataclass
@@ -129,11 +170,13 @@ class GenerationStats:
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """New tokens of a request. `text` holds only complete UTF-8 characters (may be "")."""
+    """New tokens of a request. `text` holds only complete UTF-8 characters (may be "").
+    `logprobs`: one `TokenLogprob` per token id when the request asked for them, else empty."""
 
     request_id: str
     token_ids: tuple[int, ...]
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
