@@ -307,6 +307,30 @@ def test_a_budget_smaller_than_one_session_is_refused_at_start(tiny_models):
         Engine(EngineConfig(model_path=tiny_models.llama, kv_budget_bytes=1000, warmup=False))
 
 
+def test_admission_keeps_sessions_waiting_rather_than_preempting_them(tiny_models):
+    """Five 200-token prompts with almost no output under a budget that holds about two: the
+    scheduler admits only what fits and the rest wait their turn; nobody is preempted (an
+    admission that let everyone in would have to preempt to get back under the budget)."""
+    def run(budget):
+        cfg = EngineConfig(model_path=tiny_models.llama, capacity=8, kv_budget_bytes=budget,
+                           prompt_cache_entries=0, prefill_step_tokens=64)
+        with Engine(cfg) as engine:
+            prompts = [tuple(engine.encode_prompt(p * 12, None))[:200] for p in PROMPTS[:5]]
+            c = Collector(engine)
+            for i, p in enumerate(prompts):
+                c.submit(GenerationRequest(f"short-{i}", p, 2))
+            c.wait()
+            sched = engine._scheduler
+            return [c.tokens[f"short-{i}"] for i in range(5)], c.done, sched.peak_projected_bytes, sched.preemptions
+
+    free_tokens, _, free_accounted, _ = run(None)
+    budget = int(0.45 * free_accounted)
+    tokens, done, accounted, preemptions = run(budget)
+    assert tokens == free_tokens
+    assert preemptions == 0 and all(done[f"short-{i}"].stats.preemptions == 0 for i in range(5))
+    assert accounted <= budget
+
+
 def test_a_batchs_layers_share_their_lengths_through_joins_leaves_and_forwards(tiny_models, dflash_dir):
     """Every layer of a batch holds one lengths array (the next forward's layers then build their
     positions once), and sharing changes no token: the batch's rows decode as they do alone."""
