@@ -8,9 +8,10 @@ left while it held the only reference, or `.close()` / `await .aclose()`) cancel
 frees the worker.
 
 Several coordinators: the address may name several ("host:port,host:port", a list, or a DNS name
-with several records, which gRPC balances over round robin). A call that finds a coordinator
-UNAVAILABLE goes to the next one. A `generate` stream that breaks with UNAVAILABLE after tokens
-arrived (its coordinator died, or restarts at the same address) is resumed: the same request,
+with several records: gRPC connects to the first that answers, and to the next when it goes).
+A call that finds a coordinator UNAVAILABLE goes to the next one. A `generate` stream that breaks
+with UNAVAILABLE after tokens arrived (its coordinator died, or restarts at the same address) is
+resumed: the same request,
 under the same request id, with every token id and the text received so far
 (`resume_token_ids`, `resume_text`), goes to the next coordinator (for up to `RESUME_WINDOW_S`),
 which re-attaches to the worker still decoding it or resumes it elsewhere; the stream goes on
@@ -43,8 +44,6 @@ RESUME_WINDOW_S = 30.0
 # Waits between resume attempts, seconds: the first is at once (another coordinator is up), then
 # slower (every coordinator may be restarting); the last value repeats.
 RESUME_BACKOFF_S = (0.0, 0.05, 0.1, 0.2, 0.4, 0.8, 1.0)
-# Channels balance over every address a target resolves to (a DNS name with several records).
-_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.lb_policy_name", "round_robin")]
 
 
 def _targets(address) -> list[str]:
@@ -213,8 +212,8 @@ class Client:
         i = self._current
         if i not in self._stubs:  # first use, or closed: a call after close() opens a new channel
             target = self._targets[i]
-            self._channels[i] = (grpc.secure_channel(target, self._credentials, options=_CHANNEL_OPTIONS)
-                                 if self._credentials else grpc.insecure_channel(target, options=_CHANNEL_OPTIONS))
+            self._channels[i] = (grpc.secure_channel(target, self._credentials, options=CHANNEL_OPTIONS)
+                                 if self._credentials else grpc.insecure_channel(target, options=CHANNEL_OPTIONS))
             self._stubs[i] = with_metadata(coordinator_pb2_grpc.CoordinatorStub(self._channels[i]), self._metadata)
         return self._stubs[i]
 
@@ -421,9 +420,9 @@ class AsyncClient:
         i = self._current
         if i not in self._stubs:
             target = self._targets[i]
-            self._channels[i] = (grpc.aio.secure_channel(target, self._credentials, options=_CHANNEL_OPTIONS)
+            self._channels[i] = (grpc.aio.secure_channel(target, self._credentials, options=CHANNEL_OPTIONS)
                                  if self._credentials else
-                                 grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS))
+                                 grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS))
             self._stubs[i] = with_metadata(coordinator_pb2_grpc.CoordinatorStub(self._channels[i]), self._metadata)
             self._loop = loop
         return self._stubs[i]
