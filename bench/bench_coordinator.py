@@ -433,6 +433,8 @@ def main(argv=None) -> int:
         p.error("counts must be >= 1 and --tokens-per-s, --duration-s > 0")
     if args.etcd and not shutil.which("etcd"):
         p.error("--etcd needs the etcd binary (apt-get install etcd-server)")
+    if args.etcd and args.baseline_src is not None:
+        p.error("--etcd and --baseline-src cannot go together: the baseline's coordinator may have no --state")
     if args.baseline_src is not None and not (args.baseline_src / "coordinator" / "__main__.py").is_file():
         p.error(f"--baseline-src {args.baseline_src}: no coordinator/__main__.py there")
     try:

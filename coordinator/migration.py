@@ -427,7 +427,13 @@ class StreamProgress:
         self.left_worker: str | None = None  # the worker it last moved away from
         self.left_s: float | None = None
         self._next_check_s = 0.0
-        self.move_request = None  # an operator's pending MoveSession (coordinator/servicer.py)
+
+    def resume_from(self, token_ids: list[int], text: str) -> None:
+        """Starts from what a client already received from an earlier stream of the request
+        (it resumes after its coordinator died): the next worker is given these tokens."""
+        self.token_ids = list(token_ids)
+        self._text = [text] if text else []
+        self.resumed_tokens = len(self.token_ids)
 
     def add(self, chunk: common_pb2.Chunk) -> None:
         """Records a chunk forwarded to the client (its token ids and text)."""
@@ -477,7 +483,7 @@ class StreamProgress:
     def finish_stats(self, stats: common_pb2.GenerationStats) -> None:
         """Makes the last worker's final stats the request's: that worker's prompt counted the
         resumed tokens and its generated count did not."""
-        if self.migrations:
+        if self.migrations or self.resumed_tokens:
             stats.prompt_tokens = max(0, stats.prompt_tokens - self.resumed_tokens)
             stats.generated_tokens += self.resumed_tokens
             stats.migrations = self.migrations

@@ -6,32 +6,126 @@ fields are documented in protos/flashfleet/v1/coordinator.proto) and raise typed
 status code and the server's message. A `generate` generator that is closed early (a `for` loop
 left while it held the only reference, or `.close()` / `await .aclose()`) cancels the RPC, which
 frees the worker.
+
+Several coordinators: the address may name several ("host:port,host:port", a list, or a DNS name
+with several records: gRPC connects to the first that answers, and to the next when it goes).
+A call that finds a coordinator UNAVAILABLE goes to the next one. A `generate` stream that breaks
+with UNAVAILABLE after tokens arrived (its coordinator died, or restarts at the same address) is
+resumed: the same request,
+under the same request id, with every token id and the text received so far
+(`resume_token_ids`, `resume_text`), goes to the next coordinator (for up to `RESUME_WINDOW_S`),
+which re-attaches to the worker still decoding it or resumes it elsewhere; the stream goes on
+after those tokens, none lost or repeated.
 """
 from __future__ import annotations
 
 import asyncio
 import inspect
 import numbers
-from typing import Any, AsyncIterator, Iterable, Iterator, Mapping
+import time
+import uuid
+from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 
 import grpc
 
 from flashfleet.auth import api_key_metadata, client_api_key, with_metadata
 from flashfleet.errors import InvalidArgument, from_rpc_error
-from flashfleet.requests import MAX_TIMEOUT_S, build_request
+from flashfleet.requests import COORDINATOR_VERDICT_HEADER, MAX_TIMEOUT_S, build_request
 from flashfleet.transport import CHANNEL_OPTIONS
 from flashfleet.types import FINISH_REASONS, Chunk, Completion, GenerationStats
 from flashfleet.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 DEFAULT_GENERATE_TIMEOUT_S = 600.0
 DEFAULT_CONTROL_TIMEOUT_S = 10.0
+# A broken stream is resumed for up to this long (seconds from the break; within the call's
+# deadline): a coordinator restarted at the same address takes seconds to come back, and a worker
+# keeps an orphaned session 30 s by default (worker/servicer.py ORPHAN_GRACE_S).
+RESUME_WINDOW_S = 30.0
+# Waits between resume attempts, seconds: the first is at once (another coordinator is up), then
+# slower (every coordinator may be restarting); the last value repeats.
+RESUME_BACKOFF_S = (0.0, 0.05, 0.1, 0.2, 0.4, 0.8, 1.0)
 
 
-def _check_address(address) -> None:
-    """Raises TypeError for an address that is not a "host:port" string (e.g. a bare port number)."""
-    if not isinstance(address, str):
-        raise TypeError(f"address must be a 'host:port' string, e.g. '127.0.0.1:50051', "
-                        f"got {type(address).__name__} {address!r}")
+def _targets(address) -> list[str]:
+    """The coordinator targets in `address`: "host:port", several joined by commas, or a list
+    or tuple of such strings.
+
+    Raises:
+        TypeError: address is not a str (or a list or tuple of them), e.g. a bare port number.
+        ValueError: it names no target.
+    """
+    items = address if isinstance(address, (list, tuple)) else [address]
+    if not items or not all(isinstance(a, str) for a in items):
+        raise TypeError(f"address must be a 'host:port' string, e.g. '127.0.0.1:50051' (several: a list, or "
+                        f"joined by commas), got {type(address).__name__} {address!r}")
+    targets = [t.strip() for a in items for t in a.split(",") if t.strip()]
+    if not targets:
+        raise ValueError(f"address names no coordinator: {address!r}")
+    return targets
+
+
+def _resumable(e: grpc.RpcError) -> bool:
+    """A failure a call is tried again after: UNAVAILABLE from the transport (the coordinator or
+    its connection is gone), not a coordinator's own verdict (`COORDINATOR_VERDICT_HEADER`: e.g.
+    a worker failed and no other could resume the session)."""
+    if e.code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    trailing = e.trailing_metadata() if callable(getattr(e, "trailing_metadata", None)) else None
+    return not any(k == COORDINATOR_VERDICT_HEADER for k, _ in trailing or ())
+
+
+class _Resume:
+    """What one `generate` stream received, and whether and when it is tried again.
+
+    Args:
+        request: the request (its request_id set).
+        targets: how many coordinator targets the client has.
+        deadline_s: the stream's deadline, as time.monotonic() seconds.
+    """
+
+    def __init__(self, request: common_pb2.GenerateRequest, targets: int, deadline_s: float):
+        self.request, self.targets, self.deadline_s = request, targets, deadline_s
+        self.token_ids: list[int] = []
+        self.text: list[str] = []
+        self.broke_s: float | None = None  # when the current break began
+        self.attempts = 0  # tries since it
+
+    def add(self, chunk: Chunk) -> None:
+        """Records a chunk the caller got (the stream flows again: a later break starts afresh)."""
+        self.token_ids.extend(chunk.token_ids)
+        self.text.append(chunk.text)
+        self.broke_s, self.attempts = None, 0
+
+    def next_request(self) -> common_pb2.GenerateRequest:
+        """The request to send now: the original, resumed after what arrived."""
+        if not self.token_ids:
+            return self.request
+        resumed = common_pb2.GenerateRequest()
+        resumed.CopyFrom(self.request)
+        resumed.resume_token_ids.extend(self.token_ids)
+        resumed.resume_text = "".join(self.text)
+        return resumed
+
+    def timeout_s(self) -> float:
+        """Seconds left of the stream's deadline (at least a millisecond: gRPC then ends it)."""
+        return max(self.deadline_s - time.monotonic(), 1e-3)
+
+    def wait_s(self, e: grpc.RpcError) -> float | None:
+        """Seconds to wait before trying again after `e`, or None to give up and raise it: only
+        UNAVAILABLE is tried again; before any token, each other target once; after tokens,
+        until `RESUME_WINDOW_S` after the break or the deadline."""
+        if not _resumable(e):
+            return None
+        now = time.monotonic()
+        if self.broke_s is None:
+            self.broke_s = now
+        self.attempts += 1
+        if not self.token_ids:
+            return 0.0 if self.attempts < self.targets else None
+        wait = RESUME_BACKOFF_S[min(self.attempts - 1, len(RESUME_BACKOFF_S) - 1)]
+        if now + wait - self.broke_s > RESUME_WINDOW_S or now + wait >= self.deadline_s:
+            return None
+        return wait
 
 
 def _deadline(timeout_s: float | None, default_s: float) -> float:
@@ -85,7 +179,8 @@ class Client:
     """Blocking client.
 
     Args:
-        address: coordinator "host:port".
+        address: coordinator "host:port"; several: a list, or joined by commas (module
+            docstring: calls go to the next one when one is unavailable, and streams resume).
         timeout_s: default deadline of a generate call, seconds.
         credentials: grpc.ssl_channel_credentials(...) for a cluster that serves TLS
             (flashfleet.config.TLSConfig.channel_credentials()), or None for plaintext.
@@ -96,30 +191,44 @@ class Client:
     Use as a context manager, or call close() (a later call opens a new channel).
 
     Raises:
-        TypeError: address is not a str.
+        TypeError: address is not a str (or a list of them).
+        ValueError: address names no coordinator.
         InvalidArgument: timeout_s is not a number of seconds in (0, 1e8].
     """
 
-    def __init__(self, address: str, timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S,
+    def __init__(self, address: str | Sequence[str], timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S,
                  credentials: grpc.ChannelCredentials | None = None, api_key: str | None = None):
-        _check_address(address)
-        self._address, self._credentials = address, credentials
+        self._targets = _targets(address)
+        self._credentials = credentials
         self._metadata = api_key_metadata(client_api_key(api_key))
         self._secure = credentials is not None
-        self._channel: grpc.Channel | None = None
-        self._open()
+        self._channels: dict[int, grpc.Channel] = {}  # target index -> its channel, opened on first use
+        self._stubs: dict[int, coordinator_pb2_grpc.CoordinatorStub] = {}
+        self._current = 0  # the target calls go to; the next one after it fails UNAVAILABLE
         self.timeout_s = _deadline(timeout_s, DEFAULT_GENERATE_TIMEOUT_S)
-
-    def _open(self) -> None:
-        self._channel = (grpc.secure_channel(self._address, self._credentials, options=CHANNEL_OPTIONS)
-                         if self._credentials else grpc.insecure_channel(self._address, options=CHANNEL_OPTIONS))
-        self._stub_cache = with_metadata(coordinator_pb2_grpc.CoordinatorStub(self._channel), self._metadata)
 
     @property
     def _stub(self) -> coordinator_pb2_grpc.CoordinatorStub:
-        if self._channel is None:  # closed: a call after close() opens a new channel
-            self._open()
-        return self._stub_cache
+        i = self._current
+        if i not in self._stubs:  # first use, or closed: a call after close() opens a new channel
+            target = self._targets[i]
+            self._channels[i] = (grpc.secure_channel(target, self._credentials, options=CHANNEL_OPTIONS)
+                                 if self._credentials else grpc.insecure_channel(target, options=CHANNEL_OPTIONS))
+            self._stubs[i] = with_metadata(coordinator_pb2_grpc.CoordinatorStub(self._channels[i]), self._metadata)
+        return self._stubs[i]
+
+    def _next_target(self) -> None:
+        self._current = (self._current + 1) % len(self._targets)
+
+    def _unary(self, call):
+        """`call(stub)` on the current target, then on each other one while they are UNAVAILABLE."""
+        for attempt in range(len(self._targets)):
+            try:
+                return call(self._stub)
+            except grpc.RpcError as e:
+                if not _resumable(e) or attempt == len(self._targets) - 1:
+                    raise from_rpc_error(e, self._secure) from None
+                self._next_target()
 
     def __enter__(self) -> "Client":
         return self
@@ -128,10 +237,10 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        """Closes the channel; calls still running on it are cancelled. The client can be used
+        """Closes the channels; calls still running on them are cancelled. The client can be used
         again afterwards (a new channel is made on the next call)."""
-        if self._channel is not None:
-            channel, self._channel = self._channel, None
+        channels, self._channels, self._stubs = self._channels, {}, {}
+        for channel in channels.values():
             channel.close()
 
     def generate(self, model: str, prompt: str | None = None, *,
@@ -152,6 +261,7 @@ class Client:
             temperature: 0 or None = greedy; top_p in (0, 1]; seed makes sampling reproducible.
             stop: output ends before the first of these strings (one string, or several).
             session_id: requests of one session go to the same worker.
+            request_id: the request's id (default: a new random one); a resumed stream keeps it.
             mode: "auto", "plain", "draft", "dflash" or "uag".
             json_schema: a JSON Schema (dict): the output is JSON valid against it (decoded under
                 a grammar in modes plain and dflash); or response_format, OpenAI's object
@@ -170,7 +280,8 @@ class Client:
             ModelNotFound: no worker serves `model` (or none has a draft for `mode`).
             Overloaded: every worker serving it is full and the coordinator's queue is full or
                 its wait timed out.
-            Unavailable: the coordinator or the worker is unreachable or draining.
+            Unavailable: the coordinator or the worker is unreachable or draining (a stream
+                that had tokens: also after `RESUME_WINDOW_S` of failed resumes).
             DeadlineExceeded: `timeout_s` passed before the stream ended.
             Cancelled: the call was cancelled.
             FlashfleetError: any other status code (e.g. INTERNAL), with the server's message.
@@ -180,14 +291,24 @@ class Client:
                             session_id=session_id, request_id=request_id, mode=mode,
                             response_format=response_format, json_schema=json_schema,
                             top_logprobs=top_logprobs)
-        call = self._stub.Generate(req, timeout=_deadline(timeout_s, self.timeout_s))
-        try:
-            for resp in call:
-                yield _to_chunk(resp)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e, self._secure) from None
-        finally:
-            call.cancel()  # no-op when the stream ended; frees the worker when the caller stops early
+        req.request_id = req.request_id or uuid.uuid4().hex  # a resumed stream names the same request
+        stream = _Resume(req, len(self._targets), time.monotonic() + _deadline(timeout_s, self.timeout_s))
+        while True:
+            call = self._stub.Generate(stream.next_request(), timeout=stream.timeout_s())
+            try:
+                for resp in call:
+                    chunk = _to_chunk(resp)
+                    stream.add(chunk)
+                    yield chunk
+                return
+            except grpc.RpcError as e:
+                wait = stream.wait_s(e)
+                if wait is None:
+                    raise from_rpc_error(e, self._secure) from None
+            finally:
+                call.cancel()  # no-op when the stream ended; frees the worker when the caller stops early
+            self._next_target()
+            time.sleep(wait)
 
     def complete(self, model: str, prompt: str | None = None, **kwargs) -> Completion:
         """Runs generate() to the end and returns the whole text, token ids and stats.
@@ -207,11 +328,9 @@ class Client:
         Raises:
             FlashfleetError subclasses, as for generate() (Unavailable, DeadlineExceeded, ...).
         """
-        try:
-            return list(self._stub.ListModels(coordinator_pb2.ListModelsRequest(),
-                                              timeout=_deadline(timeout_s, DEFAULT_CONTROL_TIMEOUT_S)).models)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e, self._secure) from None
+        timeout = _deadline(timeout_s, DEFAULT_CONTROL_TIMEOUT_S)
+        return list(self._unary(lambda stub: stub.ListModels(coordinator_pb2.ListModelsRequest(),
+                                                             timeout=timeout)).models)
 
     def cluster_status(self, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> coordinator_pb2.ClusterStatus:
         """Workers, their load and heartbeat age (seconds), and the number of sessions.
@@ -222,11 +341,9 @@ class Client:
         Raises:
             FlashfleetError subclasses, as for generate() (Unavailable, DeadlineExceeded, ...).
         """
-        try:
-            return self._stub.GetClusterStatus(coordinator_pb2.GetClusterStatusRequest(),
-                                               timeout=_deadline(timeout_s, DEFAULT_CONTROL_TIMEOUT_S))
-        except grpc.RpcError as e:
-            raise from_rpc_error(e, self._secure) from None
+        timeout = _deadline(timeout_s, DEFAULT_CONTROL_TIMEOUT_S)
+        return self._unary(lambda stub: stub.GetClusterStatus(coordinator_pb2.GetClusterStatusRequest(),
+                                                              timeout=timeout))
 
     def drain_worker(self, worker_id: str, timeout_s: float | None = DEFAULT_GENERATE_TIMEOUT_S
                      ) -> Iterator[coordinator_pb2.DrainProgress]:
@@ -262,12 +379,9 @@ class Client:
             PermissionDenied: the coordinator has API keys and this client's key is not an admin key.
             FlashfleetError subclasses, as for generate().
         """
-        try:
-            return self._stub.MoveSession(coordinator_pb2.MoveSessionRequest(request_id=request_id,
-                                                                              to_worker_id=to_worker_id),
-                                          timeout=_deadline(timeout_s, 60.0))
-        except grpc.RpcError as e:
-            raise from_rpc_error(e, self._secure) from None
+        timeout = _deadline(timeout_s, 60.0)
+        return self._unary(lambda stub: stub.MoveSession(
+            coordinator_pb2.MoveSessionRequest(request_id=request_id, to_worker_id=to_worker_id), timeout=timeout))
 
 
 # The keywords complete() forwards to generate().
@@ -275,38 +389,56 @@ _GENERATE_KEYWORDS = frozenset(inspect.signature(Client.generate).parameters) - 
 
 
 class AsyncClient:
-    """asyncio client; same arguments, results and errors as Client.
+    """asyncio client; same arguments, results and errors as Client (several coordinators and
+    resumed streams included).
 
         async with AsyncClient("localhost:50051") as client:
             async for chunk in client.generate("SmolLM2-135M-Instruct", prompt="Hi"):
                 ...
     """
 
-    def __init__(self, address: str, timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S,
+    def __init__(self, address: str | Sequence[str], timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S,
                  credentials: grpc.ChannelCredentials | None = None, api_key: str | None = None):
-        _check_address(address)
-        self._address, self._credentials = address, credentials
+        self._targets = _targets(address)
+        self._credentials = credentials
         self._metadata = api_key_metadata(client_api_key(api_key))
         self._secure = credentials is not None
         self.timeout_s = _deadline(timeout_s, DEFAULT_GENERATE_TIMEOUT_S)
         # Made on first use, inside the event loop that runs the calls: a grpc.aio channel
         # belongs to the loop it was made in, and a client may be built before asyncio.run().
-        self._channel: grpc.aio.Channel | None = None
+        self._channels: dict[int, grpc.aio.Channel] = {}
+        self._stubs: dict[int, coordinator_pb2_grpc.CoordinatorStub] = {}
+        self._current = 0
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def _stub(self) -> coordinator_pb2_grpc.CoordinatorStub:
         loop = asyncio.get_running_loop()
-        if self._channel is None:
-            self._channel = (grpc.aio.secure_channel(self._address, self._credentials, options=CHANNEL_OPTIONS)
-                             if self._credentials else
-                             grpc.aio.insecure_channel(self._address, options=CHANNEL_OPTIONS))
-            self._stub_cache = with_metadata(coordinator_pb2_grpc.CoordinatorStub(self._channel), self._metadata)
-            self._loop = loop
-        elif loop is not self._loop:
+        if self._loop is not None and self._channels and loop is not self._loop:
             raise RuntimeError("this AsyncClient is bound to the event loop of its first call; make "
                                "one AsyncClient per event loop (e.g. inside each asyncio.run)")
-        return self._stub_cache
+        i = self._current
+        if i not in self._stubs:
+            target = self._targets[i]
+            self._channels[i] = (grpc.aio.secure_channel(target, self._credentials, options=CHANNEL_OPTIONS)
+                                 if self._credentials else
+                                 grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS))
+            self._stubs[i] = with_metadata(coordinator_pb2_grpc.CoordinatorStub(self._channels[i]), self._metadata)
+            self._loop = loop
+        return self._stubs[i]
+
+    def _next_target(self) -> None:
+        self._current = (self._current + 1) % len(self._targets)
+
+    async def _unary(self, call):
+        """`await call(stub)` on the current target, then on each other one while they are UNAVAILABLE."""
+        for attempt in range(len(self._targets)):
+            try:
+                return await call(self._stub)
+            except grpc.RpcError as e:
+                if not _resumable(e) or attempt == len(self._targets) - 1:
+                    raise from_rpc_error(e, self._secure) from None
+                self._next_target()
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -315,24 +447,34 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        """Closes the channel; calls still running on it are cancelled. The client can be used
+        """Closes the channels; calls still running on them are cancelled. The client can be used
         again afterwards (a new channel is made on the next call)."""
-        if self._channel is not None:
-            channel, self._channel = self._channel, None
+        channels, self._channels, self._stubs = self._channels, {}, {}
+        for channel in channels.values():
             await channel.close()
 
     async def generate(self, model: str, prompt: str | None = None, *,
                        timeout_s: float | None = None, **kwargs) -> AsyncIterator[Chunk]:
-        """Streams a generation; see Client.generate for arguments, chunks and errors."""
+        """Streams a generation; see Client.generate for arguments, chunks, resumption and errors."""
         req = build_request(model, prompt, **kwargs)
-        call = self._stub.Generate(req, timeout=_deadline(timeout_s, self.timeout_s))
-        try:
-            async for resp in call:
-                yield _to_chunk(resp)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e, self._secure) from None
-        finally:
-            call.cancel()
+        req.request_id = req.request_id or uuid.uuid4().hex  # a resumed stream names the same request
+        stream = _Resume(req, len(self._targets), time.monotonic() + _deadline(timeout_s, self.timeout_s))
+        while True:
+            call = self._stub.Generate(stream.next_request(), timeout=stream.timeout_s())
+            try:
+                async for resp in call:
+                    chunk = _to_chunk(resp)
+                    stream.add(chunk)
+                    yield chunk
+                return
+            except grpc.RpcError as e:
+                wait = stream.wait_s(e)
+                if wait is None:
+                    raise from_rpc_error(e, self._secure) from None
+            finally:
+                call.cancel()
+            self._next_target()
+            await asyncio.sleep(wait)
 
     async def complete(self, model: str, prompt: str | None = None, **kwargs) -> Completion:
         """Runs generate() to the end; see Client.complete (same arguments and errors)."""
@@ -341,17 +483,12 @@ class AsyncClient:
 
     async def list_models(self, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> list[coordinator_pb2.ServedModel]:
         """See Client.list_models."""
-        try:
-            resp = await self._stub.ListModels(coordinator_pb2.ListModelsRequest(),
-                                               timeout=_deadline(timeout_s, DEFAULT_CONTROL_TIMEOUT_S))
-        except grpc.RpcError as e:
-            raise from_rpc_error(e, self._secure) from None
+        timeout = _deadline(timeout_s, DEFAULT_CONTROL_TIMEOUT_S)
+        resp = await self._unary(lambda stub: stub.ListModels(coordinator_pb2.ListModelsRequest(), timeout=timeout))
         return list(resp.models)
 
     async def cluster_status(self, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> coordinator_pb2.ClusterStatus:
         """See Client.cluster_status."""
-        try:
-            return await self._stub.GetClusterStatus(coordinator_pb2.GetClusterStatusRequest(),
-                                                     timeout=_deadline(timeout_s, DEFAULT_CONTROL_TIMEOUT_S))
-        except grpc.RpcError as e:
-            raise from_rpc_error(e, self._secure) from None
+        timeout = _deadline(timeout_s, DEFAULT_CONTROL_TIMEOUT_S)
+        return await self._unary(lambda stub: stub.GetClusterStatus(coordinator_pb2.GetClusterStatusRequest(),
+                                                                    timeout=timeout))

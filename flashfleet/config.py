@@ -57,8 +57,8 @@ class CoordinatorSection:
         host: address the coordinator binds ("0.0.0.0" for a LAN).
         port: its gRPC port.
         address: "host:port" that workers and clients dial ("" = host:port, or 127.0.0.1:port
-            when host is a wildcard); for workers, several comma-separated coordinators sharing
-            the fleet's state in etcd (worker/server.py `_keep_registered`).
+            when host is a wildcard); several comma-separated for several coordinators (clients
+            and workers use each; worker/server.py `_keep_registered`).
         metrics_port: its Prometheus /metrics port (None = no endpoint).
         http_port: its OpenAI-compatible HTTP API port (None or 0 = no HTTP API;
             coordinator/openai_api.py).

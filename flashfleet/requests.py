@@ -13,6 +13,13 @@ MAX_TOP_LOGPROBS = 20  # alternatives a token's log-probabilities list at most (
 
 # A worker's generation budget when a request leaves max_tokens unset (capped by the context left).
 WORKER_DEFAULT_MAX_TOKENS = 256
+# Metadata a coordinator sends with a resumed request (one whose stream's coordinator died) to
+# ask a worker to re-attach to the session it kept, and to refuse (NOT_FOUND) rather than start
+# it afresh when it keeps none (worker/servicer.py).
+RESUME_ONLY_HEADER = "x-flashfleet-resume-only"
+# Trailing metadata of every error status a coordinator's Generate ends with: its verdict on the
+# request. A stream that breaks UNAVAILABLE without it lost its coordinator (the SDK resumes it).
+COORDINATOR_VERDICT_HEADER = "x-flashfleet-verdict"
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 # Most stop strings a request may carry: the worker checks every one against the text after each

@@ -16,13 +16,15 @@ KEEPALIVE_TIME_MS = 30_000  # every channel pings an idle or silent connection t
 # end with UNAVAILABLE and requests not yet answered go to another worker.
 WORKER_KEEPALIVE_TIME_MS = 5_000
 WORKER_KEEPALIVE_TIMEOUT_MS = 5_000
+RECONNECT_BACKOFF_MS = (100, 1_000)  # a channel dials a lost peer again after this long, first and at most
 
 
 def channel_options(keepalive_time_ms: int = KEEPALIVE_TIME_MS,
                     keepalive_timeout_ms: int = 10_000) -> list[tuple[str, int]]:
     """Options of every flashfleet channel: keepalive pings every `keepalive_time_ms` (a peer that
     does not answer one within `keepalive_timeout_ms` is dead), also on a stream that sends
-    nothing for a while (a long prefill), so a dead peer is found in seconds."""
+    nothing for a while (a long prefill), so a dead peer is found in seconds; a lost peer is
+    dialled again after `RECONNECT_BACKOFF_MS`."""
     return [("grpc.keepalive_time_ms", keepalive_time_ms),
             ("grpc.keepalive_timeout_ms", keepalive_timeout_ms),
             # grpc 1.85 times a keepalive ping out by this one (default 60 s), not the option
@@ -30,7 +32,13 @@ def channel_options(keepalive_time_ms: int = KEEPALIVE_TIME_MS,
             # tests/test_transport.py), 10 s with both set.
             ("grpc.http2.ping_timeout_ms", keepalive_timeout_ms),
             ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.max_pings_without_data", 0)]
+            ("grpc.http2.max_pings_without_data", 0),
+            # A peer that went away is dialled again within a second (grpc's default backoff grows
+            # to two minutes): a restarted coordinator gets its workers' registrations and its SDK
+            # clients' resumed streams as soon as it listens, not after the channels' backoff.
+            ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+            ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+            ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1])]
 
 
 def server_options(min_ping_interval_ms: int = WORKER_KEEPALIVE_TIME_MS // 2) -> list[tuple[str, int]]:

@@ -307,6 +307,30 @@ def test_a_budget_smaller_than_one_session_is_refused_at_start(tiny_models):
         Engine(EngineConfig(model_path=tiny_models.llama, kv_budget_bytes=1000, warmup=False))
 
 
+def test_admission_keeps_sessions_waiting_rather_than_preempting_them(tiny_models):
+    """Five 200-token prompts with almost no output under a budget that holds about two: the
+    scheduler admits only what fits and the rest wait their turn; nobody is preempted (an
+    admission that let everyone in would have to preempt to get back under the budget)."""
+    def run(budget):
+        cfg = EngineConfig(model_path=tiny_models.llama, capacity=8, kv_budget_bytes=budget,
+                           prompt_cache_entries=0, prefill_step_tokens=64)
+        with Engine(cfg) as engine:
+            prompts = [tuple(engine.encode_prompt(p * 12, None))[:200] for p in PROMPTS[:5]]
+            c = Collector(engine)
+            for i, p in enumerate(prompts):
+                c.submit(GenerationRequest(f"short-{i}", p, 2))
+            c.wait()
+            sched = engine._scheduler
+            return [c.tokens[f"short-{i}"] for i in range(5)], c.done, sched.peak_projected_bytes, sched.preemptions
+
+    free_tokens, _, free_accounted, _ = run(None)
+    budget = int(0.45 * free_accounted)
+    tokens, done, accounted, preemptions = run(budget)
+    assert tokens == free_tokens
+    assert preemptions == 0 and all(done[f"short-{i}"].stats.preemptions == 0 for i in range(5))
+    assert accounted <= budget
+
+
 def test_a_batchs_layers_share_their_lengths_through_joins_leaves_and_forwards(tiny_models, dflash_dir):
     """Every layer of a batch holds one lengths array (the next forward's layers then build their
     positions once), and sharing changes no token: the batch's rows decode as they do alone."""
@@ -363,3 +387,63 @@ def test_engine_and_coordinator_count_kv_with_one_formula(tiny_models, dflash_di
                 need = final_need_bytes([(n, sched.bytes_per_position[mode])], layers)
                 assert row + working_bytes(row, sched.kv_layers) == need, (mode, n)
                 assert sched.fits_alone(mode, n) == (need <= sched.budget)
+
+
+def _draft_logits(target, draft, prompts, joins, sizes, eos) -> list[list[mx.array]]:
+    """Drives a DFlash `Batch` by hand: prompt i joins before iteration joins[i], and iteration k
+    runs block size sizes[k] for every row. Returns each row's draft logits (L - 1, V), one per
+    iteration of block size > 1 it took part in."""
+    from worker.caches.rows import RowKVCache, make_row_caches
+    from worker.capture import HiddenCapture
+    from worker.engine.batch import Batch, Row, dflash_cycle, prefill_chunk
+    from worker.sampling import greedy
+
+    capture = HiddenCapture(target, draft.target_layer_ids)
+    batch = Batch(make_row_caches(target, 0), [RowKVCache(0) for _ in draft.layers])
+    head = draft._head
+    seen: list[mx.array] = []
+    draft._head = lambda h: seen.append(head(h)) or seen[-1]
+    rows: list = []
+    logits: list[list[mx.array]] = [[] for _ in prompts]
+    try:
+        for k, L in enumerate(sizes):
+            for i, p in enumerate(prompts):
+                if joins[i] == k:
+                    cache, dcache = make_row_caches(target, 1), [RowKVCache(1) for _ in draft.layers]
+                    prefill_chunk(target, p[:-1], cache, draft, dcache, capture)
+                    rows.append(Row(greedy, len(p), p[-1], str(i)))
+                    batch.join(rows[-1], cache, dcache)
+            seen.clear()
+            res = dflash_cycle(target, draft, capture, batch, L)
+            for r, toks in zip(batch.rows, res.tokens):
+                r.commit(toks, eos, 10 ** 6)
+            for j, r in enumerate(batch.rows if seen else ()):
+                logits[int(r.request_id)].append(seen[0][j])
+    finally:
+        draft._head = head
+    return logits
+
+
+def test_a_rows_drafts_in_a_batch_are_its_drafts_alone(tiny_models, dflash_dir):
+    """The draft's conditioning inside a batch: rows of different prompt lengths, one joining
+    mid-stream, plain iterations (L = 1) leaving rows with pending taps of different lengths, then
+    DFlash iterations. Each row's draft logits, iteration by iteration, are those it gets decoded
+    alone with the same block sizes (its target taps, positions and draft cache do not depend on
+    the rows beside it, so neither does its acceptance). Compared on the draft's logits: a random
+    draft's argmax is blind to much of its input."""
+    from mlx_lm import load
+
+    from worker.models.dflash_checkpoint import load_dflash_draft
+
+    target, tok = load(str(tiny_models.llama))
+    target.set_dtype(mx.float32)
+    draft = load_dflash_draft(dflash_dir, target)
+    prompts = [tok.encode(p) for p in PROMPTS[:3]]
+    sizes = [4, 4, 1, 4, 1, 1, 4, 2, 4, 4, 1, 4]
+    joins = [0, 0, 3]
+    together = _draft_logits(target, draft, prompts, joins, sizes, set())
+    for i, p in enumerate(prompts):
+        alone_logits = _draft_logits(target, draft, [p], [0], sizes[joins[i]:], set())[0]
+        assert len(together[i]) == len(alone_logits) >= 5
+        for k, (a, b) in enumerate(zip(together[i], alone_logits)):
+            assert mx.allclose(a, b, atol=1e-4).item(), f"row {i}, iteration {k}"

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.engine.block_policy import Acceptance, BatchBlockPolicy, expected_length
+from worker.engine.block_policy import Acceptance, BatchBlockPolicy
 
 
 def run(policy: BatchBlockPolicy, cost, accept: list[float], iterations: int = 200, context: int = 300) -> dict:
@@ -89,7 +89,7 @@ def test_acceptance_is_estimated_per_position_from_censored_cycles():
     assert b.rates(6)[3:] == pytest.approx([b.rates(6)[2]] * 3)  # the last estimate carries on
     assert b.rates(6, optimistic=True)[0] == b.rates(6)[0]  # verified: no bonus
     assert b.rates(6, optimistic=True)[3] > b.rates(6)[3]  # never verified: could be better
-    assert expected_length([1.0] * 3, 4) == 4.0 and expected_length([0.0] * 3, 4) == 1.0
+    assert b.curve(4) == pytest.approx([b.expected(L) for L in (1, 2, 3, 4)])
     with pytest.raises(ValueError):
         Acceptance(prior=[1.5])
 

@@ -775,7 +775,7 @@ def test_every_deadline_expiry_is_counted_as_a_deadline():
 
 
 def test_deadline_passed_allows_for_the_clients_clock_running_ahead():
-    from coordinator.servicer import DEADLINE_SLACK_S, _deadline_passed
+    from coordinator.stream import DEADLINE_SLACK_S, deadline_passed as _deadline_passed
 
     def remaining(seconds):
         return lambda: seconds
@@ -811,7 +811,7 @@ def test_a_worker_keeps_trying_a_missing_coordinator_and_says_so(monkeypatch, ca
         assert f"127.0.0.1:{port}" in warnings[0] and "UNAVAILABLE" in warnings[0]
         attempts_per_warning = 0.5 / 0.2  # the first retries come faster than the warnings
         assert len(warnings) < 8 * attempts_per_warning
-        assert not w.registered.is_set() and not w._heartbeat_task.done()
+        assert not w.registered.is_set() and not w._heartbeat_tasks[0].done()
         coordinator = loop.run(start_coordinator(CoordinatorConfig(port=port)))
         loop.run(asyncio.wait_for(w.registered.wait(), 10))
         assert [r.worker_id for r in coordinator.registry.live()] == ["early"]
@@ -883,7 +883,7 @@ def test_a_stream_whose_worker_dies_resumes_on_another_worker():
             stream = client.generate("fake-model", prompt="count along", max_tokens=40)
             got = [next(stream), next(stream), next(stream)]
             serving = next(w for w in c.workers if engines[w.worker_id].load().active_sessions)
-            serving._heartbeat_task.cancel()
+            serving.stop_heartbeats()
             c.loop.run(serving.server.stop(0))  # the worker is gone mid-stream
             got += list(stream)
         tokens = [t for ch in got for t in ch.token_ids]
@@ -911,7 +911,7 @@ def test_a_request_id_reused_right_after_its_deadline_waits_for_the_engine_to_en
             done = client.complete("fake-model", prompt="again", max_tokens=3, request_id="retry-1")
             assert done.finish_reason == "length" and len(done.token_ids) == 3
             assert engine.aborted == ["retry-1"]
-            assert c.workers[0].servicer._ending == {}
+            assert c.workers[0].servicer._sessions == {}
     finally:
         c.close()
 

@@ -571,7 +571,7 @@ def test_a_destination_that_dies_during_the_transfer_leaves_the_session_on_its_s
                         break
                     await asyncio.sleep(0.02)
                 reserved.append(engines[dest_id].load().kv_cache_bytes)
-                dest._heartbeat_task.cancel()
+                dest.stop_heartbeats()
                 # The destination is gone, mid-import: its server stops (this pull's handler, which
                 # runs this, is cancelled with every other call of it).
                 stopping.append(asyncio.ensure_future(dest.server.stop(0)))
@@ -600,3 +600,21 @@ def test_a_destination_that_dies_during_the_transfer_leaves_the_session_on_its_s
         cluster.close()
         for e in engines.values():
             e.close()
+
+
+def test_a_header_whose_payload_size_disagrees_with_its_layouts_is_refused():
+    # The receiver sizes its buffers from the layouts: a payload_bytes that says otherwise is refused
+    # before any budget is reserved or any byte taken.
+    from flashfleet.v1 import worker_pb2
+    from worker.engine.types import InvalidRequest
+
+    lay = worker_pb2.CacheLayout(part="target", layer=0, dtype="float16", key_shape=[1, 2, 8, 4],
+                                 value_shape=[1, 2, 8, 4])
+    size = 2 * (1 * 2 * 8 * 4) * 2  # keys and values, two bytes a value
+    header = worker_pb2.SessionStateHeader(format_version=1, caches=[lay], payload_bytes=size, positions=8,
+                                           token_ids=list(range(8)), request_id="r")
+    assert kv_wire.StateReceiver().header(header).payload_bytes == size
+    for wrong in (size - 1, size + 1, 0, 2 * size):
+        header.payload_bytes = wrong
+        with pytest.raises(InvalidRequest, match=f"payload_bytes {wrong} but the layouts hold {size}"):
+            kv_wire.StateReceiver().header(header)

@@ -229,14 +229,14 @@ def test_cli_move_and_drain_with_an_api_key(capsys, monkeypatch):
         cluster.close()
 
 
-def test_clients_cannot_send_resume_fields(fast_and_slow):
+def test_clients_cannot_send_an_import_id(fast_and_slow):
     cluster, _ = fast_and_slow
     import grpc
 
     from flashfleet.v1 import coordinator_pb2_grpc
     with grpc.insecure_channel(cluster.address) as ch:
         stub = coordinator_pb2_grpc.CoordinatorStub(ch)
-        req = common_pb2.GenerateRequest(model="tiny-llama", prompt="hi", max_tokens=4, resume_token_ids=[1, 2])
+        req = common_pb2.GenerateRequest(model="tiny-llama", prompt="hi", max_tokens=4, import_id="staged")
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(req, timeout=30))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "set by the coordinator" in e.value.details()

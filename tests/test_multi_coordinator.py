@@ -221,13 +221,13 @@ def test_a_worker_given_both_coordinators_stays_in_the_fleet_when_its_coordinato
         w = loop.run(start_worker(engine, "w1", coordinator=f"{a_address},{b.address}",
                                   metrics=WorkerMetrics(CollectorRegistry(), engine)))
         loop.run(asyncio.wait_for(w.registered.wait(), 60))
-        assert w._lease["address"] == a_address, (tmp_path / "coordinator-a.log").read_text()
-        lease = w._lease["id"]
+        assert list(w._leases) == [a_address] and w.shared_state, (tmp_path / "coordinator-a.log").read_text()
+        lease = w._leases[a_address]
         assert wait_until(lambda: b.registry.get("w1") is not None, 10)
         assert not b.state.owns("w1")
         proc.kill()
         proc.wait(10)
-        assert wait_until(lambda: w._lease.get("address") == b.address, 10)
+        assert wait_until(lambda: list(w._leases) == [b.address], 10)
         assert wait_until(lambda: b.state.owns("w1"), 10)  # A's ownership went with A's lease
         loop.run(asyncio.sleep(2.5))  # longer than the lease TTL: heartbeats through B kept it
         assert b.registry.get("w1") is not None and b.registry.get("w1").lease_id == lease

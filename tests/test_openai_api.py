@@ -339,3 +339,24 @@ def test_a_client_that_gives_up_before_the_first_token_cancels_the_request():
         assert time.monotonic() - t0 < 2.5  # freed by the disconnect, not by the 3 s token
     finally:
         cluster.close()
+
+
+def test_the_body_is_inflated_and_parsed_off_the_event_loop(fake_http, monkeypatch):
+    # Inflating and parsing up to 8 MiB must not stall the loop that relays every stream.
+    import threading
+
+    from coordinator import http_body
+
+    cluster, _ = fake_http
+    threads = []
+    decode = http_body.decode_content
+
+    def spy(*args, **kwargs):
+        threads.append(threading.get_ident())
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(http_body, "decode_content", spy)
+    body = gzip.compress(json.dumps({"model": "fake-model", "prompt": "hi", "max_tokens": 3}).encode())
+    status, reply = post(base_url(cluster) + "/completions", body, headers={"Content-Encoding": "gzip"})
+    assert status == 200, reply
+    assert threads and cluster.loop.thread.ident not in threads

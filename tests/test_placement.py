@@ -322,6 +322,20 @@ def test_session_rates_and_speculative_speedup():
     assert not math.isnan(expected)
 
 
+def test_a_speed_move_must_save_hysteresis_times_its_cost():
+    fleet = Fleet()
+    slow = fleet.add("slow", step_s=0.012)
+    fleet.add("fast", step_s=0.010)
+    fleet.place("slow", "s", context=1000, remaining=1000)
+    free = MigrationPolicy(hysteresis=0.0, min_saving_s=0.0).decide(_req("s"), slow, 20, fleet.live(), None, 100.0)
+    assert free is not None and 0 < free.cost_s < free.saved_s
+    ratio = free.saved_s / free.cost_s
+    for hysteresis, moves in ((ratio * 0.98, True), (ratio * 1.02, False)):
+        d = MigrationPolicy(hysteresis=hysteresis, min_saving_s=0.0).decide(_req("s"), slow, 20, fleet.live(),
+                                                                            None, 100.0)
+        assert (d is not None) == moves, (hysteresis, ratio, d)
+
+
 def test_a_check_in_a_large_fleet_weighs_a_bounded_sample_and_still_finds_the_faster_worker(monkeypatch):
     """100 equally slow workers and one fast idle one: a check predicts at most a handful of
     workers (its cost does not grow with the fleet), and over repeated checks the draws find the

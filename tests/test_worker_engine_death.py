@@ -249,8 +249,21 @@ def test_up_starts_a_failed_worker_again_with_its_command_and_log(tmp_path, monk
 
     cluster.procs["worker-1"] = spawned[1]
     spawned[1].returncode = -signal.SIGKILL
-    spawned[0].returncode = 1
-    with pytest.raises(RuntimeError, match="the coordinator exited with code 1"):
+    spawned[0].returncode = -signal.SIGKILL  # the coordinator killed: started again at once, same command
+    said.clear()
+    cluster.tend(backoff, said.append)
+    assert any(line.startswith("the coordinator exited with code -9; starting it again on port 1 in 0.0 s")
+               for line in said)
+    assert "the coordinator started again" in said
+    coordinator = cluster.procs["coordinator"]
+    assert coordinator is not spawned[0] and coordinator.argv == spawned[0].argv and coordinator.stdout.mode == "ab"
+    coordinator.returncode = 1  # failing again at once: after a wait
+    cluster.tend(backoff, said.append)
+    assert "coordinator" not in cluster.procs and cluster.restarts_due["coordinator"] > 0
+    cluster.restarts_due["coordinator"] = 0.0
+    cluster.tend(backoff, said.append)
+    cluster.procs["coordinator"].returncode = 2  # a bad config: it stops the cluster
+    with pytest.raises(RuntimeError, match="the coordinator exited with code 2"):
         cluster.tend(backoff, said.append)
 
 

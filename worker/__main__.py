@@ -29,7 +29,7 @@ from flashfleet.config import tcp_port
 # Built-in defaults; a --config file's values come before them, command-line flags before both.
 DEFAULTS = {"model_name": "", "num_draft_tokens": 3, "capacity": 8, "host": "127.0.0.1",
             "port": 0, "log_level": "INFO", "drain_timeout_s": 25.0, "prompt_cache_entries": 8,
-            "warmup_shapes_s": 60.0}
+            "orphan_grace_s": 30.0, "warmup_shapes_s": 60.0}
 MODEL_SETTINGS = ("model", "model_name", "draft", "num_draft_tokens", "max_context_tokens")
 
 
@@ -81,8 +81,8 @@ def parse_args(argv):
                    "size up to --capacity and every DFlash block size, so no request waits on a kernel "
                    "compile (default 60; 0: none; the startup log says how many it warmed)")
     p.add_argument("--coordinator", default=None, help="coordinator host:port (omit: standalone); several, "
-                   "comma-separated, for coordinators sharing the fleet's state in etcd: the worker "
-                   "registers with one and moves its heartbeats to the next when that one stops answering")
+                   "comma-separated: the worker registers with each, or, when they share the fleet's state "
+                   "in etcd, with one, moving its heartbeats to the next when that one stops answering")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=tcp_port, default=None, help="gRPC port (default 0 = any free port)")
     p.add_argument("--advertise-host", default=None, help="host the coordinator and other workers dial")
@@ -99,6 +99,9 @@ def parse_args(argv):
     p.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, default=None,
                    help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they "
                    "are cut off (default 25: under the 30 s systemd allows a stop)")
+    p.add_argument("--orphan-grace", dest="orphan_grace_s", type=float, default=None,
+                   help="seconds a session whose coordinator vanished (no cancel) keeps decoding for its "
+                   "client to resume through another coordinator (default 30; 0: none)")
     p.add_argument("--join-token-file", default=None,
                    help="file holding the coordinator's join token (also env FLASHFLEET_JOIN_TOKEN): "
                    "sent to register, and required of every caller of this worker")
@@ -132,6 +135,8 @@ def parse_args(argv):
         p.error(f"--prompt-cache-entries must be >= 0, got {a.prompt_cache_entries}")
     if not (math.isfinite(a.drain_timeout_s) and a.drain_timeout_s >= 0):
         p.error(f"--drain-timeout must be a finite number of seconds >= 0, got {a.drain_timeout_s}")
+    if not (math.isfinite(a.orphan_grace_s) and a.orphan_grace_s >= 0):
+        p.error(f"--orphan-grace must be a finite number of seconds >= 0, got {a.orphan_grace_s}")
     if not (math.isfinite(a.warmup_shapes_s) and a.warmup_shapes_s >= 0):
         p.error(f"--warmup-shapes-s must be a finite number of seconds >= 0, got {a.warmup_shapes_s}")
     for key in ("peak_memory_bandwidth_gbs", "kv_cache_limit_bytes", "max_context_tokens"):
@@ -195,7 +200,7 @@ async def serve(a, engine) -> int:
         serve_metrics(a.metrics_port, a.host, registry)
     running = await start_worker(engine, a.worker_id, a.host, a.port, a.coordinator,
                                  a.advertise_host, metrics, getattr(a, "tls", None),
-                                 join_token=getattr(a, "join_token", None))
+                                 join_token=getattr(a, "join_token", None), orphan_grace_s=a.orphan_grace_s)
     m = engine.model
     kinds = {"draft": "draft model", "dflash": "DFlash draft", "uag": "cross-tokenizer draft"}
     draft = f" with {kinds.get(m.draft_mode, m.draft_mode + ' draft')} {m.draft}" if m.draft else ""

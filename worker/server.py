@@ -6,8 +6,8 @@ server stopped; `RunningWorker.left` is then set and the process exits (`worker.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+from contextlib import AsyncExitStack, suppress
 from dataclasses import dataclass, field
 
 import grpc
@@ -21,7 +21,7 @@ from flashfleet.transport import SERVER_OPTIONS, add_port, aio_channel
 from flashfleet.v1 import worker_pb2, worker_pb2_grpc
 from worker import convert, kv_pull
 from worker.engine.types import EngineProtocol
-from worker.servicer import WorkerServicer
+from worker.servicer import ORPHAN_GRACE_S, WorkerServicer
 from worker.watchdog import ENGINE_DIED_EXIT, POLL_S, watch_engine
 
 log = logging.getLogger("flashfleet.worker")
@@ -37,8 +37,10 @@ class RunningWorker:
 
     Attributes:
         advertise_address: "host:port" it registers under (the address the coordinator dials).
-        coordinator: "host:port" of the coordinator's Registry, or None when standalone.
-        registered: set while the worker holds a lease (cleared when a heartbeat fails).
+        coordinator: "host:port" of the coordinator's Registry, several comma-separated
+            (`_keep_registered`), or None when standalone.
+        registered: set while the worker holds a lease with at least one coordinator (cleared
+            when its last one's heartbeat fails).
         engine_died: True once the watchdog found the engine thread dead.
         left: set when the worker, its engine dead, has left the fleet and stopped its server.
         leave_requested: set when the coordinator drained this worker and told it to leave (a
@@ -56,10 +58,11 @@ class RunningWorker:
     tls: object = None
     join_token: str | None = field(default=None, repr=False)
     servicer: WorkerServicer | None = None
-    _heartbeat_task: asyncio.Task | None = None
+    _heartbeat_tasks: list[asyncio.Task] = field(default_factory=list)
     _watchdog_task: asyncio.Task | None = None
-    _lease: dict = field(default_factory=dict)
+    _leases: dict[str, str] = field(default_factory=dict)  # coordinator address -> lease id
     registered: asyncio.Event = field(default_factory=asyncio.Event)
+    shared_state: bool = False  # its coordinators share the fleet's state: one registration serves all
     engine_died: bool = False
     left: asyncio.Event = field(default_factory=asyncio.Event)
     leave_requested: asyncio.Event = field(default_factory=asyncio.Event)
@@ -71,8 +74,9 @@ class RunningWorker:
         if self._watchdog_task:  # closing the engine ends its thread: that is no death
             self._watchdog_task.cancel()
         await self.health.enter_graceful_shutdown()
-        if self._heartbeat_task:
-            self._heartbeat_task.cancel()
+        self.stop_heartbeats()
+        if self.servicer is not None:
+            self.servicer.stop_keeping()
         await self._deregister()
         await self.server.stop(grace_s)
         if close_engine:
@@ -90,8 +94,7 @@ class RunningWorker:
                   "with status %d so its supervisor restarts it", self.worker_id, ENGINE_DIED_EXIT)
         try:
             await self.health.enter_graceful_shutdown()
-            if self._heartbeat_task:
-                self._heartbeat_task.cancel()
+            self.stop_heartbeats()
             if self.servicer is not None:
                 self.servicer.fail_streams(f"the engine of worker {self.worker_id} stopped; the "
                                            "worker is restarting")
@@ -101,38 +104,53 @@ class RunningWorker:
             self.left.set()
 
     def stop_heartbeats(self) -> None:
-        """Stops heartbeats without deregistering (tests simulate a hung or partitioned worker)."""
-        if self._heartbeat_task:
-            self._heartbeat_task.cancel()
+        """Stops heartbeats without deregistering (tests simulate a hung or partitioned worker;
+        stop() and leaving the fleet call it first)."""
+        try:
+            current = asyncio.current_task()
+        except RuntimeError:  # called from outside the loop (tests)
+            current = None
+        for task in self._heartbeat_tasks:
+            if task is not current:
+                task.cancel()
+
+    @property
+    def coordinators(self) -> list[str]:
+        """The coordinators' addresses it registers with (none when standalone)."""
+        return coordinator_addresses(self.coordinator)
 
     async def _deregister(self) -> None:
-        if not (self.coordinator and self._lease):
-            return
-        try:
-            async with aio_channel(self._lease.get("address") or self.coordinator, self.tls) as ch:
-                await _registry_stub(ch, self.join_token).Deregister(
-                    worker_pb2.DeregisterRequest(worker_id=self.worker_id,
-                                                 lease_id=self._lease["id"]),
-                    timeout=REGISTER_TIMEOUT_S)
-        except grpc.aio.AioRpcError as e:
-            log.warning("deregistration failed: %s", e.details())
-        self._lease = {}  # once: a later stop() does not deregister again
+        leases, self._leases = self._leases, {}  # once: a later stop() does not deregister again
+        for address, lease_id in leases.items():
+            try:
+                async with aio_channel(address, self.tls) as ch:
+                    await _registry_stub(ch, self.join_token).Deregister(
+                        worker_pb2.DeregisterRequest(worker_id=self.worker_id, lease_id=lease_id),
+                        timeout=REGISTER_TIMEOUT_S)
+            except grpc.aio.AioRpcError as e:
+                log.warning("deregistration from %s failed: %s", address, e.details())
+
+
+def coordinator_addresses(coordinator: str | None) -> list[str]:
+    """The addresses in a --coordinator value: "host:port", or several separated by commas."""
+    return [a.strip() for a in (coordinator or "").split(",") if a.strip()]
 
 
 async def start_worker(engine: EngineProtocol, worker_id: str, host: str = "127.0.0.1",
                        port: int = 0, coordinator: str | None = None,
                        advertise_host: str | None = None, metrics=None,
                        tls=None, engine_poll_s: float = POLL_S,
-                       join_token: str | None = None) -> RunningWorker:
+                       join_token: str | None = None, orphan_grace_s: float = ORPHAN_GRACE_S) -> RunningWorker:
     """Serves `engine` on host:port and, when `coordinator` is given, registers with it.
 
     Args:
         engine: a started engine (weights loaded).
         worker_id: unique name in the fleet.
         host, port: where to listen (port 0 = a free port).
-        coordinator: "host:port" of the coordinator's Registry, or several, comma-separated, of
-            coordinators sharing the fleet's state in etcd (`_keep_registered`); None for a
-            standalone worker.
+        coordinator: "host:port" of the coordinator's Registry, or several, comma-separated
+            (`_keep_registered`: it registers with each, or, when they share the fleet's state in
+            etcd, with one and moves its heartbeats on when that one stops answering); None for
+            a standalone worker.
         advertise_host: host the coordinator and other workers should dial (default: host).
         metrics: optional WorkerMetrics for the servicer.
         tls: flashfleet.config.TLSConfig: serve, and dial the coordinator, over mutual TLS.
@@ -141,6 +159,8 @@ async def start_worker(engine: EngineProtocol, worker_id: str, host: str = "127.
         join_token: sent to the coordinator's Registry and to the workers it pulls session
             states from, and required (metadata `x-flashfleet-join-token`) of every caller of
             the Worker service, else UNAUTHENTICATED (flashfleet/auth.py); None: neither.
+        orphan_grace_s: how long a session whose coordinator vanished is kept for its client to
+            resume (worker/servicer.py), seconds.
 
     Raises:
         RuntimeError: the port could not be bound.
@@ -148,7 +168,7 @@ async def start_worker(engine: EngineProtocol, worker_id: str, host: str = "127.
     """
     guards = [RequireSecret((SERVICE_NAME,), JOIN_TOKEN_HEADER, (join_token,), BAD_JOIN_TOKEN)] if join_token else []
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[*guards, RejectUndecodable()])
-    servicer = WorkerServicer(engine, worker_id, metrics, kv_pull.Peers(tls, join_token))
+    servicer = WorkerServicer(engine, worker_id, metrics, kv_pull.Peers(tls, join_token), orphan_grace_s)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -167,8 +187,9 @@ async def start_worker(engine: EngineProtocol, worker_id: str, host: str = "127.
         watch_engine(engine, running.leave_after_engine_death, engine_poll_s))
     running._watchdog_task.add_done_callback(_log_if_watchdog_failed)
     if coordinator:
-        running._heartbeat_task = asyncio.get_running_loop().create_task(_keep_registered(running))
-        running._heartbeat_task.add_done_callback(_log_if_failed)
+        task = asyncio.get_running_loop().create_task(_keep_registered(running))
+        task.add_done_callback(_log_if_failed)
+        running._heartbeat_tasks.append(task)
     return running
 
 
@@ -209,70 +230,163 @@ def _warn_while_unreachable(coordinator: str):
     return before_sleep
 
 
+async def _register(w: RunningWorker, addresses: list[str], at: int, channels: "_Channels",
+                    rotate: bool) -> tuple[int, worker_pb2.RegisterResponse]:
+    """Registers with the coordinator at `addresses[at]`, retrying for as long as it takes with a
+    capped backoff (a warning a minute while none answers); with `rotate`, each retry tries the
+    next address.
+
+    Returns:
+        (index of the address that answered, its RegisterResponse).
+    """
+    warn = _warn_while_unreachable(",".join(addresses) if rotate else addresses[at])
+    spot = [at]
+
+    def before_sleep(state: RetryCallState) -> None:
+        warn(state)
+        if rotate:
+            spot[0] = (spot[0] + 1) % len(addresses)
+
+    async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(grpc.aio.AioRpcError),
+            wait=wait_exponential_jitter(multiplier=0.1, max=2.0, jitter=0.1), before_sleep=before_sleep):
+        with attempt:
+            resp = await channels.stub(addresses[spot[0]]).Register(worker_pb2.RegisterRequest(
+                worker_id=w.worker_id, address=w.advertise_address, models=[convert.model_info(w.engine.model)],
+                load=w.servicer.load()), timeout=REGISTER_TIMEOUT_S)
+    return spot[0], resp
+
+
+class _Channels:
+    """One Registry channel per coordinator address, opened on first use, closed together."""
+
+    def __init__(self, w: RunningWorker, stack: AsyncExitStack):
+        self._w, self._stack, self.channels = w, stack, {}
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self.channels:
+            self.channels[address] = aio_channel(address, self._w.tls)
+            self._stack.push_async_callback(self.channels[address].close)
+        return self.channels[address]
+
+    def stub(self, address: str):
+        return _registry_stub(self.channel(address), self._w.join_token)
+
+
+async def _leave(w: RunningWorker, address: str) -> None:
+    """A heartbeat's response asked the worker to leave (it was drained): deregisters everywhere."""
+    log.info("the coordinator at %s drained this worker: deregistering and leaving", address)
+    w.stop_heartbeats()
+    await w._deregister()
+    w.registered.clear()
+    w.leave_requested.set()
+
+
+async def _next_beat(channel: grpc.aio.Channel, interval_s: float) -> None:
+    """Waits `interval_s` seconds, or less when the connection to the coordinator is lost (its
+    process died: the heartbeat then fails at once and the worker registers again as soon as a
+    coordinator answers, not a heartbeat interval later)."""
+    async def lost() -> None:
+        state = channel.get_state()
+        if state != grpc.ChannelConnectivity.READY:  # not connected now: the usual interval
+            await asyncio.sleep(interval_s)
+        while state == grpc.ChannelConnectivity.READY:
+            await channel.wait_for_state_change(state)
+            state = channel.get_state()
+
+    with suppress(TimeoutError):
+        await asyncio.wait_for(lost(), interval_s)
+
+
 async def _keep_registered(w: RunningWorker) -> None:
-    """Registers (retrying for as long as it takes, with a warning a minute while the
-    coordinator does not answer), then heartbeats; re-registers when a heartbeat fails
-    (lease expired, coordinator restarted or unreachable). Ends after deregistering when a
-    heartbeat's response asks the worker to leave (`RunningWorker.leave_requested`).
+    """Keeps the worker registered with its coordinators, then heartbeating; re-registers when a
+    heartbeat fails (lease expired, coordinator restarted or unreachable). Ends after
+    deregistering when a heartbeat's response asks the worker to leave
+    (`RunningWorker.leave_requested`).
 
-    With several coordinator addresses (coordinators sharing the fleet's state in etcd, where a
-    lease is valid at every coordinator), each failed registration tries the next address, and a
-    heartbeat that finds its coordinator gone (UNAVAILABLE, or no answer in time) goes to the
-    next one under the same lease: the worker stays in the fleet while any coordinator lives."""
-    addresses = [a.strip() for a in w.coordinator.split(",") if a.strip()]
-    at = [0]  # index of the address in use
-    async with contextlib.AsyncExitStack() as stack:
-        stubs: dict[str, object] = {}
+    The first registration goes to the first address that answers (each retry tries the next).
+    Its response says whether the coordinators share the fleet's state (etcd, `shared_state`):
+      - shared: that one registration serves every coordinator; a heartbeat that finds its
+        coordinator gone (UNAVAILABLE, or no answer in time) goes to the next address under the
+        same lease, so the worker stays in the fleet while any coordinator lives;
+      - not shared: each coordinator knows only the workers registered with it, so the worker
+        registers and heartbeats with every address, each retried on its own."""
+    addresses = w.coordinators
+    async with AsyncExitStack() as stack:
+        channels = _Channels(w, stack)
+        at, resp = await _register(w, addresses, 0, channels, rotate=True)
+        if resp.shared_state:
+            w.shared_state = True
+            await _heartbeat_shared(w, addresses, at, resp, channels)
+            return
+        for address in addresses:
+            if address != addresses[at]:
+                task = asyncio.get_running_loop().create_task(_keep_registered_with(w, address))
+                task.add_done_callback(_log_if_failed)
+                w._heartbeat_tasks.append(task)
+        await _keep_registered_with(w, addresses[at], resp, channels)
 
-        def stub(i: int):
-            address = addresses[i % len(addresses)]
-            if address not in stubs:  # one channel per coordinator, opened on first use
-                channel = aio_channel(address, w.tls)
-                stack.push_async_callback(channel.close)
-                stubs[address] = _registry_stub(channel, w.join_token)
-            return stubs[address]
 
-        def rotate(state: RetryCallState) -> None:
-            at[0] = (at[0] + 1) % len(addresses)
-
+async def _keep_registered_with(w: RunningWorker, address: str, resp: worker_pb2.RegisterResponse | None = None,
+                                channels: _Channels | None = None) -> None:
+    """One coordinator's registration (coordinators that share nothing): registers (unless
+    `resp` is its registration), heartbeats, registers again when a heartbeat fails."""
+    async with AsyncExitStack() as stack:
+        channels = channels or _Channels(w, stack)
         while True:
-            warn = _warn_while_unreachable(w.coordinator)
-            async for attempt in AsyncRetrying(
-                    retry=retry_if_exception_type(grpc.aio.AioRpcError),
-                    wait=wait_exponential_jitter(multiplier=0.2, max=5.0),
-                    before_sleep=lambda state: (warn(state), rotate(state))):
-                with attempt:
-                    resp = await stub(at[0]).Register(worker_pb2.RegisterRequest(
-                        worker_id=w.worker_id, address=w.advertise_address,
-                        models=[convert.model_info(w.engine.model)],
-                        load=w.servicer.load()), timeout=REGISTER_TIMEOUT_S)
-            w._lease = {"id": resp.lease_id, "address": addresses[at[0]]}
+            if resp is None:
+                _, resp = await _register(w, [address], 0, channels, rotate=False)
+            w._leases[address] = resp.lease_id
             w.registered.set()
-            log.info("registered with %s (lease %s)", addresses[at[0]], resp.lease_id)
+            log.info("registered with %s (lease %s)", address, resp.lease_id)
             try:
                 while True:
-                    await asyncio.sleep(resp.heartbeat_interval_s)
-                    request = worker_pb2.HeartbeatRequest(worker_id=w.worker_id, lease_id=resp.lease_id,
-                                                          load=w.servicer.load())
-                    for tried in range(len(addresses)):
-                        try:
-                            beat = await stub(at[0]).Heartbeat(request, timeout=REGISTER_TIMEOUT_S)
-                            break
-                        except grpc.aio.AioRpcError as e:
-                            if (tried == len(addresses) - 1 or e.code() not in
-                                    (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)):
-                                raise
-                            log.warning("heartbeat to %s failed (%s); trying %s", addresses[at[0]],
-                                        e.code().name, addresses[(at[0] + 1) % len(addresses)])
-                            at[0] = (at[0] + 1) % len(addresses)
-                            w._lease["address"] = addresses[at[0]]
+                    await _next_beat(channels.channel(address), resp.heartbeat_interval_s)
+                    beat = await channels.stub(address).Heartbeat(worker_pb2.HeartbeatRequest(
+                        worker_id=w.worker_id, lease_id=resp.lease_id, load=w.servicer.load()),
+                        timeout=REGISTER_TIMEOUT_S)
                     if beat.leave:  # drained (Coordinator.DrainWorker): no session left here
-                        log.info("the coordinator drained this worker: deregistering and leaving")
-                        await w._deregister()
-                        w.registered.clear()
-                        w.leave_requested.set()
+                        await _leave(w, address)
                         return
             except grpc.aio.AioRpcError as e:
-                log.warning("heartbeat failed (%s: %s); registering again", e.code().name,
+                log.warning("heartbeat to %s failed (%s: %s); registering again", address, e.code().name,
                             e.details())
-                w.registered.clear()
+                w._leases.pop(address, None)
+                if not w._leases:
+                    w.registered.clear()
+                resp = None
+
+
+async def _heartbeat_shared(w: RunningWorker, addresses: list[str], at: int, resp: worker_pb2.RegisterResponse,
+                            channels: _Channels) -> None:
+    """Heartbeats of a worker whose coordinators share the fleet's state (`_keep_registered`)."""
+    while True:
+        w._leases = {addresses[at]: resp.lease_id}
+        w.registered.set()
+        log.info("registered with %s (lease %s)", addresses[at], resp.lease_id)
+        try:
+            while True:
+                await _next_beat(channels.channel(addresses[at]), resp.heartbeat_interval_s)
+                request = worker_pb2.HeartbeatRequest(worker_id=w.worker_id, lease_id=resp.lease_id,
+                                                      load=w.servicer.load())
+                for tried in range(len(addresses)):
+                    try:
+                        beat = await channels.stub(addresses[at]).Heartbeat(request, timeout=REGISTER_TIMEOUT_S)
+                        break
+                    except grpc.aio.AioRpcError as e:
+                        if (tried == len(addresses) - 1 or e.code() not in
+                                (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)):
+                            raise
+                        log.warning("heartbeat to %s failed (%s); trying %s", addresses[at], e.code().name,
+                                    addresses[(at + 1) % len(addresses)])
+                        at = (at + 1) % len(addresses)
+                        w._leases = {addresses[at]: resp.lease_id}
+                if beat.leave:  # drained (Coordinator.DrainWorker): no session left here
+                    await _leave(w, addresses[at])
+                    return
+        except grpc.aio.AioRpcError as e:
+            log.warning("heartbeat to %s failed (%s: %s); registering again", addresses[at], e.code().name,
+                        e.details())
+            w._leases = {}
+            w.registered.clear()
+            at, resp = await _register(w, addresses, at, channels, rotate=True)

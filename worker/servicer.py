@@ -1,12 +1,21 @@
 """The worker's gRPC servicer: thin. Validates, converts, submits to the engine, streams events.
 
 Concurrency: handlers run on the asyncio loop; the engine runs MLX on its own thread and calls
-the per-request `emit` callback there, which hands each event to the loop through `_Handoff`:
+the per-request `emit` callback there, which only hands each event to the loop through `_Handoff`:
 events wait in a list, and the loop is woken once per burst (one `call_soon_threadsafe` for every
-session's events of an engine iteration, not one per session) to put each into its request's own
-asyncio.Queue. The handoff's lock is held for a list append or swap only.
-A handler that ends for any reason other than the engine's final event (client gone, deadline,
-error) aborts its request in `finally`, which frees the engine's slot and KV cache.
+session's events of an engine iteration, not one per session). Everything a request's end
+depends on (was it aborted, moved, who reads it) lives in its `_Session` and is read and written
+on the loop alone.
+
+A request is a `_Session` from submit to its end: the responses the engine's events became, and
+the Generate call reading them (at most one). A call that ends before the session does:
+    - after a Cancel RPC, or past its deadline, or with the worker leaving: the request is
+      aborted in the engine (its slot and KV cache are freed at the engine's next turn);
+    - otherwise its upstream vanished without a word (the coordinator died): the session goes
+      on, ORPHANED, for `orphan_grace_s` seconds; a Generate with the same request and
+      `resume_token_ids` equal to a prefix of its output that ends at a chunk (the client
+      resuming through another coordinator) re-attaches and gets every response after that
+      prefix, including the ones produced meanwhile. Unclaimed, it is aborted.
 
 A request the engine ends as "cancelled" although nobody asked (no Cancel RPC, no handler abort:
 the engine stopped or its thread crashed) and every stream still open when `fail_streams` is
@@ -20,14 +29,14 @@ import dataclasses
 import logging
 import threading
 import uuid
-from contextlib import aclosing, suppress
-from dataclasses import dataclass
+from contextlib import suppress
+from dataclasses import dataclass, field
 
 import grpc
 
 from flashfleet.errors import FlashfleetError, short_details
-from flashfleet.requests import WORKER_DEFAULT_MAX_TOKENS, validate_request
-from flashfleet.v1 import worker_pb2, worker_pb2_grpc
+from flashfleet.requests import RESUME_ONLY_HEADER, WORKER_DEFAULT_MAX_TOKENS, validate_request
+from flashfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from worker import convert, kv_pull, kv_wire
 from worker.engine.types import (CorruptState, DoneEvent, Draining, EngineProtocol, ErrorEvent, InvalidRequest,
                                  NotExportable, Overloaded, StateMismatch, TokenEvent, UnknownSession)
@@ -38,8 +47,9 @@ MOVED_WAIT_S = 10.0  # how long a moved stream's handler waits for the coordinat
 # How long a request waits for the engine to end an aborted request with the same id (a client
 # retrying right after its deadline or cancel); the engine does so at its next turn.
 ABORTED_WAIT_S = 10.0
-_MOVED = object()  # queued instead of the DoneEvent of a request cancelled for a migration
-_UNASKED = object()  # queued instead of a DoneEvent("cancelled") no one asked for: the engine stopped
+# How long a session whose upstream vanished without a Cancel keeps decoding for a client to
+# resume it (through another coordinator), seconds.
+ORPHAN_GRACE_S = 30.0
 
 ENGINE_ERROR_CODES = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
@@ -53,34 +63,30 @@ STATE_ERROR_CODES = {  # ExportSession / PullSession
     StateMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     CorruptState: grpc.StatusCode.DATA_LOSS,
 }
-
-
-@dataclass(frozen=True)
-class _EngineGone:
-    """Queued into every open stream by `WorkerServicer.fail_streams`."""
-
-    reason: str
+_MOVED = "moved"  # a session's end: the coordinator cancelled it to move it (its reader writes nothing more)
+_COMPLETE = "complete"  # a session's end: its last response is the Complete
 
 
 class _Handoff:
     """Events from the engine thread to the event loop, the loop woken once per burst.
 
-    `put` (any thread) appends (queue, event) and schedules one drain on the loop unless one is
-    already scheduled; the drain (on the loop) puts every waiting event into its queue in order.
+    `put` (any thread) appends (session, event) and schedules one drain on the loop unless one is
+    already scheduled; the drain (on the loop) hands every waiting event to `deliver` in order.
     An engine iteration emits one event per session, so the loop wakes about once per iteration
-    instead of once per session (each wake-up is a write to the loop's self-pipe).
+    instead of once per session (each wake-up is a write to the loop's self-pipe). The lock is
+    held for a list append or swap only.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self._loop = loop
+    def __init__(self, loop: asyncio.AbstractEventLoop, deliver):
+        self._loop, self._deliver = loop, deliver
         self._lock = threading.Lock()
-        self._items: list[tuple[asyncio.Queue, object]] = []
+        self._items: list[tuple[object, object]] = []
         self._scheduled = False
 
-    def put(self, events: asyncio.Queue, event: object) -> None:
-        """Hands `event` to `events` on the loop (dropped when the loop is closed: nobody listens)."""
+    def put(self, session, event) -> None:
+        """Hands `event` of `session` to the loop (dropped when the loop is closed: nobody listens)."""
         with self._lock:
-            self._items.append((events, event))
+            self._items.append((session, event))
             if self._scheduled:
                 return
             self._scheduled = True
@@ -95,8 +101,89 @@ class _Handoff:
         with self._lock:
             items, self._items = self._items, []
             self._scheduled = False
-        for events, event in items:
-            events.put_nowait(event)
+        for session, event in items:
+            self._deliver(session, event)
+
+
+@dataclass
+class _Session:
+    """One Generate request on this worker, from submit to its end (module docstring). Loop only.
+
+    Attributes:
+        request: the request as it was submitted.
+        responses: the chunk responses its events became, then its Complete (if it completed).
+        token_ids: its resume tokens, then every token in `responses`.
+        end: None while it runs; `_COMPLETE`, `_MOVED`, or (status code, details) to end with.
+        reader: how many calls have attached (the attached one holds the latest number).
+        attached: a Generate call reads it now.
+        aborting: this servicer asked the engine to end it (Cancel, a call's deadline).
+        migrated: the Cancel said "migrated".
+        orphan_timer: while orphaned, the timer that aborts it.
+    """
+
+    request: common_pb2.GenerateRequest
+    responses: list = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    end: object = None
+    reader: int = 0
+    attached: bool = False
+    aborting: bool = False
+    migrated: bool = False
+    orphan_timer: asyncio.TimerHandle | None = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.request.resume_token_ids)
+
+    def resume_index(self, request: common_pb2.GenerateRequest) -> int | None:
+        """Where a call resuming this session with `request` starts reading `responses`: the
+        index after the chunk whose end is the last of `request.resume_token_ids`; None when the
+        request is another one, its tokens or text are not a prefix of this session's output
+        at a chunk's end, or the session was aborted, moved or failed."""
+        if self.aborting or self.migrated or self.end not in (None, _COMPLETE) or not _same_request(
+                self.request, request):
+            return None
+        n = len(request.resume_token_ids)
+        if list(request.resume_token_ids) != self.token_ids[:n]:
+            return None
+        count, text = len(self.request.resume_token_ids), [self.request.resume_text]
+        for i, resp in enumerate([None, *self.responses]):
+            if resp is not None:
+                if resp.WhichOneof("kind") != "chunk":
+                    return None
+                count += len(resp.chunk.token_ids)
+                text.append(resp.chunk.text)
+            if count == n:
+                return i if "".join(text) == request.resume_text else None
+            if count > n:
+                return None
+        return None
+
+
+def _same_request(a: common_pb2.GenerateRequest, b: common_pb2.GenerateRequest) -> bool:
+    """Whether two requests ask for the same generation (resume fields and import_id aside)."""
+    x, y = common_pb2.GenerateRequest(), common_pb2.GenerateRequest()
+    x.CopyFrom(a)
+    y.CopyFrom(b)
+    for r in (x, y):
+        r.ClearField("resume_token_ids")
+        r.ClearField("resume_text")
+        r.ClearField("import_id")
+    return x == y
+
+
+def _shift_stats(resp: common_pb2.GenerateResponse, tokens: int) -> common_pb2.GenerateResponse:
+    """A Complete's copy whose stats read as if the session had been resumed `tokens` later
+    (those tokens counted in the prompt, not the generated ones): what a reader that re-attached
+    after them gets, so that its coordinator counts them once (`StreamProgress.finish_stats`)."""
+    if not tokens or resp.WhichOneof("kind") != "complete":
+        return resp
+    out = common_pb2.GenerateResponse()
+    out.CopyFrom(resp)
+    out.complete.stats.prompt_tokens += tokens
+    out.complete.stats.generated_tokens = max(0, out.complete.stats.generated_tokens - tokens)
+    return out
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -109,45 +196,60 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         metrics: optional WorkerMetrics (request outcomes, latency histograms).
         peers: how PullSession dials the source worker (TLS, join token; worker/kv_pull.py);
             default plaintext without a join token.
+        orphan_grace_s: how long a session whose upstream vanished without a Cancel is kept for
+            its client to resume (module docstring), seconds (0: not kept).
     """
 
-    def __init__(self, engine: EngineProtocol, worker_id: str, metrics=None, peers: kv_pull.Peers | None = None):
+    def __init__(self, engine: EngineProtocol, worker_id: str, metrics=None, peers: kv_pull.Peers | None = None,
+                 orphan_grace_s: float = ORPHAN_GRACE_S):
         self.engine = engine
         self.worker_id = worker_id
         self.metrics = metrics
         self._peers = peers or kv_pull.Peers()
-        # Request ids the coordinator cancelled to move them elsewhere (Cancel reason "migrated").
-        self._migrated: set[str] = set()
-        # Request ids this servicer aborted (Cancel RPC, a handler that ended early): their
-        # DoneEvent("cancelled") was asked for; any other one means the engine stopped.
-        self._aborting: set[str] = set()
-        # Aborted requests still admitted in the engine, set when their DoneEvent comes: a new
-        # request with the same id waits for it instead of being refused as a duplicate.
-        self._ending: dict[str, asyncio.Event] = {}
-        self._streams: set[asyncio.Queue] = set()  # event queues of the open Generate handlers
+        self.orphan_grace_s = orphan_grace_s
+        self._sessions: dict[str, _Session] = {}  # request id -> its session, until it ended and nobody reads it
         self._gone: str | None = None  # set by fail_streams: why no request can be served
         self._handoff: _Handoff | None = None  # made on the loop by the first Generate
 
+    def stop_keeping(self) -> None:
+        """From now on a call that ends early aborts its session (the worker is stopping: no
+        session outlives it); sessions kept until now are aborted."""
+        self.orphan_grace_s = 0.0
+        for session in list(self._sessions.values()):
+            if session.orphan_timer is not None:
+                self._drop_orphan(session)
+                self._expire(session)
+
     def fail_streams(self, reason: str) -> int:
-        """Ends every open Generate stream with UNAVAILABLE(`reason`), and every later call at its
-        start: for a worker whose engine can serve nothing more. Call on the event loop.
+        """Ends every running session's stream with UNAVAILABLE(`reason`), and every later call
+        at its start: for a worker whose engine can serve nothing more. Call on the event loop.
 
         Returns:
             How many open streams were told to end.
         """
         self._gone = reason
-        for events in self._streams:
-            events.put_nowait(_EngineGone(reason))
-        return len(self._streams)
+        told = 0
+        for session in list(self._sessions.values()):
+            if session.end is None:
+                told += session.attached
+                self._finish(session, (grpc.StatusCode.UNAVAILABLE, reason))
+        return told
+
+    @property
+    def orphans(self) -> list[str]:
+        """Request ids of the sessions kept for their clients to resume (no call reads them)."""
+        return [rid for rid, s in self._sessions.items() if s.orphan_timer is not None]
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
         """Tokenizes the request, submits it to the engine and streams a Chunk per TokenEvent,
-        then one Complete (finish reason, stats, this worker's id).
+        then one Complete (finish reason, stats, this worker's id); or re-attaches to the session
+        of the same request kept after its upstream vanished (module docstring), streaming what
+        follows `resume_token_ids`.
 
         Unset max_tokens becomes `WORKER_DEFAULT_MAX_TOKENS` capped by the context the prompt
-        leaves (at least 1). The request is aborted in the engine if the stream ends early. A
-        request reusing the id of one aborted that way (a client retrying after its deadline)
-        waits until the engine has ended that one (`ABORTED_WAIT_S` at most).
+        leaves (at least 1). A request reusing the id of a running session it cannot resume (one
+        being aborted: a client retrying after its deadline) waits until the engine has ended
+        that one (`ABORTED_WAIT_S` at most).
 
         Aborts the call with:
             INVALID_ARGUMENT: `validate_request` fails, more chat turns than the model's context
@@ -156,8 +258,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             NOT_FOUND: the request names a model this worker does not serve.
             RESOURCE_EXHAUSTED: the engine is at capacity (`Overloaded`).
             UNAVAILABLE: the engine is starting or shutting down (`Draining`), it ended the
-                request without being asked (it stopped), or the worker is leaving the fleet
-                because its engine thread died (`fail_streams`).
+                request without being asked (it stopped), the worker is leaving the fleet
+                because its engine thread died (`fail_streams`), or another call resumed the
+                session this one read.
             INTERNAL: the request failed on the engine thread after admission (`ErrorEvent`).
         """
         model = self.engine.model
@@ -175,130 +278,208 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                 f"{model.max_context_tokens:,} tokens")
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        if self._handoff is None:
-            self._handoff = _Handoff(loop)
-        handoff = self._handoff
-
-        metrics = self.metrics
-
-        def emit(event) -> None:  # engine thread
-            if isinstance(event, DoneEvent):
-                moved = event.request_id in self._migrated
-                self._migrated.discard(event.request_id)  # with or without metrics: no id is kept
-                asked = event.request_id in self._aborting
-                self._aborting.discard(event.request_id)
-                if asked:
-                    try:
-                        loop.call_soon_threadsafe(self._ended, event.request_id)
-                    except RuntimeError:  # loop closed during shutdown
-                        pass
-                if metrics is not None:
-                    # Recorded here, not in the handler: a request whose client left still ends
-                    # with DoneEvent("cancelled") and its tokens count.
-                    metrics.observe_request(model.name, dataclasses.replace(event, finish_reason="migrated")
-                                            if moved and event.finish_reason == "cancelled" else event)
-                if moved:  # the coordinator drops this stream now: write nothing more on it
-                    event = _MOVED
-                elif event.finish_reason == "cancelled" and not asked:
-                    event = _UNASKED
-            handoff.put(events, event)
-
         if self._gone is not None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, self._gone)
-        self._streams.add(events)
-        try:
-            async with aclosing(self._serve(request, context, model, events, emit)) as responses:
-                async for response in responses:  # aclosing: its finally runs as this one's does
-                    yield response
-        finally:
-            self._streams.discard(events)
+        session = self._sessions.get(request.request_id)
+        start = session.resume_index(request) if session is not None else None
+        shift = 0
+        if start is not None:
+            shift = len(request.resume_token_ids) - len(session.request.resume_token_ids)
+            log.info("request %s resumed after %d tokens (its upstream had gone)", request.request_id,
+                     len(request.resume_token_ids))
+        elif any(k == RESUME_ONLY_HEADER for k, _ in context.invocation_metadata() or ()):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"worker {self.worker_id} keeps no session of "
+                                f"request {request.request_id!r} to resume")
+        else:
+            session = await self._submit(request, context, model)
+            start = 0
+        async for response in self._read(session, start, shift, context):
+            yield response
 
-    async def _serve(self, request, context, model, events: asyncio.Queue, emit):
-        """Generate's body once its event queue is open: submit, then stream the events."""
+    async def _submit(self, request, context, model) -> _Session:
+        """Submits a new request (after any running session with its id has ended) and returns
+        its session; aborts the call with the engine's refusal."""
+        old = self._sessions.get(request.request_id)
+        if old is not None and (old.aborting or old.orphan_timer is not None or old.end is not None):
+            # Another incarnation of the id that is ending (or kept, but not this request's
+            # prefix): it ends first. One that runs and is read goes on, and the engine refuses
+            # the duplicate id.
+            if old.end is None and not old.aborting:
+                self._abort(old)
+            self._drop_orphan(old)
+            with suppress(TimeoutError):
+                await asyncio.wait_for(old.ended.wait(), ABORTED_WAIT_S)
+            self._forget(old)
+        if self._handoff is None:
+            self._handoff = _Handoff(asyncio.get_running_loop(), lambda s, e: self._on_event(s, e))
+        handoff = self._handoff
+        session = _Session(request)
+
+        def emit(event) -> None:  # engine thread: hand over, nothing else
+            handoff.put(session, event)
+
         try:
-            await self._wait_aborted(request.request_id)
             prompt_tokens = await asyncio.to_thread(
                 self.engine.encode_prompt,
                 request.prompt if request.WhichOneof("input") == "prompt" else None,
                 convert.messages_of(request))
             max_tokens = request.max_tokens if request.HasField("max_tokens") else max(
                 1, min(WORKER_DEFAULT_MAX_TOKENS, model.max_context_tokens - len(prompt_tokens)))
-            self.engine.submit(convert.generation_request(request, prompt_tokens, max_tokens), emit)
+            generation = convert.generation_request(request, prompt_tokens, max_tokens)
+            # Validation decodes resume tokens: off the loop, which relays every other stream.
+            submitted = asyncio.ensure_future(asyncio.to_thread(self.engine.submit, generation, emit))
+            self._sessions.setdefault(request.request_id, session)
+            try:
+                await asyncio.shield(submitted)
+            except asyncio.CancelledError:  # the caller left: once admitted, the request is aborted
+                submitted.add_done_callback(lambda f: f.cancelled() or f.exception() or self._abort(session))
+                raise
         except tuple(ENGINE_ERROR_CODES) as e:
+            self._forget(session)
             transfer = getattr(self.engine, "transfer", None)
             if request.import_id and transfer is not None:
                 transfer.drop_import(request.import_id)  # refused: its staged state goes too
             self._outcome(type(e).__name__.lower())
             await context.abort(ENGINE_ERROR_CODES[type(e)], short_details(str(e)))
-        finished = False
+        except BaseException:
+            if not session.aborting:  # not admitted (an aborted one stays until its engine end)
+                self._forget(session)
+            raise
+        return session
+
+    def _on_event(self, session: _Session, event) -> None:
+        """On the loop: one engine event of `session` becomes a response or its end."""
+        if isinstance(event, TokenEvent):
+            session.responses.append(convert.chunk_response(event))
+            session.token_ids.extend(event.token_ids)
+            session.changed.set()
+        elif isinstance(event, DoneEvent):
+            moved, asked = session.migrated, session.aborting
+            if self.metrics is not None:
+                # Recorded here, not by a reader: a request whose client left still ends with
+                # DoneEvent("cancelled") and its tokens count.
+                self.metrics.observe_request(self.engine.model.name, dataclasses.replace(event, finish_reason="migrated")
+                                             if moved and event.finish_reason == "cancelled" else event)
+            if moved:  # the coordinator drops this stream now: write nothing more on it
+                self._finish(session, _MOVED)
+            elif event.finish_reason == "cancelled" and not asked:
+                reason = f"the engine of worker {self.worker_id} stopped and cancelled the request"
+                log.warning("request %s ends UNAVAILABLE: %s", event.request_id, reason)
+                self._finish(session, (grpc.StatusCode.UNAVAILABLE, reason))
+            else:
+                session.responses.append(convert.complete_response(event, self.worker_id))
+                self._finish(session, _COMPLETE)
+        elif isinstance(event, ErrorEvent):
+            log.error("request %s failed", event.request_id, exc_info=event.error)
+            self._outcome("error")
+            self._finish(session, (grpc.StatusCode.INTERNAL, f"generation failed on worker {self.worker_id} "
+                                   f"({type(event.error).__name__}); see the worker log"))
+
+    def _finish(self, session: _Session, end) -> None:
+        """Records a session's end (once); a session nobody reads or keeps is forgotten."""
+        if session.end is not None:
+            return
+        session.end = end
+        session.ended.set()
+        session.changed.set()
+        if not session.attached and session.orphan_timer is None:
+            self._forget(session)
+
+    def _forget(self, session: _Session) -> None:
+        if self._sessions.get(session.request.request_id) is session:
+            del self._sessions[session.request.request_id]
+
+    async def _read(self, session: _Session, start: int, shift: int, context):
+        """Streams `session.responses[start:]` as they come, then its end; when the call ends
+        first, aborts the session or keeps it for a resume (module docstring)."""
+        if session.attached:  # another call still reads it (its upstream's loss not yet seen here)
+            log.info("request %s: a resuming call takes the session over", session.request.request_id)
+        self._drop_orphan(session)
+        session.reader += 1
+        me = session.reader
+        session.attached = True
+        session.changed.set()  # wakes the reader it replaces
+        i, finished = start, False
         try:
             while True:
-                event = await events.get()
-                if event is _MOVED:
+                if session.reader != me:
+                    finished = True
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "another call resumed this request")
+                while i < len(session.responses):
+                    response = session.responses[i]
+                    i += 1
+                    if response.WhichOneof("kind") == "complete":
+                        finished = True
+                        yield _shift_stats(response, shift)
+                        return
+                    yield response
+                if session.end == _MOVED:
                     # A final message or status raced with the coordinator's cancel of the call
                     # (grpc logs an ExecuteBatchError then); wait for that cancel instead.
                     finished = True
                     await asyncio.sleep(MOVED_WAIT_S)
                     return
-                if isinstance(event, TokenEvent):
-                    yield convert.chunk_response(event)
-                elif isinstance(event, DoneEvent):
+                if isinstance(session.end, tuple):
                     finished = True
-                    yield convert.complete_response(event, self.worker_id)
-                    return
-                elif isinstance(event, ErrorEvent):
-                    finished = True
-                    log.error("request %s failed", request.request_id, exc_info=event.error)
-                    self._outcome("error")
-                    await context.abort(grpc.StatusCode.INTERNAL,
-                                        f"generation failed on worker {self.worker_id} "
-                                        f"({type(event.error).__name__}); see the worker log")
-                elif event is _UNASKED or isinstance(event, _EngineGone):
-                    finished = True  # the engine has ended it, or can no longer
-                    reason = (event.reason if isinstance(event, _EngineGone) else
-                              f"the engine of worker {self.worker_id} stopped and cancelled the request")
-                    log.warning("request %s ends UNAVAILABLE: %s", request.request_id, reason)
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
+                    await context.abort(*session.end)
+                session.changed.clear()
+                await session.changed.wait()
         finally:
-            if not finished:  # its DoneEvent("cancelled") is counted by emit
-                self._abort(request.request_id)
+            if session.reader == me:
+                session.attached = False
+                if finished:
+                    self._forget(session)
+                elif (session.aborting or self._gone is not None or self.orphan_grace_s <= 0
+                      or _past_deadline(context)):
+                    self._abort(session)
+                    if session.end is not None:
+                        self._forget(session)
+                else:  # kept, also when it ended meanwhile: its client has not got the end
+                    self._orphan(session)
 
-    def _abort(self, request_id: str) -> bool:
-        """engine.abort, remembering that this request's DoneEvent("cancelled") was asked for."""
-        self._aborting.add(request_id)
-        known = self.engine.abort(request_id)
-        if not known:
-            self._aborting.discard(request_id)
-        else:  # its DoneEvent follows (the engine releases a request before emitting it)
-            self._ending.setdefault(request_id, asyncio.Event())
-        return known
+    def _orphan(self, session: _Session) -> None:
+        """Keeps a session whose call ended without a Cancel for `orphan_grace_s` seconds."""
+        log.info("request %s lost its upstream without a cancel: kept %.0f s for its client to resume",
+                 session.request.request_id, self.orphan_grace_s)
+        session.orphan_timer = asyncio.get_running_loop().call_later(self.orphan_grace_s, self._expire, session)
 
-    def _ended(self, request_id: str) -> None:
-        """On the loop: an aborted request's DoneEvent came; a request waiting to reuse its id may go."""
-        ending = self._ending.pop(request_id, None)
-        if ending is not None:
-            ending.set()
+    def _drop_orphan(self, session: _Session) -> None:
+        if session.orphan_timer is not None:
+            session.orphan_timer.cancel()
+            session.orphan_timer = None
 
-    async def _wait_aborted(self, request_id: str) -> None:
-        """Waits (at most ABORTED_WAIT_S) until the engine has ended an aborted request with
-        this id, if there is one: the client of that request left (its deadline, a cancel), so
-        the id is free to reuse, but the engine holds it until its next turn."""
-        ending = self._ending.get(request_id)
-        if ending is not None:
-            with suppress(TimeoutError):
-                await asyncio.wait_for(ending.wait(), ABORTED_WAIT_S)
+    def _expire(self, session: _Session) -> None:
+        """An orphan nobody resumed: aborted in the engine, forgotten once it ended."""
+        session.orphan_timer = None
+        if session.attached:
+            return
+        log.info("request %s was not resumed within %.0f s: aborted", session.request.request_id, self.orphan_grace_s)
+        if session.end is None:
+            self._abort(session)
+        else:
+            self._forget(session)
+
+    def _abort(self, session: _Session) -> bool:
+        """engine.abort of a session (once), remembering that its DoneEvent("cancelled") was
+        asked for; False when the engine no longer runs it."""
+        if session.aborting:
+            return session.end is None
+        session.aborting = True
+        return self.engine.abort(session.request.request_id)
 
     async def Cancel(self, request, context):
-        """Aborts a running request by id; `cancelled` is False when the id is unknown here.
-        reason "migrated" (the coordinator, before it drops a moved stream) counts the request's
-        end as outcome "migrated" rather than "cancelled"."""
+        """Aborts a running request by id (or drops a state staged for it); `cancelled` is False
+        when the id is unknown here. reason "migrated" (the coordinator, before it drops a moved
+        stream) counts the request's end as outcome "migrated" rather than "cancelled"."""
+        session = self._sessions.get(request.request_id)
+        if session is None:
+            return worker_pb2.CancelResponse(cancelled=self.engine.abort(request.request_id))
         if request.reason == MIGRATED:
-            self._migrated.add(request.request_id)
-        cancelled = self._abort(request.request_id)
-        if not cancelled:
-            self._migrated.discard(request.request_id)
+            session.migrated = True
+        self._drop_orphan(session)
+        cancelled = self._abort(session)
+        if session.end is not None and not session.attached:
+            self._forget(session)
         return worker_pb2.CancelResponse(cancelled=cancelled)
 
     async def ExportSession(self, request, context):
@@ -416,3 +597,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _outcome(self, outcome: str) -> None:
         if self.metrics:
             self.metrics.requests.labels(model=self.engine.model.name, outcome=outcome).inc()
+
+
+def _past_deadline(context) -> bool:
+    """Whether a call's deadline has passed (its end then was no vanished upstream)."""
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= 0

@@ -55,10 +55,14 @@ class FleetState(abc.ABC):
         registry: the local view of the live workers (routing reads it synchronously).
         affinity: the local view of session affinity; its `bind` also records the binding in
             the shared state.
+        shared: other coordinators see this state (a worker registers with one of them; its
+            RegisterResponse says so).
         on_worker_change: called (on the event loop) when the view took a worker's entry from
             the shared store (a registration or heartbeat through any coordinator), so capacity
             may have grown and the admission queue re-checks; None: nothing to tell.
     """
+
+    shared = False
 
     def __init__(self, coordinator_id: str, registry: Registry, affinity: SessionAffinity):
         self.coordinator_id = coordinator_id

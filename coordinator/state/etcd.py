@@ -66,6 +66,8 @@ class EtcdState(FleetState):
         session_ttl_s: how long an affinity entry outlives its last binding, at least.
     """
 
+    shared = True
+
     def __init__(self, coordinator_id: str, registry, affinity, endpoints, lease_ttl_s: float,
                  session_ttl_s: float):
         super().__init__(coordinator_id, registry, affinity)

@@ -30,8 +30,12 @@ class RestartBackoff:
     stable_s: float = 60.0
     _streak: dict[str, int] = field(default_factory=dict)
 
-    def delay(self, name: str, ran_s: float) -> float:
-        """Seconds to wait before starting `name` again, which ran `ran_s` seconds this time."""
+    def delay(self, name: str, ran_s: float, first_at_once: bool = False) -> float:
+        """Seconds to wait before starting `name` again, which ran `ran_s` seconds this time;
+        with `first_at_once`, the first restart of a run of failures waits none (the next
+        `first_s`, then doubling)."""
         n = 0 if ran_s >= self.stable_s else self._streak.get(name, -1) + 1
         self._streak[name] = n
+        if first_at_once:
+            return 0.0 if n == 0 else min(self.first_s * 2.0 ** min(n - 1, 32), self.max_s)
         return min(self.first_s * 2.0 ** min(n, 32), self.max_s)

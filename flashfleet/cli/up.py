@@ -1,6 +1,6 @@
 """`flashfleet up`: start a coordinator and N workers on this machine as processes, print their
-addresses, start again a worker that fails (`flashfleet.cli.restarts`), and shut them all down
-cleanly on Ctrl-C or SIGTERM."""
+addresses, start again a worker or the coordinator when it fails (`flashfleet.cli.restarts`), and
+shut them all down cleanly on Ctrl-C or SIGTERM."""
 from __future__ import annotations
 
 import argparse
@@ -132,7 +132,9 @@ class LocalCluster:
         self.own_ids: list[str] = []  # the ids of the workers this cluster starts
         self.commands: dict[str, tuple[list[str], dict | None]] = {}  # name -> (args, env) it ran with
         self.started: dict[str, float] = {}  # name -> time.monotonic() of its last start
-        self.restarts_due: dict[str, float] = {}  # exited worker -> time.monotonic() it starts again
+        self.restarts_due: dict[str, float] = {}  # exited child -> time.monotonic() it starts again
+        # The coordinator comes back at once (SDK streams wait to resume), then after doubling waits.
+        self.coordinator_backoff = RestartBackoff(first_s=0.5, max_s=10.0)
 
     @property
     def address(self) -> str:
@@ -291,21 +293,30 @@ class LocalCluster:
         """One round of supervision once the cluster is up (call it every half second or so):
         reaps exited children; a worker that exited with a failure (`should_restart`) is started
         again, with its command and its log (appended to), after `backoff`'s delay; another
-        exit is reported and the other workers keep serving.
+        exit is reported and the other workers keep serving. The coordinator that exited with a
+        failure (killed, crashed) is started again on the same port after
+        `coordinator_backoff`'s delay (the first at once, then 0.5 s doubling): the workers keep serving and register
+        with it again, and SDK clients resume their streams through it.
 
         Args:
-            backoff: the delays before restarts (it keeps each worker's run of failures).
+            backoff: the delays before worker restarts (it keeps each worker's run of failures).
             say: called with one line (str) for each exit and each restart.
 
         Raises:
-            RuntimeError: the coordinator exited (its log's tail in the message), or every worker
-                has exited and none is due to start again.
+            RuntimeError: the coordinator exited cleanly or for a bad config (its log's tail in
+                the message), or every worker has exited and none is due to start again.
         """
         now = time.monotonic()
         for name, code, tail in self.reap():
-            if name == "coordinator":
-                raise RuntimeError(f"the coordinator exited with code {code}:\n{tail}")
             log = self.log_dir / f"{name}.log"
+            if name == "coordinator":
+                if not should_restart(code):
+                    raise RuntimeError(f"the coordinator exited with code {code}:\n{tail}")
+                delay = self.coordinator_backoff.delay(name, now - self.started.get(name, now), first_at_once=True)
+                self.restarts_due[name] = now + delay
+                say(f"the coordinator exited with code {code}; starting it again on port {self.port} "
+                    f"in {delay:.1f} s (its log: {log})")
+                continue
             if should_restart(code):
                 delay = backoff.delay(name, now - self.started.get(name, now))
                 self.restarts_due[name] = now + delay
@@ -317,7 +328,7 @@ class LocalCluster:
             if due <= now:
                 del self.restarts_due[name]
                 self._spawn(name, *self.commands[name], append=True)
-                say(f"{name} started again")
+                say("the coordinator started again" if name == "coordinator" else f"{name} started again")
         if not self.restarts_due and not any(n != "coordinator" for n in self.procs):
             raise RuntimeError("every worker has exited")
 

@@ -170,14 +170,16 @@ class RegisterRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[_common_pb2.ModelInfo, _Mapping]]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("lease_id", "lease_ttl_s", "heartbeat_interval_s")
+    __slots__ = ("lease_id", "lease_ttl_s", "heartbeat_interval_s", "shared_state")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    SHARED_STATE_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     lease_ttl_s: float
     heartbeat_interval_s: float
-    def __init__(self, lease_id: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+    shared_state: bool
+    def __init__(self, lease_id: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., shared_state: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "lease_id", "load")

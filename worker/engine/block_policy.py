@@ -63,6 +63,7 @@ class Acceptance:
         self.decay = decay
         self.reached: list[float] = []
         self.passed: list[float] = []
+        self._curves: dict[tuple[int, bool], list[float]] = {}  # (L_max, optimistic) -> E(1..L_max)
 
     @classmethod
     def known(cls, rate: float) -> "Acceptance":
@@ -72,6 +73,7 @@ class Acceptance:
 
     def observe(self, drafted: int, accepted: int) -> None:
         """One cycle: its first `accepted` of `drafted` draft tokens kept."""
+        self._curves.clear()
         for i in range(min(accepted + 1, drafted)):
             if i == len(self.reached):
                 self.reached.append(0.0)
@@ -97,21 +99,24 @@ class Acceptance:
 
     def expected(self, L: int, optimistic: bool = False) -> float:
         """E(L): mean tokens a block of L commits (bonus included), >= 1."""
-        return expected_length(self.rates(max(0, L - 1), optimistic), L)
+        return self.curve(L, optimistic)[L - 1]
+
+    def curve(self, L_max: int, optimistic: bool = False) -> list[float]:
+        """[E(1), .., E(L_max)] (kept until the next `observe`: the policy reads it every
+        iteration)."""
+        key = (L_max, optimistic)
+        if key not in self._curves:
+            out, total, survive = [1.0], 1.0, 1.0
+            for r in self.rates(max(0, L_max - 1), optimistic):
+                survive *= r
+                total += survive
+                out.append(total)
+            self._curves[key] = out
+        return self._curves[key]
 
     def as_prior(self, n: int, weight: float = 2.0) -> "Acceptance":
         """A new row's acceptance whose prior is this one's estimates at positions 0..n-1."""
         return Acceptance(self.rates(max(1, n)), weight=weight)
-
-
-def expected_length(rates: Sequence[float], L: int) -> float:
-    """Mean tokens a block of L commits when draft i is kept with conditional probability
-    rates[i] (len(rates) >= L - 1): sum over k < L of prod_{i<k} rates[i]."""
-    total, survive = 1.0, 1.0
-    for i in range(L - 1):
-        survive *= rates[i]
-        total += survive
-    return total
 
 
 def pow2_bucket(n: int, floor: int = 1) -> int:
@@ -212,18 +217,20 @@ class BatchBlockPolicy:
         costs = self._costs.get(self.key(len(acceptance), context), {})
         if 1 not in costs:
             return 1
-        n = cands[-1] - 1
-        means = [a.rates(n) for a in acceptance]
-        hopes = [a.rates(n, optimistic=True) for a in acceptance]
+        means = [a.curve(cands[-1]) for a in acceptance]
+        tokens = {c: sum(m[c - 1] for m in means) for c in cands}  # sum_r E_r(c)
+        hopes: Optional[dict[int, float]] = None
         plain = len(acceptance) / costs[1]
         rates = {1: plain}
         for c in cands[1:]:
             if c in costs:
-                rates[c] = sum(expected_length(m, c) for m in means) / costs[c]
+                rates[c] = tokens[c] / costs[c]
                 continue
+            if hopes is None:
+                curves = [a.curve(cands[-1], optimistic=True) for a in acceptance]
+                hopes = {d: sum(h[d - 1] for h in curves) for d in cands}
             goal = max(self.min_gain * plain, max(rates.values()))
-            if any(sum(expected_length(h, d) for h in hopes) / self._cost_bound(costs, d) >= goal
-                   for d in cands if d >= c):
+            if any(hopes[d] / self._cost_bound(costs, d) >= goal for d in cands if d >= c):
                 return c  # it or a larger size could pay: measure it in this bucket
         best = max(rates, key=rates.get)
         if best != 1 and rates[best] < self.min_gain * plain:
@@ -239,8 +246,8 @@ class BatchBlockPolicy:
             if best == 1 and len(rates) > 1:
                 # Plain steps learn nothing of the drafts: re-measure the size that could pay most,
                 # so rows whose acceptance dipped are seen again at the blocks that need it.
-                return max((c for c in rates if c > 1),
-                           key=lambda c: sum(expected_length(h, c) for h in hopes) / costs[c])
+                curves = [a.curve(cands[-1], optimistic=True) for a in acceptance]
+                return max((c for c in rates if c > 1), key=lambda c: sum(h[c - 1] for h in curves) / costs[c])
             i = cands.index(best)
             self._explore_turn += 1
             return cands[i + 1] if (self._explore_turn % 2 and i + 1 < len(cands)) or i == 0 else cands[i - 1]

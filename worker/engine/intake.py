@@ -24,7 +24,7 @@ class Intake:
 
     Args:
         tokenizer: a tokenizer instance for the callers' threads (the engine thread decodes with
-            another); encoding holds a lock of this object's.
+            another); encoding, and decoding resume tokens, hold a lock of this object's.
         model: the served model (its name and context limit).
         vocab_size: the target's vocabulary size (None: unknown, token ids go unchecked).
         draft_kind: the loaded draft's kind ("", "draft", "dflash" or "uag").
@@ -144,7 +144,8 @@ class Intake:
             if set(self.tokenizer.eos_token_ids).intersection(r.resume_tokens):
                 raise InvalidRequest("resume_token_ids contain an end-of-sequence token")
             try:  # the engine thread primes its own assembler the same way
-                TextAssembler(self.tokenizer, r.stop).resume(r.resume_tokens, r.resume_text)
+                with self._lock:  # callers' threads share this tokenizer (a Rust tokenizer is not re-entrant)
+                    TextAssembler(self.tokenizer, r.stop).resume(r.resume_tokens, r.resume_text)
             except ValueError as e:
                 raise InvalidRequest(str(e)) from None
         elif r.resume_text:
