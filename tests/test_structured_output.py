@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCHEMAS = sorted((Path(__file__).parent / "data" / "schemas").glob("*.json"))
 SMOL = "SmolLM2-135M-Instruct"
 SHIPPED_DRAFT = Path(__file__).resolve().parent.parent / "flashfleet" / "drafts" / SMOL
-MAX_TOKENS = 320  # above what any schema here needs on one line, so a "length" end is a failure
+MAX_TOKENS = 512  # above what any schema here needs on one line, so a "length" end is a failure
 FREE_PROMPTS = ["Name three rivers of Europe.", "Write a haiku about rain."]
 
 
