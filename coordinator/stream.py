@@ -460,20 +460,7 @@ class ProxiedStream:
         fleet, request = self.fleet, self.request
 
         async def probe(w: WorkerRecord):
-            with fleet.slot(w) as slot:
-                call = fleet.pool.stub(w.address).Generate(request, timeout=self.time_remaining(),
-                                                            metadata=((RESUME_ONLY_HEADER, "1"),))
-                try:
-                    first = await call.read()
-                    if first is grpc.aio.EOF:
-                        raise _no_message()
-                except grpc.aio.AioRpcError:
-                    call.cancel()
-                    raise
-                except BaseException:  # the client left again: the worker is told, then the call closed
-                    fleet.spawn(fleet.end_session(w, request.request_id, call))
-                    raise
-            return w, slot, call, first
+            return (w, *await self._open_on(w, request, metadata=((RESUME_ONLY_HEADER, "1"),)))
 
         workers = [w for w in fleet.registry.live() if w.serves(request.model) and not w.unreachable]
         results = await asyncio.gather(*(probe(w) for w in workers), return_exceptions=True)
@@ -671,11 +658,13 @@ class ProxiedStream:
         t.task.cancel()
         self.fleet.spawn(self.fleet.cancel_quietly(t.dest, self.request.request_id))
 
-    async def _open_on(self, dest: WorkerRecord, request: common_pb2.GenerateRequest):
-        """Opens `request` on `dest` and reads its first message; returns (slot, call, first).
-        Every failure gives the slot back and cancels the call before it propagates."""
+    async def _open_on(self, dest: WorkerRecord, request: common_pb2.GenerateRequest, metadata=None):
+        """Opens `request` on `dest` (with the call's `metadata`) and reads its first message;
+        returns (slot, call, first). Every failure gives the slot back and cancels the call before
+        it propagates."""
         with self.fleet.slot(dest) as slot:  # reserved now, so no other stream takes the idle worker meanwhile
-            call = self.fleet.pool.stub(dest.address).Generate(request, timeout=self.time_remaining())
+            call = self.fleet.pool.stub(dest.address).Generate(request, timeout=self.time_remaining(),
+                                                               metadata=metadata)
             try:
                 first = await call.read()
                 if first is grpc.aio.EOF:
