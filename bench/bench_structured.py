@@ -88,7 +88,7 @@ def main() -> None:
                     rate = r["tokens"] / r["wall"]
                     ratio = f"{rate / free:.2f}" if key == "json_schema" else ""
                     tau = f"{r['tau']:.2f}" if mode == "dflash" else ""
-                    print(f"| {mode} | {n} | {key} | {r['tokens']} | {r['wall']:.1f} | {rate:.1f} | {ratio} | {tau} |",
+                    print(f"| {mode} | {n} | {key} | {r['tokens']} | {r['wall']:.3f} | {rate:.1f} | {ratio} | {tau} |",
                           flush=True)
 
 
