@@ -5,11 +5,14 @@ stream chunks and errors built from flashfleet's. Pure functions, no I/O.
 Mapping (OpenAI field -> GenerateRequest): model, messages (text content; "developer" turns are
 system turns) / prompt (one string), max_completion_tokens or max_tokens, temperature (unset =
 greedy, as in flashfleet's own API), top_p, seed, stop (a string or a list), response_format
-(json_object, json_schema: decoded under a grammar). flashfleet's own
+(json_object, json_schema: decoded under a grammar), logprobs / top_logprobs, and for completions
+echo (the prompt's text before the completion's; with logprobs, the prompt tokens'
+log-probabilities first, the first one null, as lm-evaluation-harness's loglikelihood reads them;
+max_tokens 0 then scores the prompt alone). flashfleet's own
 fields ride along in the body (`extra_body` in the openai client): mode ("auto", "plain",
 "draft", "dflash", "uag"), session_id (worker affinity across turns) and timeout_s (the request's
-deadline, seconds). Fields flashfleet cannot honour (n other than 1, logprobs, tools, penalties,
-echo, ...) are refused with 400 rather than ignored.
+deadline, seconds). Fields flashfleet cannot honour (n other than 1, tools, penalties, ...) are
+refused with 400 rather than ignored.
 """
 from __future__ import annotations
 
@@ -57,7 +60,7 @@ REQUEST_FIELDS: dict[str, str | tuple] = {
     "prompt_cache_key": NOOP, "prompt_cache_retention": NOOP, "prompt_cache_options": NOOP,
     "parallel_tool_calls": NOOP,  # tools are refused, so no call is made in parallel or otherwise
     "response_format": SERVED,
-    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "n": (None, 1), "best_of": (None, 1), "echo": SERVED, "suffix": (None, ""),
     "logprobs": SERVED, "top_logprobs": SERVED, "logit_bias": (None, {}),
     "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
     "function_call": (None, "none", "auto"),
@@ -109,6 +112,7 @@ class ParsedRequest:
         include_usage: stream_options.include_usage (a last chunk with `usage`).
         timeout_s: the request's deadline in seconds, or None.
         logprobs: whether the answer lists its tokens' log-probabilities.
+        echo: the prompt's text to put before the completion's (completions' `echo`), or None.
     """
 
     request: common_pb2.GenerateRequest
@@ -117,6 +121,7 @@ class ParsedRequest:
     include_usage: bool = False
     timeout_s: float | None = None
     logprobs: bool = False
+    echo: str | None = None
 
 
 def _number(body: dict, key: str, kind=(int, float)):
@@ -200,16 +205,34 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
         raise bad("stream must be true or false and stream_options an object", "stream")
     mode, session_id = body.get("mode", "auto"), body.get("session_id", "")
     top_logprobs = _top_logprobs(body, chat)
+    echo = _echo(body, chat)
+    if max_tokens == 0 and not echo:
+        raise bad("max_tokens must be > 0 (0 is served with echo: true, which scores the prompt alone)", "max_tokens")
+    prompt = None if chat else _prompt(body)
+    # Echo with logprobs lists the prompt's tokens too; max_tokens 0 has the worker score the prompt
+    # (nothing else to do), its logprobs read only when asked for.
+    prompt_logprobs = top_logprobs if echo and top_logprobs is not None else 0 if echo and max_tokens == 0 else None
     try:
         request = build_request(
-            model, None if chat else _prompt(body), messages=_messages(body) if chat else None,
+            model, prompt, messages=_messages(body) if chat else None,
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
             stop=body.get("stop"), session_id=session_id, request_id=uuid.uuid4().hex, mode=mode,
-            response_format=body.get("response_format"), top_logprobs=top_logprobs)
+            response_format=body.get("response_format"), top_logprobs=top_logprobs,
+            prompt_logprobs=prompt_logprobs)
     except InvalidArgument as e:
         raise bad(e.details, "response_format" if "response_format" in e.details else None) from None
     return ParsedRequest(request, chat, stream, bool(options.get("include_usage")), timeout_s,
-                         top_logprobs is not None)
+                         top_logprobs is not None, prompt if echo else None)
+
+
+def _echo(body: dict, chat: bool) -> bool:
+    """Completions' `echo` (true/false; unset: false); chat has none."""
+    echo = body.get("echo")
+    if echo not in (None, True, False):
+        raise bad(f"echo must be true or false, got {echo!r:.40}", "echo")
+    if echo and chat:
+        raise bad("echo is a /v1/completions field (chat has no echo)", "echo")
+    return bool(echo)
 
 
 def _top_logprobs(body: dict, chat: bool) -> int | None:
@@ -261,6 +284,15 @@ def finish_reason(complete: common_pb2.Complete) -> str:
     return OPENAI_FINISH.get(FINISH_REASONS.get(complete.finish_reason, "stop"), "stop")
 
 
+def _top_dict(top) -> dict[str, float]:
+    """Completions' {token text: logprob} of the most likely tokens (TopLogprob protos, most
+    likely first); of tokens whose texts are equal, the key keeps the likeliest."""
+    out: dict[str, float] = {}
+    for t in top:
+        out.setdefault(t.token, t.logprob)
+    return out
+
+
 class ResponseBuilder:
     """Builds the JSON objects of one request's answer, in OpenAI's shapes.
 
@@ -278,15 +310,25 @@ class ResponseBuilder:
         self.started = False  # whether a chunk with text went out (the first chat delta names the role)
         self.want_logprobs = parsed.logprobs
         self.offset = 0  # characters of completion text before the next token (completions' text_offset)
+        self.echo = parsed.echo  # the prompt's text until it goes out before the first text (echo)
+        self.prompt_listed = False  # whether the prompt's logprobs went out (a restarted stream repeats them)
+
+    def _echoed(self, text: str) -> str:
+        """`text`, after the prompt's text the first time (echo)."""
+        if self.echo is None:
+            return text
+        text, self.echo = self.echo + text, None
+        return text
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def logprobs(self, items) -> dict | None:
+    def logprobs(self, items, prompt=()) -> dict | None:
         """OpenAI's `logprobs` object of some tokens (TokenLogprob protos), None when the request
         did not ask: chat's {"content": [{token, logprob, bytes, top_logprobs}]}; completions'
         {tokens, token_logprobs, top_logprobs, text_offset} (offsets in characters of the
-        completion's text, counted on from the previous chunks')."""
+        tokens' texts, counted on from the previous chunks'), the `prompt` tokens' first (echo:
+        the first one's logprob and top_logprobs null; listed once, however often they come)."""
         if not self.want_logprobs:
             return None
         if self.chat:
@@ -294,22 +336,28 @@ class ResponseBuilder:
                                  "top_logprobs": [{"token": t.token, "logprob": t.logprob,
                                                    "bytes": list(t.token.encode())} for t in lp.top]}
                                 for lp in items], "refusal": None}
+        if prompt and not self.prompt_listed:
+            items, self.prompt_listed = [*prompt, *items], True
         offsets = []
         for lp in items:
             offsets.append(self.offset)
             self.offset += len(lp.token)
-        return {"tokens": [lp.token for lp in items], "token_logprobs": [lp.logprob for lp in items],
-                "top_logprobs": [{t.token: t.logprob for t in lp.top} for lp in items], "text_offset": offsets}
+        scored = [lp.HasField("logprob") for lp in items]
+        return {"tokens": [lp.token for lp in items],
+                "token_logprobs": [lp.logprob if has else None for lp, has in zip(items, scored)],
+                "top_logprobs": [_top_dict(lp.top) if has else None
+                                 for lp, has in zip(items, scored)], "text_offset": offsets}
 
-    def response(self, text: str, complete: common_pb2.Complete, logprobs=()) -> dict:
+    def response(self, text: str, complete: common_pb2.Complete, logprobs=(), prompt_logprobs=()) -> dict:
         """The whole answer of a request that was not streamed: one choice (with the tokens'
-        log-probabilities when asked for), usage and the top-level `flashfleet` object."""
+        log-probabilities when asked for; echo: the prompt's before), usage and the top-level
+        `flashfleet` object."""
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
                       "finish_reason": finish_reason(complete), "logprobs": self.logprobs(logprobs)}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": finish_reason(complete),
-                      "logprobs": self.logprobs(logprobs)}
+            choice = {"index": 0, "text": self._echoed(text), "finish_reason": finish_reason(complete),
+                      "logprobs": self.logprobs(logprobs, prompt_logprobs)}
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
                 "usage": usage(complete), "flashfleet": flashfleet_fields(self.request_id, complete)}
 
@@ -319,14 +367,16 @@ class ResponseBuilder:
             out["usage"] = None
         return out
 
-    def delta(self, text: str, include_usage: bool = False, logprobs=()) -> dict:
-        """A stream chunk carrying new text (the first chat chunk also carries the role) and its
-        tokens' log-probabilities when asked for."""
+    def delta(self, text: str, include_usage: bool = False, logprobs=(), prompt_logprobs=()) -> dict:
+        """A stream chunk carrying new text (the first chat chunk also carries the role; echo: the
+        first completions chunk starts with the prompt's text) and its tokens' log-probabilities
+        when asked for (echo: the prompt's first)."""
         if self.chat:
             delta = {"content": text} if self.started else {"role": "assistant", "content": text}
             choice = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": self.logprobs(logprobs)}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": None, "logprobs": self.logprobs(logprobs)}
+            choice = {"index": 0, "text": self._echoed(text), "finish_reason": None,
+                      "logprobs": self.logprobs(logprobs, prompt_logprobs)}
         self.started = True
         return self._chunk(choice, include_usage)
 
@@ -337,7 +387,8 @@ class ResponseBuilder:
             delta = {} if self.started else {"role": "assistant", "content": ""}
             choice = {"index": 0, "delta": delta, "finish_reason": finish_reason(complete), "logprobs": None}
         else:
-            choice = {"index": 0, "text": "", "finish_reason": finish_reason(complete), "logprobs": None}
+            # echo: a stream whose first message is its end still gives the prompt's text
+            choice = {"index": 0, "text": self._echoed(""), "finish_reason": finish_reason(complete), "logprobs": None}
         last = self._chunk(choice, include_usage)
         last["flashfleet"] = flashfleet_fields(self.request_id, complete)
         if not include_usage:
