@@ -5,11 +5,12 @@ stream chunks and errors built from flashfleet's. Pure functions, no I/O.
 Mapping (OpenAI field -> GenerateRequest): model, messages (text content; "developer" turns are
 system turns) / prompt (one string), max_completion_tokens or max_tokens, temperature (unset =
 greedy, as in flashfleet's own API), top_p, seed, stop (a string or a list), response_format
-(json_object, json_schema: decoded under a grammar). flashfleet's own
-fields ride along in the body (`extra_body` in the openai client): mode ("auto", "plain",
-"draft", "dflash", "uag"), session_id (worker affinity across turns) and timeout_s (the request's
-deadline, seconds). Fields flashfleet cannot honour (n other than 1, logprobs, tools, penalties,
-echo, ...) are refused with 400 rather than ignored.
+(json_object, json_schema: decoded under a grammar), presence_penalty, frequency_penalty,
+logit_bias (token id -> bias). flashfleet's own fields ride along in the body (`extra_body` in
+the openai client): mode ("auto", "plain", "draft", "dflash", "uag"), session_id (worker affinity
+across turns), timeout_s (the request's deadline, seconds) and repetition_penalty (over prompt
+and output, as Hugging Face and mlx-lm define it). Fields flashfleet cannot honour (best_of,
+tools, echo, ...) are refused with 400 rather than ignored.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import Any
 import grpc
 
 from flashfleet.errors import InvalidArgument, short_details
-from flashfleet.requests import MAX_TIMEOUT_S, MAX_TOP_LOGPROBS, build_request
+from flashfleet.requests import MAX_TIMEOUT_S, MAX_TOP_LOGPROBS, SEED_LIMIT, build_request
 from flashfleet.types import DECODE_MODE_NAMES, FINISH_REASONS, GenerationStats
 from flashfleet.v1 import common_pb2, coordinator_pb2
 
@@ -57,11 +58,11 @@ REQUEST_FIELDS: dict[str, str | tuple] = {
     "prompt_cache_key": NOOP, "prompt_cache_retention": NOOP, "prompt_cache_options": NOOP,
     "parallel_tool_calls": NOOP,  # tools are refused, so no call is made in parallel or otherwise
     "response_format": SERVED,
-    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
-    "logprobs": SERVED, "top_logprobs": SERVED, "logit_bias": (None, {}),
+    "n": SERVED, "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "logprobs": SERVED, "top_logprobs": SERVED, "logit_bias": SERVED,
     "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
     "function_call": (None, "none", "auto"),
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": SERVED, "frequency_penalty": SERVED,
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
     "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,), "moderation": (None,),
 }
@@ -90,7 +91,10 @@ class OpenAIError(Exception):
         """The error for a request that failed with gRPC status `code` (HTTP_ERRORS; any other
         code is 500 server_error)."""
         status, kind, name = HTTP_ERRORS.get(code, (500, "server_error", code.name.lower()))
-        return cls(status, details, kind, "model" if code == grpc.StatusCode.NOT_FOUND else None, name)
+        param = "model" if code == grpc.StatusCode.NOT_FOUND else None
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            param = field_named(details)
+        return cls(status, details, kind, param, name)
 
 
 def bad(message: str, param: str | None = None) -> OpenAIError:
@@ -109,6 +113,7 @@ class ParsedRequest:
         include_usage: stream_options.include_usage (a last chunk with `usage`).
         timeout_s: the request's deadline in seconds, or None.
         logprobs: whether the answer lists its tokens' log-probabilities.
+        n: how many choices to generate (`choice_requests`).
     """
 
     request: common_pb2.GenerateRequest
@@ -117,6 +122,50 @@ class ParsedRequest:
     include_usage: bool = False
     timeout_s: float | None = None
     logprobs: bool = False
+    n: int = 1
+
+
+MAX_CHOICES = 16  # most choices (`n`) one request may ask for
+# Choice i's seed is the request's plus i times this odd constant (2**64 / golden ratio), mod 2**64.
+CHOICE_SEED_STRIDE = 0x9E3779B97F4A7C15
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request seeded with `seed`: the seed itself for choice 0
+    (n = 1 and n > 1 agree on it), a distinct derived one for each other choice."""
+    return (seed + index * CHOICE_SEED_STRIDE) % SEED_LIMIT
+
+
+def choice_requests(parsed: ParsedRequest) -> list[common_pb2.GenerateRequest]:
+    """One GenerateRequest per choice: the request itself when n = 1; else copies with request ids
+    "<id>-<i>", seeds `choice_seed(seed, i)` when the request has a seed (unseeded choices each
+    draw their own), and the request's session_id, or its id when it has none, so that the
+    choices go to one worker, where the later ones copy the first one's prompt caches
+    (worker/engine/scheduler.py) instead of prefilling the prompt again."""
+    base = parsed.request
+    if parsed.n == 1:
+        return [base]
+    out = []
+    for i in range(parsed.n):
+        r = common_pb2.GenerateRequest()
+        r.CopyFrom(base)
+        r.request_id = f"{base.request_id}-{i}"
+        r.session_id = base.session_id or base.request_id
+        if base.HasField("seed"):
+            r.seed = choice_seed(base.seed, i)
+        out.append(r)
+    return out
+
+
+PENALTY_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+# Request fields whose name opens an INVALID_ARGUMENT message about them (the error's `param`).
+NAMED_FIELDS = ("response_format", "logit_bias", *PENALTY_FIELDS, "top_logprobs", "temperature", "top_p",
+                "seed", "max_tokens", "stop", "prompt", "messages")
+
+
+def field_named(details: str) -> str | None:
+    """The request field an error message is about: the first of `NAMED_FIELDS` it names, or None."""
+    return next((name for name in NAMED_FIELDS if name in details), None)
 
 
 def _number(body: dict, key: str, kind=(int, float)):
@@ -189,6 +238,7 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     if max_tokens is None:
         max_tokens = _number(body, "max_tokens", int)
     temperature, top_p = _number(body, "temperature"), _number(body, "top_p")
+    penalties = {name: _number(body, name) for name in PENALTY_FIELDS}
     seed = _number(body, "seed", int)
     timeout_s = _number(body, "timeout_s")
     if timeout_s is not None and not (0 < timeout_s <= MAX_TIMEOUT_S):  # NaN fails too; no float() of a huge int
@@ -200,16 +250,20 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
         raise bad("stream must be true or false and stream_options an object", "stream")
     mode, session_id = body.get("mode", "auto"), body.get("session_id", "")
     top_logprobs = _top_logprobs(body, chat)
+    n = _number(body, "n", int)
+    if n is not None and not 1 <= n <= MAX_CHOICES:
+        raise bad(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}", "n")
     try:
         request = build_request(
             model, None if chat else _prompt(body), messages=_messages(body) if chat else None,
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
             stop=body.get("stop"), session_id=session_id, request_id=uuid.uuid4().hex, mode=mode,
-            response_format=body.get("response_format"), top_logprobs=top_logprobs)
+            response_format=body.get("response_format"), top_logprobs=top_logprobs,
+            logit_bias=body.get("logit_bias"), **penalties)
     except InvalidArgument as e:
-        raise bad(e.details, "response_format" if "response_format" in e.details else None) from None
+        raise bad(e.details, field_named(e.details)) from None
     return ParsedRequest(request, chat, stream, bool(options.get("include_usage")), timeout_s,
-                         top_logprobs is not None)
+                         top_logprobs is not None, n or 1)
 
 
 def _top_logprobs(body: dict, chat: bool) -> int | None:
@@ -248,12 +302,15 @@ def flashfleet_fields(request_id: str, complete: common_pb2.Complete) -> dict:
             **_stats_dict(complete)}
 
 
-def usage(complete: common_pb2.Complete) -> dict:
-    """OpenAI's `usage` object from the final stats (cached prompt tokens in prompt_tokens_details)."""
-    s = complete.stats
-    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.generated_tokens,
-            "total_tokens": s.prompt_tokens + s.generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": s.cached_tokens}}
+def usage(*completes: common_pb2.Complete) -> dict:
+    """OpenAI's `usage` object from the final stats of a request's choices (one or more): the
+    prompt counted once, as the first choice read it (its cached tokens in prompt_tokens_details;
+    each choice's own count is in its `flashfleet` object), completion tokens summed."""
+    first = completes[0].stats
+    generated = sum(c.stats.generated_tokens for c in completes)
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": generated,
+            "total_tokens": first.prompt_tokens + generated,
+            "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
 
 
 def finish_reason(complete: common_pb2.Complete) -> str:
@@ -262,7 +319,8 @@ def finish_reason(complete: common_pb2.Complete) -> str:
 
 
 class ResponseBuilder:
-    """Builds the JSON objects of one request's answer, in OpenAI's shapes.
+    """Builds the JSON objects of one request's answer, in OpenAI's shapes, for each of its
+    choices (index 0 .. n-1).
 
     Args:
         parsed: the request (chat or completion; its request_id becomes the response id).
@@ -273,20 +331,24 @@ class ResponseBuilder:
         self.model = parsed.request.model
         rid = parsed.request.request_id
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + rid
-        self.request_id = rid
+        self.request_ids = [r.request_id for r in choice_requests(parsed)] if parsed.n > 1 else [rid]
         self.created = int(time.time())
-        self.started = False  # whether a chunk with text went out (the first chat delta names the role)
+        self.started: set[int] = set()  # choices whose first chunk went out (a chat's first delta names the role)
         self.want_logprobs = parsed.logprobs
-        self.offset = 0  # characters of completion text before the next token (completions' text_offset)
+        # Per choice, characters of completion text before its next token (completions' text_offset).
+        self.offsets = [0] * len(self.request_ids)
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def logprobs(self, items) -> dict | None:
-        """OpenAI's `logprobs` object of some tokens (TokenLogprob protos), None when the request
-        did not ask: chat's {"content": [{token, logprob, bytes, top_logprobs}]}; completions'
-        {tokens, token_logprobs, top_logprobs, text_offset} (offsets in characters of the
-        completion's text, counted on from the previous chunks')."""
+    def _flashfleet(self, index: int, complete: common_pb2.Complete) -> dict:
+        return flashfleet_fields(self.request_ids[index], complete)
+
+    def logprobs(self, items, index: int = 0) -> dict | None:
+        """OpenAI's `logprobs` object of some tokens (TokenLogprob protos) of choice `index`, None
+        when the request did not ask: chat's {"content": [{token, logprob, bytes, top_logprobs}]};
+        completions' {tokens, token_logprobs, top_logprobs, text_offset} (offsets in characters of
+        the choice's text, counted on from its previous chunks')."""
         if not self.want_logprobs:
             return None
         if self.chat:
@@ -296,22 +358,30 @@ class ResponseBuilder:
                                 for lp in items], "refusal": None}
         offsets = []
         for lp in items:
-            offsets.append(self.offset)
-            self.offset += len(lp.token)
+            offsets.append(self.offsets[index])
+            self.offsets[index] += len(lp.token)
         return {"tokens": [lp.token for lp in items], "token_logprobs": [lp.logprob for lp in items],
                 "top_logprobs": [{t.token: t.logprob for t in lp.top} for lp in items], "text_offset": offsets}
 
-    def response(self, text: str, complete: common_pb2.Complete, logprobs=()) -> dict:
-        """The whole answer of a request that was not streamed: one choice (with the tokens'
-        log-probabilities when asked for), usage and the top-level `flashfleet` object."""
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": finish_reason(complete), "logprobs": self.logprobs(logprobs)}
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": finish_reason(complete),
-                      "logprobs": self.logprobs(logprobs)}
-        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
-                "usage": usage(complete), "flashfleet": flashfleet_fields(self.request_id, complete)}
+    def response(self, choices: list[tuple[str, common_pb2.Complete, Any]]) -> dict:
+        """The whole answer of a request that was not streamed, from each choice's (text, Complete,
+        TokenLogprob protos) in index order: its choices (with their tokens' log-probabilities when
+        asked for), usage over all of them and the top-level `flashfleet` object (the first
+        choice's; with n > 1 each choice carries its own too)."""
+        out = []
+        for i, (text, complete, logprobs) in enumerate(choices):
+            if self.chat:
+                choice = {"index": i, "message": {"role": "assistant", "content": text},
+                          "finish_reason": finish_reason(complete), "logprobs": self.logprobs(logprobs, i)}
+            else:
+                choice = {"index": i, "text": text, "finish_reason": finish_reason(complete),
+                          "logprobs": self.logprobs(logprobs, i)}
+            if len(choices) > 1:
+                choice["flashfleet"] = self._flashfleet(i, complete)
+            out.append(choice)
+        completes = [c for _, c, _ in choices]
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": out,
+                "usage": usage(*completes), "flashfleet": self._flashfleet(0, completes[0])}
 
     def _chunk(self, choice: dict, include_usage: bool) -> dict:
         out = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
@@ -319,31 +389,34 @@ class ResponseBuilder:
             out["usage"] = None
         return out
 
-    def delta(self, text: str, include_usage: bool = False, logprobs=()) -> dict:
-        """A stream chunk carrying new text (the first chat chunk also carries the role) and its
-        tokens' log-probabilities when asked for."""
+    def delta(self, text: str, include_usage: bool = False, logprobs=(), index: int = 0) -> dict:
+        """A stream chunk carrying new text of choice `index` (its first chat chunk also carries
+        the role) and its tokens' log-probabilities when asked for."""
         if self.chat:
-            delta = {"content": text} if self.started else {"role": "assistant", "content": text}
-            choice = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": self.logprobs(logprobs)}
+            delta = {"content": text} if index in self.started else {"role": "assistant", "content": text}
+            choice = {"index": index, "delta": delta, "finish_reason": None,
+                      "logprobs": self.logprobs(logprobs, index)}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": None, "logprobs": self.logprobs(logprobs)}
-        self.started = True
+            choice = {"index": index, "text": text, "finish_reason": None, "logprobs": self.logprobs(logprobs, index)}
+        self.started.add(index)
         return self._chunk(choice, include_usage)
 
-    def final(self, complete: common_pb2.Complete, include_usage: bool = False) -> list[dict]:
-        """The stream's last chunks: the one with finish_reason and the `flashfleet` object, then
-        (with include_usage) one with no choices and the `usage`."""
+    def finish(self, complete: common_pb2.Complete, include_usage: bool = False, index: int = 0) -> dict:
+        """The stream chunk that ends choice `index`: its finish_reason and its `flashfleet` object."""
         if self.chat:
-            delta = {} if self.started else {"role": "assistant", "content": ""}
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason(complete), "logprobs": None}
+            delta = {} if index in self.started else {"role": "assistant", "content": ""}
+            choice = {"index": index, "delta": delta, "finish_reason": finish_reason(complete), "logprobs": None}
         else:
-            choice = {"index": 0, "text": "", "finish_reason": finish_reason(complete), "logprobs": None}
+            choice = {"index": index, "text": "", "finish_reason": finish_reason(complete), "logprobs": None}
+        self.started.add(index)
         last = self._chunk(choice, include_usage)
-        last["flashfleet"] = flashfleet_fields(self.request_id, complete)
-        if not include_usage:
-            return [last]
-        return [last, {**self._head("chat.completion.chunk" if self.chat else "text_completion"),
-                       "choices": [], "usage": usage(complete)}]
+        last["flashfleet"] = self._flashfleet(index, complete)
+        return last
+
+    def usage_chunk(self, completes: list[common_pb2.Complete]) -> dict:
+        """The stream's last chunk with include_usage: no choices, the `usage` of every choice."""
+        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"),
+                "choices": [], "usage": usage(*completes)}
 
 
 def model_list(served: list[coordinator_pb2.ServedModel]) -> dict:

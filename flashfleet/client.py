@@ -249,7 +249,9 @@ class Client:
                  seed: int | None = None, stop: str | Iterable[str] = (), session_id: str = "",
                  request_id: str = "", mode: str = "auto",
                  response_format: Mapping[str, Any] | None = None, json_schema: Mapping[str, Any] | None = None,
-                 top_logprobs: int | None = None, timeout_s: float | None = None) -> Iterator[Chunk]:
+                 top_logprobs: int | None = None, presence_penalty: float | None = None,
+                 frequency_penalty: float | None = None, repetition_penalty: float | None = None,
+                 logit_bias: Mapping[int, float] | None = None, timeout_s: float | None = None) -> Iterator[Chunk]:
         """Streams a generation.
 
         Args:
@@ -268,6 +270,12 @@ class Client:
                 ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"schema": ...}}).
             top_logprobs: 0..20: each chunk's `logprobs` (one per token: its log-probability under
                 the model and this many most likely alternatives); None: none.
+            presence_penalty, frequency_penalty: in [-2, 2], subtracted from the logit of every
+                token the output holds (once, or once per occurrence); repetition_penalty in
+                (0, 10] divides the positive logits of the prompt's and output's tokens (1 = none);
+                logit_bias: {token id: bias in [-100, 100]} added to those tokens' logits.
+                Applied in modes plain and dflash (auto decodes plainly where the draft has no
+                batched path); None: none.
             timeout_s: deadline of the whole stream, seconds (default: the client's).
 
         Yields:
@@ -290,7 +298,9 @@ class Client:
                             temperature=temperature, top_p=top_p, seed=seed, stop=stop,
                             session_id=session_id, request_id=request_id, mode=mode,
                             response_format=response_format, json_schema=json_schema,
-                            top_logprobs=top_logprobs)
+                            top_logprobs=top_logprobs, presence_penalty=presence_penalty,
+                            frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
+                            logit_bias=logit_bias)
         req.request_id = req.request_id or uuid.uuid4().hex  # a resumed stream names the same request
         stream = _Resume(req, len(self._targets), time.monotonic() + _deadline(timeout_s, self.timeout_s))
         while True:

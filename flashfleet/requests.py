@@ -8,8 +8,13 @@ from flashfleet.errors import InvalidArgument, short_details
 from flashfleet.types import DECODE_MODES
 from flashfleet.v1 import common_pb2
 
-MAX_TEMPERATURE = 100.0
-MAX_TOP_LOGPROBS = 20  # alternatives a token's log-probabilities list at most (OpenAI's bound)  # past this softmax(logits / T) is uniform to float precision for any model
+MAX_TEMPERATURE = 100.0  # past this softmax(logits / T) is uniform to float precision for any model
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2] (OpenAI's range)
+MAX_REPETITION_PENALTY = 10.0  # repetition_penalty lies in (0, 10]; 1 = none
+MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-100, 100] (OpenAI's range)
+MAX_LOGIT_BIAS_TOKENS = 1024  # tokens one logit_bias may name
+SEED_LIMIT = 2**64  # seeds lie in [0, 2**64) (uint64; mx.random.key takes one)
+MAX_TOP_LOGPROBS = 20  # alternatives a token's log-probabilities list at most (OpenAI's bound)
 
 # A worker's generation budget when a request leaves max_tokens unset (capped by the context left).
 WORKER_DEFAULT_MAX_TOKENS = 256
@@ -68,6 +73,10 @@ def build_request(
     response_format: Mapping[str, Any] | None = None,
     json_schema: Mapping[str, Any] | None = None,
     top_logprobs: int | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    logit_bias: Mapping[int | str, float] | None = None,
 ) -> common_pb2.GenerateRequest:
     """Makes a GenerateRequest from keyword arguments.
 
@@ -79,6 +88,10 @@ def build_request(
     {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": true}}).
     top_logprobs (0..20): every chunk carries its tokens' log-probabilities with that many
     alternatives; None: none.
+    Penalties (worker/engine/penalties.py): presence_penalty and frequency_penalty in [-2, 2]
+    (OpenAI's, over the output), repetition_penalty in (0, 10] (over prompt and output; 1 = none);
+    logit_bias maps token ids (ints, or their decimal strings as JSON writes them) to a bias in
+    [-100, 100] added to the token's logit.
     Validation of values happens on the server (see validate_request); this converts and checks
     types.
 
@@ -88,7 +101,9 @@ def build_request(
             str or a list of them, a session_id or request_id that is not a str, text that is not
             valid Unicode (lone surrogates), a value out of its field's range (max_tokens beyond int32, seed outside [0, 2**64)), a request over
             4 MiB, an unknown mode, or a response_format / json_schema that is not one of the
-            shapes above (both given, an unknown type, a schema that is not a JSON object).
+            shapes above (both given, an unknown type, a schema that is not a JSON object), a
+            penalty that is not a number, or a logit_bias that is not a mapping of token ids to
+            numbers.
     """
     fmt = response_format_proto(response_format, json_schema)
     try:
@@ -101,6 +116,17 @@ def build_request(
         req.response_format.CopyFrom(fmt)
     if top_logprobs is not None:
         _set_number(req, "top_logprobs", top_logprobs, f"must be an int in [0, {MAX_TOP_LOGPROBS}]")
+    additive = f"must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"
+    for name, value, rule in (("presence_penalty", presence_penalty, additive),
+                              ("frequency_penalty", frequency_penalty, additive),
+                              ("repetition_penalty", repetition_penalty,
+                               f"must be a number in (0, {MAX_REPETITION_PENALTY:g}]")):
+        if value is not None:
+            if isinstance(value, bool):
+                raise InvalidArgument(f"{name} {rule}, got {value!r}")
+            _set_number(req, name, value, rule)
+    if logit_bias is not None:
+        _set_logit_bias(req, logit_bias)
     size = req.ByteSize()
     if size > MAX_REQUEST_BYTES:
         raise InvalidArgument(f"request is {size} bytes; the limit is {MAX_REQUEST_BYTES} "
@@ -109,6 +135,34 @@ def build_request(
 
 
 RESPONSE_FORMATS = ("json_object", "json_schema")
+
+
+def _set_logit_bias(req: common_pb2.GenerateRequest, logit_bias: Any) -> None:
+    """Fills req.logit_bias from {token id: bias}; ids may be ints or decimal strings (JSON's keys).
+
+    Raises:
+        InvalidArgument: not a mapping, an id that is not a non-negative integer of 32 bits, or a
+            bias that is not a number; the message names logit_bias.
+    """
+    if not isinstance(logit_bias, Mapping):
+        raise InvalidArgument(f"logit_bias must be an object of token id -> bias, got {logit_bias!r:.80}")
+    if len(logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise InvalidArgument(f"logit_bias has {len(logit_bias):,} tokens; "
+                              f"at most {MAX_LOGIT_BIAS_TOKENS:,} are served")
+    for key, value in logit_bias.items():
+        token = key
+        if isinstance(key, str) and key.isascii() and key.isdigit():
+            token = int(key)
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < 2**32:
+            raise InvalidArgument(f"logit_bias keys must be token ids (non-negative integers), got {key!r:.40}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidArgument(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                  f"got {value!r:.40} for token {token}")
+        try:
+            req.logit_bias[token] = value
+        except (ValueError, TypeError, OverflowError):
+            raise InvalidArgument(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                  f"got {value!r:.40} for token {token}") from None
 
 
 def response_format_proto(response_format: Any, json_schema: Any = None) -> common_pb2.ResponseFormat | None:
@@ -247,6 +301,20 @@ def validate_request(req: common_pb2.GenerateRequest) -> None:
         raise InvalidArgument(f"unknown decode mode {req.mode}")
     if req.HasField("top_logprobs") and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if req.HasField(name) and not -MAX_PENALTY <= getattr(req, name) <= MAX_PENALTY:  # NaN fails too
+            raise InvalidArgument(f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], "
+                                  f"got {getattr(req, name):.6g}")
+    if req.HasField("repetition_penalty") and not 0 < req.repetition_penalty <= MAX_REPETITION_PENALTY:
+        raise InvalidArgument(f"repetition_penalty must be a number in (0, {MAX_REPETITION_PENALTY:g}] (1 = none), "
+                              f"got {req.repetition_penalty:.6g}")
+    if len(req.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise InvalidArgument(f"logit_bias has {len(req.logit_bias):,} tokens; "
+                              f"at most {MAX_LOGIT_BIAS_TOKENS:,} are served")
+    for token, value in req.logit_bias.items():
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise InvalidArgument(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                  f"got {value:.6g} for token {token}")
     if req.HasField("response_format"):
         fmt = req.response_format
         if fmt.type not in RESPONSE_FORMATS:
