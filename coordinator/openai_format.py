@@ -22,7 +22,8 @@ from typing import Any
 import grpc
 
 from flashfleet.errors import InvalidArgument, short_details
-from flashfleet.requests import MAX_TIMEOUT_S, MAX_TOP_LOGPROBS, SEED_LIMIT, build_request
+from flashfleet import requests
+from flashfleet.requests import MAX_CHOICES, MAX_TIMEOUT_S, MAX_TOP_LOGPROBS, build_request, choice_id
 from flashfleet.types import DECODE_MODE_NAMES, FINISH_REASONS, GenerationStats
 from flashfleet.v1 import common_pb2, coordinator_pb2
 
@@ -125,40 +126,13 @@ class ParsedRequest:
     n: int = 1
 
 
-MAX_CHOICES = 16  # most choices (`n`) one request may ask for
-# Choice i's seed is the request's plus i times this odd constant (2**64 / golden ratio), mod 2**64.
-CHOICE_SEED_STRIDE = 0x9E3779B97F4A7C15
-
-
-def choice_seed(seed: int, index: int) -> int:
-    """The seed of choice `index` of a request seeded with `seed`: the seed itself for choice 0
-    (n = 1 and n > 1 agree on it), a distinct derived one for each other choice."""
-    return (seed + index * CHOICE_SEED_STRIDE) % SEED_LIMIT
-
-
 def choice_requests(parsed: ParsedRequest) -> list[common_pb2.GenerateRequest]:
-    """One GenerateRequest per choice: the request itself when n = 1; else copies with request ids
-    "<id>-<i>", seeds `choice_seed(seed, i)` when the request has a seed (unseeded choices each
-    draw their own), and the request's session_id, or its id when it has none, so that the
-    choices go to one worker, where the later ones copy the first one's prompt caches
-    (worker/engine/scheduler.py) instead of prefilling the prompt again."""
-    base = parsed.request
-    if parsed.n == 1:
-        return [base]
-    out = []
-    for i in range(parsed.n):
-        r = common_pb2.GenerateRequest()
-        r.CopyFrom(base)
-        r.request_id = f"{base.request_id}-{i}"
-        r.session_id = base.session_id or base.request_id
-        if base.HasField("seed"):
-            r.seed = choice_seed(base.seed, i)
-        out.append(r)
-    return out
+    """One GenerateRequest per choice (`flashfleet.requests.choice_requests`)."""
+    return requests.choice_requests(parsed.request, parsed.n)
 
 
 PENALTY_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty")
-# Request fields whose name opens an INVALID_ARGUMENT message about them (the error's `param`).
+# Request fields an INVALID_ARGUMENT message may be about (the error's `param`: the first one it names).
 NAMED_FIELDS = ("response_format", "logit_bias", *PENALTY_FIELDS, "top_logprobs", "temperature", "top_p",
                 "seed", "max_tokens", "stop", "prompt", "messages")
 
@@ -331,7 +305,7 @@ class ResponseBuilder:
         self.model = parsed.request.model
         rid = parsed.request.request_id
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + rid
-        self.request_ids = [r.request_id for r in choice_requests(parsed)] if parsed.n > 1 else [rid]
+        self.request_ids = [choice_id(rid, i) for i in range(parsed.n)] if parsed.n > 1 else [rid]
         self.created = int(time.time())
         self.started: set[int] = set()  # choices whose first chunk went out (a chat's first delta names the role)
         self.want_logprobs = parsed.logprobs

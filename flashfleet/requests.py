@@ -14,6 +14,9 @@ MAX_REPETITION_PENALTY = 10.0  # repetition_penalty lies in (0, 10]; 1 = none
 MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-100, 100] (OpenAI's range)
 MAX_LOGIT_BIAS_TOKENS = 1024  # tokens one logit_bias may name
 SEED_LIMIT = 2**64  # seeds lie in [0, 2**64) (uint64; mx.random.key takes one)
+MAX_CHOICES = 16  # most choices (OpenAI's `n`) one request may ask for
+# Choice i's seed is the request's plus i times this odd constant (2**64 / golden ratio), mod 2**64.
+CHOICE_SEED_STRIDE = 0x9E3779B97F4A7C15
 MAX_TOP_LOGPROBS = 20  # alternatives a token's log-probabilities list at most (OpenAI's bound)
 
 # A worker's generation budget when a request leaves max_tokens unset (capped by the context left).
@@ -135,6 +138,38 @@ def build_request(
 
 
 RESPONSE_FORMATS = ("json_object", "json_schema")
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request for several choices seeded with `seed`: the seed
+    itself for choice 0 (one choice and several agree on it), a distinct derived one for each
+    other choice, in [0, 2**64)."""
+    return (seed + index * CHOICE_SEED_STRIDE) % SEED_LIMIT
+
+
+def choice_id(request_id: str, index: int) -> str:
+    """The request id of choice `index` of request `request_id` (several choices)."""
+    return f"{request_id}-{index}"
+
+
+def choice_requests(request: common_pb2.GenerateRequest, n: int) -> list[common_pb2.GenerateRequest]:
+    """The GenerateRequests of n choices of one request (OpenAI's `n`): the request itself when
+    n = 1; else copies with request ids `choice_id(request_id, i)`, seeds `choice_seed(seed, i)`
+    when it has a seed (unseeded choices each draw their own), and its session_id, or its
+    request_id when it has none, so that the choices go to one worker, where the later ones copy
+    the first one's prompt caches instead of prefilling the prompt again."""
+    if n == 1:
+        return [request]
+    out = []
+    for i in range(n):
+        r = common_pb2.GenerateRequest()
+        r.CopyFrom(request)
+        r.request_id = choice_id(request.request_id, i)
+        r.session_id = request.session_id or request.request_id
+        if request.HasField("seed"):
+            r.seed = choice_seed(request.seed, i)
+        out.append(r)
+    return out
 
 
 def _set_logit_bias(req: common_pb2.GenerateRequest, logit_bias: Any) -> None:

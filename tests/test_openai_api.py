@@ -131,6 +131,24 @@ def test_n_choices_greedy_identical_seeded_reproducible_and_streamed_by_index(ml
     alone = client.completions.create(**{**sampled, "n": 1})
     assert alone.choices[0].text == first[0]  # choice 0 keeps the request's seed
 
+    # The SDK derives the same seeds: its choices are the HTTP API's.
+    from flashfleet import AsyncClient
+    from flashfleet.errors import InvalidArgument
+
+    with Client(mlx_http.address) as sdk:
+        got = sdk.choices(MODEL, prompt=PROMPT, n=4, max_tokens=8, temperature=1.0, seed=7)
+        assert [c.text for c in got] == first
+        assert len({c.request_id for c in got}) == 4
+        greedy = sdk.choices(MODEL, messages=turn, n=2, max_tokens=10)
+        assert [c.text for c in greedy] == [one.choices[0].message.content] * 2
+        with pytest.raises(InvalidArgument, match=r"n must be an integer in \[1, 16\]"):
+            sdk.choices(MODEL, prompt=PROMPT, n=17)
+
+    async def async_choices():
+        async with AsyncClient(mlx_http.address) as sdk:
+            return await sdk.choices(MODEL, prompt=PROMPT, n=4, max_tokens=8, temperature=1.0, seed=7)
+    assert [c.text for c in asyncio.run(async_choices())] == first
+
     chunks = list(client.completions.create(**sampled, stream=True, stream_options={"include_usage": True}))
     texts = ["", "", "", ""]
     finished = []

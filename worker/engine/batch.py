@@ -65,7 +65,8 @@ class Row:
 
     def commit(self, tokens: list[int], eos_ids, remaining: int) -> tuple[list[int], bool]:
         """A forward's new tokens for this row, cut after the first EOS and to `remaining`;
-        advances n, last, the grammar and the penalty counts. Returns (the tokens kept, whether an EOS ended the row).
+        advances n, last, the grammar and the penalty counts. Returns (the tokens kept, whether an
+        EOS ended the row).
 
         Raises:
             RuntimeError: the grammar refused a token (`RowGrammar.advance`)."""
