@@ -115,6 +115,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         text = [[] for _ in range(parsed.n)]
         logprobs = [[] for _ in range(parsed.n)]
         complete = [None] * parsed.n
+        prompt_logprobs = [[] for _ in range(parsed.n)]
         try:
             async with asyncio.timeout(parsed.timeout_s):
                 async for index, resp in responses:
@@ -123,6 +124,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
                     else:
                         text[index].append(resp.chunk.text)
                         logprobs[index].extend(resp.chunk.logprobs)
+                        prompt_logprobs[index] = prompt_logprobs[index] or list(resp.chunk.prompt_logprobs)
         except GenerateFailed as e:
             raise OpenAIError.from_status(e.code, e.details) from None
         except TimeoutError:
@@ -130,7 +132,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     if any(c is None for c in complete):
         raise OpenAIError(503, "the worker ended the stream without finishing it", "server_error", None,
                           "unavailable")
-    return web.json_response(out.response([("".join(t), c, lp) for t, c, lp in zip(text, complete, logprobs)]))
+    return web.json_response(out.response(list(zip(("".join(t) for t in text), complete, logprobs, prompt_logprobs))))
 
 
 async def _stream(request: web.Request, parsed: ParsedRequest, responses, out: ResponseBuilder
@@ -156,7 +158,7 @@ async def _stream(request: web.Request, parsed: ParsedRequest, responses, out: R
                         await resp.write(b"data: [DONE]\n\n")
                 elif msg.chunk.text or msg.chunk.logprobs or index not in out.started:
                     await resp.write(_sse(out.delta(msg.chunk.text, parsed.include_usage, msg.chunk.logprobs,
-                                                    index)))
+                                                    msg.chunk.prompt_logprobs, index)))
     except (GenerateFailed, TimeoutError) as e:
         err = OpenAIError.from_status(e.code, e.details) if isinstance(e, GenerateFailed) else _deadline_error(parsed)
         if not resp.prepared:

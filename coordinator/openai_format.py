@@ -5,12 +5,15 @@ stream chunks and errors built from flashfleet's. Pure functions, no I/O.
 Mapping (OpenAI field -> GenerateRequest): model, messages (text content; "developer" turns are
 system turns) / prompt (one string), max_completion_tokens or max_tokens, temperature (unset =
 greedy, as in flashfleet's own API), top_p, seed, stop (a string or a list), response_format
-(json_object, json_schema: decoded under a grammar), presence_penalty, frequency_penalty,
-logit_bias (token id -> bias). flashfleet's own fields ride along in the body (`extra_body` in
-the openai client): mode ("auto", "plain", "draft", "dflash", "uag"), session_id (worker affinity
-across turns), timeout_s (the request's deadline, seconds) and repetition_penalty (over prompt
-and output, as Hugging Face and mlx-lm define it). Fields flashfleet cannot honour (best_of,
-tools, echo, ...) are refused with 400 rather than ignored.
+(json_object, json_schema: decoded under a grammar), logprobs / top_logprobs, presence_penalty,
+frequency_penalty, logit_bias (token id -> bias), n (choices, each a request of its own), and for
+completions echo (the prompt's text before the completion's; with logprobs, the prompt tokens'
+log-probabilities first, the first one null, as lm-evaluation-harness's loglikelihood reads them;
+max_tokens 0 then scores the prompt alone). flashfleet's own fields ride along in the body
+(`extra_body` in the openai client): mode ("auto", "plain", "draft", "dflash", "uag"), session_id
+(worker affinity across turns), timeout_s (the request's deadline, seconds) and
+repetition_penalty (over prompt and output, as Hugging Face and mlx-lm define it). Fields
+flashfleet cannot honour (best_of, tools, ...) are refused with 400 rather than ignored.
 """
 from __future__ import annotations
 
@@ -59,7 +62,7 @@ REQUEST_FIELDS: dict[str, str | tuple] = {
     "prompt_cache_key": NOOP, "prompt_cache_retention": NOOP, "prompt_cache_options": NOOP,
     "parallel_tool_calls": NOOP,  # tools are refused, so no call is made in parallel or otherwise
     "response_format": SERVED,
-    "n": SERVED, "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "n": SERVED, "best_of": (None, 1), "echo": SERVED, "suffix": (None, ""),
     "logprobs": SERVED, "top_logprobs": SERVED, "logit_bias": SERVED,
     "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
     "function_call": (None, "none", "auto"),
@@ -114,6 +117,7 @@ class ParsedRequest:
         include_usage: stream_options.include_usage (a last chunk with `usage`).
         timeout_s: the request's deadline in seconds, or None.
         logprobs: whether the answer lists its tokens' log-probabilities.
+        echo: the prompt's text to put before the completion's (completions' `echo`), or None.
         n: how many choices to generate (`choice_requests`).
     """
 
@@ -123,6 +127,7 @@ class ParsedRequest:
     include_usage: bool = False
     timeout_s: float | None = None
     logprobs: bool = False
+    echo: str | None = None
     n: int = 1
 
 
@@ -134,7 +139,7 @@ def choice_requests(parsed: ParsedRequest) -> list[common_pb2.GenerateRequest]:
 PENALTY_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 # Request fields an INVALID_ARGUMENT message may be about (the error's `param`: the first one it names).
 NAMED_FIELDS = ("response_format", "logit_bias", *PENALTY_FIELDS, "top_logprobs", "temperature", "top_p",
-                "seed", "max_tokens", "stop", "prompt", "messages")
+                "seed", "max_tokens", "stop", "prompt_logprobs", "prompt", "messages")
 
 
 def field_named(details: str) -> str | None:
@@ -224,20 +229,37 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
         raise bad("stream must be true or false and stream_options an object", "stream")
     mode, session_id = body.get("mode", "auto"), body.get("session_id", "")
     top_logprobs = _top_logprobs(body, chat)
+    echo = _echo(body, chat)
+    if max_tokens == 0 and not echo:
+        raise bad("max_tokens must be > 0 (0 is served with echo: true, which scores the prompt alone)", "max_tokens")
+    prompt = None if chat else _prompt(body)
+    # Echo with logprobs lists the prompt's tokens too; max_tokens 0 has the worker score the prompt
+    # (nothing else to do), its logprobs read only when asked for.
+    prompt_logprobs = top_logprobs if echo and top_logprobs is not None else 0 if echo and max_tokens == 0 else None
     n = _number(body, "n", int)
     if n is not None and not 1 <= n <= MAX_CHOICES:
         raise bad(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}", "n")
     try:
         request = build_request(
-            model, None if chat else _prompt(body), messages=_messages(body) if chat else None,
+            model, prompt, messages=_messages(body) if chat else None,
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
             stop=body.get("stop"), session_id=session_id, request_id=uuid.uuid4().hex, mode=mode,
             response_format=body.get("response_format"), top_logprobs=top_logprobs,
-            logit_bias=body.get("logit_bias"), **penalties)
+            prompt_logprobs=prompt_logprobs, logit_bias=body.get("logit_bias"), **penalties)
     except InvalidArgument as e:
         raise bad(e.details, field_named(e.details)) from None
     return ParsedRequest(request, chat, stream, bool(options.get("include_usage")), timeout_s,
-                         top_logprobs is not None, n or 1)
+                         top_logprobs is not None, prompt if echo else None, n or 1)
+
+
+def _echo(body: dict, chat: bool) -> bool:
+    """Completions' `echo` (true/false; unset: false); chat has none."""
+    echo = body.get("echo")
+    if echo not in (None, True, False):
+        raise bad(f"echo must be true or false, got {echo!r:.40}", "echo")
+    if echo and chat:
+        raise bad("echo is a /v1/completions field (chat has no echo)", "echo")
+    return bool(echo)
 
 
 def _top_logprobs(body: dict, chat: bool) -> int | None:
@@ -292,6 +314,15 @@ def finish_reason(complete: common_pb2.Complete) -> str:
     return OPENAI_FINISH.get(FINISH_REASONS.get(complete.finish_reason, "stop"), "stop")
 
 
+def _top_dict(top) -> dict[str, float]:
+    """Completions' {token text: logprob} of the most likely tokens (TopLogprob protos, most
+    likely first); of tokens whose texts are equal, the key keeps the likeliest."""
+    out: dict[str, float] = {}
+    for t in top:
+        out.setdefault(t.token, t.logprob)
+    return out
+
+
 class ResponseBuilder:
     """Builds the JSON objects of one request's answer, in OpenAI's shapes, for each of its
     choices (index 0 .. n-1).
@@ -311,6 +342,16 @@ class ResponseBuilder:
         self.want_logprobs = parsed.logprobs
         # Per choice, characters of completion text before its next token (completions' text_offset).
         self.offsets = [0] * len(self.request_ids)
+        self.echo = parsed.echo  # the prompt's text, put before each choice's first text (echo), or None
+        self.echo_due = set(range(len(self.request_ids))) if parsed.echo is not None else set()
+        self.prompt_listed: set[int] = set()  # choices whose prompt logprobs went out (a restarted stream repeats them)
+
+    def _echoed(self, text: str, index: int) -> str:
+        """`text` of choice `index`, after the prompt's text the first time (echo)."""
+        if index not in self.echo_due:
+            return text
+        self.echo_due.discard(index)
+        return self.echo + text
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -318,11 +359,13 @@ class ResponseBuilder:
     def _flashfleet(self, index: int, complete: common_pb2.Complete) -> dict:
         return flashfleet_fields(self.request_ids[index], complete)
 
-    def logprobs(self, items, index: int = 0) -> dict | None:
+    def logprobs(self, items, prompt=(), index: int = 0) -> dict | None:
         """OpenAI's `logprobs` object of some tokens (TokenLogprob protos) of choice `index`, None
         when the request did not ask: chat's {"content": [{token, logprob, bytes, top_logprobs}]};
         completions' {tokens, token_logprobs, top_logprobs, text_offset} (offsets in characters of
-        the choice's text, counted on from its previous chunks')."""
+        the choice's tokens' texts, counted on from its previous chunks'), the `prompt` tokens'
+        first (echo: the first one's logprob and top_logprobs null; listed once a choice, however
+        often they come)."""
         if not self.want_logprobs:
             return None
         if self.chat:
@@ -330,30 +373,37 @@ class ResponseBuilder:
                                  "top_logprobs": [{"token": t.token, "logprob": t.logprob,
                                                    "bytes": list(t.token.encode())} for t in lp.top]}
                                 for lp in items], "refusal": None}
+        if prompt and index not in self.prompt_listed:
+            items = [*prompt, *items]
+            self.prompt_listed.add(index)
         offsets = []
         for lp in items:
             offsets.append(self.offsets[index])
             self.offsets[index] += len(lp.token)
-        return {"tokens": [lp.token for lp in items], "token_logprobs": [lp.logprob for lp in items],
-                "top_logprobs": [{t.token: t.logprob for t in lp.top} for lp in items], "text_offset": offsets}
+        scored = [lp.HasField("logprob") for lp in items]
+        return {"tokens": [lp.token for lp in items],
+                "token_logprobs": [lp.logprob if has else None for lp, has in zip(items, scored)],
+                "top_logprobs": [_top_dict(lp.top) if has else None
+                                 for lp, has in zip(items, scored)], "text_offset": offsets}
 
-    def response(self, choices: list[tuple[str, common_pb2.Complete, Any]]) -> dict:
+    def response(self, choices: list[tuple]) -> dict:
         """The whole answer of a request that was not streamed, from each choice's (text, Complete,
-        TokenLogprob protos) in index order: its choices (with their tokens' log-probabilities when
-        asked for), usage over all of them and the top-level `flashfleet` object (the first
-        choice's; with n > 1 each choice carries its own too)."""
+        TokenLogprob protos, prompt TokenLogprob protos) in index order: its choices (with their
+        tokens' log-probabilities when asked for; echo: the prompt's text and log-probabilities
+        before), usage over all of them and the top-level `flashfleet` object (the first choice's;
+        with n > 1 each choice carries its own too)."""
         out = []
-        for i, (text, complete, logprobs) in enumerate(choices):
+        for i, (text, complete, logprobs, prompt_logprobs) in enumerate(choices):
             if self.chat:
                 choice = {"index": i, "message": {"role": "assistant", "content": text},
-                          "finish_reason": finish_reason(complete), "logprobs": self.logprobs(logprobs, i)}
+                          "finish_reason": finish_reason(complete), "logprobs": self.logprobs(logprobs, index=i)}
             else:
-                choice = {"index": i, "text": text, "finish_reason": finish_reason(complete),
-                          "logprobs": self.logprobs(logprobs, i)}
+                choice = {"index": i, "text": self._echoed(text, i), "finish_reason": finish_reason(complete),
+                          "logprobs": self.logprobs(logprobs, prompt_logprobs, i)}
             if len(choices) > 1:
                 choice["flashfleet"] = self._flashfleet(i, complete)
             out.append(choice)
-        completes = [c for _, c, _ in choices]
+        completes = [c[1] for c in choices]
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": out,
                 "usage": usage(*completes), "flashfleet": self._flashfleet(0, completes[0])}
 
@@ -363,15 +413,18 @@ class ResponseBuilder:
             out["usage"] = None
         return out
 
-    def delta(self, text: str, include_usage: bool = False, logprobs=(), index: int = 0) -> dict:
+    def delta(self, text: str, include_usage: bool = False, logprobs=(), prompt_logprobs=(),
+              index: int = 0) -> dict:
         """A stream chunk carrying new text of choice `index` (its first chat chunk also carries
-        the role) and its tokens' log-probabilities when asked for."""
+        the role; echo: its first completions chunk starts with the prompt's text) and its tokens'
+        log-probabilities when asked for (echo: the prompt's first)."""
         if self.chat:
             delta = {"content": text} if index in self.started else {"role": "assistant", "content": text}
             choice = {"index": index, "delta": delta, "finish_reason": None,
-                      "logprobs": self.logprobs(logprobs, index)}
+                      "logprobs": self.logprobs(logprobs, index=index)}
         else:
-            choice = {"index": index, "text": text, "finish_reason": None, "logprobs": self.logprobs(logprobs, index)}
+            choice = {"index": index, "text": self._echoed(text, index), "finish_reason": None,
+                      "logprobs": self.logprobs(logprobs, prompt_logprobs, index)}
         self.started.add(index)
         return self._chunk(choice, include_usage)
 
@@ -381,7 +434,9 @@ class ResponseBuilder:
             delta = {} if index in self.started else {"role": "assistant", "content": ""}
             choice = {"index": index, "delta": delta, "finish_reason": finish_reason(complete), "logprobs": None}
         else:
-            choice = {"index": index, "text": "", "finish_reason": finish_reason(complete), "logprobs": None}
+            # echo: a stream whose first message is its end still gives the prompt's text
+            choice = {"index": index, "text": self._echoed("", index), "finish_reason": finish_reason(complete),
+                      "logprobs": None}
         self.started.add(index)
         last = self._chunk(choice, include_usage)
         last["flashfleet"] = self._flashfleet(index, complete)

@@ -80,6 +80,7 @@ def build_request(
     frequency_penalty: float | None = None,
     repetition_penalty: float | None = None,
     logit_bias: Mapping[int | str, float] | None = None,
+    prompt_logprobs: int | None = None,
 ) -> common_pb2.GenerateRequest:
     """Makes a GenerateRequest from keyword arguments.
 
@@ -90,7 +91,8 @@ def build_request(
     it), or `response_format` in OpenAI's shape ({"type": "text"}, {"type": "json_object"}, or
     {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": true}}).
     top_logprobs (0..20): every chunk carries its tokens' log-probabilities with that many
-    alternatives; None: none.
+    alternatives; None: none. prompt_logprobs (0..20): the first chunk carries the prompt tokens'
+    log-probabilities (OpenAI's echo) with that many alternatives; max_tokens may then be 0.
     Penalties (worker/engine/penalties.py): presence_penalty and frequency_penalty in [-2, 2]
     (OpenAI's, over the output), repetition_penalty in (0, 10] (over prompt and output; 1 = none);
     logit_bias maps token ids (ints, or their decimal strings as JSON writes them) to a bias in
@@ -119,6 +121,8 @@ def build_request(
         req.response_format.CopyFrom(fmt)
     if top_logprobs is not None:
         _set_number(req, "top_logprobs", top_logprobs, f"must be an int in [0, {MAX_TOP_LOGPROBS}]")
+    if prompt_logprobs is not None:
+        _set_number(req, "prompt_logprobs", prompt_logprobs, f"must be an int in [0, {MAX_TOP_LOGPROBS}]")
     additive = f"must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"
     for name, value, rule in (("presence_penalty", presence_penalty, additive),
                               ("frequency_penalty", frequency_penalty, additive),
@@ -319,8 +323,8 @@ def validate_request(req: common_pb2.GenerateRequest) -> None:
                     f"messages[{i}].role is {m.role!r}; use one of {', '.join(CHAT_ROLES)}")
         if not any(m.content.strip() for m in req.messages.messages):
             raise InvalidArgument("the prompt is empty: every chat message's content is blank")
-    if req.HasField("max_tokens") and req.max_tokens <= 0:
-        raise InvalidArgument(f"max_tokens must be > 0, got {req.max_tokens}")
+    if req.HasField("max_tokens") and req.max_tokens < (0 if req.HasField("prompt_logprobs") else 1):
+        raise InvalidArgument(f"max_tokens must be > 0 (0 only with prompt_logprobs), got {req.max_tokens}")
     if req.HasField("temperature") and not (0 <= req.temperature <= MAX_TEMPERATURE):  # NaN fails too
         raise InvalidArgument(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {req.temperature:.6g}")
     if req.HasField("top_p") and not (0 < req.top_p <= 1):
@@ -334,8 +338,9 @@ def validate_request(req: common_pb2.GenerateRequest) -> None:
         raise InvalidArgument(f"a stop string of {longest:,} characters; at most {MAX_STOP_STRING_CHARS:,} are served")
     if req.mode not in DECODE_MODES.values():
         raise InvalidArgument(f"unknown decode mode {req.mode}")
-    if req.HasField("top_logprobs") and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
+    for name in ("top_logprobs", "prompt_logprobs"):
+        if req.HasField(name) and not 0 <= getattr(req, name) <= MAX_TOP_LOGPROBS:
+            raise InvalidArgument(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {getattr(req, name)}")
     for name in ("presence_penalty", "frequency_penalty"):
         if req.HasField(name) and not -MAX_PENALTY <= getattr(req, name) <= MAX_PENALTY:  # NaN fails too
             raise InvalidArgument(f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], "

@@ -160,6 +160,12 @@ def test_n_choices_greedy_identical_seeded_reproducible_and_streamed_by_index(ml
     assert texts == first and sorted(finished) == [0, 1, 2, 3]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4 * 8
 
+    echoed = client.completions.create(model=MODEL, prompt=PROMPT, n=2, max_tokens=4, echo=True, logprobs=1)
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, echo=True, logprobs=1)
+    for c in echoed.choices:  # each choice starts with the prompt, and lists its tokens first
+        assert c.text == plain.choices[0].text and c.text.startswith(PROMPT)
+        assert c.logprobs.tokens == plain.choices[0].logprobs.tokens and c.logprobs.token_logprobs[0] is None
+
     chat_chunks = list(client.chat.completions.create(model=MODEL, messages=turn, n=2, max_tokens=10, stream=True))
     roles = [c.choices[0].index for c in chat_chunks if c.choices and c.choices[0].delta.role == "assistant"]
     assert sorted(roles) == [0, 1]  # each choice's first delta names the role
