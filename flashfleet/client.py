@@ -44,8 +44,10 @@ DEFAULT_CONTROL_TIMEOUT_S = 10.0
 # keeps an orphaned session 30 s by default (its `--orphan-grace`).
 RESUME_WINDOW_S = 30.0
 # Waits between resume attempts, seconds: the first is at once (another coordinator is up), then
-# slower (every coordinator may be restarting); the last value repeats.
-RESUME_BACKOFF_S = (0.0, 0.05, 0.1, 0.2, 0.4, 0.8, 1.0)
+# a quarter of a second apart (every coordinator may be restarting: one restarted at the same
+# address is found within that of its listening; a try of a closed port costs a reset); the last
+# value repeats.
+RESUME_BACKOFF_S = (0.0, 0.05, 0.1, 0.25)
 
 
 def _targets(address) -> list[str]:
