@@ -18,6 +18,11 @@ script, grpc.aio), then measures three phases:
 3. admit: `--admit-concurrency` clients per coordinator send one-token requests back to back for
    `--admit-s` seconds: requests admitted and completed per second.
 
+Through all three the simulated workers time every heartbeat from send to answer: the table gives
+the round trip's median, 99th percentile and maximum over heartbeats sent in the stream window
+(how late a loaded coordinator answers them; the simulated workers' own loops are loaded too, so
+"sender late" says how late they sent them) and the heartbeats refused for an expired lease.
+
 Several coordinators run independently, each with its own workers and clients, so their rows
 show how the relay adds up across processes; with `--etcd` they share the fleet's state in etcd
 (`--state etcd`, a member this script starts): each worker registers with one coordinator and
@@ -286,7 +291,10 @@ def run_row(args, coordinators: int, workers: int, src: Path = ROOT, label: str 
         used = {c[0] for c in coord_cores}
         load_cores = [c for c in range(ncpu) if c not in used] or list(range(ncpu))
     procs: list[subprocess.Popen] = []
+    sims: list[subprocess.Popen] = []
+    beats = {"rtts": [], "lease_losses": []}
     etcd = None
+    t_from = t_to = math.inf
     try:
         state = []
         if args.etcd:  # one etcd member holds the fleet's state for every coordinator of the row
@@ -303,7 +311,6 @@ def run_row(args, coordinators: int, workers: int, src: Path = ROOT, label: str 
             pids.append(_coordinator_pid(proc))
         per_coord = [workers // coordinators + (i < workers % coordinators) for i in range(coordinators)]
         capacity = max(2, math.ceil(args.streams * 1.25 / max(1, min(per_coord))))
-        sims = []
         for c, (target, n) in enumerate(zip(targets, per_coord)):
             nprocs = max(1, min(args.sim_procs, n))
             for i in range(nprocs):
@@ -358,9 +365,23 @@ def run_row(args, coordinators: int, workers: int, src: Path = ROOT, label: str 
             for p in procs[:coordinators]:
                 print(f"coordinator log (end):\n{_err_tail(p, 3000)}", file=sys.stderr, flush=True)
     finally:
+        for sim in sims:  # their last line reports every heartbeat's round trip
+            if sim.poll() is None:
+                sim.terminate()
+            try:
+                out, _ = sim.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                continue
+            for line in out.splitlines():
+                if line.startswith("heartbeats "):
+                    got = json.loads(line[len("heartbeats "):])
+                    beats["rtts"] += got["rtts"]
+                    beats["lease_losses"] += got["lease_losses"]
         _stop(procs)
         if etcd is not None:
             etcd.stop()
+    rtts = sorted(r for t, r, _ in beats["rtts"] if t_from <= t <= t_to)
+    sender_late = sorted(late for t, _, late in beats["rtts"] if t_from <= t <= t_to)
     d = args.duration_s
     offered = coordinators * args.streams
     tokens_s = counts["tokens"] / d
@@ -373,7 +394,15 @@ def run_row(args, coordinators: int, workers: int, src: Path = ROOT, label: str 
         "error_codes": counts["error_codes"], "admitted_per_s": admit["requests"] / args.admit_s,
         "admit_cpu": admit_cpu / args.admit_s / coordinators, "admit_errors": admit["errors"],
         "heartbeats_per_s": workers / HEARTBEAT_INTERVAL_S, "idle_cpu": idle_cpu / coordinators,
+        "heartbeat_rtt_p50_s": _quantile(rtts, 0.5), "heartbeat_rtt_p99_s": _quantile(rtts, 0.99),
+        "heartbeat_rtt_max_s": rtts[-1] if rtts else float("nan"), "leases_lost": len(beats["lease_losses"]),
+        "heartbeat_sender_late_p99_s": _quantile(sender_late, 0.99),
     }
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    """The q-quantile of sorted `xs` (nearest rank); nan when empty."""
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
 def print_table(rows: list[dict], args) -> None:
@@ -381,7 +410,8 @@ def print_table(rows: list[dict], args) -> None:
           f"{args.max_tokens} tokens per request; {args.duration_s:g} s measured per row; "
           f"host: {os.cpu_count()} cores, load generators on the same host\n")
     head = ("code", "coord", "workers", "streams", "held", "tokens/s", "rate kept", "msgs/s", "req/s",
-            "CPU s/1k tok", "coord CPU", "admitted req/s", "heartbeats/s", "idle CPU", "errors")
+            "CPU s/1k tok", "coord CPU", "admitted req/s", "heartbeats/s", "idle CPU", "heartbeat RTT p50/p99/max s",
+            "sender late p99 s", "leases lost", "errors")
     print("| " + " | ".join(head) + " |")
     print("|" + "---:|" * len(head))
     for r in rows:
@@ -389,8 +419,13 @@ def print_table(rows: list[dict], args) -> None:
         print(f"| {r['code']} | {r['coordinators']} | {r['workers']} | {r['streams']} | {r['held']} | {r['tokens_per_s']:,.0f} | "
               f"{100 * r['rate_kept']:.0f} % | {r['messages_per_s']:,.0f} | {r['requests_per_s']:,.0f} | "
               f"{r['cpu_s_per_1k_tokens']:.3f} | {100 * r['coordinator_cpu']:.0f} % | {r['admitted_per_s']:,.0f} | "
-              f"{r['heartbeats_per_s']:,.0f} | {100 * r['idle_cpu']:.1f} % | {errs} |")
-    print("\ncoord CPU and idle CPU: per coordinator, 100 % = one core; idle: heartbeats only")
+              f"{r['heartbeats_per_s']:,.0f} | {100 * r['idle_cpu']:.1f} % | {r['heartbeat_rtt_p50_s']:.3f} / "
+              f"{r['heartbeat_rtt_p99_s']:.3f} / {r['heartbeat_rtt_max_s']:.3f} | "
+              f"{r['heartbeat_sender_late_p99_s']:.3f} | {r['leases_lost']} | {errs} |")
+    print("\ncoord CPU and idle CPU: per coordinator, 100 % = one core; idle: heartbeats only; heartbeat RTT: "
+          "send to answer, heartbeats sent in the stream window; sender late: how much later than due the "
+          "simulated worker's own loop sent them; leases lost: heartbeats refused for an expired "
+          "lease in the whole row")
 
 
 def main(argv=None) -> int:

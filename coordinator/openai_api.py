@@ -79,7 +79,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     async with contextlib.aclosing(responses):
         if parsed.stream:
             return await _stream(request, parsed, responses, out)
-        text, logprobs, complete = [], [], None
+        text, logprobs, prompt_logprobs, complete = [], [], [], None
         try:
             async with asyncio.timeout(parsed.timeout_s):
                 async for resp in responses:
@@ -88,6 +88,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
                     else:
                         text.append(resp.chunk.text)
                         logprobs.extend(resp.chunk.logprobs)
+                        prompt_logprobs = prompt_logprobs or list(resp.chunk.prompt_logprobs)
         except GenerateFailed as e:
             raise OpenAIError.from_status(e.code, e.details) from None
         except TimeoutError:
@@ -95,7 +96,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     if complete is None:
         raise OpenAIError(503, "the worker ended the stream without finishing it", "server_error", None,
                           "unavailable")
-    return web.json_response(out.response("".join(text), complete, logprobs))
+    return web.json_response(out.response("".join(text), complete, logprobs, prompt_logprobs))
 
 
 async def _stream(request: web.Request, parsed: ParsedRequest, responses, out: ResponseBuilder
@@ -114,7 +115,8 @@ async def _stream(request: web.Request, parsed: ParsedRequest, responses, out: R
                         await resp.write(_sse(chunk))
                     await resp.write(b"data: [DONE]\n\n")
                 else:
-                    for chunk in out.chunks(msg.chunk.text, parsed.include_usage, msg.chunk.logprobs):
+                    for chunk in out.chunks(msg.chunk.text, parsed.include_usage, msg.chunk.logprobs,
+                                            msg.chunk.prompt_logprobs):
                         await resp.write(_sse(chunk))
     except (GenerateFailed, TimeoutError) as e:
         err = OpenAIError.from_status(e.code, e.details) if isinstance(e, GenerateFailed) else _deadline_error(parsed)

@@ -5,13 +5,16 @@ stream chunks and errors built from flashfleet's. Pure functions, no I/O.
 Mapping (OpenAI field -> GenerateRequest): model, messages (text content; "developer" turns are
 system turns) / prompt (one string), max_completion_tokens or max_tokens, temperature (unset =
 greedy, as in flashfleet's own API), top_p, seed, stop (a string or a list), response_format
-(json_object, json_schema: decoded under a grammar), tools / tool_choice / parallel_tool_calls
-(chat only: rendered through the model's chat template, the answer parsed into `tool_calls` with
-the model's tool-call format, flashfleet/tool_calls.py). flashfleet's own
+(json_object, json_schema: decoded under a grammar), logprobs / top_logprobs, and for completions
+echo (the prompt's text before the completion's; with logprobs, the prompt tokens'
+log-probabilities first, the first one null, as lm-evaluation-harness's loglikelihood reads them;
+max_tokens 0 then scores the prompt alone), and for chat tools / tool_choice / parallel_tool_calls
+(rendered through the model's chat template, the answer parsed into `tool_calls` with the
+model's tool-call format, flashfleet/tool_calls.py). flashfleet's own
 fields ride along in the body (`extra_body` in the openai client): mode ("auto", "plain",
 "draft", "dflash", "uag"), session_id (worker affinity across turns) and timeout_s (the request's
-deadline, seconds). Fields flashfleet cannot honour (n other than 1, logprobs, tools, penalties,
-echo, the deprecated functions, ...) are refused with 400 rather than ignored.
+deadline, seconds). Fields flashfleet cannot honour (n other than 1, penalties, the deprecated
+functions, ...) are refused with 400 rather than ignored.
 """
 from __future__ import annotations
 
@@ -63,7 +66,7 @@ REQUEST_FIELDS: dict[str, str | tuple] = {
     "user": NOOP, "safety_identifier": NOOP, "metadata": NOOP, "store": NOOP, "service_tier": NOOP,
     "prompt_cache_key": NOOP, "prompt_cache_retention": NOOP, "prompt_cache_options": NOOP,
     "response_format": SERVED, "tools": SERVED, "tool_choice": SERVED, "parallel_tool_calls": SERVED,
-    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "n": (None, 1), "best_of": (None, 1), "echo": SERVED, "suffix": (None, ""),
     "logprobs": SERVED, "top_logprobs": SERVED, "logit_bias": (None, {}),
     "functions": (None, []), "function_call": (None, "none", "auto"),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
@@ -114,6 +117,7 @@ class ParsedRequest:
         include_usage: stream_options.include_usage (a last chunk with `usage`).
         timeout_s: the request's deadline in seconds, or None.
         logprobs: whether the answer lists its tokens' log-probabilities.
+        echo: the prompt's text to put before the completion's (completions' `echo`), or None.
         tools: the functions the answer may call (tools given, tool_choice not "none"); () = none.
     """
 
@@ -123,6 +127,7 @@ class ParsedRequest:
     include_usage: bool = False
     timeout_s: float | None = None
     logprobs: bool = False
+    echo: str | None = None
     tools: tuple[str, ...] = ()
 
 
@@ -211,6 +216,13 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
         raise bad("stream must be true or false and stream_options an object", "stream")
     mode, session_id = body.get("mode", "auto"), body.get("session_id", "")
     top_logprobs = _top_logprobs(body, chat)
+    echo = _echo(body, chat)
+    if max_tokens == 0 and not echo:
+        raise bad("max_tokens must be > 0 (0 is served with echo: true, which scores the prompt alone)", "max_tokens")
+    prompt = None if chat else _prompt(body)
+    # Echo with logprobs lists the prompt's tokens too; max_tokens 0 has the worker score the prompt
+    # (nothing else to do), its logprobs read only when asked for.
+    prompt_logprobs = top_logprobs if echo and top_logprobs is not None else 0 if echo and max_tokens == 0 else None
     if not chat:  # tools are a chat field; their "off" values pass, as elsewhere
         for key, off in (("tools", (None, [])), ("tool_choice", (None, "none", "auto"))):
             if body.get(key) not in off:
@@ -218,24 +230,35 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
                                         "to /v1/chat/completions"), key)
     try:
         request = build_request(
-            model, None if chat else _prompt(body), messages=_messages(body) if chat else None,
+            model, prompt, messages=_messages(body) if chat else None,
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
             stop=body.get("stop"), session_id=session_id, request_id=uuid.uuid4().hex, mode=mode,
             response_format=body.get("response_format"), top_logprobs=top_logprobs,
-            tools=body.get("tools") if chat else None, tool_choice=body.get("tool_choice") if chat else None,
+            prompt_logprobs=prompt_logprobs, tools=body.get("tools") if chat else None,
+            tool_choice=body.get("tool_choice") if chat else None,
             parallel_tool_calls=body.get("parallel_tool_calls") if chat else None)
     except InvalidArgument as e:
         field = _PARAMS.match(e.details)
         raise bad(e.details, field[0] if field else "response_format" if "response_format" in e.details else None
                   ) from None
     return ParsedRequest(request, chat, stream, bool(options.get("include_usage")), timeout_s,
-                         top_logprobs is not None, _tool_names(request))
+                         top_logprobs is not None, prompt if echo else None, _tool_names(request))
 
 
 def _tool_names(request: common_pb2.GenerateRequest) -> tuple[str, ...]:
     if not request.HasField("tools"):
         return ()
     return tuple(t["function"]["name"] for t in json.loads(request.tools.tools_json))
+
+
+def _echo(body: dict, chat: bool) -> bool:
+    """Completions' `echo` (true/false; unset: false); chat has none."""
+    echo = body.get("echo")
+    if echo not in (None, True, False):
+        raise bad(f"echo must be true or false, got {echo!r:.40}", "echo")
+    if echo and chat:
+        raise bad("echo is a /v1/completions field (chat has no echo)", "echo")
+    return bool(echo)
 
 
 def _top_logprobs(body: dict, chat: bool) -> int | None:
@@ -287,6 +310,15 @@ def finish_reason(complete: common_pb2.Complete) -> str:
     return OPENAI_FINISH.get(FINISH_REASONS.get(complete.finish_reason, "stop"), "stop")
 
 
+def _top_dict(top) -> dict[str, float]:
+    """Completions' {token text: logprob} of the most likely tokens (TopLogprob protos, most
+    likely first); of tokens whose texts are equal, the key keeps the likeliest."""
+    out: dict[str, float] = {}
+    for t in top:
+        out.setdefault(t.token, t.logprob)
+    return out
+
+
 class ResponseBuilder:
     """Builds the JSON objects of one request's answer, in OpenAI's shapes.
 
@@ -307,10 +339,19 @@ class ResponseBuilder:
         self.started = False  # whether a chunk with text went out (the first chat delta names the role)
         self.want_logprobs = parsed.logprobs
         self.offset = 0  # characters of completion text before the next token (completions' text_offset)
+        self.echo = parsed.echo  # the prompt's text until it goes out before the first text (echo)
+        self.prompt_listed = False  # whether the prompt's logprobs went out (a restarted stream repeats them)
         fmt = FORMATS.get(tool_format or "") if parsed.tools and parsed.chat else None
         self.parser = fmt.parser(parsed.tools) if fmt is not None else None
         self._held_logprobs: list = []  # logprobs of text the parser holds back, sent with the next content
         self._calls_sent = 0  # tool calls streamed so far (the next one's index)
+
+    def _echoed(self, text: str) -> str:
+        """`text`, after the prompt's text the first time (echo)."""
+        if self.echo is None:
+            return text
+        text, self.echo = self.echo + text, None
+        return text
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -321,11 +362,12 @@ class ResponseBuilder:
         reason = finish_reason(complete)
         return "tool_calls" if reason == "stop" and self.parser is not None and self.parser.calls else reason
 
-    def logprobs(self, items) -> dict | None:
+    def logprobs(self, items, prompt=()) -> dict | None:
         """OpenAI's `logprobs` object of some tokens (TokenLogprob protos), None when the request
         did not ask: chat's {"content": [{token, logprob, bytes, top_logprobs}]}; completions'
         {tokens, token_logprobs, top_logprobs, text_offset} (offsets in characters of the
-        completion's text, counted on from the previous chunks')."""
+        tokens' texts, counted on from the previous chunks'), the `prompt` tokens' first (echo:
+        the first one's logprob and top_logprobs null; listed once, however often they come)."""
         if not self.want_logprobs:
             return None
         if self.chat:
@@ -333,18 +375,23 @@ class ResponseBuilder:
                                  "top_logprobs": [{"token": t.token, "logprob": t.logprob,
                                                    "bytes": list(t.token.encode())} for t in lp.top]}
                                 for lp in items], "refusal": None}
+        if prompt and not self.prompt_listed:
+            items, self.prompt_listed = [*prompt, *items], True
         offsets = []
         for lp in items:
             offsets.append(self.offset)
             self.offset += len(lp.token)
-        return {"tokens": [lp.token for lp in items], "token_logprobs": [lp.logprob for lp in items],
-                "top_logprobs": [{t.token: t.logprob for t in lp.top} for lp in items], "text_offset": offsets}
+        scored = [lp.HasField("logprob") for lp in items]
+        return {"tokens": [lp.token for lp in items],
+                "token_logprobs": [lp.logprob if has else None for lp, has in zip(items, scored)],
+                "top_logprobs": [_top_dict(lp.top) if has else None
+                                 for lp, has in zip(items, scored)], "text_offset": offsets}
 
-    def response(self, text: str, complete: common_pb2.Complete, logprobs=()) -> dict:
+    def response(self, text: str, complete: common_pb2.Complete, logprobs=(), prompt_logprobs=()) -> dict:
         """The whole answer of a request that was not streamed: one choice (with the tokens'
-        log-probabilities when asked for; with tool calls parsed out of the text into
-        `message.tool_calls`, content null when nothing else is said), usage and the top-level
-        `flashfleet` object."""
+        log-probabilities when asked for; echo: the prompt's before; with tool calls parsed out of
+        the text into `message.tool_calls`, content null when nothing else is said), usage and the
+        top-level `flashfleet` object."""
         if self.chat:
             message: dict = {"role": "assistant", "content": text}
             if self.parser is not None:
@@ -355,8 +402,8 @@ class ResponseBuilder:
             choice = {"index": 0, "message": message, "finish_reason": self.finish_reason(complete),
                       "logprobs": self.logprobs(logprobs)}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": finish_reason(complete),
-                      "logprobs": self.logprobs(logprobs)}
+            choice = {"index": 0, "text": self._echoed(text), "finish_reason": finish_reason(complete),
+                      "logprobs": self.logprobs(logprobs, prompt_logprobs)}
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
                 "usage": usage(complete), "flashfleet": flashfleet_fields(self.request_id, complete)}
 
@@ -366,14 +413,16 @@ class ResponseBuilder:
             out["usage"] = None
         return out
 
-    def delta(self, text: str, include_usage: bool = False, logprobs=()) -> dict:
-        """A stream chunk carrying new text (the first chat chunk also carries the role) and its
-        tokens' log-probabilities when asked for."""
+    def delta(self, text: str, include_usage: bool = False, logprobs=(), prompt_logprobs=()) -> dict:
+        """A stream chunk carrying new text (the first chat chunk also carries the role; echo: the
+        first completions chunk starts with the prompt's text) and its tokens' log-probabilities
+        when asked for (echo: the prompt's first)."""
         if self.chat:
             delta = {"content": text} if self.started else {"role": "assistant", "content": text}
             choice = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": self.logprobs(logprobs)}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": None, "logprobs": self.logprobs(logprobs)}
+            choice = {"index": 0, "text": self._echoed(text), "finish_reason": None,
+                      "logprobs": self.logprobs(logprobs, prompt_logprobs)}
         self.started = True
         return self._chunk(choice, include_usage)
 
@@ -398,13 +447,14 @@ class ResponseBuilder:
                 self._held_logprobs = []
         return out
 
-    def chunks(self, text: str, include_usage: bool = False, logprobs=()) -> list[dict]:
-        """The stream chunks of a worker's chunk (its text and tokens' log-probabilities): one
-        delta, none for an empty one after the first; with tool calls, the content and calls
-        the parser can tell so far (text that may be a call is held back, and its tokens'
-        log-probabilities go out with the next content)."""
+    def chunks(self, text: str, include_usage: bool = False, logprobs=(), prompt_logprobs=()) -> list[dict]:
+        """The stream chunks of a worker's chunk (its text and tokens' log-probabilities, echo's
+        prompt ones): one delta, none for an empty one after the first; with tool calls, the
+        content and calls the parser can tell so far (text that may be a call is held back, and
+        its tokens' log-probabilities go out with the next content)."""
         if self.parser is None:
-            return [self.delta(text, include_usage, logprobs)] if text or logprobs or not self.started else []
+            return [self.delta(text, include_usage, logprobs, prompt_logprobs)] \
+                if text or logprobs or not self.started else []
         self._held_logprobs.extend(logprobs)
         out = self._said(self.parser.feed(text), include_usage)
         if not self.started:
@@ -425,7 +475,8 @@ class ResponseBuilder:
             delta = {} if self.started else {"role": "assistant", "content": ""}
             choice = {"index": 0, "delta": delta, "finish_reason": self.finish_reason(complete), "logprobs": None}
         else:
-            choice = {"index": 0, "text": "", "finish_reason": finish_reason(complete), "logprobs": None}
+            # echo: a stream whose first message is its end still gives the prompt's text
+            choice = {"index": 0, "text": self._echoed(""), "finish_reason": finish_reason(complete), "logprobs": None}
         last = self._chunk(choice, include_usage)
         last["flashfleet"] = flashfleet_fields(self.request_id, complete)
         out.append(last)

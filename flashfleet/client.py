@@ -42,8 +42,10 @@ DEFAULT_CONTROL_TIMEOUT_S = 10.0
 # keeps an orphaned session 30 s by default (its `--orphan-grace`).
 RESUME_WINDOW_S = 30.0
 # Waits between resume attempts, seconds: the first is at once (another coordinator is up), then
-# slower (every coordinator may be restarting); the last value repeats.
-RESUME_BACKOFF_S = (0.0, 0.05, 0.1, 0.2, 0.4, 0.8, 1.0)
+# a quarter of a second apart (every coordinator may be restarting: one restarted at the same
+# address is found within that of its listening; a try of a closed port costs a reset); the last
+# value repeats.
+RESUME_BACKOFF_S = (0.0, 0.05, 0.1, 0.25)
 
 
 def _targets(address) -> list[str]:
@@ -152,18 +154,22 @@ def _to_chunk(resp: common_pb2.GenerateResponse) -> Chunk:
                      finish_reason=FINISH_REASONS.get(c.finish_reason, "unspecified"),
                      stats=GenerationStats.from_proto(c.stats), worker_id=c.worker_id)
     return Chunk(request_id=resp.request_id, text=resp.chunk.text,
-                 token_ids=tuple(resp.chunk.token_ids), logprobs=tuple(resp.chunk.logprobs))
+                 token_ids=tuple(resp.chunk.token_ids), logprobs=tuple(resp.chunk.logprobs),
+                 prompt_logprobs=tuple(resp.chunk.prompt_logprobs))
 
 
 def _accumulate(chunks: Iterable[Chunk]) -> Completion:
-    text, ids, logprobs, last = [], [], [], None
+    text, ids, logprobs, prompt_logprobs, last = [], [], [], [], None
     for chunk in chunks:
         text.append(chunk.text)
         ids.extend(chunk.token_ids)
         logprobs.extend(chunk.logprobs)
+        if chunk.prompt_logprobs and not prompt_logprobs:  # a stream restarted elsewhere repeats them
+            prompt_logprobs = list(chunk.prompt_logprobs)
         last = chunk
     return Completion(request_id=last.request_id if last else "", text="".join(text),
-                      token_ids=ids, logprobs=logprobs, finish_reason=last.finish_reason or "" if last else "",
+                      token_ids=ids, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                      finish_reason=last.finish_reason or "" if last else "",
                       stats=last.stats if last else None, worker_id=last.worker_id if last else "")
 
 
@@ -249,15 +255,17 @@ class Client:
                  seed: int | None = None, stop: str | Iterable[str] = (), session_id: str = "",
                  request_id: str = "", mode: str = "auto",
                  response_format: Mapping[str, Any] | None = None, json_schema: Mapping[str, Any] | None = None,
-                 top_logprobs: int | None = None, timeout_s: float | None = None) -> Iterator[Chunk]:
+                 top_logprobs: int | None = None, prompt_logprobs: int | None = None,
+                 timeout_s: float | None = None) -> Iterator[Chunk]:
         """Streams a generation.
 
         Args:
             model: model name (see list_models()).
             prompt: raw prompt text; or messages: chat turns [{"role", "content"}], rendered with
                 the model's chat template. Exactly one of the two.
-            max_tokens: most tokens to generate (> 0); None (default) = 256, capped by the
-                context the prompt leaves (`flashfleet.requests.WORKER_DEFAULT_MAX_TOKENS`).
+            max_tokens: most tokens to generate (> 0; 0 with prompt_logprobs scores the prompt
+                only); None (default) = 256, capped by the context the prompt leaves
+                (`flashfleet.requests.WORKER_DEFAULT_MAX_TOKENS`).
             temperature: 0 or None = greedy; top_p in (0, 1]; seed makes sampling reproducible.
             stop: output ends before the first of these strings (one string, or several).
             session_id: requests of one session go to the same worker.
@@ -268,6 +276,9 @@ class Client:
                 ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"schema": ...}}).
             top_logprobs: 0..20: each chunk's `logprobs` (one per token: its log-probability under
                 the model and this many most likely alternatives); None: none.
+            prompt_logprobs: 0..20: the first chunk's `prompt_logprobs`, one per prompt token
+                (its log-probability given the tokens before it, and this many alternatives;
+                modes plain and dflash; the prompt is prefilled in full); None: none.
             timeout_s: deadline of the whole stream, seconds (default: the client's).
 
         Yields:
@@ -290,7 +301,7 @@ class Client:
                             temperature=temperature, top_p=top_p, seed=seed, stop=stop,
                             session_id=session_id, request_id=request_id, mode=mode,
                             response_format=response_format, json_schema=json_schema,
-                            top_logprobs=top_logprobs)
+                            top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs)
         req.request_id = req.request_id or uuid.uuid4().hex  # a resumed stream names the same request
         stream = _Resume(req, len(self._targets), time.monotonic() + _deadline(timeout_s, self.timeout_s))
         while True:

@@ -72,6 +72,7 @@ def build_request(
     tools: Iterable[Mapping[str, Any]] | None = None,
     tool_choice: str | Mapping[str, Any] | None = None,
     parallel_tool_calls: bool | None = None,
+    prompt_logprobs: int | None = None,
 ) -> common_pb2.GenerateRequest:
     """Makes a GenerateRequest from keyword arguments.
 
@@ -82,7 +83,8 @@ def build_request(
     it), or `response_format` in OpenAI's shape ({"type": "text"}, {"type": "json_object"}, or
     {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": true}}).
     top_logprobs (0..20): every chunk carries its tokens' log-probabilities with that many
-    alternatives; None: none.
+    alternatives; None: none. prompt_logprobs (0..20): the first chunk carries the prompt tokens'
+    log-probabilities (OpenAI's echo) with that many alternatives; max_tokens may then be 0.
     Tool calling, in OpenAI's shapes (flashfleet/tool_calls.py): `tools` (a list of
     {"type": "function", "function": {...}}), `tool_choice` ("none", "auto", "required" or
     {"type": "function", "function": {"name": ...}}; "none" sends no tools), `parallel_tool_calls`
@@ -118,6 +120,8 @@ def build_request(
         _set_number(req, "top_logprobs", top_logprobs, f"must be an int in [0, {MAX_TOP_LOGPROBS}]")
     if tool_spec is not None:
         req.tools.CopyFrom(tool_spec)
+    if prompt_logprobs is not None:
+        _set_number(req, "prompt_logprobs", prompt_logprobs, f"must be an int in [0, {MAX_TOP_LOGPROBS}]")
     size = req.ByteSize()
     if size > MAX_REQUEST_BYTES:
         raise InvalidArgument(f"request is {size} bytes; the limit is {MAX_REQUEST_BYTES} "
@@ -273,8 +277,8 @@ def validate_request(req: common_pb2.GenerateRequest) -> None:
                     f"messages[{i}].role is {m.role!r}; use one of {', '.join(CHAT_ROLES)}")
         if not any(m.content.strip() or m.tool_calls_json for m in req.messages.messages):
             raise InvalidArgument("the prompt is empty: every chat message's content is blank")
-    if req.HasField("max_tokens") and req.max_tokens <= 0:
-        raise InvalidArgument(f"max_tokens must be > 0, got {req.max_tokens}")
+    if req.HasField("max_tokens") and req.max_tokens < (0 if req.HasField("prompt_logprobs") else 1):
+        raise InvalidArgument(f"max_tokens must be > 0 (0 only with prompt_logprobs), got {req.max_tokens}")
     if req.HasField("temperature") and not (0 <= req.temperature <= MAX_TEMPERATURE):  # NaN fails too
         raise InvalidArgument(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {req.temperature:.6g}")
     if req.HasField("top_p") and not (0 < req.top_p <= 1):
@@ -288,8 +292,9 @@ def validate_request(req: common_pb2.GenerateRequest) -> None:
         raise InvalidArgument(f"a stop string of {longest:,} characters; at most {MAX_STOP_STRING_CHARS:,} are served")
     if req.mode not in DECODE_MODES.values():
         raise InvalidArgument(f"unknown decode mode {req.mode}")
-    if req.HasField("top_logprobs") and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
+    for name in ("top_logprobs", "prompt_logprobs"):
+        if req.HasField(name) and not 0 <= getattr(req, name) <= MAX_TOP_LOGPROBS:
+            raise InvalidArgument(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {getattr(req, name)}")
     if req.HasField("response_format"):
         fmt = req.response_format
         if fmt.type not in RESPONSE_FORMATS:

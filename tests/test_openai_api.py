@@ -143,7 +143,7 @@ def test_errors_have_openais_shape_and_status(fake_http):
         client.chat.completions.create(model="no-such-model", messages=CHAT)
     assert e.value.status_code == 404 and e.value.code == "model_not_found" and "fake-model" in e.value.message
     for kwargs, param in ((dict(n=2), "n"), (dict(temperature=-1), None), (dict(top_logprobs=30, logprobs=True), "top_logprobs"),
-                          (dict(messages=[]), "messages"), (dict(max_tokens=0), None)):
+                          (dict(messages=[]), "messages"), (dict(max_tokens=0), "max_tokens")):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(**{"model": "fake-model", "messages": CHAT, **kwargs})
         assert e.value.status_code == 400 and e.value.type == "invalid_request_error", kwargs

@@ -79,17 +79,23 @@ def generation_request(request: common_pb2.GenerateRequest, prompt_tokens: list[
                              resume_tokens=tuple(request.resume_token_ids), resume_text=request.resume_text,
                              import_id=request.import_id,
                              response_format=_response_format(request),
-                             top_logprobs=request.top_logprobs if request.HasField("top_logprobs") else -1)
+                             top_logprobs=request.top_logprobs if request.HasField("top_logprobs") else -1,
+                             prompt_logprobs=request.prompt_logprobs if request.HasField("prompt_logprobs") else -1)
+
+
+def _logprob_proto(lp) -> common_pb2.TokenLogprob:
+    """The TokenLogprob proto of an engine `TokenLogprob` (logprob unset where it is None)."""
+    return common_pb2.TokenLogprob(token_id=lp.token_id, token=lp.text, logprob=lp.logprob, top=[
+        common_pb2.TopLogprob(token_id=t, token=text, logprob=v) for (t, v), text in zip(lp.top, lp.top_text)])
 
 
 def chunk_response(event: TokenEvent) -> common_pb2.GenerateResponse:
-    """A GenerateResponse carrying one Chunk (text and token ids) of a TokenEvent."""
+    """A GenerateResponse carrying one Chunk (text, token ids, log-probabilities) of a TokenEvent."""
     return common_pb2.GenerateResponse(
         request_id=event.request_id,
-        chunk=common_pb2.Chunk(text=event.text, token_ids=event.token_ids, logprobs=[
-            common_pb2.TokenLogprob(token_id=lp.token_id, token=lp.text, logprob=lp.logprob, top=[
-                common_pb2.TopLogprob(token_id=t, token=text, logprob=v) for (t, v), text in zip(lp.top, lp.top_text)])
-            for lp in event.logprobs]))
+        chunk=common_pb2.Chunk(text=event.text, token_ids=event.token_ids,
+                               logprobs=[_logprob_proto(lp) for lp in event.logprobs],
+                               prompt_logprobs=[_logprob_proto(lp) for lp in event.prompt_logprobs]))
 
 
 def stats_proto(s: GenerationStats) -> common_pb2.GenerationStats:

@@ -150,20 +150,32 @@ class Batch:
 
 
 def prefill_chunk(target: Any, tokens: Sequence[int], cache: list[RowKVCache], draft: Any = None,
-                  draft_cache: Optional[list[RowKVCache]] = None, capture: Any = None) -> None:
+                  draft_cache: Optional[list[RowKVCache]] = None, capture: Any = None,
+                  following: Optional[Sequence[int]] = None, top: int = 0) -> list[TokenLogprob]:
     """Feeds `tokens` (a prompt chunk) through the target into a one-row cache; with a DFlash
     draft, their target taps go into the draft's context too. Grows the buffers first, layer by
-    layer, then evaluates the caches."""
+    layer, then evaluates the caches.
+
+    Scoring (prompt log-probabilities): with `following`, the token after each of `tokens`
+    (len(tokens) ids), returns each following token's `TokenLogprob` under the target's logits
+    at the position before it, with `top` alternatives (evaluated with the caches); else [].
+    """
     for c in cache + (draft_cache or []):
         c.reserve(len(tokens))
     x = mx.array(list(tokens), dtype=mx.uint32)[None]
     if draft is None:
-        target(x, cache=cache)
+        logits = target(x, cache=cache)
     else:
         with capture:
-            target(x, cache=cache)
+            logits = target(x, cache=cache)
         draft.extend_context(capture.hidden(), draft_cache)
-    mx.eval([c.state for c in cache + (draft_cache or [])])
+    parts = None
+    if following is not None:
+        parts = _logprob_parts(logits, mx.array([list(following)], dtype=mx.int32), top)
+    mx.eval([c.state for c in cache + (draft_cache or [])], *(parts or ()))
+    if parts is None:
+        return []
+    return _host_logprobs((([0],) + parts), [list(following)], [top])[0]
 
 
 def choose(logits: mx.array, rows: Sequence[Row], masks: Optional[dict[int, np.ndarray]] = None) -> mx.array:
@@ -197,23 +209,31 @@ def logprobs_of(logits: mx.array, chosen: mx.array, rows: Sequence[Row]) -> Opti
     if not want:
         return None
     index = mx.array(want, dtype=mx.int32)
-    lg = logits[index].astype(mx.float32)
+    return (want, *_logprob_parts(logits[index], chosen[index], max(rows[i].top_logprobs for i in want)))
+
+
+def _logprob_parts(logits: mx.array, tokens: mx.array, k: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Log-softmax in float32 of logits (b, L, V): (the logprobs of `tokens` (b, L), the ids
+    (b, L, max(1, k)) of the most likely tokens, unordered, and their logprobs), lazy."""
+    lg = logits.astype(mx.float32)
     lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
-    picked = mx.take_along_axis(lp, chosen[index].astype(mx.int32)[..., None], axis=-1)[..., 0]
-    k = max(1, max(rows[i].top_logprobs for i in want))
+    picked = mx.take_along_axis(lp, tokens.astype(mx.int32)[..., None], axis=-1)[..., 0]
+    k = max(1, k)
     top = mx.argpartition(-lp, kth=k - 1, axis=-1)[..., :k]
-    return want, picked, top, mx.take_along_axis(lp, top, axis=-1)
+    return picked, top, mx.take_along_axis(lp, top, axis=-1)
 
 
-def _host_logprobs(parts: Optional[tuple], chosen: list[list[int]], rows: Sequence[Row]) -> dict[int, list[TokenLogprob]]:
-    """`logprobs_of`'s arrays (evaluated) as `TokenLogprob`s by row index, per position."""
+def _host_logprobs(parts: Optional[tuple], chosen: list[list[int]], rows: Sequence[Row | int]
+                   ) -> dict[int, list[TokenLogprob]]:
+    """`logprobs_of`'s arrays (evaluated) as `TokenLogprob`s by row index, per position; `rows`
+    gives each row's number of alternatives (a `Row`'s top_logprobs, or the number)."""
     if parts is None:
         return {}
     want, picked, top, top_lp = parts
     picked, top, top_lp = picked.tolist(), top.tolist(), top_lp.tolist()
     out = {}
     for k, i in enumerate(want):
-        n = rows[i].top_logprobs
+        n = rows[i] if isinstance(rows[i], int) else rows[i].top_logprobs
         out[i] = [TokenLogprob(chosen[i][j], picked[k][j],
                                tuple(sorted(zip(top[k][j], top_lp[k][j]), key=lambda p: -p[1])[:n]))
                   for j in range(len(picked[k]))]

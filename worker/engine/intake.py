@@ -160,9 +160,10 @@ class Intake:
 
         Raises:
             InvalidRequest: empty request_id or prompt, token ids outside the vocabulary,
-                max_tokens < 1, prompt + max_tokens beyond the context or (batched modes) the KV
-                budget, bad sampling parameters, an empty stop string, a mode this worker cannot
-                serve (a response format in a mode other than plain and dflash), or resume tokens
+                max_tokens < 1 (< 0 with prompt_logprobs), prompt + max_tokens beyond the context
+                or (batched modes) the KV budget, bad sampling parameters, an empty stop string, a
+                mode this worker cannot serve (a response format or log-probabilities in a mode
+                other than plain and dflash), or resume tokens
                 that are not fewer than max_tokens, hold an EOS or do not match resume_text.
         """
         if not r.request_id:
@@ -172,8 +173,8 @@ class Intake:
             raise InvalidRequest("prompt is empty (no prompt tokens)")
         if self._vocab_size is not None and (min(r.prompt_tokens) < 0 or max(r.prompt_tokens) >= self._vocab_size):
             raise InvalidRequest(f"prompt token ids must be in [0, {self._vocab_size})")
-        if r.max_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be >= 1, got {r.max_tokens}")
+        if r.max_tokens < (0 if r.prompt_logprobs >= 0 else 1):
+            raise InvalidRequest(f"max_tokens must be >= 1 (0 only with prompt_logprobs), got {r.max_tokens}")
         if r.resume_tokens:
             if len(r.resume_tokens) >= r.max_tokens:
                 raise InvalidRequest(f"resume_token_ids ({len(r.resume_tokens)}) must be fewer than "
@@ -200,12 +201,14 @@ class Intake:
         if any(not isinstance(s, str) or not s for s in r.stop):
             raise InvalidRequest("stop strings must be non-empty strings")
         mode = resolve_mode(r.mode, self._draft_kind, self._modes)
-        if not -1 <= r.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {r.top_logprobs}")
+        for name, value in (("top_logprobs", r.top_logprobs), ("prompt_logprobs", r.prompt_logprobs)):
+            if not -1 <= value <= MAX_TOP_LOGPROBS:
+                raise InvalidRequest(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
         fmt_name = "tool_choice" if r.response_format is not None and r.response_format.type == "tool_calls" \
             else "response_format"
         asks = [name for name, on in ((fmt_name, r.response_format is not None),
-                                      ("logprobs", r.top_logprobs >= 0)) if on]
+                                      ("logprobs", r.top_logprobs >= 0),
+                                      ("prompt_logprobs", r.prompt_logprobs >= 0)) if on]
         if asks and mode not in BATCHED_MODES:
             if r.mode != AUTO:
                 raise InvalidRequest(f"{' and '.join(asks)}: served in modes plain and dflash only, not {mode!r}")

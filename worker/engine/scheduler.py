@@ -45,7 +45,7 @@ from worker.engine.prompt_cache import PromptCache
 from flashfleet.kv_need import batch_bytes, working_bytes
 from worker.caches.rows import STEP, RowKVCache, _bucket, make_row_caches
 from worker.engine.session import Session
-from worker.engine.types import ErrorEvent, NotExportable, Overloaded, UnknownSession
+from worker.engine.types import ErrorEvent, NotExportable, Overloaded, TokenLogprob, UnknownSession
 from worker.decoding.base import Sampler, Step
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,8 @@ class Sequence:
         import_id: an imported state it claims at admission ("" for none).
         grammar: its grammar matcher (structured output, worker/engine/grammar.py), or None.
         error: what ended it, when something did (a grammar that refused a token).
+        scored: the prompt's log-probabilities gathered while it prefills (a request with
+            prompt_logprobs), None once they are sent or when not asked for.
     """
 
     session: Session
@@ -88,6 +90,7 @@ class Sequence:
     import_id: str = ""
     grammar: Optional[RowGrammar] = None
     error: Optional[Exception] = None
+    scored: Optional[list[TokenLogprob]] = None
 
     @property
     def request_id(self) -> str:
@@ -229,7 +232,8 @@ class Scheduler:
         req = session.request
         prior = self.pooled.as_prior(self.max_block(mode) - 1)  # the worker's recent acceptance
         self.waiting.append(Sequence(session, mode, sampler, list(req.prompt_tokens), self._order,
-                                     prior, import_id=req.import_id, grammar=grammar))
+                                     prior, import_id=req.import_id, grammar=grammar,
+                                     scored=[] if req.prompt_logprobs >= 0 else None))
 
     def add_generator(self, session: Session) -> None:
         """Adds a session decoded by its own generator (modes without a batched path)."""
@@ -304,11 +308,15 @@ class Scheduler:
 
     def _start_prefill(self, seq: Sequence) -> None:
         head = seq.tokens[:-1]
-        cached, k = self.imports.claim(seq.import_id, seq.request_id, seq.mode, seq.tokens)
-        seq.import_id = ""
+        if seq.scored is not None:  # every prompt position is scored: no cached state is reused
+            self.imports.drop(seq.import_id)
+            seq.import_id, seq.scored, cached = "", [], None
+        else:
+            cached, k = self.imports.claim(seq.import_id, seq.request_id, seq.mode, seq.tokens)
+            seq.import_id = ""
         if cached is not None:
             seq.session.stats.transferred_tokens = k
-        else:
+        elif seq.scored is None:
             cached, k = self.prompt_cache.fetch(seq.mode, head) if not seq.prefilled else (None, 0)
             if cached is not None:
                 seq.session.stats.cached_tokens = k
@@ -333,18 +341,29 @@ class Scheduler:
                 stop = min(end, seq.prefilled + self.prefill_step_tokens)
                 dflash = seq.mode == "dflash"
                 t0 = self.clock()
-                prefill_chunk(self.m.target, seq.tokens[seq.prefilled: stop], seq.target,
-                              self.m.draft if dflash else None, seq.draft, self.capture)
+                scoring = seq.scored is not None
+                scored = prefill_chunk(self.m.target, seq.tokens[seq.prefilled: stop], seq.target,
+                                       self.m.draft if dflash else None, seq.draft, self.capture,
+                                       seq.tokens[seq.prefilled + 1: stop + 1] if scoring else None,
+                                       seq.session.request.prompt_logprobs)
                 if self.profile is not None:
                     self.profile.prefill(stop - seq.prefilled, self.clock() - t0)
+                if scoring:
+                    seq.scored.extend(scored)
                 seq.prefilled = stop
                 mx.clear_cache()
+            if seq.prefilled >= end and seq.scored is not None:
+                seq.session.emit_prompt_logprobs(seq.tokens[0], seq.scored)
+                seq.scored = None
         except Exception as e:
             log.exception("request %s failed in prefill", seq.request_id)
             self.prefilling.remove(seq)
             self._finish(seq.session, error=e)
             return
-        if seq.prefilled >= end:
+        if seq.prefilled >= end and seq.remaining <= 0:  # max_tokens 0: the prompt was only scored
+            self.prefilling.remove(seq)
+            self._finish(seq.session)
+        elif seq.prefilled >= end:
             self.prefilling.remove(seq)
             seq.row = Row(seq.sampler, len(seq.tokens), seq.tokens[-1], seq.request_id, seq.grammar,
                           seq.session.request.top_logprobs)

@@ -271,7 +271,7 @@ class Engine:
         Raises:
             Draining: closing or closed.
             InvalidRequest: empty or duplicate request_id, empty prompt, token ids outside the
-                vocabulary, max_tokens < 1, prompt + max_tokens beyond the context, bad sampling
+                vocabulary, max_tokens < 1 (< 0 with prompt_logprobs), prompt + max_tokens beyond the context, bad sampling
                 parameters, an empty stop string, a mode this worker cannot serve, or resume
                 tokens that are not fewer than max_tokens, hold an EOS or do not match
                 resume_text (session migration, `GenerationRequest.resume_tokens`).
@@ -452,9 +452,10 @@ class Engine:
             due = ""
             if req.resume_tokens:  # a migrated session: its output so far becomes context (checked in submit)
                 due = text.resume(req.resume_tokens, req.resume_text)
+                # Its prompt's log-probabilities went out with the previous worker's first chunk.
                 req = replace(req, prompt_tokens=req.prompt_tokens + req.resume_tokens,
                               max_tokens=req.max_tokens - len(req.resume_tokens), resume_tokens=(),
-                              resume_text="")
+                              resume_text="", prompt_logprobs=-1)
             sampler = sampler_for(req.sampling)
             grammar = None
             if cmd.grammar is not None:

@@ -86,19 +86,20 @@ MAX_TOP_LOGPROBS = 20  # most alternatives a token's log-probabilities list (Ope
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A generated token's log-probability under the target's own distribution at its position
+    """A token's log-probability under the target's own distribution at its position
     (log-softmax of the target's logits: no temperature, top-p or grammar applied), and the most
-    likely tokens there.
+    likely tokens there; a generated token's, or a prompt token's (`TokenEvent.prompt_logprobs`).
 
     Attributes:
         token_id: the token.
-        logprob: its natural-log probability (float32 arithmetic).
+        logprob: its natural-log probability (float32 arithmetic); None for a prompt's first
+            token (nothing precedes it).
         top: (token id, logprob) of the `top_logprobs` most likely tokens, most likely first.
         text: the token's text on its own; top_text: the top tokens' (filled when emitted).
     """
 
     token_id: int
-    logprob: float
+    logprob: float | None
     top: tuple[tuple[int, float], ...] = ()
     text: str = ""
     top_text: tuple[str, ...] = ()
@@ -111,7 +112,8 @@ class GenerationRequest:
     Attributes:
         request_id: unique per worker while running.
         prompt_tokens: prompt token ids (chat template already applied), non-empty.
-        max_tokens: upper bound on generated tokens, > 0.
+        max_tokens: upper bound on generated tokens, > 0 (0 with prompt_logprobs: the prompt is
+            scored, nothing is generated).
         sampling: temperature / top-p / seed.
         stop: stop strings; output ends before the first occurrence of any of them.
         mode: "auto", "plain", "draft", "dflash" or "uag".
@@ -124,6 +126,9 @@ class GenerationRequest:
         response_format: constrains the output to JSON (worker/engine/grammar.py); None: free text.
         top_logprobs: -1: no log-probabilities; 0..MAX_TOP_LOGPROBS: each token's `TokenLogprob`
             with that many alternatives (batched modes only).
+        prompt_logprobs: -1: none; 0..MAX_TOP_LOGPROBS: one `TokenLogprob` per prompt token, with
+            that many alternatives, in an event before the first token (batched modes only; the
+            prompt is prefilled in full, without the prompt cache).
     """
 
     request_id: str
@@ -137,6 +142,7 @@ class GenerationRequest:
     import_id: str = ""
     response_format: ResponseFormat | None = None
     top_logprobs: int = -1
+    prompt_logprobs: int = -1
 
 
 @dataclass
@@ -179,12 +185,16 @@ class GenerationStats:
 @dataclass(frozen=True)
 class TokenEvent:
     """New tokens of a request. `text` holds only complete UTF-8 characters (may be "").
-    `logprobs`: one `TokenLogprob` per token id when the request asked for them, else empty."""
+    `logprobs`: one `TokenLogprob` per token id when the request asked for them, else empty
+    (with prompt_logprobs, one more, last, for the EOS token that ended the generation).
+    `prompt_logprobs`: one `TokenLogprob` per prompt token, in one event with no tokens before
+    the first token, when the request asked for them (`GenerationRequest.prompt_logprobs`)."""
 
     request_id: str
     token_ids: tuple[int, ...]
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
