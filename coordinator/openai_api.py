@@ -61,13 +61,21 @@ def _sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
+def _tool_format(servicer: CoordinatorServicer, parsed: ParsedRequest) -> str:
+    """The tool-call format of the requested model as its workers report it ("" when no tool
+    may be called, or no live worker serves the model: the request then fails on its own)."""
+    if not parsed.tools:
+        return ""
+    return next((m.info.tool_call_format for m in servicer.served_models() if m.info.name == parsed.request.model), "")
+
+
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     parsed = parse_request(await read_json(request), chat)
     servicer = request.app[_SERVICER]
     deadline = None if parsed.timeout_s is None else time.monotonic() + parsed.timeout_s
     responses = servicer.generate(parsed.request,
                                   (lambda: None) if deadline is None else (lambda: deadline - time.monotonic()))
-    out = ResponseBuilder(parsed)
+    out = ResponseBuilder(parsed, _tool_format(servicer, parsed))
     async with contextlib.aclosing(responses):
         if parsed.stream:
             return await _stream(request, parsed, responses, out)
@@ -106,9 +114,10 @@ async def _stream(request: web.Request, parsed: ParsedRequest, responses, out: R
                     for chunk in out.final(msg.complete, parsed.include_usage):
                         await resp.write(_sse(chunk))
                     await resp.write(b"data: [DONE]\n\n")
-                elif msg.chunk.text or msg.chunk.logprobs or not out.started:
-                    await resp.write(_sse(out.delta(msg.chunk.text, parsed.include_usage, msg.chunk.logprobs,
-                                                    msg.chunk.prompt_logprobs)))
+                else:
+                    for chunk in out.chunks(msg.chunk.text, parsed.include_usage, msg.chunk.logprobs,
+                                            msg.chunk.prompt_logprobs):
+                        await resp.write(_sse(chunk))
     except (GenerateFailed, TimeoutError) as e:
         err = OpenAIError.from_status(e.code, e.details) if isinstance(e, GenerateFailed) else _deadline_error(parsed)
         if not resp.prepared:

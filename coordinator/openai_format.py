@@ -8,15 +8,19 @@ greedy, as in flashfleet's own API), top_p, seed, stop (a string or a list), res
 (json_object, json_schema: decoded under a grammar), logprobs / top_logprobs, and for completions
 echo (the prompt's text before the completion's; with logprobs, the prompt tokens'
 log-probabilities first, the first one null, as lm-evaluation-harness's loglikelihood reads them;
-max_tokens 0 then scores the prompt alone). flashfleet's own
+max_tokens 0 then scores the prompt alone), and for chat tools / tool_choice / parallel_tool_calls
+(rendered through the model's chat template, the answer parsed into `tool_calls` with the
+model's tool-call format, flashfleet/tool_calls.py). flashfleet's own
 fields ride along in the body (`extra_body` in the openai client): mode ("auto", "plain",
 "draft", "dflash", "uag"), session_id (worker affinity across turns) and timeout_s (the request's
-deadline, seconds). Fields flashfleet cannot honour (n other than 1, tools, penalties, ...) are
-refused with 400 rather than ignored.
+deadline, seconds). Fields flashfleet cannot honour (n other than 1, penalties, the deprecated
+functions, ...) are refused with 400 rather than ignored.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 import time
 import uuid
 from typing import Any
@@ -25,6 +29,7 @@ import grpc
 
 from flashfleet.errors import InvalidArgument, short_details
 from flashfleet.requests import MAX_TIMEOUT_S, MAX_TOP_LOGPROBS, build_request
+from flashfleet.tool_calls import FORMATS, ToolCall
 from flashfleet.types import DECODE_MODE_NAMES, FINISH_REASONS, GenerationStats
 from flashfleet.v1 import common_pb2, coordinator_pb2
 
@@ -43,6 +48,8 @@ HTTP_ERRORS = {
 # FINISH_REASON_CANCELLED (a worker stopped the request) has no OpenAI counterpart: "stop", with
 # flashfleet's own reason in the `flashfleet` object.
 OPENAI_FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
+# The body fields an InvalidArgument's message may start with: the `param` of its 400.
+_PARAMS = re.compile(r"messages|tools|tool_choice|parallel_tool_calls|response_format")
 
 # Every request field of OpenAI's /v1/chat/completions and /v1/completions, and what flashfleet
 # does with it: SERVED (honoured), NOOP (accepted and has no effect, for the reason in docs/operations.md
@@ -58,12 +65,10 @@ REQUEST_FIELDS: dict[str, str | tuple] = {
     # cache reuses prefixes by itself: these change nothing in the answer.
     "user": NOOP, "safety_identifier": NOOP, "metadata": NOOP, "store": NOOP, "service_tier": NOOP,
     "prompt_cache_key": NOOP, "prompt_cache_retention": NOOP, "prompt_cache_options": NOOP,
-    "parallel_tool_calls": NOOP,  # tools are refused, so no call is made in parallel or otherwise
-    "response_format": SERVED,
+    "response_format": SERVED, "tools": SERVED, "tool_choice": SERVED, "parallel_tool_calls": SERVED,
     "n": (None, 1), "best_of": (None, 1), "echo": SERVED, "suffix": (None, ""),
     "logprobs": SERVED, "top_logprobs": SERVED, "logit_bias": (None, {}),
-    "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
-    "function_call": (None, "none", "auto"),
+    "functions": (None, []), "function_call": (None, "none", "auto"),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
     "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,), "moderation": (None,),
@@ -113,6 +118,7 @@ class ParsedRequest:
         timeout_s: the request's deadline in seconds, or None.
         logprobs: whether the answer lists its tokens' log-probabilities.
         echo: the prompt's text to put before the completion's (completions' `echo`), or None.
+        tools: the functions the answer may call (tools given, tool_choice not "none"); () = none.
     """
 
     request: common_pb2.GenerateRequest
@@ -122,6 +128,7 @@ class ParsedRequest:
     timeout_s: float | None = None
     logprobs: bool = False
     echo: str | None = None
+    tools: tuple[str, ...] = ()
 
 
 def _number(body: dict, key: str, kind=(int, float)):
@@ -159,7 +166,11 @@ def _messages(body: dict) -> list[dict]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad(f"messages[{i}] must be an object with a string 'role', got {m!r}", f"messages[{i}]")
         role = "system" if m["role"] == "developer" else m["role"]
-        turns.append({"role": role, "content": _message_text(i, m.get("content"))})
+        turn = {"role": role, "content": _message_text(i, m.get("content"))}
+        for key in ("tool_calls", "tool_call_id"):  # checked by build_request
+            if m.get(key) is not None:
+                turn[key] = m[key]
+        turns.append(turn)
     return turns
 
 
@@ -212,17 +223,32 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     # Echo with logprobs lists the prompt's tokens too; max_tokens 0 has the worker score the prompt
     # (nothing else to do), its logprobs read only when asked for.
     prompt_logprobs = top_logprobs if echo and top_logprobs is not None else 0 if echo and max_tokens == 0 else None
+    if not chat:  # tools are a chat field; their "off" values pass, as elsewhere
+        for key, off in (("tools", (None, [])), ("tool_choice", (None, "none", "auto"))):
+            if body.get(key) not in off:
+                raise bad(short_details(f"{key}={body[key]!r} is not supported on /v1/completions: send tools "
+                                        "to /v1/chat/completions"), key)
     try:
         request = build_request(
             model, prompt, messages=_messages(body) if chat else None,
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
             stop=body.get("stop"), session_id=session_id, request_id=uuid.uuid4().hex, mode=mode,
             response_format=body.get("response_format"), top_logprobs=top_logprobs,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, tools=body.get("tools") if chat else None,
+            tool_choice=body.get("tool_choice") if chat else None,
+            parallel_tool_calls=body.get("parallel_tool_calls") if chat else None)
     except InvalidArgument as e:
-        raise bad(e.details, "response_format" if "response_format" in e.details else None) from None
+        field = _PARAMS.match(e.details)
+        raise bad(e.details, field[0] if field else "response_format" if "response_format" in e.details else None
+                  ) from None
     return ParsedRequest(request, chat, stream, bool(options.get("include_usage")), timeout_s,
-                         top_logprobs is not None, prompt if echo else None)
+                         top_logprobs is not None, prompt if echo else None, _tool_names(request))
+
+
+def _tool_names(request: common_pb2.GenerateRequest) -> tuple[str, ...]:
+    if not request.HasField("tools"):
+        return ()
+    return tuple(t["function"]["name"] for t in json.loads(request.tools.tools_json))
 
 
 def _echo(body: dict, chat: bool) -> bool:
@@ -298,9 +324,12 @@ class ResponseBuilder:
 
     Args:
         parsed: the request (chat or completion; its request_id becomes the response id).
+        tool_format: the served model's tool-call format (`flashfleet.tool_calls.FORMATS` key),
+            for a request whose answer may hold tool calls: its text is parsed into `tool_calls`
+            (whole, or streamed as `delta.tool_calls`); "" or None: the text is content as is.
     """
 
-    def __init__(self, parsed: ParsedRequest):
+    def __init__(self, parsed: ParsedRequest, tool_format: str | None = None):
         self.chat = parsed.chat
         self.model = parsed.request.model
         rid = parsed.request.request_id
@@ -312,6 +341,10 @@ class ResponseBuilder:
         self.offset = 0  # characters of completion text before the next token (completions' text_offset)
         self.echo = parsed.echo  # the prompt's text until it goes out before the first text (echo)
         self.prompt_listed = False  # whether the prompt's logprobs went out (a restarted stream repeats them)
+        fmt = FORMATS.get(tool_format or "") if parsed.tools and parsed.chat else None
+        self.parser = fmt.parser(parsed.tools) if fmt is not None else None
+        self._held_logprobs: list = []  # logprobs of text the parser holds back, sent with the next content
+        self._calls_sent = 0  # tool calls streamed so far (the next one's index)
 
     def _echoed(self, text: str) -> str:
         """`text`, after the prompt's text the first time (echo)."""
@@ -322,6 +355,12 @@ class ResponseBuilder:
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def finish_reason(self, complete: common_pb2.Complete) -> str:
+        """OpenAI's finish_reason: "tool_calls" for an answer that ended on its own (EOS or a stop
+        string) after tool calls, else `finish_reason(complete)`."""
+        reason = finish_reason(complete)
+        return "tool_calls" if reason == "stop" and self.parser is not None and self.parser.calls else reason
 
     def logprobs(self, items, prompt=()) -> dict | None:
         """OpenAI's `logprobs` object of some tokens (TokenLogprob protos), None when the request
@@ -350,11 +389,18 @@ class ResponseBuilder:
 
     def response(self, text: str, complete: common_pb2.Complete, logprobs=(), prompt_logprobs=()) -> dict:
         """The whole answer of a request that was not streamed: one choice (with the tokens'
-        log-probabilities when asked for; echo: the prompt's before), usage and the top-level
-        `flashfleet` object."""
+        log-probabilities when asked for; echo: the prompt's before; with tool calls parsed out of
+        the text into `message.tool_calls`, content null when nothing else is said), usage and the
+        top-level `flashfleet` object."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": finish_reason(complete), "logprobs": self.logprobs(logprobs)}
+            message: dict = {"role": "assistant", "content": text}
+            if self.parser is not None:
+                content, calls = self.parser.parse(text)
+                if calls:
+                    message = {"role": "assistant", "content": content or None,
+                               "tool_calls": [c.openai() for c in calls]}
+            choice = {"index": 0, "message": message, "finish_reason": self.finish_reason(complete),
+                      "logprobs": self.logprobs(logprobs)}
         else:
             choice = {"index": 0, "text": self._echoed(text), "finish_reason": finish_reason(complete),
                       "logprobs": self.logprobs(logprobs, prompt_logprobs)}
@@ -380,21 +426,64 @@ class ResponseBuilder:
         self.started = True
         return self._chunk(choice, include_usage)
 
+    def tool_call_deltas(self, call: ToolCall, include_usage: bool = False) -> list[dict]:
+        """The stream chunks of one parsed call, as OpenAI streams one: `delta.tool_calls` with
+        its index, id, type and name (arguments ""), then one with its arguments."""
+        index, self._calls_sent = self._calls_sent, self._calls_sent + 1
+        head = {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+        first = {"tool_calls": [head]} if self.started else {"role": "assistant", "content": None, "tool_calls": [head]}
+        self.started = True
+        rest = {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}
+        return [self._chunk({"index": 0, "delta": d, "finish_reason": None, "logprobs": None}, include_usage)
+                for d in (first, rest)]
+
+    def _said(self, events: list, include_usage: bool) -> list[dict]:
+        out: list[dict] = []
+        for e in events:
+            if isinstance(e, ToolCall):
+                out += self.tool_call_deltas(e, include_usage)
+            else:
+                out.append(self.delta(e, include_usage, self._held_logprobs))
+                self._held_logprobs = []
+        return out
+
+    def chunks(self, text: str, include_usage: bool = False, logprobs=(), prompt_logprobs=()) -> list[dict]:
+        """The stream chunks of a worker's chunk (its text and tokens' log-probabilities, echo's
+        prompt ones): one delta, none for an empty one after the first; with tool calls, the
+        content and calls the parser can tell so far (text that may be a call is held back, and
+        its tokens' log-probabilities go out with the next content)."""
+        if self.parser is None:
+            return [self.delta(text, include_usage, logprobs, prompt_logprobs)] \
+                if text or logprobs or not self.started else []
+        self._held_logprobs.extend(logprobs)
+        out = self._said(self.parser.feed(text), include_usage)
+        if not self.started:
+            out.append(self.delta("", include_usage, self._held_logprobs))
+            self._held_logprobs = []
+        return out
+
     def final(self, complete: common_pb2.Complete, include_usage: bool = False) -> list[dict]:
-        """The stream's last chunks: the one with finish_reason and the `flashfleet` object, then
-        (with include_usage) one with no choices and the `usage`."""
+        """The stream's last chunks: what the tool-call parser still holds, the one with
+        finish_reason and the `flashfleet` object, then (with include_usage) one with no choices
+        and the `usage`."""
+        out = []
+        if self.parser is not None:
+            out = self._said(self.parser.close(), include_usage)
+            if self._held_logprobs:
+                out.append(self.delta("", include_usage, self._held_logprobs))
         if self.chat:
             delta = {} if self.started else {"role": "assistant", "content": ""}
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason(complete), "logprobs": None}
+            choice = {"index": 0, "delta": delta, "finish_reason": self.finish_reason(complete), "logprobs": None}
         else:
             # echo: a stream whose first message is its end still gives the prompt's text
             choice = {"index": 0, "text": self._echoed(""), "finish_reason": finish_reason(complete), "logprobs": None}
         last = self._chunk(choice, include_usage)
         last["flashfleet"] = flashfleet_fields(self.request_id, complete)
-        if not include_usage:
-            return [last]
-        return [last, {**self._head("chat.completion.chunk" if self.chat else "text_completion"),
-                       "choices": [], "usage": usage(complete)}]
+        out.append(last)
+        if include_usage:
+            out.append({**self._head("chat.completion.chunk" if self.chat else "text_completion"),
+                        "choices": [], "usage": usage(complete)})
+        return out
 
 
 def model_list(served: list[coordinator_pb2.ServedModel]) -> dict:
@@ -404,8 +493,10 @@ def model_list(served: list[coordinator_pb2.ServedModel]) -> dict:
 
 def model_object(served: coordinator_pb2.ServedModel) -> dict:
     """One model in OpenAI's shape, with flashfleet's details (workers serving it, decode modes,
-    context length in tokens) in a `flashfleet` object."""
+    context length in tokens, the chat template's tool-call format or null when it has none:
+    flashfleet/tool_calls.py) in a `flashfleet` object."""
     return {"id": served.info.name, "object": "model", "created": 0, "owned_by": "flashfleet",
             "flashfleet": {"workers": list(served.worker_ids),
                            "modes": [DECODE_MODE_NAMES.get(m, str(m)) for m in served.modes],
-                           "max_context_tokens": served.info.max_context_tokens}}
+                           "max_context_tokens": served.info.max_context_tokens,
+                           "tool_call_format": served.info.tool_call_format or None}}
