@@ -21,8 +21,8 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 
 from coordinator.http_body import read_json
-from coordinator.openai_format import OpenAIError, ParsedRequest, ResponseBuilder, choice_requests, model_list, \
-    model_object, parse_request
+from coordinator.openai_format import OpenAIError, ParsedRequest, ResponseBuilder, builders, choice_requests, \
+    model_list, model_object, parse_request, response
 from coordinator.servicer import CoordinatorServicer, GenerateFailed
 from flashfleet.auth import BAD_KEY, bearer, matches
 from flashfleet.requests import MAX_REQUEST_BYTES
@@ -62,6 +62,14 @@ def _deadline_error(parsed: ParsedRequest) -> OpenAIError:
 
 def _sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _tool_format(servicer: CoordinatorServicer, parsed: ParsedRequest) -> str:
+    """The tool-call format of the requested model as its workers report it ("" when no tool
+    may be called, or no live worker serves the model: the request then fails on its own)."""
+    if not parsed.tools:
+        return ""
+    return next((m.info.tool_call_format for m in servicer.served_models() if m.info.name == parsed.request.model), "")
 
 
 async def _merged(streams: list) -> AsyncIterator[tuple[int, Any]]:
@@ -108,14 +116,14 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     deadline = None if parsed.timeout_s is None else time.monotonic() + parsed.timeout_s
     remaining = (lambda: None) if deadline is None else (lambda: deadline - time.monotonic())
     responses = _merged([servicer.generate(r, remaining) for r in choice_requests(parsed)])
-    out = ResponseBuilder(parsed)
+    out = builders(parsed, _tool_format(servicer, parsed))
     async with contextlib.aclosing(responses):
         if parsed.stream:
             return await _stream(request, parsed, responses, out)
         text = [[] for _ in range(parsed.n)]
         logprobs = [[] for _ in range(parsed.n)]
-        complete = [None] * parsed.n
         prompt_logprobs = [[] for _ in range(parsed.n)]
+        complete = [None] * parsed.n
         try:
             async with asyncio.timeout(parsed.timeout_s):
                 async for index, resp in responses:
@@ -132,16 +140,17 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     if any(c is None for c in complete):
         raise OpenAIError(503, "the worker ended the stream without finishing it", "server_error", None,
                           "unavailable")
-    return web.json_response(out.response(list(zip(("".join(t) for t in text), complete, logprobs, prompt_logprobs))))
+    return web.json_response(response(out, list(zip(("".join(t) for t in text), complete, logprobs,
+                                                    prompt_logprobs))))
 
 
-async def _stream(request: web.Request, parsed: ParsedRequest, responses, out: ResponseBuilder
+async def _stream(request: web.Request, parsed: ParsedRequest, responses, out: list[ResponseBuilder]
                   ) -> web.StreamResponse:
     """Writes the choices' `responses` ((index, message) pairs) as server-sent events, each chunk
-    naming its choice's index; the usage chunk (include_usage) and [DONE] follow the last
-    choice's end. The HTTP status is sent with the first message, so a request refused before
-    any (unknown model, overloaded...) gets its own status; a failure after it is one
-    `data: {"error": ...}` event that ends the stream."""
+    naming its choice's index (`out`: the choices' builders); the usage chunk (include_usage) and
+    [DONE] follow the last choice's end. The HTTP status is sent with the first message, so a
+    request refused before any (unknown model, overloaded...) gets its own status; a failure
+    after it is one `data: {"error": ...}` event that ends the stream."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     completes = [None] * parsed.n
     try:
@@ -151,14 +160,16 @@ async def _stream(request: web.Request, parsed: ParsedRequest, responses, out: R
                     await resp.prepare(request)
                 if msg.WhichOneof("kind") == "complete":
                     completes[index] = msg.complete
-                    await resp.write(_sse(out.finish(msg.complete, parsed.include_usage, index)))
+                    for chunk in out[index].final(msg.complete, parsed.include_usage):
+                        await resp.write(_sse(chunk))
                     if all(c is not None for c in completes):
                         if parsed.include_usage:
-                            await resp.write(_sse(out.usage_chunk(completes)))
+                            await resp.write(_sse(out[0].usage_chunk(completes)))
                         await resp.write(b"data: [DONE]\n\n")
-                elif msg.chunk.text or msg.chunk.logprobs or index not in out.started:
-                    await resp.write(_sse(out.delta(msg.chunk.text, parsed.include_usage, msg.chunk.logprobs,
-                                                    msg.chunk.prompt_logprobs, index)))
+                else:
+                    for chunk in out[index].chunks(msg.chunk.text, parsed.include_usage, msg.chunk.logprobs,
+                                                   msg.chunk.prompt_logprobs):
+                        await resp.write(_sse(chunk))
     except (GenerateFailed, TimeoutError) as e:
         err = OpenAIError.from_status(e.code, e.details) if isinstance(e, GenerateFailed) else _deadline_error(parsed)
         if not resp.prepared:

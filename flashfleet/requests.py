@@ -5,6 +5,7 @@ import json
 from typing import Any, Iterable, Mapping
 
 from flashfleet.errors import InvalidArgument, short_details
+from flashfleet.tool_calls import check_message_tool_calls, check_tool_choice, check_tools
 from flashfleet.types import DECODE_MODES
 from flashfleet.v1 import common_pb2
 
@@ -76,6 +77,9 @@ def build_request(
     response_format: Mapping[str, Any] | None = None,
     json_schema: Mapping[str, Any] | None = None,
     top_logprobs: int | None = None,
+    tools: Iterable[Mapping[str, Any]] | None = None,
+    tool_choice: str | Mapping[str, Any] | None = None,
+    parallel_tool_calls: bool | None = None,
     presence_penalty: float | None = None,
     frequency_penalty: float | None = None,
     repetition_penalty: float | None = None,
@@ -93,6 +97,11 @@ def build_request(
     top_logprobs (0..20): every chunk carries its tokens' log-probabilities with that many
     alternatives; None: none. prompt_logprobs (0..20): the first chunk carries the prompt tokens'
     log-probabilities (OpenAI's echo) with that many alternatives; max_tokens may then be 0.
+    Tool calling, in OpenAI's shapes (flashfleet/tool_calls.py): `tools` (a list of
+    {"type": "function", "function": {...}}), `tool_choice` ("none", "auto", "required" or
+    {"type": "function", "function": {"name": ...}}; "none" sends no tools), `parallel_tool_calls`
+    (default true); chat turns may carry `tool_calls` (an assistant's, OpenAI's shape) and
+    `tool_call_id` (a "tool" turn's). The answer is the model's text in its tool-call format.
     Penalties (worker/engine/penalties.py): presence_penalty and frequency_penalty in [-2, 2]
     (OpenAI's, over the output), repetition_penalty in (0, 10] (over prompt and output; 1 = none);
     logit_bias maps token ids (ints, or their decimal strings as JSON writes them) to a bias in
@@ -106,11 +115,16 @@ def build_request(
             str or a list of them, a session_id or request_id that is not a str, text that is not
             valid Unicode (lone surrogates), a value out of its field's range (max_tokens beyond int32, seed outside [0, 2**64)), a request over
             4 MiB, an unknown mode, or a response_format / json_schema that is not one of the
-            shapes above (both given, an unknown type, a schema that is not a JSON object), a
-            penalty that is not a number, or a logit_bias that is not a mapping of token ids to
-            numbers.
+            shapes above (both given, an unknown type, a schema that is not a JSON object);
+            malformed tools, tool_choice or tool calls (`flashfleet.tool_calls`: the message
+            starts with the field), or a response_format beside tools to call; a penalty that is
+            not a number, or a logit_bias that is not a mapping of token ids to numbers.
     """
     fmt = response_format_proto(response_format, json_schema)
+    tool_spec = tools_proto(tools, tool_choice, parallel_tool_calls)
+    if tool_spec is not None and fmt is not None:
+        raise InvalidArgument("response_format: not served together with tools (a tool call is not the "
+                              "format's JSON); leave one of them out, or set tool_choice 'none'")
     try:
         req = _build(model, prompt, messages, max_tokens, temperature, top_p, seed, stop,
                      session_id, request_id, mode)
@@ -121,6 +135,8 @@ def build_request(
         req.response_format.CopyFrom(fmt)
     if top_logprobs is not None:
         _set_number(req, "top_logprobs", top_logprobs, f"must be an int in [0, {MAX_TOP_LOGPROBS}]")
+    if tool_spec is not None:
+        req.tools.CopyFrom(tool_spec)
     if prompt_logprobs is not None:
         _set_number(req, "prompt_logprobs", prompt_logprobs, f"must be an int in [0, {MAX_TOP_LOGPROBS}]")
     additive = f"must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"
@@ -142,6 +158,25 @@ def build_request(
 
 
 RESPONSE_FORMATS = ("json_object", "json_schema")
+TOOL_CHOICES = ("auto", "required", "function")  # a Tools proto's choice ("none" sends no tools)
+
+
+def tools_proto(tools: Any, tool_choice: Any = None, parallel_tool_calls: Any = None) -> common_pb2.Tools | None:
+    """The Tools proto of OpenAI's `tools`, `tool_choice` and `parallel_tool_calls`; None when no
+    tool may be called (no tools, an empty list, or tool_choice "none").
+
+    Raises:
+        InvalidArgument: malformed tools or tool_choice (`flashfleet.tool_calls.check_tools`,
+            `check_tool_choice`), or a parallel_tool_calls that is not a bool.
+    """
+    checked = check_tools(tools) if tools is not None else []
+    choice, function = check_tool_choice(tool_choice, checked)
+    if parallel_tool_calls not in (None, True, False):
+        raise InvalidArgument(f"parallel_tool_calls must be true or false, got {parallel_tool_calls!r:.40}")
+    if choice == "none" or not checked:
+        return None
+    return common_pb2.Tools(tools_json=json.dumps(checked), choice=choice, function=function,
+                            parallel_calls=parallel_tool_calls is not False)
 
 
 def choice_seed(seed: int, index: int) -> int:
@@ -280,8 +315,15 @@ def _build(model, prompt, messages, max_tokens, temperature, top_p, seed, stop, 
                     or not isinstance(m.get("content"), str):
                 raise InvalidArgument(
                     f"messages[{i}] must be a dict with string 'role' and 'content', got {m!r}")
-            turns.append(common_pb2.ChatMessage(role=m["role"],
-                                                content=_utf8(f"messages[{i}].content", m["content"])))
+            turn = common_pb2.ChatMessage(role=m["role"], content=_utf8(f"messages[{i}].content", m["content"]))
+            if m.get("tool_calls"):
+                turn.tool_calls_json = _utf8(f"messages[{i}].tool_calls", json.dumps(
+                    check_message_tool_calls(i, m["tool_calls"]), ensure_ascii=False))
+            if m.get("tool_call_id") is not None:
+                if not isinstance(m["tool_call_id"], str):
+                    raise InvalidArgument(f"messages[{i}].tool_call_id must be a string, got {m['tool_call_id']!r:.40}")
+                turn.tool_call_id = _utf8(f"messages[{i}].tool_call_id", m["tool_call_id"])
+            turns.append(turn)
         req.messages.CopyFrom(common_pb2.ChatMessages(messages=turns))
     if temperature is not None:
         _set_number(req, "temperature", temperature, "must be a number (0 = greedy)")
@@ -321,7 +363,7 @@ def validate_request(req: common_pb2.GenerateRequest) -> None:
             if m.role not in CHAT_ROLES:
                 raise InvalidArgument(
                     f"messages[{i}].role is {m.role!r}; use one of {', '.join(CHAT_ROLES)}")
-        if not any(m.content.strip() for m in req.messages.messages):
+        if not any(m.content.strip() or m.tool_calls_json for m in req.messages.messages):
             raise InvalidArgument("the prompt is empty: every chat message's content is blank")
     if req.HasField("max_tokens") and req.max_tokens < (0 if req.HasField("prompt_logprobs") else 1):
         raise InvalidArgument(f"max_tokens must be > 0 (0 only with prompt_logprobs), got {req.max_tokens}")
@@ -361,3 +403,11 @@ def validate_request(req: common_pb2.GenerateRequest) -> None:
             raise InvalidArgument(f"response_format.type must be one of {', '.join(RESPONSE_FORMATS)}, got {fmt.type!r:.40}")
         if (fmt.type == "json_schema") != bool(fmt.json_schema):
             raise InvalidArgument("response_format.json_schema is required with type json_schema, and only with it")
+    if req.HasField("tools"):
+        tools = req.tools
+        if tools.choice not in TOOL_CHOICES:
+            raise InvalidArgument(f"tools.choice must be one of {', '.join(TOOL_CHOICES)}, got {tools.choice!r:.40}")
+        if (tools.choice == "function") != bool(tools.function):
+            raise InvalidArgument("tools.function is required with choice 'function', and only with it")
+        if req.HasField("response_format"):
+            raise InvalidArgument("response_format: not served together with tools")

@@ -81,12 +81,20 @@ class ResponseFormat:
     """What the output must be (structured output, worker/engine/grammar.py).
 
     Attributes:
-        type: "json_object" (any JSON object) or "json_schema" (JSON valid against `json_schema`).
+        type: "json_object" (any JSON object), "json_schema" (JSON valid against `json_schema`)
+            or "tool_calls" (tool calls only, in the model's tool-call format: tool_choice
+            "required" or a named function; flashfleet/tool_calls.py).
         json_schema: the JSON Schema as JSON text ("json_schema" only).
+        tools: the OpenAI tools list as JSON text ("tool_calls" only).
+        function: the one function to call, or "" for any of `tools` ("tool_calls" only).
+        parallel_calls: whether several calls may follow one another ("tool_calls" only).
     """
 
     type: str
     json_schema: str = ""
+    tools: str = ""
+    function: str = ""
+    parallel_calls: bool = False
 
 
 MAX_TOP_LOGPROBS = 20  # most alternatives a token's log-probabilities list (OpenAI's bound)
@@ -241,6 +249,7 @@ class ModelDescription:
     draft_weights_bytes: int = 0
     draft_kv_bytes_per_token: int = 0
     num_draft_tokens: int = 0  # draft tokens per speculative cycle (k); 0 without a draft
+    tool_call_format: str = ""  # the chat template's (flashfleet/tool_calls.py); "": tools are refused
 
 
 @dataclass(frozen=True)
@@ -274,11 +283,13 @@ class EngineProtocol(Protocol):
         """The served model: name, context limit, draft."""
         ...
 
-    def encode_prompt(self, prompt: str | None, messages: list[dict] | None) -> list[int]:
-        """Tokenizes raw text, or renders chat messages with the model's template.
+    def encode_prompt(self, prompt: str | None, messages: list[dict] | None,
+                      tools: list[dict] | None = None) -> list[int]:
+        """Tokenizes raw text, or renders chat messages (and the tools the model may call) with
+        the model's template.
 
         Raises:
-            InvalidRequest: malformed messages or a template that rejects them.
+            InvalidRequest: malformed messages or tools, or a template that rejects them.
         """
 
     def submit(self, request: GenerationRequest, emit: EmitFn) -> None:
