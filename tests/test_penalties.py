@@ -215,3 +215,30 @@ def test_bad_values_are_refused_at_submit_naming_the_field(dflash_engine):
     with pytest.raises(InvalidRequest, match=r"logit_bias token ids must be integers in \[0, 512\)"):
         engine.submit(GenerationRequest("bad", prompt, 4, sampling=SamplingParams(logit_bias=((512, 1.0),))),
                       lambda ev: None)
+
+
+def test_a_resumed_session_counts_its_output_so_far(dflash_engine):
+    """A migrated session (its output so far sent as resume tokens) is penalised as if it had
+    never moved: the tokens it resumes after count as output, not as prompt."""
+    import queue
+
+    from worker.engine.types import DoneEvent, TokenEvent
+
+    engine = dflash_engine
+    prompt = tuple(engine.encode_prompt(PROMPTS[1], None))
+    params = SamplingParams(frequency_penalty=2.0, presence_penalty=1.0)
+    for mode in ("plain", "dflash"):
+        events: queue.Queue = queue.Queue()
+        engine.submit(GenerationRequest(f"full-{mode}", prompt, 24, sampling=params, mode=mode), events.put)
+        streamed = []
+        while not isinstance(ev := events.get(timeout=60), DoneEvent):
+            assert isinstance(ev, TokenEvent), ev
+            streamed.append(ev)
+        full = [t for e in streamed for t in e.token_ids]
+        cut = len(streamed) // 2  # the client received the first `cut` events
+        seen = tuple(t for e in streamed[:cut] for t in e.token_ids)
+        assert 0 < len(seen) < len(full)
+        rest, _ = run_request(engine, GenerationRequest(f"resumed-{mode}", prompt, 24, sampling=params, mode=mode,
+                                                        resume_tokens=seen,
+                                                        resume_text="".join(e.text for e in streamed[:cut])))
+        assert list(seen) + rest == full
