@@ -76,6 +76,7 @@ OUTCOME_BY_CODE = {grpc.StatusCode.INVALID_ARGUMENT: "invalid",
 DEADLINE_SLACK_S = 0.05
 FAILOVER_TRANSFER_WAIT_S = 2.0  # a failover waits this long for a KV transfer that is finishing
 CANCEL_TIMEOUT_S = 1.0  # a Cancel sent to a worker waits this long for its answer
+REJOIN_POLL_S = 0.05  # a young coordinator looks this often for a worker that registered since
 MOVES_KEPT = 256  # recent moves kept in `Fleet.moves`
 ROUTE_DRAWS = 16  # workers with a free slot an admission looks at (all of them in a smaller fleet)
 
@@ -560,18 +561,32 @@ class ProxiedStream:
         fleet.affinity.bind(request.session_id, self.worker.worker_id)
         return first
 
-    async def _reattach(self) -> common_pb2.GenerateResponse | None:
-        """RESUMING: asks every live worker serving the model, at once, to re-attach to the
-        session it kept for this request (metadata `RESUME_ONLY_HEADER`: one that keeps none
-        answers NOT_FOUND); sets `worker`, `slot` and `call` and returns the first response of
-        the one that holds it, else None (nothing is left open)."""
+    async def _reattach(self, probed: set[str]) -> common_pb2.GenerateResponse | None:
+        """RESUMING: asks every live worker serving the model and not in `probed`, at once, to
+        re-attach to the session it kept for this request (metadata `RESUME_ONLY_HEADER`: one
+        that keeps none answers NOT_FOUND), adding them to `probed`; sets `worker`, `slot` and
+        `call` and returns the first response of the one that holds it, else None (nothing is
+        left open)."""
         fleet, request = self.fleet, self.request
 
         async def probe(w: WorkerRecord):
             return (w, *await self._open_on(w, request, metadata=((RESUME_ONLY_HEADER, "1"),)))
 
-        workers = [w for w in fleet.registry.live() if w.serves(request.model) and not w.unreachable]
-        results = await asyncio.gather(*(probe(w) for w in workers), return_exceptions=True)
+        workers = [w for w in fleet.registry.live()
+                   if w.serves(request.model) and not w.unreachable and w.worker_id not in probed]
+        probed.update(w.worker_id for w in workers)
+        probes = [asyncio.ensure_future(probe(w)) for w in workers]
+        try:
+            results = await asyncio.gather(*probes, return_exceptions=True)
+        except asyncio.CancelledError:
+            # The client left while probing: gather cancelled the probes still running (each gives
+            # its slot back), but one that had already answered holds a slot and a call.
+            for task in probes:
+                if task.done() and not task.cancelled() and task.exception() is None:
+                    w, slot, call, _ = task.result()
+                    slot.release()
+                    fleet.spawn(fleet.end_session(w, request.request_id, call))
+            raise
         found = [r for r in results if not isinstance(r, BaseException)]
         for w, slot, call, _ in found[1:]:  # one session per request id: never more than one, but nothing leaks
             slot.release()
@@ -606,7 +621,7 @@ class ProxiedStream:
                 young_s = fleet.config.lease_ttl_s - (time.monotonic() - fleet.started_s)
                 if young_s <= 0:
                     raise
-                await asyncio.sleep(min(0.1, young_s))
+                await asyncio.sleep(min(REJOIN_POLL_S, young_s))
 
     async def _open_stream(self) -> common_pb2.GenerateResponse:
         """Opens a worker stream and reads its first message, retrying other workers on
@@ -631,7 +646,13 @@ class ProxiedStream:
             return bounded(state)
 
         if self.state is State.RESUMING:
-            first = await self._reattach()
+            probed: set[str] = set()
+            first = await self._reattach(probed)
+            # A coordinator that just (re)started hears from the workers its predecessor served
+            # within moments of listening: the one keeping this session may not have registered yet.
+            while first is None and time.monotonic() - fleet.started_s < fleet.config.heartbeat_interval_s:
+                await asyncio.sleep(REJOIN_POLL_S)
+                first = await self._reattach(probed)
             if first is not None:
                 return first
         tokens = request_tokens_bound(request)  # KV the request may need: routing prefers room for it

@@ -16,7 +16,7 @@ KEEPALIVE_TIME_MS = 30_000  # every channel pings an idle or silent connection t
 # end with UNAVAILABLE and requests not yet answered go to another worker.
 WORKER_KEEPALIVE_TIME_MS = 5_000
 WORKER_KEEPALIVE_TIMEOUT_MS = 5_000
-RECONNECT_BACKOFF_MS = (100, 1_000)  # a channel dials a lost peer again after this long, first and at most
+RECONNECT_BACKOFF_MS = (100, 250)  # a channel dials a lost peer again after this long, first and at most
 
 
 def channel_options(keepalive_time_ms: int = KEEPALIVE_TIME_MS,
@@ -33,9 +33,11 @@ def channel_options(keepalive_time_ms: int = KEEPALIVE_TIME_MS,
             ("grpc.http2.ping_timeout_ms", keepalive_timeout_ms),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
-            # A peer that went away is dialled again within a second (grpc's default backoff grows
-            # to two minutes): a restarted coordinator gets its workers' registrations and its SDK
-            # clients' resumed streams as soon as it listens, not after the channels' backoff.
+            # A peer that went away is dialled again within a quarter of a second (grpc's default
+            # backoff grows to two minutes; a 1 s cap cost up to a second of a restarted
+            # coordinator's pause): a restarted coordinator gets its workers' registrations and its
+            # SDK clients' resumed streams as soon as it listens. A dial of a closed port costs a
+            # reset, and one to a silent host waits out its connect timeout before the next.
             ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
             ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
             ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1])]

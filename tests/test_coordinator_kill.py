@@ -5,8 +5,9 @@ to the workers). Every stream completes with the token ids of the same requests 
 kill, the stream that triggered the kill re-attaches through the second coordinator to the worker
 still decoding it, the gap the client sees stays under 2 s, and the workers end with no session.
 
-The same through `flashfleet up` (`LocalCluster`): its coordinator is killed, `tend` starts it
-again on the same port, the workers register again and the SDK's streams resume there."""
+The same through `flashfleet up` (`LocalCluster`): its coordinator is killed, `tend` (polled as
+`flashfleet up` polls it) starts it again on the same port, the workers register again and the
+SDK's streams resume there, the gap the client sees under 2 s."""
 from __future__ import annotations
 
 import os
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from flashfleet import Client
 from flashfleet.cli.restarts import RestartBackoff
-from flashfleet.cli.up import LocalCluster, free_port
+from flashfleet.cli.up import TEND_INTERVAL_S, LocalCluster, free_port
 from harness import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -177,7 +178,7 @@ def test_a_coordinator_restarted_by_up_resumes_the_sdk_streams(tiny_models, tmp_
         def tend():
             while not stop.is_set():
                 cluster.tend(backoff, say=lambda line: None)
-                time.sleep(0.1)
+                time.sleep(TEND_INTERVAL_S)
 
         reference = _run_all([([cluster.address], p) for p in PROMPTS[:2]], "ref")
         tender = threading.Thread(target=tend, daemon=True)
@@ -200,6 +201,7 @@ def test_a_coordinator_restarted_by_up_resumes_the_sdk_streams(tiny_models, tmp_
             assert isinstance(got, tuple), (got, (tmp_path / "coordinator.log").read_text()[-3000:])
             assert got[0] == reference[f"ref-{i}"][0]
             print(f"stream {i}: longest gap {got[1]:.2f} s across the coordinator's restart")
-            assert got[1] < 20.0  # the coordinator process starting again dominates it
+            # found exited, started again, listening, its worker registered, the stream resumed
+            assert got[1] < 2.0, (tmp_path / "coordinator.log").read_text()[-3000:]
     finally:
         cluster.stop(grace_s=5)

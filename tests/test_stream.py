@@ -8,6 +8,7 @@ import grpc
 import pytest
 
 from coordinator.config import CoordinatorConfig
+from coordinator.migration import MigrationPolicy
 from coordinator.registry import Registry
 from coordinator.routing import SessionAffinity
 from coordinator.servicer import CoordinatorServicer, GenerateFailed
@@ -67,3 +68,169 @@ def test_a_slot_is_given_back_when_its_block_raises_and_kept_when_it_does_not():
     slot.release()
     slot.release()  # once
     assert worker.in_flight == 0 and released == [1, 2]
+
+
+# ----- in_flight after a worker re-registers, a channel drops, or a client leaves a resume ---------
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Call:
+    """A worker's Generate call whose messages the test feeds (`feed`; an AioRpcError to fail it)."""
+
+    def __init__(self):
+        self.messages: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False
+
+    def feed(self, item) -> None:
+        self.messages.put_nowait(item)
+
+    async def read(self):
+        item = await self.messages.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Pool:
+    """A WorkerPool of fake workers: each Generate opens a `_Call` kept in `calls[address]`; a
+    worker in `answer_first` answers its first read with a chunk at once; Cancel is recorded."""
+
+    def __init__(self, answer_first=()):
+        self.calls: dict[str, list[_Call]] = {}
+        self.cancels: list[tuple[str, str]] = []
+        self.answer_first = set(answer_first)
+
+    def stub(self, address):
+        pool = self
+
+        class Stub:
+            def Generate(self, request, timeout=None, metadata=None):
+                call = _Call()
+                pool.calls.setdefault(address, []).append(call)
+                if address in pool.answer_first:
+                    call.feed(_chunk(1))
+                return call
+
+            async def Cancel(self, request, timeout=None):
+                pool.cancels.append((address, request.request_id))
+                return worker_pb2.CancelResponse()
+        return Stub()
+
+    async def drop(self, address):
+        pass
+
+
+def _chunk(token: int) -> worker_pb2.GenerateResponse:
+    return common_pb2.GenerateResponse(chunk=common_pb2.Chunk(token_ids=[token], text="x"))
+
+
+def _register(registry: Registry, worker_id: str, address: str):
+    return registry.register(worker_pb2.RegisterRequest(
+        worker_id=worker_id, address=address, models=[common_pb2.ModelInfo(name="m")],
+        load=worker_pb2.WorkerLoad(capacity=4)))
+
+
+def _servicer(registry: Registry, pool) -> CoordinatorServicer:
+    config = CoordinatorConfig(port=0, route_attempts=1, max_queued=0, lease_ttl_s=10.0, heartbeat_interval_s=0.5,
+                               migration=MigrationPolicy(enabled=False))
+    return CoordinatorServicer(config, MemoryState("c1", registry, SessionAffinity(60.0)), pool)
+
+
+def test_a_worker_that_registers_again_mid_stream_is_left_with_no_stream_counted():
+    """Re-registration under a live lease keeps the record (the stream is released from it);
+    after an expiry it makes a new record, which never counted the old stream: either way the
+    worker's live record is back at 0 when the stream ends, and so is the record it left."""
+    clock = _Clock()
+    registry = Registry(lease_ttl_s=10.0, clock=clock)
+    first = _register(registry, "w1", "127.0.0.1:1")
+    pool = _Pool()
+    servicer = _servicer(registry, pool)
+
+    async def run():
+        request = common_pb2.GenerateRequest(model="m", prompt="hi", max_tokens=4, request_id="r1")
+        got = []
+
+        async def consume():
+            async for resp in servicer.generate(request, lambda: None):
+                got.append(resp)
+        task = asyncio.get_running_loop().create_task(consume())
+        while "127.0.0.1:1" not in pool.calls:
+            await asyncio.sleep(0.01)
+        (call,) = pool.calls["127.0.0.1:1"]
+        call.feed(_chunk(1))
+        while not got:
+            await asyncio.sleep(0.01)
+        assert first.in_flight == 1
+        assert _register(registry, "w1", "127.0.0.1:1") is first and first.in_flight == 1  # live: same record
+        clock.now += 11.0  # the lease runs out (no heartbeat) and the worker registers again
+        second = _register(registry, "w1", "127.0.0.1:1")
+        assert second is not first and second.in_flight == 0
+        call.feed(common_pb2.GenerateResponse(complete=common_pb2.Complete(finish_reason=common_pb2.FINISH_REASON_LENGTH)))
+        await task
+        return second
+
+    second = asyncio.run(run())
+    assert first.in_flight == 0 and second.in_flight == 0 and registry.get("w1").in_flight == 0
+
+
+def test_a_channel_that_drops_mid_stream_leaves_no_stream_counted():
+    registry = Registry(lease_ttl_s=10.0)
+    worker = _register(registry, "w1", "127.0.0.1:1")
+    pool = _Pool(answer_first=["127.0.0.1:1"])
+    servicer = _servicer(registry, pool)
+
+    async def run():
+        request = common_pb2.GenerateRequest(model="m", prompt="hi", max_tokens=4, request_id="r1")
+        with pytest.raises(GenerateFailed) as failed:
+            async for _ in servicer.generate(request, lambda: None):
+                pool.calls["127.0.0.1:1"][0].feed(grpc.aio.AioRpcError(
+                    grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "connection reset"))
+        return failed.value
+
+    failed = asyncio.run(run())
+    assert failed.code == grpc.StatusCode.UNAVAILABLE
+    assert worker.in_flight == 0 and worker.unreachable
+
+
+def test_a_client_that_leaves_while_its_resume_probes_the_workers_leaves_no_slot_taken():
+    """A resumed request probes every worker at once; the client leaves after one answered
+    (it holds the session) while another still has not: both slots are given back, and the one
+    that answered is told to end the session."""
+    registry = Registry(lease_ttl_s=10.0)
+    holder = _register(registry, "w1", "127.0.0.1:1")
+    slow = _register(registry, "w2", "127.0.0.1:2")
+    pool = _Pool(answer_first=["127.0.0.1:1"])
+    servicer = _servicer(registry, pool)
+
+    async def run():
+        request = common_pb2.GenerateRequest(model="m", prompt="hi", max_tokens=8, request_id="r1",
+                                             resume_token_ids=[5, 6], resume_text="ab")
+
+        async def consume():
+            async for _ in servicer.generate(request, lambda: None):
+                pass
+        task = asyncio.get_running_loop().create_task(consume())
+        while len(pool.calls) < 2 or not pool.calls["127.0.0.1:1"][0].messages.empty():
+            await asyncio.sleep(0.01)  # w1 answered its probe (its chunk was read); w2 says nothing
+        await asyncio.sleep(0.05)
+        assert holder.in_flight == 1 and slow.in_flight == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):  # the Cancel to the holder runs in the background
+            if pool.cancels:
+                break
+            await asyncio.sleep(0.01)
+
+    asyncio.run(run())
+    assert holder.in_flight == 0 and slow.in_flight == 0
+    assert ("127.0.0.1:1", "r1") in pool.cancels and pool.calls["127.0.0.1:1"][0].cancelled

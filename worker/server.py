@@ -28,6 +28,10 @@ log = logging.getLogger("flashfleet.worker")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 REGISTER_TIMEOUT_S = 5.0
 UNREACHABLE_WARN_EVERY_S = 60.0  # while registration fails, the log says so this often
+# Registration retries wait at most this long (seconds): a restarted coordinator gets the worker
+# within this of listening (its SDK streams wait for a worker to resume on), and a refused dial
+# costs next to nothing.
+REGISTER_RETRY_MAX_S = 0.1
 FAILED_STREAMS_GRACE_S = 1.0  # after the engine died: time for the streams' UNAVAILABLE to go out
 
 
@@ -249,7 +253,7 @@ async def _register(w: RunningWorker, addresses: list[str], at: int, channels: "
 
     async for attempt in AsyncRetrying(
             retry=retry_if_exception_type(grpc.aio.AioRpcError),
-            wait=wait_exponential_jitter(multiplier=0.1, max=2.0, jitter=0.1), before_sleep=before_sleep):
+            wait=wait_exponential_jitter(multiplier=0.02, max=REGISTER_RETRY_MAX_S, jitter=0.02), before_sleep=before_sleep):
         with attempt:
             resp = await channels.stub(addresses[spot[0]]).Register(worker_pb2.RegisterRequest(
                 worker_id=w.worker_id, address=w.advertise_address, models=[convert.model_info(w.engine.model)],

@@ -18,6 +18,9 @@ from flashfleet.cli.restarts import RestartBackoff, should_restart
 from flashfleet.config import tcp_port
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+# How often `flashfleet up` looks for exited children (seconds): a killed coordinator is started
+# again within this (its SDK streams pause until it is back), and a poll of a few processes is free.
+TEND_INTERVAL_S = 0.1
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -290,7 +293,7 @@ class LocalCluster:
                 for n, code in gone]
 
     def tend(self, backoff: RestartBackoff, say=print) -> None:
-        """One round of supervision once the cluster is up (call it every half second or so):
+        """One round of supervision once the cluster is up (call it every `TEND_INTERVAL_S`):
         reaps exited children; a worker that exited with a failure (`should_restart`) is started
         again, with its command and its log (appended to), after `backoff`'s delay; another
         exit is reported and the other workers keep serving. The coordinator that exited with a
@@ -532,7 +535,7 @@ def main(argv: list[str]) -> int:
         while not stop["now"]:
             cluster.tend(backoff, say=lambda line: print(f"flashfleet up: {line}", file=sys.stderr,
                                                          flush=True))
-            time.sleep(0.5)
+            time.sleep(TEND_INTERVAL_S)
     except RuntimeError as e:
         print(f"flashfleet up: {e}", file=sys.stderr)
         return 1
