@@ -66,7 +66,8 @@ class RpcLag:
     @property
     def lag_s(self) -> float:
         """Seconds an RPC waits now: the least of the last `window` probes' round trips (0.0
-        before there are `window`), or the age of the probe still unanswered when that is longer."""
+        before there are `window`), or, when longer, how long ago the first probe still without an
+        answer was sent (a refused or timed-out probe is sent again; the wait counts on)."""
         done = min(self._rtts) if len(self._rtts) == self._rtts.maxlen else 0.0
         pending = 0.0 if self._pending_since is None else time.monotonic() - self._pending_since
         return max(done, pending)
@@ -101,13 +102,18 @@ class RpcLag:
         async with grpc.aio.insecure_channel(f"unix:{self._socket()}") as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while True:
-                t0 = self._pending_since = time.monotonic()
+                if self._pending_since is None:
+                    self._pending_since = time.monotonic()
                 try:
                     await stub.Check(health_pb2.HealthCheckRequest(), timeout=PROBE_TIMEOUT_S)
                 except grpc.aio.AioRpcError:
-                    pass  # the server stops (or answers NOT_SERVING): the time still counts
+                    # Refused (gRPC sheds calls when too many wait to be taken) or timed out: no
+                    # answer yet, so the wait goes on counting from the first unanswered probe.
+                    await asyncio.sleep(self.interval_s)
+                    continue
+                rtt = time.monotonic() - self._pending_since
                 self._pending_since = None
-                self.record(time.monotonic() - t0)
+                self.record(rtt)
                 await asyncio.sleep(self.interval_s)
 
     def close(self) -> None:

@@ -247,6 +247,7 @@ class Fleet:
         # How late this coordinator answers RPCs (its probe is started with the server,
         # coordinator/server.py): while it is overloaded new requests wait for room.
         self.rpc_lag = RpcLag(on_recover=self.admission.notify)
+        self.admission.held = self.rpc_lag.overloaded
 
     def decide_for_others(self) -> None:
         """Runs the migration policy, as the owner of its workers, for the streams other
