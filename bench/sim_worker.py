@@ -18,12 +18,15 @@ own Register and Heartbeat calls); real workers each have their own.
         --tokens-per-s 25 [--tokens-per-chunk 1] [--model sim]
 
 prints "ready N" once its N workers are registered and runs until SIGINT/SIGTERM (then
-deregisters them).
+deregisters them and prints one JSON line, "heartbeats {...}": each heartbeat's wall-clock send
+time, round trip and how much later than due this process sent it, in seconds, and the times a
+heartbeat found its lease expired).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import signal
 import sys
 import time
@@ -166,6 +169,11 @@ class SimFleet:
     tasks: list[asyncio.Task]
     leases: dict[str, str] = field(default_factory=dict)  # worker id -> lease id
     heartbeats: int = 0
+    # (wall-clock send time, seconds until the coordinator answered, seconds this process sent it
+    # later than due) of every heartbeat, and the wall-clock times a heartbeat was refused because
+    # the lease had run out (then it registers again)
+    heartbeat_rtts: list[tuple[float, float, float]] = field(default_factory=list)
+    lease_losses: list[float] = field(default_factory=list)
 
     async def stop(self) -> None:
         """Stops heartbeats, deregisters every worker (best effort) and stops the servers."""
@@ -195,12 +203,19 @@ async def _keep_registered(fleet: SimFleet, stub, worker: SimWorker, address: st
         # Heartbeats of many workers spread over the interval, as independent workers' are.
         await asyncio.sleep(resp.heartbeat_interval_s * (hash(worker.worker_id) % 1000) / 1000)
         try:
+            late = 0.0
             while True:
+                sent, t0 = time.time(), time.monotonic()
                 await stub.Heartbeat(worker_pb2.HeartbeatRequest(
                     worker_id=worker.worker_id, lease_id=resp.lease_id, load=worker.load()), timeout=30)
+                fleet.heartbeat_rtts.append((sent, time.monotonic() - t0, late))
                 fleet.heartbeats += 1
+                due = time.monotonic() + resp.heartbeat_interval_s
                 await asyncio.sleep(resp.heartbeat_interval_s)
-        except grpc.aio.AioRpcError:
+                late = time.monotonic() - due
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                fleet.lease_losses.append(time.time())
             continue
 
 
@@ -257,6 +272,9 @@ def main(argv=None) -> int:
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         await fleet.stop()
+        print("heartbeats " + json.dumps({"rtts": [[round(t, 3), round(r, 4), round(late, 4)]
+                                                   for t, r, late in fleet.heartbeat_rtts],
+                                          "lease_losses": [round(t, 3) for t in fleet.lease_losses]}), flush=True)
 
     asyncio.run(run())
     return 0

@@ -47,6 +47,9 @@ class CoordinatorMetrics:
         self.queued = Gauge(
             "flashfleet_coordinator_queued_requests", "Requests waiting for a free worker slot "
             "(every worker serving their model is at capacity).", registry=registry)
+        self.rpc_lag = Gauge(
+            "flashfleet_coordinator_rpc_lag_seconds", "How long the coordinator takes to answer an RPC, "
+            "measured on itself (coordinator/overload.py); above 0.5 s new requests wait.", registry=registry)
         self.workers = Gauge(
             "flashfleet_coordinator_workers", "Workers with a live lease.", registry=registry)
         self.worker_up = Gauge(

@@ -22,7 +22,8 @@ bandwidths (decode reads the weights and the cache once a step: Leviathan et al.
 memory-bound regime); without either it is no candidate. On a destination without the source's
 draft kind, s counts as 1.
 
-**Rule** (`MigrationPolicy.decide`, at most every `check_interval_s` per stream):
+**Rule** (`MigrationPolicy.decide`, at most every `check_interval_s` per stream, and once per load
+report of its worker: between two heartbeats a check would weigh the same sessions):
 
 - *drain*: the source is being drained: move to the candidate predicting the most tokens/s
   (the least busy when none can be predicted);
@@ -64,7 +65,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Callable, ClassVar, Iterable, Sequence
 
 from coordinator.registry import WorkerRecord
 from flashfleet.kv_need import final_need_bytes
@@ -205,7 +206,8 @@ class MigrationPolicy:
         min_remaining_tokens: a session with fewer tokens left stays (speed and load moves).
         cooldown_s: a session moved this recently stays where it is, and does not go back to the
             worker it left within this time.
-        check_interval_s: a stream asks the policy at most this often.
+        check_interval_s: a stream asks the policy at most this often (and at most once per load
+            report of its worker, drains excepted).
         link_bandwidth_bytes_per_s: the network between workers (default 1 Gb/s): moving a KV
             cache of b bytes costs b / this.
         hysteresis: a speed or load move needs a predicted saving of this many times its cost.
@@ -215,6 +217,10 @@ class MigrationPolicy:
             drawn at random from the fleet when it has more (a drain weighs every worker).
         rng: the random source of those draws.
     """
+
+    # What it weighs changes only with the workers' load reports: a stream asks again only after
+    # its worker's next one (ProxiedStream); a policy without this attribute is asked every check.
+    once_per_load_report: ClassVar[bool] = True
 
     enabled: bool = True
     min_remaining_tokens: int = 64

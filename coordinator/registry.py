@@ -8,6 +8,7 @@ ReplicaQueueLengthCache does).
 from __future__ import annotations
 
 import math
+import random
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -56,6 +57,13 @@ class WorkerRecord:
     unreachable: bool = False
     draining: bool = False
     profile_cache: tuple = field(default=(None, None), repr=False, compare=False)
+    on_change: Callable[["WorkerRecord"], None] | None = field(default=None, repr=False, compare=False)
+
+    def changed(self) -> None:
+        """Tells the registry holding the record that its free slots may have changed (a stream
+        took or gave back one): its index of workers with a free slot follows."""
+        if self.on_change is not None:
+            self.on_change(self)
 
     def serves(self, model: str, mode: int = common_pb2.DECODE_MODE_AUTO) -> bool:
         """True when the worker serves `model` and, for a speculative mode (DRAFT, DFLASH, UAG),
@@ -96,6 +104,31 @@ class WorkerRecord:
         return self.busy / self.capacity
 
 
+class _FreeSet:
+    """Workers with a free slot for one model: add, remove and a random draw in O(1) each."""
+
+    def __init__(self):
+        self.items: list[WorkerRecord] = []
+        self._pos: dict[str, int] = {}
+
+    def add(self, rec: WorkerRecord) -> None:
+        i = self._pos.get(rec.worker_id)
+        if i is None:
+            self._pos[rec.worker_id] = len(self.items)
+            self.items.append(rec)
+        else:
+            self.items[i] = rec
+
+    def discard(self, worker_id: str) -> None:
+        i = self._pos.pop(worker_id, None)
+        if i is None:
+            return
+        last = self.items.pop()
+        if i < len(self.items):
+            self.items[i] = last
+            self._pos[last.worker_id] = i
+
+
 class UnknownLease(LookupError):
     """Heartbeat or deregistration for a worker/lease the registry does not hold (expired)."""
 
@@ -111,6 +144,11 @@ class Registry:
         expires: whether leases expire by this registry's clock; False when the registry is a
             view of a shared store whose own leases decide (coordinator/state/etcd.py: it then
             calls `upsert` and `drop`).
+
+    Attributes:
+        grace: seconds a lease gets beyond `lease_ttl_s` now, or None: how late the coordinator
+            itself answers RPCs (coordinator/overload.py), so a heartbeat that waits in its
+            queue does not expire a live worker.
     """
 
     def __init__(self, lease_ttl_s: float, clock: Clock = time.monotonic,
@@ -125,6 +163,14 @@ class Registry:
         # call (every heartbeat and routing decision calls it).
         self._oldest_heartbeat_s = math.inf
         self.frozen = not expires
+        self.grace: Callable[[], float] | None = None
+        # Per model: the workers serving it (registration order) and those of them with a free
+        # slot, kept as slots are taken and given back, so admission and routing look at a few
+        # workers, not the whole fleet, per request.
+        self._serving: dict[str, dict[str, WorkerRecord]] = {}
+        self._free: dict[str, _FreeSet] = {}
+        self._indexed: dict[str, frozenset[str]] = {}  # worker id -> the models it is indexed under
+        self._rng = random.Random()
 
     def freeze(self) -> None:
         """Stops lease expiry for good: the coordinator is shutting down and refuses new RPCs,
@@ -171,14 +217,68 @@ class Registry:
         rec.model_names = frozenset(m.name for m in req.models)
         rec.last_heartbeat_s, rec.unreachable = now, False
         self._oldest_heartbeat_s = min(self._oldest_heartbeat_s, now)
+        rec.on_change = self._index
+        self._index(rec)
         return rec
+
+    def _index(self, rec: WorkerRecord) -> None:
+        """Brings the per-model index up to `rec` (its models, whether it has a free slot); a
+        record no longer in the registry (a stream outlived its worker's lease) is not indexed."""
+        if self._workers.get(rec.worker_id) is not rec:
+            return
+        old = self._indexed.get(rec.worker_id, frozenset())
+        if old != rec.model_names:
+            for model in old - rec.model_names:
+                self._unindex_model(rec.worker_id, model)
+            for model in rec.model_names - old:
+                self._serving.setdefault(model, {})[rec.worker_id] = rec
+            self._indexed[rec.worker_id] = rec.model_names
+        free = rec.in_flight < rec.capacity
+        for model in rec.model_names:
+            if free:
+                self._free.setdefault(model, _FreeSet()).add(rec)
+            elif model in self._free:
+                self._free[model].discard(rec.worker_id)
+
+    def _unindex_model(self, worker_id: str, model: str) -> None:
+        serving = self._serving.get(model)
+        if serving is not None:
+            serving.pop(worker_id, None)
+            if not serving:
+                del self._serving[model]
+        free = self._free.get(model)
+        if free is not None:
+            free.discard(worker_id)
+            if not free.items:
+                del self._free[model]
+
+    def _unindex(self, rec: WorkerRecord) -> None:
+        for model in self._indexed.pop(rec.worker_id, frozenset()):
+            self._unindex_model(rec.worker_id, model)
+
+    def serving(self, model: str) -> list[WorkerRecord]:
+        """The live workers serving `model` (any mode), in registration order."""
+        self.expire()
+        return list(self._serving.get(model, {}).values())
+
+    def free_sample(self, model: str, k: int) -> list[WorkerRecord]:
+        """Up to `k` live workers serving `model` with a free slot (busy < capacity): all of them
+        when there are at most `k`, else `k` drawn at random. O(k), whatever the fleet's size."""
+        self.expire()
+        free = self._free.get(model)
+        if free is None:
+            return []
+        items = free.items
+        return list(items) if len(items) <= k else self._rng.sample(items, k)
 
     def drop(self, worker_id: str, reason: str) -> WorkerRecord | None:
         """Removes a worker for `reason` ("expired" or "deregistered", told to `on_remove`);
         returns its record, or None when it was not there."""
         rec = self._workers.pop(worker_id, None)
-        if rec is not None and self._on_remove:
-            self._on_remove(rec, reason)
+        if rec is not None:
+            self._unindex(rec)
+            if self._on_remove:
+                self._on_remove(rec, reason)
         return rec
 
     def heartbeat(self, worker_id: str, lease_id: str, load: worker_pb2.WorkerLoad) -> WorkerRecord:
@@ -191,6 +291,7 @@ class Registry:
         rec.load = load
         rec.last_heartbeat_s = self._clock()
         rec.unreachable = False  # it is alive: route to it again
+        self._index(rec)  # its capacity may have changed
         return rec
 
     def deregister(self, worker_id: str, lease_id: str) -> WorkerRecord:
@@ -206,11 +307,13 @@ class Registry:
         if self.frozen:
             return []
         now = self._clock()
-        if now - self._oldest_heartbeat_s <= self.lease_ttl_s:  # also for no workers (inf)
+        ttl = self.lease_ttl_s + (self.grace() if self.grace is not None else 0.0)
+        if now - self._oldest_heartbeat_s <= ttl:  # also for no workers (inf)
             return []
-        gone = [r for r in self._workers.values() if now - r.last_heartbeat_s > self.lease_ttl_s]
+        gone = [r for r in self._workers.values() if now - r.last_heartbeat_s > ttl]
         for rec in gone:
             del self._workers[rec.worker_id]
+            self._unindex(rec)
             if self._on_remove:
                 self._on_remove(rec, "expired")
         self._oldest_heartbeat_s = min((r.last_heartbeat_s for r in self._workers.values()), default=math.inf)

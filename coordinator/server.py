@@ -50,6 +50,8 @@ class RunningCoordinator:
     metrics: CoordinatorMetrics
     _expiry_task: asyncio.Task
     _pool: WorkerPool
+    _owner_task: asyncio.Task | None = None  # decides moves for other coordinators' streams (shared state)
+    _lag_task: asyncio.Task | None = None  # probes how late it answers RPCs (coordinator/overload.py)
     http_port: int | None = None  # the OpenAI-compatible HTTP API's port (None: not served)
     _http_runner: object = None  # its aiohttp AppRunner
     http_scheme: str = "http"  # "https" (mutual TLS) when the coordinator serves TLS
@@ -71,6 +73,9 @@ class RunningCoordinator:
         config's shutdown_grace_s) and closes the worker channels."""
         await self.health.enter_graceful_shutdown()
         self._expiry_task.cancel()
+        for task in (self._owner_task, self._lag_task):
+            if task is not None:
+                task.cancel()
         self.registry.freeze()  # heartbeats are refused from here: no lease may expire for it
         stopping = [self.server.stop(grace_s)]
         if self._http_runner is not None:
@@ -78,6 +83,7 @@ class RunningCoordinator:
         await asyncio.gather(*stopping)
         await self._pool.close()
         await self.state.close()
+        self.servicer.fleet.rpc_lag.close()
 
 
 async def start_coordinator(config: CoordinatorConfig,
@@ -168,6 +174,8 @@ async def start_coordinator(config: CoordinatorConfig,
         port = add_port(server, f"{config.host}:{config.port}", tls)
         if port == 0:
             raise RuntimeError(f"could not bind {config.host}:{config.port} (in use?)")
+        servicer.fleet.rpc_lag.attach(server)
+        registry.grace = lambda: servicer.fleet.rpc_lag.lag_s  # a heartbeat still in line is no silence
         http_runner = http_port = None
         if config.http_port is not None:  # before the gRPC server starts: a failure here leaves nothing to stop
             from coordinator.openai_api import start_http
@@ -177,6 +185,7 @@ async def start_coordinator(config: CoordinatorConfig,
                                                       tls.server_ssl_context() if tls is not None else None,
                                                       state.api_keys)
     except BaseException:
+        servicer.fleet.rpc_lag.close()
         await state.close()
         raise
     await server.start()
@@ -193,9 +202,12 @@ async def start_coordinator(config: CoordinatorConfig,
                 metrics.draining.labels(worker=w.worker_id).set(1 if w.draining else 0)
                 metrics.worker_heartbeat_age.labels(worker=w.worker_id).set(registry.heartbeat_age_s(w))
 
-    task = asyncio.get_running_loop().create_task(expire_loop())
+    loop = asyncio.get_running_loop()
+    task = loop.create_task(expire_loop())
+    owner_task = loop.create_task(servicer.fleet.decide_for_others_loop()) if state.shared else None
+    lag_task = loop.create_task(servicer.fleet.rpc_lag.run())
     return RunningCoordinator(server, port, registry, servicer, state, health_servicer, metrics, task, pool,
-                              http_port, http_runner, "https" if tls is not None else "http")
+                              owner_task, lag_task, http_port, http_runner, "https" if tls is not None else "http")
 
 
 async def serve(config: CoordinatorConfig, metrics_port: int | None = None, tls=None) -> None:

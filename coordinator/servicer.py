@@ -92,6 +92,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.moves = self.fleet.moves  # recent moves, newest last
         if metrics:
             metrics.queued.set_function(lambda: self.admission.waiting)
+            metrics.rpc_lag.set_function(lambda: self.fleet.rpc_lag.lag_s)
 
     @property
     def config(self) -> CoordinatorConfig:
@@ -147,7 +148,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     the request_id of a request still in flight.
                 NOT_FOUND: no live worker serves the model (or none has a draft for the requested mode).
                 RESOURCE_EXHAUSTED: every eligible worker is full and the admission queue is full or
-                    its `queue_timeout_s` ran out.
+                    its `queue_timeout_s` ran out (a new request also waits there while this
+                    coordinator answers RPCs later than `overload.MAX_RPC_LAG_S`).
                 the worker's own status code: the last worker tried refused the request before its
                     first message, or a worker failed mid-stream (never retried once tokens were sent).
         """
@@ -176,6 +178,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             raise GenerateFailed(grpc.StatusCode.INVALID_ARGUMENT,
                                  f"request_id {request.request_id!r} is already in flight: give each request "
                                  "its own id (or none: the coordinator makes one)")
+
         self._in_flight.add(request.request_id)
         try:
             stream = ProxiedStream(self.fleet, request, time_remaining, t0)

@@ -22,8 +22,9 @@ while the stream goes on (coordinator/kv_transfer.py), then the same request, re
 tokens already sent and naming the imported state, opens on the destination (or, without a state,
 prefills everything there), and the source call is cancelled once the destination answers. Of
 the policy's moves, a coordinator that does not own the stream's worker (coordinator/state/:
-with several coordinators sharing the fleet's state, each worker has one owner) makes only drain
-moves.
+with several coordinators sharing the fleet's state, each worker has one owner) decides only
+drain moves; the owner decides the others for it (`Fleet.decide_for_others`) and the stream
+makes them (`ProxiedStream.owner_move`).
 
 Ends: a stream that ends before its worker's Complete (its client left, its deadline, an error)
 sends the worker Cancel(request_id) before it closes the call, so the worker frees the session at
@@ -47,9 +48,10 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 from coordinator import kv_transfer
 from coordinator.admission import AdmissionQueue
 from coordinator.config import CoordinatorConfig
-from coordinator.migration import Decision, StreamProgress
+from coordinator.migration import Decision, StreamProgress, session_load
+from coordinator.overload import RpcLag
 from coordinator.registry import WorkerRecord
-from coordinator.routing import AllBusy, NoWorker, PowerOfTwoRouter, request_tokens_bound, route
+from coordinator.routing import AllBusy, NoWorker, PowerOfTwoRouter, has_kv_room, request_tokens_bound, route
 from coordinator.state import FleetState
 from flashfleet.errors import short_details
 from flashfleet.requests import RESUME_ONLY_HEADER
@@ -76,6 +78,7 @@ FAILOVER_TRANSFER_WAIT_S = 2.0  # a failover waits this long for a KV transfer t
 CANCEL_TIMEOUT_S = 1.0  # a Cancel sent to a worker waits this long for its answer
 REJOIN_POLL_S = 0.05  # a young coordinator looks this often for a worker that registered since
 MOVES_KEPT = 256  # recent moves kept in `Fleet.moves`
+ROUTE_DRAWS = 16  # workers with a free slot an admission looks at (all of them in a smaller fleet)
 
 
 def deadline_passed(time_remaining: TimeRemaining) -> bool:
@@ -129,12 +132,14 @@ class Slot:
         self._on_release = on_release
         self.held = True
         worker.in_flight += 1
+        worker.changed()
 
     def release(self) -> None:
         """Gives the slot back (once; later calls do nothing)."""
         if self.held:
             self.held = False
             self.worker.in_flight -= 1
+            self.worker.changed()
             self._on_release()
 
     def __enter__(self) -> "Slot":
@@ -198,6 +203,12 @@ def _full(exc: BaseException | None) -> bool:
     return isinstance(exc, WorkerFailed) and exc.error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+def _takes(w: WorkerRecord, model: str, mode: int) -> bool:
+    """Whether routing may give `w` a request for `model` in `mode` now: it serves them, has a
+    free slot, and is neither draining nor marked unreachable."""
+    return w.busy < w.capacity and not w.draining and not w.unreachable and w.serves(model, mode)
+
+
 def _no_message() -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                 "the worker ended the stream without a message")
@@ -226,6 +237,71 @@ class Fleet:
         self.moves: deque[Move] = deque(maxlen=MOVES_KEPT)  # recent moves, newest last
         self._background: set[asyncio.Task] = set()  # best-effort calls nobody waits for
         self.started_s = time.monotonic()
+        # Moves this coordinator decided, as its workers' owner, for streams other coordinators
+        # proxy: request id -> when (not asked again within the policy's cooldown), and a count.
+        self._decided_for_others: dict[str, float] = {}
+        self.moves_decided_for_others = 0
+        # worker id -> (its load report last weighed, {request id: first seen on it}) for those
+        self._owner_checked: dict[str, tuple[object, dict[str, float]]] = {}
+        state.on_move = self.moved_by_owner
+        # How late this coordinator answers RPCs (its probe is started with the server,
+        # coordinator/server.py): while it is overloaded new requests wait for room.
+        self.rpc_lag = RpcLag(on_recover=self.admission.notify)
+        self.admission.held = self.rpc_lag.overloaded
+
+    def decide_for_others(self) -> None:
+        """Runs the migration policy, as the owner of its workers, for the streams other
+        coordinators proxy from them (coordinator/state/: shared state only), once per load
+        report of each worker, and asks their coordinators to make the moves it decides
+        (`FleetState.request_move`). The streams this coordinator proxies decide for themselves.
+
+        A stream that arrived on the worker by a move or a resume (its placement counts tokens
+        already sent) stays for the policy's cooldown from when this coordinator first saw it
+        there, and a stream asked to move is not asked again within the cooldown."""
+        policy, state = self.config.migration, self.state
+        if not policy.enabled:
+            return
+        now = time.monotonic()
+        self._decided_for_others = {r: t for r, t in self._decided_for_others.items() if now - t < policy.cooldown_s}
+        live = self.registry.live()
+        for worker_id in [w for w in self._owner_checked if self.registry.get(w) is None]:
+            del self._owner_checked[worker_id]
+        for source in live:
+            if source.draining or not state.owns(source.worker_id):
+                continue  # a drain's moves are every proxying coordinator's own
+            checked_load, seen_before = self._owner_checked.get(source.worker_id, (None, {}))
+            if checked_load is source.load:
+                continue
+            seen = {}  # request id -> when first seen on this worker
+            for placement in state.foreign_placements(source.worker_id):
+                first = seen[placement.request_id] = seen_before.get(placement.request_id, now)
+                if placement.request_id in self._decided_for_others:
+                    continue
+                arrived_s = first if placement.tokens > 0 else None
+                # The proxying coordinator moves it only once it has forwarded tokens.
+                decision = policy.decide(placement.request(), source, max(placement.tokens, 1), live, arrived_s, now)
+                if decision is not None:
+                    self._decided_for_others[placement.request_id] = now
+                    self.moves_decided_for_others += 1
+                    state.request_move(placement, decision.dest.worker_id, decision.reason)
+            self._owner_checked[source.worker_id] = (source.load, seen)
+
+    async def decide_for_others_loop(self) -> None:
+        """`decide_for_others` every `check_interval_s` (at least every 50 ms), until cancelled."""
+        while True:
+            await asyncio.sleep(max(self.config.migration.check_interval_s, 0.05))
+            try:
+                self.decide_for_others()
+            except Exception:  # a bad load report must not end the loop
+                log.exception("deciding moves for other coordinators' streams failed")
+
+    def moved_by_owner(self, request_id: str, to_worker_id: str, reason: str) -> None:
+        """The owner of a stream's worker asked this coordinator to move the stream
+        (`FleetState.on_move`): the stream weighs it at its next chunk (`ProxiedStream`)."""
+        self.state.move_taken(request_id)
+        stream = self.streams.get(request_id)
+        if stream is not None:
+            stream.owner_move = (to_worker_id, reason)
 
     def slot(self, worker: WorkerRecord) -> Slot:
         """Takes a slot on `worker` (see `Slot`)."""
@@ -233,10 +309,39 @@ class Fleet:
 
     def has_room(self, request: common_pb2.GenerateRequest) -> bool:
         """True when a reachable worker serving the request's model and mode has a free slot
-        (or none serves it, or all that do are unreachable: routing then says so or tries them)."""
-        serving = [w for w in self.registry.live() if w.serves(request.model, request.mode) and not w.draining]
+        (or none serves it, or all that do are unreachable: routing then says so or tries them).
+
+        Looks at a few workers with a free slot (the registry's per-model index), not the fleet:
+        the whole fleet is read only when none of those drawn can take the request. False while
+        the coordinator itself is overloaded (coordinator/overload.py): the request waits."""
+        if self.rpc_lag.overloaded():
+            return False
+        model, mode = request.model, request.mode
+        free = self.registry.free_sample(model, ROUTE_DRAWS)
+        if any(_takes(w, model, mode) for w in free):
+            return True
+        if not free:  # every worker serving the model is full: room only if none is reachable
+            return not any(w.serves(model, mode) and not w.draining and not w.unreachable
+                           for w in self.registry.serving(model))
+        serving = [w for w in self.registry.serving(model) if w.serves(model, mode) and not w.draining]
         reachable = [w for w in serving if not w.unreachable]
         return not reachable or any(w.busy < w.capacity for w in reachable)
+
+    def pick(self, request: common_pb2.GenerateRequest, exclude: set[str], tokens: int) -> WorkerRecord | None:
+        """`routing.route`'s choice in the common case, from a few workers: the session's worker
+        when it can take the request and has KV room for `tokens`, else the router's choice among
+        up to `ROUTE_DRAWS` workers with a free slot drawn at random (the index's) that can take
+        it and have KV room. None when that does not settle it (no such worker drawn, the
+        session's worker lacks room): then `route` decides over the whole fleet."""
+        model, mode = request.model, request.mode
+        sticky = self.affinity.lookup(request.session_id)
+        if sticky:
+            w = self.registry.get(sticky)
+            if w is not None and w.worker_id not in exclude and _takes(w, model, mode):
+                return w if has_kv_room(w, model, tokens) else None
+        roomy = [w for w in self.registry.free_sample(model, ROUTE_DRAWS)
+                 if w.worker_id not in exclude and _takes(w, model, mode) and has_kv_room(w, model, tokens)]
+        return self.router.choose_worker(roomy) if roomy else None
 
     def count(self, model: str, worker_id: str, outcome: str) -> None:
         """Counts a finished request in the metrics."""
@@ -289,7 +394,8 @@ class Fleet:
 
     async def drop_if_left(self, worker: WorkerRecord) -> None:
         """Closes the channel to a worker that left the registry once no stream uses it."""
-        if worker.in_flight == 0 and not any(w.address == worker.address for w in self.registry.live()):
+        if (worker.in_flight == 0 and self.registry.get(worker.worker_id) is not worker
+                and not any(w.address == worker.address for w in self.registry.live())):
             await self.pool.drop(worker.address)
 
 
@@ -324,6 +430,8 @@ class ProxiedStream:
         self.move_request: MoveRequest | None = None
         self.queue_s = 0.0
         self._moved_first = None  # the new worker's first response, after a move or failover
+        self._checked_load = None  # the worker's load report the policy last weighed for this stream
+        self.owner_move: tuple[str, str] | None = None  # (worker id, reason) its worker's owner decided
         if request.resume_token_ids:  # a client resuming after its coordinator died
             self.state = State.RESUMING
             self.progress.resume_from(list(request.resume_token_ids), request.resume_text)
@@ -345,7 +453,7 @@ class ProxiedStream:
             self.state = State.DONE
             raise
         fleet.streams[request.request_id] = self
-        fleet.state.place(request.request_id, self.worker.worker_id, len(self.progress.token_ids))
+        fleet.state.place(request.request_id, self.worker.worker_id, len(self.progress.token_ids), request)
         outcome = "cancelled"
         try:
             resp = first
@@ -495,6 +603,9 @@ class ProxiedStream:
         """One routing decision (the holder of a resumed session first)."""
         fleet, request = self.fleet, self.request
         while True:
+            picked = fleet.pick(request, tried | refused, tokens)
+            if picked is not None:
+                return picked
             try:
                 try:
                     return route(request.model, request.session_id, fleet.registry.live(), tried | refused,
@@ -603,14 +714,37 @@ class ProxiedStream:
         due (coordinator/migration.py), else None."""
         if self.move_request is not None:
             return Decision(self.move_request.dest, "manual")
-        if not self.worker.draining and not self.fleet.state.owns(self.worker.worker_id):
-            return None  # speed, load and memory moves off a worker are its owner's alone
         policy = self.fleet.config.migration
+        if self.owner_move is not None:
+            return self._owner_decision(policy)
+        if not self.worker.draining and not self.fleet.state.owns(self.worker.worker_id):
+            return None  # speed, load and memory moves off a worker are its owner's (`_owner_decision`)
+        # The policy weighs what heartbeats report: between two load reports of the stream's
+        # worker a second check would weigh the same sessions (a drain is checked regardless).
+        if (getattr(policy, "once_per_load_report", False) and not self.worker.draining
+                and self.worker.load is self._checked_load):
+            return None
         if not self.progress.due(policy.check_interval_s):
             return None
+        self._checked_load = self.worker.load
         p = self.progress
         return policy.decide(self.request, self.worker, len(p.token_ids), self.fleet.registry.live(), p.moved_s,
                              time.monotonic(), p.left_worker, p.left_s)
+
+    def _owner_decision(self, policy) -> Decision | None:
+        """The move the owner of the stream's worker (another coordinator) decided, if its
+        destination can still take the stream (a candidate with KV room for it) and the stream
+        has tokens to resume from; else None (the owner may decide again after its cooldown)."""
+        (to_worker_id, reason), self.owner_move = self.owner_move, None
+        dest = self.fleet.registry.get(to_worker_id)
+        p = self.progress
+        if dest is None or not p.token_ids:
+            return None
+        cands = policy.candidates(self.request, self.worker, [dest], p.left_worker, p.left_s, time.monotonic())
+        if not cands or policy.fastest(self.request, self.worker, session_load(self.worker, self.request.request_id),
+                                       cands, ()) is None:
+            return None
+        return Decision(dest, reason)
 
     async def _migrate(self, dest: WorkerRecord, reason: str) -> bool:
         """Starts moving the stream to `dest` for `reason` (coordinator.migration.REASONS).
@@ -704,7 +838,7 @@ class ProxiedStream:
         self.worker, self.slot, self.call, self._moved_first = dest, slot, call, first
         self.progress.moved()
         self.fleet.affinity.bind(self.request.session_id, dest.worker_id)
-        self.fleet.state.place(self.request.request_id, dest.worker_id, len(self.progress.token_ids))
+        self.fleet.state.place(self.request.request_id, dest.worker_id, len(self.progress.token_ids), self.request)
 
     async def _move(self, dest: WorkerRecord, *, reason: str, method: str, import_id: str = "",
                     bytes_moved: int = 0, started_s: float | None = None) -> bool:

@@ -96,8 +96,10 @@ class Chunk:
 
     text: new text (complete UTF-8 characters only); token_ids: the tokens generated since the
     previous chunk; logprobs: one `TokenLogprob` proto per token id when the request set
-    top_logprobs (token_id, token, logprob, top: the most likely tokens). The last chunk of a
-    stream has finish_reason and stats set, and may have no text.
+    top_logprobs (token_id, token, logprob, top: the most likely tokens); prompt_logprobs: when
+    the request set prompt_logprobs, the first chunk's (no text, no token ids) one `TokenLogprob`
+    per prompt token (the first without a logprob: `HasField("logprob")` is False). The last
+    chunk of a stream has finish_reason and stats set, and may have no text.
     """
 
     request_id: str
@@ -107,6 +109,7 @@ class Chunk:
     stats: GenerationStats | None = None
     worker_id: str = ""
     logprobs: tuple = ()
+    prompt_logprobs: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,7 @@ class Completion:
     text: str
     token_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)  # TokenLogprob protos, one per token id (top_logprobs set)
+    prompt_logprobs: list = field(default_factory=list)  # TokenLogprob protos, one per prompt token (prompt_logprobs set)
     finish_reason: str = ""
     stats: GenerationStats | None = None
     worker_id: str = ""

@@ -88,7 +88,7 @@ class FakeEngine:
         self.closed = False
         self.alive = True
 
-    def encode_prompt(self, prompt, messages):
+    def encode_prompt(self, prompt, messages, tools=None):
         if messages is not None:
             if any(not m["content"] for m in messages):
                 raise InvalidRequest("empty message content")

@@ -264,6 +264,26 @@ def test_second_turn_prefills_only_new_tokens(tiny_models, dflash_dir, mode):
     assert warm == cold
 
 
+@pytest.mark.parametrize("mode", ["plain", "dflash"])
+def test_sessions_sharing_a_prompt_copy_the_first_ones_prefill(tiny_models, dflash_dir, mode):
+    """Three sessions of one prompt submitted together (a request's n choices): the first one
+    prefills it, the others copy its caches of the prompt; every output is the prompt's alone."""
+    cfg = EngineConfig(model_path=tiny_models.llama, draft_path=dflash_dir, capacity=4,
+                       adaptive_block_size=False, prefill_step_tokens=8)
+    with Engine(cfg) as engine:
+        prompt = tuple(engine.encode_prompt(PROMPTS[1], None))
+        assert len(prompt) > 8  # prefilled in several chunks
+        c = Collector(engine)
+        for i in range(3):
+            c.submit(GenerationRequest(f"share-{i}", prompt, 16, mode=mode))
+        c.wait()
+        cached = sorted(c.done[f"share-{i}"].stats.cached_tokens for i in range(3))
+        assert cached == [0, len(prompt) - 1, len(prompt) - 1]
+    with Engine(cfg) as cold:
+        want = run_request(cold, GenerationRequest("alone", prompt, 16, mode=mode))[0]
+    assert all(c.tokens[f"share-{i}"] == want for i in range(3))
+
+
 def test_a_draft_that_does_not_pay_is_mostly_not_run(tiny_models, dflash_dir):
     """The tiny random draft is almost never right: under the cost policy (the default) the worker's
     DFlash sessions decode with plain steps after a few probes, and their output is plain greedy."""

@@ -207,3 +207,60 @@ def test_session_affinity_tells_on_bind_but_not_on_remember():
     assert affinity.lookup("b") == "w2"
     affinity.forget("b")
     assert affinity.lookup("b") is None
+
+
+def _register(registry: Registry, wid: str, capacity: int, free_bytes: int | None = None) -> WorkerRecord:
+    budget = 0 if free_bytes is None else 10 * free_bytes + 1
+    return registry.register(worker_pb2.RegisterRequest(
+        worker_id=wid, address=f"{wid}:1", models=[common_pb2.ModelInfo(name=MODEL, kv_bytes_per_token=PER_TOKEN)],
+        load=worker_pb2.WorkerLoad(capacity=capacity, kv_budget_bytes=budget, kv_free_bytes=free_bytes or 0)))
+
+
+def test_the_registrys_free_slot_index_follows_slots_heartbeats_and_leaving_workers():
+    from coordinator.stream import Slot
+
+    now = [0.0]
+    registry = Registry(lease_ttl_s=10.0, clock=lambda: now[0])
+    a, b = _register(registry, "a", 1), _register(registry, "b", 2)
+    free = lambda: sorted(w.worker_id for w in registry.free_sample(MODEL, 16))  # noqa: E731
+    assert free() == ["a", "b"] and registry.free_sample("other", 16) == []
+    slot = Slot(a, lambda: None)
+    assert free() == ["b"]
+    slot.release()
+    assert free() == ["a", "b"]
+    registry.heartbeat("b", b.lease_id, worker_pb2.WorkerLoad(capacity=1))
+    held = Slot(b, lambda: None)
+    assert free() == ["a"]
+    registry.heartbeat("b", b.lease_id, worker_pb2.WorkerLoad(capacity=3))  # it grew: free again
+    assert free() == ["a", "b"]
+    registry.deregister("b", b.lease_id)
+    held.release()  # a stream that outlived its worker's lease gives its slot back: b stays out
+    assert free() == ["a"] and [w.worker_id for w in registry.serving(MODEL)] == ["a"]
+    now[0] = 11.0
+    assert free() == [] and registry.serving(MODEL) == []  # a's lease ran out
+
+
+def test_admission_and_routing_at_a_thousand_workers_look_at_the_few_with_a_free_slot():
+    from coordinator.config import CoordinatorConfig
+    from coordinator.state import MemoryState
+    from coordinator.stream import Fleet, Slot
+
+    registry = Registry(lease_ttl_s=10.0, clock=lambda: 0.0)
+    state = MemoryState("c", registry, SessionAffinity(ttl_s=60.0))
+    fleet = Fleet(CoordinatorConfig(), state, pool=None, router=PowerOfTwoRouter(random.Random(0)))
+    records = [_register(registry, f"w{i}", 1, free_bytes=None if i != 7 else 0) for i in range(1000)]
+    slots = [Slot(w, lambda: None) for w in records if w.worker_id not in ("w7", "w777")]
+    req = common_pb2.GenerateRequest(model=MODEL, prompt="p", max_tokens=8)
+    assert fleet.has_room(req)
+    # w7 has no KV room: w777 is the pick, as `route` over the whole fleet chooses
+    assert fleet.pick(req, set(), 8).worker_id == "w777"
+    assert route(MODEL, "", registry.live(), set(), fleet.router, state.affinity, tokens=8).worker_id == "w777"
+    assert fleet.pick(req, {"w777"}, 8) is None  # only w7 left, without room: `route` decides
+    Slot(records[777], lambda: None), Slot(records[7], lambda: None)
+    assert not fleet.has_room(req)
+    records[5].unreachable = True  # every reachable worker is full; w5 unreachable changes nothing
+    assert not fleet.has_room(req)
+    for s in slots:
+        s.release()
+    assert fleet.has_room(req)
+    assert fleet.pick(common_pb2.GenerateRequest(model="other", prompt="p"), set(), 8) is None

@@ -322,7 +322,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             prompt_tokens = await asyncio.to_thread(
                 self.engine.encode_prompt,
                 request.prompt if request.WhichOneof("input") == "prompt" else None,
-                convert.messages_of(request))
+                convert.messages_of(request), convert.tools_of(request))
             max_tokens = request.max_tokens if request.HasField("max_tokens") else max(
                 1, min(WORKER_DEFAULT_MAX_TOKENS, model.max_context_tokens - len(prompt_tokens)))
             generation = convert.generation_request(request, prompt_tokens, max_tokens)

@@ -22,11 +22,15 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import Callable
 
 from coordinator.registry import Registry, WorkerRecord
 from coordinator.routing import SessionAffinity
 from flashfleet.auth import ApiKeys
-from flashfleet.v1 import worker_pb2
+from flashfleet.v1 import common_pb2, worker_pb2
+
+# (request id, destination worker id, reason): a move the owner of a stream's worker decided.
+MoveHandler = Callable[[str, str, str], None]
 
 
 @dataclass(frozen=True)
@@ -40,12 +44,28 @@ class Placement:
         tokens: tokens the coordinator had forwarded to the client when it wrote this (the
             client's own count may be higher: placements are written when a stream is placed or
             moves, not per token).
+        model, mode, max_tokens, seeded: what the migration policy needs of the request (max_tokens
+            0: unset; seeded: a seeded sampled request), so the worker's owner can decide moves of
+            a stream another coordinator proxies.
     """
 
     request_id: str
     worker_id: str
     coordinator_id: str
     tokens: int = 0
+    model: str = ""
+    mode: int = 0
+    max_tokens: int = 0
+    seeded: bool = False
+
+    def request(self) -> common_pb2.GenerateRequest:
+        """A request carrying what the migration policy reads of the placed one (no prompt)."""
+        req = common_pb2.GenerateRequest(request_id=self.request_id, model=self.model, mode=self.mode)
+        if self.max_tokens:
+            req.max_tokens = self.max_tokens
+        if self.seeded:
+            req.seed, req.temperature = 0, 1.0
+        return req
 
 
 class NotLive(LookupError):
@@ -67,6 +87,9 @@ class FleetState(abc.ABC):
         on_worker_change: called (on the event loop) when the view took a worker's entry from
             the shared store (a registration or heartbeat through any coordinator), so capacity
             may have grown and the admission queue re-checks; None: nothing to tell.
+        on_move: called (on the event loop) with (request id, destination worker id, reason) when
+            the owner of a worker, another coordinator, decided to move a stream this coordinator
+            proxies off it (`request_move`); None: nothing to tell.
     """
 
     shared = False
@@ -77,6 +100,21 @@ class FleetState(abc.ABC):
         self.affinity = affinity
         self.api_keys = ApiKeys()
         self.on_worker_change = None
+        self.on_move: MoveHandler | None = None
+
+    def foreign_placements(self, worker_id: str) -> list[Placement]:
+        """Streams from `worker_id` that other coordinators proxy, as this coordinator's view
+        knows them (none with one coordinator)."""
+        return []
+
+    def request_move(self, placement: Placement, to_worker_id: str, reason: str) -> None:
+        """Asks the coordinator proxying `placement`'s stream to move it to `to_worker_id` for
+        `reason` (its owner's decision; that coordinator's `on_move` is told). Does not wait for
+        the store; nothing to do with one coordinator (it proxies every stream)."""
+
+    def move_taken(self, request_id: str) -> None:
+        """Forgets a move request for `request_id` once this coordinator acted on it (or found
+        no such stream). Does not wait for the store."""
 
     async def start(self) -> None:
         """Connects to the store and loads the current state into the local view (a no-op in
@@ -127,9 +165,11 @@ class FleetState(abc.ABC):
         coordinator owns a worker at a time."""
 
     @abc.abstractmethod
-    def place(self, request_id: str, worker_id: str, tokens: int) -> None:
+    def place(self, request_id: str, worker_id: str, tokens: int,
+              request: common_pb2.GenerateRequest | None = None) -> None:
         """Records that this coordinator streams `request_id` from `worker_id` (after routing,
-        and after each move), `tokens` forwarded so far. Does not wait for the store."""
+        and after each move), `tokens` forwarded so far, for `request` (its model, mode and
+        sampling go with the placement). Does not wait for the store."""
 
     @abc.abstractmethod
     def unplace(self, request_id: str) -> None:

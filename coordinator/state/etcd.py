@@ -5,6 +5,7 @@ Keys, under `PREFIX`:
     workers/<worker id>      WorkerEntry (state.proto)  on the worker's lease
     drain/<worker id>        ""                         on the worker's lease
     placements/<request id>  PlacementEntry             on the worker's lease
+    moves/<request id>       MoveEntry                  on the source worker's lease
     owners/<worker id>       owning coordinator's id    on that coordinator's lease
     affinity/<session id>    worker id                  on the binding coordinator's affinity lease
     apikeys/<SHA-256 digest> role ("client", "admin")   no lease: kept until deleted
@@ -16,6 +17,10 @@ registers with any one coordinator and is visible to all. Each worker has one ow
 coordinators (a create-if-absent on owners/<id>, attached to the owner's own lease, so it goes
 when the owner dies and the next coordinator to receive the worker's heartbeat takes over): the
 owner alone runs the migration policy's own moves off the worker and counts its lease's expiry.
+For a stream another coordinator proxies, the owner decides from that stream's placement (which
+carries what the policy reads of the request) and the worker's load, and writes moves/<request
+id>; the proxying coordinator, following the same watch, makes the move at the stream's next
+chunk and deletes the entry.
 Affinity entries live on a lease per coordinator that is renewed for `session_ttl_s` x 1.5 and
 replaced every `session_ttl_s` / 2, so an entry outlives its last binding by between
 `session_ttl_s` and 1.5 x that, however many sessions there are.
@@ -38,13 +43,13 @@ import grpc
 from coordinator.registry import UnknownLease, WorkerRecord
 from coordinator.state.base import FleetState, NotLive, Placement
 from coordinator.state.etcd_client import EtcdClient, EtcdUnavailable, Event, WatchCompacted
-from flashfleet.v1 import state_pb2, worker_pb2
+from flashfleet.v1 import common_pb2, state_pb2, worker_pb2
 
 log = logging.getLogger("flashfleet.coordinator.state")
 
 PREFIX = b"/flashfleet/"
-WORKERS, DRAIN, PLACEMENTS, OWNERS, AFFINITY, APIKEYS = (b"workers/", b"drain/", b"placements/", b"owners/",
-                                                         b"affinity/", b"apikeys/")
+WORKERS, DRAIN, PLACEMENTS, OWNERS, AFFINITY, MOVES, APIKEYS = (b"workers/", b"drain/", b"placements/", b"owners/",
+                                                                b"affinity/", b"moves/", b"apikeys/")
 WRITE_QUEUE_MAX = 10_000  # background writes waiting at most; beyond that they are dropped (logged)
 CLOSE_FLUSH_S = 2.0  # on close, queued background writes get this long to finish
 
@@ -82,6 +87,8 @@ class EtcdState(FleetState):
         self._owners: dict[str, str] = {}  # worker id -> owning coordinator id (watched)
         self._drained: set[str] = set()  # worker ids with a drain key (watched)
         self._leaving: set[str] = set()  # worker ids whose entry says it deregistered
+        self._placements: dict[str, Placement] = {}  # request id -> its placement (watched)
+        self._on_worker: dict[str, set[str]] = {}  # worker id -> request ids placed on it (watched)
         self._writes: asyncio.Queue = asyncio.Queue(WRITE_QUEUE_MAX)
         self._tasks: list[asyncio.Task] = []
         self._ready = asyncio.Event()
@@ -126,6 +133,8 @@ class EtcdState(FleetState):
         seen_workers = set()
         self._owners.clear()
         self._drained.clear()
+        self._placements.clear()
+        self._on_worker.clear()
         self.api_keys.clear()
         for kv in kvs:
             self._apply(Event("put", kv.key, kv.value, kv.lease, kv.mod_revision))
@@ -194,6 +203,17 @@ class EtcdState(FleetState):
                 self.affinity.remember(name, ev.value.decode())
             else:
                 self.affinity.forget(name)
+        elif kind == PLACEMENTS:
+            self._unindex_placement(name)
+            if ev.kind == "put":
+                e = state_pb2.PlacementEntry.FromString(ev.value)
+                p = Placement(name, e.worker_id, e.coordinator_id, e.tokens, e.model, e.mode, e.max_tokens, e.seeded)
+                self._placements[name] = p
+                self._on_worker.setdefault(p.worker_id, set()).add(name)
+        elif kind == MOVES and ev.kind == "put":
+            move = state_pb2.MoveEntry.FromString(ev.value)
+            if move.coordinator_id == self.coordinator_id and self.on_move is not None:
+                self.on_move(name, move.to_worker_id, move.reason)
         elif kind == APIKEYS:
             if ev.kind == "delete":
                 self.api_keys.remove(name)
@@ -202,6 +222,15 @@ class EtcdState(FleetState):
                     self.api_keys.put(name, ev.value.decode())
                 except ValueError as e:  # written by something else than a coordinator
                     log.warning("ignoring the API key entry %s in etcd: %s", name[:12], e)
+
+    def _unindex_placement(self, request_id: str) -> None:
+        old = self._placements.pop(request_id, None)
+        if old is not None:
+            on = self._on_worker.get(old.worker_id)
+            if on is not None:
+                on.discard(request_id)
+                if not on:
+                    del self._on_worker[old.worker_id]
 
     # Leases of this coordinator
     async def _keep_own_lease(self) -> None:
@@ -329,14 +358,19 @@ class EtcdState(FleetState):
         """See `FleetState.owns`: this coordinator holds owners/<worker id>."""
         return self._owners.get(worker_id) == self.coordinator_id
 
-    def place(self, request_id: str, worker_id: str, tokens: int) -> None:
+    def place(self, request_id: str, worker_id: str, tokens: int,
+              request: common_pb2.GenerateRequest | None = None) -> None:
         """See `FleetState.place`: placements/<request id> on the worker's lease, written in the
         background."""
         rec = self.registry.get(worker_id)
         if rec is None:
             return
-        value = state_pb2.PlacementEntry(worker_id=worker_id, coordinator_id=self.coordinator_id,
-                                         tokens=tokens).SerializeToString()
+        entry = state_pb2.PlacementEntry(worker_id=worker_id, coordinator_id=self.coordinator_id, tokens=tokens)
+        if request is not None:
+            entry.model, entry.mode = request.model, request.mode
+            entry.max_tokens = request.max_tokens if request.HasField("max_tokens") else 0
+            entry.seeded = request.HasField("seed") and request.temperature > 0
+        value = entry.SerializeToString()
         self._spawn_write(self.client.put(_key(PLACEMENTS, request_id), value, int(rec.lease_id, 16)))
 
     def unplace(self, request_id: str) -> None:
@@ -348,8 +382,27 @@ class EtcdState(FleetState):
         kv = await self.client.get(_key(PLACEMENTS, request_id))
         if kv is None:
             return None
-        entry = state_pb2.PlacementEntry.FromString(kv.value)
-        return Placement(request_id, entry.worker_id, entry.coordinator_id, entry.tokens)
+        e = state_pb2.PlacementEntry.FromString(kv.value)
+        return Placement(request_id, e.worker_id, e.coordinator_id, e.tokens, e.model, e.mode, e.max_tokens, e.seeded)
+
+    def foreign_placements(self, worker_id: str) -> list[Placement]:
+        """See `FleetState.foreign_placements`: from the watched placements/ entries."""
+        found = (self._placements.get(r) for r in self._on_worker.get(worker_id, ()))
+        return [p for p in found if p is not None and p.coordinator_id != self.coordinator_id]
+
+    def request_move(self, placement: Placement, to_worker_id: str, reason: str) -> None:
+        """See `FleetState.request_move`: moves/<request id> on the source worker's lease, written
+        in the background."""
+        rec = self.registry.get(placement.worker_id)
+        if rec is None:
+            return
+        value = state_pb2.MoveEntry(coordinator_id=placement.coordinator_id, from_worker_id=placement.worker_id,
+                                    to_worker_id=to_worker_id, reason=reason).SerializeToString()
+        self._spawn_write(self.client.put(_key(MOVES, placement.request_id), value, int(rec.lease_id, 16)))
+
+    def move_taken(self, request_id: str) -> None:
+        """See `FleetState.move_taken`: deletes moves/<request id> in the background."""
+        self._spawn_write(self.client.delete(_key(MOVES, request_id)))
 
     async def put_api_key(self, digest: str, role: str) -> None:
         """See `FleetState.put_api_key`: apikeys/<digest> in etcd (no lease), and in this

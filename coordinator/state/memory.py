@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from coordinator.registry import WorkerRecord
 from coordinator.state.base import FleetState, NotLive, Placement
-from flashfleet.v1 import worker_pb2
+from flashfleet.v1 import common_pb2, worker_pb2
 
 
 class MemoryState(FleetState):
@@ -38,8 +38,9 @@ class MemoryState(FleetState):
         """Always True: the only coordinator owns every worker."""
         return True
 
-    def place(self, request_id: str, worker_id: str, tokens: int) -> None:
-        """See `FleetState.place`."""
+    def place(self, request_id: str, worker_id: str, tokens: int,
+              request: common_pb2.GenerateRequest | None = None) -> None:
+        """See `FleetState.place` (only what `placement` answers is kept)."""
         self._placements[request_id] = Placement(request_id, worker_id, self.coordinator_id, tokens)
 
     def unplace(self, request_id: str) -> None:

@@ -24,37 +24,43 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66lashfleet/v1/common.proto\x12\rflashfleet.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.flashfleet.v1.ChatMessage\"3\n\x0eResponseFormat\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\"\xfd\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12/\n\x08messages\x18\x03 \x01(\x0b\x32\x1b.flashfleet.v1.ChatMessagesH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nsession_id\x18\t \x01(\t\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\'\n\x04mode\x18\x0b \x01(\x0e\x32\x19.flashfleet.v1.DecodeMode\x12\x18\n\x10resume_token_ids\x18\x0c \x03(\r\x12\x13\n\x0bresume_text\x18\r \x01(\t\x12\x11\n\timport_id\x18\x0e \x01(\t\x12\x36\n\x0fresponse_format\x18\x0f \x01(\x0b\x32\x1d.flashfleet.v1.ResponseFormat\x12\x19\n\x0ctop_logprobs\x18\x10 \x01(\x05H\x05\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0f\n\r_top_logprobs\"W\n\x05\x43hunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.flashfleet.v1.TokenLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\"h\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\x12&\n\x03top\x18\x04 \x03(\x0b\x32\x19.flashfleet.v1.TopLogprob\"\xa7\x03\n\x0fGenerationStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x0e\n\x06ttft_s\x18\x03 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\x12\x0c\n\x04mode\x18\x06 \x01(\t\x12\x0e\n\x06\x63ycles\x18\x07 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x08 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\t \x01(\r\x12\x19\n\x11\x61\x63\x63\x65ptance_length\x18\n \x01(\x01\x12\x0f\n\x07\x64raft_s\x18\x0b \x01(\x01\x12\x10\n\x08verify_s\x18\x0c \x01(\x01\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\r \x03(\r\x12\x0f\n\x07queue_s\x18\x0e \x01(\x01\x12\x13\n\x0btranslate_s\x18\x0f \x01(\x01\x12\x12\n\nmigrations\x18\x10 \x01(\r\x12\x15\n\rcached_tokens\x18\x11 \x01(\r\x12\x13\n\x0bpreemptions\x18\x12 \x01(\r\x12\x1a\n\x12transferred_tokens\x18\x13 \x01(\r\"\x80\x01\n\x08\x43omplete\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.flashfleet.v1.FinishReason\x12-\n\x05stats\x18\x02 \x01(\x0b\x32\x1e.flashfleet.v1.GenerationStats\x12\x11\n\tworker_id\x18\x03 \x01(\t\"\x82\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.flashfleet.v1.ChunkH\x00\x12+\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x17.flashfleet.v1.CompleteH\x00\x42\x06\n\x04kind\"\x8f\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\r\x12\r\n\x05\x64raft\x18\x03 \x01(\t\x12-\n\ndraft_mode\x18\x04 \x01(\x0e\x32\x19.flashfleet.v1.DecodeMode\x12\x1a\n\x12kv_bytes_per_token\x18\x05 \x01(\x04*}\n\nDecodeMode\x12\x14\n\x10\x44\x45\x43ODE_MODE_AUTO\x10\x00\x12\x15\n\x11\x44\x45\x43ODE_MODE_PLAIN\x10\x01\x12\x15\n\x11\x44\x45\x43ODE_MODE_DRAFT\x10\x02\x12\x16\n\x12\x44\x45\x43ODE_MODE_DFLASH\x10\x03\x12\x13\n\x0f\x44\x45\x43ODE_MODE_UAG\x10\x04*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66lashfleet/v1/common.proto\x12\rflashfleet.v1\"[\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.flashfleet.v1.ChatMessage\"3\n\x0eResponseFormat\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\"U\n\x05Tools\x12\x12\n\ntools_json\x18\x01 \x01(\t\x12\x0e\n\x06\x63hoice\x18\x02 \x01(\t\x12\x10\n\x08\x66unction\x18\x03 \x01(\t\x12\x16\n\x0eparallel_calls\x18\x04 \x01(\x08\"\xeb\x06\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12/\n\x08messages\x18\x03 \x01(\x0b\x32\x1b.flashfleet.v1.ChatMessagesH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nsession_id\x18\t \x01(\t\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\'\n\x04mode\x18\x0b \x01(\x0e\x32\x19.flashfleet.v1.DecodeMode\x12\x18\n\x10resume_token_ids\x18\x0c \x03(\r\x12\x13\n\x0bresume_text\x18\r \x01(\t\x12\x11\n\timport_id\x18\x0e \x01(\t\x12\x36\n\x0fresponse_format\x18\x0f \x01(\x0b\x32\x1d.flashfleet.v1.ResponseFormat\x12\x19\n\x0ctop_logprobs\x18\x10 \x01(\x05H\x05\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x06\x88\x01\x01\x12#\n\x05tools\x18\x12 \x01(\x0b\x32\x14.flashfleet.v1.Tools\x12\x1d\n\x10presence_penalty\x18\x13 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x14 \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x15 \x01(\x02H\t\x88\x01\x01\x12\x41\n\nlogit_bias\x18\x16 \x03(\x0b\x32-.flashfleet.v1.GenerateRequest.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0f\n\r_top_logprobsB\x12\n\x10_prompt_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penalty\"\x8d\x01\n\x05\x43hunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.flashfleet.v1.TokenLogprob\x12\x34\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1b.flashfleet.v1.TokenLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\"y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x14\n\x07logprob\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12&\n\x03top\x18\x04 \x03(\x0b\x32\x19.flashfleet.v1.TopLogprobB\n\n\x08_logprob\"\xa7\x03\n\x0fGenerationStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x0e\n\x06ttft_s\x18\x03 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\x12\x0c\n\x04mode\x18\x06 \x01(\t\x12\x0e\n\x06\x63ycles\x18\x07 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x08 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\t \x01(\r\x12\x19\n\x11\x61\x63\x63\x65ptance_length\x18\n \x01(\x01\x12\x0f\n\x07\x64raft_s\x18\x0b \x01(\x01\x12\x10\n\x08verify_s\x18\x0c \x01(\x01\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\r \x03(\r\x12\x0f\n\x07queue_s\x18\x0e \x01(\x01\x12\x13\n\x0btranslate_s\x18\x0f \x01(\x01\x12\x12\n\nmigrations\x18\x10 \x01(\r\x12\x15\n\rcached_tokens\x18\x11 \x01(\r\x12\x13\n\x0bpreemptions\x18\x12 \x01(\r\x12\x1a\n\x12transferred_tokens\x18\x13 \x01(\r\"\x80\x01\n\x08\x43omplete\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.flashfleet.v1.FinishReason\x12-\n\x05stats\x18\x02 \x01(\x0b\x32\x1e.flashfleet.v1.GenerationStats\x12\x11\n\tworker_id\x18\x03 \x01(\t\"\x82\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.flashfleet.v1.ChunkH\x00\x12+\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x17.flashfleet.v1.CompleteH\x00\x42\x06\n\x04kind\"\xa9\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\r\x12\r\n\x05\x64raft\x18\x03 \x01(\t\x12-\n\ndraft_mode\x18\x04 \x01(\x0e\x32\x19.flashfleet.v1.DecodeMode\x12\x1a\n\x12kv_bytes_per_token\x18\x05 \x01(\x04\x12\x18\n\x10tool_call_format\x18\x06 \x01(\t*}\n\nDecodeMode\x12\x14\n\x10\x44\x45\x43ODE_MODE_AUTO\x10\x00\x12\x15\n\x11\x44\x45\x43ODE_MODE_PLAIN\x10\x01\x12\x15\n\x11\x44\x45\x43ODE_MODE_DRAFT\x10\x02\x12\x16\n\x12\x44\x45\x43ODE_MODE_DFLASH\x10\x03\x12\x13\n\x0f\x44\x45\x43ODE_MODE_UAG\x10\x04*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'flashfleet.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DECODEMODE']._serialized_start=1813
-  _globals['_DECODEMODE']._serialized_end=1938
-  _globals['_FINISHREASON']._serialized_start=1940
-  _globals['_FINISHREASON']._serialized_end=2064
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_DECODEMODE']._serialized_start=2411
+  _globals['_DECODEMODE']._serialized_end=2536
+  _globals['_FINISHREASON']._serialized_start=2538
+  _globals['_FINISHREASON']._serialized_end=2662
   _globals['_CHATMESSAGE']._serialized_start=45
-  _globals['_CHATMESSAGE']._serialized_end=89
-  _globals['_CHATMESSAGES']._serialized_start=91
-  _globals['_CHATMESSAGES']._serialized_end=151
-  _globals['_RESPONSEFORMAT']._serialized_start=153
-  _globals['_RESPONSEFORMAT']._serialized_end=204
-  _globals['_GENERATEREQUEST']._serialized_start=207
-  _globals['_GENERATEREQUEST']._serialized_end=716
-  _globals['_CHUNK']._serialized_start=718
-  _globals['_CHUNK']._serialized_end=805
-  _globals['_TOPLOGPROB']._serialized_start=807
-  _globals['_TOPLOGPROB']._serialized_end=869
-  _globals['_TOKENLOGPROB']._serialized_start=871
-  _globals['_TOKENLOGPROB']._serialized_end=975
-  _globals['_GENERATIONSTATS']._serialized_start=978
-  _globals['_GENERATIONSTATS']._serialized_end=1401
-  _globals['_COMPLETE']._serialized_start=1404
-  _globals['_COMPLETE']._serialized_end=1532
-  _globals['_GENERATERESPONSE']._serialized_start=1535
-  _globals['_GENERATERESPONSE']._serialized_end=1665
-  _globals['_MODELINFO']._serialized_start=1668
-  _globals['_MODELINFO']._serialized_end=1811
+  _globals['_CHATMESSAGE']._serialized_end=136
+  _globals['_CHATMESSAGES']._serialized_start=138
+  _globals['_CHATMESSAGES']._serialized_end=198
+  _globals['_RESPONSEFORMAT']._serialized_start=200
+  _globals['_RESPONSEFORMAT']._serialized_end=251
+  _globals['_TOOLS']._serialized_start=253
+  _globals['_TOOLS']._serialized_end=338
+  _globals['_GENERATEREQUEST']._serialized_start=341
+  _globals['_GENERATEREQUEST']._serialized_end=1216
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=1006
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=1054
+  _globals['_CHUNK']._serialized_start=1219
+  _globals['_CHUNK']._serialized_end=1360
+  _globals['_TOPLOGPROB']._serialized_start=1362
+  _globals['_TOPLOGPROB']._serialized_end=1424
+  _globals['_TOKENLOGPROB']._serialized_start=1426
+  _globals['_TOKENLOGPROB']._serialized_end=1547
+  _globals['_GENERATIONSTATS']._serialized_start=1550
+  _globals['_GENERATIONSTATS']._serialized_end=1973
+  _globals['_COMPLETE']._serialized_start=1976
+  _globals['_COMPLETE']._serialized_end=2104
+  _globals['_GENERATERESPONSE']._serialized_start=2107
+  _globals['_GENERATERESPONSE']._serialized_end=2237
+  _globals['_MODELINFO']._serialized_start=2240
+  _globals['_MODELINFO']._serialized_end=2409
 # @@protoc_insertion_point(module_scope)

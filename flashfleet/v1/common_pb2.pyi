@@ -32,12 +32,16 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "tool_calls_json", "tool_call_id")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_JSON_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    tool_calls_json: str
+    tool_call_id: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls_json: _Optional[str] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
 
 class ChatMessages(_message.Message):
     __slots__ = ("messages",)
@@ -53,8 +57,27 @@ class ResponseFormat(_message.Message):
     json_schema: str
     def __init__(self, type: _Optional[str] = ..., json_schema: _Optional[str] = ...) -> None: ...
 
+class Tools(_message.Message):
+    __slots__ = ("tools_json", "choice", "function", "parallel_calls")
+    TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    tools_json: str
+    choice: str
+    function: str
+    parallel_calls: bool
+    def __init__(self, tools_json: _Optional[str] = ..., choice: _Optional[str] = ..., function: _Optional[str] = ..., parallel_calls: _Optional[bool] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "messages", "max_tokens", "temperature", "top_p", "seed", "stop", "session_id", "request_id", "mode", "resume_token_ids", "resume_text", "import_id", "response_format", "top_logprobs")
+    __slots__ = ("model", "prompt", "messages", "max_tokens", "temperature", "top_p", "seed", "stop", "session_id", "request_id", "mode", "resume_token_ids", "resume_text", "import_id", "response_format", "top_logprobs", "prompt_logprobs", "tools", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +94,12 @@ class GenerateRequest(_message.Message):
     IMPORT_ID_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     messages: ChatMessages
@@ -87,17 +116,25 @@ class GenerateRequest(_message.Message):
     import_id: str
     response_format: ResponseFormat
     top_logprobs: int
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., mode: _Optional[_Union[DecodeMode, str]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., resume_text: _Optional[str] = ..., import_id: _Optional[str] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: int
+    tools: Tools
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: _containers.ScalarMap[int, float]
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., mode: _Optional[_Union[DecodeMode, str]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., resume_text: _Optional[str] = ..., import_id: _Optional[str] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., tools: _Optional[_Union[Tools, _Mapping]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("text", "token_ids", "logprobs")
+    __slots__ = ("text", "token_ids", "logprobs", "prompt_logprobs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "token", "logprob")
@@ -184,15 +221,17 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., complete: _Optional[_Union[Complete, _Mapping]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "max_context_tokens", "draft", "draft_mode", "kv_bytes_per_token")
+    __slots__ = ("name", "max_context_tokens", "draft", "draft_mode", "kv_bytes_per_token", "tool_call_format")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODE_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_FORMAT_FIELD_NUMBER: _ClassVar[int]
     name: str
     max_context_tokens: int
     draft: str
     draft_mode: DecodeMode
     kv_bytes_per_token: int
-    def __init__(self, name: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., draft: _Optional[str] = ..., draft_mode: _Optional[_Union[DecodeMode, str]] = ..., kv_bytes_per_token: _Optional[int] = ...) -> None: ...
+    tool_call_format: str
+    def __init__(self, name: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., draft: _Optional[str] = ..., draft_mode: _Optional[_Union[DecodeMode, str]] = ..., kv_bytes_per_token: _Optional[int] = ..., tool_call_format: _Optional[str] = ...) -> None: ...

@@ -22,18 +22,21 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from flashfleet.v1 import common_pb2 as flashfleet_dot_v1_dot_common__pb2
 from flashfleet.v1 import worker_pb2 as flashfleet_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66lashfleet/v1/state.proto\x12\rflashfleet.v1\x1a\x1a\x66lashfleet/v1/worker.proto\"N\n\x0bWorkerEntry\x12.\n\x06worker\x18\x01 \x01(\x0b\x32\x1e.flashfleet.v1.RegisterRequest\x12\x0f\n\x07leaving\x18\x02 \x01(\x08\"K\n\x0ePlacementEntry\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63oordinator_id\x18\x02 \x01(\t\x12\x0e\n\x06tokens\x18\x03 \x01(\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66lashfleet/v1/state.proto\x12\rflashfleet.v1\x1a\x1a\x66lashfleet/v1/common.proto\x1a\x1a\x66lashfleet/v1/worker.proto\"N\n\x0bWorkerEntry\x12.\n\x06worker\x18\x01 \x01(\x0b\x32\x1e.flashfleet.v1.RegisterRequest\x12\x0f\n\x07leaving\x18\x02 \x01(\x08\"\xa7\x01\n\x0ePlacementEntry\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63oordinator_id\x18\x02 \x01(\t\x12\x0e\n\x06tokens\x18\x03 \x01(\r\x12\r\n\x05model\x18\x04 \x01(\t\x12\'\n\x04mode\x18\x05 \x01(\x0e\x32\x19.flashfleet.v1.DecodeMode\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12\x0e\n\x06seeded\x18\x07 \x01(\x08\"a\n\tMoveEntry\x12\x16\n\x0e\x63oordinator_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66rom_worker_id\x18\x02 \x01(\t\x12\x14\n\x0cto_worker_id\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'flashfleet.v1.state_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERENTRY']._serialized_start=72
-  _globals['_WORKERENTRY']._serialized_end=150
-  _globals['_PLACEMENTENTRY']._serialized_start=152
-  _globals['_PLACEMENTENTRY']._serialized_end=227
+  _globals['_WORKERENTRY']._serialized_start=100
+  _globals['_WORKERENTRY']._serialized_end=178
+  _globals['_PLACEMENTENTRY']._serialized_start=181
+  _globals['_PLACEMENTENTRY']._serialized_end=348
+  _globals['_MOVEENTRY']._serialized_start=350
+  _globals['_MOVEENTRY']._serialized_end=447
 # @@protoc_insertion_point(module_scope)

@@ -1,6 +1,8 @@
 """Structured output: a grammar matcher per constrained row, and its token masks.
 
-A request with a response format (JSON of a schema, or any JSON object) decodes under a grammar:
+A request with a response format (JSON of a schema, or any JSON object), or whose tools must be
+called (tool_choice "required" or a named function: the Lark grammar of its model's tool-call
+format, flashfleet/tool_calls.py), decodes under a grammar:
 at each position only the tokens the grammar allows there can be chosen. The grammar library is
 llguidance (Microsoft; chosen by measurement, docs/benchmarks.md): `GrammarCompiler` turns a
 response format into an `llguidance.LLMatcher` on the caller's thread (compiling it and computing
@@ -30,6 +32,7 @@ import llguidance.numpy
 import mlx.core as mx
 import numpy as np
 
+from flashfleet.tool_calls import FORMATS
 from worker.engine.types import InvalidRequest, ResponseFormat
 
 # Any JSON object: what OpenAI's {"type": "json_object"} asks for.
@@ -40,6 +43,15 @@ ANY_OBJECT = {"type": "object"}
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+def schema_error(schema: Any) -> str:
+    """Why the grammar library cannot compile a JSON Schema (a dict), or "" when it can."""
+    try:
+        return llguidance.LLMatcher.validate_grammar(
+            llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)) or ""
+    except Exception as e:  # the compiler's ValueError / RuntimeError on a schema it rejects
+        return str(e) or type(e).__name__
+
+
 class GrammarCompiler:
     """Compiles response formats into matchers for one tokenizer; any thread.
 
@@ -47,11 +59,28 @@ class GrammarCompiler:
         hf_tokenizer: the target's Hugging Face tokenizer (mlx-lm's `TokenizerWrapper._tokenizer`).
         vocab_size: rows of the target's logits, V (>= the tokenizer's vocabulary).
         eos_ids: the ids that end a generation; the grammar allows them once its text is complete.
+        tool_format: the chat template's tool-call format (`flashfleet.tool_calls.FORMATS` key),
+            for "tool_calls" formats; "" when it has none.
     """
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]):
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_ids: Sequence[int], tool_format: str = ""):
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_ids))
+        self.tool_format = tool_format
+        self._added = frozenset(hf_tokenizer.get_added_vocab())  # tokens llguidance matches by name only
+
+    def _tool_grammar(self, fmt: ResponseFormat) -> str:
+        """The grammar of an answer of tool calls (flashfleet/tool_calls.py)."""
+        if self.tool_format not in FORMATS:
+            raise InvalidRequest("tool_choice: this model's chat template has no tool-call format")
+        try:
+            tools = json.loads(fmt.tools)
+        except ValueError as e:
+            raise InvalidRequest(f"tools is not valid JSON: {e}") from None
+        if fmt.function and fmt.function not in {t.get("function", {}).get("name") for t in tools}:
+            raise InvalidRequest(f"tool_choice names function {fmt.function!r:.70}, which is not among the tools")
+        lark = FORMATS[self.tool_format].grammar(tools, fmt.function, fmt.parallel_calls, self._added.__contains__)
+        return llguidance.LLMatcher.grammar_from_lark(lark)
 
     def matcher(self, fmt: ResponseFormat) -> llguidance.LLMatcher:
         """A fresh matcher for `fmt`, its first mask computed.
@@ -60,6 +89,9 @@ class GrammarCompiler:
             InvalidRequest: an unknown format type, a schema that is not a JSON object, or one
                 the library cannot compile (the message carries the library's reason).
         """
+        if fmt.type == "tool_calls":
+            grammar = self._tool_grammar(fmt)
+            return self._matcher(grammar, "tools: a parameters schema cannot be compiled")
         if fmt.type == "json_object":
             schema: Any = ANY_OBJECT
         elif fmt.type == "json_schema":
@@ -75,13 +107,16 @@ class GrammarCompiler:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         except Exception as e:  # the compiler's ValueError / RuntimeError on a schema it rejects
             raise InvalidRequest(f"response_format's json_schema cannot be compiled: {e}") from None
+        return self._matcher(grammar, "response_format's json_schema cannot be compiled")
+
+    def _matcher(self, grammar: str, refusal: str) -> llguidance.LLMatcher:
         error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
         if error:
-            raise InvalidRequest(f"response_format's json_schema cannot be compiled: {error}")
+            raise InvalidRequest(f"{refusal}: {error}")
         m = llguidance.LLMatcher(self.tokenizer, grammar)
         m.compute_bitmask()  # builds the lexer here, on the caller's thread
         if m.is_error():
-            raise InvalidRequest(f"response_format's json_schema cannot be compiled: {m.get_error()}")
+            raise InvalidRequest(f"{refusal}: {m.get_error()}")
         return m
 
 

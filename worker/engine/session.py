@@ -76,9 +76,17 @@ class Session:
             self.done_reason = "length"
         if self.done_reason and not self.text.stopped:
             text += self.text.finish()
-        if visible or text:
+        # Scoring a sequence (prompt_logprobs) lists every token of it, an ending EOS included.
+        listed = step.logprobs[: len(tokens) if self.request.prompt_logprobs >= 0 else len(visible)]
+        if visible or text or len(listed) > len(visible):
             self.emit(TokenEvent(self.request.request_id, tuple(visible), text,
-                                 tuple(self._named(lp) for lp in step.logprobs[: len(visible)])))
+                                 tuple(self._named(lp) for lp in listed)))
+
+    def emit_prompt_logprobs(self, first: int, scored: list[TokenLogprob]) -> None:
+        """Emits the prompt's log-probabilities: its first token `first` (no logprob: nothing
+        precedes it), then `scored`, one per later prompt token."""
+        lps = (TokenLogprob(first, None), *scored)
+        self.emit(TokenEvent(self.request.request_id, (), "", prompt_logprobs=tuple(self._named(lp) for lp in lps)))
 
     def _named(self, lp: TokenLogprob) -> TokenLogprob:
         """`lp` with its tokens' texts."""

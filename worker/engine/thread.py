@@ -18,9 +18,11 @@ from typing import Any, Callable, Mapping
 import mlx.core as mx
 from mlx_lm.utils import load_tokenizer
 
+from flashfleet.tool_calls import detect_format
 from worker.config import EngineConfig
 from worker.detokenize import TextAssembler
 from worker.engine.grammar import RowGrammar
+from worker.engine.penalties import RowPenalties
 from worker.engine.modes import MODES, LoadedModels, Mode, draft_kind_of, resolve_mode
 from worker.models.dflash_checkpoint import DraftCheckpointError
 from worker.engine.block_policy import BatchBlockPolicy
@@ -190,6 +192,8 @@ class Engine:
             num_draft_tokens=self._draft_tokens_per_cycle(config, draft_cfg) if draft_fp else 0,
         )
         self._encode_tokenizer = load_tokenizer(config.model_path)  # the callers' (the engine thread has its own)
+        self._model = replace(self._model, tool_call_format=detect_format(
+            getattr(self._encode_tokenizer, "chat_template", None)))
         self._intake = Intake(self._encode_tokenizer, self._model, self._vocab_size, self._draft_kind, self._modes)
         # Session migration's KV transfer (export, import), run through `_call`.
         self.transfer = SessionTransfer(self._call, clock, self._vocab_size)
@@ -253,10 +257,11 @@ class Engine:
             return (config.block_size or draft_cfg.get("block_size") or 16) - 1
         return config.num_draft_tokens
 
-    def encode_prompt(self, prompt: str | None, messages: list[dict] | None) -> list[int]:
-        """Prompt token ids of raw text or of chat messages rendered with the model's chat
-        template (`Intake.encode_prompt`, worker/engine/intake.py: arguments and errors)."""
-        return self._intake.encode_prompt(prompt, messages)
+    def encode_prompt(self, prompt: str | None, messages: list[dict] | None,
+                      tools: list[dict] | None = None) -> list[int]:
+        """Prompt token ids of raw text or of chat messages (and tools) rendered with the model's
+        chat template (`Intake.encode_prompt`, worker/engine/intake.py: arguments and errors)."""
+        return self._intake.encode_prompt(prompt, messages, tools)
 
     def submit(self, request: GenerationRequest, emit: EmitFn) -> None:
         """Validates a request and queues it for the engine thread; never waits for MLX.
@@ -267,7 +272,7 @@ class Engine:
         Raises:
             Draining: closing or closed.
             InvalidRequest: empty or duplicate request_id, empty prompt, token ids outside the
-                vocabulary, max_tokens < 1, prompt + max_tokens beyond the context, bad sampling
+                vocabulary, max_tokens < 1 (< 0 with prompt_logprobs), prompt + max_tokens beyond the context, bad sampling
                 parameters, an empty stop string, a mode this worker cannot serve, or resume
                 tokens that are not fewer than max_tokens, hold an EOS or do not match
                 resume_text (session migration, `GenerationRequest.resume_tokens`).
@@ -448,20 +453,26 @@ class Engine:
             due = ""
             if req.resume_tokens:  # a migrated session: its output so far becomes context (checked in submit)
                 due = text.resume(req.resume_tokens, req.resume_text)
+                # Its prompt's log-probabilities went out with the previous worker's first chunk.
                 req = replace(req, prompt_tokens=req.prompt_tokens + req.resume_tokens,
                               max_tokens=req.max_tokens - len(req.resume_tokens), resume_tokens=(),
-                              resume_text="")
+                              resume_text="", prompt_logprobs=-1)
             sampler = sampler_for(req.sampling)
             grammar = None
             if cmd.grammar is not None:
                 grammar = RowGrammar(cmd.grammar, self._vocab_size or len(m.tokenizer.vocab), m.eos_ids)
                 grammar.advance(cmd.request.resume_tokens)  # a migrated session's output so far
+            penalties = None
+            if req.sampling.penalized:  # its prompt, then a migrated session's output so far
+                penalties = RowPenalties(req.sampling, cmd.request.prompt_tokens,
+                                         self._vocab_size or len(m.tokenizer.vocab))
+                penalties.advance(cmd.request.resume_tokens)
             if req.import_id and cmd.mode not in BATCHED_MODES:  # its own generator prefills
                 sched.imports.drop(req.import_id)
             if cmd.mode in BATCHED_MODES:
                 s = Session(req, cmd.emit, iter(()), [], text, m.eos_ids, cmd.received_s,
                             new_stats(req, cmd.mode))
-                sched.add(s, cmd.mode, sampler, grammar)
+                sched.add(s, cmd.mode, sampler, grammar, penalties)
             else:
                 steps, caches = self._modes[cmd.mode].start(m, self.config, req, sampler)
                 s = Session(req, cmd.emit, steps, caches, text, m.eos_ids, cmd.received_s,

@@ -53,11 +53,27 @@ class SamplingParams:
         temperature: 0 means greedy (argmax); > 0 samples from softmax(logits / temperature).
         top_p: nucleus mass in (0, 1]; 1.0 disables it.
         seed: seed of the request's own random stream; None draws one at random.
+        presence_penalty: subtracted from the logit of every token the output holds (OpenAI's).
+        frequency_penalty: subtracted from a token's logit once per time the output holds it.
+        repetition_penalty: divides a positive logit (multiplies a negative one) of every token
+            of the prompt and output (CTRL's, as Hugging Face and mlx-lm apply it); 1.0: none.
+        logit_bias: (token id, bias) pairs; each bias is added to its token's logit everywhere.
+        (The penalties and bias: worker/engine/penalties.py.)
     """
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty or bias changes the logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
 
 @dataclass(frozen=True)
@@ -65,12 +81,20 @@ class ResponseFormat:
     """What the output must be (structured output, worker/engine/grammar.py).
 
     Attributes:
-        type: "json_object" (any JSON object) or "json_schema" (JSON valid against `json_schema`).
+        type: "json_object" (any JSON object), "json_schema" (JSON valid against `json_schema`)
+            or "tool_calls" (tool calls only, in the model's tool-call format: tool_choice
+            "required" or a named function; flashfleet/tool_calls.py).
         json_schema: the JSON Schema as JSON text ("json_schema" only).
+        tools: the OpenAI tools list as JSON text ("tool_calls" only).
+        function: the one function to call, or "" for any of `tools` ("tool_calls" only).
+        parallel_calls: whether several calls may follow one another ("tool_calls" only).
     """
 
     type: str
     json_schema: str = ""
+    tools: str = ""
+    function: str = ""
+    parallel_calls: bool = False
 
 
 MAX_TOP_LOGPROBS = 20  # most alternatives a token's log-probabilities list (OpenAI's bound)
@@ -78,19 +102,20 @@ MAX_TOP_LOGPROBS = 20  # most alternatives a token's log-probabilities list (Ope
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A generated token's log-probability under the target's own distribution at its position
+    """A token's log-probability under the target's own distribution at its position
     (log-softmax of the target's logits: no temperature, top-p or grammar applied), and the most
-    likely tokens there.
+    likely tokens there; a generated token's, or a prompt token's (`TokenEvent.prompt_logprobs`).
 
     Attributes:
         token_id: the token.
-        logprob: its natural-log probability (float32 arithmetic).
+        logprob: its natural-log probability (float32 arithmetic); None for a prompt's first
+            token (nothing precedes it).
         top: (token id, logprob) of the `top_logprobs` most likely tokens, most likely first.
         text: the token's text on its own; top_text: the top tokens' (filled when emitted).
     """
 
     token_id: int
-    logprob: float
+    logprob: float | None
     top: tuple[tuple[int, float], ...] = ()
     text: str = ""
     top_text: tuple[str, ...] = ()
@@ -103,7 +128,8 @@ class GenerationRequest:
     Attributes:
         request_id: unique per worker while running.
         prompt_tokens: prompt token ids (chat template already applied), non-empty.
-        max_tokens: upper bound on generated tokens, > 0.
+        max_tokens: upper bound on generated tokens, > 0 (0 with prompt_logprobs: the prompt is
+            scored, nothing is generated).
         sampling: temperature / top-p / seed.
         stop: stop strings; output ends before the first occurrence of any of them.
         mode: "auto", "plain", "draft", "dflash" or "uag".
@@ -116,6 +142,9 @@ class GenerationRequest:
         response_format: constrains the output to JSON (worker/engine/grammar.py); None: free text.
         top_logprobs: -1: no log-probabilities; 0..MAX_TOP_LOGPROBS: each token's `TokenLogprob`
             with that many alternatives (batched modes only).
+        prompt_logprobs: -1: none; 0..MAX_TOP_LOGPROBS: one `TokenLogprob` per prompt token, with
+            that many alternatives, in an event before the first token (batched modes only; the
+            prompt is prefilled in full, without the prompt cache).
     """
 
     request_id: str
@@ -129,6 +158,7 @@ class GenerationRequest:
     import_id: str = ""
     response_format: ResponseFormat | None = None
     top_logprobs: int = -1
+    prompt_logprobs: int = -1
 
 
 @dataclass
@@ -171,12 +201,16 @@ class GenerationStats:
 @dataclass(frozen=True)
 class TokenEvent:
     """New tokens of a request. `text` holds only complete UTF-8 characters (may be "").
-    `logprobs`: one `TokenLogprob` per token id when the request asked for them, else empty."""
+    `logprobs`: one `TokenLogprob` per token id when the request asked for them, else empty
+    (with prompt_logprobs, one more, last, for the EOS token that ended the generation).
+    `prompt_logprobs`: one `TokenLogprob` per prompt token, in one event with no tokens before
+    the first token, when the request asked for them (`GenerationRequest.prompt_logprobs`)."""
 
     request_id: str
     token_ids: tuple[int, ...]
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -215,6 +249,7 @@ class ModelDescription:
     draft_weights_bytes: int = 0
     draft_kv_bytes_per_token: int = 0
     num_draft_tokens: int = 0  # draft tokens per speculative cycle (k); 0 without a draft
+    tool_call_format: str = ""  # the chat template's (flashfleet/tool_calls.py); "": tools are refused
 
 
 @dataclass(frozen=True)
@@ -248,11 +283,13 @@ class EngineProtocol(Protocol):
         """The served model: name, context limit, draft."""
         ...
 
-    def encode_prompt(self, prompt: str | None, messages: list[dict] | None) -> list[int]:
-        """Tokenizes raw text, or renders chat messages with the model's template.
+    def encode_prompt(self, prompt: str | None, messages: list[dict] | None,
+                      tools: list[dict] | None = None) -> list[int]:
+        """Tokenizes raw text, or renders chat messages (and the tools the model may call) with
+        the model's template.
 
         Raises:
-            InvalidRequest: malformed messages or a template that rejects them.
+            InvalidRequest: malformed messages or tools, or a template that rejects them.
         """
 
     def submit(self, request: GenerationRequest, emit: EmitFn) -> None:

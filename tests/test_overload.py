@@ -1,0 +1,68 @@
+"""The coordinator's own overload (coordinator/overload.py): it times an RPC through its own
+server; while that is late, new requests wait for room and worker leases get the lateness as
+grace."""
+from __future__ import annotations
+
+import os
+import time
+
+from coordinator.overload import MAX_RPC_LAG_S, RpcLag
+from coordinator.registry import Registry
+from fakes import FakeEngine
+from flashfleet import Client
+from flashfleet.v1 import common_pb2, worker_pb2
+from harness import start_cluster, wait_until
+
+
+def test_a_sustained_late_answer_is_an_overload_and_its_end_wakes_the_waiters():
+    woken = []
+    lag = RpcLag(window=3, on_recover=lambda: woken.append(1))
+    assert lag.lag_s == 0.0 and not lag.overloaded()
+    lag.record(2.0)  # one slow answer (a garbage collection) among quick ones is not an overload ...
+    lag.record(0.01)
+    lag.record(0.01)
+    assert not lag.overloaded() and woken == []
+    for _ in range(3):  # ... every recent answer late is
+        lag.record(MAX_RPC_LAG_S * 2)
+    assert lag.overloaded() and lag.lag_s == MAX_RPC_LAG_S * 2
+    lag.record(0.01)  # one answer on time again ends it
+    assert not lag.overloaded() and woken == [1]
+    lag._pending_since = time.monotonic() - 3 * MAX_RPC_LAG_S  # a probe unanswered that long counts at once
+    assert lag.overloaded() and lag.lag_s >= 3 * MAX_RPC_LAG_S
+
+
+def test_a_lease_waits_out_the_coordinators_own_lateness():
+    now = [0.0]
+    registry = Registry(lease_ttl_s=10.0, clock=lambda: now[0])
+    grace = [0.0]
+    registry.grace = lambda: grace[0]
+    registry.register(worker_pb2.RegisterRequest(worker_id="w", address="w:1",
+                                                 models=[common_pb2.ModelInfo(name="m")]))
+    now[0] = 12.0
+    grace[0] = 5.0  # its heartbeat may be waiting in this coordinator's queue
+    assert registry.get("w") is not None
+    grace[0] = 0.0
+    assert registry.get("w") is None
+
+
+def test_a_running_coordinator_times_itself_and_holds_new_requests_while_overloaded():
+    cluster = start_cluster({"w1": FakeEngine()})
+    try:
+        fleet = cluster.coordinator.servicer.fleet
+        assert wait_until(lambda: len(fleet.rpc_lag._rtts) >= 3, 10)
+        assert 0.0 < fleet.rpc_lag.lag_s < MAX_RPC_LAG_S  # an idle coordinator answers at once
+        probe_dir = fleet.rpc_lag._dir
+        assert os.stat(probe_dir).st_mode & 0o077 == 0  # only this user can reach the probe's socket
+        req = common_pb2.GenerateRequest(model="fake-model", prompt="p")
+        assert fleet.has_room(req)
+
+        async def late():  # as if every recent answer took a second (on the loop: no probe between)
+            fleet.rpc_lag._rtts.extend([1.0] * 3)
+            return fleet.has_room(req)
+
+        assert cluster.loop.run(late()) is False
+        with Client(cluster.coordinator.address) as client:  # held in the queue, then served once on time
+            assert client.complete("fake-model", prompt="hello", max_tokens=3).token_ids
+    finally:
+        cluster.close()
+    assert not os.path.exists(probe_dir)
