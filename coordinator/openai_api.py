@@ -24,7 +24,7 @@ from coordinator.http_body import read_json
 from coordinator.openai_format import OpenAIError, ParsedRequest, ResponseBuilder, builders, choice_requests, \
     model_list, model_object, parse_request, response
 from coordinator.servicer import CoordinatorServicer, GenerateFailed
-from flashfleet.auth import BAD_KEY, bearer, matches
+from flashfleet.auth import BAD_KEY, ApiKeys, bearer
 from flashfleet.requests import MAX_REQUEST_BYTES
 
 log = logging.getLogger("flashfleet.coordinator.http")
@@ -209,21 +209,23 @@ async def model(request: web.Request) -> web.Response:
     raise OpenAIError(404, f"model {name!r} is not served", "invalid_request_error", "model", "model_not_found")
 
 
-def _require_key(api_keys: tuple[str, ...]):
-    """Middleware: a request without `Authorization: Bearer <one of api_keys>` gets 401."""
+def _require_key(api_keys: ApiKeys):
+    """Middleware: while `api_keys` holds any key, a request without `Authorization: Bearer
+    <an accepted key>` gets 401."""
     @web.middleware
     async def require_key(request: web.Request, handler):
-        if not matches(bearer(request.headers.get("Authorization")), api_keys):
+        if api_keys and api_keys.role(bearer(request.headers.get("Authorization"))) is None:
             raise OpenAIError(401, BAD_KEY, "invalid_request_error", None, "invalid_api_key")
         return await handler(request)
     return require_key
 
 
-def build_app(servicer: CoordinatorServicer, api_keys: tuple[str, ...] = ()) -> web.Application:
+def build_app(servicer: CoordinatorServicer, api_keys: ApiKeys | None = None) -> web.Application:
     """The aiohttp application of the OpenAI-compatible API over `servicer` (request bodies up
-    to flashfleet's 4 MiB request limit plus room for JSON escapes). With `api_keys`, every
-    request must carry `Authorization: Bearer <key>` for one of them, else 401."""
-    middlewares = [_openai_errors] + ([_require_key(tuple(api_keys))] if api_keys else [])
+    to flashfleet's 4 MiB request limit plus room for JSON escapes). While `api_keys` holds any
+    key (it is read at every request: keys added later count), every request must carry
+    `Authorization: Bearer <key>` for one of them, else 401."""
+    middlewares = [_openai_errors] + ([_require_key(api_keys)] if api_keys is not None else [])
     app = web.Application(middlewares=middlewares, client_max_size=2 * MAX_REQUEST_BYTES)
     app[_SERVICER] = servicer
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -234,14 +236,14 @@ def build_app(servicer: CoordinatorServicer, api_keys: tuple[str, ...] = ()) -> 
 
 
 async def start_http(servicer: CoordinatorServicer, host: str, port: int, shutdown_timeout_s: float,
-                     ssl_context=None, api_keys: tuple[str, ...] = ()) -> tuple[web.AppRunner, int]:
+                     ssl_context=None, api_keys: ApiKeys | None = None) -> tuple[web.AppRunner, int]:
     """Serves the API on host:port (0 = a free port) on the running event loop.
 
     Args:
         shutdown_timeout_s: how long `runner.cleanup()` lets open requests finish, seconds.
         ssl_context: an ssl.SSLContext to serve HTTPS (`TLSConfig.server_ssl_context`), or None
             for plain HTTP.
-        api_keys: keys a request must carry (`build_app`); empty = none.
+        api_keys: the keys a request must carry one of (`build_app`); None or empty: none.
 
     Returns:
         (the runner: `await runner.cleanup()` stops it, the bound port).

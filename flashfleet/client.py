@@ -29,7 +29,7 @@ from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 
 import grpc
 
-from flashfleet.auth import api_key_metadata, client_api_key, with_metadata
+from flashfleet.auth import api_key_metadata, client_api_key, key_digest, with_metadata
 from flashfleet.errors import InvalidArgument, from_rpc_error
 from flashfleet.requests import COORDINATOR_VERDICT_HEADER, MAX_CHOICES, MAX_TIMEOUT_S, build_request, choice_id, \
     choice_seed
@@ -441,6 +441,32 @@ class Client:
         timeout = _deadline(timeout_s, 60.0)
         return self._unary(lambda stub: stub.MoveSession(
             coordinator_pb2.MoveSessionRequest(request_id=request_id, to_worker_id=to_worker_id), timeout=timeout))
+
+    def put_api_key(self, key: str, role: str = "client", timeout_s: float | None = None) -> None:
+        """Has every coordinator sharing the fleet's state accept `key` in `role` ("client" or
+        "admin"; replaces the key's earlier role). Only the key's SHA-256 digest is sent.
+
+        Raises:
+            InvalidArgument: an unknown role.
+            PermissionDenied: the coordinator has API keys and this client's key is not an admin key.
+            Unavailable: the coordinator, or the etcd behind it, did not answer.
+            FlashfleetError subclasses, as for generate().
+        """
+        timeout = _deadline(timeout_s, DEFAULT_CONTROL_TIMEOUT_S)
+        self._unary(lambda stub: stub.PutApiKey(
+            coordinator_pb2.PutApiKeyRequest(sha256=key_digest(key), role=role), timeout=timeout))
+
+    def delete_api_key(self, key: str, timeout_s: float | None = None) -> None:
+        """Has every coordinator sharing the fleet's state stop accepting `key` (by its digest).
+
+        Raises:
+            ModelNotFound (code NOT_FOUND): no coordinator accepts that key.
+            PermissionDenied: the coordinator has API keys and this client's key is not an admin key.
+            FlashfleetError subclasses, as for generate().
+        """
+        timeout = _deadline(timeout_s, DEFAULT_CONTROL_TIMEOUT_S)
+        self._unary(lambda stub: stub.DeleteApiKey(
+            coordinator_pb2.DeleteApiKeyRequest(sha256=key_digest(key)), timeout=timeout))
 
 
 # The keywords complete() forwards to generate().
