@@ -18,7 +18,10 @@ script, grpc.aio), then measures three phases:
 3. admit: `--admit-concurrency` clients per coordinator send one-token requests back to back for
    `--admit-s` seconds: requests admitted and completed per second.
 
-Through all three the simulated workers time every heartbeat from send to answer: the table gives
+In the stream window the bench samples each coordinator's own measure of how late it answers an
+RPC (`flashfleet_coordinator_rpc_lag_seconds` on its `--metrics-port`: median and maximum) and
+reads its count of expired leases after it. Through all three the simulated workers time every
+heartbeat from send to answer: the table gives
 the round trip's median, 99th percentile and maximum over heartbeats sent in the stream window
 (how late a loaded coordinator answers them; the simulated workers' own loops are loaded too, so
 "sender late" says how late they sent them) and the heartbeats refused for an expired lease.
@@ -292,6 +295,8 @@ def run_row(args, coordinators: int, workers: int, src: Path = ROOT, label: str 
         load_cores = [c for c in range(ncpu) if c not in used] or list(range(ncpu))
     procs: list[subprocess.Popen] = []
     sims: list[subprocess.Popen] = []
+    rpc_lags: list[float] = []
+    expiries = float("nan")
     beats = {"rtts": [], "lease_losses": []}
     etcd = None
     t_from = t_to = math.inf
@@ -301,8 +306,11 @@ def run_row(args, coordinators: int, workers: int, src: Path = ROOT, label: str 
             etcd = EtcdMember(load_cores)
             state = ["--state", "etcd", "--etcd-endpoints", etcd.endpoint]
         targets, pids = [], []
+        metrics_ports = []
         for c in range(coordinators):
+            metrics_ports.append(_free_port())
             proc = _start([sys.executable, "-m", "coordinator", "--port", "0", "--log-level", "WARNING",
+                           "--metrics-port", str(metrics_ports[-1]),
                            "--max-queued", str(max(64, args.streams)),
                            "--heartbeat-interval-s", repr(HEARTBEAT_INTERVAL_S), *state], coord_cores[c], src)
             procs.append(proc)
@@ -345,8 +353,13 @@ def run_row(args, coordinators: int, workers: int, src: Path = ROOT, label: str 
                                     "--format", "raw", "--rate", "200", "--nonblocking", "--output",
                                     f"{args.py_spy}-{label}-c{coordinators}-w{workers}.txt"],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _sleep_until(t_to)
+        rpc_lags = []  # the coordinators' own measure of how late they answer an RPC, sampled
+        while time.time() < t_to:
+            rpc_lags += [v for port in metrics_ports
+                         if not math.isnan(v := _scrape(port, "flashfleet_coordinator_rpc_lag_seconds"))]
+            time.sleep(min(0.5, max(0.0, t_to - time.time())))
         stream_cpu = _cpu_s(pids) - c0
+        expiries = sum(_scrape(port, "flashfleet_coordinator_lease_expiries_total") for port in metrics_ports)
         counts = _collect(clients, args.timeout_s + 60)
         if spy is not None:
             spy.wait(60)
@@ -381,6 +394,7 @@ def run_row(args, coordinators: int, workers: int, src: Path = ROOT, label: str 
         if etcd is not None:
             etcd.stop()
     rtts = sorted(r for t, r, _ in beats["rtts"] if t_from <= t <= t_to)
+    rpc_lags.sort()
     sender_late = sorted(late for t, _, late in beats["rtts"] if t_from <= t <= t_to)
     d = args.duration_s
     offered = coordinators * args.streams
@@ -397,7 +411,24 @@ def run_row(args, coordinators: int, workers: int, src: Path = ROOT, label: str 
         "heartbeat_rtt_p50_s": _quantile(rtts, 0.5), "heartbeat_rtt_p99_s": _quantile(rtts, 0.99),
         "heartbeat_rtt_max_s": rtts[-1] if rtts else float("nan"), "leases_lost": len(beats["lease_losses"]),
         "heartbeat_sender_late_p99_s": _quantile(sender_late, 0.99),
+        "rpc_lag_p50_s": _quantile(rpc_lags, 0.5), "rpc_lag_max_s": rpc_lags[-1] if rpc_lags else float("nan"),
+        "lease_expiries": expiries,
     }
+
+
+def _scrape(port: int, name: str) -> float:
+    """The value of the sample `name` (no labels) on a coordinator's /metrics; nan when absent
+    (a version without it) or unreachable."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(name + " "):
+                    return float(line.split()[1])
+    except OSError:
+        pass
+    return float("nan")
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -410,8 +441,8 @@ def print_table(rows: list[dict], args) -> None:
           f"{args.max_tokens} tokens per request; {args.duration_s:g} s measured per row; "
           f"host: {os.cpu_count()} cores, load generators on the same host\n")
     head = ("code", "coord", "workers", "streams", "held", "tokens/s", "rate kept", "msgs/s", "req/s",
-            "CPU s/1k tok", "coord CPU", "admitted req/s", "heartbeats/s", "idle CPU", "heartbeat RTT p50/p99/max s",
-            "sender late p99 s", "leases lost", "errors")
+            "CPU s/1k tok", "coord CPU", "admitted req/s", "heartbeats/s", "idle CPU", "RPC lag p50/max s",
+            "lease expiries", "heartbeat RTT p50/p99/max s", "sender late p99 s", "leases lost", "errors")
     print("| " + " | ".join(head) + " |")
     print("|" + "---:|" * len(head))
     for r in rows:
@@ -419,11 +450,13 @@ def print_table(rows: list[dict], args) -> None:
         print(f"| {r['code']} | {r['coordinators']} | {r['workers']} | {r['streams']} | {r['held']} | {r['tokens_per_s']:,.0f} | "
               f"{100 * r['rate_kept']:.0f} % | {r['messages_per_s']:,.0f} | {r['requests_per_s']:,.0f} | "
               f"{r['cpu_s_per_1k_tokens']:.3f} | {100 * r['coordinator_cpu']:.0f} % | {r['admitted_per_s']:,.0f} | "
-              f"{r['heartbeats_per_s']:,.0f} | {100 * r['idle_cpu']:.1f} % | {r['heartbeat_rtt_p50_s']:.3f} / "
+              f"{r['heartbeats_per_s']:,.0f} | {100 * r['idle_cpu']:.1f} % | {r['rpc_lag_p50_s']:.3f} / "
+              f"{r['rpc_lag_max_s']:.3f} | {r['lease_expiries']:.0f} | {r['heartbeat_rtt_p50_s']:.3f} / "
               f"{r['heartbeat_rtt_p99_s']:.3f} / {r['heartbeat_rtt_max_s']:.3f} | "
               f"{r['heartbeat_sender_late_p99_s']:.3f} | {r['leases_lost']} | {errs} |")
-    print("\ncoord CPU and idle CPU: per coordinator, 100 % = one core; idle: heartbeats only; heartbeat RTT: "
-          "send to answer, heartbeats sent in the stream window; sender late: how much later than due the "
+    print("\ncoord CPU and idle CPU: per coordinator, 100 % = one core; idle: heartbeats only; RPC lag: the "
+          "coordinator's own measure of how late it answers an RPC (its rpc_lag_seconds gauge, sampled every 0.5 s "
+          "in the stream window); lease expiries: counted by the coordinators; heartbeat RTT: send to answer, heartbeats sent in the stream window; sender late: how much later than due the "
           "simulated worker's own loop sent them; leases lost: heartbeats refused for an expired "
           "lease in the whole row")
 

@@ -93,4 +93,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from flashfleet.blas import restart_with_openblas
+
+    restart_with_openblas()  # a CPU computes with the OpenBLAS a worker preloads
     main()

@@ -28,7 +28,13 @@ class AdmissionQueue:
     behind another model's waiters (it takes the lock only to check, and the waiters release it).
 
     Call `notify()` whenever a slot may have freed: a stream ended, a worker registered or sent
-    a heartbeat with a new capacity. It is cheap when nobody waits.
+    a heartbeat with a new capacity. It is cheap when nobody waits, and while `held` says that
+    nobody may go (then the caller notifies once that ends).
+
+    Attributes:
+        held: returns True while no waiter may go whatever the workers free (the coordinator
+            itself is overloaded, coordinator/overload.py): `notify()` then wakes nobody, since
+            each wake-up of every waiter costs the loop that is already late. None: never.
 
     Raises:
         ValueError: max_queued or timeout_s < 0.
@@ -42,10 +48,11 @@ class AdmissionQueue:
         self.waiting = 0
         self._cond = asyncio.Condition()
         self._wakers: set[asyncio.Task] = set()  # held so they are not garbage-collected mid-run
+        self.held: Callable[[], bool] | None = None
 
     def notify(self) -> None:
         """Wakes the waiters to re-check for room (from the event loop's thread)."""
-        if self.waiting:
+        if self.waiting and not (self.held is not None and self.held()):
             task = asyncio.get_running_loop().create_task(self._wake())
             self._wakers.add(task)
             task.add_done_callback(self._wakers.discard)

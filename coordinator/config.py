@@ -30,8 +30,9 @@ class CoordinatorConfig:
             0 = a free port, None = no HTTP API).
         api_keys: keys clients must send (`authorization: Bearer <key>` metadata, the HTTP
             API's Authorization header; flashfleet/auth.py); empty = none required.
-        admin_keys: those of `api_keys` with the `admin` role: DrainWorker and MoveSession
-            refuse any other key with PERMISSION_DENIED (with no `api_keys`, nothing is refused).
+        admin_keys: those of `api_keys` with the `admin` role: the operator's calls (DrainWorker,
+            MoveSession, PutApiKey, DeleteApiKey) refuse any other key with PERMISSION_DENIED.
+            Both seed the fleet's state, whose keys (PutApiKey adds more) the guards check.
         join_token: the secret workers must send to register and heartbeat, which the
             coordinator also sends on every call to a worker (None = none required).
         state: where the fleet's state lives: "memory" (the default: this coordinator alone) or

@@ -3,7 +3,9 @@ its gRPC server): POST /v1/chat/completions, POST /v1/completions (streamed as s
 with "stream": true, else one JSON answer), GET /v1/models and GET /v1/models/{model}.
 
 Every request goes through `CoordinatorServicer.generate`, the path of gRPC's Generate: the same
-routing, admission queue, retries, migration, deadlines and metrics. A client that disconnects
+routing, admission queue, retries, migration, deadlines and metrics; a request for n > 1 choices
+is n such requests (`coordinator.openai_format.choice_requests`), run together, their chunks
+interleaved as they come, each naming its choice's index. A client that disconnects
 cancels its handler (aiohttp's handler cancellation), which closes the generator: the worker call
 is cancelled and the worker frees the session. Shapes and field mapping: coordinator/openai_format.py.
 """
@@ -14,14 +16,15 @@ import contextlib
 import json
 import logging
 import time
+from typing import Any, AsyncIterator
 
 from aiohttp import web
 
 from coordinator.http_body import read_json
-from coordinator.openai_format import OpenAIError, ParsedRequest, ResponseBuilder, model_list, model_object, \
-    parse_request
+from coordinator.openai_format import OpenAIError, ParsedRequest, ResponseBuilder, builders, choice_requests, \
+    model_list, model_object, parse_request, response
 from coordinator.servicer import CoordinatorServicer, GenerateFailed
-from flashfleet.auth import BAD_KEY, bearer, matches
+from flashfleet.auth import BAD_KEY, ApiKeys, bearer
 from flashfleet.requests import MAX_REQUEST_BYTES
 
 log = logging.getLogger("flashfleet.coordinator.http")
@@ -69,61 +72,110 @@ def _tool_format(servicer: CoordinatorServicer, parsed: ParsedRequest) -> str:
     return next((m.info.tool_call_format for m in servicer.served_models() if m.info.name == parsed.request.model), "")
 
 
+async def _merged(streams: list) -> AsyncIterator[tuple[int, Any]]:
+    """(choice index, message) of every choice's response stream as they arrive. A failure of
+    one stream is raised here; leaving (or failing) closes every stream, which cancels their
+    worker calls."""
+    if len(streams) == 1:  # one choice: its stream as it is
+        async with contextlib.aclosing(streams[0]):
+            async for msg in streams[0]:
+                yield 0, msg
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, responses) -> None:
+        try:
+            async with contextlib.aclosing(responses):
+                async for msg in responses:
+                    await queue.put((index, msg, None))
+        except Exception as e:  # handed to the reader, which raises it
+            await queue.put((index, None, e))
+            return
+        await queue.put((index, None, None))
+
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, msg, error = await queue.get()
+            if error is not None:
+                raise error
+            if msg is None:
+                running -= 1
+            else:
+                yield index, msg
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     parsed = parse_request(await read_json(request), chat)
     servicer = request.app[_SERVICER]
     deadline = None if parsed.timeout_s is None else time.monotonic() + parsed.timeout_s
-    responses = servicer.generate(parsed.request,
-                                  (lambda: None) if deadline is None else (lambda: deadline - time.monotonic()))
-    out = ResponseBuilder(parsed, _tool_format(servicer, parsed))
+    remaining = (lambda: None) if deadline is None else (lambda: deadline - time.monotonic())
+    responses = _merged([servicer.generate(r, remaining) for r in choice_requests(parsed)])
+    out = builders(parsed, _tool_format(servicer, parsed))
     async with contextlib.aclosing(responses):
         if parsed.stream:
             return await _stream(request, parsed, responses, out)
-        text, logprobs, prompt_logprobs, complete = [], [], [], None
+        text = [[] for _ in range(parsed.n)]
+        logprobs = [[] for _ in range(parsed.n)]
+        prompt_logprobs = [[] for _ in range(parsed.n)]
+        complete = [None] * parsed.n
         try:
             async with asyncio.timeout(parsed.timeout_s):
-                async for resp in responses:
+                async for index, resp in responses:
                     if resp.WhichOneof("kind") == "complete":
-                        complete = resp.complete
+                        complete[index] = resp.complete
                     else:
-                        text.append(resp.chunk.text)
-                        logprobs.extend(resp.chunk.logprobs)
-                        prompt_logprobs = prompt_logprobs or list(resp.chunk.prompt_logprobs)
+                        text[index].append(resp.chunk.text)
+                        logprobs[index].extend(resp.chunk.logprobs)
+                        prompt_logprobs[index] = prompt_logprobs[index] or list(resp.chunk.prompt_logprobs)
         except GenerateFailed as e:
             raise OpenAIError.from_status(e.code, e.details) from None
         except TimeoutError:
             raise _deadline_error(parsed) from None
-    if complete is None:
+    if any(c is None for c in complete):
         raise OpenAIError(503, "the worker ended the stream without finishing it", "server_error", None,
                           "unavailable")
-    return web.json_response(out.response("".join(text), complete, logprobs, prompt_logprobs))
+    return web.json_response(response(out, list(zip(("".join(t) for t in text), complete, logprobs,
+                                                    prompt_logprobs))))
 
 
-async def _stream(request: web.Request, parsed: ParsedRequest, responses, out: ResponseBuilder
+async def _stream(request: web.Request, parsed: ParsedRequest, responses, out: list[ResponseBuilder]
                   ) -> web.StreamResponse:
-    """Writes `responses` as server-sent events. The HTTP status is sent with the first message,
-    so a request refused before any (unknown model, overloaded...) gets its own status; a
-    failure after it is one `data: {"error": ...}` event that ends the stream."""
+    """Writes the choices' `responses` ((index, message) pairs) as server-sent events, each chunk
+    naming its choice's index (`out`: the choices' builders); the usage chunk (include_usage) and
+    [DONE] follow the last choice's end. The HTTP status is sent with the first message, so a
+    request refused before any (unknown model, overloaded...) gets its own status; a failure
+    after it is one `data: {"error": ...}` event that ends the stream."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    completes = [None] * parsed.n
     try:
         async with asyncio.timeout(parsed.timeout_s):
-            async for msg in responses:
+            async for index, msg in responses:
                 if not resp.prepared:
                     await resp.prepare(request)
                 if msg.WhichOneof("kind") == "complete":
-                    for chunk in out.final(msg.complete, parsed.include_usage):
+                    completes[index] = msg.complete
+                    for chunk in out[index].final(msg.complete, parsed.include_usage):
                         await resp.write(_sse(chunk))
-                    await resp.write(b"data: [DONE]\n\n")
+                    if all(c is not None for c in completes):
+                        if parsed.include_usage:
+                            await resp.write(_sse(out[0].usage_chunk(completes)))
+                        await resp.write(b"data: [DONE]\n\n")
                 else:
-                    for chunk in out.chunks(msg.chunk.text, parsed.include_usage, msg.chunk.logprobs,
-                                            msg.chunk.prompt_logprobs):
+                    for chunk in out[index].chunks(msg.chunk.text, parsed.include_usage, msg.chunk.logprobs,
+                                                   msg.chunk.prompt_logprobs):
                         await resp.write(_sse(chunk))
     except (GenerateFailed, TimeoutError) as e:
         err = OpenAIError.from_status(e.code, e.details) if isinstance(e, GenerateFailed) else _deadline_error(parsed)
         if not resp.prepared:
             raise err from None
         await resp.write(_sse(err.body()))
-    except ConnectionResetError:  # the client left between two chunks: the generator closes
+    except ConnectionResetError:  # the client left between two chunks: the generators close
         log.info("client of %s disconnected", parsed.request.request_id)
         return resp
     if not resp.prepared:
@@ -157,21 +209,23 @@ async def model(request: web.Request) -> web.Response:
     raise OpenAIError(404, f"model {name!r} is not served", "invalid_request_error", "model", "model_not_found")
 
 
-def _require_key(api_keys: tuple[str, ...]):
-    """Middleware: a request without `Authorization: Bearer <one of api_keys>` gets 401."""
+def _require_key(api_keys: ApiKeys):
+    """Middleware: while `api_keys` holds any key, a request without `Authorization: Bearer
+    <an accepted key>` gets 401."""
     @web.middleware
     async def require_key(request: web.Request, handler):
-        if not matches(bearer(request.headers.get("Authorization")), api_keys):
+        if api_keys and api_keys.role(bearer(request.headers.get("Authorization"))) is None:
             raise OpenAIError(401, BAD_KEY, "invalid_request_error", None, "invalid_api_key")
         return await handler(request)
     return require_key
 
 
-def build_app(servicer: CoordinatorServicer, api_keys: tuple[str, ...] = ()) -> web.Application:
+def build_app(servicer: CoordinatorServicer, api_keys: ApiKeys | None = None) -> web.Application:
     """The aiohttp application of the OpenAI-compatible API over `servicer` (request bodies up
-    to flashfleet's 4 MiB request limit plus room for JSON escapes). With `api_keys`, every
-    request must carry `Authorization: Bearer <key>` for one of them, else 401."""
-    middlewares = [_openai_errors] + ([_require_key(tuple(api_keys))] if api_keys else [])
+    to flashfleet's 4 MiB request limit plus room for JSON escapes). While `api_keys` holds any
+    key (it is read at every request: keys added later count), every request must carry
+    `Authorization: Bearer <key>` for one of them, else 401."""
+    middlewares = [_openai_errors] + ([_require_key(api_keys)] if api_keys is not None else [])
     app = web.Application(middlewares=middlewares, client_max_size=2 * MAX_REQUEST_BYTES)
     app[_SERVICER] = servicer
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -182,14 +236,14 @@ def build_app(servicer: CoordinatorServicer, api_keys: tuple[str, ...] = ()) -> 
 
 
 async def start_http(servicer: CoordinatorServicer, host: str, port: int, shutdown_timeout_s: float,
-                     ssl_context=None, api_keys: tuple[str, ...] = ()) -> tuple[web.AppRunner, int]:
+                     ssl_context=None, api_keys: ApiKeys | None = None) -> tuple[web.AppRunner, int]:
     """Serves the API on host:port (0 = a free port) on the running event loop.
 
     Args:
         shutdown_timeout_s: how long `runner.cleanup()` lets open requests finish, seconds.
         ssl_context: an ssl.SSLContext to serve HTTPS (`TLSConfig.server_ssl_context`), or None
             for plain HTTP.
-        api_keys: keys a request must carry (`build_app`); empty = none.
+        api_keys: the keys a request must carry one of (`build_app`); None or empty: none.
 
     Returns:
         (the runner: `await runner.cleanup()` stops it, the bound port).

@@ -10,11 +10,13 @@ echo (the prompt's text before the completion's; with logprobs, the prompt token
 log-probabilities first, the first one null, as lm-evaluation-harness's loglikelihood reads them;
 max_tokens 0 then scores the prompt alone), and for chat tools / tool_choice / parallel_tool_calls
 (rendered through the model's chat template, the answer parsed into `tool_calls` with the
-model's tool-call format, flashfleet/tool_calls.py). flashfleet's own
-fields ride along in the body (`extra_body` in the openai client): mode ("auto", "plain",
-"draft", "dflash", "uag"), session_id (worker affinity across turns) and timeout_s (the request's
-deadline, seconds). Fields flashfleet cannot honour (n other than 1, penalties, the deprecated
-functions, ...) are refused with 400 rather than ignored.
+model's tool-call format, flashfleet/tool_calls.py), presence_penalty, frequency_penalty,
+logit_bias (token id -> bias) and n (choices, each a request of its own: `choice_requests`).
+flashfleet's own fields ride along in the body (`extra_body` in the openai client): mode ("auto",
+"plain", "draft", "dflash", "uag"), session_id (worker affinity across turns), timeout_s (the
+request's deadline, seconds) and repetition_penalty (over prompt and output, as Hugging Face and
+mlx-lm define it). Fields flashfleet cannot honour (best_of, the deprecated functions, ...) are
+refused with 400 rather than ignored.
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ from typing import Any
 import grpc
 
 from flashfleet.errors import InvalidArgument, short_details
-from flashfleet.requests import MAX_TIMEOUT_S, MAX_TOP_LOGPROBS, build_request
+from flashfleet import requests
+from flashfleet.requests import MAX_CHOICES, MAX_TIMEOUT_S, MAX_TOP_LOGPROBS, build_request, choice_id
 from flashfleet.tool_calls import FORMATS, ToolCall
 from flashfleet.types import DECODE_MODE_NAMES, FINISH_REASONS, GenerationStats
 from flashfleet.v1 import common_pb2, coordinator_pb2
@@ -50,6 +53,17 @@ HTTP_ERRORS = {
 OPENAI_FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 # The body fields an InvalidArgument's message may start with: the `param` of its 400.
 _PARAMS = re.compile(r"messages|tools|tool_choice|parallel_tool_calls|response_format")
+PENALTY_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+# Request fields an INVALID_ARGUMENT message may be about, where it does not start with one.
+NAMED_FIELDS = ("response_format", "logit_bias", *PENALTY_FIELDS, "top_logprobs", "temperature", "top_p",
+                "seed", "max_tokens", "stop", "prompt_logprobs", "prompt", "messages")
+
+
+def field_named(details: str) -> str | None:
+    """The request field an InvalidArgument's message is about (the `param` of its 400): the one
+    it starts with (`_PARAMS`), else the first of `NAMED_FIELDS` it names, else None."""
+    field = _PARAMS.match(details)
+    return field[0] if field else next((name for name in NAMED_FIELDS if name in details), None)
 
 # Every request field of OpenAI's /v1/chat/completions and /v1/completions, and what flashfleet
 # does with it: SERVED (honoured), NOOP (accepted and has no effect, for the reason in docs/operations.md
@@ -66,10 +80,10 @@ REQUEST_FIELDS: dict[str, str | tuple] = {
     "user": NOOP, "safety_identifier": NOOP, "metadata": NOOP, "store": NOOP, "service_tier": NOOP,
     "prompt_cache_key": NOOP, "prompt_cache_retention": NOOP, "prompt_cache_options": NOOP,
     "response_format": SERVED, "tools": SERVED, "tool_choice": SERVED, "parallel_tool_calls": SERVED,
-    "n": (None, 1), "best_of": (None, 1), "echo": SERVED, "suffix": (None, ""),
-    "logprobs": SERVED, "top_logprobs": SERVED, "logit_bias": (None, {}),
+    "n": SERVED, "best_of": (None, 1), "echo": SERVED, "suffix": (None, ""),
+    "logprobs": SERVED, "top_logprobs": SERVED, "logit_bias": SERVED,
     "functions": (None, []), "function_call": (None, "none", "auto"),
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": SERVED, "frequency_penalty": SERVED,
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
     "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,), "moderation": (None,),
 }
@@ -98,7 +112,10 @@ class OpenAIError(Exception):
         """The error for a request that failed with gRPC status `code` (HTTP_ERRORS; any other
         code is 500 server_error)."""
         status, kind, name = HTTP_ERRORS.get(code, (500, "server_error", code.name.lower()))
-        return cls(status, details, kind, "model" if code == grpc.StatusCode.NOT_FOUND else None, name)
+        param = "model" if code == grpc.StatusCode.NOT_FOUND else None
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            param = field_named(details)
+        return cls(status, details, kind, param, name)
 
 
 def bad(message: str, param: str | None = None) -> OpenAIError:
@@ -119,6 +136,7 @@ class ParsedRequest:
         logprobs: whether the answer lists its tokens' log-probabilities.
         echo: the prompt's text to put before the completion's (completions' `echo`), or None.
         tools: the functions the answer may call (tools given, tool_choice not "none"); () = none.
+        n: how many choices to generate (`choice_requests`).
     """
 
     request: common_pb2.GenerateRequest
@@ -129,6 +147,12 @@ class ParsedRequest:
     logprobs: bool = False
     echo: str | None = None
     tools: tuple[str, ...] = ()
+    n: int = 1
+
+
+def choice_requests(parsed: ParsedRequest) -> list[common_pb2.GenerateRequest]:
+    """One GenerateRequest per choice (`flashfleet.requests.choice_requests`)."""
+    return requests.choice_requests(parsed.request, parsed.n)
 
 
 def _number(body: dict, key: str, kind=(int, float)):
@@ -205,6 +229,7 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     if max_tokens is None:
         max_tokens = _number(body, "max_tokens", int)
     temperature, top_p = _number(body, "temperature"), _number(body, "top_p")
+    penalties = {name: _number(body, name) for name in PENALTY_FIELDS}
     seed = _number(body, "seed", int)
     timeout_s = _number(body, "timeout_s")
     if timeout_s is not None and not (0 < timeout_s <= MAX_TIMEOUT_S):  # NaN fails too; no float() of a huge int
@@ -223,6 +248,9 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     # Echo with logprobs lists the prompt's tokens too; max_tokens 0 has the worker score the prompt
     # (nothing else to do), its logprobs read only when asked for.
     prompt_logprobs = top_logprobs if echo and top_logprobs is not None else 0 if echo and max_tokens == 0 else None
+    n = _number(body, "n", int)
+    if n is not None and not 1 <= n <= MAX_CHOICES:
+        raise bad(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}", "n")
     if not chat:  # tools are a chat field; their "off" values pass, as elsewhere
         for key, off in (("tools", (None, [])), ("tool_choice", (None, "none", "auto"))):
             if body.get(key) not in off:
@@ -236,13 +264,12 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
             response_format=body.get("response_format"), top_logprobs=top_logprobs,
             prompt_logprobs=prompt_logprobs, tools=body.get("tools") if chat else None,
             tool_choice=body.get("tool_choice") if chat else None,
-            parallel_tool_calls=body.get("parallel_tool_calls") if chat else None)
+            parallel_tool_calls=body.get("parallel_tool_calls") if chat else None,
+            logit_bias=body.get("logit_bias"), **penalties)
     except InvalidArgument as e:
-        field = _PARAMS.match(e.details)
-        raise bad(e.details, field[0] if field else "response_format" if "response_format" in e.details else None
-                  ) from None
+        raise bad(e.details, field_named(e.details)) from None
     return ParsedRequest(request, chat, stream, bool(options.get("include_usage")), timeout_s,
-                         top_logprobs is not None, prompt if echo else None, _tool_names(request))
+                         top_logprobs is not None, prompt if echo else None, _tool_names(request), n or 1)
 
 
 def _tool_names(request: common_pb2.GenerateRequest) -> tuple[str, ...]:
@@ -297,12 +324,15 @@ def flashfleet_fields(request_id: str, complete: common_pb2.Complete) -> dict:
             **_stats_dict(complete)}
 
 
-def usage(complete: common_pb2.Complete) -> dict:
-    """OpenAI's `usage` object from the final stats (cached prompt tokens in prompt_tokens_details)."""
-    s = complete.stats
-    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.generated_tokens,
-            "total_tokens": s.prompt_tokens + s.generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": s.cached_tokens}}
+def usage(*completes: common_pb2.Complete) -> dict:
+    """OpenAI's `usage` object from the final stats of a request's choices (one or more): the
+    prompt counted once, as the first choice read it (its cached tokens in prompt_tokens_details;
+    each choice's own count is in its `flashfleet` object), completion tokens summed."""
+    first = completes[0].stats
+    generated = sum(c.stats.generated_tokens for c in completes)
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": generated,
+            "total_tokens": first.prompt_tokens + generated,
+            "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
 
 
 def finish_reason(complete: common_pb2.Complete) -> str:
@@ -320,22 +350,28 @@ def _top_dict(top) -> dict[str, float]:
 
 
 class ResponseBuilder:
-    """Builds the JSON objects of one request's answer, in OpenAI's shapes.
+    """Builds the JSON objects of one choice of a request's answer, in OpenAI's shapes (one
+    builder per choice: `builders`; `response` joins their choices).
 
     Args:
         parsed: the request (chat or completion; its request_id becomes the response id).
         tool_format: the served model's tool-call format (`flashfleet.tool_calls.FORMATS` key),
             for a request whose answer may hold tool calls: its text is parsed into `tool_calls`
             (whole, or streamed as `delta.tool_calls`); "" or None: the text is content as is.
+        index: the choice's index (0 .. n-1).
+        created: the response's creation time (Unix seconds; default now).
     """
 
-    def __init__(self, parsed: ParsedRequest, tool_format: str | None = None):
+    def __init__(self, parsed: ParsedRequest, tool_format: str | None = None, index: int = 0,
+                 created: int | None = None):
         self.chat = parsed.chat
         self.model = parsed.request.model
         rid = parsed.request.request_id
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + rid
-        self.request_id = rid
-        self.created = int(time.time())
+        self.index = index
+        self.several = parsed.n > 1  # each choice then carries its own `flashfleet` object
+        self.request_id = choice_id(rid, index) if self.several else rid
+        self.created = int(time.time()) if created is None else created
         self.started = False  # whether a chunk with text went out (the first chat delta names the role)
         self.want_logprobs = parsed.logprobs
         self.offset = 0  # characters of completion text before the next token (completions' text_offset)
@@ -387,11 +423,11 @@ class ResponseBuilder:
                 "top_logprobs": [_top_dict(lp.top) if has else None
                                  for lp, has in zip(items, scored)], "text_offset": offsets}
 
-    def response(self, text: str, complete: common_pb2.Complete, logprobs=(), prompt_logprobs=()) -> dict:
-        """The whole answer of a request that was not streamed: one choice (with the tokens'
-        log-probabilities when asked for; echo: the prompt's before; with tool calls parsed out of
-        the text into `message.tool_calls`, content null when nothing else is said), usage and the
-        top-level `flashfleet` object."""
+    def choice(self, text: str, complete: common_pb2.Complete, logprobs=(), prompt_logprobs=()) -> dict:
+        """The choice of an answer that was not streamed (with the tokens' log-probabilities when
+        asked for; echo: the prompt's before; with tool calls parsed out of the text into
+        `message.tool_calls`, content null when nothing else is said; its `flashfleet` object when
+        the request has several choices)."""
         if self.chat:
             message: dict = {"role": "assistant", "content": text}
             if self.parser is not None:
@@ -399,13 +435,14 @@ class ResponseBuilder:
                 if calls:
                     message = {"role": "assistant", "content": content or None,
                                "tool_calls": [c.openai() for c in calls]}
-            choice = {"index": 0, "message": message, "finish_reason": self.finish_reason(complete),
+            choice = {"index": self.index, "message": message, "finish_reason": self.finish_reason(complete),
                       "logprobs": self.logprobs(logprobs)}
         else:
-            choice = {"index": 0, "text": self._echoed(text), "finish_reason": finish_reason(complete),
+            choice = {"index": self.index, "text": self._echoed(text), "finish_reason": finish_reason(complete),
                       "logprobs": self.logprobs(logprobs, prompt_logprobs)}
-        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
-                "usage": usage(complete), "flashfleet": flashfleet_fields(self.request_id, complete)}
+        if self.several:
+            choice["flashfleet"] = flashfleet_fields(self.request_id, complete)
+        return choice
 
     def _chunk(self, choice: dict, include_usage: bool) -> dict:
         out = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
@@ -419,9 +456,9 @@ class ResponseBuilder:
         when asked for (echo: the prompt's first)."""
         if self.chat:
             delta = {"content": text} if self.started else {"role": "assistant", "content": text}
-            choice = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": self.logprobs(logprobs)}
+            choice = {"index": self.index, "delta": delta, "finish_reason": None, "logprobs": self.logprobs(logprobs)}
         else:
-            choice = {"index": 0, "text": self._echoed(text), "finish_reason": None,
+            choice = {"index": self.index, "text": self._echoed(text), "finish_reason": None,
                       "logprobs": self.logprobs(logprobs, prompt_logprobs)}
         self.started = True
         return self._chunk(choice, include_usage)
@@ -434,8 +471,8 @@ class ResponseBuilder:
         first = {"tool_calls": [head]} if self.started else {"role": "assistant", "content": None, "tool_calls": [head]}
         self.started = True
         rest = {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}
-        return [self._chunk({"index": 0, "delta": d, "finish_reason": None, "logprobs": None}, include_usage)
-                for d in (first, rest)]
+        return [self._chunk({"index": self.index, "delta": d, "finish_reason": None, "logprobs": None},
+                            include_usage) for d in (first, rest)]
 
     def _said(self, events: list, include_usage: bool) -> list[dict]:
         out: list[dict] = []
@@ -463,9 +500,9 @@ class ResponseBuilder:
         return out
 
     def final(self, complete: common_pb2.Complete, include_usage: bool = False) -> list[dict]:
-        """The stream's last chunks: what the tool-call parser still holds, the one with
-        finish_reason and the `flashfleet` object, then (with include_usage) one with no choices
-        and the `usage`."""
+        """The choice's last stream chunks: what the tool-call parser still holds, then the one
+        with finish_reason and the choice's `flashfleet` object (`usage_chunk` follows the last
+        choice's)."""
         out = []
         if self.parser is not None:
             out = self._said(self.parser.close(), include_usage)
@@ -473,17 +510,38 @@ class ResponseBuilder:
                 out.append(self.delta("", include_usage, self._held_logprobs))
         if self.chat:
             delta = {} if self.started else {"role": "assistant", "content": ""}
-            choice = {"index": 0, "delta": delta, "finish_reason": self.finish_reason(complete), "logprobs": None}
+            choice = {"index": self.index, "delta": delta, "finish_reason": self.finish_reason(complete),
+                      "logprobs": None}
         else:
             # echo: a stream whose first message is its end still gives the prompt's text
-            choice = {"index": 0, "text": self._echoed(""), "finish_reason": finish_reason(complete), "logprobs": None}
+            choice = {"index": self.index, "text": self._echoed(""), "finish_reason": finish_reason(complete),
+                      "logprobs": None}
         last = self._chunk(choice, include_usage)
         last["flashfleet"] = flashfleet_fields(self.request_id, complete)
         out.append(last)
-        if include_usage:
-            out.append({**self._head("chat.completion.chunk" if self.chat else "text_completion"),
-                        "choices": [], "usage": usage(complete)})
         return out
+
+    def usage_chunk(self, completes: list[common_pb2.Complete]) -> dict:
+        """The stream's last chunk with include_usage: no choices, the `usage` of every choice."""
+        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"),
+                "choices": [], "usage": usage(*completes)}
+
+
+def builders(parsed: ParsedRequest, tool_format: str | None = None) -> list[ResponseBuilder]:
+    """One `ResponseBuilder` per choice of `parsed`, with one creation time."""
+    created = int(time.time())
+    return [ResponseBuilder(parsed, tool_format, i, created) for i in range(parsed.n)]
+
+
+def response(choices: list[ResponseBuilder], results: list[tuple]) -> dict:
+    """The whole answer of a request that was not streamed, from each choice's builder and its
+    (text, Complete, TokenLogprob protos, echo's prompt TokenLogprob protos): its choices, the
+    `usage` of all of them and the top-level `flashfleet` object (the first choice's)."""
+    first = choices[0]
+    completes = [r[1] for r in results]
+    return {**first._head("chat.completion" if first.chat else "text_completion"),
+            "choices": [b.choice(*r) for b, r in zip(choices, results)], "usage": usage(*completes),
+            "flashfleet": flashfleet_fields(first.request_id, completes[0])}
 
 
 def model_list(served: list[coordinator_pb2.ServedModel]) -> dict:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import shutil
 import tempfile
@@ -31,10 +32,16 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+log = logging.getLogger("flashfleet.coordinator")
+
 MAX_RPC_LAG_S = 0.5  # an RPC answered later than this (sustained) means the coordinator is overloaded
 PROBE_INTERVAL_S = 0.1  # how often the coordinator calls itself
 PROBE_WINDOW = 3  # completed probes `lag_s` looks at (one slow answer, a garbage collection, is not an overload)
 PROBE_TIMEOUT_S = 30.0
+# Probe failures that mean "not answered in time"; others (UNAVAILABLE: its socket removed, say)
+# measure nothing and must not read as an overload.
+LATE_CODES = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+PROBE_DIR_PREFIX = "flashfleet-coordinator-"  # + "<pid>-<random>": the probe socket's directory
 
 
 class RpcLag:
@@ -66,7 +73,8 @@ class RpcLag:
     @property
     def lag_s(self) -> float:
         """Seconds an RPC waits now: the least of the last `window` probes' round trips (0.0
-        before there are `window`), or the age of the probe still unanswered when that is longer."""
+        before there are `window`), or, when longer, how long ago the first probe still without an
+        answer was sent (a refused or timed-out probe is sent again; the wait counts on)."""
         done = min(self._rtts) if len(self._rtts) == self._rtts.maxlen else 0.0
         pending = 0.0 if self._pending_since is None else time.monotonic() - self._pending_since
         return max(done, pending)
@@ -77,12 +85,13 @@ class RpcLag:
 
     def attach(self, server: grpc.aio.Server) -> None:
         """Adds the probe's port to `server` (before it starts): a unix socket in a directory
-        only this user can open.
+        only this user can open (and removes those that killed coordinators of this user left).
 
         Raises:
             RuntimeError: the socket could not be bound.
         """
-        self._dir = tempfile.mkdtemp(prefix="flashfleet-coordinator-")  # mode 0700
+        remove_stale_probe_dirs()
+        self._dir = tempfile.mkdtemp(prefix=f"{PROBE_DIR_PREFIX}{os.getpid()}-")  # mode 0700
         if server.add_insecure_port(f"unix:{self._socket()}") == 0:
             raise RuntimeError(f"could not bind the coordinator's probe socket in {self._dir}")
 
@@ -101,13 +110,21 @@ class RpcLag:
         async with grpc.aio.insecure_channel(f"unix:{self._socket()}") as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while True:
-                t0 = self._pending_since = time.monotonic()
+                if self._pending_since is None:
+                    self._pending_since = time.monotonic()
                 try:
                     await stub.Check(health_pb2.HealthCheckRequest(), timeout=PROBE_TIMEOUT_S)
-                except grpc.aio.AioRpcError:
-                    pass  # the server stops (or answers NOT_SERVING): the time still counts
+                except grpc.aio.AioRpcError as e:
+                    if e.code() not in LATE_CODES:  # no measurement (its socket gone, the server stopping)
+                        self._pending_since = None
+                        log.debug("the coordinator's probe failed: %s", e.code().name)
+                    # Shed (gRPC refuses calls when too many wait to be taken) or timed out: no
+                    # answer yet, so the wait goes on counting from the first unanswered probe.
+                    await asyncio.sleep(self.interval_s)
+                    continue
+                rtt = time.monotonic() - self._pending_since
                 self._pending_since = None
-                self.record(time.monotonic() - t0)
+                self.record(rtt)
                 await asyncio.sleep(self.interval_s)
 
     def close(self) -> None:
@@ -116,3 +133,30 @@ class RpcLag:
             with contextlib.suppress(OSError):
                 shutil.rmtree(self._dir)
             self._dir = None
+
+
+def remove_stale_probe_dirs(root: str | None = None) -> list[str]:
+    """Removes the probe directories in `root` (the temporary directory by default) that this
+    user's coordinators left when they were killed (SIGKILL: no `close`): those whose process
+    no longer runs. Returns the paths removed."""
+    root = root or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        pid = name[len(PROBE_DIR_PREFIX):].split("-", 1)[0]
+        if not name.startswith(PROBE_DIR_PREFIX) or not pid.isdigit():
+            continue
+        path = os.path.join(root, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)  # raises when no such process runs
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        except OSError:  # another user's process (it runs), or the directory went meanwhile
+            continue
+    return removed

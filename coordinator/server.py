@@ -22,8 +22,8 @@ from coordinator.registry import Registry
 from coordinator.routing import SessionAffinity
 from coordinator.servicer import CoordinatorServicer, RegistryServicer, WorkerPool
 from coordinator.state import FleetState, MemoryState
-from flashfleet.auth import (AUTHORIZATION, BAD_JOIN_TOKEN, BAD_KEY, JOIN_TOKEN_HEADER, RequireRole,
-                             RequireSecret, access_summary, access_warnings, is_loopback)
+from flashfleet.auth import (BAD_JOIN_TOKEN, JOIN_TOKEN_HEADER, RequireApiKey, RequireSecret, access_summary,
+                             access_warnings, is_loopback)
 from flashfleet.bad_messages import RejectUndecodable
 from flashfleet.transport import SERVER_OPTIONS, add_port
 from flashfleet.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -34,7 +34,7 @@ SERVICE_NAMES = (
     worker_pb2.DESCRIPTOR.services_by_name["Registry"].full_name,
 )
 # The operator's calls: with API keys configured, only an admin key may make them.
-ADMIN_METHODS = tuple(f"/{SERVICE_NAMES[0]}/{m}" for m in ("DrainWorker", "MoveSession"))
+ADMIN_METHODS = tuple(f"/{SERVICE_NAMES[0]}/{m}" for m in ("DrainWorker", "MoveSession", "PutApiKey", "DeleteApiKey"))
 
 
 @dataclass
@@ -93,8 +93,10 @@ async def start_coordinator(config: CoordinatorConfig,
 
     With `config.http_port` set, also serves the OpenAI-compatible HTTP API on config.host
     (coordinator/openai_api.py). With `config.api_keys`, the Coordinator service and the HTTP API
-    refuse callers without one of them (UNAUTHENTICATED / 401), and DrainWorker and MoveSession
-    callers without one of `config.admin_keys` (PERMISSION_DENIED); with `config.join_token`, the
+    refuse callers without one of them (UNAUTHENTICATED / 401), and the operator's calls
+    (ADMIN_METHODS) callers without one of `config.admin_keys` (PERMISSION_DENIED); the keys are
+    seeded into the fleet's state, which also holds those added by PutApiKey (shared by every
+    coordinator over etcd), and the guards read it at every call; with `config.join_token`, the
     Registry service refuses workers without it (flashfleet/auth.py). Also starts the lease-expiry loop (every min(1, lease_ttl_s / 4) seconds), which updates
     the worker gauges.
 
@@ -150,10 +152,15 @@ async def start_coordinator(config: CoordinatorConfig,
         state = MemoryState(coordinator_id, registry, affinity)
     servicer = CoordinatorServicer(config, state, pool, metrics=metrics)
     state.on_worker_change = servicer.admission.notify  # a worker registered through another coordinator
-    guards = []
-    if config.api_keys:
-        guards.append(RequireSecret(SERVICE_NAMES[:1], AUTHORIZATION, config.api_keys, BAD_KEY, is_bearer=True))
-        guards.append(RequireRole(ADMIN_METHODS, config.admin_keys, "admin"))
+    try:  # the keys file seeds the shared keys: it stays the source of the keys it names
+        await state.seed_api_keys({k: "admin" if k in config.admin_keys else "client" for k in config.api_keys})
+    except ConnectionError as e:
+        await state.close()
+        raise RuntimeError(f"cannot write the API keys to etcd: {e}") from None
+    if state.shared and len(state.api_keys) > len(config.api_keys):
+        log.info("access control: %d API keys in the fleet's state", len(state.api_keys))
+    # Keys may be added later (PutApiKey): the guard reads the state's keys at every call.
+    guards = [RequireApiKey(SERVICE_NAMES[:1], ADMIN_METHODS, state.api_keys)]
     if config.join_token:
         guards.append(RequireSecret(SERVICE_NAMES[1:], JOIN_TOKEN_HEADER, (config.join_token,), BAD_JOIN_TOKEN))
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[*guards, RejectUndecodable()])
@@ -176,7 +183,7 @@ async def start_coordinator(config: CoordinatorConfig,
             http_runner, http_port = await start_http(servicer, config.host, config.http_port,
                                                       config.shutdown_grace_s,
                                                       tls.server_ssl_context() if tls is not None else None,
-                                                      config.api_keys)
+                                                      state.api_keys)
     except BaseException:
         servicer.fleet.rpc_lag.close()
         await state.close()

@@ -324,6 +324,32 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             served.modes.extend(sorted(modes[name] - {common_pb2.DECODE_MODE_AUTO}))
         return [by_name[k] for k in sorted(by_name)]
 
+    async def PutApiKey(self, request: coordinator_pb2.PutApiKeyRequest, context):
+        """Has every coordinator sharing the fleet's state accept the key whose SHA-256 is
+        `request.sha256`, in `request.role` (the admin role is checked before: server.py).
+        Aborts INVALID_ARGUMENT for a malformed digest or role, UNAVAILABLE when etcd does not
+        answer."""
+        try:
+            await self.state.put_api_key(request.sha256, request.role)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except ConnectionError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the fleet's state did not answer: {e}")
+        log.info("API key %s... (%s) added", request.sha256[:8], request.role)
+        return coordinator_pb2.PutApiKeyResponse()
+
+    async def DeleteApiKey(self, request: coordinator_pb2.DeleteApiKeyRequest, context):
+        """Stops every coordinator accepting the key whose SHA-256 is `request.sha256`. Aborts
+        NOT_FOUND when no key has it, UNAVAILABLE when etcd does not answer."""
+        try:
+            deleted = await self.state.delete_api_key(request.sha256)
+        except ConnectionError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the fleet's state did not answer: {e}")
+        if not deleted:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no API key has the digest {request.sha256[:64]!r}")
+        log.info("API key %s... removed", request.sha256[:8])
+        return coordinator_pb2.DeleteApiKeyResponse()
+
     async def GetClusterStatus(self, request, context):
         """One `WorkerStatus` per live worker (sorted by id; `heartbeat_age_s` in seconds,
         `active_sessions` the coordinator's open streams to it, KV bytes from its latest heartbeat)

@@ -247,6 +247,7 @@ class Fleet:
         # How late this coordinator answers RPCs (its probe is started with the server,
         # coordinator/server.py): while it is overloaded new requests wait for room.
         self.rpc_lag = RpcLag(on_recover=self.admission.notify)
+        self.admission.held = self.rpc_lag.overloaded
 
     def decide_for_others(self) -> None:
         """Runs the migration policy, as the owner of its workers, for the streams other
@@ -978,5 +979,33 @@ class ProxiedStream:
                         len(self.progress.token_ids), " from its transferred KV state" if claim else "")
             self.state = State.STREAMING
             return True
+        if await self._reattach_to(dead, resumed, error, started_s):
+            return True
         fleet.record_move(request.model, "failover_failed")
         return False
+
+    async def _reattach_to(self, worker: WorkerRecord, resumed: common_pb2.GenerateRequest,
+                           error: grpc.aio.AioRpcError, started_s: float) -> bool:
+        """FAILING_OVER, no other worker took the stream: re-attaches to the session on the
+        worker whose call failed. The failure may have been the connection's, not the worker's (a
+        keepalive ping unanswered on an overloaded host ends the call as UNAVAILABLE), and a
+        worker whose call ends without a Cancel keeps the session for a resume. True when it did
+        (`_moved_first` is then its first response); a worker that is gone or keeps no session
+        refuses, and nothing is left open."""
+        fleet, request = self.fleet, self.request
+        try:
+            slot, call, first = await self._open_on(worker, resumed, metadata=((RESUME_ONLY_HEADER, "1"),))
+        except grpc.aio.AioRpcError as e:
+            log.info("re-attaching %s to %s refused: %s %s", request.request_id, worker.worker_id, e.code().name,
+                     e.details())
+            return False
+        self.call.cancel()
+        self._switch(worker, slot, call, first)
+        worker.unreachable = False  # it answered
+        fleet.record_move(request.model, "failover", method="reattach", pause_s=time.monotonic() - started_s,
+                          total_s=time.monotonic() - started_s)
+        log.warning("the call to worker %s failed mid-stream (%s) and no other worker could take request %s: "
+                    "re-attached to its session there after %d tokens", worker.worker_id, error.details(),
+                    request.request_id, len(self.progress.token_ids))
+        self.state = State.STREAMING
+        return True

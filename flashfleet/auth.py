@@ -5,19 +5,26 @@
   `FLASHFLEET_API_KEY`. A coordinator with keys configured (`--api-keys-file`, env
   `FLASHFLEET_COORDINATOR_API_KEYS`) refuses its public Coordinator service to any other caller with
   UNAUTHENTICATED before the request is routed. Each key has a role, `client` (the default) or
-  `admin`: the operator's calls, DrainWorker and MoveSession, need an `admin` key and refuse a
-  client key with PERMISSION_DENIED (`RequireRole`; coordinator/server.py ADMIN_METHODS). Without keys configured every call is open.
+  `admin`: the operator's calls (DrainWorker, MoveSession, PutApiKey, DeleteApiKey) need an
+  `admin` key and refuse a client key with PERMISSION_DENIED (`RequireApiKey`;
+  coordinator/server.py ADMIN_METHODS). Without keys every call is open. A coordinator holds keys
+  as SHA-256 digests with their roles (`ApiKeys`): its keys file's seed the fleet's state
+  (coordinator/state/), where PutApiKey adds more, so coordinators sharing the state in etcd
+  accept the same keys, and no store holds a raw key.
 - Join token: one shared secret (`--join-token-file`, env `FLASHFLEET_JOIN_TOKEN`) sent as
   metadata `x-flashfleet-join-token`. A coordinator with a token refuses Register / Heartbeat /
   Deregister without it; a worker with a token serves its Worker service only to a caller that
   presents it (the coordinator sends it on every worker call).
 
-Secrets are compared in constant time (`hmac.compare_digest`) and never logged.
+The join token is compared in constant time (`hmac.compare_digest`); an API key is looked up by
+its SHA-256 digest (which reveals nothing usable of a long random key). Secrets are never logged.
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
+import re
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -77,6 +84,60 @@ def load_api_keys(path: str | Path | None = None, env: dict | None = None) -> di
         key, role = parse_api_key(entry)
         keys[key] = role
     return keys
+
+
+def key_digest(key: str) -> str:
+    """The SHA-256 digest of an API key, 64 lowercase hex digits: what coordinators store and
+    compare (never the key itself)."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+DIGEST_RE = re.compile(r"[0-9a-f]{64}")
+
+
+class ApiKeys:
+    """The API keys a coordinator accepts: SHA-256 digest (`key_digest`) -> role ("client" or
+    "admin"). Empty: every call is open. The fleet's state keeps it (coordinator/state/: in
+    etcd, every coordinator's copy follows the shared one)."""
+
+    def __init__(self):
+        self._roles: dict[str, str] = {}
+
+    def __len__(self) -> int:
+        return len(self._roles)
+
+    def role(self, key: str | None) -> str | None:
+        """The role of `key`, or None for no key or an unknown one."""
+        return self._roles.get(key_digest(key)) if key else None
+
+    def put(self, digest: str, role: str) -> None:
+        """Accepts the key with `digest` in `role` (replacing its earlier role).
+
+        Raises:
+            ValueError: `digest` is not 64 lowercase hex digits, or `role` is not in ROLES.
+        """
+        check_key_entry(digest, role)
+        self._roles[digest] = role
+
+    def remove(self, digest: str) -> bool:
+        """Stops accepting the key with `digest`; True when it was accepted."""
+        return self._roles.pop(digest, None) is not None
+
+    def clear(self) -> None:
+        """Forgets every key."""
+        self._roles.clear()
+
+    def items(self) -> list[tuple[str, str]]:
+        """(digest, role) of every key."""
+        return list(self._roles.items())
+
+
+def check_key_entry(digest: str, role: str) -> None:
+    """Raises ValueError unless `digest` is 64 lowercase hex digits and `role` is in ROLES."""
+    if not DIGEST_RE.fullmatch(digest):
+        raise ValueError("an API key's digest is its SHA-256 as 64 lowercase hex digits")
+    if role not in ROLES:
+        raise ValueError(f"unknown API key role {role!r}: use one of {', '.join(ROLES)}")
 
 
 def load_join_token(path: str | Path | None = None, env: dict | None = None) -> str | None:
@@ -210,35 +271,45 @@ class RequireSecret(grpc.aio.ServerInterceptor):
         return handler._replace(**{kind: refuse})
 
 
-class RequireRole(grpc.aio.ServerInterceptor):
-    """Refuses calls to `methods` (full method names, "/package.Service/Method") with
-    PERMISSION_DENIED unless their `authorization: Bearer <key>` carries one of `accepted` (the
-    keys with the role); other methods pass. Runs after `RequireSecret`, so an unknown key was
-    already refused UNAUTHENTICATED. The refused call never reaches its servicer."""
+class RequireApiKey(grpc.aio.ServerInterceptor):
+    """Guards `services` with the API keys of `keys` (`ApiKeys`, read at every call, so keys added
+    or removed later count at once): while it holds any key, a call without `authorization:
+    Bearer <an accepted key>` is refused UNAUTHENTICATED, and a call to one of `admin_methods`
+    (full method names, "/package.Service/Method") with a key of another role PERMISSION_DENIED;
+    with no key, every call passes. Other services (health, reflection) pass. A refused call never
+    reaches its servicer."""
 
-    def __init__(self, methods: Iterable[str], accepted: Iterable[str], role: str):
-        self._methods, self._accepted, self._role = frozenset(methods), tuple(accepted), role
+    def __init__(self, services: Iterable[str], admin_methods: Iterable[str], keys: ApiKeys):
+        self._prefixes = tuple(f"/{s}/" for s in services)
+        self._admin_methods, self._keys = frozenset(admin_methods), keys
 
-    def allows(self, metadata) -> bool:
-        """True when the call's metadata carries a key with the role."""
+    def refusal(self, method: str, metadata) -> tuple[grpc.StatusCode, str] | None:
+        """(status, details) refusing a call to `method` with `metadata`, or None to let it pass."""
+        if not self._keys or not method.startswith(self._prefixes):
+            return None
         value = next((v for k, v in metadata or () if k == AUTHORIZATION), None)
         if isinstance(value, bytes):
             value = value.decode("utf-8", "replace")
-        return matches(bearer(value), self._accepted)
+        role = self._keys.role(bearer(value))
+        if role is None:
+            return grpc.StatusCode.UNAUTHENTICATED, BAD_KEY
+        if method in self._admin_methods and role != "admin":
+            return grpc.StatusCode.PERMISSION_DENIED, (
+                f"{method.rsplit('/', 1)[-1]} needs an API key with the admin role and this key has another: "
+                "use an admin key (a line '<key> admin' in the coordinator's api_keys_file)")
+        return None
 
     async def intercept_service(self, continuation, handler_call_details):
-        """The method's handler, or for a guarded method without a key of the role one that
-        aborts with PERMISSION_DENIED."""
+        """The method's handler, or one that aborts with the refusal (`refusal`)."""
         handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or method not in self._methods or self.allows(handler_call_details.invocation_metadata):
+        refused = None if handler is None else self.refusal(handler_call_details.method,
+                                                            handler_call_details.invocation_metadata)
+        if refused is None:
             return handler
-        details = (f"{method.rsplit('/', 1)[-1]} needs an API key with the {self._role} role and this key has "
-                   f"another: use an {self._role} key (a line '<key> {self._role}' in the coordinator's "
-                   "api_keys_file)")
+        code, details = refused
 
         async def refuse(request, context):
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, details)
+            await context.abort(code, details)
 
         kind = (("stream_" if handler.request_streaming else "unary_")
                 + ("stream" if handler.response_streaming else "unary"))

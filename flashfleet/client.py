@@ -24,13 +24,15 @@ import inspect
 import numbers
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 
 import grpc
 
-from flashfleet.auth import api_key_metadata, client_api_key, with_metadata
+from flashfleet.auth import api_key_metadata, client_api_key, key_digest, with_metadata
 from flashfleet.errors import InvalidArgument, from_rpc_error
-from flashfleet.requests import COORDINATOR_VERDICT_HEADER, MAX_TIMEOUT_S, build_request
+from flashfleet.requests import COORDINATOR_VERDICT_HEADER, MAX_CHOICES, MAX_TIMEOUT_S, build_request, choice_id, \
+    choice_seed
 from flashfleet.transport import CHANNEL_OPTIONS
 from flashfleet.types import FINISH_REASONS, Chunk, Completion, GenerationStats
 from flashfleet.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -173,6 +175,25 @@ def _accumulate(chunks: Iterable[Chunk]) -> Completion:
                       stats=last.stats if last else None, worker_id=last.worker_id if last else "")
 
 
+def _choice_kwargs(n: Any, kwargs: Mapping) -> list[dict]:
+    """generate()'s keyword arguments of each of n choices of one request (OpenAI's `n`, as the
+    coordinator's HTTP API derives them: `flashfleet.requests.choice_requests`): request ids
+    "<id>-<i>", seeds `choice_seed(seed, i)`, one session_id (the request's, or its id).
+
+    Raises:
+        InvalidArgument: n is not an integer in [1, MAX_CHOICES].
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+        raise InvalidArgument(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}")
+    if n == 1:
+        return [dict(kwargs)]
+    rid = kwargs.get("request_id") or uuid.uuid4().hex
+    seed = kwargs.get("seed")
+    derive = isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed
+    return [{**kwargs, "request_id": choice_id(rid, i), "session_id": kwargs.get("session_id") or rid,
+             "seed": choice_seed(seed, i) if derive else seed} for i in range(n)]
+
+
 def _check_keywords(method: str, kwargs: Mapping) -> None:
     """TypeError naming `method` (not the generate() it forwards to) for an unknown keyword."""
     unknown = sorted(set(kwargs) - _GENERATE_KEYWORDS)
@@ -256,6 +277,8 @@ class Client:
                  request_id: str = "", mode: str = "auto",
                  response_format: Mapping[str, Any] | None = None, json_schema: Mapping[str, Any] | None = None,
                  top_logprobs: int | None = None, prompt_logprobs: int | None = None,
+                 presence_penalty: float | None = None, frequency_penalty: float | None = None,
+                 repetition_penalty: float | None = None, logit_bias: Mapping[int, float] | None = None,
                  timeout_s: float | None = None) -> Iterator[Chunk]:
         """Streams a generation.
 
@@ -279,6 +302,12 @@ class Client:
             prompt_logprobs: 0..20: the first chunk's `prompt_logprobs`, one per prompt token
                 (its log-probability given the tokens before it, and this many alternatives;
                 modes plain and dflash; the prompt is prefilled in full); None: none.
+            presence_penalty, frequency_penalty: in [-2, 2], subtracted from the logit of every
+                token the output holds (once, or once per occurrence); repetition_penalty in
+                (0, 10] divides the positive logits of the prompt's and output's tokens (1 = none);
+                logit_bias: {token id: bias in [-100, 100]} added to those tokens' logits.
+                Applied in modes plain and dflash (auto decodes plainly where the draft has no
+                batched path); None: none.
             timeout_s: deadline of the whole stream, seconds (default: the client's).
 
         Yields:
@@ -301,7 +330,9 @@ class Client:
                             temperature=temperature, top_p=top_p, seed=seed, stop=stop,
                             session_id=session_id, request_id=request_id, mode=mode,
                             response_format=response_format, json_schema=json_schema,
-                            top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs)
+                            top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
+                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                            repetition_penalty=repetition_penalty, logit_bias=logit_bias)
         req.request_id = req.request_id or uuid.uuid4().hex  # a resumed stream names the same request
         stream = _Resume(req, len(self._targets), time.monotonic() + _deadline(timeout_s, self.timeout_s))
         while True:
@@ -329,6 +360,23 @@ class Client:
         """
         _check_keywords("complete", kwargs)
         return _accumulate(self.generate(model, prompt, **kwargs))
+
+    def choices(self, model: str, prompt: str | None = None, *, n: int, **kwargs) -> list[Completion]:
+        """n completions of one prompt (OpenAI's `n`), run together; choice i in the list's place i.
+
+        With a seed, choice i samples with `flashfleet.requests.choice_seed(seed, i)` (choice 0
+        with the seed itself), so every choice is reproducible and equal to the HTTP API's choice
+        i; greedy choices are identical. The choices share a session_id (the one given, or the
+        request id) and so go to one worker, where the later ones copy the first one's prompt
+        caches instead of prefilling the prompt again. Request ids are "<request_id>-<i>".
+
+        Takes generate()'s arguments and raises its errors (the first choice's to fail), and
+        InvalidArgument for an n outside [1, 16].
+        """
+        _check_keywords("choices", kwargs)
+        calls = _choice_kwargs(n, kwargs)
+        with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+            return list(pool.map(lambda kw: _accumulate(self.generate(model, prompt, **kw)), calls))
 
     def list_models(self, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> list[coordinator_pb2.ServedModel]:
         """Models the fleet serves, with the workers serving each and their decode modes.
@@ -393,6 +441,32 @@ class Client:
         timeout = _deadline(timeout_s, 60.0)
         return self._unary(lambda stub: stub.MoveSession(
             coordinator_pb2.MoveSessionRequest(request_id=request_id, to_worker_id=to_worker_id), timeout=timeout))
+
+    def put_api_key(self, key: str, role: str = "client", timeout_s: float | None = None) -> None:
+        """Has every coordinator sharing the fleet's state accept `key` in `role` ("client" or
+        "admin"; replaces the key's earlier role). Only the key's SHA-256 digest is sent.
+
+        Raises:
+            InvalidArgument: an unknown role.
+            PermissionDenied: the coordinator has API keys and this client's key is not an admin key.
+            Unavailable: the coordinator, or the etcd behind it, did not answer.
+            FlashfleetError subclasses, as for generate().
+        """
+        timeout = _deadline(timeout_s, DEFAULT_CONTROL_TIMEOUT_S)
+        self._unary(lambda stub: stub.PutApiKey(
+            coordinator_pb2.PutApiKeyRequest(sha256=key_digest(key), role=role), timeout=timeout))
+
+    def delete_api_key(self, key: str, timeout_s: float | None = None) -> None:
+        """Has every coordinator sharing the fleet's state stop accepting `key` (by its digest).
+
+        Raises:
+            ModelNotFound (code NOT_FOUND): no coordinator accepts that key.
+            PermissionDenied: the coordinator has API keys and this client's key is not an admin key.
+            FlashfleetError subclasses, as for generate().
+        """
+        timeout = _deadline(timeout_s, DEFAULT_CONTROL_TIMEOUT_S)
+        self._unary(lambda stub: stub.DeleteApiKey(
+            coordinator_pb2.DeleteApiKeyRequest(sha256=key_digest(key)), timeout=timeout))
 
 
 # The keywords complete() forwards to generate().
@@ -491,6 +565,17 @@ class AsyncClient:
         """Runs generate() to the end; see Client.complete (same arguments and errors)."""
         _check_keywords("complete", kwargs)
         return _accumulate([c async for c in self.generate(model, prompt, **kwargs)])
+
+    async def choices(self, model: str, prompt: str | None = None, *, n: int, **kwargs) -> list[Completion]:
+        """n completions of one prompt, run together; see Client.choices (same arguments, seeds
+        and errors)."""
+        _check_keywords("choices", kwargs)
+        tasks = [asyncio.ensure_future(self.complete(model, prompt, **kw)) for kw in _choice_kwargs(n, kwargs)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:  # after a failure: the other choices' calls end too
+                t.cancel()
 
     async def list_models(self, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> list[coordinator_pb2.ServedModel]:
         """See Client.list_models."""

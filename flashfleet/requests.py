@@ -9,8 +9,16 @@ from flashfleet.tool_calls import check_message_tool_calls, check_tool_choice, c
 from flashfleet.types import DECODE_MODES
 from flashfleet.v1 import common_pb2
 
-MAX_TEMPERATURE = 100.0
-MAX_TOP_LOGPROBS = 20  # alternatives a token's log-probabilities list at most (OpenAI's bound)  # past this softmax(logits / T) is uniform to float precision for any model
+MAX_TEMPERATURE = 100.0  # past this softmax(logits / T) is uniform to float precision for any model
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2] (OpenAI's range)
+MAX_REPETITION_PENALTY = 10.0  # repetition_penalty lies in (0, 10]; 1 = none
+MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-100, 100] (OpenAI's range)
+MAX_LOGIT_BIAS_TOKENS = 1024  # tokens one logit_bias may name
+SEED_LIMIT = 2**64  # seeds lie in [0, 2**64) (uint64; mx.random.key takes one)
+MAX_CHOICES = 16  # most choices (OpenAI's `n`) one request may ask for
+# Choice i's seed is the request's plus i times this odd constant (2**64 / golden ratio), mod 2**64.
+CHOICE_SEED_STRIDE = 0x9E3779B97F4A7C15
+MAX_TOP_LOGPROBS = 20  # alternatives a token's log-probabilities list at most (OpenAI's bound)
 
 # A worker's generation budget when a request leaves max_tokens unset (capped by the context left).
 WORKER_DEFAULT_MAX_TOKENS = 256
@@ -72,6 +80,10 @@ def build_request(
     tools: Iterable[Mapping[str, Any]] | None = None,
     tool_choice: str | Mapping[str, Any] | None = None,
     parallel_tool_calls: bool | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    logit_bias: Mapping[int | str, float] | None = None,
     prompt_logprobs: int | None = None,
 ) -> common_pb2.GenerateRequest:
     """Makes a GenerateRequest from keyword arguments.
@@ -90,6 +102,10 @@ def build_request(
     {"type": "function", "function": {"name": ...}}; "none" sends no tools), `parallel_tool_calls`
     (default true); chat turns may carry `tool_calls` (an assistant's, OpenAI's shape) and
     `tool_call_id` (a "tool" turn's). The answer is the model's text in its tool-call format.
+    Penalties (worker/engine/penalties.py): presence_penalty and frequency_penalty in [-2, 2]
+    (OpenAI's, over the output), repetition_penalty in (0, 10] (over prompt and output; 1 = none);
+    logit_bias maps token ids (ints, or their decimal strings as JSON writes them) to a bias in
+    [-100, 100] added to the token's logit.
     Validation of values happens on the server (see validate_request); this converts and checks
     types.
 
@@ -101,7 +117,8 @@ def build_request(
             4 MiB, an unknown mode, or a response_format / json_schema that is not one of the
             shapes above (both given, an unknown type, a schema that is not a JSON object);
             malformed tools, tool_choice or tool calls (`flashfleet.tool_calls`: the message
-            starts with the field), or a response_format beside tools to call.
+            starts with the field), or a response_format beside tools to call; a penalty that is
+            not a number, or a logit_bias that is not a mapping of token ids to numbers.
     """
     fmt = response_format_proto(response_format, json_schema)
     tool_spec = tools_proto(tools, tool_choice, parallel_tool_calls)
@@ -122,6 +139,17 @@ def build_request(
         req.tools.CopyFrom(tool_spec)
     if prompt_logprobs is not None:
         _set_number(req, "prompt_logprobs", prompt_logprobs, f"must be an int in [0, {MAX_TOP_LOGPROBS}]")
+    additive = f"must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"
+    for name, value, rule in (("presence_penalty", presence_penalty, additive),
+                              ("frequency_penalty", frequency_penalty, additive),
+                              ("repetition_penalty", repetition_penalty,
+                               f"must be a number in (0, {MAX_REPETITION_PENALTY:g}]")):
+        if value is not None:
+            if isinstance(value, bool):
+                raise InvalidArgument(f"{name} {rule}, got {value!r}")
+            _set_number(req, name, value, rule)
+    if logit_bias is not None:
+        _set_logit_bias(req, logit_bias)
     size = req.ByteSize()
     if size > MAX_REQUEST_BYTES:
         raise InvalidArgument(f"request is {size} bytes; the limit is {MAX_REQUEST_BYTES} "
@@ -149,6 +177,66 @@ def tools_proto(tools: Any, tool_choice: Any = None, parallel_tool_calls: Any = 
         return None
     return common_pb2.Tools(tools_json=json.dumps(checked), choice=choice, function=function,
                             parallel_calls=parallel_tool_calls is not False)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request for several choices seeded with `seed`: the seed
+    itself for choice 0 (one choice and several agree on it), a distinct derived one for each
+    other choice, in [0, 2**64)."""
+    return (seed + index * CHOICE_SEED_STRIDE) % SEED_LIMIT
+
+
+def choice_id(request_id: str, index: int) -> str:
+    """The request id of choice `index` of request `request_id` (several choices)."""
+    return f"{request_id}-{index}"
+
+
+def choice_requests(request: common_pb2.GenerateRequest, n: int) -> list[common_pb2.GenerateRequest]:
+    """The GenerateRequests of n choices of one request (OpenAI's `n`): the request itself when
+    n = 1; else copies with request ids `choice_id(request_id, i)`, seeds `choice_seed(seed, i)`
+    when it has a seed (unseeded choices each draw their own), and its session_id, or its
+    request_id when it has none, so that the choices go to one worker, where the later ones copy
+    the first one's prompt caches instead of prefilling the prompt again."""
+    if n == 1:
+        return [request]
+    out = []
+    for i in range(n):
+        r = common_pb2.GenerateRequest()
+        r.CopyFrom(request)
+        r.request_id = choice_id(request.request_id, i)
+        r.session_id = request.session_id or request.request_id
+        if request.HasField("seed"):
+            r.seed = choice_seed(request.seed, i)
+        out.append(r)
+    return out
+
+
+def _set_logit_bias(req: common_pb2.GenerateRequest, logit_bias: Any) -> None:
+    """Fills req.logit_bias from {token id: bias}; ids may be ints or decimal strings (JSON's keys).
+
+    Raises:
+        InvalidArgument: not a mapping, an id that is not a non-negative integer of 32 bits, or a
+            bias that is not a number; the message names logit_bias.
+    """
+    if not isinstance(logit_bias, Mapping):
+        raise InvalidArgument(f"logit_bias must be an object of token id -> bias, got {logit_bias!r:.80}")
+    if len(logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise InvalidArgument(f"logit_bias has {len(logit_bias):,} tokens; "
+                              f"at most {MAX_LOGIT_BIAS_TOKENS:,} are served")
+    for key, value in logit_bias.items():
+        token = key
+        if isinstance(key, str) and key.isascii() and key.isdigit():
+            token = int(key)
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < 2**32:
+            raise InvalidArgument(f"logit_bias keys must be token ids (non-negative integers), got {key!r:.40}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidArgument(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                  f"got {value!r:.40} for token {token}")
+        try:
+            req.logit_bias[token] = value
+        except (ValueError, TypeError, OverflowError):
+            raise InvalidArgument(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                  f"got {value!r:.40} for token {token}") from None
 
 
 def response_format_proto(response_format: Any, json_schema: Any = None) -> common_pb2.ResponseFormat | None:
@@ -295,6 +383,20 @@ def validate_request(req: common_pb2.GenerateRequest) -> None:
     for name in ("top_logprobs", "prompt_logprobs"):
         if req.HasField(name) and not 0 <= getattr(req, name) <= MAX_TOP_LOGPROBS:
             raise InvalidArgument(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {getattr(req, name)}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if req.HasField(name) and not -MAX_PENALTY <= getattr(req, name) <= MAX_PENALTY:  # NaN fails too
+            raise InvalidArgument(f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], "
+                                  f"got {getattr(req, name):.6g}")
+    if req.HasField("repetition_penalty") and not 0 < req.repetition_penalty <= MAX_REPETITION_PENALTY:
+        raise InvalidArgument(f"repetition_penalty must be a number in (0, {MAX_REPETITION_PENALTY:g}] (1 = none), "
+                              f"got {req.repetition_penalty:.6g}")
+    if len(req.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise InvalidArgument(f"logit_bias has {len(req.logit_bias):,} tokens; "
+                              f"at most {MAX_LOGIT_BIAS_TOKENS:,} are served")
+    for token, value in req.logit_bias.items():
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise InvalidArgument(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                  f"got {value:.6g} for token {token}")
     if req.HasField("response_format"):
         fmt = req.response_format
         if fmt.type not in RESPONSE_FORMATS:

@@ -233,10 +233,13 @@ def test_short_request_waits_at_most_one_long_chunk(tiny_models):
     with Engine(cfg) as engine:
         long_prompt = tuple((list(engine.encode_prompt("The quick brown fox. " * 400, None)) * 2)[:4096])
         short = tuple(engine.encode_prompt("Hi", None))
-        # The chunk time, measured: a long prompt alone, timed to its first token.
-        t0 = time.perf_counter()
-        run_request(engine, GenerationRequest("measure", long_prompt, 1))
-        chunk_s = (time.perf_counter() - t0) / (len(long_prompt) / 512)
+        # The chunk time, measured: a long prompt alone, timed to its first token; the fastest of
+        # two runs, so that the first run's one-time costs do not stretch the wait below.
+        chunk_s = float("inf")
+        for i in range(2):
+            t0 = time.perf_counter()
+            run_request(engine, GenerationRequest(f"measure-{i}", long_prompt, 1))
+            chunk_s = min(chunk_s, (time.perf_counter() - t0) / (len(long_prompt) / 512))
         c = Collector(engine)
         c.submit(GenerationRequest("long", long_prompt, 2))
         time.sleep(2.5 * chunk_s)  # the long prefill is under way
@@ -262,6 +265,26 @@ def test_second_turn_prefills_only_new_tokens(tiny_models, dflash_dir, mode):
         cold, done3 = run_request(cold_engine, GenerationRequest("t2c", follow, 12, mode=mode))
         assert done3.stats.cached_tokens == 0
     assert warm == cold
+
+
+@pytest.mark.parametrize("mode", ["plain", "dflash"])
+def test_sessions_sharing_a_prompt_copy_the_first_ones_prefill(tiny_models, dflash_dir, mode):
+    """Three sessions of one prompt submitted together (a request's n choices): the first one
+    prefills it, the others copy its caches of the prompt; every output is the prompt's alone."""
+    cfg = EngineConfig(model_path=tiny_models.llama, draft_path=dflash_dir, capacity=4,
+                       adaptive_block_size=False, prefill_step_tokens=8)
+    with Engine(cfg) as engine:
+        prompt = tuple(engine.encode_prompt(PROMPTS[1], None))
+        assert len(prompt) > 8  # prefilled in several chunks
+        c = Collector(engine)
+        for i in range(3):
+            c.submit(GenerationRequest(f"share-{i}", prompt, 16, mode=mode))
+        c.wait()
+        cached = sorted(c.done[f"share-{i}"].stats.cached_tokens for i in range(3))
+        assert cached == [0, len(prompt) - 1, len(prompt) - 1]
+    with Engine(cfg) as cold:
+        want = run_request(cold, GenerationRequest("alone", prompt, 16, mode=mode))[0]
+    assert all(c.tokens[f"share-{i}"] == want for i in range(3))
 
 
 def test_a_draft_that_does_not_pay_is_mostly_not_run(tiny_models, dflash_dir):

@@ -22,6 +22,8 @@ def test_table_json_and_bad_arguments(tmp_path):
     assert row["admitted_per_s"] > 0 and row["cpu_s_per_1k_tokens"] > 0 and row["heartbeats_per_s"] == 1.5
     # every simulated worker heartbeats inside the window, answered well within the lease
     assert 0 < row["heartbeat_rtt_p50_s"] <= row["heartbeat_rtt_max_s"] < 5 and row["leases_lost"] == 0, row
+    # the coordinator's own measure of its RPC lateness, sampled from its /metrics
+    assert 0 < row["rpc_lag_p50_s"] <= row["rpc_lag_max_s"] < 5 and row["lease_expiries"] == 0, row
     bad = run_bench("bench_coordinator.py", "--workers", 0)
     assert bad.returncode == 2 and "must be >= 1" in bad.stderr and "Traceback" not in bad.stderr
     bad = run_bench("bench_coordinator.py", "--baseline-src", tmp_path)

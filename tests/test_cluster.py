@@ -518,6 +518,14 @@ def test_cli_generate_prints_whole_lines_and_stats_on_stderr(cluster, capsys):
     assert capsys.readouterr().err.startswith("-- request mine\n")
     assert main(["abc", "--model", "no-such-model", "--address", cluster.address]) == 1
     assert "NOT_FOUND" in capsys.readouterr().err
+    assert main(["abc", "--model", "fake-model", "--max-tokens", "2", "--presence-penalty", "0.5",
+                 "--logit-bias", "5=-100", "--logit-bias", "7=2.5", "--address", cluster.address]) == 0
+    capsys.readouterr()
+    assert main(["abc", "--model", "fake-model", "--frequency-penalty", "3", "--address", cluster.address]) == 1
+    assert "frequency_penalty must be a number in [-2, 2]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["abc", "--logit-bias", "5:1", "--address", cluster.address])
+    assert "--logit-bias: expected TOKEN_ID=BIAS" in capsys.readouterr().err
 
 
 def test_a_request_that_does_not_parse_is_invalid_argument_and_others_are_served(cluster):

@@ -109,6 +109,103 @@ def test_sync_client_matches_the_grpc_sdk_streamed_and_not(mlx_http):
     assert client.models.retrieve(MODEL).id == MODEL
 
 
+def test_n_choices_greedy_identical_seeded_reproducible_and_streamed_by_index(mlx_http):
+    client = openai.OpenAI(base_url=base_url(mlx_http), api_key="unused", max_retries=0)
+    turn = [{"role": "user", "content": "Name three lakes of the Alps, one per line."}]  # in no prompt cache yet
+    many = client.chat.completions.create(model=MODEL, messages=turn, n=3, max_tokens=10)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    one = client.chat.completions.create(model=MODEL, messages=turn, max_tokens=10)
+    assert [c.message.content for c in many.choices] == [one.choices[0].message.content] * 3  # greedy
+    assert many.usage.prompt_tokens == one.usage.prompt_tokens
+    assert many.usage.completion_tokens == 3 * one.usage.completion_tokens
+    extra = [c.model_extra["flashfleet"] for c in many.choices]
+    assert len({ff["request_id"] for ff in extra}) == 3
+    # The later choices did not prefill the prompt again: they copied a running choice's caches of
+    # it (all but its last token), or, arriving after one finished, found it in the prompt cache.
+    assert sum(ff["cached_tokens"] >= many.usage.prompt_tokens - 2 for ff in extra) >= 2, (many.usage, extra)
+
+    sampled = dict(model=MODEL, prompt=PROMPT, n=4, max_tokens=8, temperature=1.0, seed=7)
+    first = [c.text for c in client.completions.create(**sampled).choices]
+    assert [c.text for c in client.completions.create(**sampled).choices] == first  # reproducible
+    assert len(set(first)) > 1  # each choice draws with its own seed
+    alone = client.completions.create(**{**sampled, "n": 1})
+    assert alone.choices[0].text == first[0]  # choice 0 keeps the request's seed
+
+    # The SDK derives the same seeds: its choices are the HTTP API's.
+    from flashfleet import AsyncClient
+    from flashfleet.errors import InvalidArgument
+
+    with Client(mlx_http.address) as sdk:
+        got = sdk.choices(MODEL, prompt=PROMPT, n=4, max_tokens=8, temperature=1.0, seed=7)
+        assert [c.text for c in got] == first
+        assert len({c.request_id for c in got}) == 4
+        greedy = sdk.choices(MODEL, messages=turn, n=2, max_tokens=10)
+        assert [c.text for c in greedy] == [one.choices[0].message.content] * 2
+        with pytest.raises(InvalidArgument, match=r"n must be an integer in \[1, 16\]"):
+            sdk.choices(MODEL, prompt=PROMPT, n=17)
+
+    async def async_choices():
+        async with AsyncClient(mlx_http.address) as sdk:
+            return await sdk.choices(MODEL, prompt=PROMPT, n=4, max_tokens=8, temperature=1.0, seed=7)
+    assert [c.text for c in asyncio.run(async_choices())] == first
+
+    chunks = list(client.completions.create(**sampled, stream=True, stream_options={"include_usage": True}))
+    texts = ["", "", "", ""]
+    finished = []
+    for c in chunks[:-1]:
+        for choice in c.choices:
+            texts[choice.index] += choice.text
+            if choice.finish_reason:
+                finished.append(choice.index)
+    assert texts == first and sorted(finished) == [0, 1, 2, 3]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4 * 8
+
+    echoed = client.completions.create(model=MODEL, prompt=PROMPT, n=2, max_tokens=4, echo=True, logprobs=1)
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, echo=True, logprobs=1)
+    for c in echoed.choices:  # each choice starts with the prompt, and lists its tokens first
+        assert c.text == plain.choices[0].text and c.text.startswith(PROMPT)
+        assert c.logprobs.tokens == plain.choices[0].logprobs.tokens and c.logprobs.token_logprobs[0] is None
+
+    chat_chunks = list(client.chat.completions.create(model=MODEL, messages=turn, n=2, max_tokens=10, stream=True))
+    roles = [c.choices[0].index for c in chat_chunks if c.choices and c.choices[0].delta.role == "assistant"]
+    assert sorted(roles) == [0, 1]  # each choice's first delta names the role
+    for i in (0, 1):
+        got = "".join(c.choices[0].delta.content or "" for c in chat_chunks if c.choices and c.choices[0].index == i)
+        assert got == one.choices[0].message.content
+
+
+def test_penalties_and_logit_bias_over_http_and_grpc(mlx_http):
+    from flashfleet.errors import InvalidArgument
+
+    client = openai.OpenAI(base_url=base_url(mlx_http), api_key="unused", max_retries=0)
+    with Client(mlx_http.address) as sdk:
+        free = sdk.complete(MODEL, prompt=PROMPT, max_tokens=12)
+        forced = next(t for t in range(5, 500) if t not in free.token_ids)
+        biased = sdk.complete(MODEL, prompt=PROMPT, max_tokens=12, logit_bias={forced: 100})
+        assert biased.token_ids == [forced] * 12
+        banned = sdk.complete(MODEL, prompt=PROMPT, max_tokens=12, logit_bias={t: -100 for t in set(free.token_ids)})
+        assert not set(banned.token_ids) & set(free.token_ids)
+        penalised = sdk.complete(MODEL, prompt=PROMPT, max_tokens=12, frequency_penalty=2.0, presence_penalty=1.0,
+                                 repetition_penalty=1.5)
+        assert penalised.token_ids != free.token_ids
+        for kwargs, fragment in ((dict(presence_penalty=3), "presence_penalty"),
+                                 (dict(repetition_penalty=0), "repetition_penalty"),
+                                 (dict(logit_bias={600: 1}), "logit_bias token ids must be integers in [0, 512)"),
+                                 (dict(logit_bias={"a": 1}), "logit_bias")):
+            with pytest.raises(InvalidArgument) as e:
+                sdk.complete(MODEL, prompt=PROMPT, max_tokens=2, **kwargs)
+            assert fragment in e.value.details
+
+    text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, logit_bias={str(forced): 100})
+    assert text.choices[0].text == biased.text
+    text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, frequency_penalty=2.0,
+                                     presence_penalty=1.0, extra_body={"repetition_penalty": 1.5})
+    assert text.choices[0].text == penalised.text
+    with pytest.raises(openai.BadRequestError) as e:  # the worker's refusal, naming the field
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, logit_bias={"600": 1})
+    assert e.value.param == "logit_bias" and "[0, 512)" in e.value.message
+
+
 def test_async_client_streamed_and_not_and_stop_strings(mlx_http):
     with Client(mlx_http.address) as sdk:
         want = sdk.complete(MODEL, messages=CHAT, max_tokens=10, temperature=0)
@@ -142,8 +239,14 @@ def test_errors_have_openais_shape_and_status(fake_http):
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="no-such-model", messages=CHAT)
     assert e.value.status_code == 404 and e.value.code == "model_not_found" and "fake-model" in e.value.message
-    for kwargs, param in ((dict(n=2), "n"), (dict(temperature=-1), None), (dict(top_logprobs=30, logprobs=True), "top_logprobs"),
-                          (dict(messages=[]), "messages"), (dict(max_tokens=0), "max_tokens")):
+    for kwargs, param in ((dict(n=17), "n"), (dict(n=0), "n"), (dict(temperature=-1), "temperature"),
+                          (dict(top_logprobs=30, logprobs=True), "top_logprobs"),
+                          (dict(messages=[]), "messages"), (dict(max_tokens=0), "max_tokens"),
+                          (dict(presence_penalty=2.5), "presence_penalty"),
+                          (dict(frequency_penalty=-3), "frequency_penalty"),
+                          (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
+                          (dict(logit_bias={"x": 1}), "logit_bias"), (dict(logit_bias={"1": 101}), "logit_bias"),
+                          (dict(logit_bias=[1]), "logit_bias")):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(**{"model": "fake-model", "messages": CHAT, **kwargs})
         assert e.value.status_code == 400 and e.value.type == "invalid_request_error", kwargs

@@ -66,3 +66,38 @@ def test_a_running_coordinator_times_itself_and_holds_new_requests_while_overloa
     finally:
         cluster.close()
     assert not os.path.exists(probe_dir)
+
+
+def test_probe_directories_left_by_killed_coordinators_are_removed(tmp_path):
+    import subprocess
+    import sys
+
+    from coordinator.overload import PROBE_DIR_PREFIX, remove_stale_probe_dirs
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # its pid no longer runs
+    stale = tmp_path / f"{PROBE_DIR_PREFIX}{gone.pid}-abc"
+    live = tmp_path / f"{PROBE_DIR_PREFIX}{os.getpid()}-def"
+    other = tmp_path / "something-else"
+    for d in (stale, live, other):
+        d.mkdir()
+        (d / "probe.sock").write_text("")
+    assert remove_stale_probe_dirs(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and live.exists() and other.exists()
+
+
+def test_a_probe_that_cannot_connect_measures_nothing_and_is_no_overload(tmp_path):
+    import asyncio
+
+    lag = RpcLag(interval_s=0.05)
+    lag._dir = str(tmp_path)  # no socket there: a temporary-files cleaner took it, say
+
+    async def probe_for(seconds):
+        task = asyncio.ensure_future(lag.run())
+        await asyncio.sleep(seconds)
+        late = lag.overloaded()
+        task.cancel()
+        return late
+
+    assert asyncio.run(probe_for(1.2)) is False  # every probe failed UNAVAILABLE: nothing measured
+    assert lag.lag_s < MAX_RPC_LAG_S and not lag._rtts

@@ -3,10 +3,12 @@
 the whole prompt through the model as a worker loads it (`worker.loading.load_target`, float32),
 log-softmax per position. On the tiny random-weight model through the HTTP API and the SDK, with
 a small prefill chunk so a prompt spans several chunks, in modes plain and dflash; on SmolLM2
-through the engine."""
+through the engine, a prompt longer than one scored chunk."""
 from __future__ import annotations
 
+import json
 import queue
+from pathlib import Path
 
 import openai
 import pytest
@@ -14,6 +16,7 @@ import pytest
 from harness import start_cluster
 from real_models import fetched
 
+ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-llama"
 PROMPT = "The river flows past the old mill, under the bridge and on to the sea."
 TOL = 1e-4  # float32: a chunked prefill and one whole forward differ in summation order only
@@ -29,12 +32,13 @@ def reference(model_dir, prompt_ids: list[int], k: int) -> list[tuple[float, lis
 
     model, _ = load_target(model_dir)
     logits = model(mx.array(prompt_ids)[None])[0].astype(mx.float32)
-    lp = (logits - mx.logsumexp(logits, axis=-1, keepdims=True)).tolist()
-    out = []
-    for i, row in enumerate(lp):
-        top = sorted(enumerate(row), key=lambda p: -p[1])[:k]
-        out.append((row[prompt_ids[i + 1]] if i + 1 < len(prompt_ids) else None, top))
-    return out
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    order = mx.argsort(-lp, axis=-1)[:, :k]
+    top_ids, top_lp = order.tolist(), mx.take_along_axis(lp, order, axis=-1).tolist()
+    following = mx.array(prompt_ids[1:] + [0])[:, None]
+    picked = mx.take_along_axis(lp, following, axis=-1)[:, 0].tolist()
+    return [(picked[i] if i + 1 < len(prompt_ids) else None, list(zip(top_ids[i], top_lp[i])))
+            for i in range(len(prompt_ids))]
 
 
 @pytest.fixture(scope="module")
@@ -139,12 +143,15 @@ def test_sdk_prompt_logprobs(cluster, ref):
 @pytest.mark.real_model
 def test_smollm2_prompt_logprobs_equal_mlx_lm_forward():
     from worker.config import EngineConfig
+    from worker.engine.scheduler import SCORED_PREFILL_TOKENS
     from worker.engine.thread import Engine
     from worker.engine.types import DoneEvent, GenerationRequest, TokenEvent
 
     model_dir = fetched("SmolLM2-135M-Instruct")
-    with Engine(EngineConfig(model_path=model_dir, capacity=2, prefill_step_tokens=16)) as engine:
-        ids = engine.encode_prompt("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", None)
+    text = json.loads((ROOT / "tests" / "data" / "enwiki_en.jsonl").read_text().splitlines()[0])["prompt"]
+    with Engine(EngineConfig(model_path=model_dir, capacity=2)) as engine:  # scored chunks of 128 tokens
+        ids = engine.encode_prompt(text, None)
+        assert len(ids) > SCORED_PREFILL_TOKENS
         events: queue.Queue = queue.Queue()
         engine.submit(GenerationRequest("smol", tuple(ids), 0, prompt_logprobs=5), events.put)
         scored = []

@@ -102,12 +102,14 @@ class _Call:
 
 class _Pool:
     """A WorkerPool of fake workers: each Generate opens a `_Call` kept in `calls[address]`; a
-    worker in `answer_first` answers its first read with a chunk at once; Cancel is recorded."""
+    worker in `answer_first` answers its first read with a chunk at once, one in `gone` fails it
+    UNAVAILABLE (its process died); Cancel is recorded."""
 
     def __init__(self, answer_first=()):
         self.calls: dict[str, list[_Call]] = {}
         self.cancels: list[tuple[str, str]] = []
         self.answer_first = set(answer_first)
+        self.gone: set[str] = set()
 
     def stub(self, address):
         pool = self
@@ -116,7 +118,10 @@ class _Pool:
             def Generate(self, request, timeout=None, metadata=None):
                 call = _Call()
                 pool.calls.setdefault(address, []).append(call)
-                if address in pool.answer_first:
+                if address in pool.gone:
+                    call.feed(grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                                   grpc.aio.Metadata(), "connection refused"))
+                elif address in pool.answer_first:
                     call.feed(_chunk(1))
                 return call
 
@@ -175,6 +180,7 @@ def test_a_worker_that_registers_again_mid_stream_is_left_with_no_stream_counted
         second = _register(registry, "w1", "127.0.0.1:1")
         assert second is not first and second.in_flight == 0
         call.feed(common_pb2.GenerateResponse(complete=common_pb2.Complete(finish_reason=common_pb2.FINISH_REASON_LENGTH)))
+        call.feed(grpc.aio.EOF)  # a worker's call ends after its Complete
         await task
         return second
 
@@ -192,6 +198,7 @@ def test_a_channel_that_drops_mid_stream_leaves_no_stream_counted():
         request = common_pb2.GenerateRequest(model="m", prompt="hi", max_tokens=4, request_id="r1")
         with pytest.raises(GenerateFailed) as failed:
             async for _ in servicer.generate(request, lambda: None):
+                pool.gone.add("127.0.0.1:1")  # the worker died: its call breaks, and it refuses a re-attach
                 pool.calls["127.0.0.1:1"][0].feed(grpc.aio.AioRpcError(
                     grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "connection reset"))
         return failed.value
@@ -234,3 +241,49 @@ def test_a_client_that_leaves_while_its_resume_probes_the_workers_leaves_no_slot
     asyncio.run(run())
     assert holder.in_flight == 0 and slow.in_flight == 0
     assert ("127.0.0.1:1", "r1") in pool.cancels and pool.calls["127.0.0.1:1"][0].cancelled
+
+
+def test_a_call_that_fails_with_no_other_worker_re_attaches_to_its_session_on_the_same_worker():
+    """The call to the only worker breaks UNAVAILABLE mid-stream (a keepalive ping timed out on a
+    loaded host) while the worker lives and keeps the session: the stream re-attaches there,
+    resumed after the tokens already sent, and ends with every slot given back."""
+    from flashfleet.requests import RESUME_ONLY_HEADER
+
+    registry = Registry(lease_ttl_s=10.0)
+    worker = _register(registry, "w1", "127.0.0.1:1")
+    opened = []
+
+    class Pool(_Pool):
+        def stub(self, address):
+            inner = super().stub(address)
+
+            class Stub:
+                def Generate(self, request, timeout=None, metadata=None):
+                    opened.append((request, dict(metadata or ())))
+                    call = inner.Generate(request, timeout, metadata)
+                    if len(opened) == 1:  # the first call: one chunk, then the connection breaks
+                        call.feed(_chunk(1))
+                        call.feed(grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                                       grpc.aio.Metadata(), "Stream removed (ping timeout)"))
+                    else:  # the re-attached session goes on
+                        call.feed(_chunk(2))
+                        call.feed(common_pb2.GenerateResponse(complete=common_pb2.Complete(
+                            finish_reason=common_pb2.FINISH_REASON_LENGTH)))
+                        call.feed(grpc.aio.EOF)
+                    return call
+
+                Cancel = inner.Cancel
+            return Stub()
+
+    servicer = _servicer(registry, Pool())
+
+    async def run():
+        request = common_pb2.GenerateRequest(model="m", prompt="hi", max_tokens=2, request_id="r1")
+        return [resp async for resp in servicer.generate(request, lambda: None)]
+
+    got = asyncio.run(run())
+    assert [list(r.chunk.token_ids) for r in got if r.WhichOneof("kind") == "chunk"] == [[1], [2]]
+    assert got[-1].WhichOneof("kind") == "complete"
+    (first, _), (again, metadata) = opened
+    assert list(again.resume_token_ids) == [1] and metadata.get(RESUME_ONLY_HEADER) == "1"
+    assert worker.in_flight == 0 and not worker.unreachable

@@ -324,6 +324,24 @@ def test_forced_calls_are_valid_plain_and_dflash_streamed_and_not(tool_cluster):
     assert {k[1]: v for k, v in seen.items() if k[0] == "plain"} == {k[1]: v for k, v in seen.items() if k[0] == "dflash"}
 
 
+def test_each_of_n_choices_parses_its_own_calls_streamed_and_not(tool_cluster):
+    client = _client(tool_cluster)
+    args = dict(model=TINY, messages=ASK, tools=[TIME, SWITCH], tool_choice="required", max_tokens=160,
+                parallel_tool_calls=False, n=2, temperature=1.0, seed=3)
+    done = client.chat.completions.create(**args)
+    assert [c.index for c in done.choices] == [0, 1]
+    whole = [(c.message.tool_calls[0].function.name, c.message.tool_calls[0].function.arguments)
+             for c in done.choices]
+    assert all(c.finish_reason == "tool_calls" for c in done.choices)
+    by_index: dict[int, list] = {0: [], 1: []}
+    for chunk in client.chat.completions.create(**args, stream=True):
+        for c in chunk.choices:
+            by_index[c.index].append(chunk.model_copy(update={"choices": [c]}))
+    for i in (0, 1):
+        calls, content, finish = _assembled(by_index[i])
+        assert finish == "tool_calls" and [(c["name"], c["arguments"]) for c in calls] == [whole[i]]
+
+
 def test_calls_and_results_in_the_history_render_and_none_renders_no_tools(tool_cluster):
     client = _client(tool_cluster)
     history = ASK + [

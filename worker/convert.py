@@ -72,7 +72,11 @@ def generation_request(request: common_pb2.GenerateRequest, prompt_tokens: list[
     sampling = SamplingParams(
         temperature=request.temperature if request.HasField("temperature") else 0.0,
         top_p=request.top_p if request.HasField("top_p") else 1.0,
-        seed=request.seed if request.HasField("seed") else None)
+        seed=request.seed if request.HasField("seed") else None,
+        presence_penalty=request.presence_penalty if request.HasField("presence_penalty") else 0.0,
+        frequency_penalty=request.frequency_penalty if request.HasField("frequency_penalty") else 0.0,
+        repetition_penalty=request.repetition_penalty if request.HasField("repetition_penalty") else 1.0,
+        logit_bias=tuple(sorted(request.logit_bias.items())))
     return GenerationRequest(request_id=request.request_id, prompt_tokens=tuple(prompt_tokens),
                              max_tokens=max_tokens, sampling=sampling, stop=tuple(request.stop),
                              mode=DECODE_MODE_NAMES[request.mode],

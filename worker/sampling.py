@@ -13,11 +13,9 @@ import secrets
 
 import mlx.core as mx
 
-from flashfleet.requests import MAX_TEMPERATURE
+from flashfleet.requests import MAX_TEMPERATURE, SEED_LIMIT
 from worker.engine.types import InvalidRequest, SamplingParams
 from worker.decoding.base import Sampler
-
-SEED_LIMIT = 2**64  # mx.random.key takes a uint64 seed
 
 
 def validate_sampling(temperature: float, top_p: float, seed: int | None) -> None:

@@ -10,6 +10,10 @@ without awaiting: a request's path never waits on the store. Writes go through a
   coordinators; each one's view follows etcd through watches, and a worker's liveness is an etcd
   lease that the coordinator receiving its heartbeats keeps alive.
 
+API keys (`api_keys`, flashfleet/auth.py `ApiKeys`) are part of the state too, as SHA-256 digests
+with their roles: a coordinator seeds them from its keys file at start, PutApiKey adds more, and
+with etcd every coordinator accepts the keys any of them was given.
+
 What stays per coordinator either way: the streams it proxies (`WorkerRecord.in_flight`, which is
 why a worker's own RESOURCE_EXHAUSTED is the capacity check that holds across coordinators), and
 `unreachable` marks from its own failed calls.
@@ -22,6 +26,7 @@ from typing import Callable
 
 from coordinator.registry import Registry, WorkerRecord
 from coordinator.routing import SessionAffinity
+from flashfleet.auth import ApiKeys
 from flashfleet.v1 import common_pb2, worker_pb2
 
 # (request id, destination worker id, reason): a move the owner of a stream's worker decided.
@@ -77,6 +82,8 @@ class FleetState(abc.ABC):
             the shared state.
         shared: other coordinators see this state (a worker registers with one of them; its
             RegisterResponse says so).
+        api_keys: the API keys every coordinator sharing the state accepts (digest -> role;
+            flashfleet/auth.py `ApiKeys`), the local view that the guards read synchronously.
         on_worker_change: called (on the event loop) when the view took a worker's entry from
             the shared store (a registration or heartbeat through any coordinator), so capacity
             may have grown and the admission queue re-checks; None: nothing to tell.
@@ -91,6 +98,7 @@ class FleetState(abc.ABC):
         self.coordinator_id = coordinator_id
         self.registry = registry
         self.affinity = affinity
+        self.api_keys = ApiKeys()
         self.on_worker_change = None
         self.on_move: MoveHandler | None = None
 
@@ -170,3 +178,25 @@ class FleetState(abc.ABC):
     @abc.abstractmethod
     async def placement(self, request_id: str) -> Placement | None:
         """The request's placement, or None (unknown, ended, or its worker left)."""
+
+    @abc.abstractmethod
+    async def put_api_key(self, digest: str, role: str) -> None:
+        """Has every coordinator sharing the state accept the API key whose SHA-256 digest is
+        `digest` (flashfleet/auth.py `key_digest`), in `role`; replaces its earlier role.
+
+        Raises:
+            ValueError: a malformed digest or an unknown role (`flashfleet.auth.check_key_entry`).
+        """
+
+    @abc.abstractmethod
+    async def delete_api_key(self, digest: str) -> bool:
+        """Has every coordinator stop accepting the key with `digest`; True when one was accepted."""
+
+    async def seed_api_keys(self, keys: dict[str, str]) -> None:
+        """Adds a keys file's keys (key -> role, `flashfleet.auth.load_api_keys`), by digest:
+        called at start, so the file stays the source of the keys it names (their roles as it
+        says) while keys added through PutApiKey stay too."""
+        from flashfleet.auth import key_digest
+
+        for key, role in keys.items():
+            await self.put_api_key(key_digest(key), role)

@@ -8,6 +8,7 @@ Keys, under `PREFIX`:
     moves/<request id>       MoveEntry                  on the source worker's lease
     owners/<worker id>       owning coordinator's id    on that coordinator's lease
     affinity/<session id>    worker id                  on the binding coordinator's affinity lease
+    apikeys/<SHA-256 digest> role ("client", "admin")   no lease: kept until deleted
 
 A worker's liveness is its etcd lease (TTL `lease_ttl_s`): the coordinator that receives its
 heartbeats keeps the lease alive and writes the heartbeat's load; when the worker dies, etcd
@@ -47,8 +48,8 @@ from flashfleet.v1 import common_pb2, state_pb2, worker_pb2
 log = logging.getLogger("flashfleet.coordinator.state")
 
 PREFIX = b"/flashfleet/"
-WORKERS, DRAIN, PLACEMENTS, OWNERS, AFFINITY, MOVES = (b"workers/", b"drain/", b"placements/", b"owners/",
-                                                      b"affinity/", b"moves/")
+WORKERS, DRAIN, PLACEMENTS, OWNERS, AFFINITY, MOVES, APIKEYS = (b"workers/", b"drain/", b"placements/", b"owners/",
+                                                                b"affinity/", b"moves/", b"apikeys/")
 WRITE_QUEUE_MAX = 10_000  # background writes waiting at most; beyond that they are dropped (logged)
 CLOSE_FLUSH_S = 2.0  # on close, queued background writes get this long to finish
 
@@ -134,6 +135,7 @@ class EtcdState(FleetState):
         self._drained.clear()
         self._placements.clear()
         self._on_worker.clear()
+        self.api_keys.clear()
         for kv in kvs:
             self._apply(Event("put", kv.key, kv.value, kv.lease, kv.mod_revision))
             if kv.key.startswith(PREFIX + WORKERS):
@@ -212,6 +214,14 @@ class EtcdState(FleetState):
             move = state_pb2.MoveEntry.FromString(ev.value)
             if move.coordinator_id == self.coordinator_id and self.on_move is not None:
                 self.on_move(name, move.to_worker_id, move.reason)
+        elif kind == APIKEYS:
+            if ev.kind == "delete":
+                self.api_keys.remove(name)
+            else:
+                try:
+                    self.api_keys.put(name, ev.value.decode())
+                except ValueError as e:  # written by something else than a coordinator
+                    log.warning("ignoring the API key entry %s in etcd: %s", name[:12], e)
 
     def _unindex_placement(self, request_id: str) -> None:
         old = self._placements.pop(request_id, None)
@@ -393,6 +403,29 @@ class EtcdState(FleetState):
     def move_taken(self, request_id: str) -> None:
         """See `FleetState.move_taken`: deletes moves/<request id> in the background."""
         self._spawn_write(self.client.delete(_key(MOVES, request_id)))
+
+    async def put_api_key(self, digest: str, role: str) -> None:
+        """See `FleetState.put_api_key`: apikeys/<digest> in etcd (no lease), and in this
+        coordinator's view at once (the others' views follow through their watches).
+
+        Raises:
+            ValueError: a malformed digest or an unknown role.
+            EtcdUnavailable: no etcd member answered.
+        """
+        from flashfleet.auth import check_key_entry
+
+        check_key_entry(digest, role)
+        await self.client.put(_key(APIKEYS, digest), role.encode())
+        self.api_keys.put(digest, role)
+
+    async def delete_api_key(self, digest: str) -> bool:
+        """See `FleetState.delete_api_key`.
+
+        Raises:
+            EtcdUnavailable: no etcd member answered.
+        """
+        deleted = await self.client.delete(_key(APIKEYS, digest)) > 0
+        return self.api_keys.remove(digest) or deleted
 
     async def flush(self) -> None:
         """Waits until every background write queued so far is done (tests, shutdown)."""

@@ -51,3 +51,11 @@ class MemoryState(FleetState):
         """See `FleetState.placement`: None also once its worker left the registry."""
         p = self._placements.get(request_id)
         return p if p is not None and self.registry.get(p.worker_id) is not None else None
+
+    async def put_api_key(self, digest: str, role: str) -> None:
+        """See `FleetState.put_api_key` (this coordinator's keys)."""
+        self.api_keys.put(digest, role)
+
+    async def delete_api_key(self, digest: str) -> bool:
+        """See `FleetState.delete_api_key`."""
+        return self.api_keys.remove(digest)

@@ -10,6 +10,20 @@ from flashfleet.config import ConfigError
 from flashfleet.errors import FlashfleetError
 
 
+def _bias(text: str) -> tuple[int, float]:
+    """--logit-bias's TOKEN_ID=BIAS -> (token id, bias).
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, "=", and a number (argparse prints it)."""
+    token, sep, bias = text.partition("=")
+    try:
+        if sep:
+            return int(token), float(bias)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS (e.g. 50256=-100), got {text!r}")
+
+
 def main(argv: list[str]) -> int:
     """Streams the answer to stdout, then one summary line (finish reason, worker, token
     counts, TTFT in ms, tokens/s, and tau and acceptance rate for speculative modes) to stderr.
@@ -35,6 +49,15 @@ def main(argv: list[str]) -> int:
                         "in (0, 1] (unset: 1)%(default).0s")
     p.add_argument("--seed", type=int, default=None,
                    help="makes sampling reproducible (unset: a fresh random seed)%(default).0s")
+    p.add_argument("--presence-penalty", type=float, default=None,
+                   help="in [-2, 2]: subtracted from the logit of every token the answer holds%(default).0s")
+    p.add_argument("--frequency-penalty", type=float, default=None,
+                   help="in [-2, 2]: subtracted once per time the answer holds a token%(default).0s")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="in (0, 10]: divides the positive logits of the prompt's and answer's tokens "
+                        "(unset: 1, none)%(default).0s")
+    p.add_argument("--logit-bias", action="append", default=[], type=_bias, metavar="TOKEN_ID=BIAS",
+                   help="add BIAS, in [-100, 100], to that token's logit (repeat for several)%(default).0s")
     p.add_argument("--stop", action="append", default=[],
                    help="end the answer before this string (repeat for several)%(default).0s")
     p.add_argument("--session-id", default="", help="requests of one session go to the same worker")
@@ -59,6 +82,9 @@ def main(argv: list[str]) -> int:
             for chunk in client.generate(a.model, max_tokens=a.max_tokens, temperature=a.temperature,
                                          top_p=a.top_p, seed=a.seed, stop=a.stop,
                                          session_id=a.session_id, mode=a.mode,
+                                         presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
+                                         repetition_penalty=a.repetition_penalty,
+                                         logit_bias=dict(a.logit_bias) if a.logit_bias else None,
                                          timeout_s=a.timeout_s, request_id=request_id, **kwargs):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()

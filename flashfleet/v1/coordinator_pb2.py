@@ -25,33 +25,41 @@ _sym_db = _symbol_database.Default()
 from flashfleet.v1 import common_pb2 as flashfleet_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x66lashfleet/v1/coordinator.proto\x12\rflashfleet.v1\x1a\x1a\x66lashfleet/v1/common.proto\"\'\n\x12\x44rainWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"W\n\rDrainProgress\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rsessions_left\x18\x02 \x01(\r\x12\r\n\x05moved\x18\x03 \x01(\r\x12\r\n\x05state\x18\x04 \x01(\t\">\n\x12MoveSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cto_worker_id\x18\x02 \x01(\t\"W\n\x13MoveSessionResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66rom_worker_id\x18\x02 \x01(\t\x12\x14\n\x0cto_worker_id\x18\x03 \x01(\t\"\x13\n\x11ListModelsRequest\"s\n\x0bServedModel\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.flashfleet.v1.ModelInfo\x12\x12\n\nworker_ids\x18\x02 \x03(\t\x12(\n\x05modes\x18\x03 \x03(\x0e\x32\x19.flashfleet.v1.DecodeMode\"@\n\x12ListModelsResponse\x12*\n\x06models\x18\x01 \x03(\x0b\x32\x1a.flashfleet.v1.ServedModel\"\x19\n\x17GetClusterStatusRequest\"\xfd\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12(\n\x06models\x18\x03 \x03(\x0b\x32\x18.flashfleet.v1.ModelInfo\x12\x17\n\x0f\x61\x63tive_sessions\x18\x04 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x05 \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x06 \x01(\x04\x12\x17\n\x0fheartbeat_age_s\x18\x07 \x01(\x01\x12\x17\n\x0fserved_requests\x18\x08 \x01(\x04\x12\x13\n\x0bunreachable\x18\t \x01(\x08\x12\x17\n\x0fkv_budget_bytes\x18\n \x01(\x04\x12\x15\n\rkv_free_bytes\x18\x0b \x01(\x04\x12\x1a\n\x12prompt_cache_bytes\x18\x0c \x01(\x04\x12\x10\n\x08\x64raining\x18\r \x01(\x08\x12\x0c\n\x04\x63hip\x18\x0e \x01(\t\x12)\n!peak_memory_bandwidth_bytes_per_s\x18\x0f \x01(\x01\"O\n\rClusterStatus\x12,\n\x07workers\x18\x01 \x03(\x0b\x32\x1b.flashfleet.v1.WorkerStatus\x12\x10\n\x08sessions\x18\x02 \x01(\r2\xb1\x03\n\x0b\x43oordinator\x12M\n\x08Generate\x12\x1e.flashfleet.v1.GenerateRequest\x1a\x1f.flashfleet.v1.GenerateResponse0\x01\x12Q\n\nListModels\x12 .flashfleet.v1.ListModelsRequest\x1a!.flashfleet.v1.ListModelsResponse\x12X\n\x10GetClusterStatus\x12&.flashfleet.v1.GetClusterStatusRequest\x1a\x1c.flashfleet.v1.ClusterStatus\x12P\n\x0b\x44rainWorker\x12!.flashfleet.v1.DrainWorkerRequest\x1a\x1c.flashfleet.v1.DrainProgress0\x01\x12T\n\x0bMoveSession\x12!.flashfleet.v1.MoveSessionRequest\x1a\".flashfleet.v1.MoveSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x66lashfleet/v1/coordinator.proto\x12\rflashfleet.v1\x1a\x1a\x66lashfleet/v1/common.proto\"0\n\x10PutApiKeyRequest\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\"\x13\n\x11PutApiKeyResponse\"%\n\x13\x44\x65leteApiKeyRequest\x12\x0e\n\x06sha256\x18\x01 \x01(\t\"\x16\n\x14\x44\x65leteApiKeyResponse\"\'\n\x12\x44rainWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"W\n\rDrainProgress\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rsessions_left\x18\x02 \x01(\r\x12\r\n\x05moved\x18\x03 \x01(\r\x12\r\n\x05state\x18\x04 \x01(\t\">\n\x12MoveSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cto_worker_id\x18\x02 \x01(\t\"W\n\x13MoveSessionResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66rom_worker_id\x18\x02 \x01(\t\x12\x14\n\x0cto_worker_id\x18\x03 \x01(\t\"\x13\n\x11ListModelsRequest\"s\n\x0bServedModel\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.flashfleet.v1.ModelInfo\x12\x12\n\nworker_ids\x18\x02 \x03(\t\x12(\n\x05modes\x18\x03 \x03(\x0e\x32\x19.flashfleet.v1.DecodeMode\"@\n\x12ListModelsResponse\x12*\n\x06models\x18\x01 \x03(\x0b\x32\x1a.flashfleet.v1.ServedModel\"\x19\n\x17GetClusterStatusRequest\"\xfd\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12(\n\x06models\x18\x03 \x03(\x0b\x32\x18.flashfleet.v1.ModelInfo\x12\x17\n\x0f\x61\x63tive_sessions\x18\x04 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x05 \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x06 \x01(\x04\x12\x17\n\x0fheartbeat_age_s\x18\x07 \x01(\x01\x12\x17\n\x0fserved_requests\x18\x08 \x01(\x04\x12\x13\n\x0bunreachable\x18\t \x01(\x08\x12\x17\n\x0fkv_budget_bytes\x18\n \x01(\x04\x12\x15\n\rkv_free_bytes\x18\x0b \x01(\x04\x12\x1a\n\x12prompt_cache_bytes\x18\x0c \x01(\x04\x12\x10\n\x08\x64raining\x18\r \x01(\x08\x12\x0c\n\x04\x63hip\x18\x0e \x01(\t\x12)\n!peak_memory_bandwidth_bytes_per_s\x18\x0f \x01(\x01\"O\n\rClusterStatus\x12,\n\x07workers\x18\x01 \x03(\x0b\x32\x1b.flashfleet.v1.WorkerStatus\x12\x10\n\x08sessions\x18\x02 \x01(\r2\xda\x04\n\x0b\x43oordinator\x12M\n\x08Generate\x12\x1e.flashfleet.v1.GenerateRequest\x1a\x1f.flashfleet.v1.GenerateResponse0\x01\x12Q\n\nListModels\x12 .flashfleet.v1.ListModelsRequest\x1a!.flashfleet.v1.ListModelsResponse\x12X\n\x10GetClusterStatus\x12&.flashfleet.v1.GetClusterStatusRequest\x1a\x1c.flashfleet.v1.ClusterStatus\x12P\n\x0b\x44rainWorker\x12!.flashfleet.v1.DrainWorkerRequest\x1a\x1c.flashfleet.v1.DrainProgress0\x01\x12T\n\x0bMoveSession\x12!.flashfleet.v1.MoveSessionRequest\x1a\".flashfleet.v1.MoveSessionResponse\x12N\n\tPutApiKey\x12\x1f.flashfleet.v1.PutApiKeyRequest\x1a .flashfleet.v1.PutApiKeyResponse\x12W\n\x0c\x44\x65leteApiKey\x12\".flashfleet.v1.DeleteApiKeyRequest\x1a#.flashfleet.v1.DeleteApiKeyResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'flashfleet.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DRAINWORKERREQUEST']._serialized_start=78
-  _globals['_DRAINWORKERREQUEST']._serialized_end=117
-  _globals['_DRAINPROGRESS']._serialized_start=119
-  _globals['_DRAINPROGRESS']._serialized_end=206
-  _globals['_MOVESESSIONREQUEST']._serialized_start=208
-  _globals['_MOVESESSIONREQUEST']._serialized_end=270
-  _globals['_MOVESESSIONRESPONSE']._serialized_start=272
-  _globals['_MOVESESSIONRESPONSE']._serialized_end=359
-  _globals['_LISTMODELSREQUEST']._serialized_start=361
-  _globals['_LISTMODELSREQUEST']._serialized_end=380
-  _globals['_SERVEDMODEL']._serialized_start=382
-  _globals['_SERVEDMODEL']._serialized_end=497
-  _globals['_LISTMODELSRESPONSE']._serialized_start=499
-  _globals['_LISTMODELSRESPONSE']._serialized_end=563
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=565
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=590
-  _globals['_WORKERSTATUS']._serialized_start=593
-  _globals['_WORKERSTATUS']._serialized_end=974
-  _globals['_CLUSTERSTATUS']._serialized_start=976
-  _globals['_CLUSTERSTATUS']._serialized_end=1055
-  _globals['_COORDINATOR']._serialized_start=1058
-  _globals['_COORDINATOR']._serialized_end=1491
+  _globals['_PUTAPIKEYREQUEST']._serialized_start=78
+  _globals['_PUTAPIKEYREQUEST']._serialized_end=126
+  _globals['_PUTAPIKEYRESPONSE']._serialized_start=128
+  _globals['_PUTAPIKEYRESPONSE']._serialized_end=147
+  _globals['_DELETEAPIKEYREQUEST']._serialized_start=149
+  _globals['_DELETEAPIKEYREQUEST']._serialized_end=186
+  _globals['_DELETEAPIKEYRESPONSE']._serialized_start=188
+  _globals['_DELETEAPIKEYRESPONSE']._serialized_end=210
+  _globals['_DRAINWORKERREQUEST']._serialized_start=212
+  _globals['_DRAINWORKERREQUEST']._serialized_end=251
+  _globals['_DRAINPROGRESS']._serialized_start=253
+  _globals['_DRAINPROGRESS']._serialized_end=340
+  _globals['_MOVESESSIONREQUEST']._serialized_start=342
+  _globals['_MOVESESSIONREQUEST']._serialized_end=404
+  _globals['_MOVESESSIONRESPONSE']._serialized_start=406
+  _globals['_MOVESESSIONRESPONSE']._serialized_end=493
+  _globals['_LISTMODELSREQUEST']._serialized_start=495
+  _globals['_LISTMODELSREQUEST']._serialized_end=514
+  _globals['_SERVEDMODEL']._serialized_start=516
+  _globals['_SERVEDMODEL']._serialized_end=631
+  _globals['_LISTMODELSRESPONSE']._serialized_start=633
+  _globals['_LISTMODELSRESPONSE']._serialized_end=697
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=699
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=724
+  _globals['_WORKERSTATUS']._serialized_start=727
+  _globals['_WORKERSTATUS']._serialized_end=1108
+  _globals['_CLUSTERSTATUS']._serialized_start=1110
+  _globals['_CLUSTERSTATUS']._serialized_end=1189
+  _globals['_COORDINATOR']._serialized_start=1192
+  _globals['_COORDINATOR']._serialized_end=1794
 # @@protoc_insertion_point(module_scope)

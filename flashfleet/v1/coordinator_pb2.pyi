@@ -7,6 +7,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PutApiKeyRequest(_message.Message):
+    __slots__ = ("sha256", "role")
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    role: str
+    def __init__(self, sha256: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
+
+class PutApiKeyResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DeleteApiKeyRequest(_message.Message):
+    __slots__ = ("sha256",)
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    def __init__(self, sha256: _Optional[str] = ...) -> None: ...
+
+class DeleteApiKeyResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class DrainWorkerRequest(_message.Message):
     __slots__ = ("worker_id",)
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]

@@ -60,6 +60,16 @@ class CoordinatorStub:
                 request_serializer=flashfleet_dot_v1_dot_coordinator__pb2.MoveSessionRequest.SerializeToString,
                 response_deserializer=flashfleet_dot_v1_dot_coordinator__pb2.MoveSessionResponse.FromString,
                 _registered_method=True)
+        self.PutApiKey = channel.unary_unary(
+                '/flashfleet.v1.Coordinator/PutApiKey',
+                request_serializer=flashfleet_dot_v1_dot_coordinator__pb2.PutApiKeyRequest.SerializeToString,
+                response_deserializer=flashfleet_dot_v1_dot_coordinator__pb2.PutApiKeyResponse.FromString,
+                _registered_method=True)
+        self.DeleteApiKey = channel.unary_unary(
+                '/flashfleet.v1.Coordinator/DeleteApiKey',
+                request_serializer=flashfleet_dot_v1_dot_coordinator__pb2.DeleteApiKeyRequest.SerializeToString,
+                response_deserializer=flashfleet_dot_v1_dot_coordinator__pb2.DeleteApiKeyResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -106,6 +116,23 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutApiKey(self, request, context):
+        """Accepts an API key, or changes its role, on every coordinator sharing the fleet's state. The
+        request names the key by its SHA-256 digest: the key itself never reaches a coordinator or a
+        store. INVALID_ARGUMENT: a digest that is not 64 lowercase hex digits, or an unknown role.
+        UNAVAILABLE: the shared state (etcd) did not answer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteApiKey(self, request, context):
+        """Stops accepting an API key everywhere. NOT_FOUND: no key has that digest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -133,6 +160,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.MoveSession,
                     request_deserializer=flashfleet_dot_v1_dot_coordinator__pb2.MoveSessionRequest.FromString,
                     response_serializer=flashfleet_dot_v1_dot_coordinator__pb2.MoveSessionResponse.SerializeToString,
+            ),
+            'PutApiKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutApiKey,
+                    request_deserializer=flashfleet_dot_v1_dot_coordinator__pb2.PutApiKeyRequest.FromString,
+                    response_serializer=flashfleet_dot_v1_dot_coordinator__pb2.PutApiKeyResponse.SerializeToString,
+            ),
+            'DeleteApiKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteApiKey,
+                    request_deserializer=flashfleet_dot_v1_dot_coordinator__pb2.DeleteApiKeyRequest.FromString,
+                    response_serializer=flashfleet_dot_v1_dot_coordinator__pb2.DeleteApiKeyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -270,6 +307,60 @@ class Coordinator:
             '/flashfleet.v1.Coordinator/MoveSession',
             flashfleet_dot_v1_dot_coordinator__pb2.MoveSessionRequest.SerializeToString,
             flashfleet_dot_v1_dot_coordinator__pb2.MoveSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutApiKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flashfleet.v1.Coordinator/PutApiKey',
+            flashfleet_dot_v1_dot_coordinator__pb2.PutApiKeyRequest.SerializeToString,
+            flashfleet_dot_v1_dot_coordinator__pb2.PutApiKeyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteApiKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flashfleet.v1.Coordinator/DeleteApiKey',
+            flashfleet_dot_v1_dot_coordinator__pb2.DeleteApiKeyRequest.SerializeToString,
+            flashfleet_dot_v1_dot_coordinator__pb2.DeleteApiKeyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -18,7 +18,9 @@ iteration reads every row's tokens. Output is the target's own choice at every p
 (greedy: its argmax; sampled: its draw keyed by sequence position, `worker.sampling.sample_rows`),
 so each row's output does not depend on the rows beside it. A row with a grammar (structured
 output, worker/engine/grammar.py) chooses among the tokens its grammar allows at each position,
-and its draft proposes only such tokens.
+and its draft proposes only such tokens. A row with penalties or a logit bias
+(worker/engine/penalties.py) chooses from its penalised logits, each verified position under the
+penalty state after the drafts before it.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import numpy as np
 
 from worker.caches.rows import RowKVCache, as_attention_mask, share_lengths
 from worker.engine.grammar import RowGrammar, allowed
+from worker.engine.penalties import RowPenalties
 from worker.engine.types import TokenLogprob
 from worker.sampling import greedy, sample_rows
 from worker.decoding.base import Sampler
@@ -49,6 +52,7 @@ class Row:
         request_id: the session's request (for logs and tests).
         grammar: the row's grammar matcher (structured output, worker/engine/grammar.py), or None.
         top_logprobs: -1, or the alternatives each of its tokens' `TokenLogprob` lists.
+        penalties: the row's penalties and logit bias (worker/engine/penalties.py), or None.
     """
 
     sampler: Sampler
@@ -57,10 +61,12 @@ class Row:
     request_id: str = ""
     grammar: Optional[RowGrammar] = None
     top_logprobs: int = -1
+    penalties: Optional[RowPenalties] = None
 
     def commit(self, tokens: list[int], eos_ids, remaining: int) -> tuple[list[int], bool]:
         """A forward's new tokens for this row, cut after the first EOS and to `remaining`;
-        advances n, last and the grammar. Returns (the tokens kept, whether an EOS ended the row).
+        advances n, last, the grammar and the penalty counts. Returns (the tokens kept, whether an
+        EOS ended the row).
 
         Raises:
             RuntimeError: the grammar refused a token (`RowGrammar.advance`)."""
@@ -70,6 +76,8 @@ class Row:
         self.last = kept[-1]
         if self.grammar is not None:
             self.grammar.advance(kept)
+        if self.penalties is not None:
+            self.penalties.advance(kept)
         return kept, stop is not None and stop < remaining
 
 
@@ -178,14 +186,18 @@ def prefill_chunk(target: Any, tokens: Sequence[int], cache: list[RowKVCache], d
     return _host_logprobs((([0],) + parts), [list(following)], [top])[0]
 
 
-def choose(logits: mx.array, rows: Sequence[Row], masks: Optional[dict[int, np.ndarray]] = None) -> mx.array:
+def choose(logits: mx.array, rows: Sequence[Row], masks: Optional[dict[int, np.ndarray]] = None,
+           blocks: Optional[mx.array] = None) -> mx.array:
     """Each row's tokens at its L positions: (B, L, V) logits -> (B, L) uint32. Greedy rows take
     the argmax; sampled rows draw keyed by the sequence position of each token. A row with
-    `masks[i]` ((L, W) int32 bit masks, worker/engine/grammar.py) chooses among the tokens its
-    mask allows at each position; the other rows' choices are computed as without it."""
+    penalties chooses from its penalised logits, position j under the penalty state after the
+    first j drafted tokens of its block (`blocks` (B, L): [b, d_1 .. d_{L-1}]; None when L = 1).
+    A row with `masks[i]` ((L, W) int32 bit masks, worker/engine/grammar.py) chooses among the
+    tokens its mask allows at each position; the other rows' choices are computed as without it."""
     masks = masks or {}
     chosen = greedy(logits).astype(mx.uint32)
-    special = [i for i, r in enumerate(rows) if r.sampler is not greedy or i in masks]
+    special = [i for i, r in enumerate(rows)
+               if r.sampler is not greedy or i in masks or r.penalties is not None]
     if not special:
         return chosen
     parts = []
@@ -194,6 +206,8 @@ def choose(logits: mx.array, rows: Sequence[Row], masks: Optional[dict[int, np.n
             parts.append(chosen[i])
             continue
         lg = logits[i]
+        if r.penalties is not None:
+            lg = r.penalties.apply(lg, None if blocks is None or blocks.shape[1] < 2 else blocks[i, 1:])
         if i in masks:
             lg = mx.where(allowed(masks[i], lg.shape[-1]), lg, -mx.inf)
         parts.append((greedy(lg) if r.sampler is greedy else sample_rows(r.sampler, lg, r.n)).astype(mx.uint32))
@@ -245,6 +259,11 @@ def grammar_masks(rows: Sequence[Row]) -> dict[int, np.ndarray]:
     return {i: r.grammar.masks() for i, r in enumerate(rows) if r.grammar is not None}
 
 
+def penalty_state(rows: Sequence[Row]) -> list[mx.array]:
+    """The penalised rows' device state (evaluated with the iteration's read-back)."""
+    return [a for r in rows if r.penalties is not None for a in r.penalties.state()]
+
+
 def read_rows(out: mx.array, *also: mx.array) -> list[list[int]]:
     """The iteration's one host synchronisation: evaluates `out` (B, N) and `also` (device state
     the next iteration reads, evaluated with it so its graph does not grow), and reads `out` back
@@ -262,7 +281,7 @@ def plain_step(target: Any, batch: Batch) -> list[list[int]]:
     logits = target(x, cache=batch.target)
     tokens = choose(logits[:, -1:, :], batch.rows, grammar_masks(batch.rows))
     parts = logprobs_of(logits[:, -1:, :], tokens, batch.rows)
-    out = read_rows(tokens, *(parts[1:] if parts else ()))
+    out = read_rows(tokens, *(parts[1:] if parts else ()), *penalty_state(batch.rows))
     batch.logprobs = _host_logprobs(parts, out, batch.rows)
     return out
 
@@ -340,6 +359,11 @@ def draft_block(draft: Any, batch: Batch, L: int) -> mx.array:
         c.set_lengths(new_T, start)
     batch.pending, batch.pending_len = None, [0] * B
     logits = draft.head(draft.norm(h)[:, 1:])
+    penalised = [i for i, r in enumerate(rows) if r.penalties is not None]
+    if penalised:  # with the committed tokens' penalty state (the block's own drafts not counted)
+        logits = _replace_rows(logits, penalised,
+                               mx.stack([rows[i].penalties.apply(logits[i], ids=draft.vocab) for i in penalised]
+                                        ).astype(logits.dtype))
     drafted = draft.draft_tokens(logits).astype(mx.uint32)
     constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
     if constrained:  # only their C best candidates a position come to the host
@@ -351,15 +375,15 @@ def draft_block(draft: Any, batch: Batch, L: int) -> mx.array:
             top = draft.vocab[top]
         top, scores = np.array(top), np.array(scores)
         legal = [rows[i].grammar.draft(top[k], scores[k]) for k, i in enumerate(constrained)]
-        drafted = _replace_rows(drafted, constrained, legal)
+        drafted = _replace_rows(drafted, constrained, mx.array(legal, dtype=mx.uint32))
     return mx.concatenate([first, drafted], axis=1)
 
 
-def _replace_rows(x: mx.array, indices: list[int], values: list[list[int]]) -> mx.array:
-    """x (B, N) uint32 with rows `indices` replaced by `values`."""
+def _replace_rows(x: mx.array, indices: list[int], values: mx.array) -> mx.array:
+    """x (B, ...) with rows `indices` replaced by `values` (len(indices), ...)."""
     index = mx.array(indices, dtype=mx.int32)
     out = mx.array(x)
-    out[index] = mx.array(values, dtype=mx.uint32)
+    out[index] = values
     return out
 
 
@@ -427,7 +451,7 @@ def dflash_cycle(target: Any, draft: Any, capture: Any, batch: Batch, L: int) ->
     with capture:
         logits = target(blocks, cache=batch.target)
     taps = capture.hidden()
-    chosen = choose(logits, rows, masks)
+    chosen = choose(logits, rows, masks, blocks)
     parts = logprobs_of(logits, chosen, rows)
     if L > 1:
         accepted = mx.cumprod((blocks[:, 1:] == chosen[:, :-1]).astype(mx.int32), axis=1).sum(axis=1)
@@ -436,7 +460,7 @@ def dflash_cycle(target: Any, draft: Any, capture: Any, batch: Batch, L: int) ->
     # One read-back: each row's L chosen tokens, then its accepted count (and the log-probabilities
     # of the rows that ask for them, evaluated with it).
     out = read_rows(mx.concatenate([chosen, accepted.astype(mx.uint32)[:, None]], axis=1), taps,
-                    *(parts[1:] if parts else ()))
+                    *(parts[1:] if parts else ()), *penalty_state(rows))
     acc = [r[L] for r in out]
     batch.logprobs = _host_logprobs(parts, [r[:L] for r in out], rows)
     kept = [j + 1 for j in acc]

@@ -12,6 +12,7 @@ from flashfleet.tool_calls import FORMATS, check_message_tool_calls, check_tools
 from worker.detokenize import TextAssembler
 from worker.engine.grammar import GrammarCompiler, schema_error
 from worker.engine.modes import AUTO, Mode, resolve_mode
+from worker.engine.penalties import validate_penalties
 from worker.engine.scheduler import BATCHED_MODES, Scheduler
 from worker.engine.types import MAX_TOP_LOGPROBS, GenerationRequest, InvalidRequest, ModelDescription
 from worker.sampling import validate_sampling
@@ -161,10 +162,11 @@ class Intake:
         Raises:
             InvalidRequest: empty request_id or prompt, token ids outside the vocabulary,
                 max_tokens < 1 (< 0 with prompt_logprobs), prompt + max_tokens beyond the context
-                or (batched modes) the KV budget, bad sampling parameters, an empty stop string, a
-                mode this worker cannot serve (a response format or log-probabilities in a mode
-                other than plain and dflash), or resume tokens
-                that are not fewer than max_tokens, hold an EOS or do not match resume_text.
+                or (batched modes) the KV budget, bad sampling parameters (penalties and logit_bias
+                included), an empty stop string, a mode this worker cannot serve (a response
+                format, log-probabilities or penalties in a mode other than plain and dflash), or
+                resume tokens that are not fewer than max_tokens, hold an EOS or do not match
+                resume_text.
         """
         if not r.request_id:
             raise InvalidRequest("request_id is empty")
@@ -198,6 +200,7 @@ class Intake:
                 + (f"ask for max_tokens <= {ctx - n}, or leave it unset" if n < ctx else "shorten the prompt")
             )
         validate_sampling(r.sampling.temperature, r.sampling.top_p, r.sampling.seed)
+        validate_penalties(r.sampling, self._vocab_size)
         if any(not isinstance(s, str) or not s for s in r.stop):
             raise InvalidRequest("stop strings must be non-empty strings")
         mode = resolve_mode(r.mode, self._draft_kind, self._modes)
@@ -208,11 +211,12 @@ class Intake:
             else "response_format"
         asks = [name for name, on in ((fmt_name, r.response_format is not None),
                                       ("logprobs", r.top_logprobs >= 0),
-                                      ("prompt_logprobs", r.prompt_logprobs >= 0)) if on]
+                                      ("prompt_logprobs", r.prompt_logprobs >= 0),
+                                      ("penalties and logit_bias", r.sampling.penalized)) if on]
         if asks and mode not in BATCHED_MODES:
             if r.mode != AUTO:
                 raise InvalidRequest(f"{' and '.join(asks)}: served in modes plain and dflash only, not {mode!r}")
-            mode = "plain"  # this worker's draft decodes without grammars and log-probabilities
+            mode = "plain"  # this worker's draft decodes without grammars, log-probabilities and penalties
         if sched is not None and mode in BATCHED_MODES:
             positions = n + r.max_tokens + sched.max_block(mode)
             if not sched.fits_alone(mode, positions):

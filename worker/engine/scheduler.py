@@ -6,8 +6,10 @@ Each iteration (`iterate`) does, in order:
   2. one prefill chunk (`prefill_step_tokens` tokens) of the prefilling session with the fewest
      tokens left, so a long prompt delays decoding sessions by one chunk per iteration and a short
      prompt's first token waits for at most one chunk of a long one (chunked prefill, as
-     Sarathi-Serve and vLLM interleave it with decoding); a session whose prefill is done
-     joins its method's batch;
+     Sarathi-Serve and vLLM interleave it with decoding); a session whose prompt shares a prefix
+     with a decoding row of its method (the choices of one request with n > 1, a turn sent twice)
+     copies that row's caches of the prefix instead of prefilling it; a session whose prefill is
+     done joins its method's batch;
   3. if the next iteration's caches would exceed the budget, evict prompt-cache entries, then
      preempt the newest sessions (their caches are dropped; they wait at the front of the queue
      and resume by recomputing their prompt and output, as vLLM's recompute preemption does);
@@ -37,6 +39,7 @@ from worker.capture import HiddenCapture
 from worker.engine.batch import Batch, Row, dflash_cycle, plain_step, prefill_chunk
 from worker.engine.block_policy import Acceptance, BatchBlockPolicy
 from worker.engine.grammar import RowGrammar
+from worker.engine.penalties import RowPenalties
 from worker.engine.profile import DecodeProfile
 from worker.engine.imports import StagedImport, StagedImports
 from worker.engine import kv_layout
@@ -51,7 +54,13 @@ from worker.decoding.base import Sampler, Step
 log = logging.getLogger(__name__)
 
 BATCHED_MODES = ("plain", "dflash")
+# Shortest prefix (tokens) a prefill copies from a decoding row rather than computing (the whole
+# prompt when it is shorter): a copy of a few positions is not worth the row's full copy.
+SHARED_PREFIX_MIN_TOKENS = 16
 CLEAR_CACHE_EVERY = 256  # iterations between returning freed buffers to the allocator
+# Most prompt tokens a scored prefill chunk (prompt_logprobs) feeds: its logits and their float32
+# log-softmax stay until it is evaluated, 2 x 128 x 151,936 x 4 bytes = 0.16 GB with Qwen2.5.
+SCORED_PREFILL_TOKENS = 128
 
 
 @dataclass
@@ -71,7 +80,9 @@ class Sequence:
         row: its `Row` while it decodes.
         import_id: an imported state it claims at admission ("" for none).
         grammar: its grammar matcher (structured output, worker/engine/grammar.py), or None.
+        penalties: its penalties and logit bias (worker/engine/penalties.py), or None.
         error: what ended it, when something did (a grammar that refused a token).
+        share_tried: whether its prefill looked for a decoding row to copy a shared prefix from.
         scored: the prompt's log-probabilities gathered while it prefills (a request with
             prompt_logprobs), None once they are sent or when not asked for.
     """
@@ -89,7 +100,9 @@ class Sequence:
     row: Optional[Row] = None
     import_id: str = ""
     grammar: Optional[RowGrammar] = None
+    penalties: Optional[RowPenalties] = None
     error: Optional[Exception] = None
+    share_tried: bool = False
     scored: Optional[list[TokenLogprob]] = None
 
     @property
@@ -225,14 +238,15 @@ class Scheduler:
         return not (self.waiting or self.prefilling or self.generators
                     or any(self.decoding[m] for m in BATCHED_MODES))
 
-    def add(self, session: Session, mode: str, sampler: Sampler, grammar: Optional[RowGrammar] = None) -> None:
+    def add(self, session: Session, mode: str, sampler: Sampler, grammar: Optional[RowGrammar] = None,
+            penalties: Optional[RowPenalties] = None) -> None:
         """Queues a batched-mode session (its request already validated), with its grammar
-        matcher when its output is constrained."""
+        matcher when its output is constrained and its penalty state when it has penalties."""
         self._order += 1
         req = session.request
         prior = self.pooled.as_prior(self.max_block(mode) - 1)  # the worker's recent acceptance
         self.waiting.append(Sequence(session, mode, sampler, list(req.prompt_tokens), self._order,
-                                     prior, import_id=req.import_id, grammar=grammar,
+                                     prior, import_id=req.import_id, grammar=grammar, penalties=penalties,
                                      scored=[] if req.prompt_logprobs >= 0 else None))
 
     def add_generator(self, session: Session) -> None:
@@ -337,11 +351,15 @@ class Scheduler:
         seq = min(self.prefilling, key=lambda s: (len(s.tokens) - 1 - s.prefilled, s.order))
         end = len(seq.tokens) - 1
         try:
+            if not seq.share_tried and seq.scored is None:  # a scored prompt is prefilled in full
+                seq.share_tried = True
+                self._share_prefix(seq)
             if seq.prefilled < end:
-                stop = min(end, seq.prefilled + self.prefill_step_tokens)
+                scoring = seq.scored is not None
+                step = min(self.prefill_step_tokens, SCORED_PREFILL_TOKENS) if scoring else self.prefill_step_tokens
+                stop = min(end, seq.prefilled + step)
                 dflash = seq.mode == "dflash"
                 t0 = self.clock()
-                scoring = seq.scored is not None
                 scored = prefill_chunk(self.m.target, seq.tokens[seq.prefilled: stop], seq.target,
                                        self.m.draft if dflash else None, seq.draft, self.capture,
                                        seq.tokens[seq.prefilled + 1: stop + 1] if scoring else None,
@@ -366,11 +384,36 @@ class Scheduler:
         elif seq.prefilled >= end:
             self.prefilling.remove(seq)
             seq.row = Row(seq.sampler, len(seq.tokens), seq.tokens[-1], seq.request_id, seq.grammar,
-                          seq.session.request.top_logprobs)
+                          seq.session.request.top_logprobs, seq.penalties)
             self.batches[seq.mode].join(seq.row, seq.target, seq.draft)
             seq.target = seq.draft = None
             seq.phase = "decode"
             self.decoding[seq.mode].append(seq)
+
+    def _share_prefix(self, seq: Sequence) -> None:
+        """Starts `seq`'s prefill from the caches of the decoding row of its mode whose tokens
+        share the longest prefix with its prompt, when that covers at least
+        `SHARED_PREFIX_MIN_TOKENS` more positions than it holds (a prompt-cache hit's), or the
+        rest of its prompt: a copy of that row's positions, trimmed to the shared prefix, replaces
+        computing them; counted as cached prompt tokens."""
+        head = seq.tokens[:-1]
+        best, best_k = None, 0
+        for i, other in enumerate(self.decoding[seq.mode]):
+            k = _common_prefix(head, other.tokens[: other.row.n - 1])
+            if k > best_k:
+                best, best_k = i, k
+        gain = best_k - seq.prefilled
+        if best is None or gain <= 0 or gain < min(SHARED_PREFIX_MIN_TOKENS, len(head) - seq.prefilled):
+            return
+        caches = self._row_caches(seq.mode, best)
+        if caches is None:
+            return
+        for c in caches:
+            c.trim(c.host_lengths[0] - best_k)
+        n_target = len(self.batches[seq.mode].target)
+        seq.target, seq.draft = caches[:n_target], (caches[n_target:] or None)
+        seq.prefilled = best_k
+        seq.session.stats.cached_tokens = min(best_k, len(seq.session.request.prompt_tokens))
 
     def _fit_budget(self) -> None:
         over = self.projected_bytes() - self.budget
@@ -390,7 +433,7 @@ class Scheduler:
         else:
             self.prefilling.remove(seq)
         seq.target = seq.draft = seq.row = None
-        seq.prefilled, seq.phase = 0, "waiting"
+        seq.prefilled, seq.phase, seq.share_tried = 0, "waiting", False
         seq.session.stats.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(seq)
@@ -596,6 +639,15 @@ class Scheduler:
             s.emit(event)
         except Exception:
             log.exception("emit failed for %s", rid)
+
+
+def _common_prefix(a, b) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 def _close(s: Session) -> None:

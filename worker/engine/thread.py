@@ -22,6 +22,7 @@ from flashfleet.tool_calls import detect_format
 from worker.config import EngineConfig
 from worker.detokenize import TextAssembler
 from worker.engine.grammar import RowGrammar
+from worker.engine.penalties import RowPenalties
 from worker.engine.modes import MODES, LoadedModels, Mode, draft_kind_of, resolve_mode
 from worker.models.dflash_checkpoint import DraftCheckpointError
 from worker.engine.block_policy import BatchBlockPolicy
@@ -461,12 +462,17 @@ class Engine:
             if cmd.grammar is not None:
                 grammar = RowGrammar(cmd.grammar, self._vocab_size or len(m.tokenizer.vocab), m.eos_ids)
                 grammar.advance(cmd.request.resume_tokens)  # a migrated session's output so far
+            penalties = None
+            if req.sampling.penalized:  # its prompt, then a migrated session's output so far
+                penalties = RowPenalties(req.sampling, cmd.request.prompt_tokens,
+                                         self._vocab_size or len(m.tokenizer.vocab))
+                penalties.advance(cmd.request.resume_tokens)
             if req.import_id and cmd.mode not in BATCHED_MODES:  # its own generator prefills
                 sched.imports.drop(req.import_id)
             if cmd.mode in BATCHED_MODES:
                 s = Session(req, cmd.emit, iter(()), [], text, m.eos_ids, cmd.received_s,
                             new_stats(req, cmd.mode))
-                sched.add(s, cmd.mode, sampler, grammar)
+                sched.add(s, cmd.mode, sampler, grammar, penalties)
             else:
                 steps, caches = self._modes[cmd.mode].start(m, self.config, req, sampler)
                 s = Session(req, cmd.emit, steps, caches, text, m.eos_ids, cmd.received_s,

@@ -53,11 +53,27 @@ class SamplingParams:
         temperature: 0 means greedy (argmax); > 0 samples from softmax(logits / temperature).
         top_p: nucleus mass in (0, 1]; 1.0 disables it.
         seed: seed of the request's own random stream; None draws one at random.
+        presence_penalty: subtracted from the logit of every token the output holds (OpenAI's).
+        frequency_penalty: subtracted from a token's logit once per time the output holds it.
+        repetition_penalty: divides a positive logit (multiplies a negative one) of every token
+            of the prompt and output (CTRL's, as Hugging Face and mlx-lm apply it); 1.0: none.
+        logit_bias: (token id, bias) pairs; each bias is added to its token's logit everywhere.
+        (The penalties and bias: worker/engine/penalties.py.)
     """
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty or bias changes the logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
 
 @dataclass(frozen=True)
