@@ -14,6 +14,9 @@ its ModelInfo; the coordinator's HTTP API parses the answer with that format's p
   `{"name": ..., "parameters": {...}}`, after an optional `<|python_tag|>`; several joined by
   ";" are parallel calls.
 
+In both, an answer that is only JSON call objects naming the request's tools is calls (small
+models, Qwen2.5-Coder-0.5B among them, write the hermes JSON without its markers).
+
 Pure Python (no MLX, no grammar library): the coordinator and the worker both import it.
 """
 from __future__ import annotations

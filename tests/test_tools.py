@@ -363,6 +363,22 @@ def test_calls_and_results_in_the_history_render_and_none_renders_no_tools(tool_
     assert formats == {TINY: "hermes", PLAIN_TINY: None}
 
 
+def test_held_back_text_keeps_its_logprobs_and_auto_without_a_call_is_the_text(tool_cluster):
+    client = _client(tool_cluster)
+    args = dict(model=TINY, messages=ASK, tools=[TIME, SWITCH], max_tokens=160, logprobs=True,
+                parallel_tool_calls=False)
+    done = client.chat.completions.create(**args, tool_choice="required")
+    listed = [lp.token for lp in done.choices[0].logprobs.content]
+    assert done.choices[0].message.tool_calls and len(listed) == done.usage.completion_tokens - 1  # EOS unlisted
+    streamed = [lp.token for c in client.chat.completions.create(**args, tool_choice="required", stream=True)
+                if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.content]
+    assert streamed == listed  # every token's, once, in order, though the calls' text was held back
+    # auto: the random model writes no call, so the answer is its text as written, every token listed.
+    free = client.chat.completions.create(**{**args, "max_tokens": 12}, tool_choice="auto")
+    assert free.choices[0].message.tool_calls is None and free.choices[0].finish_reason == "length"
+    assert free.choices[0].message.content == "".join(lp.token for lp in free.choices[0].logprobs.content)
+
+
 @pytest.mark.parametrize("body, param, fragment", [
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools", "tools[0].function.name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
