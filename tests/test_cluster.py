@@ -938,3 +938,17 @@ def test_too_many_stop_strings_or_chat_turns_are_refused_before_any_work(cluster
         with pytest.raises(InvalidArgument, match="4,097 chat turns cannot fit the model's context of 4,096"):
             client.complete("fake-model", messages=turns, max_tokens=2)
     assert sum(len(w.engine.submitted) for w in cluster.workers) == 1  # only the one with 64 stops
+
+
+def test_up_port_zero_is_one_free_port_kept_for_the_cluster():
+    """`flashfleet up --port 0` picks a free port once (a restarted coordinator comes back there);
+    a given port is kept as it is."""
+    import socket
+
+    from flashfleet.cli.up import fixed_port
+
+    port = fixed_port(0, "127.0.0.1")
+    assert port > 0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+    assert fixed_port(50123, "127.0.0.1") == 50123

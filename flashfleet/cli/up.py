@@ -30,6 +30,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def fixed_port(port: int, host: str) -> int:
+    """The coordinator's port for the cluster's whole life: `port`, or for 0 a free one chosen now,
+    since a coordinator that restarts must come back where the workers and clients know it."""
+    return port or free_port(host)
+
+
 def port_is_free(host: str, port: int) -> bool:
     """Whether a listener could bind host:port now (False while another process listens there;
     a closed listener's TIME_WAIT connections do not count)."""
@@ -449,7 +455,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--draft", default=None, help="draft model (name or directory) for speculative "
                    "decoding; 'dflash': the DFlash draft shipped for the model (flashfleet models list)")
     p.add_argument("--workers", type=int, default=None, help="default 2, or every config entry")
-    p.add_argument("--port", type=tcp_port, default=None, help="coordinator port (default 50051)")
+    p.add_argument("--port", type=tcp_port, default=None, help="coordinator port (default 50051; 0: "
+                   "a free port, chosen once at start and kept when the coordinator restarts)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--capacity", type=int, default=None, help="sessions per worker (default 8)")
     p.add_argument("--metrics-port", type=tcp_port, default=None,
@@ -485,7 +492,8 @@ def main(argv: list[str]) -> int:
                          *(["--draft", a.draft] if a.draft else []),
                          *(["--capacity", str(a.capacity)] if a.capacity else [])]
             cluster = LocalCluster(
-                workers=a.workers or len(cfg.workers), port=a.port or cfg.coordinator.port,
+                workers=a.workers or len(cfg.workers),
+                port=fixed_port(cfg.coordinator.port if a.port is None else a.port, a.host),
                 host=a.host, log_dir=a.log_dir,
                 metrics_port=a.metrics_port or cfg.coordinator.metrics_port,
                 worker_args=tuple(overrides), config=a.config,
@@ -503,7 +511,8 @@ def main(argv: list[str]) -> int:
         except (ValueError, NoShippedDraftError) as e:
             print(f"flashfleet up: {e}", file=sys.stderr)
             return 2
-        cluster = LocalCluster(a.model or DEFAULT_MODEL, a.workers or 2, a.port or 50051, a.host,
+        port = fixed_port(50051 if a.port is None else a.port, a.host)
+        cluster = LocalCluster(a.model or DEFAULT_MODEL, a.workers or 2, port, a.host,
                                a.draft, a.capacity or 8, a.log_dir, a.metrics_port, http_port=a.http_port,
                                api_keys_file=a.api_keys_file, join_token_file=a.join_token_file,
                                coordinator_args=coordinator_args)
