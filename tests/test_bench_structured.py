@@ -13,6 +13,6 @@ def test_rows_per_mode_sessions_and_kind(tiny_models, dflash_dir):
             if line.startswith("| plain") or line.startswith("| dflash")]
     assert [(m, n, k) for m, n, k, *_ in rows] == [(m, n, k) for m in ("plain", "dflash") for n in ("1", "2")
                                                    for k in ("free", "json_schema")]
-    for mode, n, kind, tokens, wall, rate, ratio, tau in rows:
-        assert 0 < int(tokens) <= 8 * int(n) and float(wall) > 0 and float(rate) > 0
+    for mode, n, kind, tokens, wall, rate, decode, ratio, tau in rows:
+        assert 0 < int(tokens) <= 8 * int(n) and float(wall) > 0 and float(rate) > 0 and float(decode) > 0
         assert (ratio != "") == (kind == "json_schema")
