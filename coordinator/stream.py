@@ -457,10 +457,14 @@ class ProxiedStream:
         outcome = "cancelled"
         try:
             resp = first
+            served_by: list[str] = []  # the workers that served it, in order (moves, failovers)
             while resp is not grpc.aio.EOF:
                 self.state = State.STREAMING
+                if not served_by or served_by[-1] != self.worker.worker_id:
+                    served_by.append(self.worker.worker_id)
                 if resp.WhichOneof("kind") == "complete":
                     resp.complete.stats.queue_s = self.queue_s
+                    resp.complete.served_by[:] = served_by
                     self.progress.finish_stats(resp.complete.stats)
                     outcome = "ok"
                     yield resp

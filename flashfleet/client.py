@@ -154,7 +154,8 @@ def _to_chunk(resp: common_pb2.GenerateResponse) -> Chunk:
         c = resp.complete
         return Chunk(request_id=resp.request_id,
                      finish_reason=FINISH_REASONS.get(c.finish_reason, "unspecified"),
-                     stats=GenerationStats.from_proto(c.stats), worker_id=c.worker_id)
+                     stats=GenerationStats.from_proto(c.stats), worker_id=c.worker_id,
+                     served_by=tuple(c.served_by))
     return Chunk(request_id=resp.request_id, text=resp.chunk.text,
                  token_ids=tuple(resp.chunk.token_ids), logprobs=tuple(resp.chunk.logprobs),
                  prompt_logprobs=tuple(resp.chunk.prompt_logprobs))
@@ -172,7 +173,8 @@ def _accumulate(chunks: Iterable[Chunk]) -> Completion:
     return Completion(request_id=last.request_id if last else "", text="".join(text),
                       token_ids=ids, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                       finish_reason=last.finish_reason or "" if last else "",
-                      stats=last.stats if last else None, worker_id=last.worker_id if last else "")
+                      stats=last.stats if last else None, worker_id=last.worker_id if last else "",
+                      served_by=last.served_by if last else ())
 
 
 def _choice_kwargs(n: Any, kwargs: Mapping) -> list[dict]:

@@ -110,6 +110,7 @@ class Chunk:
     worker_id: str = ""
     logprobs: tuple = ()
     prompt_logprobs: tuple = ()
+    served_by: tuple[str, ...] = ()  # last chunk: every worker that served it, in order
 
 
 @dataclass(frozen=True)
@@ -129,3 +130,4 @@ class Completion:
     finish_reason: str = ""
     stats: GenerationStats | None = None
     worker_id: str = ""
+    served_by: tuple[str, ...] = ()  # every worker that served it, in order (moves, failovers)

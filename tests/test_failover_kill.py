@@ -121,4 +121,5 @@ def test_greedy_stream_survives_kill_9_of_its_worker(fleet, mode):
     assert tokens == list(ref.token_ids), (len(tokens), fleet.logs())
     assert last.finish_reason == "length" and last.worker_id not in ("", serving[0])
     assert last.stats.migrations == 1 and last.stats.mode == mode
+    assert last.served_by == (serving[0], last.worker_id)
     assert _failovers(fleet) == before + 1

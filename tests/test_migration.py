@@ -74,6 +74,7 @@ def test_a_long_session_on_a_slow_worker_moves_to_the_fast_one_without_losing_a_
     assert done.text == engines["fast"]._encode_tokenizer.decode(ref)
     assert done.stats.generated_tokens == MAX_TOKENS and done.stats.prompt_tokens == len(ids)
     assert done.worker_id == "fast" and done.stats.migrations == 1, (done.worker_id, done.stats.migrations)
+    assert done.served_by == ("slow", "fast")  # the workers that served it, in order
     m = cluster.coordinator.metrics
     assert m.migrations.labels(model="tiny-llama", reason="speed", outcome="ok", method="kv")._value.get() == 1
     assert m.migration_pause.labels(model="tiny-llama", reason="speed", method="kv")._sum.get() > 0

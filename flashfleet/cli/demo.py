@@ -123,8 +123,8 @@ def run_prompts(address: str, model: str, prompts: list[dict], max_tokens: int,
                     if i == 0 and stream_first is not None:
                         stream_first.write(chunk.text)
                         stream_first.flush()
-                served = tuple(dict.fromkeys(c.worker_id for c in chunks if c.worker_id))
-                results[i] = Answer(_accumulate(chunks), served)
+                completion = _accumulate(chunks)
+                results[i] = Answer(completion, completion.served_by or (completion.worker_id,))
         except Exception as e:  # reported after the others finish
             errors.append(f"prompt {p['id']}: {e}")
 
