@@ -78,11 +78,30 @@ def _held_suffix(text: str, marker: str) -> int:
     return 0
 
 
+FENCE = "```"
+
+
+def _fenced_json_start(head: str) -> bool | None:
+    """Whether an answer opening with a markdown fence (```json or ```) holds JSON: None while
+    the fence's first line or the next character has not arrived."""
+    newline = head.find("\n")
+    body = head[newline + 1:].lstrip() if newline >= 0 else ""
+    return body.startswith("{") if body else None
+
+
+def _unfenced(text: str) -> str:
+    """`text` without a markdown code fence around it (```json ... ```), else as it is."""
+    if text.startswith(FENCE) and text.endswith(FENCE) and "\n" in text and len(text) > 2 * len(FENCE):
+        return text[text.index("\n") + 1:-len(FENCE)].strip()
+    return text
+
+
 def _bare_calls(text: str, names: Collection[str], tag: str = "") -> list[ToolCall] | None:
     """The calls of an answer that is only JSON call objects ({"name", "arguments" or
-    "parameters"}), after an optional `tag` and joined by ";" or whitespace; None when it is
-    anything else, or (with `names`) names a function that is not among them."""
-    text = text.strip()
+    "parameters"}), after an optional `tag`, joined by ";" or whitespace, optionally inside one
+    markdown code fence (small models often fence them); None when it is anything else, or (with
+    `names`) names a function that is not among them."""
+    text = _unfenced(text.strip())
     if tag and text.startswith(tag):
         text = text[len(tag):]
     decoder, calls, i = json.JSONDecoder(), [], 0
@@ -108,8 +127,9 @@ class ToolCallParser:
     and `ToolCall`s, in order; text that may still become a call is held back. `close` returns
     the rest at the end of the answer. Text that looked like a call but does not parse as one is
     content, as written. An answer that is only JSON call objects (`{"name": ..., "arguments":
-    ...}`, the shape small models write without their format's markers) is calls when each names
-    one of the request's tools. `calls` counts the calls returned.
+    ...}`, the shape small models write without their format's markers, bare or in one markdown
+    code fence) is calls when each names one of the request's tools. `calls` counts the calls
+    returned.
 
     Args:
         names: the request's function names (bare JSON naming another function is content).
@@ -129,7 +149,14 @@ class ToolCallParser:
         head = self._buf.lstrip()
         if not head or (self.TAG and self.TAG.startswith(head) and head != self.TAG):
             return None
-        if head.startswith("{") or (self.TAG and head.startswith(self.TAG)):
+        fenced = None
+        if head.startswith(FENCE):
+            fenced = _fenced_json_start(head)
+            if fenced is None:
+                return None
+        elif FENCE.startswith(head):
+            return None
+        if fenced or head.startswith("{") or (self.TAG and head.startswith(self.TAG)):
             self._state = "bare"
             return []
         self._state, rest, self._buf = "text", self._buf, ""

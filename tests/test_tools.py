@@ -98,6 +98,13 @@ HERMES_CASES = [
     ('{"city": "Rome"} is what you asked', ['{"city": "Rome"} is what you asked']),
     ('{"city": "Rome"}\n<tool_call>\n{"name": "get_time", "arguments": {"utc": true}}\n</tool_call>',
      ['{"city": "Rome"}', ("get_time", {"utc": True})]),
+    # The same in a markdown fence (Qwen2.5-Coder-0.5B's greedy answer with auto); fenced code or
+    # other fenced JSON is content, as written.
+    ('```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```',
+     [("get_weather", {"city": "Paris"})]),
+    ("```python\nprint(1)\n```", ["```python\nprint(1)\n```"]),
+    ('```json\n{"name": "send_mail", "arguments": {}}\n```', ['```json\n{"name": "send_mail", "arguments": {}}\n```']),
+    ("`x` and ``", ["`x` and ``"]),
 ]
 
 
@@ -128,6 +135,7 @@ LLAMA3_CASES = [
     ("The capital of France is Paris.", ["The capital of France is Paris."]),
     ('{"name": "get_weather", "parameters": {"city": "Pa', ['{"name": "get_weather", "parameters": {"city": "Pa']),
     ("<|python", ["<|python"]),
+    ('```\n{"name": "get_time", "parameters": {"utc": true}}\n```', [("get_time", {"utc": True})]),
 ]
 
 
