@@ -59,11 +59,23 @@ NAMED_FIELDS = ("response_format", "logit_bias", *PENALTY_FIELDS, "top_logprobs"
                 "seed", "max_tokens", "stop", "prompt_logprobs", "prompt", "messages")
 
 
+OWN_FIELDS = ("mode", "session_id", "timeout_s")  # flashfleet's own body fields
+_FIRST_WORD = re.compile(r"[a-z_]+")
+
+
 def field_named(details: str) -> str | None:
     """The request field an InvalidArgument's message is about (the `param` of its 400): the one
-    it starts with (`_PARAMS`), else the first of `NAMED_FIELDS` it names, else None."""
+    it starts with (`_PARAMS`, or any request field, flashfleet's own included), else the first
+    of `NAMED_FIELDS` it names, else None."""
     field = _PARAMS.match(details)
-    return field[0] if field else next((name for name in NAMED_FIELDS if name in details), None)
+    if field:
+        return field[0]
+    first = _FIRST_WORD.match(details)
+    if first and (first[0] in REQUEST_FIELDS or first[0] in OWN_FIELDS):
+        return first[0]
+    if details.startswith("unknown mode"):
+        return "mode"
+    return next((name for name in NAMED_FIELDS if name in details), None)
 
 # Every request field of OpenAI's /v1/chat/completions and /v1/completions, and what flashfleet
 # does with it: SERVED (honoured), NOOP (accepted and has no effect, for the reason in docs/operations.md

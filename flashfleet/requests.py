@@ -366,7 +366,8 @@ def validate_request(req: common_pb2.GenerateRequest) -> None:
         if not any(m.content.strip() or m.tool_calls_json for m in req.messages.messages):
             raise InvalidArgument("the prompt is empty: every chat message's content is blank")
     if req.HasField("max_tokens") and req.max_tokens < (0 if req.HasField("prompt_logprobs") else 1):
-        raise InvalidArgument(f"max_tokens must be > 0 (0 only with prompt_logprobs), got {req.max_tokens}")
+        raise InvalidArgument(f"max_tokens must be > 0 (0 only when scoring the prompt: prompt_logprobs, or "
+                              f"echo with logprobs over HTTP), got {req.max_tokens}")
     if req.HasField("temperature") and not (0 <= req.temperature <= MAX_TEMPERATURE):  # NaN fails too
         raise InvalidArgument(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {req.temperature:.6g}")
     if req.HasField("top_p") and not (0 < req.top_p <= 1):

@@ -463,3 +463,12 @@ def test_the_body_is_inflated_and_parsed_off_the_event_loop(fake_http, monkeypat
     status, reply = post(base_url(cluster) + "/completions", body, headers={"Content-Encoding": "gzip"})
     assert status == 200, reply
     assert threads and cluster.loop.thread.ident not in threads
+
+
+@pytest.mark.parametrize("extra, param", [({"mode": "turbo"}, "mode"), ({"session_id": 5}, "session_id"),
+                                          ({"max_tokens": -1}, "max_tokens")])
+def test_flashfleets_own_fields_are_named_in_their_400(fake_http, extra, param):
+    cluster, engine = fake_http
+    body = {"model": "fake-model", "max_tokens": 2, "messages": CHAT, **extra}
+    status, answer = post(base_url(cluster) + "/chat/completions", json.dumps(body).encode())
+    assert status == 400 and answer["error"]["param"] == param, answer
