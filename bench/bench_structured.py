@@ -8,7 +8,8 @@ grammar; unconstrained: the same prompt, free text); greedy, at most --max-token
 gives tokens, wall time, aggregate tokens/s (prefill included), decode tokens/s (the sessions'
 rates after their first token: a schema's output is often shorter than free text, and the prompt's
 prefill would otherwise weigh more on it), the constrained/unconstrained ratio of decode tokens/s
-and tau (tokens committed per DFlash iteration).
+and tau (tokens committed per DFlash iteration; "-" where the block policy ran no speculative
+cycle, decoding plainly).
 
     python bench/bench_structured.py --model ~/.cache/flashfleet/models/SmolLM2-135M-Instruct \\
         --draft flashfleet/drafts/SmolLM2-135M-Instruct --sessions 1,8 --max-tokens 96
@@ -55,7 +56,7 @@ def run(engine, mode: str, sessions: int, constrained: bool, max_tokens: int, do
     wall = time.perf_counter() - t0
     tokens = sum(s.generated_tokens for s in stats)
     cycles = sum(s.cycles for s in stats)
-    tau = sum(s.accepted_tokens + s.cycles for s in stats) / cycles if cycles else 0.0
+    tau = sum(s.accepted_tokens + s.cycles for s in stats) / cycles if cycles else None  # None: no cycle ran
     decode = sum(s.tokens_per_s for s in stats)
     return {"tokens": tokens, "wall": wall, "decode": decode, "tau": tau}
 
@@ -92,7 +93,7 @@ def main() -> None:
                     r = best[key]
                     rate = r["tokens"] / r["wall"]
                     ratio = f"{r['decode'] / free:.2f}" if key == "json_schema" else ""
-                    tau = f"{r['tau']:.2f}" if mode == "dflash" else ""
+                    tau = "" if mode != "dflash" else "-" if r["tau"] is None else f"{r['tau']:.2f}"
                     print(f"| {mode} | {n} | {key} | {r['tokens']} | {r['wall']:.3f} | {rate:.1f} | {r['decode']:.1f} | {ratio} | {tau} |",
                           flush=True)
 
