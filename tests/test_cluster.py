@@ -952,3 +952,20 @@ def test_up_port_zero_is_one_free_port_kept_for_the_cluster():
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
     assert fixed_port(50123, "127.0.0.1") == 50123
+
+
+def test_up_says_it_is_still_loading_while_its_workers_load(tiny_models, tmp_path, monkeypatch):
+    """A worker's load (weights, then the shapes it warms) is silent; `up` says it is waiting."""
+    from flashfleet.cli import up
+
+    monkeypatch.setattr(up, "STILL_LOADING_EVERY_S", 0.2)
+    cluster = up.LocalCluster(str(tiny_models.llama), workers=1, capacity=2, log_dir=tmp_path,
+                              port=up.free_port(), worker_args=("--warmup-shapes-s", "2"))
+    lines: list[str] = []
+    cluster.start(timeout_s=300, progress=lines.append)
+    try:
+        still = [line for line in lines if "still loading after" in line]
+        assert still and any("1/1 workers ready" in line for line in lines), lines
+        assert lines.index(still[0]) < next(i for i, line in enumerate(lines) if "workers ready" in line)
+    finally:
+        cluster.stop()

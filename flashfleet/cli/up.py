@@ -23,6 +23,9 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 TEND_INTERVAL_S = 0.1
 
 
+STILL_LOADING_EVERY_S = 15.0  # how often startup says it is still waiting for workers
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (the caller binds it soon after)."""
     with socket.socket() as s:
@@ -230,7 +233,8 @@ class LocalCluster:
         from flashfleet.client import Client
         from flashfleet.errors import FlashfleetError
 
-        deadline, seen = time.monotonic() + timeout_s, -1
+        t0 = time.monotonic()
+        deadline, seen, told = t0 + timeout_s, -1, t0
         from flashfleet.cli._common import config_api_key, credentials
 
         with Client(self.address, credentials=credentials(self.config),
@@ -255,6 +259,10 @@ class LocalCluster:
                                  ", ".join(f"{w.worker_id} at {w.address}" for w in ours))
                 if seen >= self.n_workers:
                     return
+                if time.monotonic() - told >= STILL_LOADING_EVERY_S:  # a worker's load is silent here
+                    told = time.monotonic()
+                    progress(f"  still loading after {told - t0:.0f} s: the weights, then the shapes "
+                             f"it will decode, warmed for up to 60 s (worker --warmup-shapes-s)")
                 time.sleep(0.3)
         self.stop()
         raise RuntimeError(f"workers not ready after {timeout_s:.0f} s; see logs in {self.log_dir}")
