@@ -41,7 +41,8 @@ DEFAULT_GENERATE_TIMEOUT_S = 600.0
 DEFAULT_CONTROL_TIMEOUT_S = 10.0
 # A broken stream is resumed for up to this long (seconds from the break; within the call's
 # deadline): a coordinator restarted at the same address takes seconds to come back, and a worker
-# keeps an orphaned session 30 s by default (its `--orphan-grace`).
+# keeps a session that lost its coordinator for 30 s unless configured otherwise
+# (docs/migration.md).
 RESUME_WINDOW_S = 30.0
 # Waits between resume attempts, seconds: the first is at once (another coordinator is up), then
 # a quarter of a second apart (every coordinator may be restarting: one restarted at the same
