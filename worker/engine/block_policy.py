@@ -165,6 +165,7 @@ class BatchBlockPolicy:
         self.explore_every = explore_every
         self._timings: dict[tuple[int, int], dict[int, RecentTimings]] = {}
         self._costs: dict[tuple[int, int], dict[int, float]] = {}  # the timings' estimates
+        self._seeded: set[tuple[int, int]] = set()  # buckets whose plain cost warm-up measured
         self._seen: dict[tuple[int, int, int], int] = {}
         self._ratios: dict[int, float] = {}  # L -> c(L) / c(1), from the buckets that measured both
         self._iterations = 0
@@ -190,6 +191,20 @@ class BatchBlockPolicy:
         self._seen[(*k, L)] = seen + 1
         if seen == 0:
             return
+        self._record(k, L, seconds)
+
+    def seed(self, batch_size: int, context: int, L: int, seconds: float) -> None:
+        """An iteration cost measured before serving, with its kernels already compiled (the
+        worker's shape warm-up, worker/engine/warm.py): kept as a measurement, the bucket's next
+        iteration at this size is not dropped as a warm-up, and a seeded plain cost is weighed
+        without waiting for `min_plain_samples` timings."""
+        k = self.key(batch_size, context)
+        self._seen[(*k, L)] = max(1, self._seen.get((*k, L), 0))
+        if L == 1:
+            self._seeded.add(k)
+        self._record(k, L, seconds)
+
+    def _record(self, k: tuple[int, int], L: int, seconds: float) -> None:
         timings = self._timings.setdefault(k, {})
         if L not in timings:
             timings[L] = RecentTimings(self.cost_window, self.cost_horizon)
@@ -236,7 +251,7 @@ class BatchBlockPolicy:
         cands = [c for c in self.candidates if c <= max(1, max_useful)] or [1]
         k = self.key(len(acceptance), context)
         costs = self._costs.get(k, {})
-        if 1 not in costs or len(self._timings[k][1]) < self.min_plain_samples:
+        if 1 not in costs or (k not in self._seeded and len(self._timings[k][1]) < self.min_plain_samples):
             return 1  # too few plain timings to weigh anything against
         means = [a.curve(cands[-1]) for a in acceptance]
         tokens = {c: sum(m[c - 1] for m in means) for c in cands}  # sum_r E_r(c)
