@@ -48,3 +48,17 @@ def config_api_key(config_path: str | None, api_keys_file: str | None = None) ->
     except (OSError, ValueError):
         return None
     return next(iter(keys), None)
+
+
+def explain(e: Exception, address: str) -> str:
+    """`e` (an SDK or config error) as a client command prints it, with what to do where the
+    message alone leaves a new user guessing: no coordinator listening at `address`, or an API
+    key missing or wrong."""
+    from flashfleet.auth import API_KEY_ENV
+    from flashfleet.errors import Unauthenticated, Unavailable
+
+    if isinstance(e, Unauthenticated):
+        return f"{e} (send one of the coordinator's API keys: export {API_KEY_ENV}=KEY)"
+    if isinstance(e, Unavailable) and "failed to connect" in str(e):  # gRPC's own, not a server's
+        return f"{e} (is a coordinator running at {address}? `flashfleet up` starts one)"
+    return str(e)
