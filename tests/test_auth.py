@@ -197,7 +197,7 @@ def test_warnings_when_listening_beyond_loopback_unprotected(host, keys, token, 
 
 def test_cluster_config_passes_the_secrets_files_to_coordinator_and_workers(tmp_path, monkeypatch):
     from coordinator.__main__ import parse_args
-    from flashfleet.cli._common import config_api_key
+    from flashfleet.cli.up import LocalCluster
     from flashfleet.config import load_cluster_config
 
     monkeypatch.delenv("FLASHFLEET_API_KEY", raising=False)
@@ -213,9 +213,10 @@ def test_cluster_config_passes_the_secrets_files_to_coordinator_and_workers(tmp_
     assert parse_args(["--config", str(cfg_path), "--api-keys-file", "other"]).api_keys_file == "other"
     cfg = load_cluster_config(cfg_path)
     assert cfg.worker_settings(cfg.worker("w1"))["join_token_file"] == str(tmp_path / "token")
-    assert config_api_key(str(cfg_path)) == "sk-first"  # what `flashfleet up` checks readiness with
-    monkeypatch.setenv("FLASHFLEET_API_KEY", "sk-env")
-    assert config_api_key(str(cfg_path)) == "sk-env"
+    local = LocalCluster(config=cfg_path, workers=1, port=1, log_dir=tmp_path / "logs")
+    assert local.readiness_key() == "sk-first"  # what `flashfleet up` checks readiness with
+    monkeypatch.setenv("FLASHFLEET_API_KEY", "sk-env")  # the shell's key: maybe another cluster's
+    assert local.readiness_key() == "sk-first"
 
 
 def test_up_passes_the_secrets_files_to_the_coordinator_and_its_workers(tmp_path, monkeypatch):
@@ -230,8 +231,7 @@ def test_up_passes_the_secrets_files_to_the_coordinator_and_its_workers(tmp_path
     monkeypatch.setattr(up.subprocess, "Popen", lambda argv, **kw: spawned.append(argv))
 
     def wait_ready(self, timeout_s, progress, should_stop):
-        from flashfleet.cli._common import config_api_key
-        keys_sent.append(config_api_key(self.config, self.api_keys_file))
+        keys_sent.append(self.readiness_key())
 
     monkeypatch.setattr(up.LocalCluster, "_wait_ready", wait_ready)
     up.LocalCluster(workers=2, port=1, log_dir=tmp_path / "logs", api_keys_file=tmp_path / "keys",
@@ -398,3 +398,24 @@ def test_a_worker_refused_for_its_join_token_is_told_to_fix_the_token(caplog):
     [message] = [r.getMessage() for r in caplog.records]
     assert "UNAUTHENTICATED: missing or wrong join token" in message and "--join-token-file" in message
     assert "check --coordinator" not in message
+
+
+def test_up_checks_readiness_with_its_coordinators_key_not_the_shells(tmp_path, monkeypatch):
+    """A shell's FLASHFLEET_API_KEY left from another cluster (or an old keys file) is not one this
+    coordinator accepts: `flashfleet up` asks for readiness with a key of its own keys file, so
+    it is ready when its workers are, not stuck "still loading" until its timeout."""
+    from flashfleet.cli.up import LocalCluster
+
+    monkeypatch.setenv("FLASHFLEET_API_KEY", "sk-from-another-cluster")
+    monkeypatch.delenv("FLASHFLEET_COORDINATOR_API_KEYS", raising=False)
+    (tmp_path / "keys").write_text(f"{KEY}\n")
+    cluster = start_cluster({"worker-1": FakeEngine()}, api_keys=(KEY,))
+    try:
+        port = int(cluster.address.rsplit(":", 1)[1])
+        local = LocalCluster(port=port, workers=1, log_dir=tmp_path / "logs", api_keys_file=tmp_path / "keys")
+        local.own_ids = ["worker-1"]  # as start() sets them, without spawning processes
+        said = []
+        local._wait_ready(10.0, said.append, lambda: False)
+        assert said == [f"  1/1 workers ready: worker-1 at {cluster.workers[0].advertise_address}"]
+    finally:
+        cluster.close()

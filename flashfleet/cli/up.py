@@ -243,10 +243,9 @@ class LocalCluster:
 
         t0 = time.monotonic()
         deadline, seen, told = t0 + timeout_s, -1, t0
-        from flashfleet.cli._common import config_api_key, credentials
+        from flashfleet.cli._common import credentials
 
-        with Client(self.address, credentials=credentials(self.config),
-                    api_key=config_api_key(self.config, self.api_keys_file)) as client:
+        with Client(self.address, credentials=credentials(self.config), api_key=self.readiness_key()) as client:
             while time.monotonic() < deadline:
                 if should_stop():
                     self.stop()
@@ -315,6 +314,14 @@ class LocalCluster:
         _, keys, token, tls = access
         return [access_summary(keys, token, tls)] + [
             f"warning: {w}" for w in access_warnings(is_loopback(self.host), keys, token, tls)]
+
+    def readiness_key(self) -> str | None:
+        """The API key `start` asks the coordinator for its workers with: the first key it
+        accepts (its keys file's, then env FLASHFLEET_COORDINATOR_API_KEYS'), whatever this
+        shell's FLASHFLEET_API_KEY holds (it may be another cluster's key). None where it
+        requires none."""
+        access = self._access()
+        return next(iter(access[1]), None) if access else None
 
     def api_key_hint(self) -> str | None:
         """Where the coordinator requires an API key and this shell's env FLASHFLEET_API_KEY holds
