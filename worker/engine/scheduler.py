@@ -46,7 +46,7 @@ from worker.engine import kv_layout
 from worker.engine.kv_transfer import CacheBytes, Layout, snapshot
 from worker.engine.prompt_cache import PromptCache
 from flashfleet.kv_need import batch_bytes, working_bytes
-from worker.caches.rows import STEP, RowKVCache, _bucket, make_row_caches
+from worker.caches.rows import STEP, RowKVCache, make_row_caches
 from worker.engine.session import Session
 from worker.engine.types import ErrorEvent, NotExportable, Overloaded, TokenLogprob, UnknownSession
 from worker.decoding.base import Sampler, Step
@@ -183,8 +183,9 @@ class Scheduler:
         return [RowKVCache(batch) for _ in self.m.draft.layers]
 
     def row_bytes(self, mode: str, positions: int) -> int:
-        """Bytes of one row holding `positions` positions (in whole buffer buckets)."""
-        return _bucket(positions) * self.bytes_per_position.get(mode, self.bytes_per_position["plain"])
+        """Bytes of one row holding `positions` positions (in whole buffer buckets;
+        `flashfleet.kv_need.batch_bytes` of one row)."""
+        return batch_bytes(1, positions, self.bytes_per_position.get(mode, self.bytes_per_position["plain"]))
 
     def max_block(self, mode: str) -> int:
         return self.block_size if mode == "dflash" else 1
