@@ -75,7 +75,7 @@ def test_compute_dtype_per_device(monkeypatch):
         assert compute_dtype(stored, cpu) == mx.float32
     assert compute_dtype(mx.bfloat16, gpu) == mx.bfloat16
     assert compute_dtype(mx.float16, gpu) == mx.float16
-    assert compute_dtype(mx.float32, gpu) == mx.bfloat16  # an old float32 copy runs in 16 bits
+    assert compute_dtype(mx.float32, gpu) == mx.bfloat16  # a float32-stored model runs in 16 bits
     assert compute_dtype(None, gpu) == mx.bfloat16
     monkeypatch.setenv(COMPUTE_DTYPE_ENV, "bfloat16")
     assert compute_dtype(mx.float32, cpu) == mx.bfloat16
@@ -105,7 +105,7 @@ def test_bf16_files_load_as_float32_on_the_cpu_and_decode_like_a_float32_load(ti
     monkeypatch.setenv(COMPUTE_DTYPE_ENV, "bfloat16")  # kept as stored
     assert _floating(load_target(path)[0]) == {mx.bfloat16}
     monkeypatch.delenv(COMPUTE_DTYPE_ENV)
-    float32, _ = load_target(tiny_models.llama)  # an old float32 copy: unchanged on a CPU
+    float32, _ = load_target(tiny_models.llama)  # a float32-stored model: unchanged on a CPU
     original = dict(tree_flatten(load(str(tiny_models.llama))[0].parameters()))
     assert all(mx.array_equal(v, original[k]) for k, v in tree_flatten(float32.parameters()))
 
