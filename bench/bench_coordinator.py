@@ -2,7 +2,7 @@
 and the heartbeat load, with simulated workers (bench/sim_worker.py: no model, tokens at a set rate).
 
 Per row (coordinators x workers), this script starts the coordinator processes (`python -m
-coordinator`, each pinned to its own core where the host has one), the simulated workers (in
+coordinator`, each alone on a core of its own where the host has enough), the simulated workers (in
 `--sim-procs` processes per coordinator) and load clients (`--client-procs` processes of this
 script, grpc.aio), then measures three phases:
 
@@ -34,8 +34,15 @@ every coordinator routes its clients to all of them.
     python bench/bench_coordinator.py --workers 50 200 1000 --coordinators 1 2 3 \\
         --streams 2000 --tokens-per-s 25 --max-tokens 200 [--json-out F]
 
-The load generators (simulated workers and clients) run on the same host; they are pinned to the
-cores no coordinator has (all cores when every core has a coordinator).
+Pinning plan (`make_plan`, printed above the table): from the cores this process may run on
+(os.sched_getaffinity, or `--cores`), coordinator i gets the i-th one; every simulated-worker and
+client process gets one of the cores left, in turn (all cores when every core has a coordinator),
+and by default there are as many of them as cores left. A client process counts a message's tokens
+into running totals and nothing per token, so a few of them take tens of thousands of tokens a
+second. The coordinator and simulated-worker path needs grpcio, protobuf, grpcio-health-checking,
+grpcio-reflection, prometheus-client, tenacity and psutil (no MLX). `--tokens-per-chunk` sets the
+tokens an engine iteration yields (1: plain decoding; several: speculative decoding);
+`--coalesce` has a stream that fell behind send every chunk already due as one message.
 """
 from __future__ import annotations
 
@@ -52,6 +59,7 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -63,6 +71,7 @@ from flashfleet.transport import CHANNEL_OPTIONS  # noqa: E402
 from flashfleet.v1 import common_pb2, coordinator_pb2_grpc  # noqa: E402
 
 HEARTBEAT_INTERVAL_S = 2.0  # the coordinator's default
+SCRAPE_S = 1.0  # how often the stream window reads each coordinator's /metrics (its RPC lag)
 START_TIMEOUT_S = 120.0
 
 
@@ -72,59 +81,68 @@ async def _client(args) -> dict:
     """Runs one client process's streams (or one-token requests) against one coordinator and
     counts what arrives inside [measure_from, measure_to] (wall-clock seconds), and how many
     streams were receiving tokens (past their first message, not yet complete), sampled twice a
-    second inside it."""
+    second inside it.
+
+    Cheap per message, so that a few processes offer tens of thousands of tokens a second: a
+    message adds its token count to running totals (no clock read, no per-token work), and the
+    window's counts are the totals' difference between its two ends, read by one task."""
     channels = [grpc.aio.insecure_channel(args.target, options=[*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)])
                 for _ in range(max(1, math.ceil(args.streams / 250)))]
     stubs = [coordinator_pb2_grpc.CoordinatorStub(c) for c in channels]
-    counts = {"tokens": 0, "messages": 0, "requests": 0, "errors": 0, "error_codes": {}, "held": 0.0}
-    t_from, t_to, t_end = args.measure_from, args.measure_to, args.measure_to + 0.5
+    total = [0, 0, 0]  # tokens, chunk messages, requests completed: since the start
+    errors: dict[str, int] = {}
     streaming = [0]
+    inside, stop = [False], [False]  # in the measured window; past it (the streams end)
 
     async def one_stream(i: int) -> None:
         stub = stubs[i % len(stubs)]
         if args.ramp_s > 0:
             await asyncio.sleep(random.uniform(0, args.ramp_s))
-        while time.time() < t_end:
+        while not stop[0]:
             req = common_pb2.GenerateRequest(model=args.model, prompt="simulated", max_tokens=args.max_tokens,
                                              request_id=uuid.uuid4().hex)
             started = False
             try:
                 async for resp in stub.Generate(req, timeout=args.timeout_s):
-                    now = time.time()
-                    inside = t_from <= now <= t_to
-                    if resp.WhichOneof("kind") == "chunk":
+                    if resp.HasField("chunk"):
+                        total[0] += len(resp.chunk.token_ids)
+                        total[1] += 1
                         if not started:
                             started = True
                             streaming[0] += 1
-                        if inside:
-                            counts["tokens"] += len(resp.chunk.token_ids)
-                            counts["messages"] += 1
-                    elif inside:
-                        counts["requests"] += 1
-                    if now > t_end:
+                    else:
+                        total[2] += 1
+                    if stop[0]:
                         break
             except grpc.aio.AioRpcError as e:
-                if time.time() <= t_to:
-                    counts["errors"] += 1
+                if inside[0]:
                     name = e.code().name
-                    counts["error_codes"][name] = counts["error_codes"].get(name, 0) + 1
-                    await asyncio.sleep(0.05)
+                    errors[name] = errors.get(name, 0) + 1
+                await asyncio.sleep(0.05)
             finally:
                 if started:
                     streaming[0] -= 1
 
-    async def sample_held() -> None:
-        samples = []
-        await asyncio.sleep(max(0.0, t_from - time.time()))
-        while time.time() < t_to:
-            samples.append(streaming[0])
-            await asyncio.sleep(0.5)
-        counts["held"] = sum(samples) / len(samples) if samples else 0.0
-
-    await asyncio.gather(sample_held(), *(one_stream(i) for i in range(args.streams)))
+    tasks = [asyncio.ensure_future(one_stream(i)) for i in range(args.streams)]
+    await asyncio.sleep(max(0.0, args.measure_from - time.time()))
+    inside[0] = True
+    at_from = list(total)
+    samples = []
+    while time.time() < args.measure_to:
+        samples.append(streaming[0])
+        await asyncio.sleep(min(0.5, max(0.0, args.measure_to - time.time())))
+    at_to = list(total)
+    inside[0] = False
+    await asyncio.sleep(max(0.0, args.measure_to + 0.5 - time.time()))
+    stop[0] = True
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
     for c in channels:
         await c.close()
-    return counts
+    tokens, messages, requests = (b - a for a, b in zip(at_from, at_to))
+    return {"tokens": tokens, "messages": messages, "requests": requests, "errors": sum(errors.values()),
+            "error_codes": errors, "held": sum(samples) / len(samples) if samples else 0.0}
 
 
 def run_client(argv) -> int:
@@ -143,6 +161,69 @@ def run_client(argv) -> int:
 
 
 # --- processes -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Plan:
+    """Where one row's processes run (`make_plan`).
+
+    Attributes:
+        coordinator_cores: the core of each coordinator, in order.
+        load_cores: the cores of the load generators (simulated workers, clients, etcd): those no
+            coordinator has, or all of them when every core has one.
+        sim_procs: simulated-worker processes per coordinator.
+        client_procs: client processes per coordinator.
+    """
+
+    coordinator_cores: list[int]
+    load_cores: list[int]
+    sim_procs: int
+    client_procs: int
+
+    def describe(self) -> str:
+        n = len(self.coordinator_cores)
+        return (f"coordinator cores {self.coordinator_cores}; {n * self.sim_procs} simulated-worker and "
+                f"{n * self.client_procs} client processes, one core each, over cores {self.load_cores}")
+
+
+def parse_cores(text: str) -> list[int]:
+    """Core ids of a list such as "0-3,6" (taskset's syntax), sorted.
+
+    Raises:
+        ValueError: not such a list.
+    """
+    cores: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    if not cores or min(cores) < 0:
+        raise ValueError(f"not a core list: {text!r} (e.g. 0-3,6)")
+    return sorted(cores)
+
+
+def usable_cores(cores: list[int] | None = None) -> list[int]:
+    """The cores this process may run on (os.sched_getaffinity; all of os.cpu_count() where the
+    platform has no affinity), or those of `cores` among them."""
+    if hasattr(os, "sched_getaffinity"):
+        avail = sorted(os.sched_getaffinity(0))
+    else:
+        avail = list(range(os.cpu_count() or 1))
+    if cores is None:
+        return avail
+    return [c for c in cores if c in set(avail)]
+
+
+def make_plan(args, coordinators: int) -> Plan:
+    """The row's pinning plan: coordinator i gets the i-th usable core (from `--coordinator-core`
+    on, wrapping around), and every simulated-worker and client process one of the cores left,
+    in turn. `--sim-procs` / `--client-procs` 0 (the default) split the cores left evenly between
+    the two kinds and over the coordinators, at least one process each."""
+    cores = usable_cores(args.cores)
+    first = cores.index(args.coordinator_core) if args.coordinator_core is not None else 0
+    coordinator_cores = [cores[(first + i) % len(cores)] for i in range(coordinators)]
+    load = [c for c in cores if c not in coordinator_cores] or cores
+    auto = max(1, len(load) // (2 * coordinators))
+    return Plan(coordinator_cores, load, args.sim_procs or auto, args.client_procs or auto)
+
 
 def _pinned(cmd: list[str], cores: list[int] | None) -> list[str]:
     """`cmd` under `taskset -c CORES` where taskset exists and cores are given."""
@@ -252,15 +333,19 @@ def _sleep_until(t: float) -> None:
     time.sleep(max(0.0, t - time.time()))
 
 
-def _clients(targets, args, streams_per_coordinator: int, max_tokens: int, t_from: float, t_to: float,
-             ramp_s: float, cores) -> list[subprocess.Popen]:
+def _clients(targets, args, plan: "Plan", streams_per_coordinator: int, max_tokens: int, t_from: float,
+             t_to: float, ramp_s: float) -> list[subprocess.Popen]:
+    """Starts `plan.client_procs` client processes per coordinator, each on one load core."""
     procs = []
+    k = plan.sim_procs * len(targets)  # the load cores after the simulated workers'
     for target in targets:
-        per = [streams_per_coordinator // args.client_procs + (i < streams_per_coordinator % args.client_procs)
-               for i in range(args.client_procs)]
+        per = [streams_per_coordinator // plan.client_procs + (i < streams_per_coordinator % plan.client_procs)
+               for i in range(plan.client_procs)]
         for n in per:
             if n == 0:
                 continue
+            cores = [plan.load_cores[k % len(plan.load_cores)]]
+            k += 1
             procs.append(_start([sys.executable, str(Path(__file__).resolve()), "--client", "--target", target,
                                  "--model", args.model, "--streams", str(n), "--max-tokens", str(max_tokens),
                                  "--measure-from", repr(t_from), "--measure-to", repr(t_to),
@@ -285,14 +370,8 @@ def _collect(procs: list[subprocess.Popen], timeout_s: float) -> dict:
 def run_row(args, coordinators: int, workers: int, src: Path = ROOT, label: str = "this") -> dict:
     """Starts `coordinators` coordinators (the code of the repository at `src`) with `workers`
     simulated workers in all, runs the three phases and returns the row's measurements."""
-    ncpu = os.cpu_count() or 1
-    coord_cores = [[c % ncpu] for c in range(coordinators)]
-    free = [c for c in range(ncpu) if c >= coordinators]
-    load_cores = free or list(range(ncpu))
-    if args.coordinator_core is not None:
-        coord_cores = [[(args.coordinator_core + c) % ncpu] for c in range(coordinators)]
-        used = {c[0] for c in coord_cores}
-        load_cores = [c for c in range(ncpu) if c not in used] or list(range(ncpu))
+    plan = make_plan(args, coordinators)
+    load_cores = plan.load_cores
     procs: list[subprocess.Popen] = []
     sims: list[subprocess.Popen] = []
     rpc_lags: list[float] = []
@@ -300,6 +379,7 @@ def run_row(args, coordinators: int, workers: int, src: Path = ROOT, label: str 
     beats = {"rtts": [], "lease_losses": []}
     etcd = None
     t_from = t_to = math.inf
+    load_avg = float("nan")
     try:
         state = []
         if args.etcd:  # one etcd member holds the fleet's state for every coordinator of the row
@@ -312,7 +392,8 @@ def run_row(args, coordinators: int, workers: int, src: Path = ROOT, label: str 
             proc = _start([sys.executable, "-m", "coordinator", "--port", "0", "--log-level", "WARNING",
                            "--metrics-port", str(metrics_ports[-1]),
                            "--max-queued", str(max(64, args.streams)),
-                           "--heartbeat-interval-s", repr(HEARTBEAT_INTERVAL_S), *state], coord_cores[c], src)
+                           "--heartbeat-interval-s", repr(HEARTBEAT_INTERVAL_S), *state],
+                          [plan.coordinator_cores[c]], src)
             procs.append(proc)
             line = _wait_line(proc, "coordinator ready on", "the coordinator")
             targets.append(line.rsplit(" ", 1)[1].replace("0.0.0.0", "127.0.0.1"))
@@ -320,14 +401,15 @@ def run_row(args, coordinators: int, workers: int, src: Path = ROOT, label: str 
         per_coord = [workers // coordinators + (i < workers % coordinators) for i in range(coordinators)]
         capacity = max(2, math.ceil(args.streams * 1.25 / max(1, min(per_coord))))
         for c, (target, n) in enumerate(zip(targets, per_coord)):
-            nprocs = max(1, min(args.sim_procs, n))
+            nprocs = max(1, min(plan.sim_procs, n))
             for i in range(nprocs):
                 k = n // nprocs + (i < n % nprocs)
                 sims.append(_start([sys.executable, str(ROOT / "bench" / "sim_worker.py"), "--coordinator", target,
                                     "--workers", str(k), "--capacity", str(capacity),
                                     "--tokens-per-s", repr(args.tokens_per_s),
                                     "--tokens-per-chunk", str(args.tokens_per_chunk), "--model", args.model,
-                                    "--prefix", f"sim{c}.{i}"], load_cores))
+                                    "--prefix", f"sim{c}.{i}", *(["--coalesce"] if args.coalesce else [])],
+                                   [load_cores[(c * plan.sim_procs + i) % len(load_cores)]]))
         procs.extend(sims)
         for s in sims:
             _wait_line(s, "ready", "a simulated worker process")
@@ -342,8 +424,8 @@ def run_row(args, coordinators: int, workers: int, src: Path = ROOT, label: str 
         start = time.time() + 1.0
         t_from = start + args.warmup_s
         t_to = t_from + args.duration_s
-        clients = _clients(targets, args, args.streams, args.max_tokens, t_from, t_to,
-                           min(args.warmup_s, args.max_tokens / args.tokens_per_s), load_cores)
+        clients = _clients(targets, args, plan, args.streams, args.max_tokens, t_from, t_to,
+                           min(args.warmup_s, args.max_tokens / args.tokens_per_s))
         procs.extend(clients)
         _sleep_until(t_from)
         c0 = _cpu_s(pids)
@@ -357,8 +439,9 @@ def run_row(args, coordinators: int, workers: int, src: Path = ROOT, label: str 
         while time.time() < t_to:
             rpc_lags += [v for port in metrics_ports
                          if not math.isnan(v := _scrape(port, "flashfleet_coordinator_rpc_lag_seconds"))]
-            time.sleep(min(0.5, max(0.0, t_to - time.time())))
+            time.sleep(min(SCRAPE_S, max(0.0, t_to - time.time())))
         stream_cpu = _cpu_s(pids) - c0
+        load_avg = os.getloadavg()[0]  # the host's 1-minute load average at the window's end
         expiries = sum(_scrape(port, "flashfleet_coordinator_lease_expiries_total") for port in metrics_ports)
         counts = _collect(clients, args.timeout_s + 60)
         if spy is not None:
@@ -367,7 +450,7 @@ def run_row(args, coordinators: int, workers: int, src: Path = ROOT, label: str 
         # 3. admit: one-token requests back to back
         a_from = time.time() + 2.0
         a_to = a_from + args.admit_s
-        admitters = _clients(targets, args, args.admit_concurrency, 1, a_from, a_to, 0.0, load_cores)
+        admitters = _clients(targets, args, plan, args.admit_concurrency, 1, a_from, a_to, 0.0)
         procs.extend(admitters)
         _sleep_until(a_from)
         a0 = _cpu_s(pids)
@@ -402,6 +485,7 @@ def run_row(args, coordinators: int, workers: int, src: Path = ROOT, label: str 
     return {
         "code": label, "coordinators": coordinators, "workers": workers, "capacity": capacity, "streams": offered,
         "held": round(counts["held"]), "tokens_per_s": tokens_s, "messages_per_s": counts["messages"] / d,
+        "tokens_per_message": counts["tokens"] / counts["messages"] if counts["messages"] else float("nan"),
         "rate_kept": tokens_s / (offered * args.tokens_per_s), "requests_per_s": counts["requests"] / d,
         "cpu_s_per_1k_tokens": 1000 * stream_cpu / counts["tokens"] if counts["tokens"] else float("nan"),
         "coordinator_cpu": stream_cpu / d / coordinators, "errors": counts["errors"],
@@ -412,7 +496,7 @@ def run_row(args, coordinators: int, workers: int, src: Path = ROOT, label: str 
         "heartbeat_rtt_max_s": rtts[-1] if rtts else float("nan"), "leases_lost": len(beats["lease_losses"]),
         "heartbeat_sender_late_p99_s": _quantile(sender_late, 0.99),
         "rpc_lag_p50_s": _quantile(rpc_lags, 0.5), "rpc_lag_max_s": rpc_lags[-1] if rpc_lags else float("nan"),
-        "lease_expiries": expiries,
+        "lease_expiries": expiries, "load_avg": load_avg, "plan": plan.describe(),
     }
 
 
@@ -437,26 +521,32 @@ def _quantile(xs: list[float], q: float) -> float:
 
 
 def print_table(rows: list[dict], args) -> None:
-    print(f"\n{args.tokens_per_s:g} tokens/s per stream, {args.tokens_per_chunk} token(s) per message, "
+    print(f"\n{args.tokens_per_s:g} tokens/s per stream, {args.tokens_per_chunk} token(s) per chunk"
+          f"{' (chunks due together sent as one message)' if args.coalesce else ''}, "
           f"{args.max_tokens} tokens per request; {args.duration_s:g} s measured per row; "
-          f"host: {os.cpu_count()} cores, load generators on the same host\n")
-    head = ("code", "coord", "workers", "streams", "held", "tokens/s", "rate kept", "msgs/s", "req/s",
+          f"host: {os.cpu_count()} cores, load generators on the same host")
+    for plan in dict.fromkeys(r["plan"] for r in rows):
+        print(f"plan: {plan}")
+    print()
+    head = ("code", "coord", "workers", "streams", "held", "tokens/s", "rate kept", "msgs/s", "tok/msg", "req/s",
             "CPU s/1k tok", "coord CPU", "admitted req/s", "heartbeats/s", "idle CPU", "RPC lag p50/max s",
-            "lease expiries", "heartbeat RTT p50/p99/max s", "sender late p99 s", "leases lost", "errors")
+            "lease expiries", "heartbeat RTT p50/p99/max s", "sender late p99 s", "leases lost", "load avg",
+            "errors")
     print("| " + " | ".join(head) + " |")
     print("|" + "---:|" * len(head))
     for r in rows:
         errs = r["errors"] + r["admit_errors"]
         print(f"| {r['code']} | {r['coordinators']} | {r['workers']} | {r['streams']} | {r['held']} | {r['tokens_per_s']:,.0f} | "
-              f"{100 * r['rate_kept']:.0f} % | {r['messages_per_s']:,.0f} | {r['requests_per_s']:,.0f} | "
+              f"{100 * r['rate_kept']:.0f} % | {r['messages_per_s']:,.0f} | {r['tokens_per_message']:.1f} | "
+              f"{r['requests_per_s']:,.0f} | "
               f"{r['cpu_s_per_1k_tokens']:.3f} | {100 * r['coordinator_cpu']:.0f} % | {r['admitted_per_s']:,.0f} | "
               f"{r['heartbeats_per_s']:,.0f} | {100 * r['idle_cpu']:.1f} % | {r['rpc_lag_p50_s']:.3f} / "
               f"{r['rpc_lag_max_s']:.3f} | {r['lease_expiries']:.0f} | {r['heartbeat_rtt_p50_s']:.3f} / "
               f"{r['heartbeat_rtt_p99_s']:.3f} / {r['heartbeat_rtt_max_s']:.3f} | "
-              f"{r['heartbeat_sender_late_p99_s']:.3f} | {r['leases_lost']} | {errs} |")
+              f"{r['heartbeat_sender_late_p99_s']:.3f} | {r['leases_lost']} | {r['load_avg']:.1f} | {errs} |")
     print("\ncoord CPU and idle CPU: per coordinator, 100 % = one core; idle: heartbeats only; RPC lag: the "
-          "coordinator's own measure of how late it answers an RPC (its rpc_lag_seconds gauge, sampled every 0.5 s "
-          "in the stream window); lease expiries: counted by the coordinators; heartbeat RTT: send to answer, heartbeats sent in the stream window; sender late: how much later than due the "
+          "coordinator's own measure of how late it answers an RPC (its rpc_lag_seconds gauge, sampled every second "
+          "in the stream window); load avg: the host's 1-minute load average at the stream window's end; lease expiries: counted by the coordinators; heartbeat RTT: send to answer, heartbeats sent in the stream window; sender late: how much later than due the "
           "simulated worker's own loop sent them; leases lost: heartbeats refused for an expired "
           "lease in the whole row")
 
@@ -470,17 +560,31 @@ def main(argv=None) -> int:
     p.add_argument("--coordinators", type=int, nargs="+", default=[1], help="coordinator processes")
     p.add_argument("--streams", type=int, default=2000, help="concurrent streams per coordinator")
     p.add_argument("--tokens-per-s", type=float, default=25.0, help="tokens per second of each stream")
-    p.add_argument("--tokens-per-chunk", type=int, default=1, help="token ids per message from a worker")
+    p.add_argument("--tokens-per-chunk", type=int, default=1,
+                   help="token ids per chunk of a simulated worker (an engine iteration's tokens: 1 for plain decoding, "
+                   "several for speculative decoding)")
     p.add_argument("--max-tokens", type=int, default=200, help="tokens per request")
     p.add_argument("--warmup-s", type=float, default=5.0)
     p.add_argument("--duration-s", type=float, default=20.0, help="measured seconds of the stream phase")
     p.add_argument("--idle-s", type=float, default=4.0, help="measured seconds of the heartbeat-only phase")
     p.add_argument("--admit-s", type=float, default=5.0, help="measured seconds of the admission phase")
     p.add_argument("--admit-concurrency", type=int, default=64, help="one-token clients per coordinator")
-    p.add_argument("--sim-procs", type=int, default=2, help="simulated-worker processes per coordinator")
-    p.add_argument("--client-procs", type=int, default=2, help="client processes per coordinator")
+    p.add_argument("--coalesce", action="store_true",
+                   help="the simulated workers send every chunk already due as one message when a stream falls "
+                   "behind its rate, as the real worker does (default: one message per chunk)")
+    p.add_argument("--cores", type=parse_cores, default=None, metavar="LIST",
+                   help="cores the row may use, e.g. 0-15 (default: all this process may run on, "
+                   "os.sched_getaffinity). Pinning plan: coordinator i runs alone on the i-th of them (from "
+                   "--coordinator-core on); the simulated workers and clients run one process a core over the "
+                   "cores left (all of them when every core has a coordinator), as does etcd")
+    p.add_argument("--sim-procs", type=int, default=0,
+                   help="simulated-worker processes per coordinator (default 0: the cores left / (2 x coordinators), "
+                   "at least 1)")
+    p.add_argument("--client-procs", type=int, default=0,
+                   help="client processes per coordinator (default 0: as --sim-procs)")
     p.add_argument("--coordinator-core", type=int, default=None,
-                   help="core of the first coordinator (default 0); the next ones take the following cores")
+                   help="core of the first coordinator (default: the first of --cores); the next ones take the "
+                   "following cores")
     p.add_argument("--timeout-s", type=float, default=120.0, help="deadline of each request")
     p.add_argument("--model", default="sim")
     p.add_argument("--json-out", type=Path, default=None)
@@ -496,9 +600,14 @@ def main(argv=None) -> int:
                    "(pip install py-spy): collapsed stacks in PREFIX-c<coordinators>-w<workers>.txt")
     args = p.parse_args(argv)
     bad = [n for n in (*args.workers, *args.coordinators, args.streams, args.max_tokens, args.tokens_per_chunk,
-                       args.sim_procs, args.client_procs, args.admit_concurrency) if n < 1]
-    if bad or args.tokens_per_s <= 0 or args.duration_s <= 0:
-        p.error("counts must be >= 1 and --tokens-per-s, --duration-s > 0")
+                       args.admit_concurrency) if n < 1]
+    if bad or args.tokens_per_s <= 0 or args.duration_s <= 0 or min(args.sim_procs, args.client_procs) < 0:
+        p.error("counts must be >= 1 (--sim-procs, --client-procs >= 0) and --tokens-per-s, --duration-s > 0")
+    cores = usable_cores(args.cores)
+    if not cores:
+        p.error(f"none of --cores {args.cores} is usable here (this process may run on {usable_cores()})")
+    if args.coordinator_core is not None and args.coordinator_core not in cores:
+        p.error(f"--coordinator-core {args.coordinator_core} is not among the usable cores {cores}")
     if args.etcd and not shutil.which("etcd"):
         p.error("--etcd needs the etcd binary (apt-get install etcd-server)")
     if args.etcd and args.baseline_src is not None:

@@ -5,6 +5,9 @@ channel per worker, as with real ones), registers with the coordinator's Registr
 a realistic load report (one SessionLoad per running stream, a decode profile), and answers
 Generate by streaming `tokens_per_chunk` token ids every `tokens_per_chunk / tokens_per_s`
 seconds until `max_tokens` (a resumed request counts its `resume_token_ids`), then a Complete.
+With `coalesce`, a stream that fell behind its schedule (its writes slower than the rate) sends
+every chunk already due as one message, as the real worker sends what queued while it wrote
+(worker/servicer.py); without it, one message per chunk, each sent as soon as it is due.
 A worker at `capacity` refuses with RESOURCE_EXHAUSTED, as a full engine does; Cancel ends a
 stream with FINISH_REASON_CANCELLED. ExportSession and PullSession answer UNIMPLEMENTED (no
 state to move). The decode profile reports the same seconds per iteration at every batch size,
@@ -15,7 +18,7 @@ The workers of one process share one channel to the coordinator's Registry (each
 own Register and Heartbeat calls); real workers each have their own.
 
     python bench/sim_worker.py --coordinator 127.0.0.1:50051 --workers 200 --capacity 16 \\
-        --tokens-per-s 25 [--tokens-per-chunk 1] [--model sim]
+        --tokens-per-s 25 [--tokens-per-chunk 1] [--coalesce] [--model sim]
 
 prints "ready N" once its N workers are registered and runs until SIGINT/SIGTERM (then
 deregisters them and prints one JSON line, "heartbeats {...}": each heartbeat's wall-clock send
@@ -64,14 +67,16 @@ class SimWorker(worker_pb2_grpc.WorkerServicer):
         model: the model name it serves.
         capacity: streams it runs at once; one more is RESOURCE_EXHAUSTED.
         tokens_per_s: tokens per second each stream emits (> 0).
-        tokens_per_chunk: token ids per Chunk message (>= 1).
+        tokens_per_chunk: token ids per Chunk (>= 1).
+        coalesce: send the chunks already due as one message (module docstring).
     """
 
-    def __init__(self, worker_id: str, model: str, capacity: int, tokens_per_s: float, tokens_per_chunk: int = 1):
+    def __init__(self, worker_id: str, model: str, capacity: int, tokens_per_s: float, tokens_per_chunk: int = 1,
+                 coalesce: bool = False):
         if tokens_per_s <= 0 or tokens_per_chunk < 1 or capacity < 1:
             raise ValueError("tokens_per_s must be > 0, tokens_per_chunk and capacity >= 1")
         self.worker_id, self.model, self.capacity = worker_id, model, capacity
-        self.tokens_per_s, self.tokens_per_chunk = tokens_per_s, tokens_per_chunk
+        self.tokens_per_s, self.tokens_per_chunk, self.coalesce = tokens_per_s, tokens_per_chunk, coalesce
         self.streams: dict[str, _Stream] = {}
         self.served = 0
 
@@ -116,13 +121,19 @@ class SimWorker(worker_pb2_grpc.WorkerServicer):
             due = started
             while stream.done < stream.total:
                 due += period
-                delay = due - time.monotonic()
-                if delay > 0:  # no sleep when behind: catches up to the set rate
-                    await asyncio.sleep(delay)
+                now = time.monotonic()
+                if due > now:  # no sleep when behind: catches up to the set rate
+                    await asyncio.sleep(due - now)
+                    chunks = 1
+                elif self.coalesce:  # every chunk due by now, as one message
+                    chunks = 1 + int((now - due) / period)
+                    due += (chunks - 1) * period
+                else:
+                    chunks = 1
                 if stream.cancelled.is_set():
                     reason = common_pb2.FINISH_REASON_CANCELLED
                     break
-                n = min(self.tokens_per_chunk, stream.total - stream.done)
+                n = min(chunks * self.tokens_per_chunk, stream.total - stream.done)
                 ids = [(stream.done + i) % 30000 for i in range(n)]
                 stream.done += n
                 yield common_pb2.GenerateResponse(request_id=request.request_id, chunk=common_pb2.Chunk(
@@ -220,7 +231,7 @@ async def _keep_registered(fleet: SimFleet, stub, worker: SimWorker, address: st
 
 
 async def start_fleet(coordinator: str, n: int, capacity: int, tokens_per_s: float, tokens_per_chunk: int = 1,
-                      model: str = "sim", prefix: str = "sim") -> SimFleet:
+                      model: str = "sim", prefix: str = "sim", coalesce: bool = False) -> SimFleet:
     """Starts `n` simulated workers on 127.0.0.1 (free ports) and registers each with the
     coordinator's Registry at `coordinator` ("host:port"); returns once all are registered.
 
@@ -229,7 +240,7 @@ async def start_fleet(coordinator: str, n: int, capacity: int, tokens_per_s: flo
     """
     workers, servers, addresses = [], [], []
     for i in range(n):
-        w = SimWorker(f"{prefix}-{i}", model, capacity, tokens_per_s, tokens_per_chunk)
+        w = SimWorker(f"{prefix}-{i}", model, capacity, tokens_per_s, tokens_per_chunk, coalesce)
         server = grpc.aio.server(options=SERVER_OPTIONS)
         worker_pb2_grpc.add_WorkerServicer_to_server(w, server)
         port = server.add_insecure_port("127.0.0.1:0")
@@ -256,6 +267,8 @@ def main(argv=None) -> int:
     p.add_argument("--capacity", type=int, default=16, help="streams per worker")
     p.add_argument("--tokens-per-s", type=float, default=25.0, help="tokens per second of each stream")
     p.add_argument("--tokens-per-chunk", type=int, default=1)
+    p.add_argument("--coalesce", action="store_true",
+                   help="a stream behind its schedule sends every chunk already due as one message")
     p.add_argument("--model", default="sim")
     p.add_argument("--prefix", default="sim", help="worker ids are PREFIX-0, PREFIX-1, ...")
     args = p.parse_args(argv)
@@ -264,7 +277,7 @@ def main(argv=None) -> int:
 
     async def run() -> None:
         fleet = await start_fleet(args.coordinator, args.workers, args.capacity, args.tokens_per_s,
-                                  args.tokens_per_chunk, args.model, args.prefix)
+                                  args.tokens_per_chunk, args.model, args.prefix, args.coalesce)
         print(f"ready {len(fleet.workers)}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

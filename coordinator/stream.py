@@ -471,7 +471,7 @@ class ProxiedStream:
                 else:
                     self.progress.add(resp.chunk)
                     yield resp
-                    if await self._between_chunks():
+                    if not self._quiet() and await self._between_chunks():
                         resp = self._moved_first
                         continue
                 try:
@@ -515,6 +515,16 @@ class ProxiedStream:
             outcome = "deadline"  # the client's deadline ended the call, not the client
         fleet.count(request.model, worker.worker_id, outcome)
         await fleet.drop_if_left(worker)  # the worker left while this stream ran
+
+    def _quiet(self) -> bool:
+        """True when this chunk boundary has nothing to weigh, so `_between_chunks` would do
+        nothing: no KV transfer, operator's or owner's move is pending, the worker is not
+        draining, and the policy decides once per load report of the worker and has weighed
+        (or, for a worker another coordinator owns, passed over) its latest one. Most boundaries
+        are such, and the relay then does no more per message than forward it and count it."""
+        return (self.transfer is None and self.move_request is None and self.owner_move is None
+                and self.worker.load is self._checked_load and not self.worker.draining
+                and getattr(self.fleet.config.migration, "once_per_load_report", False))
 
     async def _between_chunks(self) -> bool:
         """At a chunk boundary: completes a finished KV transfer, asks the migration policy (or
@@ -722,7 +732,10 @@ class ProxiedStream:
         if self.owner_move is not None:
             return self._owner_decision(policy)
         if not self.worker.draining and not self.fleet.state.owns(self.worker.worker_id):
-            return None  # speed, load and memory moves off a worker are its owner's (`_owner_decision`)
+            # Speed, load and memory moves off a worker are its owner's (`_owner_decision`);
+            # ownership is looked at again with the worker's next load report.
+            self._checked_load = self.worker.load
+            return None
         # The policy weighs what heartbeats report: between two load reports of the stream's
         # worker a second check would weigh the same sessions (a drain is checked regardless).
         if (getattr(policy, "once_per_load_report", False) and not self.worker.draining

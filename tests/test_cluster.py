@@ -33,12 +33,13 @@ def routed_count(cluster, outcome: str, worker: str):
 def test_generate_streams_tokens_and_stats(cluster):
     with Client(cluster.address) as client:
         chunks = list(client.generate("fake-model", prompt="abc", max_tokens=5))
-    assert [c.finish_reason for c in chunks[:-1]] == [None] * 5
+    assert all(c.finish_reason is None for c in chunks[:-1]) and 1 <= len(chunks) - 1 <= 5
     last = chunks[-1]
     assert last.finish_reason == "length"
     assert last.stats.generated_tokens == 5 and last.stats.prompt_tokens == 3
     base = sum(ord(c) % 100 for c in "abc")
-    assert [c.token_ids[0] for c in chunks[:-1]] == [(base + i) % 100 for i in range(5)]
+    # chunks the worker queued while writing go as one message: the tokens are the same
+    assert [t for c in chunks[:-1] for t in c.token_ids] == [(base + i) % 100 for i in range(5)]
     assert last.worker_id in {"w1", "w2"}
     assert last.stats.queue_s >= 0
 

@@ -176,6 +176,17 @@ class BatchBlockPolicy:
         self._seen[(*k, L)] = seen + 1
         if seen == 0:
             return
+        self._record(k, L, seconds)
+
+    def seed(self, batch_size: int, context: int, L: int, seconds: float) -> None:
+        """An iteration cost measured before serving, with its kernels already compiled (the
+        worker's shape warm-up, worker/engine/warm.py): kept as a measurement, and the bucket's
+        next iteration at this size is not dropped as a warm-up."""
+        k = self.key(batch_size, context)
+        self._seen[(*k, L)] = max(1, self._seen.get((*k, L), 0))
+        self._record(k, L, seconds)
+
+    def _record(self, k: tuple[int, int], L: int, seconds: float) -> None:
         costs = self._costs.setdefault(k, {})
         old = costs.get(L)
         costs[L] = seconds if old is None else self.cost_decay * old + (1 - self.cost_decay) * seconds
