@@ -33,6 +33,10 @@ _SERVICER = web.AppKey("servicer", CoordinatorServicer)
 # Status of aiohttp's own refusals (unknown path, wrong method, body too large) -> error type.
 _HTTP_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
 _HTTP_CODES = {413: "request_too_large"}  # ... -> error code (as http_body.py's decoded-size refusal)
+MAX_BODY_BYTES = 2 * MAX_REQUEST_BYTES  # a raw body's limit (client_max_size): the request limit plus JSON escapes
+# ... -> what to fix, where aiohttp's reason phrase alone would not say
+_HTTP_MESSAGES = {413: f"the request body is larger than {MAX_BODY_BYTES:,} bytes ({MAX_BODY_BYTES >> 20} MiB): "
+                       "send a shorter prompt"}
 
 
 def _error_response(e: OpenAIError) -> web.Response:
@@ -49,8 +53,9 @@ async def _openai_errors(request: web.Request, handler):
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return _error_response(OpenAIError(e.status, e.reason if e.status != 404 else
-                                           f"no such endpoint: {request.method} {request.path}",
+        message = (f"no such endpoint: {request.method} {request.path}" if e.status == 404
+                   else _HTTP_MESSAGES.get(e.status, e.reason))
+        return _error_response(OpenAIError(e.status, message,
                                            _HTTP_TYPES.get(e.status, "invalid_request_error"), None,
                                            _HTTP_CODES.get(e.status)))
 
@@ -226,7 +231,7 @@ def build_app(servicer: CoordinatorServicer, api_keys: ApiKeys | None = None) ->
     key (it is read at every request: keys added later count), every request must carry
     `Authorization: Bearer <key>` for one of them, else 401."""
     middlewares = [_openai_errors] + ([_require_key(api_keys)] if api_keys is not None else [])
-    app = web.Application(middlewares=middlewares, client_max_size=2 * MAX_REQUEST_BYTES)
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[_SERVICER] = servicer
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)

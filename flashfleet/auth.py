@@ -40,14 +40,24 @@ BAD_JOIN_TOKEN = "missing or wrong join token"
 ROLES = ("client", "admin")  # what a key may do: call the public API; also drain workers and move sessions
 
 
-def read_secrets_file(path: str | Path) -> list[str]:
-    """The secrets in a text file: one a line, blank lines and `#` comments skipped.
+def numbered_secrets(path: str | Path) -> list[tuple[int, str]]:
+    """(line number from 1, secret) of each secret in a text file: one a line, blank lines and
+    `#` comments skipped.
 
     Raises:
         OSError: the file cannot be read.
     """
     lines = Path(path).read_text(encoding="utf-8").splitlines()
-    return [s for s in (line.split("#", 1)[0].strip() for line in lines) if s]
+    return [(n, s) for n, s in enumerate((line.split("#", 1)[0].strip() for line in lines), 1) if s]
+
+
+def read_secrets_file(path: str | Path) -> list[str]:
+    """The secrets in a text file (`numbered_secrets`), in file order.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    return [secret for _, secret in numbered_secrets(path)]
 
 
 def parse_api_key(entry: str) -> tuple[str, str]:
@@ -70,18 +80,27 @@ def load_api_keys(path: str | Path | None = None, env: dict | None = None) -> di
     """The coordinator's API keys and their roles (key -> "client" or "admin", in file order):
     the entries of `path` (`read_secrets_file`; one a line, "<key>" or "<key> admin") plus the
     comma-separated entries in env FLASHFLEET_COORDINATOR_API_KEYS. A key given twice keeps its last role.
-    Empty: no key required.
+    Empty: no key required (no `path`, and none in the environment).
 
     Raises:
         OSError: `path` cannot be read.
-        ValueError: an entry with an unknown role or more than two words (`parse_api_key`).
+        ValueError: `path` holds no key (a file given for keys that has none would leave the
+            coordinator open), or an entry has an unknown role or more than two words
+            (`parse_api_key`; the message names the file and line, or the variable and entry).
     """
     env = os.environ if env is None else env
-    entries = read_secrets_file(path) if path else []
-    entries += [k.strip() for k in env.get(API_KEYS_ENV, "").split(",") if k.strip()]
+    entries = [(f"{path}, line {n}", e) for n, e in numbered_secrets(path)] if path else []
+    if path and not entries:
+        raise ValueError(f"{path} holds no API key: write one a line, '<key>' or '<key> admin' "
+                         "(to require none, leave the API keys file out)")
+    entries += [(f"{API_KEYS_ENV}, entry {n}", k) for n, k in
+                enumerate((k.strip() for k in env.get(API_KEYS_ENV, "").split(",")), 1) if k]
     keys: dict[str, str] = {}
-    for entry in entries:
-        key, role = parse_api_key(entry)
+    for where, entry in entries:
+        try:
+            key, role = parse_api_key(entry)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
         keys[key] = role
     return keys
 

@@ -197,7 +197,7 @@ def test_warnings_when_listening_beyond_loopback_unprotected(host, keys, token, 
 
 def test_cluster_config_passes_the_secrets_files_to_coordinator_and_workers(tmp_path, monkeypatch):
     from coordinator.__main__ import parse_args
-    from flashfleet.cli._common import config_api_key
+    from flashfleet.cli.up import LocalCluster
     from flashfleet.config import load_cluster_config
 
     monkeypatch.delenv("FLASHFLEET_API_KEY", raising=False)
@@ -213,9 +213,10 @@ def test_cluster_config_passes_the_secrets_files_to_coordinator_and_workers(tmp_
     assert parse_args(["--config", str(cfg_path), "--api-keys-file", "other"]).api_keys_file == "other"
     cfg = load_cluster_config(cfg_path)
     assert cfg.worker_settings(cfg.worker("w1"))["join_token_file"] == str(tmp_path / "token")
-    assert config_api_key(str(cfg_path)) == "sk-first"  # what `flashfleet up` checks readiness with
-    monkeypatch.setenv("FLASHFLEET_API_KEY", "sk-env")
-    assert config_api_key(str(cfg_path)) == "sk-env"
+    local = LocalCluster(config=cfg_path, workers=1, port=1, log_dir=tmp_path / "logs")
+    assert local.readiness_key() == "sk-first"  # what `flashfleet up` checks readiness with
+    monkeypatch.setenv("FLASHFLEET_API_KEY", "sk-env")  # the shell's key: maybe another cluster's
+    assert local.readiness_key() == "sk-first"
 
 
 def test_up_passes_the_secrets_files_to_the_coordinator_and_its_workers(tmp_path, monkeypatch):
@@ -230,8 +231,7 @@ def test_up_passes_the_secrets_files_to_the_coordinator_and_its_workers(tmp_path
     monkeypatch.setattr(up.subprocess, "Popen", lambda argv, **kw: spawned.append(argv))
 
     def wait_ready(self, timeout_s, progress, should_stop):
-        from flashfleet.cli._common import config_api_key
-        keys_sent.append(config_api_key(self.config, self.api_keys_file))
+        keys_sent.append(self.readiness_key())
 
     monkeypatch.setattr(up.LocalCluster, "_wait_ready", wait_ready)
     up.LocalCluster(workers=2, port=1, log_dir=tmp_path / "logs", api_keys_file=tmp_path / "keys",
@@ -325,3 +325,97 @@ def test_up_reports_access_control_and_warns_beyond_loopback(tmp_path, monkeypat
     secured = open_.access_lines()
     assert secured == ["access control: API keys on (2 keys), join token on, TLS off"]
     assert not any(KEY in line or TOKEN in line for line in lines + secured)
+
+
+def test_a_keys_file_with_no_key_or_a_bad_line_is_refused_by_name(tmp_path):
+    """A file given for API keys that holds none would leave the coordinator open: refused. A bad
+    entry is named by its file and line (or the variable and entry), never by the key."""
+    (tmp_path / "empty").write_text("# keys: none yet\n\n")
+    with pytest.raises(ValueError, match="empty holds no API key"):
+        load_api_keys(tmp_path / "empty", env={})
+    (tmp_path / "keys").write_text("# clients\nsk-good\nsk-bad superuser\n")
+    with pytest.raises(ValueError) as e:
+        load_api_keys(tmp_path / "keys", env={})
+    assert str(e.value).startswith(f"{tmp_path / 'keys'}, line 3: unknown API key role 'superuser'")
+    with pytest.raises(ValueError) as e:
+        load_api_keys(None, env={"FLASHFLEET_COORDINATOR_API_KEYS": "sk-ok,sk-x y z"})
+    assert str(e.value).startswith("FLASHFLEET_COORDINATOR_API_KEYS, entry 2: an API key entry is")
+    assert "sk-bad" not in str(e.value) and "sk-x" not in str(e.value)
+
+
+@pytest.mark.parametrize("content, error", [("", "holds no API key"), ("sk-a b c\n", "line 1: an API key entry")])
+def test_up_refuses_a_bad_keys_file_before_starting_anything(tmp_path, monkeypatch, capsys, content, error):
+    from flashfleet.cli import up
+
+    monkeypatch.setattr(up.subprocess, "Popen", lambda *a, **k: pytest.fail("started a process"))
+    (tmp_path / "keys").write_text(content)
+    assert up.main(["--workers", "1", "--port", "0", "--log-dir", str(tmp_path / "logs"),
+                    "--api-keys-file", str(tmp_path / "keys")]) == 2
+    err = capsys.readouterr().err
+    assert f"flashfleet up: cannot read a secrets file: {tmp_path / 'keys'}" in err and error in err
+
+
+def test_up_says_how_a_client_sends_its_key(tmp_path, monkeypatch):
+    """Once keys are on, `flashfleet up`'s suggested `generate` needs a key: it says which variable
+    takes it and which file holds the keys, never a key; nothing to say once the shell has one."""
+    from flashfleet.cli.up import LocalCluster
+
+    for name in ("FLASHFLEET_API_KEY", "FLASHFLEET_COORDINATOR_API_KEYS"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "keys").write_text(f"{KEY}\n")
+    assert LocalCluster(workers=1, port=1, log_dir=tmp_path / "logs").api_key_hint() is None
+    secured = LocalCluster(workers=1, port=1, log_dir=tmp_path / "logs", api_keys_file=tmp_path / "keys")
+    hint = secured.api_key_hint()
+    assert f"export FLASHFLEET_API_KEY=<a key in {tmp_path / 'keys'}>" in hint and KEY not in hint
+    monkeypatch.setenv("FLASHFLEET_API_KEY", KEY)
+    assert secured.api_key_hint() is None
+
+
+def test_client_commands_say_how_to_send_a_key(secured, monkeypatch, capsys):
+    from flashfleet.cli import generate, status
+
+    cluster, engine = secured
+    monkeypatch.delenv("FLASHFLEET_API_KEY", raising=False)
+    assert status.main(["--address", cluster.address]) == 1
+    assert "UNAUTHENTICATED" in (err := capsys.readouterr().err) and "export FLASHFLEET_API_KEY=KEY" in err
+    assert generate.main(["hi", "--address", cluster.address, "--model", "fake-model"]) == 1
+    assert "export FLASHFLEET_API_KEY=KEY" in capsys.readouterr().err
+    assert engine.submitted == []
+
+
+def test_a_worker_refused_for_its_join_token_is_told_to_fix_the_token(caplog):
+    """The registration retries say what to fix: a join token refusal names the token's flag,
+    not the coordinator's address."""
+    from types import SimpleNamespace
+
+    from worker.server import _warn_while_unreachable
+
+    refused = grpc.aio.AioRpcError(grpc.StatusCode.UNAUTHENTICATED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                   details="missing or wrong join token")
+    state = SimpleNamespace(seconds_since_start=0.5, outcome=SimpleNamespace(exception=lambda: refused))
+    with caplog.at_level(logging.WARNING, logger="flashfleet.worker"):
+        _warn_while_unreachable("10.0.0.2:50051")(state)
+    [message] = [r.getMessage() for r in caplog.records]
+    assert "UNAUTHENTICATED: missing or wrong join token" in message and "--join-token-file" in message
+    assert "check --coordinator" not in message
+
+
+def test_up_checks_readiness_with_its_coordinators_key_not_the_shells(tmp_path, monkeypatch):
+    """A shell's FLASHFLEET_API_KEY left from another cluster (or an old keys file) is not one this
+    coordinator accepts: `flashfleet up` asks for readiness with a key of its own keys file, so
+    it is ready when its workers are, not stuck "still loading" until its timeout."""
+    from flashfleet.cli.up import LocalCluster
+
+    monkeypatch.setenv("FLASHFLEET_API_KEY", "sk-from-another-cluster")
+    monkeypatch.delenv("FLASHFLEET_COORDINATOR_API_KEYS", raising=False)
+    (tmp_path / "keys").write_text(f"{KEY}\n")
+    cluster = start_cluster({"worker-1": FakeEngine()}, api_keys=(KEY,))
+    try:
+        port = int(cluster.address.rsplit(":", 1)[1])
+        local = LocalCluster(port=port, workers=1, log_dir=tmp_path / "logs", api_keys_file=tmp_path / "keys")
+        local.own_ids = ["worker-1"]  # as start() sets them, without spawning processes
+        said = []
+        local._wait_ready(10.0, said.append, lambda: False)
+        assert said == [f"  1/1 workers ready: worker-1 at {cluster.workers[0].advertise_address}"]
+    finally:
+        cluster.close()

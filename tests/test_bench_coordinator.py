@@ -44,3 +44,14 @@ def test_two_coordinators_sharing_the_fleet_state_in_etcd(tmp_path):
     assert r.returncode == 0, r.stderr
     (row,) = json.loads(out.read_text())
     assert row["coordinators"] == 2 and row["streams"] == 12 and row["tokens_per_s"] > 0 and row["errors"] == 0, row
+
+
+def test_the_coordinator_and_simulated_worker_path_imports_no_mlx():
+    import subprocess
+    import sys
+
+    from bench_scripts import ROOT
+    code = ("import sys; sys.path.insert(0, 'bench'); import coordinator.__main__, coordinator.server, sim_worker, "
+            "bench_coordinator; print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'worker')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr)

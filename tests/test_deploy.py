@@ -18,6 +18,7 @@ import tomllib
 import urllib.request
 from concurrent import futures
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -807,8 +808,12 @@ def test_up_passes_etcd_endpoints_to_its_coordinator(tmp_path, monkeypatch):
     def ready(self, timeout_s, progress, should_stop):
         raise up.StartupCancelled("test: stop after spawning")
 
+    def popen(argv, **kw):  # a process that has exited: what LocalCluster.stop looks at
+        spawned.append(argv)
+        return SimpleNamespace(poll=lambda: 0, wait=lambda timeout=None: 0)
+
     monkeypatch.setattr(up.LocalCluster, "_wait_ready", ready)
-    monkeypatch.setattr(up.subprocess, "Popen", lambda argv, **kw: spawned.append(argv))
+    monkeypatch.setattr(up.subprocess, "Popen", popen)
     monkeypatch.setattr(up, "port_is_free", lambda host, port: True)
     monkeypatch.setattr(up.signal, "signal", lambda sig, handler: None)  # up installs its own: not here
     assert up.main(["--workers", "1", "--log-dir", str(tmp_path), "--etcd-endpoints",

@@ -666,6 +666,7 @@ def test_http_body_over_the_size_limit_is_413_in_openai_shape(cluster):
     assert status == 413
     error = assert_openai_error(status, raw)
     assert error["type"] == "invalid_request_error" and error["code"] == "request_too_large"
+    assert "larger than 8,388,608 bytes (8 MiB)" in error["message"]  # the limit, not only a reason phrase
 
 
 def test_http_prompt_over_the_request_limit_is_400(cluster):

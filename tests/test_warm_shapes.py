@@ -13,24 +13,14 @@ from worker.config import EngineConfig
 from worker.engine.thread import Engine
 from worker.engine.types import GenerationRequest
 from worker.engine.block_policy import Acceptance, BatchBlockPolicy
-from worker.engine.warm import CONTEXT, plan, warm_contexts, warm_shapes
+from worker.engine.warm import CONTEXT, plan, warm_shapes
 
 
 def test_plan_covers_every_batch_size_and_block_smallest_first():
     assert plan([2, 1], [1, 4, 2], dflash=True) == [
-        ("plain", 1, 1, CONTEXT), ("dflash", 1, 1, CONTEXT), ("dflash", 1, 2, CONTEXT), ("dflash", 1, 4, CONTEXT),
-        ("plain", 2, 1, CONTEXT), ("dflash", 2, 1, CONTEXT), ("dflash", 2, 2, CONTEXT), ("dflash", 2, 4, CONTEXT)]
-    assert plan([1, 2, 3], [1, 16], dflash=False) == [("plain", B, 1, CONTEXT) for B in (1, 2, 3)]
-    assert plan([1], [1], dflash=False, contexts=[272, 16]) == [("plain", 1, 1, 16), ("plain", 1, 1, 272)]
-
-
-def test_a_gpu_warms_the_first_kv_buckets_a_cpu_the_first_only():
-    """Attention's key length is a row's KV buffer (256-position buckets): a GPU compiles kernels
-    per key length, so it warms a dummy row in each of the first buckets the context allows."""
-    assert warm_contexts(32768, gpu=True) == [16, 272, 528, 784, 1040, 1296, 1552, 1808]
-    assert warm_contexts(600, gpu=True) == [16, 272, 528]
-    assert warm_contexts(32768, gpu=False) == [16]
-    assert warm_contexts(40, gpu=True) == [16]
+        ("plain", 1, 1), ("dflash", 1, 1), ("dflash", 1, 2), ("dflash", 1, 4),
+        ("plain", 2, 1), ("dflash", 2, 1), ("dflash", 2, 2), ("dflash", 2, 4)]
+    assert plan([1, 2, 3], [1, 16], dflash=False) == [("plain", 1, 1), ("plain", 2, 1), ("plain", 3, 1)]
 
 
 def test_a_seeded_policy_serves_without_probing():
@@ -60,7 +50,7 @@ def test_engine_warms_every_shape_and_logs_it(tiny_models, dflash_dir, caplog):
     assert spec == plain and done.stats.cycles > 0
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("warm-up:")]
     assert len(lines) == 1 and lines[0].startswith("warm-up: 12 of 12 batched shapes (batch sizes 1-3 x plain "
-                                                   "and DFlash blocks 1,2,4, 1 of 1 KV buckets) in "), lines
+                                                   "and DFlash blocks 1,2,4) in "), lines
 
 
 def test_the_engine_block_policy_starts_from_the_warm_up_costs_on_a_gpu(tiny_models, dflash_dir, caplog):
@@ -92,26 +82,10 @@ def test_warm_shapes_stops_at_its_budget_and_zero_warms_none(tiny_models, dflash
     capture = HiddenCapture(m.target, m.draft.target_layer_ids)
     ticks = itertools.count()  # one second a reading: the budget of 2.5 s allows two shapes
     report = warm_shapes(m, capture, [1, 2], [1, 2, 4], 2.5, clock=lambda: float(next(ticks)))
-    assert report.warmed == (("plain", 1, 1, CONTEXT), ("dflash", 1, 1, CONTEXT)) and report.planned == 8
+    assert report.warmed == (("plain", 1, 1), ("dflash", 1, 1)) and report.planned == 8
     assert [c[:3] for c in report.costs] == [(1, report.costs[0][1], 1)] and report.costs[0][3] > 0
     none = warm_shapes(m, capture, [1, 2], [1, 2, 4], 0.0)
     assert none.warmed == () and none.planned == 0 and none.costs == ()
-
-
-def test_warm_shapes_times_each_dflash_shape_in_each_kv_bucket(tiny_models, dflash_dir):
-    """Two contexts: the second bucket's rows hold more than 256 positions, and each DFlash shape's
-    second run is timed there too."""
-    from worker.config import EngineConfig as Cfg
-    from worker.engine.load import load_models
-    from worker.capture import HiddenCapture
-
-    m = load_models(Cfg(model_path=tiny_models.llama, draft_path=dflash_dir), "dflash")
-    capture = HiddenCapture(m.target, m.draft.target_layer_ids)
-    report = warm_shapes(m, capture, [1], [1, 2], 60.0, contexts=warm_contexts(4096, gpu=True)[:2])
-    assert [w[3] for w in report.warmed] == [16, 16, 16, 272, 272, 272]
-    assert [(B, L) for B, _, L, _ in report.costs] == [(1, 1), (1, 2)] * 2
-    contexts = [c for _, c, _, _ in report.costs]
-    assert all(c <= 256 for c in contexts[:2]) and all(256 < c <= 512 for c in contexts[2:])
 
 
 def test_warmup_shapes_budget_is_checked():

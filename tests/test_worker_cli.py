@@ -270,3 +270,63 @@ def test_server_commands_without_the_server_extra_name_it(monkeypatch, capsys):
     assert set(cli.SERVER_COMMANDS) < set(cli.COMMANDS)
     monkeypatch.undo()
     assert cli.missing_server_packages() == []  # this environment has the extra
+
+
+def test_ctrl_c_in_the_demo_stops_its_cluster_at_once_and_says_so(monkeypatch, capsys):
+    """Ctrl-C while the demo's prompts stream: its cluster stops without waiting for the answers
+    (they are the demo's own), and the demo exits 130 with one line, no traceback."""
+    import flashfleet.cli.demo as demo
+    import flashfleet.models as models
+
+    stops = []
+
+    class Cluster:
+        address = "127.0.0.1:1"
+
+        def __init__(self, *a, **k):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            stops.append(None)
+
+        def stop(self, grace_s=None):
+            stops.append(grace_s)
+
+    def ask(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(models, "resolve_model", lambda name: Path("/nonexistent"))
+    monkeypatch.setattr(demo, "on_gpu", lambda: False)
+    monkeypatch.setattr(demo, "LocalCluster", Cluster)
+    monkeypatch.setattr(demo, "ask", ask)
+    assert demo.main([]) == 130
+    assert stops[0] == demo.INTERRUPTED_STOP_S
+    err = capsys.readouterr().err
+    assert "flashfleet demo: interrupted; stopped" in err and "Traceback" not in err
+
+
+def test_ctrl_c_in_a_command_is_one_line_not_a_traceback(monkeypatch, capsys):
+    """Ctrl-C in a command with no handling of its own (here `flashfleet draft`, stopped in its
+    work): exit 130 and one line."""
+    import flashfleet.cli as cli
+    import flashfleet.cli.draft_cmd as draft_cmd
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(draft_cmd, "main", interrupted)
+    assert cli.main(["draft", "train"]) == 130
+    assert capsys.readouterr().err.strip() == "flashfleet draft: interrupted"
+
+
+def test_a_client_command_with_no_coordinator_there_says_what_to_start(capsys):
+    from flashfleet.cli import generate
+    from flashfleet.cli.up import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    assert generate.main(["hi", "--address", address]) == 1
+    err = capsys.readouterr().err
+    assert "UNAVAILABLE" in err and f"is a coordinator running at {address}? `flashfleet up` starts one" in err

@@ -216,6 +216,14 @@ def _log_if_watchdog_failed(task: asyncio.Task) -> None:
                   exc_info=task.exception())
 
 
+# What to fix when the coordinator refuses a registration (a retry alone will not help).
+REGISTER_HINTS = {
+    grpc.StatusCode.ALREADY_EXISTS: "another worker holds this --worker-id",
+    grpc.StatusCode.UNAUTHENTICATED: "the coordinator requires its join token: give this worker the same "
+                                     "--join-token-file (or env FLASHFLEET_JOIN_TOKEN)",
+}
+
+
 def _warn_while_unreachable(coordinator: str):
     """tenacity before_sleep callback: warns at the first failed registration, then every
     UNREACHABLE_WARN_EVERY_S seconds, with the gRPC status of the last attempt."""
@@ -226,8 +234,7 @@ def _warn_while_unreachable(coordinator: str):
             return
         last[0] = state.seconds_since_start
         e = state.outcome.exception()
-        hint = ("another worker holds this --worker-id" if e.code() == grpc.StatusCode.ALREADY_EXISTS
-                else "check --coordinator and that it is running")
+        hint = REGISTER_HINTS.get(e.code(), "check --coordinator and that it is running")
         log.warning("cannot register with the coordinator at %s (%s: %s) for %.0f s; retrying (%s)",
                     coordinator, e.code().name, e.details(), state.seconds_since_start, hint)
 

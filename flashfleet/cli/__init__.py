@@ -60,11 +60,18 @@ def usage() -> str:
 def main(argv: list[str] | None = None) -> int:
     """Runs one command; exit status 0 on success, 2 for bad usage, the command's own otherwise.
     A reader that goes away (`flashfleet status | head -1`) ends the command quietly (status 1),
-    as the Python docs advise for SIGPIPE, instead of a traceback."""
+    as the Python docs advise for SIGPIPE, instead of a traceback; so does Ctrl-C where the
+    command has no handling of its own (a `models fetch` leaves nothing installed), with the
+    shell's status 130."""
     try:
         rc = _dispatch(argv)
         sys.stdout.flush()  # inside the try: a closed pipe fails here, not at interpreter exit
         return rc
+    except KeyboardInterrupt:
+        args = sys.argv[1:] if argv is None else argv
+        name = f"flashfleet {args[0]}" if args and args[0] in COMMANDS else "flashfleet"
+        print(f"\n{name}: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the final flush must not raise
         return 1

@@ -18,8 +18,11 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from flashfleet.cli.up import DEFAULT_MODEL, LocalCluster, check_model_ref
+from flashfleet.cli.up import DEFAULT_MODEL, LocalCluster, check_model_ref, stopping_on_signals
 
+# Seconds the cluster's processes get to stop after Ctrl-C (or SIGTERM, SIGHUP) before they are
+# killed: the answers still streaming are the demo's own, and no one waits for them any more.
+INTERRUPTED_STOP_S = 2.0
 GPU_MODEL = "Qwen2.5-Coder-1.5B-Instruct"  # the target whose shipped DFlash draft pays on a GPU
 CPU_NOTE = (
     "speculative decoding is off: on a CPU it does not pay. A draft pays where checking a block "
@@ -128,7 +131,8 @@ def run_prompts(address: str, model: str, prompts: list[dict], max_tokens: int,
         except Exception as e:  # reported after the others finish
             errors.append(f"prompt {p['id']}: {e}")
 
-    threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(prompts)]
+    # daemon: after Ctrl-C the demo exits once its cluster has stopped, not when every stream has ended
+    threads = [threading.Thread(target=one, args=(i, p), daemon=True) for i, p in enumerate(prompts)]
     for t in threads:
         t.start()
     for t in threads:
@@ -165,13 +169,45 @@ def print_table(prompts: list[dict], answers: list[Answer], out=sys.stdout,
         print(f"{row}  {s.mode}/{r.finish_reason}", file=out)
 
 
+def ask(address: str, plan: DemoPlan, prompts: list[dict], max_tokens: int) -> list[Answer]:
+    """Sends the prompts to the cluster at `address`, streaming the first answer, then prints
+    the others, each one's speedup over plain decoding (with `plan.compare_plain`) and the table.
+
+    Returns:
+        One Answer per prompt, in order.
+
+    Raises:
+        RuntimeError: a prompt failed (`run_prompts`).
+    """
+    if plan.compare_plain:  # first-call costs (kernel compilation) out of both passes
+        for mode in ("auto", "plain"):
+            run_prompts(address, plan.model, prompts[:1], 8, None, mode)
+    print(f"\nQ: {prompts[0]['instruction']} [{prompts[0]['id']}]\n{prompts[0]['text']}\nA: ", end="", flush=True)
+    answers = run_prompts(address, plan.model, prompts, max_tokens)
+    plain = run_prompts(address, plan.model, prompts, max_tokens, None, "plain") if plan.compare_plain else None
+    for i, (prompt, r) in enumerate(zip(prompts, answers)):
+        if i:
+            print(f"\n\nQ: {prompt['instruction']} [{prompt['id']}]\nA: {r.completion.text.strip()}")
+        if plain:
+            x, same = speedup(r, plain[i]), r.completion.token_ids == plain[i].completion.token_ids
+            print(f"\n   [{r.completion.stats.mode}: {r.completion.stats.tokens_per_s:.1f} tok/s, "
+                  f"plain decoding {plain[i].completion.stats.tokens_per_s:.1f} tok/s: "
+                  f"{f'{x:.2f}x' if x else '-'}; "
+                  f"{'the same tokens' if same else 'tokens differ: GPU rounding, docs/gpu.md'}]")
+    print_table(prompts, answers, plain=plain)
+    return answers
+
+
 def main(argv: list[str]) -> int:
     """Runs the demo (fetching the model first when it is not cached).
+
+    Ctrl-C, SIGTERM and SIGHUP stop it at any point: a fetch leaves nothing installed, and the
+    cluster's processes are stopped (killed after `INTERRUPTED_STOP_S`) before it exits.
 
     Returns:
         The exit status: 0, 1 when the cluster failed to start or a prompt failed, 2 for a
         model that is neither a catalog name nor a model directory, or one that cannot be
-        fetched (argparse exits with 2 itself for bad flags).
+        fetched (argparse exits with 2 itself for bad flags), 130 when interrupted.
     """
     p = argparse.ArgumentParser(prog="flashfleet demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -184,6 +220,19 @@ def main(argv: list[str]) -> int:
     for flag in ("workers", "max_tokens"):  # before any process starts
         if getattr(a, flag) is not None and getattr(a, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        with stopping_on_signals(interrupt):  # a closed terminal or a kill stops as Ctrl-C does
+            return _run(a)
+    except KeyboardInterrupt:
+        print("\nflashfleet demo: interrupted; stopped", file=sys.stderr)
+        return 130
+
+
+def _run(a: argparse.Namespace) -> int:
+    """`main` after its flags are parsed (`main` documents the exit status)."""
     from flashfleet.models import fetch_model, resolve_model
 
     try:
@@ -207,26 +256,13 @@ def main(argv: list[str]) -> int:
     if not plan.draft and (hint := openblas_hint()) is not None:  # workers on a Linux CPU
         print(f"flashfleet demo: note: {hint}", file=sys.stderr)
     t0 = time.monotonic()
-    plain = None
     try:
         with LocalCluster(plan.model, workers=plan.workers, draft=plan.draft) as cluster:
-            if plan.compare_plain:  # first-call costs (kernel compilation) out of both passes
-                for mode in ("auto", "plain"):
-                    run_prompts(cluster.address, plan.model, prompts[:1], 8, None, mode)
-            print(f"\nQ: {prompts[0]['instruction']}\n{prompts[0]['text']}\nA: ", end="", flush=True)
-            answers = run_prompts(cluster.address, plan.model, prompts, a.max_tokens)
-            if plan.compare_plain:
-                plain = run_prompts(cluster.address, plan.model, prompts, a.max_tokens, None, "plain")
-            for i, (prompt, r) in enumerate(zip(prompts, answers)):
-                if i:
-                    print(f"\n\nQ: {prompt['instruction']} [{prompt['id']}]\nA: {r.completion.text.strip()}")
-                if plain:
-                    x, same = speedup(r, plain[i]), r.completion.token_ids == plain[i].completion.token_ids
-                    print(f"\n   [{r.completion.stats.mode}: {r.completion.stats.tokens_per_s:.1f} tok/s, "
-                          f"plain decoding {plain[i].completion.stats.tokens_per_s:.1f} tok/s: "
-                          f"{f'{x:.2f}x' if x else '-'}; "
-                          f"{'the same tokens' if same else 'tokens differ: GPU rounding, docs/gpu.md'}]")
-            print_table(prompts, answers, plain=plain)
+            try:
+                answers = ask(cluster.address, plan, prompts, a.max_tokens)
+            except KeyboardInterrupt:  # the streams are the demo's own: stop now, not when they end
+                cluster.stop(grace_s=INTERRUPTED_STOP_S)
+                raise
     except RuntimeError as e:
         print(f"flashfleet demo: {e}", file=sys.stderr)
         return 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from flashfleet.cli._common import add_connection_args, credentials
+from flashfleet.cli._common import add_connection_args, credentials, explain
 from flashfleet.config import ConfigError
 from flashfleet.errors import FlashfleetError
 
@@ -34,6 +34,6 @@ def main(argv: list[str]) -> int:
                 print(f"{step.worker_id}: {step.state}, {step.sessions_left} session(s) left, "
                       f"{step.moved} moved", flush=True)
     except (FlashfleetError, ConfigError) as e:
-        print(f"flashfleet drain: {e}", file=sys.stderr)
+        print(f"flashfleet drain: {explain(e, a.address)}", file=sys.stderr)
         return 1
     return 0

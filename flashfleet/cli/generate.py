@@ -5,7 +5,7 @@ import argparse
 import sys
 import uuid
 
-from flashfleet.cli._common import add_connection_args, credentials
+from flashfleet.cli._common import add_connection_args, credentials, explain
 from flashfleet.config import ConfigError
 from flashfleet.errors import FlashfleetError
 
@@ -92,7 +92,7 @@ def main(argv: list[str]) -> int:
                     text_ended_line = chunk.text.endswith("\n")
                 last = chunk
     except (FlashfleetError, ConfigError) as e:
-        print(f"{chr(10) if last else ''}flashfleet generate: {e}", file=sys.stderr)
+        print(f"{chr(10) if last else ''}flashfleet generate: {explain(e, a.address)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\n(cancelled)", file=sys.stderr)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from flashfleet.cli._common import add_connection_args, credentials
+from flashfleet.cli._common import add_connection_args, credentials, explain
 from flashfleet.config import ConfigError
 from flashfleet.errors import FlashfleetError
 
@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
         with Client(a.address, credentials=credentials(a.config)) as client:
             done = client.move_session(a.request_id, a.to_worker_id, timeout_s=a.timeout_s)
     except (FlashfleetError, ConfigError) as e:
-        print(f"flashfleet move: {e}", file=sys.stderr)
+        print(f"flashfleet move: {explain(e, a.address)}", file=sys.stderr)
         return 1
     print(f"{done.request_id}: {done.from_worker_id} -> {done.to_worker_id}")
     return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from flashfleet.cli._common import add_connection_args, credentials
+from flashfleet.cli._common import add_connection_args, credentials, explain
 from flashfleet.config import ConfigError
 from flashfleet.errors import FlashfleetError
 from flashfleet.types import DECODE_MODE_NAMES
@@ -33,7 +33,7 @@ def main(argv: list[str]) -> int:
         with Client(a.address, credentials=credentials(a.config)) as client:
             status = client.cluster_status()
     except (FlashfleetError, ConfigError) as e:
-        print(f"flashfleet status: {e}", file=sys.stderr)
+        print(f"flashfleet status: {explain(e, a.address)}", file=sys.stderr)
         return 1
     head = ["worker", "address", "models", "draft", "sessions", "KV used / budget", "prompt cache", "served",
             "heartbeat", "state"]

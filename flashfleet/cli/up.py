@@ -1,9 +1,10 @@
 """`flashfleet up`: start a coordinator and N workers on this machine as processes, print their
 addresses, start again a worker or the coordinator when it fails (`flashfleet.cli.restarts`), and
-shut them all down cleanly on Ctrl-C or SIGTERM."""
+shut them all down cleanly on Ctrl-C, SIGTERM or SIGHUP (a closed terminal)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -184,6 +185,9 @@ class LocalCluster:
             should_stop: polled while waiting (every 0.3 s or so): True stops every child and
                 raises `StartupCancelled` (how `flashfleet up` honours Ctrl-C during start-up).
 
+        Whatever ends the wait early (these errors, KeyboardInterrupt) stops every child first:
+        the processes run in sessions of their own, so nothing else would stop them.
+
         Raises:
             StartupCancelled: should_stop() became True before the cluster was ready.
             RuntimeError: the coordinator's address is in use (nothing is started then), a
@@ -227,7 +231,11 @@ class LocalCluster:
         models = ", ".join(dict.fromkeys(self.models))
         progress(f"coordinator {self.address}; {self.n_workers} worker(s) loading {models} "
                  f"(logs in {self.log_dir})")
-        self._wait_ready(timeout_s, progress, should_stop)
+        try:
+            self._wait_ready(timeout_s, progress, should_stop)
+        except BaseException:  # Ctrl-C (KeyboardInterrupt) included: no child outlives a failed start
+            self.stop()
+            raise
 
     def _wait_ready(self, timeout_s: float, progress, should_stop) -> None:
         from flashfleet.client import Client
@@ -235,10 +243,9 @@ class LocalCluster:
 
         t0 = time.monotonic()
         deadline, seen, told = t0 + timeout_s, -1, t0
-        from flashfleet.cli._common import config_api_key, credentials
+        from flashfleet.cli._common import credentials
 
-        with Client(self.address, credentials=credentials(self.config),
-                    api_key=config_api_key(self.config, self.api_keys_file)) as client:
+        with Client(self.address, credentials=credentials(self.config), api_key=self.readiness_key()) as client:
             while time.monotonic() < deadline:
                 if should_stop():
                     self.stop()
@@ -267,11 +274,24 @@ class LocalCluster:
         self.stop()
         raise RuntimeError(f"workers not ready after {timeout_s:.0f} s; see logs in {self.log_dir}")
 
-    def access_lines(self) -> list[str]:
-        """What the coordinator's access control is (`flashfleet.auth.access_summary`, from the
-        same files, config and environment it read), then a warning for each protection missing
-        on a non-loopback host; the secrets themselves never appear."""
-        from flashfleet.auth import access_summary, access_warnings, is_loopback, load_api_keys, load_join_token
+    def _access(self):
+        """`read_access()`, or None where the secrets cannot be read (the coordinator itself
+        reports that, and `flashfleet up` checks them before it starts anything)."""
+        try:
+            return self.read_access()
+        except (OSError, ValueError):
+            return None
+
+    def read_access(self):
+        """(API keys file or None, API keys, join token, TLS on) as the coordinator reads them
+        from its flags, config and environment.
+
+        Raises:
+            OSError: a secrets file cannot be read.
+            ValueError: a keys file with no key or a bad entry, a token file with no token
+                (`flashfleet.auth.load_api_keys`, `load_join_token`).
+        """
+        from flashfleet.auth import load_api_keys, load_join_token
 
         keys_file, token_file, tls = self.api_keys_file, self.join_token_file, False
         if self.config is not None:
@@ -281,12 +301,39 @@ class LocalCluster:
             keys_file = keys_file or cfg.coordinator.api_keys_file or None
             token_file = token_file or cfg.coordinator.join_token_file or None
             tls = cfg.tls is not None
-        try:
-            keys, token = load_api_keys(keys_file), load_join_token(token_file)
-        except (OSError, ValueError):  # the coordinator has read them; this is only a report
+        return keys_file, load_api_keys(keys_file), load_join_token(token_file), tls
+
+    def access_lines(self) -> list[str]:
+        """What the coordinator's access control is (`flashfleet.auth.access_summary`, from the
+        same files, config and environment it read), then a warning for each protection missing
+        on a non-loopback host; the secrets themselves never appear."""
+        from flashfleet.auth import access_summary, access_warnings, is_loopback
+
+        if (access := self._access()) is None:
             return []
+        _, keys, token, tls = access
         return [access_summary(keys, token, tls)] + [
             f"warning: {w}" for w in access_warnings(is_loopback(self.host), keys, token, tls)]
+
+    def readiness_key(self) -> str | None:
+        """The API key `start` asks the coordinator for its workers with: the first key it
+        accepts (its keys file's, then env FLASHFLEET_COORDINATOR_API_KEYS'), whatever this
+        shell's FLASHFLEET_API_KEY holds (it may be another cluster's key). None where it
+        requires none."""
+        access = self._access()
+        return next(iter(access[1]), None) if access else None
+
+    def api_key_hint(self) -> str | None:
+        """Where the coordinator requires an API key and this shell's env FLASHFLEET_API_KEY holds
+        none of its keys: how a client here sends one (it names the keys file, never a key).
+        None otherwise."""
+        from flashfleet.auth import API_KEY_ENV, API_KEYS_ENV, client_api_key
+
+        access = self._access()
+        if access is None or not access[1] or client_api_key() in access[1]:
+            return None
+        source = f"a key in {access[0]}" if access[0] else f"one of {API_KEYS_ENV}"
+        return f"clients need an API key: export {API_KEY_ENV}=<{source}> (or Client(api_key=...))"
 
     def check_alive(self) -> None:
         """Raises RuntimeError (with the exit code and the last 2000 characters of its log) if a
@@ -377,6 +424,26 @@ class LocalCluster:
         self.procs.clear()
 
 
+@contextlib.contextmanager
+def stopping_on_signals(handler):
+    """Calls `handler(signum, frame)` on SIGINT, SIGTERM and SIGHUP (the terminal closed, the SSH
+    session dropped) while in the block, then restores the earlier handlers. SIGHUP is left
+    alone where it is ignored (`nohup`: the caller asked to outlive the terminal). The children
+    of a LocalCluster run in sessions of their own and get none of these signals, so without
+    this a `flashfleet up` or `demo` ended by one would leave its coordinator and workers running."""
+    signums = [signal.SIGINT, signal.SIGTERM]
+    if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signums.append(signal.SIGHUP)
+    previous = {signum: signal.getsignal(signum) for signum in signums}
+    for signum in signums:
+        signal.signal(signum, handler)
+    try:
+        yield
+    finally:
+        for signum, earlier in previous.items():
+            signal.signal(signum, earlier)
+
+
 class ChildExited(RuntimeError):
     """A child process exited (`LocalCluster.check_alive`); `code` is its exit status (2: it was
     given a bad config or model, which `flashfleet up` passes on as its own status)."""
@@ -444,15 +511,15 @@ def check_model_ref(flag: str, value: str | None) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """Starts the cluster and keeps it up until SIGINT/SIGTERM, the coordinator exits, or
-    every worker has exited for good. A worker that exits with a failure (its engine thread
-    died: 70; killed) is started again after a capped, doubling delay (1 s up to 30 s,
-    `LocalCluster.tend`); one that exits cleanly or for a bad config or model (2) is reported
-    and the others keep serving.
+    """Starts the cluster and keeps it up until SIGINT, SIGTERM or SIGHUP (`stopping_on_signals`;
+    a second one stops it at once), the coordinator exits, or every worker has exited for good.
+    A worker that exits with a failure (its engine thread died: 70; killed) is started again
+    after a capped, doubling delay (1 s up to 30 s, `LocalCluster.tend`); one that exits cleanly
+    or for a bad config or model (2) is reported and the others keep serving.
 
     Returns:
         The exit status: 0 after a signal, 1 when start-up failed or the cluster died, 2 for a
-        bad config, model or draft argument.
+        bad config, model or draft argument, or an unreadable or empty API keys or join token file.
     """
     p = argparse.ArgumentParser(prog="flashfleet up", description=__doc__)
     p.add_argument("--config", default=None, help="cluster config file (deploy/cluster.toml): "
@@ -524,32 +591,45 @@ def main(argv: list[str]) -> int:
                                a.draft, a.capacity or 8, a.log_dir, a.metrics_port, http_port=a.http_port,
                                api_keys_file=a.api_keys_file, join_token_file=a.join_token_file,
                                coordinator_args=coordinator_args)
+    try:  # what the coordinator and workers would exit on, before any of them starts
+        cluster.read_access()
+    except (OSError, ValueError) as e:
+        print(f"flashfleet up: cannot read a secrets file: {e}", file=sys.stderr)
+        return 2
     stop = {"now": False}
 
     def on_signal(signum, frame):
+        if stop["now"]:  # asked twice: LocalCluster.stop kills what is left at once
+            raise KeyboardInterrupt
         stop["now"] = True
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    with stopping_on_signals(on_signal):
+        return serve(cluster, lambda: stop["now"])
+
+
+def serve(cluster: LocalCluster, should_stop) -> int:
+    """Starts `cluster`, prints its addresses, and tends it (`LocalCluster.tend`) until
+    should_stop() is True, then stops it (`up`'s main documents the exit status)."""
     try:
-        cluster.start(progress=lambda m: print(m, flush=True), should_stop=lambda: stop["now"])
+        cluster.start(progress=lambda m: print(m, flush=True), should_stop=should_stop)
     except StartupCancelled as e:
         print(f"flashfleet up: {e}", file=sys.stderr)
         return 0
     except RuntimeError as e:
         print(f"flashfleet up: {e}", file=sys.stderr)
         return 2 if isinstance(e, ChildExited) and e.code == 2 else 1  # a bad model or config: as the worker says
-    print(f"cluster ready: coordinator at {cluster.address}\n"
-          f"  try: flashfleet generate --address {cluster.address} --model {served_name(cluster.model)} "
-          f"\"What is a GPU?\"", flush=True)
-    if cluster.http_port:
-        print(f"  OpenAI-compatible API: {cluster.http_url}/v1", flush=True)
-    for line in cluster.access_lines():
-        print(f"  {line}", flush=True)
-    print("Ctrl-C stops everything.", flush=True)
-    backoff = RestartBackoff()
     try:
-        while not stop["now"]:
+        print(f"cluster ready: coordinator at {cluster.address}\n  try: flashfleet generate --address "
+              f"{cluster.address} --model {served_name(cluster.model)} \"What is a GPU?\"", flush=True)
+        if (hint := cluster.api_key_hint()) is not None:
+            print(f"  {hint}", flush=True)
+        if cluster.http_port:
+            print(f"  OpenAI-compatible API: {cluster.http_url}/v1", flush=True)
+        for line in cluster.access_lines():
+            print(f"  {line}", flush=True)
+        print("Ctrl-C stops everything.", flush=True)
+        backoff = RestartBackoff()
+        while not should_stop():
             cluster.tend(backoff, say=lambda line: print(f"flashfleet up: {line}", file=sys.stderr,
                                                          flush=True))
             time.sleep(TEND_INTERVAL_S)
@@ -557,8 +637,11 @@ def main(argv: list[str]) -> int:
         print(f"flashfleet up: {e}", file=sys.stderr)
         return 1
     finally:
-        print(f"stopping cluster (answers still streaming get up to {cluster.drain_s[0]:.0f} s; "
-              "Ctrl-C again stops at once)...", flush=True)
-        cluster.stop()
+        try:
+            print(f"stopping cluster (answers still streaming get up to {cluster.drain_s[0]:.0f} s; "
+                  "Ctrl-C again stops at once)...", flush=True)
+            cluster.stop()  # a second Ctrl-C inside it kills what is left
+        except KeyboardInterrupt:  # ... or one just before it
+            cluster.stop(grace_s=0)
         print(f"cluster stopped (logs: {cluster.log_dir})", flush=True)
     return 0

@@ -32,7 +32,7 @@ from worker.engine.profile import DecodeProfile, LoadBoard, SessionRates, schedu
 from worker.engine.scheduler import BATCHED_MODES, Scheduler
 from worker.engine.intake import Intake
 from worker.engine.transfer import SessionTransfer
-from worker.engine.warm import WarmReport, warm_contexts, warm_shapes
+from worker.engine.warm import WarmReport, warm_shapes
 from worker.engine.session import Session, new_stats
 from worker.engine.types import (
     DoneEvent,
@@ -420,36 +420,31 @@ class Engine:
         while not sched.idle:
             sched.iterate()
         gpu = mx.default_device().type == mx.DeviceType.gpu
-        report = self._warm_shapes(m, sched, gpu)
+        report = self._warm_shapes(m, sched)
         sched.reset_measurements()
         if report.costs:  # what the block policy weighs, for an operator reading why it speculates or not
             first = report.costs[0][1]
             log.info("DFlash iteration at batch size 1, %d positions, by block size: %s", first,
                      ", ".join(f"{L}: {s * 1000:.1f} ms" for B, c, L, s in report.costs if B == 1 and c == first))
         if sched.policy is not None and gpu:
-            # A GPU's policy starts from the compiled shapes' costs: probing each block size in each
-            # bucket would take a short answer's every iteration. A CPU's probes (small blocks, a
-            # few iterations a bucket) cost little, and it measures as it serves.
+            # A GPU's policy starts from the compiled shapes' costs (the first context bucket):
+            # probing each block size there would take a short answer's every iteration. A CPU's
+            # probes (small blocks, a few iterations a bucket) cost little; it measures as it serves.
             for B, context, L, seconds in report.costs:
                 sched.policy.seed(B, context, L, seconds)
         self._profile.reset()
         mx.clear_cache()
 
-    def _warm_shapes(self, m: LoadedModels, sched: Scheduler, gpu: bool) -> WarmReport:
-        """Every batch size up to capacity x every DFlash block size, in the first KV buckets on a
-        GPU (the first on a CPU), within the configured time (worker/engine/warm.py); logged, as
-        startup time."""
+    def _warm_shapes(self, m: LoadedModels, sched: Scheduler) -> WarmReport:
+        """Every batch size up to capacity x every DFlash block size, within the configured time
+        (worker/engine/warm.py); logged, as startup time."""
         blocks = BatchBlockPolicy(sched.block_size).candidates if m.draft_kind == "dflash" else [1]
         sizes = range(1, self.config.capacity + 1)
-        contexts = warm_contexts(self._model.max_context_tokens, gpu)
-        report = warm_shapes(m, sched.capture, sizes, blocks, self.config.warmup_shapes_s, self._clock,
-                             contexts)
-        buckets = len({w[3] for w in report.warmed})
-        log.info("warm-up: %d of %d batched shapes (batch sizes 1-%d x %s, %d of %d KV buckets) in %.1f s "
-                 "(budget %g s)%s",
+        report = warm_shapes(m, sched.capture, sizes, blocks, self.config.warmup_shapes_s, self._clock)
+        log.info("warm-up: %d of %d batched shapes (batch sizes 1-%d x %s) in %.1f s (budget %g s)%s",
                  len(report.warmed), report.planned, self.config.capacity,
                  "plain" if m.draft_kind != "dflash" else "plain and DFlash blocks " + ",".join(map(str, blocks)),
-                 buckets, len(contexts), report.seconds, self.config.warmup_shapes_s,
+                 report.seconds, self.config.warmup_shapes_s,
                  "" if len(report.warmed) == report.planned else
                  "; the rest compile when first met (raise --warmup-shapes-s to warm them)")
         return report

@@ -6,14 +6,12 @@ each weight), and cuBLAS picks an algorithm per matmul shape. The batched engine
 per (batch size B, tokens a row L): plain steps are (B, 1), a DFlash iteration is a draft forward
 and a verify of (B, L) for each block size L the policy may choose. `warm_shapes` runs one plain
 step and the DFlash iterations of every block size, for every batch size from 1 to the worker's
-capacity, smallest first, within a time budget; sessions then meet those shapes warm. The key
-length of attention is a row's KV buffer, which grows in 256-position buckets, so on a GPU the
-plan repeats for the first buckets (`warm_contexts`): a demo's or a chat's prompt of a few
-hundred tokens starts in the second bucket. A bucket past the budget is met cold by the first
-session that reaches it. A CPU compiles nothing per shape: it warms the first bucket only.
+capacity, on rows of a short dummy context (the first KV bucket), smallest first, within a time
+budget; sessions then meet those shapes warm. Longer contexts' key lengths (a new 256-position
+bucket) are met for the first time by the sessions that reach them.
 
-Each shape's second run is timed, and the block-size policy starts from those costs
-(`BatchBlockPolicy.seed`), so serving needs no probing iterations to learn what a block costs.
+Each DFlash shape's second run is timed (`WarmReport.costs`): a GPU worker's block-size policy
+starts from those costs (`BatchBlockPolicy.seed`).
 """
 from __future__ import annotations
 
@@ -24,23 +22,13 @@ from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 
-from flashfleet.kv_need import POSITION_BUCKET
 from worker.caches.rows import RowKVCache, make_row_caches
 from worker.engine.batch import Batch, Row, dflash_cycle, plain_step
 from worker.sampling import greedy
 
 log = logging.getLogger(__name__)
 
-CONTEXT = 16  # dummy prompt tokens a warm-up row holds past the start of its KV bucket
-GPU_BUCKETS = 8  # KV buckets a GPU worker warms at most (2,048 positions), within the time budget
-GROWTH = 64  # positions a dummy row gains while warming: a plain step and two cycles of each block <= 16
-
-
-def warm_contexts(max_context: int, gpu: bool) -> list[int]:
-    """The dummy context lengths to warm, one per KV bucket: `CONTEXT` tokens into each of the
-    first `GPU_BUCKETS` buckets on a GPU (as far as `max_context` allows), the first on a CPU."""
-    out = [k * POSITION_BUCKET + CONTEXT for k in range(GPU_BUCKETS if gpu else 1)]
-    return [c for c in out if c + GROWTH <= max_context] or [CONTEXT]
+CONTEXT = 16  # dummy prompt tokens a warm-up row holds
 
 
 @dataclass(frozen=True)
@@ -48,29 +36,27 @@ class WarmReport:
     """What `warm_shapes` ran.
 
     Attributes:
-        warmed: (mode, batch size, block size, context) of each shape warmed, in order.
+        warmed: (mode, batch size, block size) of each shape warmed, in order.
         planned: how many shapes there were to warm.
         seconds: the time it took.
         costs: (batch size, context, block size, seconds) of each DFlash shape's second run:
             an iteration's cost with its kernels compiled (`BatchBlockPolicy.seed`).
     """
 
-    warmed: tuple[tuple[str, int, int, int], ...]
+    warmed: tuple[tuple[str, int, int], ...]
     planned: int
     seconds: float
     costs: tuple[tuple[int, int, int, float], ...] = ()
 
 
-def plan(batch_sizes: Sequence[int], blocks: Sequence[int], dflash: bool,
-         contexts: Sequence[int] = (CONTEXT,)) -> list[tuple[str, int, int, int]]:
-    """The shapes to warm, in order: per context (ascending) and batch size (ascending) a plain
-    step, then each DFlash block size (ascending) when the worker has a DFlash draft."""
+def plan(batch_sizes: Sequence[int], blocks: Sequence[int], dflash: bool) -> list[tuple[str, int, int]]:
+    """The shapes to warm, in order: per batch size (ascending) a plain step, then each DFlash
+    block size (ascending) when the worker has a DFlash draft."""
     out = []
-    for ctx in sorted(set(contexts)):
-        for B in sorted(set(batch_sizes)):
-            out.append(("plain", B, 1, ctx))
-            if dflash:
-                out += [("dflash", B, L, ctx) for L in sorted(set(blocks))]
+    for B in sorted(set(batch_sizes)):
+        out.append(("plain", B, 1))
+        if dflash:
+            out += [("dflash", B, L) for L in sorted(set(blocks))]
     return out
 
 
@@ -93,8 +79,7 @@ def dummy_batch(target, B: int, context: int, draft=None, capture=None) -> Batch
 
 
 def warm_shapes(models, capture, batch_sizes: Sequence[int], blocks: Sequence[int], budget_s: float,
-                clock: Callable[[], float] = time.perf_counter,
-                contexts: Sequence[int] = (CONTEXT,)) -> WarmReport:
+                clock: Callable[[], float] = time.perf_counter) -> WarmReport:
     """Runs the batched forwards of every shape in `plan`, until `budget_s` seconds are spent.
 
     Each DFlash block size runs twice in a row, so the draft also meets the pending-tap width
@@ -109,22 +94,21 @@ def warm_shapes(models, capture, batch_sizes: Sequence[int], blocks: Sequence[in
         budget_s: seconds the warm-up may take; the shape running when it runs out is finished,
             the rest are skipped. 0: nothing is warmed.
         clock: monotonic seconds.
-        contexts: dummy context lengths to warm (`warm_contexts`).
     """
     dflash = models.draft_kind == "dflash"
-    shapes = plan(batch_sizes, blocks, dflash, contexts) if budget_s > 0 else []
+    shapes = plan(batch_sizes, blocks, dflash) if budget_s > 0 else []
     t0 = clock()
-    warmed: list[tuple[str, int, int, int]] = []
+    warmed: list[tuple[str, int, int]] = []
     costs: list[tuple[int, int, int, float]] = []
-    batches: dict[tuple[str, int, int], Optional[Batch]] = {}
-    for mode, B, L, ctx in shapes:
+    batches: dict[tuple[str, int], Optional[Batch]] = {}
+    for mode, B, L in shapes:
         if clock() - t0 >= budget_s:
             break
-        key = (mode, B, ctx)
+        key = (mode, B)
         if key not in batches:
             batches.clear()  # one batch at a time: its memory goes before the next one's
             dflash_mode = mode == "dflash"
-            batches[key] = dummy_batch(models.target, B, ctx, models.draft if dflash_mode else None,
+            batches[key] = dummy_batch(models.target, B, CONTEXT, models.draft if dflash_mode else None,
                                        capture if dflash_mode else None)
         batch = batches[key]
         if mode == "plain":
@@ -134,7 +118,7 @@ def warm_shapes(models, capture, batch_sizes: Sequence[int], blocks: Sequence[in
             t = time.perf_counter()
             dflash_cycle(models.target, models.draft, capture, batch, L)
             costs.append((B, max(r.n for r in batch.rows), L, time.perf_counter() - t))
-        warmed.append((mode, B, L, ctx))
+        warmed.append((mode, B, L))
     batches.clear()
     mx.clear_cache()
     return WarmReport(tuple(warmed), len(shapes), clock() - t0, tuple(costs))
