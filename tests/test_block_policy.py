@@ -162,3 +162,17 @@ def test_re_measurements_thin_out_while_the_choice_holds():
     assert 3 <= len(probes) <= 5
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert all(b > a for a, b in zip(gaps, gaps[1:]))
+
+
+def test_the_decode_profile_keeps_costs_in_the_block_policys_buckets():
+    """The plain-step costs a worker reports (`DecodeProfile`) and the costs the block policy
+    chooses by are bucketed alike: one bucketing (`BatchBlockPolicy.key`), one context floor."""
+    from worker.engine.block_policy import BatchBlockPolicy
+    from worker.engine.profile import DecodeProfile
+
+    for batch_size, context in ((1, 1), (3, 255), (5, 257), (8, 1000), (9, 5000)):
+        profile = DecodeProfile()
+        for _ in range(2):  # the first iteration of a bucket is warm-up
+            profile.decode(batch_size, context, 1, 0.01)
+        [entry] = profile.snapshot()
+        assert (entry.batch_size, entry.context_tokens) == BatchBlockPolicy.key(batch_size, context)
