@@ -105,14 +105,12 @@ def same_blocks(cycles: list, ref: list) -> tuple[int, int]:
 def measure(model_dir: Path, draft_dir: Path, n_prompts: int, max_tokens: int, block: int | None) -> list[dict]:
     """One row per prompt: tau and iterations of each run, blocks equal to one sequence's, outputs
     equal to plain greedy."""
-    import mlx.core as mx
-
     from worker.fusion import fuse_projections
     from worker.loading import load_target
     from worker.models.dflash_checkpoint import load_dflash_draft
     from worker.training.data import read_prompt_files
 
-    target, tok = load_target(model_dir, mx.float32 if mx.default_device().type == mx.cpu else None)
+    target, tok = load_target(model_dir)  # the dtype a worker computes in
     draft = load_dflash_draft(draft_dir, target)
     fuse_projections(target)
     fuse_projections(draft)

@@ -314,6 +314,9 @@ def copy_in_worker_dtype(model_dir: Path, out: Path) -> Path:
 class MlxServer:
     """`python -m mlx_lm server` on a free local port, as a child process; use as a context manager.
 
+    It runs with the environment `flashfleet up` gives its workers (`worker_env`: OpenBLAS
+    preloaded on a Linux CPU), so it computes with the workers' BLAS however this script started.
+
     Args:
         model_dir: the model directory.
         decode_concurrency: its --decode-concurrency.
@@ -321,9 +324,10 @@ class MlxServer:
     """
 
     def __init__(self, model_dir: Path, decode_concurrency: int, extra_args: tuple[str, ...] = ()):
-        from flashfleet.cli.up import free_port
+        from flashfleet.cli.up import free_port, worker_env
 
         self.port = free_port()
+        self.env = worker_env()  # the workers' environment: OpenBLAS preloaded where they get it
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="mlx-lm-server-", suffix=".log", delete=False)
         self.args = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir),
@@ -333,7 +337,7 @@ class MlxServer:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "MlxServer":
-        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)
         self.wait_ready()
         return self

@@ -111,16 +111,45 @@ class OracleLM:
         return mx.array(logits)
 
 
+def reference_key(target: str, prompt: list[int], max_tokens: int, dtype: mx.Dtype,
+                  env: dict | None = None) -> str:
+    """The --refs cache key of one plain greedy output: the target's name, the prompt, max_tokens,
+    and what the output depends on beyond them: the dtype the target computes in, the device and
+    the preloaded BLAS (`LD_PRELOAD`'s first library; "default" without one). Outputs computed in
+    another dtype or with another BLAS part at the first near tie, so they never stand in for
+    each other.
+
+    Args:
+        target: the target's name or directory (its last path component is used).
+        prompt: prompt token ids.
+        max_tokens: tokens generated at most.
+        dtype: the target's floating dtype as it computes (`worker.loading.stored_dtype` after
+            the cast to the compute dtype).
+        env: the environment to read `LD_PRELOAD` from (default os.environ).
+
+    Returns:
+        A sha256 hex digest.
+    """
+    import os
+
+    env = os.environ if env is None else env
+    blas = Path(env.get("LD_PRELOAD", "").split(":")[0]).name or "default"
+    device = "gpu" if mx.default_device().type == mx.gpu else "cpu"
+    return hashlib.sha256(json.dumps([Path(target).name, prompt, max_tokens, str(dtype), device, blas])
+                          .encode()).hexdigest()
+
+
 def reference_outputs(args, tm, tt, eos, ids: list[list[int]]) -> tuple[list[list[int]], float]:
     """Plain greedy outputs of the prompts (timed), taken from / added to the --refs cache in
-    --oracle mode; returns (outputs, seconds spent decoding)."""
+    --oracle mode (`reference_key`: per dtype, device and BLAS); returns (outputs, seconds spent
+    decoding)."""
     cache = {}
     path = Path(args.refs)
     if args.oracle and path.exists():
         cache = json.loads(path.read_text())
     outs, secs = [], 0.0
     for p in ids:
-        key = hashlib.sha256(json.dumps([Path(args.target).name, p, args.max_tokens]).encode()).hexdigest()
+        key = reference_key(args.target, p, args.max_tokens, stored_dtype(tm))
         if key not in cache:
             out, _, s = run(lambda: plain.generate(p, args.max_tokens, greedy, eos, model=tm))
             cache[key] = out

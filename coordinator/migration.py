@@ -73,7 +73,7 @@ from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Iterable, Sequence
 
 from coordinator.registry import WorkerRecord
-from flashfleet.kv_need import final_need_bytes
+from flashfleet import kv_need  # the one KV formula, shared with the engine
 from flashfleet.requests import WORKER_DEFAULT_MAX_TOKENS
 from flashfleet.v1 import common_pb2, worker_pb2
 
@@ -288,7 +288,7 @@ class MigrationPolicy:
         flashfleet/kv_need.py)."""
         sessions = [s for s in worker.load.sessions if s.request_id != without]
         sessions += [extra] if extra is not None else []
-        return final_need_bytes(_final_rows(worker, sessions, model), worker.load.kv_layers)
+        return kv_need.final_need_bytes(_final_rows(worker, sessions, model), worker.load.kv_layers)
 
     def _has_room(self, dest: WorkerRecord, session: worker_pb2.SessionLoad | None, model: str) -> bool:
         if session is None or dest.load.kv_budget_bytes <= 0:

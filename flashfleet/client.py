@@ -162,7 +162,11 @@ def _to_chunk(resp: common_pb2.GenerateResponse) -> Chunk:
                  prompt_logprobs=tuple(resp.chunk.prompt_logprobs))
 
 
-def _accumulate(chunks: Iterable[Chunk]) -> Completion:
+def accumulate(chunks: Iterable[Chunk]) -> Completion:
+    """One `Completion` of a stream's chunks (what `Client.complete` returns): their texts, token
+    ids and log-probabilities joined, the prompt's log-probabilities once (a stream resumed on
+    another worker repeats them), and the last chunk's finish reason, stats and workers. An empty
+    stream gives an empty Completion."""
     text, ids, logprobs, prompt_logprobs, last = [], [], [], [], None
     for chunk in chunks:
         text.append(chunk.text)
@@ -362,7 +366,7 @@ class Client:
         complete(), for a keyword generate() does not take).
         """
         _check_keywords("complete", kwargs)
-        return _accumulate(self.generate(model, prompt, **kwargs))
+        return accumulate(self.generate(model, prompt, **kwargs))
 
     def choices(self, model: str, prompt: str | None = None, *, n: int, **kwargs) -> list[Completion]:
         """n completions of one prompt (OpenAI's `n`), run together; choice i in the list's place i.
@@ -379,7 +383,7 @@ class Client:
         _check_keywords("choices", kwargs)
         calls = _choice_kwargs(n, kwargs)
         with ThreadPoolExecutor(max_workers=len(calls)) as pool:
-            return list(pool.map(lambda kw: _accumulate(self.generate(model, prompt, **kw)), calls))
+            return list(pool.map(lambda kw: accumulate(self.generate(model, prompt, **kw)), calls))
 
     def list_models(self, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> list[coordinator_pb2.ServedModel]:
         """Models the fleet serves, with the workers serving each and their decode modes.
@@ -567,7 +571,7 @@ class AsyncClient:
     async def complete(self, model: str, prompt: str | None = None, **kwargs) -> Completion:
         """Runs generate() to the end; see Client.complete (same arguments and errors)."""
         _check_keywords("complete", kwargs)
-        return _accumulate([c async for c in self.generate(model, prompt, **kwargs)])
+        return accumulate([c async for c in self.generate(model, prompt, **kwargs)])
 
     async def choices(self, model: str, prompt: str | None = None, *, n: int, **kwargs) -> list[Completion]:
         """n completions of one prompt, run together; see Client.choices (same arguments, seeds

@@ -412,6 +412,44 @@ def test_engine_and_coordinator_count_kv_with_one_formula(tiny_models, dflash_di
                 assert sched.fits_alone(mode, n) == (need <= sched.budget)
 
 
+def test_engine_and_coordinator_call_the_same_kv_functions(tiny_models, monkeypatch):
+    """The engine's admission (`fits_alone`, `projected_bytes`) and the coordinator's migration
+    policy (`kv_need_bytes`) compute through the functions of flashfleet/kv_need.py, not copies of
+    them: with each function replaced by a recording one, both sides' calls show up, and the
+    coordinator's number is the engine's."""
+    import sys
+
+    from coordinator.migration import MigrationPolicy
+    from coordinator.registry import WorkerRecord
+    from flashfleet import kv_need
+    from flashfleet.v1 import common_pb2, worker_pb2
+
+    calls = []
+    for name in ("bucket", "batch_bytes", "working_bytes", "final_need_bytes"):
+        def recording(*args, _real=getattr(kv_need, name), _name=name):
+            calls.append((sys._getframe(1).f_globals["__name__"], _name))
+            return _real(*args)
+        monkeypatch.setattr(kv_need, name, recording)
+    with Engine(EngineConfig(model_path=tiny_models.llama, capacity=2)) as engine:
+        sched = engine._scheduler  # idle: read only
+        calls.clear()
+        fits = sched.fits_alone("plain", 300)
+        sched.projected_bytes()
+        engine_side = set(calls)
+        row = sched.row_bytes("plain", 310)
+        want = row + kv_need.working_bytes(row, sched.kv_layers)
+        per_position, layers = sched.bytes_per_position["plain"], sched.kv_layers
+    assert {("worker.engine.scheduler", "batch_bytes"), ("worker.engine.scheduler", "working_bytes")} <= engine_side
+    load = worker_pb2.WorkerLoad(capacity=2, kv_budget_bytes=10**9, kv_layers=layers, sessions=[worker_pb2.SessionLoad(
+        request_id="r", context_tokens=300, remaining_tokens=10, kv_bytes_per_position=per_position)])
+    record = WorkerRecord("w", "w:1", "lease", [common_pb2.ModelInfo(name="m", kv_bytes_per_token=per_position)],
+                          load, 0.0, model_names=frozenset({"m"}))
+    calls.clear()
+    assert MigrationPolicy.kv_need_bytes(record, "m") == want and fits
+    assert {("coordinator.migration", "final_need_bytes"), ("flashfleet.kv_need", "batch_bytes"),
+            ("flashfleet.kv_need", "working_bytes")} <= set(calls)
+
+
 def _draft_logits(target, draft, prompts, joins, sizes, eos) -> list[list[mx.array]]:
     """Drives a DFlash `Batch` by hand: prompt i joins before iteration joins[i], and iteration k
     runs block size sizes[k] for every row. Returns each row's draft logits (L - 1, V), one per

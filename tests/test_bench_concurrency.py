@@ -94,3 +94,23 @@ def test_mlx_lm_server_gets_a_copy_in_the_workers_dtype(tmp_path, tiny_models):
     for name, p in tree_flatten(copy.parameters()):
         assert p.dtype == mx.float32, name
         np.testing.assert_array_equal(np.array(p), np.array(want[name].astype(mx.float32)))
+
+
+def test_mlx_lm_server_runs_with_the_workers_blas(tiny_models):
+    """mlx-lm's server process gets the environment `flashfleet up` gives its workers (OpenBLAS
+    preloaded on a Linux CPU), also where this process was started without it (as pytest is):
+    the same BLAS on both sides of the comparison."""
+    import sys
+
+    from flashfleet.blas import openblas_env
+    from flashfleet.cli.up import worker_env
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_concurrency import MlxServer
+
+    server = MlxServer(tiny_models.llama, 1)
+    server.log.close()
+    assert server.env == worker_env()
+    preload = openblas_env()
+    if preload is not None:  # a Linux CPU with OpenBLAS installed, LD_PRELOAD not set here
+        assert server.env["LD_PRELOAD"] == preload["LD_PRELOAD"]

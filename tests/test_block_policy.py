@@ -198,3 +198,17 @@ def test_the_least_recent_timing_is_the_cost_and_old_ones_age_out():
     assert t.estimate() == 0.003 and len(t) == 3
     with pytest.raises(ValueError):
         RecentTimings(window=0)
+
+
+def test_the_decode_profile_keeps_costs_in_the_block_policys_buckets():
+    """The plain-step costs a worker reports (`DecodeProfile`) and the costs the block policy
+    chooses by are bucketed alike: one bucketing (`BatchBlockPolicy.key`), one context floor."""
+    from worker.engine.block_policy import BatchBlockPolicy
+    from worker.engine.profile import DecodeProfile
+
+    for batch_size, context in ((1, 1), (3, 255), (5, 257), (8, 1000), (9, 5000)):
+        profile = DecodeProfile()
+        for _ in range(2):  # the first iteration of a bucket is warm-up
+            profile.decode(batch_size, context, 1, 0.01)
+        [entry] = profile.snapshot()
+        assert (entry.batch_size, entry.context_tokens) == BatchBlockPolicy.key(batch_size, context)

@@ -15,10 +15,12 @@ from worker.engine.thread import Engine
 
 
 def greedy_reference(model_dir, prompt_tokens, n):
-    """Plain greedy decoding with mlx-lm's own generate_step (the baseline)."""
-    from mlx_lm import load
+    """Plain greedy decoding with mlx-lm's own generate_step (the baseline), the model loaded as
+    the workers load it (`worker.loading.load_target`: their compute dtype; same process, same BLAS)."""
     from mlx_lm.generate import generate_step
-    model, _ = load(str(model_dir))
+
+    from worker.loading import load_target
+    model, _ = load_target(model_dir)
     out = []
     for tok, _ in generate_step(mx.array(prompt_tokens), model, max_tokens=n):
         out.append(int(tok))

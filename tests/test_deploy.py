@@ -697,8 +697,8 @@ class _Child:
 
 
 def test_up_stop_gives_streams_the_workers_drain_time(tmp_path):
-    # Ctrl-C of `up` used to SIGKILL workers 10 s after SIGTERM while they drain for up to 25 s,
-    # cutting answers still streaming; now each group gets its drain time (+5 s) before SIGKILL.
+    # Ctrl-C of `up` gives each group of processes its drain time (+5 s) before SIGKILL: workers
+    # drain for up to 25 s, and a fixed 10 s would cut answers still streaming.
     import signal
 
     from flashfleet.cli.up import LocalCluster

@@ -26,6 +26,21 @@ def test_sdk_names_load_on_first_use():
     assert out.split() == ["flashfleet.client", "flashfleet.errors", "True", "True"]
 
 
+SERVER_ONLY = ("mlx", "mlx_lm", "numpy", "transformers", "aiohttp", "prometheus_client", "coordinator", "worker")
+
+
+def test_the_sdk_and_the_cli_load_no_server_code():
+    """The SDK (`flashfleet`, `flashfleet.client`, its names), the CLI's entry point and its
+    client commands, `flashfleet draft`'s and the cluster config's modules import none of the
+    server's packages (tests/test_client_install.py checks the same in a venv without them)."""
+    out = _run("import sys, flashfleet, flashfleet.client, flashfleet.cli, "
+               "flashfleet.cli.generate, flashfleet.cli.status, flashfleet.cli.drain, flashfleet.cli.move, "
+               "flashfleet.cli.up, flashfleet.cli.demo, flashfleet.cli.draft_cmd, flashfleet.config; "
+               "from flashfleet import Client, AsyncClient, FlashfleetError; "
+               f"print(sorted({{m for m in sys.modules if m.split('.')[0] in {SERVER_ONLY!r}}}))")
+    assert out.strip() == "[]"
+
+
 def test_an_unknown_name_is_an_attribute_error():
     import flashfleet
 

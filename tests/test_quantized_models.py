@@ -75,7 +75,7 @@ def test_compute_dtype_per_device(monkeypatch):
         assert compute_dtype(stored, cpu) == mx.float32
     assert compute_dtype(mx.bfloat16, gpu) == mx.bfloat16
     assert compute_dtype(mx.float16, gpu) == mx.float16
-    assert compute_dtype(mx.float32, gpu) == mx.bfloat16  # an old float32 copy runs in 16 bits
+    assert compute_dtype(mx.float32, gpu) == mx.bfloat16  # a float32-stored model runs in 16 bits
     assert compute_dtype(None, gpu) == mx.bfloat16
     monkeypatch.setenv(COMPUTE_DTYPE_ENV, "bfloat16")
     assert compute_dtype(mx.float32, cpu) == mx.bfloat16
@@ -105,7 +105,7 @@ def test_bf16_files_load_as_float32_on_the_cpu_and_decode_like_a_float32_load(ti
     monkeypatch.setenv(COMPUTE_DTYPE_ENV, "bfloat16")  # kept as stored
     assert _floating(load_target(path)[0]) == {mx.bfloat16}
     monkeypatch.delenv(COMPUTE_DTYPE_ENV)
-    float32, _ = load_target(tiny_models.llama)  # an old float32 copy: unchanged on a CPU
+    float32, _ = load_target(tiny_models.llama)  # a float32-stored model: unchanged on a CPU
     original = dict(tree_flatten(load(str(tiny_models.llama))[0].parameters()))
     assert all(mx.array_equal(v, original[k]) for k, v in tree_flatten(float32.parameters()))
 
@@ -218,3 +218,20 @@ def test_quantize_refuses_bad_bits_and_quantized_sources(quantized, tmp_path):
         quantize_model_dir(src, tmp_path / "x", 3)
     with pytest.raises(ValueError, match="already quantized"):
         quantize_model_dir(result.out_dir, tmp_path / "y", 4)
+
+
+def test_kv_bytes_per_token_are_those_of_the_compute_dtype(tiny_models, dflash_dir, tmp_path):
+    """A bfloat16-stored model (its config says so, as a fetched one's does) computes in float32
+    here (conftest.py), and so does its KV cache: the model description the worker registers and
+    exports metrics from reports the bytes its caches take (the KV budget's own numbers,
+    `Scheduler.bytes_per_position`), not half of them; a DFlash draft's share likewise."""
+    path = _bf16_copy(tiny_models.llama, tmp_path / "bf16")
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}))
+    heads = cfg["num_attention_heads"]
+    want = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * (
+        cfg.get("head_dim") or cfg["hidden_size"] // heads) * 4
+    with Engine(EngineConfig(model_path=path, draft_path=dflash_dir, capacity=1)) as engine:
+        per_position = engine._scheduler.bytes_per_position  # idle: read only
+        assert engine.model.kv_bytes_per_token == per_position["plain"] == want
+        assert engine.model.draft_kv_bytes_per_token == per_position["dflash"] - want > 0

@@ -152,14 +152,15 @@ def _run_logprobs(engine, request) -> tuple[list[int], list]:
 
 
 def _mlx_lm_logprobs(model_dir: str, prompts) -> list[list]:
-    """mlx-lm's own greedy decoding of each prompt (`generate_step`, the model in float32 as the
-    worker computes on a CPU): [[the chosen tokens' logprobs], [tokens]] per prompt, 24 tokens."""
+    """mlx-lm's own greedy decoding of each prompt (`generate_step`, the model loaded as the
+    engine loads it: `worker.loading.load_target`, its compute dtype, in the engine's process):
+    [[the chosen tokens' logprobs], [tokens]] per prompt, 24 tokens."""
     import mlx.core as mx
-    from mlx_lm import load
     from mlx_lm.generate import generate_step
 
-    model, _ = load(model_dir)
-    model.set_dtype(mx.float32)
+    from worker.loading import load_target
+
+    model, _ = load_target(model_dir)
     out = []
     for prompt in prompts:
         tokens, lps = [], []

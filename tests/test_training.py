@@ -1023,7 +1023,7 @@ def test_cli_train_init_from_continues_a_saved_draft(tmp_path, tiny_models):
 def test_cli_train_init_from_another_targets_draft_fails_before_any_work(tmp_path, tiny_models, capsys,
                                                                          monkeypatch):
     """A draft made for another target (here the shipped 0.5B one: hidden 896 against 64) is refused
-    by the preflight, before the target generates data (it used to fail after)."""
+    by the preflight, before the target generates data."""
     from flashfleet.cli.draft_cmd import main
     import worker.training.train as train_mod
 

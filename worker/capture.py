@@ -53,7 +53,13 @@ def target_hidden_size(model: nn.Module) -> int:
     return int(d)
 
 
-def _embedding(model: nn.Module) -> nn.Module:
+def embedding_module(model: nn.Module) -> nn.Module:
+    """The target's token embedding module (`model.embed_tokens` or `model.model.embed_tokens`, as
+    mlx-lm's models name it): an `nn.Embedding` or its quantized form.
+
+    Raises:
+        TypeError: the model has no `embed_tokens`.
+    """
     inner = getattr(model, "model", None)
     emb = getattr(inner, "embed_tokens", None) if inner is not None else None
     if emb is None:
@@ -72,7 +78,7 @@ def target_vocab_size(model: nn.Module) -> int:
     """
     args = getattr(model, "args", None)
     v = getattr(args, "vocab_size", None)
-    return int(v) if v is not None else int(_embedding(model).weight.shape[0])
+    return int(v) if v is not None else int(embedding_module(model).weight.shape[0])
 
 
 def target_embed_fn(model: nn.Module) -> Callable[[mx.array], mx.array]:
@@ -81,7 +87,7 @@ def target_embed_fn(model: nn.Module) -> Callable[[mx.array], mx.array]:
     Raw means without any architecture-specific input scaling (Gemma multiplies by sqrt(D) inside
     its model, not inside the embedding); DFlash drafts apply their own `input_embedding_scale`.
     """
-    return _embedding(model).__call__
+    return embedding_module(model).__call__
 
 
 def target_head_fn(model: nn.Module, rows: Optional[mx.array] = None) -> Callable[[mx.array], mx.array]:
@@ -93,7 +99,7 @@ def target_head_fn(model: nn.Module, rows: Optional[mx.array] = None) -> Callabl
             returns (..., K) logits (a draft vocabulary, `worker.models.dflash.Model.set_vocab`).
             The rows are copied once (bf16 head: K * D * 2 bytes; 4-bit: about a quarter).
     """
-    head = model["lm_head"] if "lm_head" in model else _embedding(model)
+    head = model["lm_head"] if "lm_head" in model else embedding_module(model)
     if rows is not None:
         head = _head_rows(head, rows)
     return head.__call__ if "lm_head" in model else head.as_linear

@@ -3,8 +3,8 @@
 Fetched models are stored in a 16-bit dtype (bfloat16, or the source's float16) and some in 4 or
 8 bits (MLX affine quantization, 16-bit scales). A worker picks the compute dtype at load:
 
-- on a GPU (Metal or CUDA): the stored 16-bit dtype; a float32 copy (fetched before models were
-  stored in 16 bits, or a tiny test model) is cast to bfloat16. Half the bytes per weight is
+- on a GPU (Metal or CUDA): the stored 16-bit dtype; a model stored in float32 (any local
+  directory in float32, such as the tests' tiny models) is cast to bfloat16. Half the bytes per weight is
   about half the time of a memory-bound decode step.
 - on a CPU: float32. MLX's CPU backend has no bfloat16 matrix kernels; float32 matmuls go to
   BLAS (OpenBLAS when preloaded, `flashfleet.blas`), so decoding is faster in float32 even though

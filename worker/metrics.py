@@ -87,12 +87,19 @@ class ModelFootprint:
     kv_bytes_per_token: int = 0
 
 
-def model_footprint(model_dir: Path) -> ModelFootprint:
+def model_footprint(model_dir: Path, kv_element_bytes: int = 0) -> ModelFootprint:
     """Estimates a model directory's footprint from its files, without loading it.
 
     Weights: the size of its *.safetensors files. KV per token: 2 (K and V) x layers x KV heads x
-    head dim x bytes per element (float32: 4, otherwise 2; quantized models keep a float16 cache).
-    Sliding-window layers are counted as full attention (an overestimate for e.g. Gemma 3).
+    head dim x bytes per element. Sliding-window layers are counted as full attention (an
+    overestimate for e.g. Gemma 3). A loaded engine reports the bytes its caches take instead
+    (`worker.engine.kv_layout`), for its target and a DFlash draft.
+
+    Args:
+        model_dir: the model directory (config.json, *.safetensors).
+        kv_element_bytes: bytes of one cached element: those of the dtype the worker computes in
+            (`worker.loading.compute_dtype`: float32 on a CPU, whatever the stored dtype);
+            0: the config's torch_dtype (float32: 4, otherwise 2).
 
     Returns:
         The footprint; fields it cannot tell are 0 (never raises on odd configs).
@@ -107,7 +114,7 @@ def model_footprint(model_dir: Path) -> ModelFootprint:
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
         dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float16")
-        kv = 2 * layers * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 2)
+        kv = 2 * layers * kv_heads * head_dim * (kv_element_bytes or _DTYPE_BYTES.get(dtype, 2))
     except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
         kv = 0
     return ModelFootprint(weights_bytes=weights, kv_bytes_per_token=kv)

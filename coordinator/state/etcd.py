@@ -106,7 +106,7 @@ class EtcdState(FleetState):
         self._tasks = [loop.create_task(self._follow(revision + 1)), loop.create_task(self._keep_own_lease()),
                        loop.create_task(self._write_loop())]
         log.info("coordinator %s shares the fleet state in etcd (%s)", self.coordinator_id,
-                 ", ".join(self.client._targets))
+                 ", ".join(self.client.targets))
 
     async def close(self) -> None:
         """Stops following etcd, revokes this coordinator's lease (its ownerships go at once,

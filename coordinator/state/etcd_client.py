@@ -87,6 +87,11 @@ class EtcdClient:
         self._keepalive_lock = asyncio.Lock()
         self._keepalive_call = None
 
+    @property
+    def targets(self) -> list[str]:
+        """The endpoints' gRPC targets ("host:port"), in the order given."""
+        return list(self._targets)
+
     async def close(self) -> None:
         """Closes every channel (open watches and keep-alives end)."""
         for ch in self._channels:

@@ -110,7 +110,7 @@ def run_prompts(address: str, model: str, prompts: list[dict], max_tokens: int,
     Raises:
         RuntimeError: any prompt failed (after all of them finished); the message lists each.
     """
-    from flashfleet.client import Client, _accumulate
+    from flashfleet.client import Client, accumulate
 
     results: list = [None] * len(prompts)
     errors: list = []
@@ -126,7 +126,7 @@ def run_prompts(address: str, model: str, prompts: list[dict], max_tokens: int,
                     if i == 0 and stream_first is not None:
                         stream_first.write(chunk.text)
                         stream_first.flush()
-                completion = _accumulate(chunks)
+                completion = accumulate(chunks)
                 results[i] = Answer(completion, completion.served_by or (completion.worker_id,))
         except Exception as e:  # reported after the others finish
             errors.append(f"prompt {p['id']}: {e}")

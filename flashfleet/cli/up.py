@@ -57,8 +57,8 @@ def port_is_free(host: str, port: int) -> bool:
 
 
 def worker_env() -> dict[str, str]:
-    """Environment for worker processes: this one's, with Debian's OpenBLAS preloaded where it
-    applies (`flashfleet.blas.openblas_env`)."""
+    """Environment for worker processes (and for anything that must compute as they do): this
+    one's, with OpenBLAS preloaded where it applies (`flashfleet.blas.openblas_env`)."""
     return openblas_env() or dict(os.environ)
 
 

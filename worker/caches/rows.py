@@ -21,7 +21,6 @@ import mlx.core as mx
 from flashfleet.kv_need import POSITION_BUCKET, bucket
 
 STEP = POSITION_BUCKET  # buffer positions are allocated in buckets of this many
-_bucket = bucket  # positions rounded up to whole buckets (the formula the coordinator shares)
 # Arrays one forward's layers would each build alike (positions, advanced lengths, scatter
 # indices), kept by the first layer for the next ones; per thread (each engine thread its own).
 # An entry is used only for the very input arrays it was built from, so it is never stale.
@@ -66,7 +65,7 @@ class RowKVCache:
         """S after a write of `new_tokens` positions a row: the current S, or the bucket that holds
         the longest row's new end."""
         have = 0 if self.keys is None else self.keys.shape[2]
-        return max(have, _bucket(max(self.host_lengths, default=0) + new_tokens))
+        return max(have, bucket(max(self.host_lengths, default=0) + new_tokens))
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None,
                   **_: object) -> mx.array:
@@ -176,7 +175,7 @@ class RowKVCache:
         idx = mx.array(list(rows), dtype=mx.int32)
         self.lengths = self.lengths[idx]
         if self.keys is not None:
-            S = min(self.keys.shape[2], _bucket(max(self.host_lengths)))
+            S = min(self.keys.shape[2], bucket(max(self.host_lengths)))
             self.keys, self.values = self.keys[idx, :, :S], self.values[idx, :, :S]
 
     def extend(self, other: "RowKVCache") -> None:
@@ -186,7 +185,7 @@ class RowKVCache:
         else:
             ref = self.keys if self.keys is not None else other.keys
             refv = self.values if self.values is not None else other.values
-            S = max(_bucket(max(self.host_lengths + other.host_lengths, default=0)),
+            S = max(bucket(max(self.host_lengths + other.host_lengths, default=0)),
                     *(c.keys.shape[2] for c in (self, other) if c.keys is not None))
 
             def padded(c: RowKVCache, a: Optional[mx.array], like: mx.array) -> mx.array:
@@ -205,7 +204,7 @@ class RowKVCache:
         n = self.host_lengths[r]
         out.set_lengths([n])
         if self.keys is not None:
-            S = min(self.keys.shape[2], _bucket(n))
+            S = min(self.keys.shape[2], bucket(n))
             out.keys = mx.contiguous(self.keys[r: r + 1, :, :S])
             out.values = mx.contiguous(self.values[r: r + 1, :, :S])
         return out

@@ -2,7 +2,7 @@
 
 The draft has its own tokenizer. Sources: Timor et al. 2025, "Accelerating LLM Inference with
 Lossless Speculative Decoding Algorithms for Heterogeneous Vocabularies" (arXiv:2502.05202, the
-SLEM method); Hugging Face blog "Universal Assisted Generation" (Intel Labs + HF, 2024-10-29,
+SLEM method); Hugging Face blog "Universal Assisted Generation" (Intel Labs + HF, October 2024,
 transformers `AssistedCandidateGeneratorDifferentTokenizers`); mlx-lm PR #1025 (naive vs
 context-aware translation); Leviathan et al. 2023 for the speculative round itself. docs/uag.md
 describes the method.

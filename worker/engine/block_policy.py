@@ -127,6 +127,9 @@ class Acceptance:
         return Acceptance(self.rates(max(1, n)), weight=weight)
 
 
+CONTEXT_FLOOR = 256  # the smallest context bucket of measured iteration costs, tokens
+
+
 def pow2_bucket(n: int, floor: int = 1) -> int:
     """The power-of-two bucket of `n` (its upper bound), at least `floor`."""
     return max(floor, 1 << max(0, int(n) - 1).bit_length())
@@ -177,7 +180,7 @@ class BatchBlockPolicy:
     @staticmethod
     def key(batch_size: int, context: int) -> tuple[int, int]:
         """(batch-size bucket, context bucket) that costs are kept under."""
-        return pow2_bucket(batch_size), pow2_bucket(context, 256)
+        return pow2_bucket(batch_size), pow2_bucket(context, CONTEXT_FLOOR)
 
     def cost(self, batch_size: int, context: int, L: int) -> Optional[float]:
         """Estimated seconds of an iteration at block size L (None: never measured in this bucket)."""

@@ -22,7 +22,8 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from worker.caches.rows import RowKVCache, _bucket
+from flashfleet.kv_need import bucket
+from worker.caches.rows import RowKVCache
 
 FORMAT_VERSION = 1
 DEFAULT_IMPORT_TTL_S = 30.0  # an imported state no request claims is dropped after this long
@@ -151,7 +152,7 @@ def restore(caches: list[CacheBytes], positions: int) -> list[RowKVCache]:
     """One-row `RowKVCache`s holding positions [0, positions) of `caches` (engine thread); their
     buffers are padded to the allocation bucket, as a prefill's are."""
     out = []
-    S = _bucket(positions)
+    S = bucket(positions)
     for c in caches:
         lay = c.layout
         k = _device_array(c.keys, lay.key_shape, lay.dtype)

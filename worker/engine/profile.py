@@ -21,10 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from worker.engine.block_policy import Acceptance, pow2_bucket
+from worker.engine.block_policy import Acceptance, BatchBlockPolicy
 from worker.engine.timings import RecentTimings
-
-CONTEXT_FLOOR = 256  # the smallest context bucket, tokens
 
 
 @dataclass(frozen=True)
@@ -71,7 +69,7 @@ class DecodeProfile:
         and the first one of each bucket is dropped as warm-up."""
         if block != 1 or batch_size < 1 or seconds <= 0:
             return
-        key = (pow2_bucket(batch_size), pow2_bucket(context, CONTEXT_FLOOR))
+        key = BatchBlockPolicy.key(batch_size, context)  # the block policy's buckets
         self._ticks += 1
         if key not in self._seen:  # the first iteration of a bucket is warm-up (graph set-up, compiles)
             self._seen.add(key)

@@ -45,8 +45,8 @@ from worker.engine.imports import StagedImport, StagedImports
 from worker.engine import kv_layout
 from worker.engine.kv_transfer import CacheBytes, Layout, snapshot
 from worker.engine.prompt_cache import PromptCache
-from flashfleet.kv_need import batch_bytes, working_bytes
-from worker.caches.rows import STEP, RowKVCache, _bucket, make_row_caches
+from flashfleet import kv_need  # the one KV formula, shared with the coordinator
+from worker.caches.rows import STEP, RowKVCache, make_row_caches
 from worker.engine.session import Session
 from worker.engine.types import ErrorEvent, NotExportable, Overloaded, TokenLogprob, UnknownSession
 from worker.decoding.base import Sampler, Step
@@ -183,8 +183,9 @@ class Scheduler:
         return [RowKVCache(batch) for _ in self.m.draft.layers]
 
     def row_bytes(self, mode: str, positions: int) -> int:
-        """Bytes of one row holding `positions` positions (in whole buffer buckets)."""
-        return _bucket(positions) * self.bytes_per_position.get(mode, self.bytes_per_position["plain"])
+        """Bytes of one row holding `positions` positions (in whole buffer buckets;
+        `flashfleet.kv_need.batch_bytes` of one row)."""
+        return kv_need.batch_bytes(1, positions, self.bytes_per_position.get(mode, self.bytes_per_position["plain"]))
 
     def max_block(self, mode: str) -> int:
         return self.block_size if mode == "dflash" else 1
@@ -213,10 +214,10 @@ class Scheduler:
                 continue
             positions = max([batch.positions_after(L) if batch.size else 0]
                             + [len(s.tokens) + L for s in rows])
-            b = batch_bytes(batch.size + len(rows), positions, self.bytes_per_position[mode])
+            b = kv_need.batch_bytes(batch.size + len(rows), positions, self.bytes_per_position[mode])
             total += b + sum(self.row_bytes(mode, len(s.tokens)) for s in rows)
             largest = max(largest, b)
-        total += working_bytes(largest, self.kv_layers)
+        total += kv_need.working_bytes(largest, self.kv_layers)
         claimed = extra.import_id if extra is not None else ""
         total += self.imports.nbytes(excluding=claimed)
         return total + sum(c.nbytes for s in self.generators.values() for c in s.caches)
@@ -229,7 +230,7 @@ class Scheduler:
     def fits_alone(self, mode: str, positions: int) -> bool:
         """Whether one session of `positions` positions fits the budget with nothing else."""
         row = self.row_bytes(mode, positions)
-        return row + working_bytes(row, self.kv_layers) <= self.budget
+        return row + kv_need.working_bytes(row, self.kv_layers) <= self.budget
 
     # ----- sessions in and out -----------------------------------------------------------------
 

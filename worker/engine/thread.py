@@ -47,6 +47,7 @@ from worker.engine.types import (
     SamplingParams,
     TokenEvent,
 )
+from worker.loading import DTYPES, compute_dtype
 from worker.metrics import model_footprint  # observability: bytes a decode step reads
 from worker.sampling import sampler_for
 
@@ -157,6 +158,7 @@ class Engine:
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
         self._scheduler: Scheduler | None = None  # the engine thread's
+        self._bytes_per_position: dict[str, int] = {}  # the scheduler's, set once it is made
         # Published by the engine thread for load(): sessions' KV bytes, the prompt cache's, the budget.
         self._kv_bytes = self._prompt_cache_bytes = self._kv_budget = 0
         # Measured speed for the coordinator's migration policy (worker/engine/profile.py).
@@ -177,9 +179,12 @@ class Engine:
         self._vocab_size: int | None = model_cfg.get("vocab_size")
         self._draft_kind = "" if draft_cfg is None else config.draft_kind or draft_kind_of(
             draft_cfg, config.draft_path, config.model_path)
-        # Observability only: weights and KV bytes per token, from config.json and file sizes.
-        target_fp = model_footprint(config.model_path)
-        draft_fp = model_footprint(config.draft_path) if config.draft_path is not None else None
+        # Weights and KV bytes per token from config.json and file sizes, the KV in the dtype the
+        # worker computes in; once loaded, the target's and a DFlash draft's KV bytes are those
+        # the caches take (`_measured_kv`).
+        kv_item = compute_dtype(DTYPES.get(str(model_cfg.get("torch_dtype")))).size
+        target_fp = model_footprint(config.model_path, kv_item)
+        draft_fp = model_footprint(config.draft_path, kv_item) if config.draft_path is not None else None
         self._model = ModelDescription(
             name=config.served_name,
             max_context_tokens=int(context),
@@ -208,6 +213,18 @@ class Engine:
             if isinstance(self._startup_error, (DraftCheckpointError, FileNotFoundError)):
                 raise self._startup_error  # a user error (e.g. a model directory without weights): say it plainly
             raise RuntimeError(f"engine failed to start: {self._startup_error}") from self._startup_error
+        self._model = self._measured_kv(self._model, self._bytes_per_position)
+
+    @staticmethod
+    def _measured_kv(model: ModelDescription, per_position: Mapping[str, int]) -> ModelDescription:
+        """`model` with the KV bytes per token the loaded caches take (`Scheduler.bytes_per_position`,
+        the numbers the KV budget counts with): the target's plain bytes, and a DFlash draft's
+        share of its mode's; a classic or cross-tokenizer draft keeps its estimate."""
+        if "plain" not in per_position:
+            return model
+        plain = per_position["plain"]
+        draft = per_position["dflash"] - plain if "dflash" in per_position else model.draft_kv_bytes_per_token
+        return replace(model, kv_bytes_per_token=plain, draft_kv_bytes_per_token=draft)
 
     # ----- lifecycle -------------------------------------------------------------------------
 
@@ -336,6 +353,7 @@ class Engine:
         try:
             models = load_models(self.config, self._draft_kind)
             sched = self._scheduler = self._make_scheduler(models)
+            self._bytes_per_position = dict(sched.bytes_per_position)
             self.transfer.loaded(self.config, models.draft_kind, sched)
             if self.config.warmup:
                 self._warmup(models, sched)

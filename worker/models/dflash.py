@@ -420,6 +420,17 @@ class Model(nn.Module):
             c.trim(L)
         return self.norm(h)
 
+    def target_embedding(self, ids: mx.array) -> mx.array:
+        """The bound target's token embedding of `ids` (any shape, int ids): (*ids.shape, D) in
+        the embedding's dtype, without the draft's `input_embedding_scale`.
+
+        Raises:
+            RuntimeError: the draft is not bound to a target (`bind`).
+        """
+        if self._embed is None:
+            raise RuntimeError("DFlash draft is not bound to a target; call bind(target)")
+        return self._embed(ids)
+
     def block_embeddings(self, inputs: mx.array) -> mx.array:
         """The block's input: the target's embedding of `inputs` (B, L) int ids (the last
         committed token, then MASK ids), scaled as the draft was trained: (B, L, D).
@@ -427,9 +438,7 @@ class Model(nn.Module):
         Raises:
             RuntimeError: the draft is not bound to a target (`bind`).
         """
-        if self._embed is None:
-            raise RuntimeError("DFlash draft is not bound to a target; call bind(target)")
-        h = self._embed(inputs)
+        h = self.target_embedding(inputs)
         scale = self.args.input_embedding_scale
         return h * scale if scale != 1.0 else h
 

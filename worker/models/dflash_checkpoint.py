@@ -30,7 +30,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from worker.capture import target_hidden_size, target_layers, target_vocab_size, _embedding
+from worker.capture import embedding_module, target_hidden_size, target_layers, target_vocab_size
 from worker.models.dflash import Model, ModelArgs, default_target_layer_ids
 
 CONFIG_FILE = "config.json"
@@ -283,7 +283,7 @@ def quantized_bytes_per_param(bits: int, group_size: int, scale_bytes: int = 2) 
 def target_dtype(target: nn.Module) -> mx.Dtype:
     """The floating dtype `target` computes in: its embedding's weight dtype, or for a quantized
     embedding the dtype of its scales (bfloat16 when neither is floating)."""
-    emb = _embedding(target)
+    emb = embedding_module(target)
     for name in ("weight", "scales"):
         w = getattr(emb, name, None)
         if w is not None and mx.issubdtype(w.dtype, mx.floating):

@@ -115,7 +115,7 @@ def block_hidden(
 
     Args:
         draft: the bound draft (its modules give the config: heads, RoPE, windows, eps; its
-            `_embed` is the target's frozen embedding).
+            `target_embedding` is the target's frozen embedding).
         params: weights in `draft.parameters()` layout, already in the compute dtype.
         taps: (Bsz, S, n_taps * D) concatenated target layer outputs of the clean sequence.
         block_ids: (Bsz, N, B) int block tokens (`block_inputs`).
@@ -125,15 +125,13 @@ def block_hidden(
     Returns:
         (Bsz * N, B, D) in the params' dtype.
     """
-    if draft._embed is None:
-        raise RuntimeError("DFlash draft is not bound to a target; call bind(target)")
     args = draft.args
     eps = float(args.rms_norm_eps)
     bsz, n, B = block_ids.shape
     S = taps.shape[1]
     dtype = params["fc"]["weight"].dtype
     ctx = _rms(_linear(taps.astype(dtype), params["fc"]), params["hidden_norm"]["weight"], eps)
-    h = draft._embed(block_ids.reshape(bsz * n, B)).astype(dtype)
+    h = draft.target_embedding(block_ids.reshape(bsz * n, B)).astype(dtype)  # RuntimeError unbound
     scale = args.input_embedding_scale
     if scale != 1.0:
         h = h * scale

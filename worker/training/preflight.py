@@ -117,8 +117,8 @@ def check_init_against_target(cfg: TrainConfig, draft_config: dict, target_path:
 
 def check_taps_and_mask(cfg: TrainConfig, target_path: Path) -> None:
     """Explicit --target-layer-ids and --mask-token-id against the target's config.json, before
-    any weights load or the target answers a prompt (a tap past the last layer used to fail only
-    when the draft was built, after data generation)."""
+    any weights load or the target answers a prompt (otherwise a tap past the last layer would
+    fail only when the draft is built, after data generation)."""
     if not (cfg.target_layer_ids or cfg.mask_token_id is not None):
         return
     layers, vocab = (target_config(target_path).get(k) for k in ("num_hidden_layers", "vocab_size"))

@@ -116,7 +116,7 @@ class Trainer:
         """Bytes the taps of each length class take, each sequence padded to its class's width:
         rows in class * width * n_taps * D * dtype size (one entry per class)."""
         d = target_hidden_size(self.target) * len(self.draft.target_layer_ids)
-        itemsize = self.draft._embed(mx.array([0])).dtype.size
+        itemsize = self.draft.target_embedding(mx.array([0])).dtype.size
         rows = np.bincount(self.bucket_of, minlength=len(self.widths))
         return [int(r) * w * d * itemsize for r, w in zip(rows, self.widths)]
 
