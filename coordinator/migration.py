@@ -37,7 +37,12 @@ report of its worker: between two heartbeats a check would weigh the same sessio
   per prefilled token), and at least `min_saving_s` (measured profiles carry noise: on equally
   fast workers a cheap move could otherwise win on it now and then); the one saving the most net of the cost wins. "speed" when d would be
   that much faster even at the source's batch size (a faster machine), "load" otherwise (the
-  gain comes from a smaller batch: a shared worker to an idle one).
+  gain comes from a smaller batch: a shared worker to an idle one). A speed or load move back to
+  the worker the session left also needs tps_d >= `min_speedup` x g x tps_src, g the tokens/s
+  ratio its move away predicted: going back must beat the evidence that made it leave, by the
+  same margin. Profiles measured at different moments of a busy host differ by more than
+  `min_speedup` now and then, and two equally fast workers would otherwise trade a session
+  back and forth once `cooldown_s` has passed.
 
 Candidates: live, reachable, not draining, serving the model and mode, with a free slot and KV
 room for the session's growth (when budgets are known), and not the worker the session left less
@@ -87,12 +92,14 @@ class Decision:
         reason: one of REASONS.
         saved_s: predicted seconds saved over the remaining tokens (speed/load; 0 otherwise).
         cost_s: predicted pause of the move, seconds (inf when unknown).
+        gain: predicted tokens/s on `dest` over the source's (speed/load; 0 otherwise).
     """
 
     dest: WorkerRecord
     reason: str
     saved_s: float = 0.0
     cost_s: float = math.inf
+    gain: float = 0.0
 
 
 def _interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
@@ -333,7 +340,8 @@ class MigrationPolicy:
 
     def decide(self, request: common_pb2.GenerateRequest, source: WorkerRecord, sent_tokens: int,
                workers: Iterable[WorkerRecord], moved_s: float | None, now_s: float,
-               left_worker: str | None = None, left_s: float | None = None) -> Decision | None:
+               left_worker: str | None = None, left_s: float | None = None,
+               left_gain: float = 0.0) -> Decision | None:
         """Whether and where a running stream moves now (module docstring).
 
         Args:
@@ -345,6 +353,7 @@ class MigrationPolicy:
             moved_s: clock time of its last move or refused attempt, None if never.
             now_s: clock time now (seconds, the same clock).
             left_worker, left_s: the worker it last moved away from, and when.
+            left_gain: the `Decision.gain` of that move (0: not a speed or load move).
 
         Returns:
             A Decision, or None to stay.
@@ -374,7 +383,7 @@ class MigrationPolicy:
                 dest = self.fastest(request, source, session, cands, peers)
                 if dest is not None:
                     return Decision(dest, "memory", cost_s=self.move_cost_s(session, dest))
-        return self._speed(request, source, session, sent_tokens, cands, peers)
+        return self._speed(request, source, session, sent_tokens, cands, peers, left_worker, left_gain)
 
     def _sample(self, workers: list[WorkerRecord], source: WorkerRecord) -> list[WorkerRecord]:
         """The workers a memory, speed or load check looks at: all of them in a fleet of up to
@@ -387,7 +396,8 @@ class MigrationPolicy:
         return [w for w in self.rng.sample(workers, draws) if w is not source]
 
     def _speed(self, request, source: WorkerRecord, session: worker_pb2.SessionLoad, sent_tokens: int,
-               cands: Sequence[WorkerRecord], peers: Sequence[WorkerRecord]) -> Decision | None:
+               cands: Sequence[WorkerRecord], peers: Sequence[WorkerRecord], left_worker: str | None = None,
+               left_gain: float = 0.0) -> Decision | None:
         budget = request.max_tokens if request.HasField("max_tokens") else WORKER_DEFAULT_MAX_TOKENS
         remaining = session.remaining_tokens or max(0, budget - sent_tokens)
         if remaining < self.min_remaining_tokens:
@@ -402,7 +412,8 @@ class MigrationPolicy:
         for d in cands:  # the KV-room check (a sum over d's sessions) last: few get that far
             s = speedup if _draft_mode(d, request.model) == source_mode else 1.0
             tps = self._tps(d, d.busy + 1, context, s, peers)
-            if tps is None or tps < self.min_speedup * tps_src:
+            back = max(1.0, left_gain) if d.worker_id == left_worker else 1.0  # going back: beat the move away
+            if tps is None or tps < self.min_speedup * back * tps_src:
                 continue
             saved = remaining / tps_src - remaining / tps
             cost = self.move_cost_s(session, d)
@@ -412,7 +423,7 @@ class MigrationPolicy:
                 # "speed": faster at the source's own batch size (a faster machine); else "load"
                 same = self._tps(d, max(1, source.busy), context, s, peers)
                 best = Decision(d, "speed" if same is not None and same >= self.min_speedup * tps_src else "load",
-                                saved, cost)
+                                saved, cost, tps / tps_src)
         return best
 
 
@@ -432,6 +443,7 @@ class StreamProgress:
         self.resumed_tokens = 0
         self.left_worker: str | None = None  # the worker it last moved away from
         self.left_s: float | None = None
+        self.left_gain = 0.0  # the tokens/s ratio that move predicted (0: not a speed or load move)
         self._next_check_s = 0.0
 
     def resume_from(self, token_ids: list[int], text: str) -> None:
@@ -477,10 +489,11 @@ class StreamProgress:
         self.resumed_tokens = len(self.token_ids)
         self.attempted()
 
-    def left(self, worker_id: str) -> None:
-        """Records that the stream moved away from `worker_id` now (it does not go back there
-        within the policy's cooldown)."""
-        self.left_worker, self.left_s = worker_id, self._clock()
+    def left(self, worker_id: str, gain: float = 0.0) -> None:
+        """Records that the stream moved away from `worker_id` now, by a move that predicted
+        `gain` times the tokens/s there (`Decision.gain`): it does not go back within the policy's
+        cooldown, nor for speed or load unless the way back predicts more than that gain."""
+        self.left_worker, self.left_s, self.left_gain = worker_id, self._clock(), gain
 
     def attempted(self) -> None:
         """Starts the cooldown (after a migration, or a destination's refusal)."""

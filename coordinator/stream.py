@@ -426,6 +426,7 @@ class ProxiedStream:
         self.slot: Slot | None = None
         self.call = None
         self.transfer: kv_transfer.Transfer | None = None
+        self._move_gain = 0.0  # the Decision.gain of the move under way (`StreamProgress.left`)
         self._transfer_slot: Slot | None = None
         self.move_request: MoveRequest | None = None
         self.queue_s = 0.0
@@ -538,13 +539,14 @@ class ProxiedStream:
         if not moved and self.transfer is None:
             decision = self._move_decision()
             if decision is not None:
+                self._move_gain = decision.gain
                 moved = await self._migrate(decision.dest, decision.reason)
         if self.transfer is not None:  # a move is under way: MoveSession waits for it
             return False
         self._settle_move_request(moved)
         if not moved:
             return False
-        self.progress.left(source.worker_id)
+        self.progress.left(source.worker_id, self._move_gain)
         if source.draining:
             self.fleet.drain_moved[source.worker_id] = self.fleet.drain_moved.get(source.worker_id, 0) + 1
         return True
@@ -746,7 +748,7 @@ class ProxiedStream:
         self._checked_load = self.worker.load
         p = self.progress
         return policy.decide(self.request, self.worker, len(p.token_ids), self.fleet.registry.live(), p.moved_s,
-                             time.monotonic(), p.left_worker, p.left_s)
+                             time.monotonic(), p.left_worker, p.left_s, left_gain=p.left_gain)
 
     def _owner_decision(self, policy) -> Decision | None:
         """The move the owner of the stream's worker (another coordinator) decided, if its

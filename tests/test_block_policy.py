@@ -164,6 +164,42 @@ def test_re_measurements_thin_out_while_the_choice_holds():
     assert all(b > a for a, b in zip(gaps, gaps[1:]))
 
 
+def test_a_busy_host_does_not_make_a_poor_draft_look_worth_running():
+    """Timings on a loaded host: half the iterations of every size wait 4-20 ms for a CPU on top
+    of their cost (1.5 ms a plain step, a 2-token block twice that). A draft that is never right
+    still runs in at most a few probes of 120 iterations, in each of 200 seeded runs (a mean of
+    timings let one slowed plain step make the block look cheaper, and then kept it chosen)."""
+    import random
+
+    worst = 0
+    for seed in range(200):
+        rng, p, row, drafted = random.Random(seed), BatchBlockPolicy(4), Acceptance((0.5,)), 0
+        for _ in range(120):
+            L = p.choose([row], 300, max_useful=64)
+            p.observe(1, 300, L, 0.0015 * L + (rng.uniform(0.004, 0.020) if rng.random() < 0.5 else 0.0))
+            if L > 1:
+                drafted += 1
+                row.observe(L - 1, 0)
+        worst = max(worst, drafted)
+    assert worst <= 4, worst
+
+
+def test_the_least_recent_timing_is_the_cost_and_old_ones_age_out():
+    from worker.engine.timings import RecentTimings
+
+    t = RecentTimings(window=4, horizon=10)
+    assert t.estimate() is None and len(t) == 0
+    for tick, s in enumerate([0.009, 0.002, 0.015, 0.011]):
+        t.add(tick, s)
+    assert t.estimate() == 0.002 and len(t) == 4  # a slowed timing does not raise it
+    t.add(4, 0.003)  # the window holds 4: the 0.009 is gone, the 0.002 still counts
+    assert t.estimate() == 0.002
+    t.add(13, 0.004)  # the 0.002 (tick 1) is more than 10 ticks before the newest
+    assert t.estimate() == 0.003 and len(t) == 3
+    with pytest.raises(ValueError):
+        RecentTimings(window=0)
+
+
 def test_the_decode_profile_keeps_costs_in_the_block_policys_buckets():
     """The plain-step costs a worker reports (`DecodeProfile`) and the costs the block policy
     chooses by are bucketed alike: one bucketing (`BatchBlockPolicy.key`), one context floor."""

@@ -860,7 +860,8 @@ def test_a_request_for_a_free_model_does_not_wait_behind_another_models_queue():
             t = _queued(c, lambda: out.setdefault("done", client.complete("fake-model", prompt="w", max_tokens=2)))
             t0 = time.monotonic()
             done = free.complete("other-model", prompt="o", max_tokens=2)
-            assert done.worker_id == "w2" and done.stats.queue_s < 0.2 and time.monotonic() - t0 < 1.0
+            # waiting behind the held slot would last until it is given back (20 s queue timeout)
+            assert done.worker_id == "w2" and done.stats.queue_s < 5.0 and time.monotonic() - t0 < 10.0
             assert "done" not in out and c.coordinator.servicer.admission.waiting == 1  # still waits
             held.close()
             t.join(10)

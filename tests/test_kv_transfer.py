@@ -265,7 +265,8 @@ class ScriptedPolicy:
         self.at, self.attempts = list(at), attempts
         self.sources: list[str] = []
 
-    def decide(self, request, source, sent_tokens, workers, moved_s, now_s, left_worker=None, left_s=None):
+    def decide(self, request, source, sent_tokens, workers, moved_s, now_s, left_worker=None, left_s=None,
+               left_gain=0.0):
         from coordinator.migration import Decision
         if not self.sources or self.sources[-1] != source.worker_id:
             self.sources.append(source.worker_id)

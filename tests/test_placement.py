@@ -169,6 +169,28 @@ def test_nothing_ping_pongs_over_many_checks():
     assert len(moves) <= 8, moves
 
 
+def test_going_back_to_the_worker_a_session_left_must_beat_the_gain_that_made_it_leave():
+    """A session left "a" for "b" on a predicted 1.2x. Profiles measured at other moments of a
+    busy host now say "a" is 1.2x faster than "b": that alone does not take it back (it needs
+    1.1 x 1.2), nor to a third worker that is only as fast as "a" would be; a clearly faster
+    "a" (its batch emptied) does."""
+    fleet = Fleet()
+    a, b = fleet.add("a", step_s=0.010), fleet.add("b", step_s=0.012)
+    fleet.place("b", "s", context=300, remaining=1500)
+    p = MigrationPolicy()
+    back = p.decide(_req("s"), b, 20, fleet.live(), None, 100.0, "a", 0.0, left_gain=1.2)
+    assert back is None
+    moved = p.decide(_req("s"), b, 20, fleet.live(), None, 100.0, "a", 0.0, left_gain=0.0)  # a drain's move
+    assert moved is not None and moved.dest is a and moved.gain == pytest.approx(1.2, rel=0.01)
+    c = fleet.add("c", step_s=0.010)
+    other = p.decide(_req("s"), b, 20, fleet.live(), None, 100.0, "a", 0.0, left_gain=1.2)
+    assert other is not None and other.dest is c  # the rule is about the way back only
+    del fleet.workers["c"]
+    a.load = worker_pb2.WorkerLoad(capacity=8, decode_profile=_profile(0.006, 1.0), prefill_seconds_per_token=1e-4)
+    back = p.decide(_req("s"), b, 20, fleet.live(), None, 100.0, "a", 0.0, left_gain=1.2)
+    assert back is not None and back.dest is a and back.gain == pytest.approx(2.0, rel=0.01)
+
+
 def test_a_session_whose_growth_exceeds_the_kv_budget_moves_before_it_does():
     fleet = Fleet()
     src = fleet.add("src", budget=3_000_000)
@@ -268,16 +290,20 @@ def test_policy_rejects_bad_settings():
 
 # ----- worker side ------------------------------------------------------------------------------
 
-def test_decode_profile_drops_warm_up_keeps_means_and_skips_speculative_iterations():
-    prof = DecodeProfile(decay=0.5)
+def test_decode_profile_drops_warm_up_keeps_the_least_recent_timing_and_skips_speculative_iterations():
+    prof = DecodeProfile(decay=0.5, window=3, horizon=100)
     prof.decode(3, 300, 1, 9.0)  # first of bucket (4, 512): warm-up, dropped
     assert prof.snapshot() == []
-    prof.decode(3, 300, 1, 0.02)
-    prof.decode(4, 400, 1, 0.04)
+    prof.decode(3, 300, 1, 0.03)
+    prof.decode(4, 400, 1, 0.02)
+    prof.decode(4, 400, 1, 0.09)  # waited for a CPU: not the worker's speed
     prof.decode(4, 400, 4, 5.0)  # a DFlash iteration at block 4: not a plain step
     (entry,) = prof.snapshot()
-    assert (entry.batch_size, entry.context_tokens, entry.samples) == (4, 512, 2)
-    assert entry.seconds == pytest.approx(0.03)
+    assert (entry.batch_size, entry.context_tokens, entry.samples) == (4, 512, 3)
+    assert entry.seconds == pytest.approx(0.02)
+    for _ in range(3):  # the window holds 3: a cost that grew is followed
+        prof.decode(4, 400, 1, 0.05)
+    assert prof.snapshot()[0].seconds == pytest.approx(0.05)
     prof.prefill(100, 0.5)
     prof.prefill(100, 1.5)
     assert prof.prefill_seconds_per_token == pytest.approx(0.01)

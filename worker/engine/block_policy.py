@@ -10,8 +10,12 @@ steps (L = 1) whenever R(L*) < min_gain * R(1).
 Why measured per batch size: a verify of B x L tokens costs about one decode step while the
 device is bound by reading the weights (small B x L), then grows with B x L once it is bound by
 arithmetic; on a CPU it grows almost linearly from the start. vLLM turns speculation off above a
-batch size for the same reason (`speculative_disable_by_batch_size`). Costs are exponential
-means per (batch-size bucket, context bucket, L), buckets being powers of two; an L not measured
+batch size for the same reason (`speculative_disable_by_batch_size`). Costs are kept per
+(batch-size bucket, context bucket, L), buckets being powers of two, each the least of its recent
+timings (worker/engine/timings.py: a host busy with other work only adds time, and a mean would
+let one plain step that waited for a CPU make speculation look cheap, then keep it chosen since
+plain steps would no longer be timed); plain steps are timed `min_plain_samples` times in a
+bucket before any size is weighed against them. An L not measured
 in a bucket is explored (its first sample dropped as warm-up: graph set-up, kernel compiles) in
 increasing order while it or a larger size could still pay (`choose`), and from time to time
 (`explore_every` iterations, doubling while the choice holds) the policy re-measures a
@@ -35,6 +39,10 @@ from __future__ import annotations
 
 import math
 from typing import Optional, Sequence
+
+from worker.engine.timings import RecentTimings
+
+RATIO_DECAY = 0.7  # weight of the old mean in each cross-bucket cost ratio c(L) / c(1)
 
 
 class Acceptance:
@@ -134,23 +142,33 @@ class BatchBlockPolicy:
         max_block: the draft's trained block size B (largest L).
         min_gain: speculate only when the best block's expected tokens/s is at least this
             multiple of plain steps'.
-        cost_decay: weight of the old mean in each cost estimate, [0, 1).
+        cost_window: each cost is the least of this many recent timings of its size (those
+            within `cost_horizon` iterations of its newest one).
+        cost_horizon: iterations; see `cost_window`.
+        min_plain_samples: plain steps timed in a bucket (within the horizon) before a block
+            size is weighed against them.
         explore_every: iterations to the first re-measurement of a size other than the choice;
             the interval doubles while the choice holds (up to 16x) and resets when it moves.
 
     Raises:
-        ValueError: max_block < 1.
+        ValueError: max_block < 1, cost_window < 1, cost_horizon < 0 or min_plain_samples outside
+            [1, cost_window].
     """
 
-    def __init__(self, max_block: int, min_gain: float = 1.05, cost_decay: float = 0.7,
-                 explore_every: int = 64):
+    def __init__(self, max_block: int, min_gain: float = 1.05, cost_window: int = 16, cost_horizon: int = 64,
+                 min_plain_samples: int = 8, explore_every: int = 64):
         if max_block < 1:
             raise ValueError("max_block must be >= 1")
+        if cost_window < 1 or cost_horizon < 0 or not 1 <= min_plain_samples <= cost_window:
+            raise ValueError("cost_window >= 1, cost_horizon >= 0 and 1 <= min_plain_samples <= cost_window")
         self.candidates = sorted({1, max_block, *(c for c in (2, 4, 8) if c < max_block)})
         self.min_gain = min_gain
-        self.cost_decay = cost_decay
+        self.cost_window, self.cost_horizon = cost_window, cost_horizon
+        self.min_plain_samples = min_plain_samples
         self.explore_every = explore_every
-        self._costs: dict[tuple[int, int], dict[int, float]] = {}
+        self._timings: dict[tuple[int, int], dict[int, RecentTimings]] = {}
+        self._costs: dict[tuple[int, int], dict[int, float]] = {}  # the timings' estimates
+        self._seeded: set[tuple[int, int]] = set()  # buckets whose plain cost warm-up measured
         self._seen: dict[tuple[int, int, int], int] = {}
         self._ratios: dict[int, float] = {}  # L -> c(L) / c(1), from the buckets that measured both
         self._iterations = 0
@@ -180,20 +198,26 @@ class BatchBlockPolicy:
 
     def seed(self, batch_size: int, context: int, L: int, seconds: float) -> None:
         """An iteration cost measured before serving, with its kernels already compiled (the
-        worker's shape warm-up, worker/engine/warm.py): kept as a measurement, and the bucket's
-        next iteration at this size is not dropped as a warm-up."""
+        worker's shape warm-up, worker/engine/warm.py): kept as a measurement, the bucket's next
+        iteration at this size is not dropped as a warm-up, and a seeded plain cost is weighed
+        without waiting for `min_plain_samples` timings."""
         k = self.key(batch_size, context)
         self._seen[(*k, L)] = max(1, self._seen.get((*k, L), 0))
+        if L == 1:
+            self._seeded.add(k)
         self._record(k, L, seconds)
 
     def _record(self, k: tuple[int, int], L: int, seconds: float) -> None:
+        timings = self._timings.setdefault(k, {})
+        if L not in timings:
+            timings[L] = RecentTimings(self.cost_window, self.cost_horizon)
+        timings[L].add(self._iterations, seconds)
         costs = self._costs.setdefault(k, {})
-        old = costs.get(L)
-        costs[L] = seconds if old is None else self.cost_decay * old + (1 - self.cost_decay) * seconds
+        costs[L] = timings[L].estimate()
         if L != 1 and 1 in costs:  # how much dearer than a plain step this size is, for other buckets
             ratio = costs[L] / costs[1]
             old = self._ratios.get(L)
-            self._ratios[L] = ratio if old is None else self.cost_decay * old + (1 - self.cost_decay) * ratio
+            self._ratios[L] = ratio if old is None else RATIO_DECAY * old + (1 - RATIO_DECAY) * ratio
 
     def _cost_bound(self, costs: dict[int, float], L: int) -> float:
         """A lower bound of c(L) in a bucket with these measured costs (`choose`)."""
@@ -228,9 +252,10 @@ class BatchBlockPolicy:
         """
         self._iterations += 1
         cands = [c for c in self.candidates if c <= max(1, max_useful)] or [1]
-        costs = self._costs.get(self.key(len(acceptance), context), {})
-        if 1 not in costs:
-            return 1
+        k = self.key(len(acceptance), context)
+        costs = self._costs.get(k, {})
+        if 1 not in costs or (k not in self._seeded and len(self._timings[k][1]) < self.min_plain_samples):
+            return 1  # too few plain timings to weigh anything against
         means = [a.curve(cands[-1]) for a in acceptance]
         tokens = {c: sum(m[c - 1] for m in means) for c in cands}  # sum_r E_r(c)
         hopes: Optional[dict[int, float]] = None

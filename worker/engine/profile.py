@@ -1,9 +1,11 @@
 """What a worker measures of its own speed, for the coordinator's migration policy.
 
-`DecodeProfile` keeps exponential means of the engine's own timings: seconds per decode
-iteration (one plain step of the whole batch, or a DFlash iteration at block size 1) by
-(batch-size bucket, context bucket), buckets being powers of two as in
-worker/engine/block_policy.py, and seconds per prefilled prompt token. The engine thread writes
+`DecodeProfile` keeps the engine's own timings: seconds per decode iteration (one plain step of
+the whole batch, or a DFlash iteration at block size 1) by (batch-size bucket, context bucket),
+buckets being powers of two as in worker/engine/block_policy.py, each the least of its recent
+timings (worker/engine/timings.py: time a busy host adds to some steps is not the worker's speed,
+and two equally fast workers whose means followed the host's load at different moments would
+each look faster in turn), and an exponential mean of seconds per prefilled prompt token. The engine thread writes
 it; heartbeats read `snapshot()` from another thread (whole-dict replacement: a reader never sees
 a half-updated table).
 
@@ -20,12 +22,14 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from worker.engine.block_policy import Acceptance, BatchBlockPolicy
+from worker.engine.timings import RecentTimings
 
 
 @dataclass(frozen=True)
 class DecodeCostEntry:
     """One bucket of the profile: batch sizes in (batch_size/2, batch_size], contexts in
-    (context_tokens/2, context_tokens]; `seconds` per decode iteration over `samples` timings."""
+    (context_tokens/2, context_tokens]; `seconds` per decode iteration (the least of its recent
+    timings) after `samples` timings in all."""
 
     batch_size: int
     context_tokens: int
@@ -34,20 +38,27 @@ class DecodeCostEntry:
 
 
 class DecodeProfile:
-    """Exponential means of decode-iteration and prefill times; engine thread writes, any reads.
+    """Decode-iteration costs (the least of recent timings) and an exponential mean of prefill
+    times; engine thread writes, any reads.
 
     Args:
-        decay: weight of the old mean in each update, [0, 1).
+        decay: weight of the old mean in each prefill update, [0, 1).
+        window: a bucket's cost is the least of its last `window` timings ...
+        horizon: ... taken within `horizon` decode iterations (of any bucket) of its newest.
 
     Raises:
-        ValueError: decay outside [0, 1).
+        ValueError: decay outside [0, 1), window < 1, horizon < 0.
     """
 
-    def __init__(self, decay: float = 0.8):
+    def __init__(self, decay: float = 0.8, window: int = 16, horizon: int = 64):
         if not 0 <= decay < 1:
             raise ValueError(f"decay must be in [0, 1), got {decay}")
-        self.decay = decay
+        if window < 1 or horizon < 0:
+            raise ValueError(f"window must be >= 1 and horizon >= 0, got {window} / {horizon}")
+        self.decay, self.window, self.horizon = decay, window, horizon
         self._decode: dict[tuple[int, int], tuple[float, int]] = {}
+        self._timings: dict[tuple[int, int], RecentTimings] = {}
+        self._ticks = 0
         self._seen: set[tuple[int, int]] = set()
         self.prefill_seconds_per_token = 0.0
 
@@ -59,12 +70,14 @@ class DecodeProfile:
         if block != 1 or batch_size < 1 or seconds <= 0:
             return
         key = BatchBlockPolicy.key(batch_size, context)  # the block policy's buckets
-        table = dict(self._decode)
-        old = table.get(key)
+        self._ticks += 1
         if key not in self._seen:  # the first iteration of a bucket is warm-up (graph set-up, compiles)
             self._seen.add(key)
             return
-        table[key] = (seconds, 1) if old is None else (self.decay * old[0] + (1 - self.decay) * seconds, old[1] + 1)
+        timings = self._timings.setdefault(key, RecentTimings(self.window, self.horizon))
+        timings.add(self._ticks, seconds)
+        table = dict(self._decode)
+        table[key] = (timings.estimate(), table.get(key, (0.0, 0))[1] + 1)
         self._decode = table
 
     def prefill(self, tokens: int, seconds: float) -> None:
@@ -82,6 +95,7 @@ class DecodeProfile:
     def reset(self) -> None:
         """Forgets every measurement (after warm-up: dummy prompts' costs are no request's)."""
         self._decode = {}
+        self._timings = {}
         self._seen = set()
         self.prefill_seconds_per_token = 0.0
 
