@@ -50,7 +50,7 @@ class DecodeProfile:
         ValueError: decay outside [0, 1), window < 1, horizon < 0.
     """
 
-    def __init__(self, decay: float = 0.8, window: int = 16, horizon: int = 64):
+    def __init__(self, decay: float = 0.8, window: int = 64, horizon: int = 256):
         if not 0 <= decay < 1:
             raise ValueError(f"decay must be in [0, 1), got {decay}")
         if window < 1 or horizon < 0:
