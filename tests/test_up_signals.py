@@ -51,9 +51,12 @@ def alive(pid: int) -> bool:
 def start_up(tmp_path: Path, children: str) -> tuple[subprocess.Popen, list[int]]:
     """`flashfleet up` with stand-in children ("ignore-term": they ignore SIGTERM, as a worker
     still draining its streams does), once it says the cluster is ready; and the children's pids."""
+    # SIGHUP at its default, as in a terminal: a test run under nohup would pass its SIG_IGN on,
+    # which `up` keeps (docs: a cluster started under nohup outlives its terminal).
     proc = subprocess.Popen([sys.executable, "-c", UP_WITH_STAND_INS, children, str(tmp_path)], cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     pids, lines = [], []
     for line in proc.stdout:
         lines.append(line)
