@@ -6,6 +6,8 @@ import shutil
 import socket
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 ETCD = shutil.which("etcd")
@@ -61,6 +63,24 @@ class EtcdServer:
             except OSError:
                 time.sleep(0.05)
         raise RuntimeError(f"etcd did not listen on {self.endpoint} within {timeout_s} s")
+
+    def wait_healthy(self, timeout_s: float = 30.0) -> None:
+        """Waits until the member's /health says true: it has a leader and answers a quorum
+        read, so a member started again has rejoined its cluster (listening comes first).
+
+        Raises:
+            RuntimeError: not healthy within `timeout_s`.
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=2) as resp:
+                    if b'"true"' in resp.read():
+                        return
+            except (urllib.error.URLError, OSError):  # 503 while it has no leader; refused while starting
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"etcd member {self.endpoint} not healthy within {timeout_s} s; see {self.log.name}")
 
     def stop(self) -> None:
         self.kill()

@@ -740,16 +740,21 @@ def test_a_waiting_request_takes_the_slot_a_finished_stream_frees(abort_delay_s,
 
 
 def test_a_full_worker_is_refused_after_route_attempts_when_nothing_may_wait():
-    c = start_cluster({"w1": FakeEngine(capacity=1, token_delay_s=0.05, abort_delay_s=5.0)}, max_queued=0)
+    # The cancelled stream keeps its slot for 30 s: a request that waited for it would be served
+    # after that long, so the refusal, its try count and a bound far from 30 s tell them apart.
+    c = start_cluster({"w1": FakeEngine(capacity=1, token_delay_s=0.05, abort_delay_s=30.0)}, max_queued=0)
     try:
         with Client(c.address) as holder, Client(c.address) as client:
             held = _hold(holder)
             held.close()
             assert wait_until(lambda: all(w.in_flight == 0 for w in c.coordinator.servicer.registry.live()))
+            retries = c.coordinator.metrics.retries.labels(model="fake-model")
+            before = retries._value.get()
             t0 = time.monotonic()
             with pytest.raises(Overloaded, match="capacity 1 reached"):
                 client.complete("fake-model", prompt="x", max_tokens=2)
-            assert time.monotonic() - t0 < 4.0  # route_attempts' backoff only (<= 1 s a wait), no waiting
+            assert retries._value.get() - before == 2  # route_attempts (3) tries, no more
+            assert time.monotonic() - t0 < 15.0  # route_attempts' backoff only (<= 1 s a wait), no waiting
     finally:
         c.close()
 

@@ -57,20 +57,22 @@ def test_watch_engine_never_calls_back_for_a_live_engine_and_stops_when_cancelle
 
     async def run():
         task = asyncio.ensure_future(watch_engine(engine, on_death, poll_s=0.001))
-        await asyncio.sleep(0.05)
+        while engine.looks <= 3:  # its looks, not a time: a busy host may run it rarely
+            await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
 
-    asyncio.run(run())
+    asyncio.run(asyncio.wait_for(run(), 30))
     assert engine.looks > 3 and deaths == []
 
 
 # ----- in-process cluster, fake engines --------------------------------------------------------
 
 def test_a_worker_whose_engine_dies_ends_its_streams_and_leaves_the_registry():
-    """The lease lasts 60 s, so only the worker's own deregistration takes it out this fast. Its
-    stream ends UNAVAILABLE there, and the coordinator resumes it on the other worker."""
+    """The lease lasts 60 s, so only the worker's own deregistration takes it out this fast (no
+    lease expired). Its stream ends UNAVAILABLE there, and the coordinator resumes it on the other
+    worker."""
     c = start_cluster({"w1": FakeEngine(token_delay_s=0.05), "w2": FakeEngine(token_delay_s=0.05)},
                       lease_ttl_s=60.0)
     try:
@@ -83,7 +85,7 @@ def test_a_worker_whose_engine_dies_ends_its_streams_and_leaves_the_registry():
             last = list(stream)[-1]
             assert last.finish_reason == "length" and last.worker_id != dying.worker_id
             assert last.stats.migrations == 1
-            assert wait_until(lambda: c.coordinator.registry.get(dying.worker_id) is None, 10)
+            assert wait_until(lambda: c.coordinator.registry.get(dying.worker_id) is None, 30)
             elapsed = time.monotonic() - t0
             c.loop.run(asyncio.wait_for(dying.left.wait(), 10))
             assert dying.engine_died
@@ -92,7 +94,8 @@ def test_a_worker_whose_engine_dies_ends_its_streams_and_leaves_the_registry():
             assert dying.worker_id not in [w.worker_id for w in client.cluster_status(timeout_s=5).workers]
             served = client.complete("fake-model", prompt="next", max_tokens=3)
             assert served.worker_id != dying.worker_id and served.finish_reason == "length"
-        assert elapsed < 10, f"left the registry after {elapsed:.1f} s"
+        assert c.coordinator.metrics.lease_expiries._value.get() == 0  # it deregistered
+        assert elapsed < 30, f"left the registry after {elapsed:.1f} s"
         with grpc.insecure_channel(dying.advertise_address) as ch:  # its server is stopped
             with pytest.raises(grpc.RpcError) as err:
                 worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
@@ -177,9 +180,12 @@ def test_a_worker_process_whose_engine_thread_dies_deregisters_and_exits_70(tiny
                     list(stream)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
             assert "the engine of worker doomed stopped" in err.value.details()
-            assert wait_until(lambda: not client.cluster_status(timeout_s=5).workers, 15), log_path.read_text()
+            # Bounds far from the 60 s lease, which a busy host's slower exit must not reach
+            # (no lease expired: the worker deregistered).
+            assert wait_until(lambda: not client.cluster_status(timeout_s=5).workers, 30), log_path.read_text()
             left_s = time.monotonic() - t0
-        code = proc.wait(15)
+            assert c.coordinator.metrics.lease_expiries._value.get() == 0
+        code = proc.wait(40)
         exited_s = time.monotonic() - t0
     finally:
         if proc.poll() is None:
@@ -190,7 +196,7 @@ def test_a_worker_process_whose_engine_thread_dies_deregisters_and_exits_70(tiny
     assert code == ENGINE_DIED_EXIT, text
     assert "EngineKilled" in text  # the engine thread's own traceback
     assert "the engine thread of worker doomed died" in text and "exits with status 70" in text
-    assert left_s < 15 and exited_s < 20, (left_s, exited_s)
+    assert left_s < 30 and exited_s < 45, (left_s, exited_s)
 
 
 # ----- flashfleet up starts a failed worker again ---------------------------------------------
