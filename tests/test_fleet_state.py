@@ -140,6 +140,44 @@ def test_etcd_state_one_registration_is_seen_by_every_coordinator(etcd):
     asyncio.run(scenario())
 
 
+def test_etcd_background_writes_go_out_as_few_transactions_and_a_gone_lease_spoils_none(etcd):
+    """Placements queued behind one another share a transaction; the one whose worker's lease
+    has gone (etcd refuses that whole transaction) is dropped and the others still land."""
+    from coordinator.state.etcd import PLACEMENTS, _key
+    from coordinator.state.etcd_client import Write
+
+    async def scenario():
+        a, b = await _etcd_states(etcd.endpoint)
+        try:
+            await a.register(registration("w1"))
+            gone = await a.client.grant(60)
+            await a.client.revoke(gone)
+            transactions = []
+            write_all = a.client.write_all
+
+            async def counted(writes):
+                transactions.append(len(writes))
+                return await write_all(writes)
+            a.client.write_all = counted
+            for i in range(300):
+                a.place(f"r{i}", "w1", i)
+                if i == 150:
+                    a._spawn_write(Write(_key(PLACEMENTS, "r-gone"), b"x", gone))
+            for i in range(0, 300, 2):
+                a.unplace(f"r{i}")
+            await a.flush()
+            assert [(await b.placement(f"r{i}")) is None for i in range(6)] == [True, False] * 3
+            assert (await b.placement("r299")).tokens == 299
+            assert await a.client.get(_key(PLACEMENTS, "r-gone")) is None
+            # 451 writes: a few transactions of up to 128, and the lone retries of the spoilt one.
+            assert sum(1 for n in transactions if n > 1) <= 8, transactions
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(scenario())
+
+
 def test_etcd_lease_expiry_removes_a_dead_worker_everywhere_and_its_owner_alone_counts_it(etcd):
     async def scenario():
         a, b = await _etcd_states(etcd.endpoint, lease_ttl_s=2.0)

@@ -33,16 +33,18 @@ order, so a stream's placement is never written after its removal.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import math
 import time
+from collections.abc import Coroutine
 
 import grpc
 
 from coordinator.registry import UnknownLease, WorkerRecord
 from coordinator.state.base import FleetState, NotLive, Placement
-from coordinator.state.etcd_client import EtcdClient, EtcdUnavailable, Event, WatchCompacted
+from coordinator.state.etcd_client import MAX_TXN_OPS, EtcdClient, EtcdUnavailable, Event, WatchCompacted, Write
 from flashfleet.v1 import common_pb2, state_pb2, worker_pb2
 
 log = logging.getLogger("flashfleet.coordinator.state")
@@ -89,7 +91,9 @@ class EtcdState(FleetState):
         self._leaving: set[str] = set()  # worker ids whose entry says it deregistered
         self._placements: dict[str, Placement] = {}  # request id -> its placement (watched)
         self._on_worker: dict[str, set[str]] = {}  # worker id -> request ids placed on it (watched)
-        self._writes: asyncio.Queue = asyncio.Queue(WRITE_QUEUE_MAX)
+        # Background writes in order: a Write (a plain put or delete), or a coroutine doing more.
+        self._writes: collections.deque[Write | Coroutine] = collections.deque()
+        self._writes_waiting = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._ready = asyncio.Event()
         affinity.on_bind = self._bound
@@ -256,22 +260,55 @@ class EtcdState(FleetState):
         return self._affinity_lease
 
     # Background writes, in order
-    def _spawn_write(self, coro) -> None:
-        try:
-            self._writes.put_nowait(coro)
-        except asyncio.QueueFull:
-            coro.close()
+    def _spawn_write(self, write: Write | Coroutine) -> None:
+        """Queues a background write: a `Write`, or a coroutine for one that needs more (a
+        read first, a compare-and-swap)."""
+        if len(self._writes) >= WRITE_QUEUE_MAX:
+            if not isinstance(write, Write):
+                write.close()
             log.warning("etcd writes are %d behind; dropped one", WRITE_QUEUE_MAX)
+            return
+        self._writes.append(write)
+        self._writes_waiting.set()
 
     async def _write_loop(self) -> None:
+        """Applies the background writes in order. The plain puts and deletes queued behind one
+        another go out as one transaction (`_write_batch`): at hundreds of requests a second,
+        each placed and then forgotten, a round trip per write would fall behind and cost the
+        coordinator a gRPC call each."""
+        writes = self._writes
         while True:
-            coro = await self._writes.get()
+            if not writes:
+                self._writes_waiting.clear()
+                await self._writes_waiting.wait()
+                continue
+            first = writes.popleft()
             try:
-                await coro
+                if isinstance(first, Write):
+                    batch = {first.key: first}  # a key twice: its latest write (etcd refuses repeats)
+                    while writes and isinstance(writes[0], Write) and len(batch) < MAX_TXN_OPS:
+                        w = writes.popleft()
+                        batch.pop(w.key, None)
+                        batch[w.key] = w
+                    await self._write_batch(list(batch.values()))
+                else:
+                    await first
             except (EtcdUnavailable, grpc.aio.AioRpcError) as e:
                 log.debug("a background etcd write failed: %s", e)
             except Exception:  # one bad write must not stop the ones after it
                 log.exception("a background etcd write failed")
+
+    async def _write_batch(self, batch: list[Write]) -> None:
+        """One transaction for `batch`; when a put's lease has gone (its worker's lease expired:
+        etcd then refuses the whole transaction), each write alone, those of gone leases skipped."""
+        try:
+            await self.client.write_all(batch)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.NOT_FOUND or len(batch) == 1:
+                raise
+            for w in batch:
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await self.client.write_all([w])
 
     def _bound(self, session_id: str, worker_id: str) -> None:
         async def write():
@@ -371,11 +408,11 @@ class EtcdState(FleetState):
             entry.max_tokens = request.max_tokens if request.HasField("max_tokens") else 0
             entry.seeded = request.HasField("seed") and request.temperature > 0
         value = entry.SerializeToString()
-        self._spawn_write(self.client.put(_key(PLACEMENTS, request_id), value, int(rec.lease_id, 16)))
+        self._spawn_write(Write(_key(PLACEMENTS, request_id), value, int(rec.lease_id, 16)))
 
     def unplace(self, request_id: str) -> None:
         """See `FleetState.unplace` (in the background, after any earlier write for it)."""
-        self._spawn_write(self.client.delete(_key(PLACEMENTS, request_id)))
+        self._spawn_write(Write(_key(PLACEMENTS, request_id)))
 
     async def placement(self, request_id: str) -> Placement | None:
         """See `FleetState.placement`: read from etcd (a placement on any coordinator)."""
@@ -398,11 +435,11 @@ class EtcdState(FleetState):
             return
         value = state_pb2.MoveEntry(coordinator_id=placement.coordinator_id, from_worker_id=placement.worker_id,
                                     to_worker_id=to_worker_id, reason=reason).SerializeToString()
-        self._spawn_write(self.client.put(_key(MOVES, placement.request_id), value, int(rec.lease_id, 16)))
+        self._spawn_write(Write(_key(MOVES, placement.request_id), value, int(rec.lease_id, 16)))
 
     def move_taken(self, request_id: str) -> None:
         """See `FleetState.move_taken`: deletes moves/<request id> in the background."""
-        self._spawn_write(self.client.delete(_key(MOVES, request_id)))
+        self._spawn_write(Write(_key(MOVES, request_id)))
 
     async def put_api_key(self, digest: str, role: str) -> None:
         """See `FleetState.put_api_key`: apikeys/<digest> in etcd (no lease), and in this

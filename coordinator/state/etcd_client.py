@@ -21,6 +21,7 @@ from flashfleet.etcd import kv_pb2, rpc_pb2, rpc_pb2_grpc
 log = logging.getLogger("flashfleet.coordinator.etcd")
 
 CALL_TIMEOUT_S = 5.0  # one etcd call; a healthy member answers in milliseconds
+MAX_TXN_OPS = 128  # etcd's default --max-txn-ops: the most writes one transaction may carry
 
 
 class EtcdUnavailable(ConnectionError):
@@ -54,6 +55,22 @@ def prefix_end(prefix: bytes) -> bytes:
             end[i] += 1
             return bytes(end[: i + 1])
     return b"\0"
+
+
+@dataclass(frozen=True)
+class Write:
+    """One key's write in a batch (`EtcdClient.write_all`): a put of `value`, attached to
+    `lease` (0: none), or a delete of the key when `value` is None."""
+
+    key: bytes
+    value: bytes | None = None
+    lease: int = 0
+
+    def op(self) -> rpc_pb2.RequestOp:
+        """The write as a transaction's operation."""
+        if self.value is None:
+            return rpc_pb2.RequestOp(request_delete_range=rpc_pb2.DeleteRangeRequest(key=self.key))
+        return rpc_pb2.RequestOp(request_put=rpc_pb2.PutRequest(key=self.key, value=self.value, lease=self.lease))
 
 
 @dataclass(frozen=True)
@@ -146,6 +163,21 @@ class EtcdClient:
     async def delete(self, key: bytes) -> int:
         """Deletes a key; returns how many keys went (0 or 1)."""
         return (await self._unary(0, "DeleteRange", rpc_pb2.DeleteRangeRequest(key=key))).deleted
+
+    async def write_all(self, writes: Sequence[Write]) -> int:
+        """Applies `writes` in one transaction: one round trip, all of them or none. etcd refuses
+        a transaction that names a key twice or holds more than `MAX_TXN_OPS` operations.
+
+        Returns:
+            The store's revision after the writes.
+
+        Raises:
+            grpc.aio.AioRpcError: NOT_FOUND when a put's lease has expired or was revoked (then
+                none of the writes took effect); INVALID_ARGUMENT for a repeated key or too many.
+            EtcdUnavailable: no endpoint answered.
+        """
+        resp = await self._unary(0, "Txn", rpc_pb2.TxnRequest(success=[w.op() for w in writes]))
+        return resp.header.revision
 
     async def create(self, key: bytes, value: bytes, lease: int = 0) -> tuple[bool, bytes]:
         """Writes a key only if it does not exist (a compare-and-swap on its create revision).
