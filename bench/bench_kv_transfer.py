@@ -45,7 +45,7 @@ class MoveOnce:
         self.tried: set[str] = set()
 
     def decide(self, request, source, sent_tokens, workers, moved_s, now_s, left_worker=None, left_s=None,
-               left_gain=0.0):
+               left_gain=0.0, left_timings=None):
         if sent_tokens < self.after or request.request_id in self.tried:
             return None
         idle = [w for w in workers if w.worker_id != source.worker_id and w.in_flight == 0]

@@ -40,9 +40,12 @@ report of its worker: between two heartbeats a check would weigh the same sessio
   gain comes from a smaller batch: a shared worker to an idle one). A speed or load move back to
   the worker the session left also needs tps_d >= `min_speedup` x g x tps_src, g the tokens/s
   ratio its move away predicted: going back must beat the evidence that made it leave, by the
-  same margin. Profiles measured at different moments of a busy host differ by more than
-  `min_speedup` now and then, and two equally fast workers would otherwise trade a session
-  back and forth once `cooldown_s` has passed.
+  same margin; and it needs timings that worker took after the session left (its profile's
+  sample count grew since its first load report without the session): an idle worker's profile is as old as its last session, and weighed
+  against the fresh timings of the session's worker on a busy host (workers sharing one machine,
+  as `flashfleet up` runs them) it reads faster by however much the host's load rose since.
+  Without both, two equally fast workers would trade a session back and forth once `cooldown_s`
+  has passed.
 
 Candidates: live, reachable, not draining, serving the model and mode, with a free slot and KV
 room for the session's growth (when budgets are known), and not the worker the session left less
@@ -150,6 +153,12 @@ def profile_seconds(profile: Iterable[worker_pb2.DecodeCost], batch: int, contex
     """Predicted seconds per decode iteration at `batch` rows and `context` tokens from a measured
     profile (module docstring); None when the profile is empty."""
     return ProfileTable(profile).seconds(batch, context)
+
+
+def profile_timings(worker: WorkerRecord) -> int:
+    """How many decode timings the worker's reported profile holds in all (its entries'
+    `samples`): it grows only while the worker decodes."""
+    return sum(c.samples for c in worker.load.decode_profile)
 
 
 def _profile_table(worker: WorkerRecord) -> ProfileTable:
@@ -341,7 +350,7 @@ class MigrationPolicy:
     def decide(self, request: common_pb2.GenerateRequest, source: WorkerRecord, sent_tokens: int,
                workers: Iterable[WorkerRecord], moved_s: float | None, now_s: float,
                left_worker: str | None = None, left_s: float | None = None,
-               left_gain: float = 0.0) -> Decision | None:
+               left_gain: float = 0.0, left_timings: int | None = None) -> Decision | None:
         """Whether and where a running stream moves now (module docstring).
 
         Args:
@@ -354,6 +363,8 @@ class MigrationPolicy:
             now_s: clock time now (seconds, the same clock).
             left_worker, left_s: the worker it last moved away from, and when.
             left_gain: the `Decision.gain` of that move (0: not a speed or load move).
+            left_timings: `profile_timings` of that worker in its first load report without
+                the stream (None: none yet, and no speed or load move back to it).
 
         Returns:
             A Decision, or None to stay.
@@ -383,7 +394,7 @@ class MigrationPolicy:
                 dest = self.fastest(request, source, session, cands, peers)
                 if dest is not None:
                     return Decision(dest, "memory", cost_s=self.move_cost_s(session, dest))
-        return self._speed(request, source, session, sent_tokens, cands, peers, left_worker, left_gain)
+        return self._speed(request, source, session, sent_tokens, cands, peers, left_worker, left_gain, left_timings)
 
     def _sample(self, workers: list[WorkerRecord], source: WorkerRecord) -> list[WorkerRecord]:
         """The workers a memory, speed or load check looks at: all of them in a fleet of up to
@@ -397,7 +408,7 @@ class MigrationPolicy:
 
     def _speed(self, request, source: WorkerRecord, session: worker_pb2.SessionLoad, sent_tokens: int,
                cands: Sequence[WorkerRecord], peers: Sequence[WorkerRecord], left_worker: str | None = None,
-               left_gain: float = 0.0) -> Decision | None:
+               left_gain: float = 0.0, left_timings: int | None = None) -> Decision | None:
         budget = request.max_tokens if request.HasField("max_tokens") else WORKER_DEFAULT_MAX_TOKENS
         remaining = session.remaining_tokens or max(0, budget - sent_tokens)
         if remaining < self.min_remaining_tokens:
@@ -412,7 +423,11 @@ class MigrationPolicy:
         for d in cands:  # the KV-room check (a sum over d's sessions) last: few get that far
             s = speedup if _draft_mode(d, request.model) == source_mode else 1.0
             tps = self._tps(d, d.busy + 1, context, s, peers)
-            back = max(1.0, left_gain) if d.worker_id == left_worker else 1.0  # going back: beat the move away
+            back = 1.0
+            if d.worker_id == left_worker:  # going back: new timings of it, and beat the move away
+                if left_timings is None or profile_timings(d) <= left_timings:
+                    continue
+                back = max(1.0, left_gain)
             if tps is None or tps < self.min_speedup * back * tps_src:
                 continue
             saved = remaining / tps_src - remaining / tps
@@ -444,6 +459,7 @@ class StreamProgress:
         self.left_worker: str | None = None  # the worker it last moved away from
         self.left_s: float | None = None
         self.left_gain = 0.0  # the tokens/s ratio that move predicted (0: not a speed or load move)
+        self.left_timings: int | None = None  # that worker's `profile_timings` once it dropped the stream
         self._next_check_s = 0.0
 
     def resume_from(self, token_ids: list[int], text: str) -> None:
@@ -492,8 +508,11 @@ class StreamProgress:
     def left(self, worker_id: str, gain: float = 0.0) -> None:
         """Records that the stream moved away from `worker_id` now, by a move that predicted
         `gain` times the tokens/s there (`Decision.gain`): it does not go back within the policy's
-        cooldown, nor for speed or load unless the way back predicts more than that gain."""
+        cooldown, nor for speed or load unless that worker has timed steps since it dropped the
+        stream (`left_timings`, set by the caller from the worker's load reports) and the way
+        back predicts more than that gain."""
         self.left_worker, self.left_s, self.left_gain = worker_id, self._clock(), gain
+        self.left_timings = None
 
     def attempted(self) -> None:
         """Starts the cooldown (after a migration, or a destination's refusal)."""

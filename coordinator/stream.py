@@ -48,7 +48,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 from coordinator import kv_transfer
 from coordinator.admission import AdmissionQueue
 from coordinator.config import CoordinatorConfig
-from coordinator.migration import Decision, StreamProgress, session_load
+from coordinator.migration import Decision, StreamProgress, profile_timings, session_load
 from coordinator.overload import RpcLag
 from coordinator.registry import WorkerRecord
 from coordinator.routing import AllBusy, NoWorker, PowerOfTwoRouter, has_kv_room, request_tokens_bound, route
@@ -747,8 +747,15 @@ class ProxiedStream:
             return None
         self._checked_load = self.worker.load
         p = self.progress
+        if p.left_worker is not None and p.left_timings is None:
+            # The baseline of the worker's timings once it no longer runs the stream: the steps it
+            # took for the stream before the move are no news of its speed afterwards.
+            left = self.fleet.registry.get(p.left_worker)
+            if left is not None and session_load(left, self.request.request_id) is None:
+                p.left_timings = profile_timings(left)
         return policy.decide(self.request, self.worker, len(p.token_ids), self.fleet.registry.live(), p.moved_s,
-                             time.monotonic(), p.left_worker, p.left_s, left_gain=p.left_gain)
+                             time.monotonic(), p.left_worker, p.left_s, left_gain=p.left_gain,
+                             left_timings=p.left_timings)
 
     def _owner_decision(self, policy) -> Decision | None:
         """The move the owner of the stream's worker (another coordinator) decided, if its

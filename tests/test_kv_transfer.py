@@ -266,7 +266,7 @@ class ScriptedPolicy:
         self.sources: list[str] = []
 
     def decide(self, request, source, sent_tokens, workers, moved_s, now_s, left_worker=None, left_s=None,
-               left_gain=0.0):
+               left_gain=0.0, left_timings=None):
         from coordinator.migration import Decision
         if not self.sources or self.sources[-1] != source.worker_id:
             self.sources.append(source.worker_id)

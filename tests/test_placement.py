@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from coordinator.migration import MigrationPolicy, position_keyed, profile_seconds
+from coordinator.migration import MigrationPolicy, position_keyed, profile_seconds, profile_timings
 from coordinator.registry import WorkerRecord
 from flashfleet.v1 import common_pb2, worker_pb2
 from worker.engine.block_policy import Acceptance
@@ -170,25 +170,45 @@ def test_nothing_ping_pongs_over_many_checks():
 
 
 def test_going_back_to_the_worker_a_session_left_must_beat_the_gain_that_made_it_leave():
-    """A session left "a" for "b" on a predicted 1.2x. Profiles measured at other moments of a
-    busy host now say "a" is 1.2x faster than "b": that alone does not take it back (it needs
-    1.1 x 1.2), nor to a third worker that is only as fast as "a" would be; a clearly faster
-    "a" (its batch emptied) does."""
+    """A session left "a" for "b" on a predicted 1.2x, and "a" has timed steps since it dropped
+    the session. Profiles measured at other moments of a busy host now say "a" is 1.2x faster
+    than "b": that alone does not take it back (it needs 1.1 x 1.2), nor to a third worker that
+    is only as fast as "a" would be; a clearly faster "a" (its batch emptied) does."""
     fleet = Fleet()
     a, b = fleet.add("a", step_s=0.010), fleet.add("b", step_s=0.012)
     fleet.place("b", "s", context=300, remaining=1500)
     p = MigrationPolicy()
-    back = p.decide(_req("s"), b, 20, fleet.live(), None, 100.0, "a", 0.0, left_gain=1.2)
+    since = profile_timings(a) - 1  # "a" timed a step after it dropped the session
+    back = p.decide(_req("s"), b, 20, fleet.live(), None, 100.0, "a", 0.0, left_gain=1.2, left_timings=since)
     assert back is None
-    moved = p.decide(_req("s"), b, 20, fleet.live(), None, 100.0, "a", 0.0, left_gain=0.0)  # a drain's move
+    moved = p.decide(_req("s"), b, 20, fleet.live(), None, 100.0, "a", 0.0, left_gain=0.0,  # a drain's move
+                     left_timings=since)
     assert moved is not None and moved.dest is a and moved.gain == pytest.approx(1.2, rel=0.01)
     c = fleet.add("c", step_s=0.010)
-    other = p.decide(_req("s"), b, 20, fleet.live(), None, 100.0, "a", 0.0, left_gain=1.2)
+    other = p.decide(_req("s"), b, 20, fleet.live(), None, 100.0, "a", 0.0, left_gain=1.2, left_timings=since)
     assert other is not None and other.dest is c  # the rule is about the way back only
     del fleet.workers["c"]
     a.load = worker_pb2.WorkerLoad(capacity=8, decode_profile=_profile(0.006, 1.0), prefill_seconds_per_token=1e-4)
-    back = p.decide(_req("s"), b, 20, fleet.live(), None, 100.0, "a", 0.0, left_gain=1.2)
+    back = p.decide(_req("s"), b, 20, fleet.live(), None, 100.0, "a", 0.0, left_gain=1.2, left_timings=since)
     assert back is not None and back.dest is a and back.gain == pytest.approx(2.0, rel=0.01)
+
+
+def test_no_speed_move_goes_back_to_a_worker_that_timed_nothing_since_the_session_left():
+    """An idle worker's profile is as old as its last session: weighed against the fresh timings
+    of the session's worker on a busy host it reads faster by however much the load rose since.
+    Without timings of "a" after it dropped the session (or before its first load report without
+    it: None), even a "clearly faster" "a" gets no speed move back; a third worker still can."""
+    fleet = Fleet()
+    a, b = fleet.add("a", step_s=0.006), fleet.add("b", step_s=0.012)
+    fleet.place("b", "s", context=300, remaining=1500)
+    p = MigrationPolicy()
+    for timings in (None, profile_timings(a)):
+        assert p.decide(_req("s"), b, 20, fleet.live(), None, 100.0, "a", 0.0, left_gain=1.2,
+                        left_timings=timings) is None
+    assert p.decide(_req("s"), b, 20, fleet.live(), None, 100.0, "a", 0.0, left_gain=1.2,
+                    left_timings=profile_timings(a) - 1).dest is a
+    c = fleet.add("c", step_s=0.006)
+    assert p.decide(_req("s"), b, 20, fleet.live(), None, 100.0, "a", 0.0, left_gain=1.2).dest is c
 
 
 def test_a_session_whose_growth_exceeds_the_kv_budget_moves_before_it_does():
