@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import re
 import sys
 
 from coordinator.config import CoordinatorConfig, migration_problems, settings_problems
-from flashfleet import event_loop
 from flashfleet.cli import prog_name
 from flashfleet.config import tcp_port
 
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                                admin_keys=tuple(k for k, role in api_keys.items() if role == "admin"),
                                join_token=join_token, state=a.state, etcd_endpoints=a.etcd_endpoints)
     try:
-        event_loop.run(serve(config, a.metrics_port or None, getattr(a, "tls", None)))
+        asyncio.run(serve(config, a.metrics_port or None, getattr(a, "tls", None)))
     except RuntimeError as e:
         print(f"coordinator: {e}", file=sys.stderr)
         return 1

@@ -14,7 +14,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from flashfleet import event_loop
 from flashfleet.metrics_http import serve_metrics
 
 from coordinator.config import CoordinatorConfig
@@ -234,7 +233,6 @@ async def serve(config: CoordinatorConfig, metrics_port: int | None = None, tls=
     if running.http_port is not None:
         log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", running.http_scheme, config.host, running.http_port)
     print(f"coordinator ready on {config.host}:{running.port}", flush=True)
-    event_loop.settle_gc()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
