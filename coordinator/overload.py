@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import shutil
@@ -42,6 +43,10 @@ PROBE_TIMEOUT_S = 30.0
 # measure nothing and must not read as an overload.
 LATE_CODES = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED)
 PROBE_DIR_PREFIX = "flashfleet-coordinator-"  # + "<pid>-<random>": the probe socket's directory
+# In the probe directory: a file its coordinator holds an exclusive lock on while it lives. The
+# lock, not the pid, says whether the directory is in use: a coordinator in another pid namespace
+# (a container sharing the temporary directory) has a pid this one cannot see.
+PROBE_LOCK_FILE = "alive.lock"
 
 
 class RpcLag:
@@ -69,6 +74,7 @@ class RpcLag:
         self._rtts: deque[float] = deque(maxlen=window)
         self._pending_since: float | None = None
         self._dir: str | None = None
+        self._lock: int | None = None  # the fd holding PROBE_LOCK_FILE's lock while the directory is in use
 
     @property
     def lag_s(self) -> float:
@@ -92,6 +98,11 @@ class RpcLag:
         """
         remove_stale_probe_dirs()
         self._dir = tempfile.mkdtemp(prefix=f"{PROBE_DIR_PREFIX}{os.getpid()}-")  # mode 0700
+        # Locked before it takes its name, so no cleaner finds it there unlocked.
+        unnamed = os.path.join(self._dir, PROBE_LOCK_FILE + ".new")
+        self._lock = os.open(unnamed, os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(unnamed, os.path.join(self._dir, PROBE_LOCK_FILE))
         if server.add_insecure_port(f"unix:{self._socket()}") == 0:
             raise RuntimeError(f"could not bind the coordinator's probe socket in {self._dir}")
 
@@ -128,17 +139,21 @@ class RpcLag:
                 await asyncio.sleep(self.interval_s)
 
     def close(self) -> None:
-        """Removes the probe socket's directory."""
+        """Removes the probe socket's directory (and lets go of its lock)."""
         if self._dir is not None:
             with contextlib.suppress(OSError):
                 shutil.rmtree(self._dir)
             self._dir = None
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
 
 def remove_stale_probe_dirs(root: str | None = None) -> list[str]:
     """Removes the probe directories in `root` (the temporary directory by default) that this
-    user's coordinators left when they were killed (SIGKILL: no `close`): those whose process
-    no longer runs. Returns the paths removed."""
+    user's coordinators left when they were killed (SIGKILL: no `close`): those whose lock file
+    nobody holds, or, holding no lock file, whose process no longer runs (a coordinator between
+    creating its directory and locking). Returns the paths removed."""
     root = root or tempfile.gettempdir()
     removed = []
     try:
@@ -151,12 +166,31 @@ def remove_stale_probe_dirs(root: str | None = None) -> list[str]:
             continue
         path = os.path.join(root, name)
         try:
-            if os.stat(path).st_uid != os.getuid():
+            if os.stat(path).st_uid != os.getuid() or _in_use(path, int(pid)):
                 continue
-            os.kill(int(pid), 0)  # raises when no such process runs
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-        except OSError:  # another user's process (it runs), or the directory went meanwhile
+        except OSError:  # the directory went meanwhile
             continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
     return removed
+
+
+def _in_use(path: str, pid: int) -> bool:
+    """Whether a live coordinator holds the probe directory `path` (named for `pid`)."""
+    try:
+        fd = os.open(os.path.join(path, PROBE_LOCK_FILE), os.O_RDWR)
+    except FileNotFoundError:
+        try:
+            os.kill(pid, 0)  # raises when no such process runs
+        except ProcessLookupError:
+            return False
+        except OSError:  # another user's process: it runs
+            pass
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False

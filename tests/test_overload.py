@@ -86,6 +86,42 @@ def test_probe_directories_left_by_killed_coordinators_are_removed(tmp_path):
     assert not stale.exists() and live.exists() and other.exists()
 
 
+def test_a_probe_directory_is_kept_while_its_lock_is_held_whatever_its_pid(tmp_path):
+    """A coordinator in another pid namespace has a pid this process cannot see: its lock, not
+    its pid, keeps its directory; a directory whose lock nobody holds goes."""
+    import fcntl
+
+    from coordinator.overload import PROBE_DIR_PREFIX, PROBE_LOCK_FILE, RpcLag, remove_stale_probe_dirs
+
+    unseen_pid = 4_194_304  # above Linux's pid_max: no process here has it
+    held = tmp_path / f"{PROBE_DIR_PREFIX}{unseen_pid}-held"
+    unheld = tmp_path / f"{PROBE_DIR_PREFIX}{os.getpid()}-unheld"
+    for d in (held, unheld):
+        d.mkdir()
+        (d / PROBE_LOCK_FILE).write_text("")
+    fd = os.open(held / PROBE_LOCK_FILE, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        assert remove_stale_probe_dirs(str(tmp_path)) == [str(unheld)]
+        assert held.exists() and not unheld.exists()
+    finally:
+        os.close(fd)
+    assert remove_stale_probe_dirs(str(tmp_path)) == [str(held)]  # its holder let go: stale
+
+    class Server:  # what `attach` needs of a grpc server
+        def add_insecure_port(self, address):
+            return 1
+
+    lag = RpcLag()
+    lag.attach(Server())
+    try:  # a live coordinator's own directory, in the real temporary directory, is kept
+        assert lag._dir not in remove_stale_probe_dirs()
+        assert os.path.exists(os.path.join(lag._dir, PROBE_LOCK_FILE))
+    finally:
+        lag.close()
+    assert lag._dir is None
+
+
 def test_a_probe_that_cannot_connect_measures_nothing_and_is_no_overload(tmp_path):
     import asyncio
 
