@@ -133,6 +133,11 @@ async def start_coordinator(config: CoordinatorConfig,
         except KeyError:
             pass
         affinity.forget_worker(rec.worker_id)
+        asyncio.ensure_future(unsubscribe_if_gone(rec.address))
+
+    async def unsubscribe_if_gone(address: str):
+        if not any(w.address == address for w in registry.live()):  # no worker took its address since
+            pool.unsubscribe(address)
 
     coordinator_id = f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
     if config.state == "etcd":
