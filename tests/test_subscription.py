@@ -93,8 +93,6 @@ def test_the_calls_naming_a_subscription_send_their_responses_on_it(worker):
             responses = sub.responses(rid)
             assert [t for r in responses[:-1] for t in r.chunk.token_ids] == _expected(40)
             assert responses[-1].complete.stats.generated_tokens == 40
-        # fewer messages than responses: what queued while a batch was written went as one
-        assert len(sub.batches) - 1 < len(sub.responses("a")) + len(sub.responses("b"))
     finally:
         sub.close()
 
@@ -280,3 +278,24 @@ def test_a_subscribed_call_reads_its_complete_even_after_its_call_ended(monkeypa
             await call.read()
 
     asyncio.run(run())
+
+
+def test_what_queued_goes_as_one_batch_under_its_byte_limit():
+    from worker.servicer import MAX_BATCH_BYTES, _Subscription
+
+    async def run():
+        sub = _Subscription("s")
+        batches = sub.batches()
+        assert not (await anext(batches)).responses
+        big = "x" * (MAX_BATCH_BYTES * 6 // 10)
+        for i in range(3):
+            sub.send(common_pb2.GenerateResponse(request_id=f"big{i}", chunk=common_pb2.Chunk(text=big)))
+        for i in range(5):
+            sub.send(_chunk(i))
+        sizes = [[r.request_id for r in (await anext(batches)).responses] for _ in range(3)]
+        return sizes
+
+    got = asyncio.run(run())
+    # what queued while no batch was written goes as one, but two big ones would pass the
+    # limit: each goes alone, the small ones ride with the last
+    assert got == [["big0"], ["big1"], ["big2", "r", "r", "r", "r", "r"]]
