@@ -1,5 +1,7 @@
 """What one coordinator relays: streams held, tokens/s, requests/s admitted, CPU per 1,000 tokens
-and the heartbeat load, with simulated workers (bench/sim_worker.py: no model, tokens at a set rate).
+and the heartbeat load, with simulated workers (bench/sim_worker.py: no model, tokens at a set rate,
+each worker's streams all given their chunk at the same tick of its clock, as a real engine's
+batched iteration gives them).
 
 Per row (coordinators x workers), this script starts the coordinator processes (`python -m
 coordinator`, each alone on a core of its own where the host has enough), the simulated workers (in
@@ -41,8 +43,11 @@ and by default there are as many of them as cores left. A client process counts 
 into running totals and nothing per token, so a few of them take tens of thousands of tokens a
 second. The coordinator and simulated-worker path needs grpcio, protobuf, grpcio-health-checking,
 grpcio-reflection, prometheus-client, tenacity and psutil (no MLX). `--tokens-per-chunk` sets the
-tokens an engine iteration yields (1: plain decoding; several: speculative decoding);
-`--coalesce` has a stream that fell behind send every chunk already due as one message.
+tokens an engine iteration (a simulated worker's tick, every tokens-per-chunk / tokens-per-s
+seconds) yields a stream (1: plain decoding; several: speculative decoding); `--coalesce` has a
+call that fell behind send every chunk queued while it wrote as one message. The simulated workers
+serve Subscribe as real ones do, so a coordinator that opens one per worker gets a tick's chunks
+for all of a worker's streams as one batch.
 """
 from __future__ import annotations
 

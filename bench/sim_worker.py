@@ -3,16 +3,26 @@
 Each simulated worker is its own gRPC server on its own port (so the coordinator holds one
 channel per worker, as with real ones), registers with the coordinator's Registry and heartbeats
 a realistic load report (one SessionLoad per running stream, a decode profile), and answers
-Generate by streaming `tokens_per_chunk` token ids every `tokens_per_chunk / tokens_per_s`
-seconds until `max_tokens` (a resumed request counts its `resume_token_ids`), then a Complete.
-With `coalesce`, a stream that fell behind its schedule (its writes slower than the rate) sends
-every chunk already due as one message, as the real worker sends what queued while it wrote
-(worker/servicer.py); without it, one message per chunk, each sent as soon as it is due.
+Generate with `tokens_per_chunk` token ids a chunk until `max_tokens` (a resumed request counts
+its `resume_token_ids`), then a Complete. Its chunks come from one clock, as a real engine's come
+from its iterations: every `tokens_per_chunk / tokens_per_s` seconds the worker ticks and makes
+one chunk for every stream it runs (all of them at the same moment, as one batched decode step
+yields them), so a stream admitted between two ticks gets its first chunk at the next one; a
+clock that runs late ticks again at once until it is back on schedule, so each stream keeps the
+set rate. A tick only queues the chunks: a call writes them as it can. Without a subscription a
+Generate call sends them itself: with `coalesce`, every chunk queued while it was writing the
+previous message goes as one message, as the real worker sends what queued while it wrote
+(worker/servicer.py); without it, one message per chunk. With metadata SUBSCRIPTION_HEADER
+naming a Subscribe stream of this worker, the call's chunks and Complete go out on that stream
+instead (the call carries no message and ends OK once its Complete is queued there; UNAVAILABLE
+when the subscription is not open or closes first), and the subscription sends everything queued
+while it wrote its previous batch as one ResponseBatch: one message a tick for all of the
+worker's streams (with `coalesce`, a request's chunks in one batch are merged into one).
 A worker at `capacity` refuses with RESOURCE_EXHAUSTED, as a full engine does; Cancel ends a
-stream with FINISH_REASON_CANCELLED. ExportSession and PullSession answer UNIMPLEMENTED (no
-state to move). The decode profile reports the same seconds per iteration at every batch size,
-which is what a simulated worker does, so the migration policy runs its full check and finds no
-worker faster.
+stream with FINISH_REASON_CANCELLED at the next tick. ExportSession and PullSession answer
+UNIMPLEMENTED (no state to move). The decode profile reports the same seconds per iteration at
+every batch size, which is what a simulated worker does, so the migration policy runs its full
+check and finds no worker faster.
 
 The workers of one process share one channel to the coordinator's Registry (each still sends its
 own Register and Heartbeat calls); real workers each have their own.
@@ -30,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import signal
 import sys
 import time
@@ -40,6 +51,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from flashfleet.requests import SUBSCRIPTION_HEADER  # noqa: E402
 from flashfleet.transport import CHANNEL_OPTIONS, SERVER_OPTIONS  # noqa: E402
 from flashfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
 
@@ -49,6 +61,26 @@ PROMPT_TOKENS = 32  # the prompt every simulated request is said to have (stats,
 KV_BYTES_PER_TOKEN = 4096
 
 
+class _Outbox:
+    """Responses queued for one writer (a Generate call, or a Subscribe stream), and the event
+    that wakes it when more come or its end does."""
+
+    def __init__(self):
+        self.pending: list[common_pb2.GenerateResponse] = []
+        self.wake = asyncio.Event()
+        self.closed = False  # a subscription that ended: its calls end UNAVAILABLE
+
+    def put(self, response: common_pb2.GenerateResponse) -> None:
+        self.pending.append(response)
+        self.wake.set()
+
+    def take(self) -> list[common_pb2.GenerateResponse]:
+        """Everything queued, oldest first; empties the queue."""
+        taken, self.pending = self.pending, []
+        self.wake.clear()
+        return taken
+
+
 @dataclass
 class _Stream:
     """One running simulated request."""
@@ -56,7 +88,33 @@ class _Stream:
     request_id: str
     total: int  # tokens to emit, resumed ones included
     done: int  # tokens emitted (resumed ones included)
-    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    resumed: int  # tokens it was resumed with (its resume_token_ids)
+    outbox: _Outbox  # its call's own, or the subscription's it named
+    subscribed: bool = False  # its responses go out on a subscription
+    started: float = field(default_factory=time.monotonic)
+    first_chunk_s: float | None = None  # seconds from admission to its first chunk
+    finished: bool = False  # its Complete is queued
+    cancelled: bool = False
+    wake: asyncio.Event = field(default_factory=asyncio.Event)  # a subscribed call's: its end came
+
+
+def _merge_chunks(responses: list[common_pb2.GenerateResponse]) -> list[common_pb2.GenerateResponse]:
+    """`responses` with each request's chunks merged into its first one (in order), every Complete
+    kept after its request's chunks: one chunk a request for what queued together. The merged
+    messages are changed in place (they are this worker's own)."""
+    out: list[common_pb2.GenerateResponse] = []
+    open_chunk: dict[str, common_pb2.GenerateResponse] = {}
+    for r in responses:
+        if r.WhichOneof("kind") != "chunk":
+            open_chunk.pop(r.request_id, None)
+            out.append(r)
+        elif (first := open_chunk.get(r.request_id)) is None:
+            open_chunk[r.request_id] = r
+            out.append(r)
+        else:
+            first.chunk.text += r.chunk.text
+            first.chunk.token_ids.extend(r.chunk.token_ids)
+    return out
 
 
 class SimWorker(worker_pb2_grpc.WorkerServicer):
@@ -67,8 +125,11 @@ class SimWorker(worker_pb2_grpc.WorkerServicer):
         model: the model name it serves.
         capacity: streams it runs at once; one more is RESOURCE_EXHAUSTED.
         tokens_per_s: tokens per second each stream emits (> 0).
-        tokens_per_chunk: token ids per Chunk (>= 1).
-        coalesce: send the chunks already due as one message (module docstring).
+        tokens_per_chunk: token ids per Chunk, one Chunk a stream per tick (>= 1).
+        coalesce: send the chunks queued together as one message (module docstring).
+
+    Raises:
+        ValueError: tokens_per_s <= 0, or tokens_per_chunk or capacity < 1.
     """
 
     def __init__(self, worker_id: str, model: str, capacity: int, tokens_per_s: float, tokens_per_chunk: int = 1,
@@ -77,8 +138,13 @@ class SimWorker(worker_pb2_grpc.WorkerServicer):
             raise ValueError("tokens_per_s must be > 0, tokens_per_chunk and capacity >= 1")
         self.worker_id, self.model, self.capacity = worker_id, model, capacity
         self.tokens_per_s, self.tokens_per_chunk, self.coalesce = tokens_per_s, tokens_per_chunk, coalesce
-        self.streams: dict[str, _Stream] = {}
+        self.period = tokens_per_chunk / tokens_per_s  # seconds between ticks
+        self.streams: dict[str, _Stream] = {}  # admitted and not yet ended (their calls hold capacity)
+        self.subscriptions: dict[str, _Outbox] = {}
         self.served = 0
+        # Ticks fall on origin + k * period; the clock runs only while a stream is unfinished.
+        self._origin = time.monotonic()
+        self._clock: asyncio.Task | None = None
 
     def model_info(self) -> common_pb2.ModelInfo:
         """The ModelInfo it registers."""
@@ -102,58 +168,152 @@ class SimWorker(worker_pb2_grpc.WorkerServicer):
             kv_cache_bytes=used, kv_budget_bytes=budget, kv_free_bytes=max(0, budget - used), sessions=sessions,
             decode_profile=profile, prefill_seconds_per_token=1e-4, kv_layers=24)
 
+    def _tick(self) -> int:
+        """One engine iteration: a chunk for every unfinished stream (or its Complete, once it has
+        all its tokens or was cancelled), queued for its writer. Returns the streams still unfinished."""
+        now = time.monotonic()
+        running = 0
+        for s in list(self.streams.values()):
+            if s.finished:
+                continue
+            if s.subscribed and s.outbox.closed:  # its call is ending UNAVAILABLE
+                continue
+            if not s.cancelled and s.done < s.total:
+                n = min(self.tokens_per_chunk, s.total - s.done)
+                ids = [(s.done + i) % 30000 for i in range(n)]
+                s.done += n
+                if s.first_chunk_s is None:
+                    s.first_chunk_s = now - s.started
+                s.outbox.put(common_pb2.GenerateResponse(request_id=s.request_id, chunk=common_pb2.Chunk(
+                    text=" tok" * n, token_ids=ids)))
+            if s.cancelled or s.done >= s.total:
+                s.outbox.put(self._complete(s, now))
+                s.finished = True
+                s.wake.set()
+            else:
+                running += 1
+        return running
+
+    def _complete(self, s: _Stream, now: float) -> common_pb2.GenerateResponse:
+        """The Complete of `s` at `now` (monotonic seconds), with its measured stats."""
+        elapsed = now - s.started
+        generated = s.done - s.resumed
+        stats = common_pb2.GenerationStats(
+            prompt_tokens=PROMPT_TOKENS + s.resumed, generated_tokens=generated,
+            ttft_s=s.first_chunk_s if s.first_chunk_s is not None else elapsed,
+            tokens_per_s=generated / elapsed if elapsed > 0 else 0.0, total_s=elapsed, mode="plain")
+        self.served += 1
+        reason = common_pb2.FINISH_REASON_CANCELLED if s.cancelled else common_pb2.FINISH_REASON_LENGTH
+        return common_pb2.GenerateResponse(request_id=s.request_id, complete=common_pb2.Complete(
+            finish_reason=reason, stats=stats, worker_id=self.worker_id))
+
+    async def _run_clock(self) -> None:
+        """Ticks on schedule while a stream is unfinished (late ticks run at once, back to back,
+        yielding to the loop in between), then stops; `_start_clock` starts it again."""
+        k = math.floor((time.monotonic() - self._origin) / self.period) + 1  # the next tick on the grid
+        while True:
+            delay = self._origin + k * self.period - time.monotonic()
+            await asyncio.sleep(max(0.0, delay))
+            k += 1
+            if self._tick() == 0:
+                self._clock = None
+                return
+
+    def _start_clock(self) -> None:
+        if self._clock is None:
+            self._clock = asyncio.get_running_loop().create_task(self._run_clock())
+
+    async def close(self) -> None:
+        """Stops its clock (its server is stopped apart)."""
+        if self._clock is not None:
+            self._clock.cancel()
+            await asyncio.gather(self._clock, return_exceptions=True)
+            self._clock = None
+
     async def Generate(self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        """Streams chunks at the set rate, then a Complete (or CANCELLED after a Cancel)."""
+        """Streams chunks at the set rate, then a Complete (or CANCELLED after a Cancel); with
+        SUBSCRIPTION_HEADER, sends them on that subscription and carries no message itself."""
         if request.model != self.model:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"this worker serves {self.model!r}")
+        subscription_id = next((v for k, v in context.invocation_metadata() or () if k == SUBSCRIPTION_HEADER), None)
+        sub = None
+        if subscription_id is not None:
+            sub = self.subscriptions.get(subscription_id)
+            if sub is None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    f"subscription {subscription_id!r} is not open on this worker")
         if len(self.streams) >= self.capacity:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"{len(self.streams)} of {self.capacity} sessions running")
         if request.request_id in self.streams:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {request.request_id!r} is running")
         total = request.max_tokens if request.HasField("max_tokens") else DEFAULT_MAX_TOKENS
-        stream = self.streams[request.request_id] = _Stream(request.request_id, total, len(request.resume_token_ids))
-        started = time.monotonic()
-        period = self.tokens_per_chunk / self.tokens_per_s
-        resumed = stream.done
-        reason = common_pb2.FINISH_REASON_LENGTH
+        resumed = len(request.resume_token_ids)
+        stream = _Stream(request.request_id, total, resumed, resumed, sub if sub is not None else _Outbox(),
+                         subscribed=sub is not None)
+        self.streams[request.request_id] = stream
+        self._start_clock()
         try:
-            due = started
-            while stream.done < stream.total:
-                due += period
-                now = time.monotonic()
-                if due > now:  # no sleep when behind: catches up to the set rate
-                    await asyncio.sleep(due - now)
-                    chunks = 1
-                elif self.coalesce:  # every chunk due by now, as one message
-                    chunks = 1 + int((now - due) / period)
-                    due += (chunks - 1) * period
-                else:
-                    chunks = 1
-                if stream.cancelled.is_set():
-                    reason = common_pb2.FINISH_REASON_CANCELLED
-                    break
-                n = min(chunks * self.tokens_per_chunk, stream.total - stream.done)
-                ids = [(stream.done + i) % 30000 for i in range(n)]
-                stream.done += n
-                yield common_pb2.GenerateResponse(request_id=request.request_id, chunk=common_pb2.Chunk(
-                    text=" tok" * n, token_ids=ids))
-            elapsed = time.monotonic() - started
-            generated = stream.done - resumed
-            stats = common_pb2.GenerationStats(
-                prompt_tokens=PROMPT_TOKENS + resumed, generated_tokens=generated, ttft_s=period,
-                tokens_per_s=generated / elapsed if elapsed > 0 else 0.0, total_s=elapsed, mode="plain")
-            self.served += 1
-            yield common_pb2.GenerateResponse(request_id=request.request_id, complete=common_pb2.Complete(
-                finish_reason=reason, stats=stats, worker_id=self.worker_id))
+            if sub is not None:
+                while not stream.finished:
+                    if sub.closed:
+                        await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                            f"subscription {subscription_id!r} closed while the request ran")
+                    stream.wake.clear()
+                    await stream.wake.wait()
+                return
+            outbox = stream.outbox
+            while True:
+                if not outbox.pending:
+                    await outbox.wake.wait()
+                responses = outbox.take()
+                for r in _merge_chunks(responses) if self.coalesce else responses:
+                    yield r
+                if stream.finished and not outbox.pending:
+                    return
         finally:
             self.streams.pop(request.request_id, None)
 
+    async def Subscribe(self, request: worker_pb2.SubscribeRequest, context: grpc.aio.ServicerContext):
+        """An empty batch (the subscription is open), then every response of the Generate calls
+        naming it, each batch what queued while the previous one was written (module docstring).
+        Replaces a subscription of the same id, whose stream and calls end UNAVAILABLE."""
+        if not request.subscription_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "subscription_id is required")
+        old = self.subscriptions.get(request.subscription_id)
+        if old is not None:
+            self._close(old)
+        sub = self.subscriptions[request.subscription_id] = _Outbox()
+        try:
+            yield worker_pb2.ResponseBatch()
+            while True:
+                if not sub.pending:
+                    await sub.wake.wait()
+                if sub.closed:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                        f"another Subscribe took subscription {request.subscription_id!r}")
+                responses = sub.take()
+                yield worker_pb2.ResponseBatch(responses=_merge_chunks(responses) if self.coalesce else responses)
+        finally:
+            if self.subscriptions.get(request.subscription_id) is sub:
+                del self.subscriptions[request.subscription_id]
+            self._close(sub)
+
+    def _close(self, sub: _Outbox) -> None:
+        """Marks `sub` closed and wakes it and the calls that named it (they end UNAVAILABLE)."""
+        if sub.closed:
+            return
+        sub.closed = True
+        sub.wake.set()
+        for s in self.streams.values():
+            if s.outbox is sub:
+                s.wake.set()
+
     async def Cancel(self, request: worker_pb2.CancelRequest, context) -> worker_pb2.CancelResponse:
-        """Ends a running stream with FINISH_REASON_CANCELLED at its next chunk."""
+        """Ends a running stream with FINISH_REASON_CANCELLED at the next tick."""
         stream = self.streams.get(request.request_id)
         if stream is not None:
-            stream.cancelled.set()
+            stream.cancelled = True
         return worker_pb2.CancelResponse(cancelled=stream is not None)
 
     async def GetLoad(self, request, context) -> worker_pb2.WorkerLoad:
@@ -187,7 +347,7 @@ class SimFleet:
     lease_losses: list[float] = field(default_factory=list)
 
     async def stop(self) -> None:
-        """Stops heartbeats, deregisters every worker (best effort) and stops the servers."""
+        """Stops heartbeats, deregisters every worker (best effort) and stops the servers and the workers' clocks."""
         for t in self.tasks:
             t.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
@@ -195,6 +355,7 @@ class SimFleet:
         await asyncio.gather(*(stub.Deregister(worker_pb2.DeregisterRequest(worker_id=w, lease_id=lease), timeout=5)
                                for w, lease in self.leases.items()), return_exceptions=True)
         await asyncio.gather(*(s.stop(0) for s in self.servers))
+        await asyncio.gather(*(w.close() for w in self.workers))
         await self.channel.close()
 
 

@@ -3,6 +3,7 @@ checking and reflection), its OpenAI-compatible HTTP API and its Prometheus endp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import socket
@@ -133,6 +134,12 @@ async def start_coordinator(config: CoordinatorConfig,
         except KeyError:
             pass
         affinity.forget_worker(rec.worker_id)
+        with contextlib.suppress(RuntimeError):  # after the registry's own call, not inside it
+            asyncio.get_running_loop().call_soon(unsubscribe_if_gone, rec.address)
+
+    def unsubscribe_if_gone(address: str):
+        if not any(w.address == address for w in registry.live()):  # no worker took its address since
+            pool.unsubscribe(address)
 
     coordinator_id = f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
     if config.state == "etcd":

@@ -28,6 +28,7 @@ from coordinator.registry import UnknownLease, WorkerIdInUse
 from coordinator.routing import PowerOfTwoRouter
 from coordinator.state import FleetState, NotLive
 from coordinator.stream import Fleet, GenerateFailed, MoveRequest, ProxiedStream, TimeRemaining
+from coordinator.subscription import WorkerSubscription
 from flashfleet.auth import join_token_metadata, with_metadata
 from flashfleet.errors import FlashfleetError, short_details
 from flashfleet.requests import COORDINATOR_VERDICT_HEADER, validate_request
@@ -42,7 +43,9 @@ RESUME_WAIT_S = 2.0  # a resumed request waits this long for the same request id
 
 
 class WorkerPool:
-    """One gRPC channel per worker address, opened lazily and closed when the worker leaves.
+    """One gRPC channel per worker address, opened lazily and closed when the worker leaves, and
+    on it one Subscribe stream (coordinator/subscription.py) that carries the responses of the
+    Generate calls opened with `generate`.
 
     Args:
         tls: flashfleet.config.TLSConfig for mutual TLS to workers, or None for plaintext.
@@ -54,6 +57,7 @@ class WorkerPool:
         self._tls = tls
         self._metadata = join_token_metadata(join_token)
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._subscriptions: dict[str, WorkerSubscription] = {}
 
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         """A Worker stub on the channel to `address` ("host:port"), opening the channel on first use."""
@@ -61,8 +65,35 @@ class WorkerPool:
             self._channels[address] = aio_channel(address, self._tls, WORKER_CHANNEL_OPTIONS)
         return with_metadata(worker_pb2_grpc.WorkerStub(self._channels[address]), self._metadata)
 
+    def subscribe(self, address: str) -> WorkerSubscription:
+        """The subscription to the worker at `address`, opened (with its channel) on first use."""
+        sub = self._subscriptions.get(address)
+        if sub is None:
+            sub = self._subscriptions[address] = WorkerSubscription(self.stub(address), address)
+        return sub
+
+    def generate(self, address: str, request: common_pb2.GenerateRequest, *, timeout: float | None, metadata=()):
+        """Opens Generate on the worker at `address`: on its subscription while that is open
+        (a `SubscribedCall`), else a plain call (the subscription opens meanwhile; a worker
+        without Subscribe always gets these). Either reads and cancels as a grpc.aio call."""
+        sub = self.subscribe(address)
+        if sub.live:
+            return sub.generate(request, timeout=timeout, metadata=metadata)
+        return self.stub(address).Generate(request, timeout=timeout, metadata=metadata)
+
+    def unsubscribe(self, address: str) -> None:
+        """Retires the subscription to `address` (its worker left the registry): the stream open
+        now goes on serving its calls, none is opened after it (`WorkerSubscription.retire`)."""
+        sub = self._subscriptions.pop(address, None)
+        if sub is not None:
+            sub.retire()
+
     async def drop(self, address: str) -> None:
-        """Closes the channel to `address` (cancelling its open calls); a no-op when none is open."""
+        """Closes the subscription and the channel to `address` (cancelling its open calls); a
+        no-op when none is open."""
+        sub = self._subscriptions.pop(address, None)
+        if sub is not None:
+            await sub.close()
         channel = self._channels.pop(address, None)
         if channel is not None:
             await channel.close()
@@ -398,6 +429,7 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, short_details(f"fleet state unavailable: {e}"))
         log.info("worker %s registered at %s serving %s", rec.worker_id, rec.address,
                  sorted(rec.model_names))
+        self.pool.subscribe(rec.address)  # open before its first request
         if self.admission:
             self.admission.notify()
         return worker_pb2.RegisterResponse(lease_id=rec.lease_id,

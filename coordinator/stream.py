@@ -696,7 +696,7 @@ class ProxiedStream:
                 # token see the worker as busy (heartbeat loads lag by seconds).
                 with fleet.slot(worker) as slot:
                     try:
-                        call = fleet.pool.stub(worker.address).Generate(request, timeout=self.time_remaining())
+                        call = fleet.pool.generate(worker.address, request, timeout=self.time_remaining())
                     except Exception as e:  # the channel could not be made (an address or TLS setting grpc refuses)
                         worker.unreachable = True
                         last_failure = WorkerFailed(worker, grpc.aio.AioRpcError(
@@ -844,8 +844,8 @@ class ProxiedStream:
         returns (slot, call, first). Every failure gives the slot back and cancels the call before
         it propagates."""
         with self.fleet.slot(dest) as slot:  # reserved now, so no other stream takes the idle worker meanwhile
-            call = self.fleet.pool.stub(dest.address).Generate(request, timeout=self.time_remaining(),
-                                                               metadata=metadata)
+            call = self.fleet.pool.generate(dest.address, request, timeout=self.time_remaining(),
+                                            metadata=metadata or ())
             try:
                 first = await call.read()
                 if first is grpc.aio.EOF:

@@ -26,6 +26,8 @@ WORKER_DEFAULT_MAX_TOKENS = 256
 # ask a worker to re-attach to the session it kept, and to refuse (NOT_FOUND) rather than start
 # it afresh when it keeps none (worker/servicer.py).
 RESUME_ONLY_HEADER = "x-flashfleet-resume-only"
+# Generate metadata naming the worker's Subscribe stream that carries the call's responses.
+SUBSCRIPTION_HEADER = "x-flashfleet-subscription"
 # Trailing metadata of every error status a coordinator's Generate ends with: its verdict on the
 # request. A stream that breaks UNAVAILABLE without it lost its coordinator (the SDK resumes it).
 COORDINATOR_VERDICT_HEADER = "x-flashfleet-verdict"

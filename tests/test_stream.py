@@ -23,6 +23,9 @@ class _BrokenPool:
     def stub(self, address):
         raise ValueError(f"cannot open a channel to {address!r}")
 
+    def generate(self, address, request, *, timeout, metadata=()):
+        return self.stub(address).Generate(request, timeout=timeout, metadata=metadata)
+
     async def drop(self, address):
         pass
 
@@ -110,6 +113,9 @@ class _Pool:
         self.cancels: list[tuple[str, str]] = []
         self.answer_first = set(answer_first)
         self.gone: set[str] = set()
+
+    def generate(self, address, request, *, timeout, metadata=()):
+        return self.stub(address).Generate(request, timeout=timeout, metadata=metadata)
 
     def stub(self, address):
         pool = self

@@ -7,6 +7,9 @@ session's events of an engine iteration, not one per session). Everything a requ
 depends on (was it aborted, moved, who reads it) lives in its `_Session` and is read and written
 on the loop alone. A call writes what queued while its previous message was being sent as one
 message (`_coalesce`): fewer messages per token for the coordinator to relay, none held back.
+A coordinator opens one Subscribe stream per worker (`_Subscription`) and names it on its Generate
+calls: their responses then cross on it, an engine iteration's chunks for all of that
+coordinator's sessions as one message, and each call carries only its status.
 
 A request is a `_Session` from submit to its end: the responses the engine's events became, and
 the Generate call reading them (at most one). A call that ends before the session does:
@@ -36,7 +39,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from flashfleet.errors import FlashfleetError, short_details
-from flashfleet.requests import RESUME_ONLY_HEADER, WORKER_DEFAULT_MAX_TOKENS, validate_request
+from flashfleet.requests import (RESUME_ONLY_HEADER, SUBSCRIPTION_HEADER, WORKER_DEFAULT_MAX_TOKENS,
+                                 validate_request)
 from flashfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from worker import convert, kv_pull, kv_wire
 from worker.engine.types import (CorruptState, DoneEvent, Draining, EngineProtocol, ErrorEvent, InvalidRequest,
@@ -52,6 +56,9 @@ ABORTED_WAIT_S = 10.0
 # resume it (through another coordinator), seconds.
 ORPHAN_GRACE_S = 30.0
 MAX_COALESCED = 256  # queued chunks one message carries at most (its size stays far under gRPC's limit)
+# What one ResponseBatch carries at most (serialized bytes; a response larger than this goes
+# alone): under gRPC's 4 MiB message limit however many sessions' chunks queued.
+MAX_BATCH_BYTES = 1 << 20
 
 ENGINE_ERROR_CODES = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
@@ -107,7 +114,54 @@ class _Handoff:
             self._deliver(session, event)
 
 
-@dataclass
+class _Subscription:
+    """A Subscribe stream (worker.proto): the responses of the Generate calls that name it, sent
+    in batches. `send` queues a response (on the loop, never waiting); `batches` yields an empty
+    batch first (the subscription is open), then everything queued while the previous batch was
+    being written, as one ResponseBatch of at most MAX_BATCH_BYTES.
+
+    Attributes:
+        closed: the stream ended (or another took its id): calls naming it end UNAVAILABLE.
+        readers: the sessions whose responses go here (woken when it closes).
+    """
+
+    def __init__(self, subscription_id: str):
+        self.subscription_id = subscription_id
+        self.closed = False
+        self.readers: set[_Session] = set()
+        self._queued: list[common_pb2.GenerateResponse] = []
+        self._sizes: list[int] = []
+        self._ready = asyncio.Event()
+
+    def send(self, response: common_pb2.GenerateResponse) -> None:
+        """Queues `response` (its request_id set) for the next batch."""
+        self._queued.append(response)
+        self._sizes.append(response.ByteSize())
+        self._ready.set()
+
+    def close(self) -> None:
+        """Marks it closed and wakes the sessions that send to it."""
+        self.closed = True
+        for session in list(self.readers):
+            session.changed.set()
+
+    async def batches(self):
+        """The stream's messages: an empty ResponseBatch, then the queued responses in order."""
+        yield worker_pb2.ResponseBatch()
+        while True:
+            if not self._queued:
+                self._ready.clear()
+                await self._ready.wait()
+            n, size = 0, 0
+            while n < len(self._queued) and (n == 0 or size + self._sizes[n] <= MAX_BATCH_BYTES):
+                size += self._sizes[n]
+                n += 1
+            batch = worker_pb2.ResponseBatch(responses=self._queued[:n])
+            del self._queued[:n], self._sizes[:n]
+            yield batch
+
+
+@dataclass(eq=False)
 class _Session:
     """One Generate request on this worker, from submit to its end (module docstring). Loop only.
 
@@ -237,6 +291,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._sessions: dict[str, _Session] = {}  # request id -> its session, until it ended and nobody reads it
         self._gone: str | None = None  # set by fail_streams: why no request can be served
         self._handoff: _Handoff | None = None  # made on the loop by the first Generate
+        self._subscriptions: dict[str, _Subscription] = {}  # id -> open Subscribe stream
 
     def stop_keeping(self) -> None:
         """From now on a call that ends early aborts its session (the worker is stopping: no
@@ -307,6 +362,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             request.request_id = uuid.uuid4().hex
         if self._gone is not None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, self._gone)
+        metadata = dict(context.invocation_metadata() or ())
+        sub = None
+        if SUBSCRIPTION_HEADER in metadata:
+            sub = self._subscriptions.get(metadata[SUBSCRIPTION_HEADER])
+            if sub is None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id} has no open subscription "
+                                    f"{metadata[SUBSCRIPTION_HEADER]!r}: subscribe again")
         session = self._sessions.get(request.request_id)
         start = session.resume_index(request) if session is not None else None
         shift = 0
@@ -314,14 +376,36 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             shift = len(request.resume_token_ids) - len(session.request.resume_token_ids)
             log.info("request %s resumed after %d tokens (its upstream had gone)", request.request_id,
                      len(request.resume_token_ids))
-        elif any(k == RESUME_ONLY_HEADER for k, _ in context.invocation_metadata() or ()):
+        elif RESUME_ONLY_HEADER in metadata:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"worker {self.worker_id} keeps no session of "
                                 f"request {request.request_id!r} to resume")
         else:
             session = await self._submit(request, context, model)
             start = 0
-        async for response in self._read(session, start, shift, context):
+        async for response in self._read(session, start, shift, context, sub):
             yield response
+
+    async def Subscribe(self, request, context):
+        """Sends the responses of every Generate call naming `request.subscription_id` in
+        batches (worker.proto); runs until the subscriber leaves. A call whose subscription
+        closes ends UNAVAILABLE and its session is kept for a resume, as after a lost upstream.
+
+        Aborts the call with INVALID_ARGUMENT when the id is empty."""
+        sid = request.subscription_id
+        if not sid:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Subscribe needs a subscription_id (any string "
+                                "unique to the subscriber)")
+        old = self._subscriptions.get(sid)
+        if old is not None:
+            old.close()
+        sub = self._subscriptions[sid] = _Subscription(sid)
+        try:
+            async for batch in sub.batches():
+                yield batch
+        finally:
+            sub.close()
+            if self._subscriptions.get(sid) is sub:
+                del self._subscriptions[sid]
 
     async def _submit(self, request, context, model) -> _Session:
         """Submits a new request (after any running session with its id has ended) and returns
@@ -416,9 +500,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if self._sessions.get(session.request.request_id) is session:
             del self._sessions[session.request.request_id]
 
-    async def _read(self, session: _Session, start: int, shift: int, context):
-        """Streams `session.responses[start:]` as they come, then its end; when the call ends
-        first, aborts the session or keeps it for a resume (module docstring)."""
+    async def _read(self, session: _Session, start: int, shift: int, context, sub: _Subscription | None = None):
+        """Streams `session.responses[start:]` as they come, then its end (on `sub` when given:
+        the call then yields nothing); when the call ends first, or `sub` closes, aborts the
+        session or keeps it for a resume (module docstring)."""
         if session.attached:  # another call still reads it (its upstream's loss not yet seen here)
             log.info("request %s: a resuming call takes the session over", session.request.request_id)
         self._drop_orphan(session)
@@ -426,20 +511,30 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         me = session.reader
         session.attached = True
         session.changed.set()  # wakes the reader it replaces
+        if sub is not None:
+            sub.readers.add(session)
         i, finished = start, False
         try:
             while True:
                 if session.reader != me:
                     finished = True
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "another call resumed this request")
+                if sub is not None and sub.closed:  # its upstream is gone: kept for a resume below
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"subscription {sub.subscription_id!r} closed")
                 while i < len(session.responses):
                     response = session.responses[i]
                     if response.WhichOneof("kind") == "complete":
                         finished = True
-                        yield _shift_stats(response, shift)
+                        if sub is None:
+                            yield _shift_stats(response, shift)
+                        else:
+                            sub.send(_shift_stats(response, shift))
                         return
                     response, i = _coalesce(session.responses, i)
-                    yield response
+                    if sub is None:
+                        yield response
+                    else:
+                        sub.send(response)
                 if session.end == _MOVED:
                     # A final message or status raced with the coordinator's cancel of the call
                     # (grpc logs an ExecuteBatchError then); wait for that cancel instead.
@@ -452,6 +547,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 session.changed.clear()
                 await session.changed.wait()
         finally:
+            if sub is not None:
+                sub.readers.discard(session)
             if session.reader == me:
                 session.attached = False
                 if finished:

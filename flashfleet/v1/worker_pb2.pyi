@@ -7,6 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SubscribeRequest(_message.Message):
+    __slots__ = ("subscription_id",)
+    SUBSCRIPTION_ID_FIELD_NUMBER: _ClassVar[int]
+    subscription_id: str
+    def __init__(self, subscription_id: _Optional[str] = ...) -> None: ...
+
+class ResponseBatch(_message.Message):
+    __slots__ = ("responses",)
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[_common_pb2.GenerateResponse]
+    def __init__(self, responses: _Optional[_Iterable[_Union[_common_pb2.GenerateResponse, _Mapping]]] = ...) -> None: ...
+
 class ExportSessionRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -203,6 +203,11 @@ class WorkerStub:
                 request_serializer=flashfleet_dot_v1_dot_common__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=flashfleet_dot_v1_dot_common__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Subscribe = channel.unary_stream(
+                '/flashfleet.v1.Worker/Subscribe',
+                request_serializer=flashfleet_dot_v1_dot_worker__pb2.SubscribeRequest.SerializeToString,
+                response_deserializer=flashfleet_dot_v1_dot_worker__pb2.ResponseBatch.FromString,
+                _registered_method=True)
         self.Cancel = channel.unary_unary(
                 '/flashfleet.v1.Worker/Cancel',
                 request_serializer=flashfleet_dot_v1_dot_worker__pb2.CancelRequest.SerializeToString,
@@ -230,7 +235,22 @@ class WorkerServicer:
     """
 
     def Generate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """A call with metadata "x-flashfleet-subscription: <id>" of a live Subscribe stream sends its
+        chunks and its Complete there, not on the call: the call carries no message and ends with
+        the request's status (OK once its Complete is on the subscription). UNAVAILABLE when that
+        subscription is not open (or closes while the call runs).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Subscribe(self, request, context):
+        """Every chunk and Complete of the Generate calls that name `subscription_id`, in batches: a
+        coordinator opens one per worker, so an engine iteration's tokens for all of its sessions
+        cross as one message, not one per session. The first batch is empty and says the
+        subscription is open. INVALID_ARGUMENT without an id; an id in use replaces that
+        subscription (the calls that named it end UNAVAILABLE).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -283,6 +303,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     request_deserializer=flashfleet_dot_v1_dot_common__pb2.GenerateRequest.FromString,
                     response_serializer=flashfleet_dot_v1_dot_common__pb2.GenerateResponse.SerializeToString,
             ),
+            'Subscribe': grpc.unary_stream_rpc_method_handler(
+                    servicer.Subscribe,
+                    request_deserializer=flashfleet_dot_v1_dot_worker__pb2.SubscribeRequest.FromString,
+                    response_serializer=flashfleet_dot_v1_dot_worker__pb2.ResponseBatch.SerializeToString,
+            ),
             'Cancel': grpc.unary_unary_rpc_method_handler(
                     servicer.Cancel,
                     request_deserializer=flashfleet_dot_v1_dot_worker__pb2.CancelRequest.FromString,
@@ -332,6 +357,33 @@ class Worker:
             '/flashfleet.v1.Worker/Generate',
             flashfleet_dot_v1_dot_common__pb2.GenerateRequest.SerializeToString,
             flashfleet_dot_v1_dot_common__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Subscribe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/flashfleet.v1.Worker/Subscribe',
+            flashfleet_dot_v1_dot_worker__pb2.SubscribeRequest.SerializeToString,
+            flashfleet_dot_v1_dot_worker__pb2.ResponseBatch.FromString,
             options,
             channel_credentials,
             insecure,
