@@ -89,6 +89,9 @@ def test_the_calls_naming_a_subscription_send_their_responses_on_it(worker):
         for t in threads:
             t.join(30)
         assert results == {"a": [], "b": []}  # the calls carry no message and end OK
+        # (a call can end before its Complete's batch is read: two streams)
+        assert wait_until(lambda: all(sub.responses(rid) and sub.responses(rid)[-1].HasField("complete")
+                                      for rid in ("a", "b")))
         for rid in ("a", "b"):
             responses = sub.responses(rid)
             assert [t for r in responses[:-1] for t in r.chunk.token_ids] == _expected(40)
@@ -148,6 +151,7 @@ def test_the_coordinator_relays_through_the_subscription_with_identical_tokens()
         pool = c.coordinator.servicer.pool
         address = c.workers[0].advertise_address
         assert wait_until(lambda: address in pool._subscriptions and pool._subscriptions[address].live)
+        assert c.coordinator_registry.get_sample_value("flashfleet_coordinator_worker_subscriptions") == 1.0
         opened = []
         real = WorkerSubscription.generate
 
