@@ -273,6 +273,15 @@ def test_a_subscribed_call_reads_its_complete_even_after_its_call_ended(monkeypa
         call.deliver(_chunk(3))  # late responses of an ended call are dropped
         with pytest.raises(grpc.aio.AioRpcError):
             await call.read()
+        # chunks that queued while the reader was busy come as one; the Complete stays apart
+        raw = _FakeCall()
+        call = SubscribedCall(_FakeSubscription(), "r", raw)
+        for i in (4, 5, 6):
+            call.deliver(_chunk(i))
+        call.deliver(common_pb2.GenerateResponse(request_id="r", complete=common_pb2.Complete()))
+        merged = await call.read()
+        assert list(merged.chunk.token_ids) == [4, 5, 6] and merged.request_id == "r"
+        assert (await call.read()).WhichOneof("kind") == "complete" and await call.read() is grpc.aio.EOF
         # cancel: the call is cancelled and a read raises CancelledError
         raw = _FakeCall()
         call = SubscribedCall(_FakeSubscription(), "r", raw)
