@@ -52,6 +52,10 @@ class CoordinatorMetrics:
             "measured on itself (coordinator/overload.py); above 0.5 s new requests wait.", registry=registry)
         self.workers = Gauge(
             "flashfleet_coordinator_workers", "Workers with a live lease.", registry=registry)
+        self.subscriptions = Gauge(
+            "flashfleet_coordinator_worker_subscriptions", "Workers whose tokens reach this coordinator "
+            "on an open subscription (docs/operations.md, 'How tokens cross'); the others' on each call.",
+            registry=registry)
         self.worker_up = Gauge(
             "flashfleet_coordinator_worker_up", "1 while the worker holds a live lease, 0 after "
             "its lease expired.", ["worker"], registry=registry)

@@ -72,6 +72,10 @@ class WorkerPool:
             sub = self._subscriptions[address] = WorkerSubscription(self.stub(address), address)
         return sub
 
+    def live_subscriptions(self) -> int:
+        """How many workers' subscriptions are open now."""
+        return sum(sub.live for sub in self._subscriptions.values())
+
     def generate(self, address: str, request: common_pb2.GenerateRequest, *, timeout: float | None, metadata=()):
         """Opens Generate on the worker at `address`: on its subscription while that is open
         (a `SubscribedCall`), else a plain call (the subscription opens meanwhile; a worker
@@ -124,6 +128,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if metrics:
             metrics.queued.set_function(lambda: self.admission.waiting)
             metrics.rpc_lag.set_function(lambda: self.fleet.rpc_lag.lag_s)
+            metrics.subscriptions.set_function(lambda: pool.live_subscriptions())
 
     @property
     def config(self) -> CoordinatorConfig:

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
 import uuid
 
 import grpc
 
+from flashfleet.coalesce import MAX_COALESCED, coalesce
 from flashfleet.requests import SUBSCRIPTION_HEADER
 from flashfleet.v1 import common_pb2, worker_pb2
 
@@ -73,7 +75,8 @@ class SubscribedCall:
 
     async def read(self):
         """The next response, or grpc.aio.EOF after the last; raises the call's AioRpcError (or
-        asyncio.CancelledError after `cancel`)."""
+        asyncio.CancelledError after `cancel`). Chunks that queued while the reader was busy
+        (writing to a slow client) come as one (`flashfleet.coalesce`)."""
         while not self._queue:
             end = self._end
             if end is grpc.aio.EOF:
@@ -85,7 +88,13 @@ class SubscribedCall:
                 await self._waiter
             finally:
                 self._waiter = None
-        return self._queue.popleft()
+        queue = self._queue
+        resp = queue.popleft()
+        if queue and resp.WhichOneof("kind") == "chunk":
+            resp, n = coalesce([resp, *itertools.islice(queue, MAX_COALESCED - 1)], 0)
+            for _ in range(n - 1):
+                queue.popleft()
+        return resp
 
     def cancel(self) -> bool:
         """Cancels the worker call (ending its session there) and drops what was not read."""

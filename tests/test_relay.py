@@ -1,5 +1,5 @@
 """Fewer messages per token, same tokens: the worker sends the chunks queued behind the one it
-sends as one message (worker/servicer.py `_coalesce`), and the coordinator's relay forwards
+sends as one message (worker/servicer.py `flashfleet.coalesce`), and the coordinator's relay forwards
 exactly the worker's tokens and text, counting them for resumes (coordinator/stream.py)."""
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import grpc
 import pytest
 
 from fakes import FakeEngine
+from flashfleet.coalesce import MAX_COALESCED, coalesce
 from flashfleet.v1 import common_pb2, coordinator_pb2_grpc, worker_pb2_grpc
 from harness import start_cluster
 from worker.engine.types import DoneEvent, GenerationStats, TokenEvent
-from worker.servicer import MAX_COALESCED, _coalesce
 
 PROMPT = "tell me"
 BASE = sum(ord(c) % 100 for c in PROMPT)  # FakeEngine's token i is (BASE + i) % 100, its text "<token>"
@@ -31,17 +31,17 @@ def test_coalesce_merges_only_the_queued_chunks_and_keeps_them():
     queued = [_chunk([], "", prompt_logprobs=3), _chunk([1], "a", 1), _chunk([2, 3], "bc", 2),
               _chunk([4], "d", 2), complete]  # the last chunk lists one more logprob: the EOS's
     before = [r.SerializeToString() for r in queued]
-    first, i = _coalesce(queued, 0)  # prompt log-probabilities go alone, first
+    first, i = coalesce(queued, 0)  # prompt log-probabilities go alone, first
     assert i == 1 and first is queued[0]
-    merged, i = _coalesce(queued, 1)  # then every chunk up to the Complete, as one
+    merged, i = coalesce(queued, 1)  # then every chunk up to the Complete, as one
     assert i == 4 and merged.request_id == "r"
     assert list(merged.chunk.token_ids) == [1, 2, 3, 4] and merged.chunk.text == "abcd"
     assert len(merged.chunk.logprobs) == 5 and not merged.chunk.prompt_logprobs
     assert [r.SerializeToString() for r in queued] == before  # a resume reads the chunks as they were
-    alone, i = _coalesce(queued, 3)  # nothing queued behind it: the chunk itself
+    alone, i = coalesce(queued, 3)  # nothing queued behind it: the chunk itself
     assert i == 4 and alone is queued[3]
     many = [_chunk([t], "x") for t in range(MAX_COALESCED + 5)]
-    capped, i = _coalesce(many, 0)
+    capped, i = coalesce(many, 0)
     assert i == MAX_COALESCED and list(capped.chunk.token_ids) == list(range(MAX_COALESCED))
 
 

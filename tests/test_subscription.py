@@ -89,6 +89,9 @@ def test_the_calls_naming_a_subscription_send_their_responses_on_it(worker):
         for t in threads:
             t.join(30)
         assert results == {"a": [], "b": []}  # the calls carry no message and end OK
+        # (a call can end before its Complete's batch is read: two streams)
+        assert wait_until(lambda: all(sub.responses(rid) and sub.responses(rid)[-1].HasField("complete")
+                                      for rid in ("a", "b")))
         for rid in ("a", "b"):
             responses = sub.responses(rid)
             assert [t for r in responses[:-1] for t in r.chunk.token_ids] == _expected(40)
@@ -148,6 +151,7 @@ def test_the_coordinator_relays_through_the_subscription_with_identical_tokens()
         pool = c.coordinator.servicer.pool
         address = c.workers[0].advertise_address
         assert wait_until(lambda: address in pool._subscriptions and pool._subscriptions[address].live)
+        assert c.coordinator_registry.get_sample_value("flashfleet_coordinator_worker_subscriptions") == 1.0
         opened = []
         real = WorkerSubscription.generate
 
@@ -269,6 +273,15 @@ def test_a_subscribed_call_reads_its_complete_even_after_its_call_ended(monkeypa
         call.deliver(_chunk(3))  # late responses of an ended call are dropped
         with pytest.raises(grpc.aio.AioRpcError):
             await call.read()
+        # chunks that queued while the reader was busy come as one; the Complete stays apart
+        raw = _FakeCall()
+        call = SubscribedCall(_FakeSubscription(), "r", raw)
+        for i in (4, 5, 6):
+            call.deliver(_chunk(i))
+        call.deliver(common_pb2.GenerateResponse(request_id="r", complete=common_pb2.Complete()))
+        merged = await call.read()
+        assert list(merged.chunk.token_ids) == [4, 5, 6] and merged.request_id == "r"
+        assert (await call.read()).WhichOneof("kind") == "complete" and await call.read() is grpc.aio.EOF
         # cancel: the call is cancelled and a read raises CancelledError
         raw = _FakeCall()
         call = SubscribedCall(_FakeSubscription(), "r", raw)

@@ -6,7 +6,7 @@ events wait in a list, and the loop is woken once per burst (one `call_soon_thre
 session's events of an engine iteration, not one per session). Everything a request's end
 depends on (was it aborted, moved, who reads it) lives in its `_Session` and is read and written
 on the loop alone. A call writes what queued while its previous message was being sent as one
-message (`_coalesce`): fewer messages per token for the coordinator to relay, none held back.
+message (`flashfleet.coalesce`): fewer messages per token for the coordinator to relay, none held back.
 A coordinator opens one Subscribe stream per worker (`_Subscription`) and names it on its Generate
 calls: their responses then cross on it, an engine iteration's chunks for all of that
 coordinator's sessions as one message, and each call carries only its status.
@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from flashfleet.coalesce import coalesce
 from flashfleet.errors import FlashfleetError, short_details
 from flashfleet.requests import (RESUME_ONLY_HEADER, SUBSCRIPTION_HEADER, WORKER_DEFAULT_MAX_TOKENS,
                                  validate_request)
@@ -55,7 +56,6 @@ ABORTED_WAIT_S = 10.0
 # How long a session whose upstream vanished without a Cancel keeps decoding for a client to
 # resume it (through another coordinator), seconds.
 ORPHAN_GRACE_S = 30.0
-MAX_COALESCED = 256  # queued chunks one message carries at most (its size stays far under gRPC's limit)
 # What one ResponseBatch carries at most (serialized bytes; a response larger than this goes
 # alone): under gRPC's 4 MiB message limit however many sessions' chunks queued.
 MAX_BATCH_BYTES = 1 << 20
@@ -229,31 +229,6 @@ def _same_request(a: common_pb2.GenerateRequest, b: common_pb2.GenerateRequest) 
     return x == y
 
 
-def _coalesce(responses: list, i: int) -> tuple[common_pb2.GenerateResponse, int]:
-    """The chunk `responses[i]` merged with the chunks queued right behind it, and the index after
-    the last one taken: one message for what the call has not yet sent (an engine iteration's
-    burst, or chunks that piled up while the call's reader was slower than the engine). Only
-    chunks already queued are merged, nothing waits for more, so no token comes later than it
-    would alone. A chunk of prompt log-probabilities stays a message of its own (the stream's
-    first, as the proto says); the merged message ends where a queued chunk ends, so a resume
-    point (`_Session.resume_index`) is one still. The queued responses are left as they are."""
-    first = responses[i]
-    j = i + 1
-    if not first.chunk.prompt_logprobs:
-        while (j < len(responses) and j - i < MAX_COALESCED and responses[j].WhichOneof("kind") == "chunk"
-               and not responses[j].chunk.prompt_logprobs):
-            j += 1
-    if j == i + 1:
-        return first, j
-    merged = common_pb2.GenerateResponse(request_id=first.request_id)
-    chunk = merged.chunk
-    chunk.text = "".join(r.chunk.text for r in responses[i:j])
-    for r in responses[i:j]:
-        chunk.token_ids.extend(r.chunk.token_ids)
-        chunk.logprobs.extend(r.chunk.logprobs)
-    return merged, j
-
-
 def _shift_stats(resp: common_pb2.GenerateResponse, tokens: int) -> common_pb2.GenerateResponse:
     """A Complete's copy whose stats read as if the session had been resumed `tokens` later
     (those tokens counted in the prompt, not the generated ones): what a reader that re-attached
@@ -324,7 +299,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
         """Tokenizes the request, submits it to the engine and streams its TokenEvents as Chunks
-        (those queued while the call was writing go out as one, `_coalesce`), then one Complete (finish reason, stats, this worker's id); or re-attaches to the session
+        (those queued while the call was writing go out as one, `coalesce`), then one Complete (finish reason, stats, this worker's id); or re-attaches to the session
         of the same request kept after its upstream vanished (module docstring), streaming what
         follows `resume_token_ids`.
 
@@ -530,7 +505,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         else:
                             sub.send(_shift_stats(response, shift))
                         return
-                    response, i = _coalesce(session.responses, i)
+                    response, i = coalesce(session.responses, i)
                     if sub is None:
                         yield response
                     else:
