@@ -451,6 +451,8 @@ def run_row(args, coordinators: int, workers: int, src: Path = ROOT, label: str 
         stream_cpu = _cpu_s(pids) - c0
         load_avg = os.getloadavg()[0]  # the host's 1-minute load average at the window's end
         expiries = sum(_scrape(port, "flashfleet_coordinator_lease_expiries_total") for port in metrics_ports)
+        # workers each coordinator gets tokens from on an open subscription (nan: a version without them)
+        subscribed = [_scrape(port, "flashfleet_coordinator_worker_subscriptions") for port in metrics_ports]
         counts = _collect(clients, args.timeout_s + 60)
         if spy is not None:
             spy.wait(60)
@@ -504,7 +506,7 @@ def run_row(args, coordinators: int, workers: int, src: Path = ROOT, label: str 
         "heartbeat_rtt_max_s": rtts[-1] if rtts else float("nan"), "leases_lost": len(beats["lease_losses"]),
         "heartbeat_sender_late_p99_s": _quantile(sender_late, 0.99),
         "rpc_lag_p50_s": _quantile(rpc_lags, 0.5), "rpc_lag_max_s": rpc_lags[-1] if rpc_lags else float("nan"),
-        "lease_expiries": expiries, "load_avg": load_avg, "plan": plan.describe(),
+        "lease_expiries": expiries, "subscribed": min(subscribed), "load_avg": load_avg, "plan": plan.describe(),
     }
 
 
@@ -537,22 +539,27 @@ def print_table(rows: list[dict], args) -> None:
         print(f"plan: {plan}")
     print()
     head = ("code", "coord", "workers", "streams", "held", "tokens/s", "rate kept", "msgs/s", "tok/msg", "req/s",
-            "CPU s/1k tok", "coord CPU", "admitted req/s", "heartbeats/s", "idle CPU", "RPC lag p50/max s",
+            "CPU s/1k tok", "coord CPU", "subscribed", "admitted req/s", "heartbeats/s", "idle CPU", "RPC lag p50/max s",
             "lease expiries", "heartbeat RTT p50/p99/max s", "sender late p99 s", "leases lost", "load avg",
             "errors")
     print("| " + " | ".join(head) + " |")
     print("|" + "---:|" * len(head))
     for r in rows:
         errs = r["errors"] + r["admit_errors"]
+        subscribed = "-" if math.isnan(r.get("subscribed", math.nan)) else f"{r['subscribed']:.0f}"
         print(f"| {r['code']} | {r['coordinators']} | {r['workers']} | {r['streams']} | {r['held']} | {r['tokens_per_s']:,.0f} | "
               f"{100 * r['rate_kept']:.0f} % | {r['messages_per_s']:,.0f} | {r['tokens_per_message']:.1f} | "
               f"{r['requests_per_s']:,.0f} | "
-              f"{r['cpu_s_per_1k_tokens']:.3f} | {100 * r['coordinator_cpu']:.0f} % | {r['admitted_per_s']:,.0f} | "
+              f"{r['cpu_s_per_1k_tokens']:.3f} | {100 * r['coordinator_cpu']:.0f} % | "
+              f"{subscribed} | "
+              f"{r['admitted_per_s']:,.0f} | "
               f"{r['heartbeats_per_s']:,.0f} | {100 * r['idle_cpu']:.1f} % | {r['rpc_lag_p50_s']:.3f} / "
               f"{r['rpc_lag_max_s']:.3f} | {r['lease_expiries']:.0f} | {r['heartbeat_rtt_p50_s']:.3f} / "
               f"{r['heartbeat_rtt_p99_s']:.3f} / {r['heartbeat_rtt_max_s']:.3f} | "
               f"{r['heartbeat_sender_late_p99_s']:.3f} | {r['leases_lost']} | {r['load_avg']:.1f} | {errs} |")
-    print("\ncoord CPU and idle CPU: per coordinator, 100 % = one core; idle: heartbeats only; RPC lag: the "
+    print("\ncoord CPU and idle CPU: per coordinator, 100 % = one core; idle: heartbeats only; subscribed: the "
+          "workers whose tokens reached the coordinator on a subscription at the window's end (the least over "
+          "coordinators; - : a coordinator without them); RPC lag: the "
           "coordinator's own measure of how late it answers an RPC (its rpc_lag_seconds gauge, sampled every 5 s "
           "in the stream window); load avg: the host's 1-minute load average at the stream window's end; lease expiries: counted by the coordinators; heartbeat RTT: send to answer, heartbeats sent in the stream window; sender late: how much later than due the "
           "simulated worker's own loop sent them; leases lost: heartbeats refused for an expired "
