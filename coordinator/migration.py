@@ -170,6 +170,23 @@ def _profile_table(worker: WorkerRecord) -> ProfileTable:
     return table
 
 
+def _remaining(request: common_pb2.GenerateRequest, session: worker_pb2.SessionLoad, sent_tokens: int) -> int:
+    """Tokens the session has left to generate: its worker's count, else the request's budget
+    less what the client got."""
+    budget = request.max_tokens if request.HasField("max_tokens") else WORKER_DEFAULT_MAX_TOKENS
+    return session.remaining_tokens or max(0, budget - sent_tokens)
+
+
+def _kv_need_now(worker: WorkerRecord, model: str) -> int:
+    """`MigrationPolicy.kv_need_bytes(worker, model)`, worked out once per load report (each of the
+    worker's streams asks it)."""
+    load, cached_model, need = worker.need_cache
+    if load is not worker.load or cached_model != model:
+        need = MigrationPolicy.kv_need_bytes(worker, model)
+        worker.need_cache = (worker.load, model, need)
+    return need
+
+
 class _Peers:
     """The workers of `workers` serving `model`, filtered as they are iterated: a prediction
     borrows the first peer profile it finds, so most never look past the first few."""
@@ -380,12 +397,14 @@ class MigrationPolicy:
             return Decision(dest, "drain") if dest is not None else None
         if not self.enabled or (moved_s is not None and now_s - moved_s < self.cooldown_s) or session is None:
             return None
+        budget = source.load.kv_budget_bytes
+        need = _kv_need_now(source, request.model) if budget > 0 else 0
+        if need <= budget and _remaining(request, session, sent_tokens) < self.min_remaining_tokens:
+            return None  # no memory move, and too little left for a speed or load move to pay
         cands = self.candidates(request, source, self._sample(workers, source), left_worker, left_s, now_s,
                                 self.max_candidates)
         if not cands:
             return None
-        budget = source.load.kv_budget_bytes
-        need = self.kv_need_bytes(source, request.model) if budget > 0 else 0
         if need > budget:  # the session whose leaving frees the most moves (a long row pads its whole batch)
             victim = max(source.load.sessions,
                          key=lambda s: (need - self.kv_need_bytes(source, request.model, without=s.request_id),
@@ -409,8 +428,7 @@ class MigrationPolicy:
     def _speed(self, request, source: WorkerRecord, session: worker_pb2.SessionLoad, sent_tokens: int,
                cands: Sequence[WorkerRecord], peers: Sequence[WorkerRecord], left_worker: str | None = None,
                left_gain: float = 0.0, left_timings: int | None = None) -> Decision | None:
-        budget = request.max_tokens if request.HasField("max_tokens") else WORKER_DEFAULT_MAX_TOKENS
-        remaining = session.remaining_tokens or max(0, budget - sent_tokens)
+        remaining = _remaining(request, session, sent_tokens)
         if remaining < self.min_remaining_tokens:
             return None
         speedup = session.speculative_speedup if session.speculative_speedup > 0 else 1.0

@@ -43,6 +43,7 @@ class WorkerRecord:
             and the migration policy moves its sessions away; kept across re-registration.
         profile_cache: (the load it was parsed from, its parsed decode profile), kept by the
             migration policy (coordinator/migration.py) so a profile is parsed once per heartbeat.
+        need_cache: (the load, the model, the KV bytes its sessions will need), likewise.
     """
 
     worker_id: str
@@ -57,6 +58,7 @@ class WorkerRecord:
     unreachable: bool = False
     draining: bool = False
     profile_cache: tuple = field(default=(None, None), repr=False, compare=False)
+    need_cache: tuple = field(default=(None, "", 0), repr=False, compare=False)
     on_change: Callable[["WorkerRecord"], None] | None = field(default=None, repr=False, compare=False)
 
     def changed(self) -> None:

@@ -42,14 +42,28 @@ def _message(method: str, error: Exception) -> str:
 class RejectUndecodable(grpc.aio.ServerInterceptor):
     """Turns a request that protobuf cannot parse into INVALID_ARGUMENT (unary-request methods)."""
 
+    def __init__(self):
+        self._wrapped: dict[str, tuple[object, object]] = {}  # method -> (its handler, the wrapped one)
+
     async def intercept_service(self, continuation, handler_call_details):
         """The method's handler with a lenient deserializer: a request that fails to parse
         reaches a wrapper that aborts the call with INVALID_ARGUMENT (naming the method and what
-        to fix). Streaming-request and synchronous handlers are returned unchanged."""
+        to fix). Streaming-request and synchronous handlers are returned unchanged. A method's
+        wrapper is made once (grpc hands the same handler for every call of a method)."""
         handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(handler, method)
+        if handler is not None:
+            self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+    @staticmethod
+    def _wrap(handler, method: str):
         if handler is None or handler.request_streaming or handler.request_deserializer is None:
             return handler
-        method = handler_call_details.method
         kind = "unary_stream" if handler.response_streaming else "unary_unary"
         inner = getattr(handler, kind)
         if not (inspect.isasyncgenfunction(inner) or inspect.iscoroutinefunction(inner)):
