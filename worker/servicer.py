@@ -303,6 +303,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         of the same request kept after its upstream vanished (module docstring), streaming what
         follows `resume_token_ids`.
 
+        With metadata `SUBSCRIPTION_HEADER` naming an open Subscribe stream, the responses go
+        there (`_Subscription`) and the call carries none: it ends OK once its Complete is queued
+        there, or with the request's error.
+
         Unset max_tokens becomes `WORKER_DEFAULT_MAX_TOKENS` capped by the context the prompt
         leaves (at least 1). A request reusing the id of a running session it cannot resume (one
         being aborted: a client retrying after its deadline) waits until the engine has ended
@@ -316,8 +320,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             RESOURCE_EXHAUSTED: the engine is at capacity (`Overloaded`).
             UNAVAILABLE: the engine is starting or shutting down (`Draining`), it ended the
                 request without being asked (it stopped), the worker is leaving the fleet
-                because its engine thread died (`fail_streams`), or another call resumed the
-                session this one read.
+                because its engine thread died (`fail_streams`), another call resumed the
+                session this one read, or the subscription the call names is not open or closed
+                while it ran (the session is then kept for a resume).
             INTERNAL: the request failed on the engine thread after admission (`ErrorEvent`).
         """
         model = self.engine.model
