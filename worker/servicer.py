@@ -130,13 +130,11 @@ class _Subscription:
         self.closed = False
         self.readers: set[_Session] = set()
         self._queued: list[common_pb2.GenerateResponse] = []
-        self._sizes: list[int] = []
         self._ready = asyncio.Event()
 
     def send(self, response: common_pb2.GenerateResponse) -> None:
         """Queues `response` (its request_id set) for the next batch."""
         self._queued.append(response)
-        self._sizes.append(response.ByteSize())
         self._ready.set()
 
     def close(self) -> None:
@@ -153,11 +151,13 @@ class _Subscription:
                 self._ready.clear()
                 await self._ready.wait()
             n, size = 0, 0
-            while n < len(self._queued) and (n == 0 or size + self._sizes[n] <= MAX_BATCH_BYTES):
-                size += self._sizes[n]
+            while n < len(self._queued):
+                size += self._queued[n].ByteSize()
+                if n and size > MAX_BATCH_BYTES:
+                    break
                 n += 1
             batch = worker_pb2.ResponseBatch(responses=self._queued[:n])
-            del self._queued[:n], self._sizes[:n]
+            del self._queued[:n]
             yield batch
 
 
