@@ -242,10 +242,15 @@ def _trainer(target, ds, **kw):
     return Trainer(target, draft, ds, cfg)
 
 
-def test_time_schedule_leaves_out_each_length_class_first_step():
+def test_time_schedule_leaves_out_each_length_class_first_step(monkeypatch):
     """A slow first step (traces, kernel compiles) counts against --max-minutes but must not use
     up the warmup: the LR schedule's progress runs on the time after it."""
-    import time as _time
+    import types
+
+    # A virtual clock: every step takes 0.02 s and a length class's first step 0.3 s more, however
+    # fast or loaded the machine running the test is.
+    clock = [0.0]
+    monkeypatch.setattr("worker.training.trainer.time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
 
     # 40 sequences: a warm class's step comes right before a cold one's first step, so the stall
     # must be charged to the cold step, not the step dispatched before it.
@@ -257,9 +262,10 @@ def test_time_schedule_leaves_out_each_length_class_first_step():
     def slow_first(*inputs):
         lrs.append(tr.opt.learning_rate.item())
         width = inputs[0].shape[1]
+        clock[0] += 0.02
         if width not in seen:  # the first step of a length class stalls
             seen.add(width)
-            _time.sleep(0.3)
+            clock[0] += 0.3
         return step_fn(*inputs)
 
     tr._step_fn = slow_first
@@ -270,7 +276,7 @@ def test_time_schedule_leaves_out_each_length_class_first_step():
     # After the first stall (0.3 s of a 1.2 s budget) a wall-clock schedule would be a quarter
     # through, half-way up the warmup; leaving the stall out keeps the LR near the warmup's start.
     assert lrs[2] < 0.2 * tr.cfg.lr, lrs[:4]  # step 2 runs after step 0 is retired
-    assert max(lrs) > 0.5 * tr.cfg.lr  # and the warmup still completes within the budget
+    assert max(lrs) > 0.9 * tr.cfg.lr, lrs  # and the warmup completes within the budget
 
 
 def test_training_reduces_loss():
