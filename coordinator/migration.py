@@ -538,8 +538,12 @@ class StreamProgress:
 
     def finish_stats(self, stats: common_pb2.GenerationStats) -> None:
         """Makes the last worker's final stats the request's: that worker's prompt counted the
-        resumed tokens and its generated count did not."""
+        resumed tokens and its generated count did not. Its cached and transferred positions
+        (a prefix of prompt + resumed tokens) keep their share of the request's prompt, so each
+        stays at most `prompt_tokens` as for a request that never moved."""
         if self.migrations or self.resumed_tokens:
             stats.prompt_tokens = max(0, stats.prompt_tokens - self.resumed_tokens)
             stats.generated_tokens += self.resumed_tokens
             stats.migrations = self.migrations
+            stats.cached_tokens = min(stats.cached_tokens, stats.prompt_tokens)
+            stats.transferred_tokens = min(stats.transferred_tokens, stats.prompt_tokens)

@@ -30,9 +30,16 @@ def test_progress_builds_the_resume_request_and_the_requests_stats():
     assert resumed.max_tokens == 50 and resumed.request_id == "r1" and not req.resume_token_ids
     prog.moved()
     prog.add(common_pb2.Chunk(text="!", token_ids=[5]))
-    stats = common_pb2.GenerationStats(prompt_tokens=7 + 4, generated_tokens=1)
-    prog.finish_stats(stats)  # the last worker prefilled 7 prompt + 4 resumed tokens, generated 1
+    # The last worker imported 10 of its 7 prompt + 4 resumed positions and prefilled 1; it
+    # generated 1 token.
+    stats = common_pb2.GenerationStats(prompt_tokens=7 + 4, generated_tokens=1, transferred_tokens=10,
+                                       cached_tokens=9)
+    prog.finish_stats(stats)
     assert (stats.prompt_tokens, stats.generated_tokens, stats.migrations) == (7, 5, 1)
+    assert (stats.transferred_tokens, stats.cached_tokens) == (7, 7)  # the prompt's share
+    few = common_pb2.GenerationStats(prompt_tokens=7 + 4, generated_tokens=1, cached_tokens=5)
+    prog.finish_stats(few)
+    assert few.cached_tokens == 5  # inside the prompt: as the worker counted it
     assert prog.moved_s == 10.0
 
 
