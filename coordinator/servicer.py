@@ -32,7 +32,7 @@ from coordinator.subscription import WorkerSubscription
 from flashfleet.auth import join_token_metadata, with_metadata
 from flashfleet.errors import FlashfleetError, short_details
 from flashfleet.requests import COORDINATOR_VERDICT_HEADER, validate_request
-from flashfleet.transport import WORKER_CHANNEL_OPTIONS, aio_channel
+from flashfleet.transport import WORKER_CHANNEL_OPTIONS, aio_channel, refuses_connections
 from flashfleet.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 __all__ = ["CoordinatorServicer", "GenerateFailed", "RegistryServicer", "WorkerPool"]
@@ -419,12 +419,19 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
         heartbeat interval (seconds).
 
         Aborts the call with INVALID_ARGUMENT when worker_id, address or the model list is empty,
-        with ALREADY_EXISTS when another live worker at another address holds the id (the
-        worker retries, so it joins once that one's lease ends), and with UNAVAILABLE when the
+        with ALREADY_EXISTS when another live worker at another address holds the id and still
+        accepts connections there (the worker retries, so it joins once that one's lease ends; a
+        holder whose port refuses connections died, and the id is taken over at once), and with
+        UNAVAILABLE when the
         shared fleet state (etcd) does not answer (the worker retries).
         """
         try:
-            rec = await self.state.register(request)
+            try:
+                rec = await self.state.register(request)
+            except WorkerIdInUse:
+                if not await self._holder_gone(request.worker_id):
+                    raise
+                rec = await self.state.register(request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, short_details(str(e)))
         except WorkerIdInUse as e:
@@ -441,6 +448,17 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
                                            lease_ttl_s=self.config.lease_ttl_s,
                                            heartbeat_interval_s=self.config.heartbeat_interval_s,
                                            shared_state=self.state.shared)
+
+    async def _holder_gone(self, worker_id: str) -> bool:
+        """True when nothing listens any more where the live record of `worker_id` says its
+        worker is (that worker died and one started again on another port, under a supervisor
+        that gives it a free one); the record is then marked unreachable, so the new worker takes
+        it over now instead of after the old lease runs out."""
+        rec = self.state.registry.get(worker_id)
+        if rec is None or not await refuses_connections(rec.address):
+            return False
+        rec.unreachable = True
+        return True
 
     async def Heartbeat(self, request, context):
         """Renews a worker's lease, records its load and clears its `unreachable` mark; tells a

@@ -6,6 +6,7 @@ worker, worker -> coordinator registry. Without it, everything is plaintext (a t
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Sequence
 
 import grpc
@@ -95,3 +96,19 @@ def aio_channel(address: str, tls=None,
     if tls is None:
         return grpc.aio.insecure_channel(address, options=list(options))
     return grpc.aio.secure_channel(address, tls.channel_credentials(), options=list(options))
+
+
+async def refuses_connections(address: str, timeout_s: float = 0.5) -> bool:
+    """Whether nothing listens at `address` ("host:port", "[v6]:port"): True only when a TCP
+    connect is refused (the host is up, no process has the port: a worker killed and started
+    again elsewhere); False when it connects, or when the host does not answer within
+    `timeout_s` seconds or cannot be resolved (it may be alive behind a partition)."""
+    host, _, port = address.rpartition(":")
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout_s)
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return False

@@ -978,3 +978,39 @@ def test_up_says_it_is_still_loading_while_its_workers_load(tiny_models, tmp_pat
         assert lines.index(still[0]) < next(i for i, line in enumerate(lines) if "workers ready" in line)
     finally:
         cluster.stop()
+
+
+def test_a_worker_started_again_on_another_port_takes_its_id_over_at_once():
+    """A supervisor that gives a restarted worker a free port (`flashfleet up`, launchd with
+    port 0): the old address refuses connections, so the id is free now, not after its lease."""
+    import socket
+
+    from flashfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+    c = start_cluster({}, lease_ttl_s=30.0)
+    alive = socket.create_server(("127.0.0.1", 0))  # where the first worker "listens"
+    first = f"127.0.0.1:{alive.getsockname()[1]}"
+    gone = socket.create_server(("127.0.0.1", 0))
+    second = f"127.0.0.1:{gone.getsockname()[1]}"
+    gone.close()
+
+    def register(address):
+        return stub.Register(worker_pb2.RegisterRequest(
+            worker_id="w", address=address, models=[common_pb2.ModelInfo(name="fake-model")],
+            load=worker_pb2.WorkerLoad(capacity=2)), timeout=5)
+
+    try:
+        with grpc.insecure_channel(c.address) as ch:
+            stub = worker_pb2_grpc.RegistryStub(ch)
+            register(first)
+            with pytest.raises(grpc.RpcError) as e:
+                register(second)  # the first still listens: a second worker given the same id
+            assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+            assert c.coordinator.registry.get("w").address == first
+            alive.close()  # the first worker died
+            register(second)
+            assert c.coordinator.registry.get("w").address == second
+            assert c.coordinator.metrics.lease_expiries._value.get() == 0
+    finally:
+        alive.close()
+        c.close()
