@@ -44,6 +44,15 @@ def channel_options(keepalive_time_ms: int = KEEPALIVE_TIME_MS,
             ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1])]
 
 
+# Calls a server may hold that its event loop has not taken yet. grpc's default starts refusing at
+# 1,000 (and refuses all at 3,000), and a refused call ends CANCELLED before the application sees
+# it: a coordinator whose loop falls behind under a burst of streams dropped some of them so. The
+# coordinator's own admission queue decides who waits and who is refused, with a status that says
+# why; calls in grpc's queue wait for the loop, at most until their deadline or 30 s
+# (grpc.server_max_unrequested_time_in_server) when grpc ends them.
+MAX_PENDING_CALLS = 20_000
+
+
 def server_options(min_ping_interval_ms: int = WORKER_KEEPALIVE_TIME_MS // 2) -> list[tuple[str, int]]:
     """Options of every flashfleet server.
 
@@ -53,14 +62,17 @@ def server_options(min_ping_interval_ms: int = WORKER_KEEPALIVE_TIME_MS // 2) ->
     with GOAWAY "too_many_pings", which killed a stream whose prompt took minutes to prefill
     (the channels ping every 30 s, the coordinator's to workers every 5 s): the server here
     accepts pings `min_ping_interval_ms` apart, below the channels' intervals, with or without
-    calls (gRPC keepalive guide, doc/keepalive.md).
+    calls (gRPC keepalive guide, doc/keepalive.md). Calls arriving faster than the event loop
+    takes them wait for it (`MAX_PENDING_CALLS`) instead of ending CANCELLED.
     """
     return [("grpc.so_reuseport", 0),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_recv_ping_interval_without_data_ms", min_ping_interval_ms),
             # grpc 1.85's server checks incoming pings against this one too (measured:
             # tests/test_transport.py fails with the option above alone)
-            ("grpc.http2.min_ping_interval_without_data_ms", min_ping_interval_ms)]
+            ("grpc.http2.min_ping_interval_without_data_ms", min_ping_interval_ms),
+            ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+            ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS)]
 
 
 CHANNEL_OPTIONS: list[tuple[str, int]] = channel_options()

@@ -137,3 +137,37 @@ def test_a_probe_that_cannot_connect_measures_nothing_and_is_no_overload(tmp_pat
 
     assert asyncio.run(probe_for(1.2)) is False  # every probe failed UNAVAILABLE: nothing measured
     assert lag.lag_s < MAX_RPC_LAG_S and not lag._rtts
+
+
+def test_calls_arriving_while_the_loop_is_busy_wait_for_it_instead_of_ending_cancelled():
+    """grpc holds calls the server's event loop has not taken yet; past 1,000 of them its default
+    ends some CANCELLED before the coordinator sees them. Here 2,000 arrive while the loop is
+    blocked: every one is answered once it runs again."""
+    import asyncio
+
+    import grpc
+
+    from flashfleet.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+    cluster = start_cluster({})
+    calls = 2000
+
+    async def burst() -> dict[str, int]:
+        async with grpc.aio.insecure_channel(cluster.address) as ch:
+            stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+            await stub.ListModels(coordinator_pb2.ListModelsRequest(), timeout=10)  # connected
+            cluster.loop.loop.call_soon_threadsafe(time.sleep, 4.0)  # the coordinator's loop is busy
+            await asyncio.sleep(0.2)
+            results = await asyncio.gather(
+                *(stub.ListModels(coordinator_pb2.ListModelsRequest(), timeout=60) for _ in range(calls)),
+                return_exceptions=True)
+        codes: dict[str, int] = {}
+        for r in results:
+            name = r.code().name if isinstance(r, grpc.aio.AioRpcError) else type(r).__name__
+            codes[name] = codes.get(name, 0) + 1
+        return codes
+
+    try:
+        assert asyncio.run(burst()) == {"ListModelsResponse": calls}
+    finally:
+        cluster.close()
