@@ -422,8 +422,7 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
         with ALREADY_EXISTS when another live worker at another address holds the id and still
         accepts connections there (the worker retries, so it joins once that one's lease ends; a
         holder whose port refuses connections died, and the id is taken over at once), and with
-        UNAVAILABLE when the
-        shared fleet state (etcd) does not answer (the worker retries).
+        UNAVAILABLE when the shared fleet state (etcd) does not answer (the worker retries).
         """
         try:
             try:

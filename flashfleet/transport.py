@@ -46,10 +46,10 @@ def channel_options(keepalive_time_ms: int = KEEPALIVE_TIME_MS,
 
 # Calls a server may hold that its event loop has not taken yet. grpc's default starts refusing at
 # 1,000 (and refuses all at 3,000), and a refused call ends CANCELLED before the application sees
-# it: a coordinator whose loop falls behind under a burst of streams dropped some of them so. The
-# coordinator's own admission queue decides who waits and who is refused, with a status that says
-# why; calls in grpc's queue wait for the loop, at most until their deadline or 30 s
-# (grpc.server_max_unrequested_time_in_server) when grpc ends them.
+# it, so a coordinator whose loop falls behind under a burst of streams would lose some of them
+# without a word. The coordinator's own admission queue decides who waits and who is refused,
+# with a status that says why; calls in grpc's queue wait for the loop, at most until their
+# deadline or 30 s (grpc.server_max_unrequested_time_in_server), when grpc ends them.
 MAX_PENDING_CALLS = 20_000
 
 
